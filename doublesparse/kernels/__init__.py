@@ -1,0 +1,1 @@
+"""Decode kernels (Triton) and their float32 PyTorch references."""

@@ -1,0 +1,158 @@
+"""Plain PyTorch references for every kernel, in float32, written for clarity rather than speed.
+
+They are the ground truth for the tests and the pure-PyTorch (CPU) path of the engine. Shapes follow
+the data layout of docs/design.md:
+
+    k_cache, v_cache : [S, Hkv, D]            bf16/fp16/fp32, S token slots (slot 0 = padding slot)
+    label_cache      : [S, Hkv, r]            bf16, or float8_e4m3fn holding k[channels] / label_scale
+    label_scale      : [1] float32            only meaningful for fp8 labels
+    channels         : [Hkv, r] int32         heavy channels of each KV head
+    req_to_token     : [max_reqs, max_ctx] int32   position -> slot
+    req_idx          : [B] int32              row of req_to_token for each batch entry
+    seq_lens         : [B] int32              tokens in the cache for each batch entry (>= 1)
+    q                : [B, Hq, D]             one new query per batch entry (already RoPE'd)
+
+Selection modes (``mode``):
+    "per_head"  : every query head ranks tokens with its own score and takes its own top-k.
+    "group_sum" : one top-k per KV head; score = sum over the G query heads of the group.
+                  Equals (sum_h q_h[heavy]) . label, so it costs one dot per token.
+    "group_max" : one top-k per KV head; score = max over the group's heads, so a token that
+                  matters a lot to one head is not outvoted by heads that ignore it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("per_head", "group_sum", "group_max")
+
+
+def _group(hq: int, hkv: int) -> int:
+    if hq % hkv != 0:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    return hq // hkv
+
+
+def store_ref(k_cache, v_cache, label_cache, label_scale, k, v, slots, channels):
+    """Write k, v ``[N, Hkv, D]`` into the pools at ``slots [N]`` and the K label (in place)."""
+    slots = slots.long()
+    k_cache[slots] = k.to(k_cache.dtype)
+    v_cache[slots] = v.to(v_cache.dtype)
+    if label_cache is not None:
+        lab = torch.gather(k.float(), 2, channels.long()[None].expand(k.shape[0], -1, -1))
+        if label_cache.dtype == torch.float8_e4m3fn:
+            lab = (lab / label_scale.float()).clamp(-448.0, 448.0)
+        label_cache[slots] = lab.to(label_cache.dtype)
+
+
+def gather_tokens(cache, req_to_token, req_idx, b: int, n: int):
+    """Rows ``[n, Hkv, X]`` of the first n positions of batch entry b, in float32."""
+    slots = req_to_token[req_idx[b].long(), :n].long()
+    return cache[slots].float()
+
+
+def dense_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale):
+    """Exact decode attention. Returns ``[B, Hq, D]`` float32."""
+    B, Hq, D = q.shape
+    G = _group(Hq, k_cache.shape[1])
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        n = int(seq_lens[b])
+        k = gather_tokens(k_cache, req_to_token, req_idx, b, n).repeat_interleave(G, dim=1)
+        v = gather_tokens(v_cache, req_to_token, req_idx, b, n).repeat_interleave(G, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[b].float(), k) * sm_scale
+        out[b] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+    return out
+
+
+def label_scores_ref(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, mode,
+                     sm_scale, max_len=None):
+    """Approximate scores ``sm_scale * q[heavy] . label`` for every cached token.
+
+    Returns ``[B, R, max_len]`` float32 with -inf past each seq_len; R = Hq for "per_head", else Hkv.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    B, Hq, D = q.shape
+    Hkv = label_cache.shape[1]
+    G = _group(Hq, Hkv)
+    max_len = int(seq_lens.max()) if max_len is None else max_len
+    R = Hq if mode == "per_head" else Hkv
+    out = torch.full((B, R, max_len), float("-inf"), dtype=torch.float32, device=q.device)
+    ch = channels.long().repeat_interleave(G, dim=0)                       # [Hq, r]
+    qh = torch.gather(q.float(), 2, ch[None].expand(B, -1, -1))            # [B, Hq, r]
+    scale = float(label_scale) if label_cache.dtype == torch.float8_e4m3fn else 1.0
+    for b in range(B):
+        n = int(seq_lens[b])
+        lab = gather_tokens(label_cache, req_to_token, req_idx, b, n) * scale  # [n, Hkv, r]
+        lab = lab.repeat_interleave(G, dim=1)                                # [n, Hq, r]
+        s = torch.einsum("hr,nhr->hn", qh[b], lab) * sm_scale                # [Hq, n]
+        if mode == "group_sum":
+            s = s.view(Hkv, G, n).sum(1)
+        elif mode == "group_max":
+            s = s.view(Hkv, G, n).amax(1)
+        out[b, :, :n] = s
+    return out
+
+
+def force_keep(scores, seq_lens, num_sink: int, num_recent: int, value: float = float("inf")):
+    """Raise the first ``num_sink`` and last ``num_recent`` positions so they are always selected."""
+    scores = scores.clone()
+    for b in range(scores.shape[0]):
+        n = int(seq_lens[b])
+        if num_sink:
+            scores[b, :, : min(num_sink, n)] = value
+        if num_recent:
+            scores[b, :, max(0, n - num_recent): n] = value
+    return scores
+
+
+def topk_ref(scores, k: int):
+    """Positions of the k largest scores per row: ``[B, R, k]`` int64 (order unspecified)."""
+    return torch.topk(scores, k, dim=-1).indices
+
+
+def sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, positions, sm_scale):
+    """Exact attention over selected positions only.
+
+    positions: ``[B, R, n]`` int; R = Hq (each query head its own set) or Hkv (shared by the group).
+    Returns ``[B, Hq, D]`` float32.
+    """
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = _group(Hq, Hkv)
+    R = positions.shape[1]
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        row = req_to_token[req_idx[b].long()].long()
+        for h in range(Hq):
+            kvh = h // G
+            pos = positions[b, h if R == Hq else kvh].long()
+            slots = row[pos]
+            k = k_cache[slots, kvh].float()
+            v = v_cache[slots, kvh].float()
+            p = (k @ q[b, h].float() * sm_scale).softmax(-1)
+            out[b, h] = p @ v
+    return out
+
+
+def is_sparse(seq_lens, heavy_token_num: int, threshold: int):
+    """Per request: decode sparsely iff seq_len > k and seq_len >= threshold. ``[B]`` bool."""
+    return (seq_lens > heavy_token_num) & (seq_lens >= threshold)
+
+
+def ds_decode_ref(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
+                  seq_lens, sm_scale, heavy_token_num: int, mode: str = "group_max",
+                  threshold: int = 0, num_sink: int = 0, num_recent: int = 0):
+    """The whole Double Sparsity decode: score, select top-k, attend; short requests decode densely."""
+    dense = dense_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale)
+    sparse_rows = is_sparse(seq_lens, heavy_token_num, threshold)
+    if not bool(sparse_rows.any()):
+        return dense
+    scores = label_scores_ref(q, label_cache, label_scale, channels, req_to_token, req_idx,
+                              seq_lens, mode, sm_scale)
+    scores = force_keep(scores, seq_lens, num_sink, num_recent)
+    k = min(heavy_token_num, scores.shape[-1])
+    pos = topk_ref(scores, k)
+    sparse = sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, pos, sm_scale)
+    return torch.where(sparse_rows[:, None, None], sparse, dense)

@@ -1,0 +1,68 @@
+"""Preallocated scratch buffers for decode, shared by every layer of a step.
+
+Allocated once (per engine, or per benchmark case) at the largest batch, context and top-k that
+will be used, so the kernels launch with static shapes and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+HIST_BINS = 256  # radix digit of the top-k select: 8 bits, two passes over fp16 score keys
+
+
+@dataclass
+class DecodeWorkspace:
+    """Scratch for split-K decode and for the Double Sparsity top-k.
+
+    max_batch, num_q_heads, num_kv_heads, head_dim: the largest decode batch and the model's heads.
+    max_ctx: the longest sequence (positions) the scores buffer must hold.
+    max_heavy_tokens: the largest top-k; 0 disables the Double Sparsity buffers.
+    max_splits: the most split-K partitions one (request, head) row is cut into.
+    """
+
+    max_batch: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_ctx: int
+    max_heavy_tokens: int = 0
+    device: torch.device | str = "cuda"
+    max_splits: int = 64
+    buffers: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        for name in ("max_batch", "num_q_heads", "num_kv_heads", "head_dim", "max_ctx", "max_splits"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"DecodeWorkspace.{name} must be positive, got {getattr(self, name)}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads={self.num_q_heads} not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.max_heavy_tokens < 0:
+            raise ValueError("max_heavy_tokens must be >= 0")
+        dev = torch.device(self.device)
+        B, Hq, D, S = self.max_batch, self.num_q_heads, self.head_dim, self.max_splits
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.buffers["part_o"] = torch.empty(B, Hq, S, D, **f32)
+        self.buffers["part_lse"] = torch.empty(B, Hq, S, **f32)
+        if self.max_heavy_tokens:
+            i32 = dict(dtype=torch.int32, device=dev)
+            # Rows: one per query head (per_head mode) or per KV head (group modes); size for the larger.
+            self.buffers["scores"] = torch.empty(B, Hq, self.max_ctx, dtype=torch.float16, device=dev)
+            # hist[0]: high byte of the score key, hist[1]: low byte within the chosen high byte.
+            # Kept at zero between steps: each pass's consumer clears what it has read.
+            self.buffers["hist"] = torch.zeros(2, B, Hq, HIST_BINS, **i32)
+            # Per row: [high digit, rank left after the high digit, count written (>), count written (==)]
+            self.buffers["rowinfo"] = torch.zeros(B, Hq, 4, **i32)
+            self.buffers["sel"] = torch.empty(B, Hq, self.max_heavy_tokens, **i32)
+
+    def __getattr__(self, name):
+        buffers = self.__dict__.get("buffers", {})
+        if name in buffers:
+            return buffers[name]
+        raise AttributeError(name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
