@@ -1,0 +1,198 @@
+"""Engine and scheduler configuration: frozen dataclasses plus one CLI flag set mirroring SGLang.
+
+Configs hold what the user asked for. Values that depend on the model or the machine (the number of
+heavy channels when left unset, pool sizes, the resolved device) are computed by methods/properties
+or live in runtime objects (:class:`doublesparse.engine.memory.MemoryPlan`); they are never
+written back into a config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+
+ATTENTION_BACKENDS = ("dense", "double_sparsity", "torch")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+CHANNEL_TYPES = ("q", "k", "qk")
+SELECTION_MODES = ("per_head", "group_sum", "group_max")
+LABEL_DTYPES = ("bf16", "fp8")
+CPU_DEFAULT_TOTAL_TOKENS = 65536  # no device memory to measure on CPU: a sane fixed pool
+
+
+def _check_choice(name, value, choices, allow_none=False):
+    if value is None and allow_none:
+        return
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_pos(name, value, allow_none=True, allow_zero=False):
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < (0 if allow_zero else 1):
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching policy (capacities such as free KV tokens come from the memory pool at run time).
+
+    max_running_requests: most requests holding KV at once (decode batch size bound).
+    chunked_prefill_size: most prompt tokens computed in one prefill forward (across requests).
+    """
+
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 4096
+
+    def __post_init__(self):
+        _check_pos("max_running_requests", self.max_running_requests, allow_none=False)
+        _check_pos("chunked_prefill_size", self.chunked_prefill_size, allow_none=False)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to build an :class:`~doublesparse.engine.engine.Engine`.
+
+    ``None`` means "derive": ``dtype`` from the checkpoint/device, ``device`` = cuda if available,
+    ``attention_backend`` from ``enable_double_sparsity``, ``ds_heavy_channel_num`` = head_dim // 4,
+    ``ds_heavy_token_num`` = max context // 16, ``max_total_tokens`` from ``mem_fraction_static``
+    (CUDA) or :data:`CPU_DEFAULT_TOTAL_TOKENS` (CPU), ``max_running_requests`` = 64.
+    """
+
+    model_path: str | None = None
+    load_format: str = "auto"
+    dtype: str | None = None
+    device: str | None = None
+    context_length: int | None = None
+    attention_backend: str | None = None
+    enable_double_sparsity: bool = False
+    ds_channel_config_path: str | None = None
+    ds_heavy_channel_num: int | None = None
+    ds_heavy_token_num: int | None = None
+    ds_heavy_channel_type: str = "qk"
+    ds_sparse_decode_threshold: int = 0
+    ds_selection_mode: str = "group_max"
+    ds_label_dtype: str = "bf16"
+    ds_num_sink: int = 0
+    ds_num_recent: int = 0
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.85
+    chunked_prefill_size: int = 4096
+    max_running_requests: int | None = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 32
+    seed: int = 0
+
+    def __post_init__(self):
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("dtype", self.dtype, DTYPES, allow_none=True)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS, allow_none=True)
+        _check_choice("ds_heavy_channel_type", self.ds_heavy_channel_type, CHANNEL_TYPES)
+        _check_choice("ds_selection_mode", self.ds_selection_mode, SELECTION_MODES)
+        _check_choice("ds_label_dtype", self.ds_label_dtype, LABEL_DTYPES)
+        for name in ("ds_heavy_channel_num", "ds_heavy_token_num", "max_total_tokens",
+                     "max_running_requests", "context_length"):
+            _check_pos(name, getattr(self, name))
+        for name in ("ds_sparse_decode_threshold", "ds_num_sink", "ds_num_recent", "seed"):
+            _check_pos(name, getattr(self, name), allow_none=False, allow_zero=True)
+        _check_pos("chunked_prefill_size", self.chunked_prefill_size, allow_none=False)
+        _check_pos("cuda_graph_max_bs", self.cuda_graph_max_bs, allow_none=False)
+        if not 0.0 < float(self.mem_fraction_static) < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.attention_backend == "dense" and self.enable_double_sparsity:
+            raise ValueError("--attention-backend dense contradicts --enable-double-sparsity; "
+                             "use --attention-backend double_sparsity (or torch) with it")
+
+    # ------------------------------------------------------------------ derived (never stored)
+    @property
+    def use_double_sparsity(self) -> bool:
+        return self.enable_double_sparsity or self.attention_backend == "double_sparsity"
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        """Registry name: "dense" | "double_sparsity" | "torch" (torch = pure-PyTorch kernels)."""
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "double_sparsity" if self.use_double_sparsity else "dense"
+
+    @property
+    def kernel_impl(self) -> str:
+        """``impl`` passed to :mod:`doublesparse.kernels.ops`."""
+        return "torch" if self.attention_backend == "torch" else "auto"
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device:
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_max_running_requests(self) -> int:
+        return self.max_running_requests or 64
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        return self.resolved_device.startswith("cuda") and not self.disable_cuda_graph
+
+    def heavy_channel_num(self, head_dim: int) -> int:
+        r = self.ds_heavy_channel_num or max(1, head_dim // 4)
+        if r > head_dim:
+            raise ValueError(f"ds_heavy_channel_num={r} exceeds head_dim={head_dim}")
+        return r
+
+    def heavy_token_num(self, max_context_len: int) -> int:
+        return self.ds_heavy_token_num or max(1, max_context_len // 16)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_running_requests=self.resolved_max_running_requests,
+                               chunked_prefill_size=self.chunked_prefill_size)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the engine flags (SGLang spelling). Every default is None so that only the flags the
+    user typed override :class:`EngineConfig` defaults (or a subcommand's own defaults)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model-path", help="HF dir, .safetensors dir or .gguf; default: embedded SmolLM2-135M")
+    g.add_argument("--load-format", choices=LOAD_FORMATS)
+    g.add_argument("--dtype", choices=DTYPES)
+    g.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
+    g.add_argument("--context-length", type=int, help="cap the model's max context")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
+    g.add_argument("--enable-double-sparsity", action=argparse.BooleanOptionalAction, default=None,
+                   help="Double Sparsity decode (--no-enable-double-sparsity to turn it off)")
+    g.add_argument("--ds-channel-config-path", help="channel config JSON (default: packaged or weight-based)")
+    g.add_argument("--ds-heavy-channel-num", type=int, help="label channels r (default head_dim // 4)")
+    g.add_argument("--ds-heavy-token-num", type=int, help="top-k tokens (default max context // 16)")
+    g.add_argument("--ds-heavy-channel-type", choices=CHANNEL_TYPES)
+    g.add_argument("--ds-sparse-decode-threshold", type=int,
+                   help="decode sparsely only when seq_len >= this (and > k)")
+    g.add_argument("--ds-selection-mode", choices=SELECTION_MODES)
+    g.add_argument("--ds-label-dtype", choices=LABEL_DTYPES)
+    g.add_argument("--ds-num-sink", type=int, help="first tokens always selected")
+    g.add_argument("--ds-num-recent", type=int, help="last tokens always selected")
+    g.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
+    g.add_argument("--mem-fraction-static", type=float)
+    g.add_argument("--chunked-prefill-size", type=int)
+    g.add_argument("--max-running-requests", type=int)
+    g.add_argument("--disable-cuda-graph", action="store_true", default=None)
+    g.add_argument("--cuda-graph-max-bs", type=int)
+    g.add_argument("--seed", type=int)
+    return parser
+
+
+def from_cli_args(ns: argparse.Namespace, **defaults) -> EngineConfig:
+    """Build an EngineConfig from parsed flags; ``defaults`` apply where a flag was not given."""
+    kw = dict(defaults)
+    for f in fields(EngineConfig):
+        v = getattr(ns, f.name, None)
+        if v is not None:
+            kw[f.name] = v
+    return EngineConfig(**kw)

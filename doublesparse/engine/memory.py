@@ -1,0 +1,211 @@
+"""KV / label pools, the token-slot allocator and the request -> token table.
+
+Layout (per layer, see doublesparse/kernels/reference.py):
+    k[layer], v[layer] : [num_slots, Hkv, D]   model dtype
+    label[layer]       : [num_slots, Hkv, r]   bf16, or float8_e4m3fn storing k[channels] / scale
+    label_scale[layer] : [1] float32           fp8 dequant scale (1.0 for bf16)
+    req_to_token       : [max_reqs, max_ctx] int32   position -> slot, on the device
+Slot 0 is the padding slot (never handed out: padded decode rows write there) and row 0 of
+req_to_token is the padding row (all zeros), so a padded batch entry reads only slot 0.
+
+Allocators keep their bookkeeping on the host as tensors (no per-token Python loops): the
+scheduler needs the counts on the host anyway, and freeing reads a host mirror of req_to_token
+instead of syncing with the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..config import CPU_DEFAULT_TOTAL_TOKENS, EngineConfig
+
+LABEL_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+class OutOfSlots(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Runtime sizing facts (not configuration): what the pools hold and what they cost."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    heavy_channel_num: int          # 0: no label pool
+    kv_dtype: torch.dtype
+    label_dtype: torch.dtype | None
+    max_total_tokens: int           # usable slots (the padding slot comes on top)
+    max_reqs: int                   # usable rows (the padding row comes on top)
+    max_ctx: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.max_total_tokens + 1
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _esize(self.kv_dtype)
+
+    @property
+    def label_bytes_per_token(self) -> int:
+        if not self.heavy_channel_num:
+            return 0
+        return self.num_layers * self.num_kv_heads * self.heavy_channel_num * _esize(self.label_dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv_bytes_per_token + self.label_bytes_per_token
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_slots * self.bytes_per_token + (self.max_reqs + 1) * self.max_ctx * 4
+
+    def describe(self) -> str:
+        lab = (f", labels r={self.heavy_channel_num} {self.label_dtype}" if self.heavy_channel_num else "")
+        return (f"KV pool: {self.max_total_tokens} tokens x {self.bytes_per_token} B "
+                f"= {self.total_bytes / 2**20:.1f} MiB ({self.kv_dtype}{lab}), "
+                f"{self.max_reqs} request rows x {self.max_ctx} ctx")
+
+
+def _esize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def plan_memory(cfg: EngineConfig, model_config, kv_dtype: torch.dtype, device: torch.device,
+                max_ctx: int, heavy_channel_num: int, reserved_bytes: int = 0) -> MemoryPlan:
+    """Size the pools: ``--max-total-tokens`` if given; else on CUDA the part of
+    ``mem_fraction_static * total`` memory not in use yet (weights are already loaded) minus
+    ``reserved_bytes`` (workspace); on CPU :data:`CPU_DEFAULT_TOTAL_TOKENS`."""
+    label_dtype = LABEL_TORCH_DTYPES[cfg.ds_label_dtype] if heavy_channel_num else None
+    max_reqs = cfg.resolved_max_running_requests
+    probe = MemoryPlan(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+                       heavy_channel_num, kv_dtype, label_dtype, 1, max_reqs, max_ctx)
+    if cfg.max_total_tokens:
+        tokens = cfg.max_total_tokens
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - total * (1.0 - cfg.mem_fraction_static) - reserved_bytes
+        budget -= (max_reqs + 1) * max_ctx * 4
+        tokens = int(budget // probe.bytes_per_token)
+        if tokens < max_ctx:
+            raise RuntimeError(f"only {max(tokens, 0)} KV tokens fit in mem_fraction_static="
+                               f"{cfg.mem_fraction_static} of GPU memory (need >= {max_ctx}); "
+                               "raise --mem-fraction-static or set --max-total-tokens")
+    else:
+        tokens = CPU_DEFAULT_TOTAL_TOKENS
+    return dataclasses.replace(probe, max_total_tokens=int(tokens))
+
+
+class SlotAllocator:
+    """Free list of token slots 1..n as a host int64 tensor; ``in_use`` catches double frees."""
+
+    def __init__(self, num_usable: int):
+        self.size = num_usable
+        self.free_slots = torch.arange(1, num_usable + 1, dtype=torch.int64)
+        self.in_use = torch.zeros(num_usable + 1, dtype=torch.bool)
+        self.in_use[0] = True  # padding slot: never allocatable, never freeable
+
+    @property
+    def num_free(self) -> int:
+        return int(self.free_slots.numel())
+
+    @property
+    def num_used(self) -> int:
+        return self.size - self.num_free
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """``[n]`` int64 host tensor of distinct free slots; OutOfSlots if fewer are free."""
+        if n > self.num_free:
+            raise OutOfSlots(f"asked for {n} KV slots, {self.num_free} of {self.size} free")
+        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        self.in_use[out] = True
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        slots = slots.to(torch.int64).flatten().cpu()
+        if slots.numel() == 0:
+            return
+        if not bool(self.in_use[slots].all()) or bool((slots == 0).any()):
+            raise ValueError("freeing KV slots that are not allocated (double free?)")
+        if torch.unique(slots).numel() != slots.numel():
+            raise ValueError("freeing the same KV slot twice in one call")
+        self.in_use[slots] = False
+        self.free_slots = torch.cat([self.free_slots, slots])
+
+
+class RowAllocator:
+    """Rows 1..n of req_to_token (row 0 is the padding row)."""
+
+    def __init__(self, num_usable: int):
+        self.size = num_usable
+        self._free = list(range(num_usable, 0, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise OutOfSlots(f"all {self.size} request rows are in use")
+        row = self._free.pop()
+        self._used.add(row)
+        return row
+
+    def free(self, row: int) -> None:
+        if row not in self._used:
+            raise ValueError(f"request row {row} is not allocated (double free?)")
+        self._used.remove(row)
+        self._free.append(row)
+
+
+class KVMemory:
+    """All pools of one engine. Tensors are created once; decode buffers point into them."""
+
+    def __init__(self, plan: MemoryPlan, device: torch.device | str):
+        self.plan = plan
+        self.device = torch.device(device)
+        L, S, H, D = plan.num_layers, plan.num_slots, plan.num_kv_heads, plan.head_dim
+        kw = dict(dtype=plan.kv_dtype, device=self.device)
+        # zeros, not empty: the padding slot must hold finite values (padded rows attend to it)
+        self.k = [torch.zeros(S, H, D, **kw) for _ in range(L)]
+        self.v = [torch.zeros(S, H, D, **kw) for _ in range(L)]
+        if plan.heavy_channel_num:
+            r = plan.heavy_channel_num
+            self.label = [torch.zeros(S, H, r, dtype=plan.label_dtype, device=self.device) for _ in range(L)]
+            self.label_scale = [torch.ones(1, dtype=torch.float32, device=self.device) for _ in range(L)]
+        else:
+            self.label = [None] * L
+            self.label_scale = [None] * L
+        rows, ctx = plan.max_reqs + 1, plan.max_ctx
+        self.req_to_token = torch.zeros(rows, ctx, dtype=torch.int32, device=self.device)
+        self.req_to_token_host = torch.zeros(rows, ctx, dtype=torch.int32)
+        self.slots = SlotAllocator(plan.max_total_tokens)
+        self.rows = RowAllocator(plan.max_reqs)
+
+    def assign(self, rows: torch.Tensor, positions: torch.Tensor, num_new: int) -> torch.Tensor:
+        """Allocate ``num_new`` slots for (row, position) pairs ``[num_new]`` (host int64) and record
+        them in req_to_token. Returns the slots ``[num_new]`` int64 on the host."""
+        slots = self.slots.alloc(num_new)
+        self.req_to_token_host[rows, positions] = slots.to(torch.int32)
+        dev = slots.to(self.device, non_blocking=True)
+        self.req_to_token[rows.to(self.device, non_blocking=True),
+                          positions.to(self.device, non_blocking=True)] = dev.to(torch.int32)
+        return slots
+
+    def release(self, row: int, length: int) -> None:
+        """Free a finished request's ``length`` slots and its row."""
+        if length:
+            self.slots.free(self.req_to_token_host[row, :length].to(torch.int64))
+            self.req_to_token_host[row, :length] = 0
+        self.rows.free(row)
+
+    @property
+    def nbytes(self) -> int:
+        t = [*self.k, *self.v, *(x for x in self.label if x is not None), self.req_to_token]
+        return sum(x.numel() * x.element_size() for x in t)
