@@ -1,0 +1,95 @@
+"""``doublesparse calibrate``: rank each layer's head channels on real text, write a channel config.
+
+    python -m doublesparse.calibrate --output cfg.json [--model-path P] [--text FILE ...]
+        [--num-samples 16] [--seq-len 2048] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import doublesparse
+
+from .channels import save_config, stats_to_config
+from .stats import collect_stats, sample_windows
+from .texts import CALIBRATION_PLAYS, encode, read_texts, text_hash
+
+STATISTIC = "mean over tokens of |q|, |k|, |q*k| per channel, post-RoPE (k repeated over its group)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="doublesparse calibrate", description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default=None, help="model file/dir (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--output", "-o", required=True, help="channel config JSON to write")
+    p.add_argument("--text", nargs="+", default=None, metavar="FILE",
+                   help="calibration text files (default: the fixed calibration plays)")
+    p.add_argument("--num-samples", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def calibrate(model, tokenizer, texts: list[str], num_samples: int, seq_len: int, device="cpu",
+              progress: bool = True) -> dict:
+    """Statistics over ``num_samples`` windows of ``seq_len`` tokens of the concatenated texts."""
+    ids: list[int] = []
+    for t in texts:
+        ids += encode(tokenizer, t)
+    windows = sample_windows(ids, num_samples, seq_len)
+    stats = collect_stats(model, windows, device=device, progress=progress)
+    stats["text_tokens"] = len(ids)
+    return stats
+
+
+def run(args, model=None, tokenizer=None, argv_for_meta=None) -> dict:
+    """Calibrate and write ``args.output``; returns the config dict. ``model``/``tokenizer`` may be
+    passed in (tests, notebooks); otherwise they are loaded from ``args.model_path``."""
+    if model is None or tokenizer is None:
+        from doublesparse.models import load_model, load_tokenizer
+        model = load_model(args.model_path) if model is None else model
+        tokenizer = load_tokenizer(args.model_path) if tokenizer is None else tokenizer
+    if hasattr(model, "to"):
+        model = model.to(args.device)
+    if hasattr(model, "eval"):
+        model.eval()
+    texts = read_texts(args.text)
+    t0 = time.perf_counter()
+    stats = calibrate(model, tokenizer, texts, args.num_samples, args.seq_len, args.device,
+                      progress=not args.quiet)
+    elapsed = time.perf_counter() - t0
+    c = model.config
+    meta = {
+        "model": getattr(c, "name", None),
+        "num_layers": int(c.num_layers), "num_q_heads": int(c.num_q_heads),
+        "num_kv_heads": int(c.num_kv_heads), "head_dim": int(c.head_dim),
+        "statistic": STATISTIC,
+        "group_aggregates": {"_kv": "sum over the KV head's query heads", "_kvmax": "max over them"},
+        "texts": [str(t) for t in args.text] if args.text else list(CALIBRATION_PLAYS),
+        "text_sha256_16": text_hash(texts), "text_tokens": int(stats["text_tokens"]),
+        "num_samples": args.num_samples, "seq_len": args.seq_len,
+        "tokens_per_layer": int(stats["tokens"][0]),
+        "tool": f"doublesparse {doublesparse.__version__}",
+        "command": "doublesparse calibrate " + " ".join(shlex.quote(a) for a in (argv_for_meta or [])),
+        "device": str(args.device), "seconds": round(elapsed, 1),
+    }
+    cfg = stats_to_config(stats, meta)
+    save_config(cfg, args.output)
+    print(f"calibrated {meta['model']} on {meta['tokens_per_layer']} tokens in {elapsed:.1f}s "
+          f"-> {Path(args.output)}", file=sys.stderr)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        run(args, argv_for_meta=argv)
+    except ValueError as e:  # e.g. text too short: a message, not a traceback
+        print(f"doublesparse calibrate: error: {e}", file=sys.stderr)
+        return 2
+    return 0
