@@ -1,0 +1,15 @@
+"""OpenAI-compatible HTTP server for the doublesparse engine.
+
+Layout:
+  config.py     frozen ``ServerConfig`` (host, port, api key, limits)
+  protocol.py   request validation and OpenAI-style error bodies
+  worker.py     the single engine thread and the queue that feeds it
+  metrics.py    Prometheus collectors
+  app.py        FastAPI routes (/v1/completions, /v1/chat/completions, /generate, ...)
+  cli.py        ``doublesparse serve`` / ``python -m doublesparse.launch_server``
+  fake_engine.py  a tiny deterministic engine implementing the Engine contract (tests, dry runs)
+"""
+
+from doublesparse.server.config import ServerConfig
+
+__all__ = ["ServerConfig"]

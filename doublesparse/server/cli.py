@@ -1,0 +1,115 @@
+"""``doublesparse serve`` / ``python -m doublesparse.launch_server``.
+
+Engine flags come from ``doublesparse.config`` (mirroring SGLang's names) when it is available;
+server flags are ours. SIGTERM/SIGINT flip the app into draining mode (new requests get 503,
+/health reports "draining") and uvicorn then stops accepting connections, waits for every
+accepted request to finish, and only then runs the lifespan shutdown that stops the engine thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import sys
+from typing import Any
+
+from doublesparse.server.config import ServerConfig
+
+log = logging.getLogger("doublesparse.server")
+
+
+def _engine_config_module():
+    try:
+        return importlib.import_module("doublesparse.config")
+    except ImportError:
+        return None
+
+
+def _fallback_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Minimal engine flags for when doublesparse.config is not importable (e.g. fake engine)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model-path", default=None)
+    g.add_argument("--max-total-tokens", type=int, default=None)
+    g.add_argument("--enable-double-sparsity", action="store_true")
+    g.add_argument("--ds-heavy-token-num", type=int, default=None)
+    g.add_argument("--device", default=None)
+    g.add_argument("--disable-cuda-graph", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="doublesparse serve",
+                                description="OpenAI-compatible server with Double Sparsity decoding")
+    cfgmod = _engine_config_module()
+    if cfgmod is not None and hasattr(cfgmod, "add_cli_args"):
+        cfgmod.add_cli_args(p)
+    else:
+        _fallback_engine_args(p)
+    ServerConfig.add_cli_args(p)
+    # For tests and dry runs: "module:callable" building the engine from the engine kwargs.
+    p.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--engine-kwargs", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict:
+    cfgmod = _engine_config_module()
+    if cfgmod is not None and hasattr(cfgmod, "from_cli_args"):
+        ecfg = cfgmod.from_cli_args(ns)
+        if dataclasses.is_dataclass(ecfg):
+            return {f.name: getattr(ecfg, f.name) for f in dataclasses.fields(ecfg)}
+        return dict(ecfg)
+    keys = ("model_path", "max_total_tokens", "enable_double_sparsity", "ds_heavy_token_num",
+            "device", "disable_cuda_graph")
+    return {k: getattr(ns, k) for k in keys if getattr(ns, k, None) is not None}
+
+
+def build_engine(ns: argparse.Namespace) -> Any:
+    kwargs = engine_kwargs(ns)
+    if ns.engine_kwargs:
+        import json
+        kwargs.update(json.loads(ns.engine_kwargs))
+    if ns.engine_factory:
+        mod, _, attr = ns.engine_factory.partition(":")
+        factory = getattr(importlib.import_module(mod), attr)
+    else:
+        try:
+            from doublesparse.engine.engine import Engine as factory
+        except ImportError:
+            from doublesparse.engine import Engine as factory  # type: ignore
+    return factory(**kwargs)
+
+
+def serve(engine: Any, cfg: ServerConfig) -> None:
+    import uvicorn
+
+    from doublesparse.server.app import create_app
+
+    app = create_app(engine, cfg)
+    state = app.state.server
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # mark draining before uvicorn starts closing
+            state.draining = True
+            super().handle_exit(sig, frame)
+
+    ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                          timeout_graceful_shutdown=cfg.graceful_shutdown_timeout,
+                          timeout_keep_alive=5, access_log=False)
+    log.info("serving %s on http://%s:%d", state.model_name, cfg.host, cfg.port)
+    _Server(ucfg).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    cfg = ServerConfig.from_cli_args(ns)
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = build_engine(ns)
+    serve(engine, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Server-side configuration (everything that is not an engine flag)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of the HTTP layer. Frozen: built once from the CLI and shared read-only."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    # When set, every /v1/*, /generate and /metrics request needs ``Authorization: Bearer <key>``.
+    api_key: str | None = None
+    # Name reported by /v1/models and accepted in the ``model`` field; None -> derived from the engine.
+    served_model_name: str | None = None
+    # Bodies above this are refused with 413 before JSON parsing, so a huge upload cannot eat memory.
+    max_body_bytes: int = 8 * 1024 * 1024
+    # Upper bound for max_tokens on top of the context-window check (None: only the context bounds).
+    max_new_tokens_limit: int | None = None
+    # Default max_tokens of /v1/completions when the client sends none (OpenAI's default is 16).
+    default_completion_tokens: int = 16
+    # Seconds to wait for in-flight requests after SIGTERM before giving up (None: wait forever).
+    graceful_shutdown_timeout: float | None = None
+    log_level: str = "info"
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("server")
+        g.add_argument("--host", default=ServerConfig.host)
+        g.add_argument("--port", type=int, default=ServerConfig.port)
+        g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+        g.add_argument("--served-model-name", default=None, help="model name exposed by the API")
+        g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
+                       help="largest accepted request body (default 8 MiB)")
+        g.add_argument("--max-new-tokens-limit", type=int, default=None,
+                       help="refuse requests asking for more new tokens than this")
+        g.add_argument("--default-completion-tokens", type=int,
+                       default=ServerConfig.default_completion_tokens)
+        g.add_argument("--graceful-shutdown-timeout", type=float, default=None,
+                       help="seconds to let in-flight requests finish after SIGTERM (default: no limit)")
+        g.add_argument("--log-level", default=ServerConfig.log_level)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerConfig":
+        return cls(
+            host=ns.host, port=ns.port, api_key=ns.api_key, served_model_name=ns.served_model_name,
+            max_body_bytes=ns.max_body_bytes, max_new_tokens_limit=ns.max_new_tokens_limit,
+            default_completion_tokens=ns.default_completion_tokens,
+            graceful_shutdown_timeout=ns.graceful_shutdown_timeout, log_level=ns.log_level,
+        )

@@ -1,0 +1,203 @@
+"""A small deterministic stand-in for ``doublesparse.engine.Engine``.
+
+It implements the same contract the server relies on (add_request / step / abort /
+has_unfinished / stats / tokenizer / max_context_len) with a character-level tokenizer and a
+hash-based "model", so server behaviour (batching, KV admission, aborts, streaming, metrics) can
+be tested in milliseconds without torch. Select it with
+``--engine-factory doublesparse.server.fake_engine:FakeEngine``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+EOS_ID = 2
+_OFFSET = 3  # ids 0..2 are reserved (pad, bos, eos); characters map to ord(c) + 3
+_ALPHABET = "abcdefghij "
+
+
+class FakeTokenizer:
+    """Character tokenizer with a minimal chat template (enough for ``apply_chat_template``)."""
+
+    eos_token_id = EOS_ID
+    vocab_size = 0x110000 + _OFFSET
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) + _OFFSET for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i - _OFFSET) for i in ids if i >= _OFFSET)
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        return {"input_ids": self.encode(text)}
+
+    def apply_chat_template(self, messages, tokenize: bool = False, add_generation_prompt: bool = True,
+                            **_: object):
+        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "<|assistant|>"
+        return self.encode(text) if tokenize else text
+
+
+@dataclass
+class FakeSamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    enable_double_sparsity: bool | None = None
+    ds_heavy_token_num: int | None = None
+
+
+@dataclass
+class FakeStepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class _Req:
+    rid: str
+    ids: list[int]
+    sp: FakeSamplingParams
+    prompt_len: int
+    rng: random.Random
+    out_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+class FakeEngine:
+    """Continuous-batching toy engine. KV slots are reserved up front (prompt + max_new_tokens),
+    so a full pool makes new requests wait instead of failing mid-generation."""
+
+    sampling_params_cls = FakeSamplingParams
+
+    def __init__(self, max_total_tokens: int | None = 4096, max_context_len: int = 2048,
+                 step_delay: float = 0.005, max_running_requests: int = 64,
+                 enable_double_sparsity: bool | None = True, **_: object) -> None:
+        # The CLI passes unset flags as None: fall back to the defaults then.
+        max_running_requests = max_running_requests or 64
+        max_context_len = max_context_len or 2048
+        self.tokenizer = FakeTokenizer()
+        self.max_context_len = max_context_len
+        self.model_config = SimpleNamespace(name="fake-model", max_position_embeddings=max_context_len)
+        self.kv_total = int(max_total_tokens or 4096)
+        self.step_delay = float(step_delay or 0.0)
+        self.max_running = max_running_requests
+        self.enable_ds = enable_double_sparsity is not False
+        self.waiting: list[_Req] = []
+        self.running: list[_Req] = []
+        self.kv_used = 0
+        self.counters = dict(decode_steps_total=0, decode_steps_sparse=0, prompt_tokens_total=0,
+                             generation_tokens_total=0)
+        self._next_id = 0
+
+    # --- contract -------------------------------------------------------------------------
+    def add_request(self, prompt, sampling_params, request_id: str | None = None) -> str:
+        sp = sampling_params if isinstance(sampling_params, FakeSamplingParams) else \
+            FakeSamplingParams(**dict(sampling_params or {}))
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) + sp.max_new_tokens > min(self.max_context_len, self.kv_total):
+            raise ValueError("prompt plus max_new_tokens exceeds the context window")
+        if request_id is None:
+            self._next_id += 1
+            request_id = f"fake-{self._next_id}"
+        seed = sp.seed if sp.seed is not None else hash(request_id)
+        self.waiting.append(_Req(request_id, ids, sp, len(ids), random.Random(seed)))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        for q in (self.waiting, self.running):
+            for r in list(q):
+                if r.rid == request_id:
+                    q.remove(r)
+                    if q is self.running:
+                        self.kv_used -= self._need(r)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[FakeStepOutput]:
+        while self.waiting and len(self.running) < self.max_running and \
+                self.kv_used + self._need(self.waiting[0]) <= self.kv_total:
+            r = self.waiting.pop(0)  # FIFO admission: the head waits until it fits
+            self.kv_used += self._need(r)
+            self.counters["prompt_tokens_total"] += r.prompt_len
+            self.running.append(r)
+        if not self.running:
+            return []
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        self.counters["decode_steps_total"] += 1
+        if self.enable_ds:
+            self.counters["decode_steps_sparse"] += 1
+        outs = []
+        for r in list(self.running):
+            tok = self._next_token(r)
+            r.ids.append(tok)
+            r.out_ids.append(tok)
+            self.counters["generation_tokens_total"] += 1
+            delta = self.tokenizer.decode([tok])
+            finish = None
+            if tok == EOS_ID and not r.sp.ignore_eos:
+                finish, delta = "stop", ""
+            elif tok in r.sp.stop_token_ids:
+                finish = "stop"
+            else:
+                text = r.text + delta
+                for s in r.sp.stop:
+                    if s and s in text:
+                        finish, delta = "stop", text[: text.index(s)][len(r.text):]
+                        break
+            r.text += delta
+            if finish is None and len(r.out_ids) >= r.sp.max_new_tokens:
+                finish = "length"
+            if finish:
+                self.running.remove(r)
+                self.kv_used -= self._need(r)
+            outs.append(FakeStepOutput(r.rid, [tok], delta, finish is not None, finish,
+                                       r.prompt_len, len(r.out_ids)))
+        return outs
+
+    def stats(self) -> dict:
+        return dict(running=len(self.running), waiting=len(self.waiting), kv_used_tokens=self.kv_used,
+                    kv_total_tokens=self.kv_total, **self.counters)
+
+    def generate(self, prompt, sampling_params) -> str:
+        """Offline run of one request (used as the reference in tests)."""
+        rid = self.add_request(prompt, sampling_params)
+        text = ""
+        while self.has_unfinished():
+            for o in self.step():
+                if o.request_id == rid:
+                    text += o.text
+        return text
+
+    # --- internals ------------------------------------------------------------------------
+    @staticmethod
+    def _need(r: _Req) -> int:
+        return r.prompt_len + r.sp.max_new_tokens
+
+    def _next_token(self, r: _Req) -> int:
+        h = (sum(r.ids[-4:]) * 31 + len(r.ids) * 7) % 1000
+        if h == 999:
+            return EOS_ID
+        if r.sp.temperature == 0:
+            c = _ALPHABET[h % len(_ALPHABET)]
+        else:
+            c = r.rng.choice(_ALPHABET)
+        return ord(c) + _OFFSET

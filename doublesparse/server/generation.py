@@ -1,0 +1,120 @@
+"""One request's journey through the engine thread, as seen from the event loop.
+
+``Generation`` submits a tokenized prompt, relays events, records metrics, and guarantees the
+engine forgets the request when the client goes away: a watcher on the ASGI receive channel
+aborts on ``http.disconnect`` (this also covers requests still waiting for KV slots, which
+produce no output that a failed send could reveal), and leaving the iterator early aborts too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+
+from doublesparse.server.protocol import APIError
+from doublesparse.server.worker import EngineWorker, Finished
+
+
+class Generation:
+    def __init__(self, worker: EngineWorker, metrics, endpoint: str, rid: str,
+                 prompt_ids: list[int], sampling_params: dict, request: Request | None) -> None:
+        self.worker, self.metrics, self.endpoint, self.rid = worker, metrics, endpoint, rid
+        self.prompt_ids, self.sp, self.request = prompt_ids, sampling_params, request
+        self.prompt_tokens = len(prompt_ids)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.disconnected = False
+        self._pending: list[Any] = []
+        self._handle = None
+        self._watch: asyncio.Task | None = None
+        self._t0 = time.perf_counter()
+        self._t_first: float | None = None
+        self._done = False
+
+    async def start(self) -> None:
+        """Submit and wait for the first event, so engine-side refusals still become a clean
+        4xx/5xx before any streaming headers go out."""
+        self.metrics.in_flight.inc()
+        self.worker.in_flight += 1
+        self._handle = self.worker.submit(self.rid, self.prompt_ids, self.sp)
+        if self.request is not None:
+            self._watch = asyncio.create_task(self._watch_disconnect())
+        first = await self._handle.events.get()
+        if isinstance(first, Finished) and first.finish_reason == "error":
+            self._finish("error")
+            e = first.error
+            if first.rejected and isinstance(e, (ValueError, TypeError)):
+                raise APIError(f"engine rejected the request: {e}")
+            raise APIError(f"engine error: {e}", status=500, type="server_error")
+        self._pending.append(first)
+
+    async def events(self) -> AsyncIterator[tuple[str, list[int]]]:
+        """Yield ``(text_delta, new_token_ids)`` until the request finishes."""
+        try:
+            while not self._done:
+                ev = self._pending.pop(0) if self._pending else await self._handle.events.get()
+                if isinstance(ev, Finished):
+                    if ev.finish_reason == "error":
+                        self._finish("error")
+                        raise APIError(f"engine error: {ev.error}", status=500, type="server_error")
+                    self._finish(ev.finish_reason)
+                    return
+                ids = list(getattr(ev, "new_token_ids", None) or [])
+                now = time.perf_counter()
+                if ids and self._t_first is None:
+                    self._t_first = now
+                    self.metrics.ttft.observe(now - self._t0)
+                    self.metrics.prompt_tokens.inc(self.prompt_tokens)
+                self.metrics.generation_tokens.inc(len(ids))
+                self.completion_tokens = int(getattr(ev, "completion_tokens", 0) or
+                                             self.completion_tokens + len(ids))
+                self.prompt_tokens = int(getattr(ev, "prompt_tokens", 0) or self.prompt_tokens)
+                delta = getattr(ev, "text", "") or ""
+                self.text += delta
+                if getattr(ev, "finished", False):
+                    self._finish(getattr(ev, "finish_reason", None) or "stop")
+                yield delta, ids
+        finally:
+            if not self._done:  # consumer left early (disconnect, cancellation): free the slots
+                self.worker.abort(self.rid)
+                self._finish("abort")
+
+    async def collect(self) -> str:
+        async for _ in self.events():
+            pass
+        return self.text
+
+    def _finish(self, reason: str) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.finish_reason = reason
+        if self._watch is not None:
+            self._watch.cancel()
+        self.metrics.in_flight.dec()
+        self.worker.in_flight -= 1
+        now = time.perf_counter()
+        status = "disconnected" if self.disconnected else reason
+        self.metrics.requests.labels(self.endpoint, status).inc()
+        if reason in ("stop", "length"):
+            self.metrics.e2e.observe(now - self._t0)
+            if self._t_first is not None and self.completion_tokens > 1:
+                self.metrics.tpot.observe((now - self._t_first) / (self.completion_tokens - 1))
+
+    async def _watch_disconnect(self) -> None:
+        # The body has been read already, so the next ASGI message can only be a disconnect.
+        while True:
+            msg = await self.request.receive()
+            if msg["type"] == "http.disconnect":
+                self.disconnected = True
+                self.worker.abort(self.rid)
+                return
+
+
+def usage(g: Generation) -> dict:
+    return {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
+            "total_tokens": g.prompt_tokens + g.completion_tokens}

@@ -1,0 +1,93 @@
+"""Prometheus metrics.
+
+Latency histograms and token counters are updated by the HTTP handlers as events arrive (so rates
+are live, not only at request end). Engine-side state (running/waiting, KV pool, sparse decode
+share) is read from the worker's last ``engine.stats()`` snapshot at scrape time, so a scrape never
+touches the engine itself. Each server has its own registry, so several apps can live in one
+process (tests) without duplicate-metric errors.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+disable_created_metrics()  # the *_created series only add noise to every scrape
+P = "doublesparse_"
+# Latency buckets: sub-ms fake-engine steps up to minutes-long CPU generations.
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+# Candidate key names in engine.stats(): the first present wins, so small naming differences in
+# the engine do not silently zero a metric.
+STAT_KEYS = {
+    "running": ("running", "num_running", "num_running_reqs"),
+    "waiting": ("waiting", "num_waiting", "num_waiting_reqs", "queued"),
+    "kv_used": ("kv_used_tokens", "kv_pool_used_tokens", "kv_used", "token_usage_tokens",
+                "used_tokens"),
+    "kv_total": ("kv_total_tokens", "kv_pool_total_tokens", "kv_total", "max_total_tokens",
+                 "total_tokens"),
+    "decode_steps": ("decode_steps_total", "decode_steps", "num_decode_steps"),
+    "sparse_steps": ("decode_steps_sparse", "sparse_decode_steps", "decode_steps_sparse_total",
+                     "num_sparse_decode_steps"),
+}
+
+
+def stat(snap: dict, name: str, default: float = 0.0) -> float:
+    for k in STAT_KEYS[name]:
+        v = snap.get(k)
+        if isinstance(v, (int, float)):
+            return float(v)
+    return default
+
+
+class _EngineCollector:
+    def __init__(self, worker) -> None:
+        self.worker = worker
+
+    def collect(self):
+        s = self.worker.snapshot
+        used, total = stat(s, "kv_used"), stat(s, "kv_total")
+        steps, sparse = stat(s, "decode_steps"), stat(s, "sparse_steps")
+        for name, doc, v in (
+            ("num_requests_running", "Requests in the running batch", stat(s, "running")),
+            ("num_requests_waiting", "Requests queued in the engine (e.g. KV pool full)",
+             stat(s, "waiting")),
+            ("kv_pool_used_tokens", "KV pool token slots in use", used),
+            ("kv_pool_total_tokens", "KV pool token slots in total", total),
+            ("kv_pool_usage", "Fraction of KV pool slots in use", used / total if total else 0.0),
+            ("sparse_decode_ratio", "Share of decode steps run with sparse attention",
+             sparse / steps if steps else 0.0),
+        ):
+            g = GaugeMetricFamily(P + name, doc)
+            g.add_metric([], v)
+            yield g
+        for name, doc, v in (("decode_steps", "Decode steps run by the engine", steps),
+                             ("sparse_decode_steps", "Decode steps run with sparse attention", sparse)):
+            c = CounterMetricFamily(P + name, doc)
+            c.add_metric([], v)
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, worker) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(P + "requests", "Finished HTTP generation requests",
+                                ["endpoint", "status"], registry=r)
+        self.in_flight = Gauge(P + "requests_in_flight", "Generation requests accepted by HTTP",
+                               registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of served requests",
+                                     registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LAT, registry=r)
+        self.tpot = Histogram(P + "time_per_output_token_seconds",
+                              "Mean gap between output tokens after the first, per request",
+                              buckets=_TPOT, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LAT, registry=r)
+        r.register(_EngineCollector(worker))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,166 @@
+"""Request schemas and OpenAI-style errors.
+
+Validation is strict (no "5" -> 5 coercion) so wrong types are refused instead of guessed at, and
+every failure becomes ``{"error": {"message", "type", "param", "code"}}`` with the offending
+field in ``param``. Unknown fields are ignored, as OpenAI-compatible servers commonly do, so
+clients that send e.g. ``user`` keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """An error that maps one-to-one onto an HTTP response with an OpenAI-style body."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    """Report the first problem only: one precise message beats a wall of them."""
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()))
+    if err["type"] == "json_invalid":
+        return APIError(f"request body is not valid JSON: {err['msg']}", code="invalid_json")
+    if err["type"] == "model_type" and not loc:
+        return APIError("request body must be a JSON object", code="invalid_json")
+    msg = f"{loc}: {err['msg']}" if loc else err["msg"]
+    return APIError(msg, param=loc or None, code="invalid_value" if loc else None)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Sampling fields shared by both OpenAI endpoints (OpenAI names plus SGLang/vLLM extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    n: int = Field(1, ge=1)
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    # Per-request Double Sparsity overrides (honoured only if the engine supports them).
+    enable_double_sparsity: bool | None = None
+    ds_heavy_token_num: int | None = Field(None, gt=0)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+
+
+class NativeSamplingParams(_Strict):
+    """SGLang's ``sampling_params`` object of ``/generate``."""
+
+    max_new_tokens: int = 128
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1)
+    enable_double_sparsity: bool | None = None
+    ds_heavy_token_num: int | None = Field(None, gt=0)
+
+
+class GenerateRequest(_Strict):
+    text: Union[str, list[str], None] = None
+    input_ids: Union[list[int], list[list[int]], None] = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    rid: str | None = None
+
+
+def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
+    try:
+        return model.model_validate_json(raw or b"")
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def unsupported(req: BaseModel) -> None:
+    """Refuse features the engine does not implement instead of silently ignoring them."""
+    if getattr(req, "n", 1) != 1:
+        raise APIError("n > 1 is not supported by this server", param="n", code="unsupported")
+    if getattr(req, "best_of", None) not in (None, 1):
+        raise APIError("best_of is not supported", param="best_of", code="unsupported")
+    if getattr(req, "echo", False):
+        raise APIError("echo is not supported", param="echo", code="unsupported")
+    if getattr(req, "suffix", None):
+        raise APIError("suffix is not supported", param="suffix", code="unsupported")
+    if getattr(req, "logprobs", None) not in (None, False, 0):
+        raise APIError("logprobs are not supported", param="logprobs", code="unsupported")
+    if getattr(req, "tools", None):
+        raise APIError("tools are not supported", param="tools", code="unsupported")
+    for p in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, p, 0.0) != 0.0:
+            raise APIError(f"{p} is not supported (only 0)", param=p, code="unsupported")
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > 16:
+        raise APIError("at most 16 stop sequences are allowed", param="stop")
+    return [s for s in stops if s]

@@ -1,0 +1,192 @@
+"""The engine thread.
+
+The engine is not thread-safe, so exactly one thread (this one) calls add_request / step /
+abort / stats. HTTP handlers talk to it through a command queue; results travel back to each
+request's asyncio queue with ``loop.call_soon_threadsafe``, so the event loop never blocks on
+a decode step and the engine never waits for the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("doublesparse.server")
+
+
+@dataclass
+class Finished:
+    """Synthetic end-of-request event for requests that end without a final StepOutput."""
+
+    finish_reason: str
+    error: BaseException | None = None
+    rejected: bool = False  # True: add_request refused it (client's fault), not a step failure
+
+
+@dataclass
+class RequestHandle:
+    """What a handler holds for one in-flight request; ``events`` receives StepOutputs."""
+
+    rid: str
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.perf_counter)
+
+    def push(self, items: list[Any]) -> None:  # runs on the event loop
+        for it in items:
+            self.events.put_nowait(it)
+
+
+class EngineWorker:
+    """Owns the engine; runs ``step()`` whenever any request is unfinished."""
+
+    STATS_INTERVAL = 0.05  # refresh the stats snapshot at most 20x/s while decoding
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._handles: dict[str, RequestHandle] = {}  # engine thread only
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.snapshot: dict = {}  # latest engine.stats(); replaced whole, so readers never see half
+        self.in_flight = 0  # requests accepted by handlers and not yet finished (event loop only)
+        self.step_errors = 0
+        self.fatal: BaseException | None = None
+
+    # --- called from the event loop -------------------------------------------------------
+    def start(self) -> None:
+        self._refresh_stats(force=True)  # before the thread starts: nobody else touches the engine yet
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal is None
+
+    def submit(self, rid: str, prompt_ids: list[int], sampling_params: Any) -> RequestHandle:
+        handle = RequestHandle(rid, asyncio.get_running_loop())
+        self._cmds.put(("add", handle, prompt_ids, sampling_params))
+        return handle
+
+    def abort(self, rid: str) -> None:
+        self._cmds.put(("abort", rid))
+
+    def call(self, fn, *args) -> "asyncio.Future":
+        """Run ``fn(engine, *args)`` on the engine thread (e.g. an offline reference)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._cmds.put(("call", fut, fn, args))
+        return fut
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop after the requests still known to the engine are done (or aborted on timeout)."""
+        self._stop.set()
+        self._cmds.put(("wake",))
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("engine thread did not stop within %.0fs", timeout)
+
+    # --- engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        last_stats = 0.0
+        while True:
+            busy = self._safe(self.engine.has_unfinished, default=False)
+            if self._stop.is_set() and not busy and not self._handles and self._cmds.empty():
+                break
+            self._drain(block=not busy)
+            if self._safe(self.engine.has_unfinished, default=False):
+                try:
+                    outs = self.engine.step()
+                except Exception as e:  # keep serving: fail the batch, not the process
+                    self.step_errors += 1
+                    log.exception("engine.step() failed; aborting %d requests", len(self._handles))
+                    self._fail_all(e)
+                    outs = []
+                self._dispatch(outs)
+            now = time.perf_counter()
+            if now - last_stats >= self.STATS_INTERVAL or not self._handles:
+                self._refresh_stats()
+                last_stats = now
+        self._refresh_stats()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle_cmd(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle_cmd(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, handle, prompt_ids, sp = cmd
+            try:
+                self.engine.add_request(prompt_ids, sp, request_id=handle.rid)
+            except Exception as e:  # engine-side validation: answer this request only
+                handle.loop.call_soon_threadsafe(handle.push, [Finished("error", e, rejected=True)])
+                return
+            self._handles[handle.rid] = handle
+        elif kind == "abort":
+            handle = self._handles.pop(cmd[1], None)
+            if handle is None:
+                return  # already finished: nothing holds slots any more
+            self._safe(self.engine.abort, cmd[1])
+            handle.loop.call_soon_threadsafe(handle.push, [Finished("abort")])
+            self._refresh_stats(force=True)  # so /metrics shows the freed KV right away
+        elif kind == "call":
+            _, fut, fn, args = cmd
+            try:
+                res = fn(self.engine, *args)
+            except Exception as e:
+                fut.get_loop().call_soon_threadsafe(_set_exc, fut, e)
+            else:
+                fut.get_loop().call_soon_threadsafe(_set_result, fut, res)
+
+    def _dispatch(self, outs: list) -> None:
+        grouped: dict[str, list] = {}
+        for o in outs:
+            grouped.setdefault(o.request_id, []).append(o)
+        for rid, items in grouped.items():
+            handle = self._handles.get(rid)
+            if handle is None:
+                continue  # aborted meanwhile
+            if any(o.finished for o in items):
+                del self._handles[rid]
+            handle.loop.call_soon_threadsafe(handle.push, items)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for rid, handle in list(self._handles.items()):
+            self._safe(self.engine.abort, rid)
+            handle.loop.call_soon_threadsafe(handle.push, [Finished("error", err)])
+        self._handles.clear()
+
+    def _refresh_stats(self, force: bool = False) -> None:
+        snap = self._safe(self.engine.stats, default=None)
+        if isinstance(snap, dict):
+            self.snapshot = dict(snap)
+
+    @staticmethod
+    def _safe(fn, *args, default=None):
+        try:
+            return fn(*args)
+        except Exception:
+            log.exception("engine call %s failed", getattr(fn, "__name__", fn))
+            return default
+
+
+def _set_result(fut: asyncio.Future, res: Any) -> None:
+    if not fut.done():
+        fut.set_result(res)
+
+
+def _set_exc(fut: asyncio.Future, e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)
