@@ -1,0 +1,7 @@
+"""The inference engine: memory pools, scheduler, model runner, sampler."""
+
+from .engine import Engine, StepOutput
+from .sampling_params import SamplingParams
+from .scheduler import RequestRefused
+
+__all__ = ["Engine", "StepOutput", "SamplingParams", "RequestRefused"]

@@ -1,0 +1,134 @@
+"""The attention-backend interface and the parts shared by every backend.
+
+A backend owns the KV (and label) pools of one engine. Per step it is used in two phases:
+
+    plan(batch)                       host work (masks, per-request slot lists), outside CUDA graphs;
+                                      the result is stored on ``batch.attn_meta``, never on the backend
+    forward(layer_id, q, k, v, batch) device launches only; for decode it is graph-capturable
+                                      (reads lengths from device tensors, no host syncs)
+
+Both phases receive the per-step state explicitly through the ForwardBatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import ops
+
+
+@dataclass(frozen=True)
+class PrefillSegment:
+    """One request of a prefill batch: queries ``q[q_start : q_start + q_len]`` at positions
+    ``prefix_len ..``; ``kv_slots`` [prefix_len + q_len] int64 (device) when there is a cached
+    prefix to gather, else None (attend to the fresh k/v); ``mask`` [q_len, prefix_len + q_len]
+    bool lower-right causal mask when there is a prefix."""
+
+    q_start: int
+    q_len: int
+    prefix_len: int
+    kv_slots: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class PrefillMeta:
+    segments: tuple[PrefillSegment, ...]
+
+
+class AttentionBackend:
+    """Dense prefill (SDPA over the cached prefix + new tokens) and the decode hook.
+
+    memory: :class:`~doublesparse.engine.memory.KVMemory`; sm_scale: softmax scale;
+    impl: ``ops`` implementation ("auto" | "torch"); workspace: DecodeWorkspace or None (CPU);
+    channels: ``[num_layers, Hkv, r]`` int32 device tensor, or None (no label cache).
+    """
+
+    name = "base"
+    stores_labels = False
+
+    def __init__(self, memory, num_q_heads: int, head_dim: int, sm_scale: float | None = None,
+                 impl: str = "auto", workspace=None, channels: torch.Tensor | None = None):
+        self.memory = memory
+        self.num_q_heads = num_q_heads
+        self.head_dim = head_dim
+        self.sm_scale = float(sm_scale if sm_scale is not None else head_dim ** -0.5)
+        self.impl = impl
+        self.workspace = workspace
+        self.channels = channels
+        if self.stores_labels and (channels is None or memory.label[0] is None):
+            raise ValueError(f"{self.name} backend needs a label pool and heavy channels")
+
+    # ------------------------------------------------------------------------------- plan
+    def plan(self, batch) -> None:
+        if batch.mode == "prefill":
+            batch.attn_meta = self._plan_prefill(batch)
+        else:
+            batch.attn_meta = None
+
+    def _plan_prefill(self, batch) -> PrefillMeta:
+        segs = []
+        start = 0
+        dev = self.memory.device
+        for row, prefix, n in zip(batch.rows_host, batch.extend_prefix_lens, batch.extend_lens):
+            slots = mask = None
+            if prefix:
+                total = prefix + n
+                slots = self.memory.req_to_token[row, :total].long()
+                # lower-right causal: query i sits at position prefix + i
+                mask = (torch.arange(total, device=dev)[None, :]
+                        <= torch.arange(prefix, total, device=dev)[:, None])
+            segs.append(PrefillSegment(start, n, prefix, slots, mask))
+            start += n
+        return PrefillMeta(tuple(segs))
+
+    # ---------------------------------------------------------------------------- forward
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] post-RoPE -> [T, Hq, D] in q's dtype."""
+        self.store(layer_id, k, v, batch.out_slots)
+        if batch.mode == "prefill":
+            return self.prefill_attention(layer_id, q, k, v, batch)
+        return self.decode_attention(layer_id, q, batch)
+
+    def store(self, layer_id: int, k, v, slots) -> None:
+        m = self.memory
+        if self.stores_labels:
+            ops.store_kv(m.k[layer_id], m.v[layer_id], k, v, slots, m.label[layer_id],
+                         m.label_scale[layer_id], self.channels[layer_id], impl=self.impl)
+        else:
+            ops.store_kv(m.k[layer_id], m.v[layer_id], k, v, slots, impl=self.impl)
+
+    def prefill_attention(self, layer_id, q, k, v, batch) -> torch.Tensor:
+        out = torch.empty_like(q)
+        kp, vp = self.memory.k[layer_id], self.memory.v[layer_id]
+        for s in batch.attn_meta.segments:
+            qs = q[s.q_start: s.q_start + s.q_len].transpose(0, 1)            # [Hq, n, D]
+            if s.kv_slots is None:
+                # same values as the cache when it has the model's dtype; cast otherwise
+                ks = k[s.q_start: s.q_start + s.q_len].to(kp.dtype).to(q.dtype).transpose(0, 1)
+                vs = v[s.q_start: s.q_start + s.q_len].to(vp.dtype).to(q.dtype).transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.sm_scale,
+                                                   enable_gqa=True)
+            else:
+                ks = kp[s.kv_slots].to(q.dtype).transpose(0, 1)               # [Hkv, L, D]
+                vs = vp[s.kv_slots].to(q.dtype).transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=self.sm_scale,
+                                                   enable_gqa=True)
+            out[s.q_start: s.q_start + s.q_len] = o.transpose(0, 1)
+        return out
+
+    def decode_attention(self, layer_id, q, batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------------------- facts
+    def is_sparse_step(self, seq_lens_host) -> bool:
+        """Whether a decode step over these (host-known) lengths selects tokens at all."""
+        return False
+
+    def decode_bytes(self, seq_lens_host) -> int:
+        """KV-side bytes one decode step reads across all layers (model-level estimate)."""
+        m = self.memory.plan
+        return sum(seq_lens_host) * m.kv_bytes_per_token

@@ -1,0 +1,262 @@
+"""The engine: requests in, tokens out. Owns the model, pools, backend, scheduler and sampler.
+
+Thread model: ``add_request`` / ``abort`` may be called from any thread; they validate at once
+(so refusals raise in the caller) and hand the request to an inbox that ``step`` drains. ``step``
+itself must be called from one thread at a time (the server's background loop).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import EngineConfig
+from .sampler import make_generator, sample
+from .sampling_params import SamplingParams
+from .setup import EngineParts, build_parts
+from .text import Detokenizer
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    meta: dict | None = None       # set when finished: see Engine.generate
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    stop_ids: frozenset
+    detok: Detokenizer
+    t_arrival: float
+    output_ids: list[int] = field(default_factory=list)
+    row: int | None = None
+    num_cached: int = 0            # tokens whose K/V are in the pool
+    decode_steps: int = 0
+    sparse_decode_steps: int = 0
+    t_first_token: float | None = None
+    finish_reason: str | None = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, *, model=None, tokenizer=None,
+                 progress: bool = True, **kwargs):
+        """``Engine(**EngineConfig fields)``, or ``Engine(config)``. ``model``/``tokenizer``
+        inject prebuilt objects (tests, stand-ins) instead of loading ``model_path``."""
+        cfg = config.replace(**kwargs) if config is not None else EngineConfig(**kwargs)
+        self.config = cfg
+        self.parts: EngineParts = build_parts(cfg, model=model, tokenizer=tokenizer, progress=progress)
+        p = self.parts
+        self.model_config = p.model.config
+        self.tokenizer = p.tokenizer
+        self.max_context_len = p.max_context_len
+        self._inbox: collections.deque = collections.deque()
+        self._abort_inbox: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._step_lock = threading.Lock()
+        self._reqs: dict[str, _Req] = {}
+        self._known: set[str] = set()
+        self._counter = 0
+        self.counters = collections.Counter()
+
+    # ------------------------------------------------------------------------- requests
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (dummy weights): pass token ids")
+            return list(self.tokenizer.encode(prompt))
+        ids = [int(t) for t in prompt]
+        V = self.model_config.vocab_size
+        if any(t < 0 or t >= V for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {V})")
+        return ids
+
+    def _check_ds_overrides(self, sp: SamplingParams) -> None:
+        ds_on = self.parts.ds is not None
+        if sp.enable_double_sparsity is not None and sp.enable_double_sparsity != ds_on:
+            raise ValueError(f"per-request enable_double_sparsity={sp.enable_double_sparsity} is not "
+                             f"supported: this engine runs with Double Sparsity {'on' if ds_on else 'off'}")
+        if sp.ds_heavy_token_num is not None and (not ds_on or sp.ds_heavy_token_num != self.parts.ds.heavy_token_num):
+            have = self.parts.ds.heavy_token_num if ds_on else None
+            raise ValueError(f"per-request ds_heavy_token_num={sp.ds_heavy_token_num} is not supported: "
+                             f"the engine decodes with ds_heavy_token_num={have} for every request")
+
+    def add_request(self, prompt, sampling_params=None, request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError (RequestRefused) if it can never run."""
+        sp = SamplingParams.from_any(sampling_params)
+        self._check_ds_overrides(sp)
+        ids = self._encode(prompt)
+        self.parts.scheduler.check(len(ids), sp.max_new_tokens)
+        with self._lock:
+            rid = request_id or uuid.uuid4().hex
+            if rid in self._known:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._known.add(rid)
+            seed = sp.seed if sp.seed is not None else self.config.seed * 1_000_003 + self._counter
+            self._counter += 1
+        stop_ids = set(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            stop_ids |= set(self.model_config.eos_token_ids or ())
+        gen = None if sp.greedy else make_generator(seed, self.parts.device)
+        req = _Req(rid, ids, sp, gen, frozenset(stop_ids),
+                   Detokenizer(self.tokenizer, sp.stop, sp.skip_special_tokens), time.perf_counter())
+        self._inbox.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self._abort_inbox.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._inbox) or bool(self._reqs)
+
+    # ----------------------------------------------------------------------------- step
+    def step(self) -> list[StepOutput]:
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> list[StepOutput]:
+        p = self.parts
+        outs: list[StepOutput] = []
+        while self._inbox:
+            req = self._inbox.popleft()
+            p.scheduler.add(req.rid, len(req.prompt_ids), req.params.max_new_tokens)
+            self._reqs[req.rid] = req
+        while self._abort_inbox:
+            rid = self._abort_inbox.popleft()
+            if rid in self._reqs:
+                outs.append(self._finish(self._reqs[rid], "abort", []))
+        plan = p.scheduler.schedule()
+        for rid in plan.admitted:
+            self._reqs[rid].row = p.memory.rows.alloc()
+        new_tokens: dict[str, int] = {}
+        if plan.prefill:
+            reqs = [self._reqs[c.rid] for c in plan.prefill]
+            t0 = time.perf_counter()
+            logits = p.runner.prefill([r.row for r in reqs], [c.start for c in plan.prefill],
+                                      [r.prompt_ids[c.start:c.end] for r, c in zip(reqs, plan.prefill)],
+                                      [c.last for c in plan.prefill])
+            for r, c in zip(reqs, plan.prefill):
+                r.num_cached = c.end
+            done = [r for r, c in zip(reqs, plan.prefill) if c.last]
+            if done:
+                toks = sample(logits, [r.params for r in done], [r.generator for r in done]).tolist()
+                new_tokens.update({r.rid: t for r, t in zip(done, toks)})
+            self.counters["prefill_tokens"] += plan.num_prefill_tokens
+            self.counters["prefill_time"] += time.perf_counter() - t0
+        if plan.decode:
+            reqs = [self._reqs[rid] for rid in plan.decode]
+            positions = [r.num_cached for r in reqs]
+            t0 = time.perf_counter()
+            logits = p.runner.decode([r.row for r in reqs], [r.output_ids[-1] for r in reqs], positions)
+            toks = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+            lens = [n + 1 for n in positions]
+            sparse_rows = p.sparse_rows(lens)
+            for r, t, sp in zip(reqs, toks, sparse_rows):
+                r.num_cached += 1
+                r.decode_steps += 1
+                r.sparse_decode_steps += int(sp)
+                new_tokens[r.rid] = t
+            self.counters["decode_steps"] += 1
+            self.counters["sparse_decode_steps"] += int(any(sparse_rows))
+            self.counters["decode_tokens"] += len(reqs)
+            self.counters["decode_time"] += time.perf_counter() - t0
+        now = time.perf_counter()
+        for rid, tok in new_tokens.items():
+            outs.append(self._on_token(self._reqs[rid], tok, now))
+        return outs
+
+    def _on_token(self, r: _Req, tok: int, now: float) -> StepOutput:
+        if r.t_first_token is None:
+            r.t_first_token = now
+        r.output_ids.append(tok)
+        self.counters["generation_tokens"] += 1
+        reason = None
+        if tok in r.stop_ids:
+            reason = "stop"
+            delta = r.detok.flush()
+        else:
+            delta, hit = r.detok.push(r.output_ids)
+            if hit:
+                reason = "stop"
+            elif len(r.output_ids) >= r.params.max_new_tokens:
+                reason = "length"
+            if reason:
+                delta += r.detok.flush()
+        if reason:
+            return self._finish(r, reason, [tok], delta)
+        return StepOutput(r.rid, [tok], delta, False, None, len(r.prompt_ids), len(r.output_ids))
+
+    def _finish(self, r: _Req, reason: str, new_ids: list[int], delta: str = "") -> StepOutput:
+        r.finish_reason = reason
+        self.parts.scheduler.finish(r.rid)
+        if r.row is not None:
+            self.parts.memory.release(r.row, r.num_cached)
+            r.row = None
+        del self._reqs[r.rid]
+        with self._lock:
+            self._known.discard(r.rid)
+        self.counters["prompt_tokens"] += len(r.prompt_ids)
+        self.counters["finished_requests"] += 1
+        return StepOutput(r.rid, new_ids, delta, True, reason, len(r.prompt_ids), len(r.output_ids),
+                          meta=self._meta(r))
+
+    def _meta(self, r: _Req) -> dict:
+        now = time.perf_counter()
+        ttft = (r.t_first_token - r.t_arrival) if r.t_first_token else None
+        return dict(prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.output_ids),
+                    finish_reason=r.finish_reason, decode_steps=r.decode_steps,
+                    sparse_decode_steps=r.sparse_decode_steps, e2e_latency=now - r.t_arrival,
+                    ttft=ttft, decode_latency=(now - r.t_first_token) if r.t_first_token else 0.0,
+                    text=r.detok.text)
+
+    # --------------------------------------------------------------------------- batch API
+    def generate(self, prompts, sampling_params=None) -> list[dict]:
+        """Run prompts to completion. ``prompts``: str, list[str], list[int] or list[list[int]];
+        ``sampling_params``: one for all, or a list. Returns, per prompt, ``{"text", "token_ids",
+        "meta": {prompt_tokens, completion_tokens, finish_reason, decode_steps,
+        sparse_decode_steps, e2e_latency, ttft, decode_latency}}``."""
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        sps = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(sps) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sps)} sampling_params")
+        rids = [self.add_request(pr, sp) for pr, sp in zip(prompts, sps)]
+        results: dict[str, dict] = {rid: {"token_ids": []} for rid in rids}
+        while any("meta" not in results[r] for r in rids):
+            for o in self.step():
+                if o.request_id in results:
+                    results[o.request_id]["token_ids"].extend(o.new_token_ids)
+                    if o.finished:
+                        meta = dict(o.meta)
+                        results[o.request_id]["text"] = meta.pop("text")
+                        results[o.request_id]["meta"] = meta
+        return [dict(text=results[r]["text"], token_ids=results[r]["token_ids"], meta=results[r]["meta"])
+                for r in rids]
+
+    def stats(self) -> dict:
+        p, c = self.parts, self.counters
+        return dict(running=p.scheduler.num_running, waiting=p.scheduler.num_waiting + len(self._inbox),
+                    kv_used_tokens=p.memory.slots.num_used, kv_total_tokens=p.memory.slots.size,
+                    kv_reserved_tokens=p.scheduler.reserved_tokens,
+                    decode_steps=c["decode_steps"], sparse_decode_steps=c["sparse_decode_steps"],
+                    prompt_tokens=c["prompt_tokens"], generation_tokens=c["generation_tokens"],
+                    prefill_tokens=c["prefill_tokens"], decode_tokens=c["decode_tokens"],
+                    prefill_time=c["prefill_time"], decode_time=c["decode_time"],
+                    finished_requests=c["finished_requests"], attention_backend=p.backend.name,
+                    double_sparsity=p.ds is not None, channel_source=p.channel_source,
+                    heavy_token_num=p.ds.heavy_token_num if p.ds else None,
+                    heavy_channel_num=p.memory.plan.heavy_channel_num or None)

@@ -1,0 +1,43 @@
+"""Per-step state handed explicitly to the model and the attention backend (never a global)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One forward pass.
+
+    mode: "prefill" (T new tokens of B requests, with possible cached prefix) | "decode" (T == B).
+    input_ids, positions: [T] int64 (device). out_slots: [T] int64, where the new K/V go.
+    req_idx: [B] int32 rows of req_to_token. seq_lens: [B] int32 tokens in cache after this step.
+    logits_indices: [N] int64 into the T tokens: whose logits the model returns.
+    attn: the AttentionBackend (the model calls ``batch.attn.forward``).
+    Prefill only (host ints): rows_host, extend_prefix_lens, extend_lens.
+    attn_meta: what ``attn.plan(batch)`` computed for this step.
+    """
+
+    mode: str
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    req_idx: torch.Tensor
+    seq_lens: torch.Tensor
+    logits_indices: torch.Tensor
+    attn: Any
+    rows_host: tuple[int, ...] = ()
+    extend_prefix_lens: tuple[int, ...] = ()
+    extend_lens: tuple[int, ...] = ()
+    attn_meta: Any = field(default=None, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_idx.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,123 @@
+"""Turns scheduler decisions into ForwardBatches, runs the model, replays decode CUDA graphs.
+
+Decode graphs are captured once per batch bucket (1, 2, 4, ... up to ``graph_max_bs``) with static
+input buffers; a smaller batch is padded up to its bucket with rows that read and write only the
+padding slot 0 through the padding row 0 of req_to_token (seq_len 1), so they cost almost nothing
+and touch no real request's cache. On CPU (or with graphs disabled) everything runs eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .forward_batch import ForwardBatch
+
+
+def graph_buckets(max_bs: int) -> list[int]:
+    out, b = [], 1
+    while b < max_bs:
+        out.append(b)
+        b *= 2
+    out.append(max_bs)
+    return out
+
+
+class ModelRunner:
+    """model: callable ``model(input_ids [T], positions [T], batch) -> logits [N, V] float32``;
+    memory: KVMemory; backend: AttentionBackend over that memory."""
+
+    def __init__(self, model, memory, backend, device, use_cuda_graph: bool = False,
+                 graph_max_bs: int = 32):
+        self.model = model
+        self.memory = memory
+        self.backend = backend
+        self.device = torch.device(device)
+        self.graph_max_bs = min(graph_max_bs, memory.plan.max_reqs)
+        self.graphs: dict[int, tuple] = {}
+        if use_cuda_graph and self.device.type == "cuda":
+            self.capture_graphs()
+
+    # ------------------------------------------------------------------------------ prefill
+    @torch.inference_mode()
+    def prefill(self, rows: list[int], prefix_lens: list[int], chunks: list[list[int]],
+                want_logits: list[bool]) -> torch.Tensor:
+        """Compute new prompt tokens ``chunks[i]`` of request row ``rows[i]`` at positions
+        ``prefix_lens[i] ..``. Returns logits ``[sum(want_logits), V]`` float32, one per request
+        that wants them (its chunk's last token), in order."""
+        lens = [len(c) for c in chunks]
+        T = sum(lens)
+        row_t = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), torch.tensor(lens))
+        pos = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(prefix_lens, lens)])
+        slots = self.memory.assign(row_t, pos, T)
+        ends = torch.tensor(lens).cumsum(0) - 1
+        idx = ends[torch.tensor(want_logits, dtype=torch.bool)]
+        dev = self.device
+        batch = ForwardBatch(
+            mode="prefill",
+            input_ids=torch.tensor([t for c in chunks for t in c], dtype=torch.int64).to(dev),
+            positions=pos.to(dev), out_slots=slots.to(dev),
+            req_idx=torch.tensor(rows, dtype=torch.int32).to(dev),
+            seq_lens=torch.tensor([p + n for p, n in zip(prefix_lens, lens)], dtype=torch.int32).to(dev),
+            logits_indices=idx.to(dev), attn=self.backend, rows_host=tuple(rows),
+            extend_prefix_lens=tuple(prefix_lens), extend_lens=tuple(lens))
+        self.backend.plan(batch)
+        return self.model(batch.input_ids, batch.positions, batch)
+
+    # ------------------------------------------------------------------------------- decode
+    @torch.inference_mode()
+    def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One token per request: ``tokens[i]`` at ``positions[i]`` (== cached length before the
+        step). Returns logits ``[B, V]`` float32."""
+        B = len(rows)
+        row_t = torch.tensor(rows, dtype=torch.int64)
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        slots = self.memory.assign(row_t, pos_t, B)
+        host = torch.stack([torch.tensor(tokens, dtype=torch.int64), pos_t, slots, row_t, pos_t + 1])
+        bucket = next((b for b in self.graphs if b >= B), None)
+        if bucket is not None:
+            return self._replay(bucket, B, host)
+        dev = host.to(self.device)
+        batch = ForwardBatch(mode="decode", input_ids=dev[0], positions=dev[1], out_slots=dev[2],
+                             req_idx=dev[3].to(torch.int32), seq_lens=dev[4].to(torch.int32),
+                             logits_indices=torch.arange(B, device=self.device), attn=self.backend)
+        self.backend.plan(batch)
+        return self.model(batch.input_ids, batch.positions, batch)
+
+    # ------------------------------------------------------------------------------- graphs
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        dev = self.device
+        z = lambda dt: torch.zeros(bs, dtype=dt, device=dev)  # noqa: E731
+        return ForwardBatch(mode="decode", input_ids=z(torch.int64), positions=z(torch.int64),
+                            out_slots=z(torch.int64), req_idx=z(torch.int32),
+                            seq_lens=torch.ones(bs, dtype=torch.int32, device=dev),
+                            logits_indices=torch.arange(bs, device=dev), attn=self.backend)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture one decode graph per bucket, largest first so smaller ones reuse its pool."""
+        pool = torch.cuda.graph_pool_handle()
+        for bs in sorted(graph_buckets(self.graph_max_bs), reverse=True):
+            batch = self._static_batch(bs)
+            self.backend.plan(batch)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm up (Triton autotune / lazy init) outside the capture
+                    self.model(batch.input_ids, batch.positions, batch)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                logits = self.model(batch.input_ids, batch.positions, batch)
+            self.graphs[bs] = (g, batch, logits)
+        self.graphs = dict(sorted(self.graphs.items()))
+        torch.cuda.synchronize(self.device)
+
+    def _replay(self, bs: int, B: int, host: torch.Tensor) -> torch.Tensor:
+        g, sb, logits = self.graphs[bs]
+        dev = host.to(self.device, non_blocking=True)
+        for buf, src, pad in ((sb.input_ids, dev[0], 0), (sb.positions, dev[1], 0),
+                              (sb.out_slots, dev[2], 0), (sb.req_idx, dev[3], 0), (sb.seq_lens, dev[4], 1)):
+            buf[:B].copy_(src)
+            buf[B:].fill_(pad)  # rows a previous, larger batch filled go back to padding
+        g.replay()
+        return logits[:B].clone()

@@ -1,0 +1,134 @@
+"""Building an engine's parts from an EngineConfig: model, channels, pools, backend, runner.
+
+Shared by :class:`~doublesparse.engine.engine.Engine` and ``bench_one_batch`` so both run the
+exact same stack.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import DSParams, create_backend
+from ..config import EngineConfig
+from ..kernels.workspace import DecodeWorkspace
+from .memory import KVMemory, MemoryPlan, plan_memory
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+
+log = logging.getLogger("doublesparse.engine")
+_UNSET = object()
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineParts:
+    model: object
+    tokenizer: object
+    device: torch.device
+    max_context_len: int
+    plan: MemoryPlan
+    memory: KVMemory
+    backend: object
+    runner: ModelRunner
+    scheduler: Scheduler
+    ds: DSParams | None
+    channel_source: str | None
+    workspace: DecodeWorkspace | None
+
+    def sparse_rows(self, seq_lens: list[int]) -> list[bool]:
+        """Per request of a decode step (lengths after the step): did it select tokens?"""
+        if self.ds is None:
+            return [False] * len(seq_lens)
+        return [n > self.ds.heavy_token_num and n >= self.ds.threshold for n in seq_lens]
+
+
+def load(cfg: EngineConfig, device: torch.device, progress: bool):
+    """The model and tokenizer through :mod:`doublesparse.models`."""
+    from ..models import load_model, load_tokenizer
+    dtype = None if cfg.dtype in (None, "auto") else cfg.dtype
+    model = load_model(cfg.model_path, load_format=cfg.load_format, dtype=dtype, device=str(device),
+                       progress=progress, seed=cfg.seed)
+    tok = None if cfg.load_format == "dummy" and cfg.model_path is None else load_tokenizer(cfg.model_path)
+    return model, tok
+
+
+def resolve_channels(cfg: EngineConfig, model, mc, r: int) -> tuple[torch.Tensor, str]:
+    """Heavy channels ``[num_layers, Hkv, r]`` long and a description of where they came from:
+    ``--ds-channel-config-path``, else the packaged config for the model, else the documented
+    weight-based default, else (calibrate package missing) the first r channels."""
+    try:
+        from ..calibrate.channels import default_channels, load_channels, packaged_config_path
+    except ImportError as e:
+        warnings.warn(f"doublesparse.calibrate unavailable ({e}); using the first {r} channels")
+        return _first_channels(mc, r), f"first {r} channels (calibrate package missing)"
+    path = cfg.ds_channel_config_path
+    if path is None and cfg.load_format != "dummy":
+        path = packaged_config_path(getattr(mc, "name", None))
+    if path is not None:
+        ch = load_channels(path, mc, cfg.ds_heavy_channel_type, r, cfg.ds_selection_mode)
+        return ch, f"channel config {path}"
+    try:
+        ch = default_channels(model, r, cfg.ds_heavy_channel_type)
+        return ch, f"weight-based default channels (no channel config; r={r}, type={cfg.ds_heavy_channel_type})"
+    except (ValueError, AttributeError, KeyError) as e:
+        warnings.warn(f"default_channels failed ({e}); using the first {r} channels")
+        return _first_channels(mc, r), f"first {r} channels (no usable weights)"
+
+
+def _first_channels(mc, r: int) -> torch.Tensor:
+    return torch.arange(r).expand(mc.num_layers, mc.num_kv_heads, r).clone()
+
+
+def _model_dtype(model) -> torch.dtype:
+    d = getattr(model, "dtype", None)
+    if isinstance(d, torch.dtype):
+        return d
+    return next(model.parameters()).dtype
+
+
+def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool = True) -> EngineParts:
+    device = torch.device(cfg.resolved_device)
+    if model is None:
+        model, loaded_tok = load(cfg, device, progress)
+        tokenizer = loaded_tok if tokenizer is _UNSET or tokenizer is None else tokenizer
+    elif tokenizer is _UNSET:
+        tokenizer = None
+    mc = model.config
+    max_ctx = int(mc.max_position_embeddings)
+    if cfg.context_length:
+        max_ctx = min(max_ctx, cfg.context_length)
+    if getattr(mc, "sliding_window", None) and mc.sliding_window < max_ctx:
+        warnings.warn(f"model uses a sliding window of {mc.sliding_window}; the engine attends to the "
+                      f"full context (capping the context at {mc.sliding_window} keeps it exact)")
+    ds = channels = None
+    source = None
+    r = 0
+    if cfg.use_double_sparsity:
+        r = cfg.heavy_channel_num(mc.head_dim)
+        ds = DSParams(cfg.heavy_token_num(max_ctx), cfg.ds_selection_mode, cfg.ds_sparse_decode_threshold,
+                      cfg.ds_num_sink, cfg.ds_num_recent)
+        ch, source = resolve_channels(cfg, model, mc, r)
+        channels = ch.to(device=device, dtype=torch.int32).contiguous()
+        log.info("Double Sparsity: k=%d, r=%d, %s", ds.heavy_token_num, r, source)
+    max_bs = cfg.resolved_max_running_requests
+    ws = None
+    if device.type == "cuda":
+        ws = DecodeWorkspace(max_batch=max_bs,
+                             num_q_heads=mc.num_q_heads, num_kv_heads=mc.num_kv_heads,
+                             head_dim=mc.head_dim, max_ctx=max_ctx,
+                             max_heavy_tokens=ds.heavy_token_num if ds else 0, device=device)
+    plan = plan_memory(cfg, mc, _model_dtype(model), device, max_ctx, r)
+    memory = KVMemory(plan, device)
+    log.info("%s", plan.describe())
+    backend = create_backend(cfg.resolved_attention_backend, use_double_sparsity=ds is not None, ds=ds,
+                             memory=memory, num_q_heads=mc.num_q_heads, head_dim=mc.head_dim,
+                             impl=cfg.kernel_impl, workspace=ws, channels=channels)
+    runner = ModelRunner(model, memory, backend, device, use_cuda_graph=cfg.use_cuda_graph,
+                         graph_max_bs=cfg.cuda_graph_max_bs)
+    scheduler = Scheduler(cfg.scheduler_config(), plan.max_total_tokens, max_ctx)
+    return EngineParts(model, tokenizer, device, max_ctx, plan, memory, backend, runner, scheduler,
+                       ds, source, ws)
