@@ -1,0 +1,227 @@
+"""Engine end-to-end on CPU with the toy stand-in model (fast), plus a few SmolLM2 checks."""
+
+import importlib.util
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from doublesparse.engine import Engine, RequestRefused, SamplingParams
+from doublesparse.engine.toy_model import CharTokenizer, ToyConfig, ToyModel
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+CFG = ToyConfig(max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ToyModel(CFG, seed=0)
+
+
+def engine(model, **kw):
+    kw.setdefault("max_total_tokens", 4096)
+    kw.setdefault("max_running_requests", 8)
+    return Engine(model=model, tokenizer=CharTokenizer(), progress=False, **kw)
+
+
+def prompts(n, seed=0, lo=5, hi=60):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 128, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+class _Causal:
+    def forward(self, layer_id, q, k, v, batch):
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           is_causal=True, enable_gqa=True)
+        return o.transpose(0, 1)
+
+
+@torch.inference_mode()
+def recompute_greedy(model, ids, n):
+    ids = list(ids)
+    out = []
+    for _ in range(n):
+        t = torch.tensor(ids)
+        b = types.SimpleNamespace(attn=_Causal(), logits_indices=torch.tensor([len(ids) - 1]))
+        tok = int(model(t, torch.arange(len(ids)), b)[0].argmax())
+        out.append(tok)
+        ids.append(tok)
+    return out
+
+
+def test_dense_matches_full_recompute(model):
+    ps = prompts(2, seed=1)
+    e = engine(model)
+    res = e.generate(ps, {**GREEDY, "max_new_tokens": 12})
+    for p, r in zip(ps, res):
+        assert r["token_ids"] == recompute_greedy(model, p, 12)
+        assert r["meta"]["finish_reason"] == "length" and r["meta"]["completion_tokens"] == 12
+
+
+@pytest.mark.parametrize("mode", ["group_max", "group_sum", "per_head"])
+def test_ds_with_k_at_least_seq_len_equals_dense(model, mode):
+    ps = prompts(3, seed=2)
+    sp = {**GREEDY, "max_new_tokens": 10}
+    dense = engine(model).generate(ps, sp)
+    e = engine(model, enable_double_sparsity=True, ds_heavy_token_num=128, ds_selection_mode=mode)
+    ds = e.generate(ps, sp)
+    assert [r["token_ids"] for r in ds] == [r["token_ids"] for r in dense]
+    assert all(r["meta"]["sparse_decode_steps"] == 0 for r in ds)
+    assert e.stats()["sparse_decode_steps"] == 0 and e.stats()["decode_steps"] > 0
+
+
+@pytest.mark.parametrize("ds", [False, True])
+def test_mixed_batch_equals_each_alone(model, ds):
+    kw = dict(enable_double_sparsity=True, ds_heavy_token_num=16, ds_heavy_channel_num=8) if ds else {}
+    ps = prompts(4, seed=3, lo=3, hi=70)
+    sps = [{**GREEDY, "max_new_tokens": n} for n in (6, 14, 3, 10)]
+    batched = engine(model, **kw).generate(ps, sps)
+    for p, sp, r in zip(ps, sps, batched):
+        alone = engine(model, **kw).generate(p, sp)[0]
+        assert r["token_ids"] == alone["token_ids"]
+    if ds:
+        assert any(r["meta"]["sparse_decode_steps"] > 0 for r in batched)
+
+
+@pytest.mark.parametrize("ds", [False, True])
+def test_chunked_prefill_equals_one_shot(model, ds):
+    kw = dict(enable_double_sparsity=True, ds_heavy_token_num=24) if ds else {}
+    ps = prompts(3, seed=4, lo=40, hi=90)
+    sp = {**GREEDY, "max_new_tokens": 8}
+    one = engine(model, chunked_prefill_size=4096, **kw).generate(ps, sp)
+    chunked = engine(model, chunked_prefill_size=7, **kw).generate(ps, sp)
+    assert [r["token_ids"] for r in chunked] == [r["token_ids"] for r in one]
+
+
+def test_stop_strings_and_stop_ids(model):
+    e = engine(model)
+    p = "the quick brown fox"
+    full = e.generate(p, {**GREEDY, "max_new_tokens": 16})[0]
+    text = full["text"]
+    assert len(text) == 16
+    stop = text[5:8]
+    cut = e.generate(p, {**GREEDY, "max_new_tokens": 16, "stop": [stop]})[0]
+    assert cut["meta"]["finish_reason"] == "stop" and cut["text"] == text[: text.find(stop)]
+    tid = full["token_ids"][3]
+    by_id = e.generate(p, {**GREEDY, "max_new_tokens": 16, "stop_token_ids": [tid]})[0]
+    i = full["token_ids"].index(tid)
+    assert by_id["token_ids"] == full["token_ids"][: i + 1] and by_id["meta"]["finish_reason"] == "stop"
+    assert by_id["text"] == text[:i]          # the stop token itself is not in the text
+
+
+def test_streaming_deltas_concatenate_to_text(model):
+    e = engine(model)
+    rid = e.add_request("streaming text", {**GREEDY, "max_new_tokens": 20, "stop": "zz"})
+    text, toks, last = "", [], None
+    while e.has_unfinished():
+        for o in e.step():
+            assert o.request_id == rid
+            text += o.text
+            toks += o.new_token_ids
+            last = o
+    assert last.finished and last.completion_tokens == len(toks) and last.prompt_tokens == 14
+    assert text == last.meta["text"] and len(toks) == 20
+
+
+def test_refusal_and_waiting(model):
+    e = engine(model, max_total_tokens=100, max_running_requests=4)
+    with pytest.raises(RequestRefused, match="KV pool"):
+        e.add_request(list(range(1, 90)), {"max_new_tokens": 20})
+    with pytest.raises(ValueError, match="maximum context length"):
+        engine(model, max_total_tokens=10_000).add_request([1] * 500, {"max_new_tokens": 20})
+    # two requests that fit only one at a time: the second waits, both complete
+    ps = prompts(2, seed=5, lo=40, hi=41)
+    res = e.generate(ps, {**GREEDY, "max_new_tokens": 30})
+    assert all(r["meta"]["completion_tokens"] == 30 for r in res)
+    alone = engine(model).generate(ps[1], {**GREEDY, "max_new_tokens": 30})[0]
+    assert res[1]["token_ids"] == alone["token_ids"]
+    s = e.stats()
+    assert s["kv_used_tokens"] == 0 and s["running"] == 0 and s["waiting"] == 0
+
+
+def test_abort_frees_slots(model):
+    e = engine(model)
+    rid = e.add_request([5] * 30, {**GREEDY, "max_new_tokens": 50})
+    e.step()
+    e.step()
+    assert e.stats()["kv_used_tokens"] == 31
+    e.abort(rid)
+    outs = e.step()
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [(rid, True, "abort")]
+    assert e.stats()["kv_used_tokens"] == 0 and not e.has_unfinished()
+
+
+def test_ds_overrides_and_labels_fp8(model):
+    e = engine(model, enable_double_sparsity=True, ds_heavy_token_num=16, ds_label_dtype="fp8",
+               ds_num_sink=2, ds_num_recent=2)
+    with pytest.raises(ValueError, match="ds_heavy_token_num"):
+        e.add_request([1, 2, 3], {"ds_heavy_token_num": 8})
+    with pytest.raises(ValueError, match="enable_double_sparsity"):
+        e.add_request([1, 2, 3], SamplingParams(enable_double_sparsity=False))
+    r = e.generate(prompts(1, seed=6, lo=40, hi=41), {**GREEDY, "max_new_tokens": 5, "ds_heavy_token_num": 16})
+    assert r[0]["meta"]["sparse_decode_steps"] == 4
+    assert e.parts.memory.label[0].dtype == torch.float8_e4m3fn
+
+
+def test_sampling_seeded_reproducible(model):
+    sp = {"temperature": 1.0, "top_p": 0.9, "seed": 7, "max_new_tokens": 12, "ignore_eos": True}
+    a = engine(model).generate("abc", sp)[0]["token_ids"]
+    b = engine(model).generate(["xyz", "abc"], sp)[1]["token_ids"]
+    assert a == b
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("ds", [False, True])
+def test_cuda_graph_equals_eager(ds):
+    m = ToyModel(CFG, seed=0, dtype=torch.bfloat16, device="cuda")
+    kw = dict(device="cuda", enable_double_sparsity=ds, ds_heavy_token_num=16)
+    ps = prompts(5, seed=7, lo=20, hi=80)
+    sp = {**GREEDY, "max_new_tokens": 12}
+    eager = engine(m, disable_cuda_graph=True, **kw).generate(ps, sp)
+    e = engine(m, cuda_graph_max_bs=8, **kw)
+    assert e.parts.runner.graphs
+    graph = e.generate(ps, sp)
+    assert [r["token_ids"] for r in graph] == [r["token_ids"] for r in eager]
+
+
+# ------------------------------------------------------------------------- embedded SmolLM2
+def _have_smollm2():
+    try:
+        from doublesparse.assets import smollm2_gguf_path
+        smollm2_gguf_path()
+        return importlib.util.find_spec("doublesparse.models") is not None
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="module")
+def smol():
+    if not _have_smollm2():
+        pytest.skip("embedded SmolLM2 or doublesparse.models unavailable")
+    from doublesparse.models import load_model, load_tokenizer
+    return load_model(None, progress=False), load_tokenizer(None)
+
+
+def test_smollm2_answers_and_ds_equals_dense_when_k_large(smol):
+    m, tok = smol
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    sp = {"temperature": 0.0, "max_new_tokens": 8}
+    dense = Engine(model=m, tokenizer=tok, max_total_tokens=2048, progress=False).generate(ids, sp)[0]
+    assert "paris" in dense["text"].lower()
+    ds = Engine(model=m, tokenizer=tok, max_total_tokens=2048, enable_double_sparsity=True,
+                ds_heavy_token_num=1024, progress=False).generate(ids, sp)[0]
+    assert ds["token_ids"] == dense["token_ids"]
+
+
+def test_smollm2_sparse_decode_runs(smol):
+    m, tok = smol
+    e = Engine(model=m, tokenizer=tok, max_total_tokens=4096, enable_double_sparsity=True,
+               ds_heavy_token_num=64, progress=False)
+    text = "The cat sat on the mat. " * 40
+    r = e.generate(text, {"temperature": 0.0, "max_new_tokens": 6})[0]
+    assert r["meta"]["sparse_decode_steps"] == r["meta"]["decode_steps"] > 0
+    assert "weight-based" in e.stats()["channel_source"] or "config" in e.stats()["channel_source"]
