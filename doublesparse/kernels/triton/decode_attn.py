@@ -1,0 +1,124 @@
+"""Triton kernels: split-K decode attention over a token list, and the merge of the partials.
+
+One program handles (batch entry b, row r, split s). A row is a KV head whose whole query group is
+packed into the program (so each K/V byte is read once), or, in per-query-head selection, a single
+query head. The token list of a row is either positions 0..seq_len-1 (dense) or the row's top-k
+selected positions (sparse); which one is decided per request on the device from seq_lens.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decode_attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr,
+    req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr,
+    part_o_ptr, part_lse_ptr,
+    sm_scale, heavy_k, threshold,
+    stride_qb, stride_qh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    stride_rt, stride_selb, stride_selr,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+    G: tl.constexpr, D: tl.constexpr,
+    PER_HEAD: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    row = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    req = tl.load(req_idx_ptr + b).to(tl.int64)
+    if HAS_SEL:
+        sparse = (seq_len > heavy_k) & (seq_len >= threshold)
+        n = tl.where(sparse, heavy_k, seq_len)
+    else:
+        sparse = seq_len < 0  # always False, keeps one code path
+        n = seq_len
+
+    if PER_HEAD:
+        kvh = row // G
+        heads = row + tl.arange(0, BLOCK_H)
+        hmask = tl.arange(0, BLOCK_H) < 1
+    else:
+        kvh = row
+        heads = row * G + tl.arange(0, BLOCK_H)
+        hmask = tl.arange(0, BLOCK_H) < G
+
+    # Static split count, dynamic split length: the grid never depends on seq_lens.
+    per_split = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, n)
+
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634  # exp2-based softmax
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    sel_row = sel_ptr + b * stride_selb + row * stride_selr
+    rt_row = req_to_token_ptr + req * stride_rt
+    for t in range(start, end, BLOCK_N):
+        offs = t + tl.arange(0, BLOCK_N)
+        nmask = offs < end
+        pos = offs
+        if HAS_SEL:
+            picked = tl.load(sel_row + offs, mask=nmask & sparse, other=0)
+            pos = tl.where(sparse, picked, offs)
+        slot = tl.load(rt_row + pos, mask=nmask, other=0).to(tl.int64)
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kvh * stride_kch + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if DOT_F32:
+            # Triton 3.6's interpreter computes bf16 dots wrongly; upcast there only.
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale                                         # [BLOCK_H, BLOCK_N], log2 units
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kvh * stride_vch + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if DOT_F32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(part_o_ptr + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + d[None, :],
+             out, mask=hmask[:, None] & dmask[None, :])
+    tl.store(part_lse_ptr + b * stride_plb + heads * stride_plh + split, lse, mask=hmask)
+
+
+@triton.jit
+def merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+    stride_ob, stride_oh,
+    D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    smask = s < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    lse = tl.load(part_lse_ptr + b * stride_plb + h * stride_plh + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)
+    w = tl.where(smask & (lse > float("-inf")), w, 0.0)
+    o = tl.load(part_o_ptr + b * stride_pob + h * stride_poh + s[:, None] * stride_pos + d[None, :],
+                mask=(w > 0)[:, None] & dmask[None, :], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=dmask)

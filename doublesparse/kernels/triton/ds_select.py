@@ -1,0 +1,213 @@
+"""Triton kernels for Double Sparsity stages 1 and 2: label scoring and top-k selection.
+
+Selection is an exact radix select over 16-bit keys of the fp16 scores, in three launches that all
+use a static grid (B, rows, P) and read lengths from device memory:
+
+  score    : scores = sm_scale * q[heavy] . label (fp16), plus a 256-bin histogram of the key's
+             high byte, accumulated per row with atomics;
+  hist_low : finds the high byte holding the k-th largest key, and histograms the low byte of the
+             keys inside that bucket;
+  compact  : finds the exact 16-bit threshold and writes the positions of the keys above it, then
+             enough of the keys equal to it (ties are taken in arrival order), k in all.
+
+The histograms stay zero between calls: `score` clears hist[1] before `hist_low` fills it, and
+`compact` clears hist[0] after the last reader of it, so no memset launch is needed.
+"""
+
+import triton
+import triton.language as tl
+
+FP16_MAX = 65504.0
+
+
+@triton.jit
+def _key16(s16):
+    # Order-preserving map of fp16 bits to [0, 65535]: flip all bits of negatives, set the sign bit
+    # of positives.
+    b = s16.to(tl.int16, bitcast=True).to(tl.int32)
+    return tl.where(b < 0, ~b, b | 0x8000) & 0xFFFF
+
+
+@triton.jit
+def _is_sparse(seq_len, heavy_k, threshold):
+    return (seq_len > heavy_k) & (seq_len >= threshold)
+
+
+@triton.jit
+def _split_range(n, p, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr):
+    per = tl.cdiv(tl.cdiv(n, NUM_PROGS), BLOCK_N) * BLOCK_N
+    start = p * per
+    return start, tl.minimum(start + per, n)
+
+
+@triton.jit
+def _threshold_digit(h, need):
+    # h: [256] counts. Largest digit d with count(keys with digit >= d) >= need, and the count of
+    # keys strictly above d.
+    idx = tl.arange(0, 256)
+    total = tl.sum(h, 0)
+    ge = total - tl.cumsum(h, 0) + h
+    digit = tl.max(tl.where(ge >= need, idx, -1), 0)
+    above = tl.sum(tl.where(idx > digit, h, 0), 0)
+    return digit, above
+
+
+@triton.jit
+def _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent, out_ptr):
+    # Store one row of scores as fp16 and return the histogram of the keys' high byte.
+    keep = (offs < num_sink) | (offs >= seq_len - num_recent)
+    s = tl.where(keep, FP16_MAX, tl.minimum(tl.maximum(s, -FP16_MAX), FP16_MAX))
+    s16 = s.to(tl.float16)
+    tl.store(out_ptr + offs, s16, mask=nmask)
+    return tl.histogram(_key16(s16) >> 8, 256, mask=nmask)
+
+
+@triton.jit
+def score_kernel(
+    q_ptr, label_ptr, channels_ptr, scale_ptr,
+    req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
+    scores_ptr, hist_ptr, rowinfo_ptr,
+    sm_scale, heavy_k, threshold, num_sink, num_recent,
+    stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt,
+    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+    G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LABEL_FP8: tl.constexpr,
+    NUM_PROGS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    # One program: (batch entry, KV head, slice of positions). MODE 0 = per query head (writes the
+    # G score rows of the group), 1 = group sum, 2 = group max (one row per KV head).
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    p = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    n = tl.where(_is_sparse(seq_len, heavy_k, threshold), seq_len, 0)
+    bins = tl.arange(0, 256)
+    hrow = tl.arange(0, BLOCK_H)
+    hmask = hrow < G
+    if p == 0:
+        # Reset what the later launches of this call accumulate into.
+        if MODE == 0:
+            for i in tl.static_range(G):
+                tl.store(hist_ptr + stride_hp + b * stride_hb + (kvh * G + i) * stride_hr + bins,
+                         tl.zeros([256], tl.int32))
+                tl.store(rowinfo_ptr + b * stride_rib + (kvh * G + i) * stride_rir + 2 + tl.arange(0, 2),
+                         tl.zeros([2], tl.int32))
+        else:
+            tl.store(hist_ptr + stride_hp + b * stride_hb + kvh * stride_hr + bins, tl.zeros([256], tl.int32))
+            tl.store(rowinfo_ptr + b * stride_rib + kvh * stride_rir + 2 + tl.arange(0, 2),
+                     tl.zeros([2], tl.int32))
+
+    r = tl.arange(0, BLOCK_R)
+    rmask = r < R
+    ch = tl.load(channels_ptr + kvh * stride_ch + r, mask=rmask, other=0)
+    qh = tl.load(q_ptr + b * stride_qb + (kvh * G + hrow)[:, None] * stride_qh + ch[None, :],
+                 mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
+    scale = sm_scale
+    if LABEL_FP8:
+        scale = scale * tl.load(scale_ptr)
+    qh = qh * scale
+
+    req = tl.load(req_idx_ptr + b).to(tl.int64)
+    start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
+    hist = tl.zeros([BLOCK_H, 256], tl.int32)
+    for t in range(start, end, BLOCK_N):
+        offs = t + tl.arange(0, BLOCK_N)
+        nmask = offs < end
+        slot = tl.load(req_to_token_ptr + req * stride_rt + offs, mask=nmask, other=0).to(tl.int64)
+        lab = tl.load(label_ptr + slot[:, None] * stride_ls + kvh * stride_lh + r[None, :],
+                      mask=nmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
+        s_all = tl.sum(qh[:, None, :] * lab[None, :, :], 2)          # [BLOCK_H, BLOCK_N]
+        if MODE == 0:
+            for i in tl.static_range(G):
+                s_i = tl.sum(tl.where(hrow[:, None] == i, s_all, 0.0), 0)
+                h_i = _emit_scores(s_i, offs, nmask, seq_len, num_sink, num_recent,
+                                   scores_ptr + b * stride_sb + (kvh * G + i) * stride_sr)
+                hist += tl.where(hrow[:, None] == i, h_i[None, :], 0)
+        else:
+            if MODE == 1:
+                s = tl.sum(s_all, 0)                                  # padded heads are zero
+            else:
+                s = tl.max(tl.where(hmask[:, None], s_all, float("-inf")), 0)
+            h = _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent,
+                             scores_ptr + b * stride_sb + kvh * stride_sr)
+            hist += tl.where(hrow[:, None] == 0, h[None, :], 0)
+    if MODE == 0:
+        for i in tl.static_range(G):
+            h_i = tl.sum(tl.where(hrow[:, None] == i, hist, 0), 0)
+            tl.atomic_add(hist_ptr + b * stride_hb + (kvh * G + i) * stride_hr + bins, h_i,
+                          mask=h_i > 0, sem="relaxed")
+    else:
+        h = tl.sum(tl.where(hrow[:, None] == 0, hist, 0), 0)
+        tl.atomic_add(hist_ptr + b * stride_hb + kvh * stride_hr + bins, h, mask=h > 0, sem="relaxed")
+
+
+@triton.jit
+def hist_low_kernel(
+    scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr,
+    heavy_k, threshold,
+    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    row = tl.program_id(1)
+    p = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    sparse = _is_sparse(seq_len, heavy_k, threshold)
+    n = tl.where(sparse, seq_len, 0)
+    bins = tl.arange(0, 256)
+    h0 = tl.load(hist_ptr + b * stride_hb + row * stride_hr + bins)
+    digit0, above0 = _threshold_digit(h0, heavy_k)
+    if p == 0:
+        tl.store(rowinfo_ptr + b * stride_rib + row * stride_rir, digit0)
+        tl.store(rowinfo_ptr + b * stride_rib + row * stride_rir + 1, heavy_k - above0)
+    start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
+    hist = tl.zeros([256], tl.int32)
+    for t in range(start, end, BLOCK_N):
+        offs = t + tl.arange(0, BLOCK_N)
+        nmask = offs < end
+        key = _key16(tl.load(scores_ptr + b * stride_sb + row * stride_sr + offs, mask=nmask, other=0.0))
+        hist += tl.histogram(key & 255, 256, mask=nmask & ((key >> 8) == digit0))
+    tl.atomic_add(hist_ptr + stride_hp + b * stride_hb + row * stride_hr + bins, hist, mask=hist > 0,
+                  sem="relaxed")
+
+
+@triton.jit
+def compact_kernel(
+    scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr,
+    heavy_k, threshold,
+    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+    stride_selb, stride_selr,
+    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    row = tl.program_id(1)
+    p = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    sparse = _is_sparse(seq_len, heavy_k, threshold)
+    n = tl.where(sparse, seq_len, 0)
+    bins = tl.arange(0, 256)
+    info = rowinfo_ptr + b * stride_rib + row * stride_rir
+    digit0 = tl.load(info)
+    need0 = tl.load(info + 1)
+    h1 = tl.load(hist_ptr + stride_hp + b * stride_hb + row * stride_hr + bins)
+    digit1, above1 = _threshold_digit(h1, need0)
+    thr = digit0 * 256 + digit1
+    n_gt = heavy_k - need0 + above1
+    ties = heavy_k - n_gt
+    if p == 0:
+        # hist[0] has had its last reader (hist_low); leave it zeroed for the next call.
+        tl.store(hist_ptr + b * stride_hb + row * stride_hr + bins, tl.zeros([256], tl.int32))
+    start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
+    out = sel_ptr + b * stride_selb + row * stride_selr
+    for t in range(start, end, BLOCK_N):
+        offs = t + tl.arange(0, BLOCK_N)
+        nmask = offs < end
+        key = _key16(tl.load(scores_ptr + b * stride_sb + row * stride_sr + offs, mask=nmask, other=0.0))
+        gt = (key > thr) & nmask
+        eq = (key == thr) & nmask
+        c_gt = tl.sum(gt.to(tl.int32), 0)
+        c_eq = tl.sum(eq.to(tl.int32), 0)
+        base = tl.atomic_add(info + 2, c_gt, mask=c_gt > 0, sem="relaxed")
+        tl.store(out + base + tl.cumsum(gt.to(tl.int32), 0) - 1, offs, mask=gt)
+        base_e = tl.atomic_add(info + 3, c_eq, mask=c_eq > 0, sem="relaxed")
+        idx = base_e + tl.cumsum(eq.to(tl.int32), 0) - 1
+        tl.store(out + n_gt + idx, offs, mask=eq & (idx < ties))

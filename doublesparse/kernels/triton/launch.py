@@ -1,0 +1,248 @@
+"""Host launchers for the Triton kernels: argument checks, launch geometry, no host syncs.
+
+Every check here reads only shapes, dtypes, strides and devices (never tensor values), so the
+launchers stay capturable in CUDA graphs. Launch geometry depends only on static sizes (batch,
+heads, the workspace's max context, k), never on seq_lens.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from ..reference import MODES
+from ..workspace import DecodeWorkspace
+from .decode_attn import decode_attn_kernel, merge_kernel
+from .ds_select import compact_kernel, hist_low_kernel, score_kernel
+from .store import store_kv_kernel
+
+_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+_LABEL = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+_INDEX = (torch.int32, torch.int64)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _fail(msg: str):
+    raise ValueError(msg)
+
+
+def _check(t, name, ndim=None, dtypes=None, device=None, last_contig=True):
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        _fail(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        _fail(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
+    if device is not None and t.device != device:
+        _fail(f"{name} is on {t.device}, expected {device}")
+    if last_contig and t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+        _fail(f"{name} must be contiguous in its last dim (stride {t.stride()})")
+
+
+def _check_caches(k_cache, v_cache, dev):
+    _check(k_cache, "k_cache", 3, _FLOAT, dev)
+    _check(v_cache, "v_cache", 3, (k_cache.dtype,), dev)
+    if v_cache.shape != k_cache.shape:
+        _fail(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+
+
+def _check_labels(label_cache, label_scale, channels, k_cache, dev):
+    S, Hkv, D = k_cache.shape
+    _check(label_cache, "label_cache", 3, _LABEL, dev)
+    if label_cache.shape[:2] != (S, Hkv):
+        _fail(f"label_cache must be [{S}, {Hkv}, r], got {tuple(label_cache.shape)}")
+    r = label_cache.shape[2]
+    if not 1 <= r <= D:
+        _fail(f"heavy channel count r={r} must be in [1, head_dim={D}]")
+    _check(channels, "channels", 2, _INDEX, dev)
+    if tuple(channels.shape) != (Hkv, r):
+        _fail(f"channels must be [{Hkv}, {r}] (Hkv, r), got {tuple(channels.shape)}")
+    if label_cache.dtype == torch.float8_e4m3fn:
+        if label_scale is None:
+            _fail("fp8 labels need label_scale ([1] float32)")
+        _check(label_scale, "label_scale", 1, (torch.float32,), dev)
+    return r
+
+
+def check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels):
+    dev = k.device
+    _check_caches(k_cache, v_cache, dev)
+    _check(k, "k", 3, _FLOAT, dev)
+    _check(v, "v", 3, _FLOAT, dev)
+    N, Hkv, D = k.shape
+    if tuple(v.shape) != (N, Hkv, D):
+        _fail(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
+    if tuple(k_cache.shape[1:]) != (Hkv, D):
+        _fail(f"k is [N, {Hkv}, {D}] but k_cache is {tuple(k_cache.shape)}")
+    _check(slots, "slots", 1, _INDEX, dev)
+    if slots.shape[0] != N:
+        _fail(f"slots has {slots.shape[0]} entries for {N} tokens")
+    if label_cache is not None:
+        _check_labels(label_cache, label_scale, channels, k_cache, dev)
+
+
+def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, channels=None):
+    check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels)
+    N, Hkv, D = k.shape
+    if N == 0:
+        return
+    has_label = label_cache is not None
+    lab = label_cache if has_label else k_cache
+    ch = channels if has_label else slots
+    r = label_cache.shape[2] if has_label else 1
+    scale = label_scale if (has_label and label_scale is not None) else k_cache
+    BLOCK_T = 16
+    store_kv_kernel[(triton.cdiv(N, BLOCK_T), Hkv)](
+        k, v, slots, k_cache, v_cache, lab, ch, scale, N,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        lab.stride(0), lab.stride(1), ch.stride(0),
+        D=D, R=r, BLOCK_T=BLOCK_T, BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_R=triton.next_power_of_2(r), HAS_LABEL=has_label,
+        LABEL_FP8=has_label and label_cache.dtype == torch.float8_e4m3fn, num_warps=4,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: few programs keep CPU tests fast
+
+
+def _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out):
+    dev = q.device
+    _check(q, "q", 3, _FLOAT, dev)
+    _check_caches(k_cache, v_cache, dev)
+    B, Hq, D = q.shape
+    S, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        _fail(f"q head_dim {D} != cache head_dim {Dk}")
+    if Hq % Hkv:
+        _fail(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    _check(req_to_token, "req_to_token", 2, (torch.int32,), dev)
+    _check(req_idx, "req_idx", 1, _INDEX, dev)
+    _check(seq_lens, "seq_lens", 1, (torch.int32,), dev)
+    if req_idx.shape[0] != B or seq_lens.shape[0] != B:
+        _fail(f"req_idx {tuple(req_idx.shape)} and seq_lens {tuple(seq_lens.shape)} must be [{B}]")
+    if not isinstance(ws, DecodeWorkspace):
+        _fail("ws must be a DecodeWorkspace (allocate one at the largest batch/context)")
+    if (ws.num_q_heads, ws.num_kv_heads, ws.head_dim) != (Hq, Hkv, D):
+        _fail(f"workspace is for heads {ws.num_q_heads}/{ws.num_kv_heads} d{ws.head_dim}, "
+              f"got {Hq}/{Hkv} d{D}")
+    if B > ws.max_batch:
+        _fail(f"batch {B} exceeds workspace max_batch {ws.max_batch}")
+    if ws.part_o.device != dev:
+        _fail(f"workspace is on {ws.part_o.device}, q on {dev}")
+    if out is not None:
+        _check(out, "out", 3, (q.dtype,), dev)
+        if out.shape != q.shape:
+            _fail(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+    return B, Hq, Hkv, D
+
+
+_ATTN_BLOCK_N = 64
+
+
+def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
+               sel, rows, heavy_k, threshold, per_head, num_splits):
+    B, Hq, D = q.shape
+    G = Hq // k_cache.shape[1]
+    S = num_splits
+    if not 1 <= S <= ws.max_splits:
+        _fail(f"num_splits={S} must be in [1, {ws.max_splits}]")
+    po, pl = ws.part_o, ws.part_lse
+    has_sel = sel is not None
+    sel_t = sel if has_sel else seq_lens
+    decode_attn_kernel[(B, rows, S)](
+        q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sel_t, po, pl,
+        float(sm_scale), int(heavy_k), int(threshold),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0), sel.stride(0) if has_sel else 0, sel.stride(1) if has_sel else 0,
+        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        G=G, D=D, PER_HEAD=per_head, HAS_SEL=has_sel, NUM_SPLITS=S,
+        BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=_ATTN_BLOCK_N,
+        BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET, num_warps=4, num_stages=2,
+    )
+    if out is None:
+        out = torch.empty_like(q)
+    merge_kernel[(B, Hq)](
+        po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        out.stride(0), out.stride(1),
+        D=D, NUM_SPLITS=S, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
+        num_warps=4,
+    )
+    return out
+
+
+def dense_splits(B: int, Hkv: int, ws: DecodeWorkspace, device) -> int:
+    want = triton.cdiv(2 * _num_sms(device), B * Hkv)
+    return max(1, min(ws.max_splits, want, triton.cdiv(ws.max_ctx, _ATTN_BLOCK_N)))
+
+
+def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out=None,
+                 num_splits=None):
+    B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
+    S = num_splits or dense_splits(B, Hkv, ws, q.device)
+    return _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
+                      None, Hkv, 0, 0, False, S)
+
+
+_SCORE_BLOCK_N = 128
+_SELECT_BLOCK_N = 1024
+
+
+def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
+              seq_lens, sm_scale, heavy_token_num, mode="group_max", threshold=0, num_sink=0,
+              num_recent=0, ws=None, out=None, num_splits=None, num_progs=None, return_sel=False):
+    B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
+    dev = q.device
+    r = _check_labels(label_cache, label_scale, channels, k_cache, dev)
+    if mode not in MODES:
+        _fail(f"mode must be one of {MODES}, got {mode!r}")
+    k = int(heavy_token_num)
+    if k <= 0:
+        _fail(f"heavy_token_num must be positive, got {k}")
+    if not ws.max_heavy_tokens:
+        _fail("workspace has no Double Sparsity buffers (max_heavy_tokens=0)")
+    if k > ws.max_heavy_tokens:
+        _fail(f"heavy_token_num={k} exceeds workspace max_heavy_tokens={ws.max_heavy_tokens}")
+    if req_to_token.shape[1] > ws.max_ctx:
+        _fail(f"req_to_token has {req_to_token.shape[1]} positions > workspace max_ctx {ws.max_ctx}")
+    if num_sink < 0 or num_recent < 0 or num_sink + num_recent > k:
+        _fail(f"need 0 <= num_sink + num_recent <= k, got {num_sink} + {num_recent} (k={k})")
+    G = Hq // Hkv
+    per_head = mode == "per_head"
+    rows = Hq if per_head else Hkv
+    scores, hist, info, sel = ws.scores, ws.hist, ws.rowinfo, ws.sel
+    P = num_progs or max(1, min(triton.cdiv(4 * _num_sms(dev), B * Hkv),
+                                triton.cdiv(ws.max_ctx, _SELECT_BLOCK_N)))
+    is_fp8 = label_cache.dtype == torch.float8_e4m3fn
+    score_kernel[(B, Hkv, P)](
+        q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
+        scores, hist, info, float(sm_scale), k, int(threshold), int(num_sink), int(num_recent),
+        q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
+        req_to_token.stride(0), scores.stride(0), scores.stride(1),
+        hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
+        G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P,
+        BLOCK_H=triton.next_power_of_2(G), BLOCK_N=_SCORE_BLOCK_N, BLOCK_R=triton.next_power_of_2(r),
+        num_warps=4,
+    )
+    common = (scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
+              info.stride(0), info.stride(1))
+    hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
+                                  NUM_PROGS=P, BLOCK_N=_SELECT_BLOCK_N, num_warps=4)
+    compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, k, int(threshold), *common,
+                                 sel.stride(0), sel.stride(1),
+                                 NUM_PROGS=P, BLOCK_N=_SELECT_BLOCK_N, num_warps=4)
+    if num_splits is None:
+        want = triton.cdiv(2 * _num_sms(dev), B * rows)
+        num_splits = max(1, min(ws.max_splits, want,
+                                max(triton.cdiv(k, _ATTN_BLOCK_N), dense_splits(B, Hkv, ws, dev))))
+    o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
+                   sel, rows, k, threshold, per_head, num_splits)
+    return (o, sel) if return_sel else o

@@ -1,0 +1,92 @@
+"""Builders of random pools and batches for the kernel tests (never zeros, slots scattered)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from doublesparse.kernels import reference as ref
+from doublesparse.kernels.workspace import DecodeWorkspace
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    label_cache: torch.Tensor
+    label_scale: torch.Tensor
+    channels: torch.Tensor
+    req_to_token: torch.Tensor
+    req_idx: torch.Tensor
+    seq_lens: torch.Tensor
+    sm_scale: float
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.label_cache, self.label_scale, self.channels,
+                self.req_to_token, self.req_idx, self.seq_lens)
+
+
+def make_case(seq_lens, hq, hkv, d, r=16, dtype=torch.bfloat16, label_dtype=torch.bfloat16,
+              device="cpu", seed=0, max_ctx=None):
+    """Random pools with each request's tokens at scattered slots (slot 0 stays the pad slot)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(seq_lens)
+    max_ctx = max_ctx or max(seq_lens)
+    total = sum(seq_lens)
+    S = total + 7                                                    # a few unused slots
+    perm = torch.randperm(S - 1, generator=g)[:total] + 1
+    max_reqs = B + 2
+    req_to_token = torch.zeros(max_reqs, max_ctx, dtype=torch.int32)
+    rows = torch.randperm(max_reqs, generator=g)[:B]
+    off = 0
+    for b, n in enumerate(seq_lens):
+        req_to_token[rows[b], :n] = perm[off: off + n].int()
+        off += n
+    k_cache = torch.randn(S, hkv, d, generator=g)
+    v_cache = torch.randn(S, hkv, d, generator=g)
+    # A few strong channels make the approximate scores meaningful, as in real post-RoPE K.
+    k_cache[:, :, : d // 8] *= 4
+    q = torch.randn(B, hq, d, generator=g)
+    channels = torch.stack([torch.randperm(d, generator=g)[:r] for _ in range(hkv)]).int()
+    label_scale = torch.tensor([0.05], dtype=torch.float32)
+    label_cache = torch.empty(S, hkv, r, dtype=label_dtype)
+    lab = torch.gather(k_cache, 2, channels.long()[None].expand(S, -1, -1))
+    if label_dtype == torch.float8_e4m3fn:
+        lab = (lab / label_scale).clamp(-448, 448)
+    label_cache.copy_(lab.to(label_dtype))
+    k_cache, v_cache, q = k_cache.to(dtype), v_cache.to(dtype), q.to(dtype)
+    to = lambda t: t.to(device)
+    return Case(to(q), to(k_cache), to(v_cache), to(label_cache), to(label_scale), to(channels),
+                to(req_to_token), to(rows.int()), to(torch.tensor(seq_lens, dtype=torch.int32)),
+                1.0 / math.sqrt(d))
+
+
+def make_ws(case: Case, max_heavy_tokens=0, max_splits=8, poison=True):
+    B, hq, d = case.q.shape
+    ws = DecodeWorkspace(B, hq, case.k_cache.shape[1], d, case.req_to_token.shape[1],
+                         max_heavy_tokens, device=case.q.device, max_splits=max_splits)
+    if poison:
+        ws.part_o.fill_(float("nan"))
+        ws.part_lse.fill_(float("nan"))
+        if max_heavy_tokens:
+            ws.scores.fill_(float("nan"))
+            ws.sel.fill_(-7)
+    return ws
+
+
+def rel_err(out, expect):
+    out, expect = out.double(), expect.double()
+    return ((out - expect).norm() / expect.norm().clamp_min(1e-12)).item()
+
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+def rows_of(mode, hq, hkv):
+    return hq if mode == "per_head" else hkv
+
+
+__all__ = ["Case", "make_case", "make_ws", "rel_err", "TOL", "rows_of", "ref"]

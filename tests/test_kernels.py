@@ -1,0 +1,220 @@
+"""Every kernel against its float32 reference, on fresh random inputs, with poisoned outputs.
+
+On CPU the Triton kernels run under TRITON_INTERPRET=1 (see conftest.py), so sizes stay small;
+on a GPU the same tests run compiled.
+"""
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from kernel_utils import TOL, make_case, make_ws, ref, rel_err, rows_of
+from doublesparse.kernels import ops
+from doublesparse.kernels.triton import launch
+
+FP8 = torch.float8_e4m3fn
+HEADS = [(9, 3), (32, 8), (32, 32)]
+
+
+def _seed(*xs):
+    return abs(hash(xs)) % (2**31)
+
+
+# ---------------------------------------------------------------- store
+@pytest.mark.parametrize("n", [1, 17, 100])
+@pytest.mark.parametrize("hkv,d,r", [(3, 64, 16), (8, 128, 32), (2, 64, 8)])
+@pytest.mark.parametrize("label_dtype", [torch.bfloat16, FP8])
+def test_store(n, hkv, d, r, label_dtype):
+    g = torch.Generator().manual_seed(_seed(n, hkv, d, r))
+    S = n + 9
+    k = torch.randn(n, hkv, d, generator=g).bfloat16().to(DEVICE)
+    v = torch.randn(n, hkv, d, generator=g).bfloat16().to(DEVICE)
+    slots = (torch.randperm(S - 1, generator=g)[:n] + 1).int().to(DEVICE)
+    channels = torch.stack([torch.randperm(d, generator=g)[:r] for _ in range(hkv)]).int().to(DEVICE)
+    scale = torch.tensor([0.03], device=DEVICE)
+    caches = [torch.full((S, hkv, d), 7.0, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    lab = torch.full((S, hkv, r), 7.0, device=DEVICE).to(label_dtype)
+    exp = [c.clone() for c in caches] + [lab.clone()]
+    ops.store_kv(caches[0], caches[1], k, v, slots, lab, scale, channels, impl="triton")
+    ref.store_ref(exp[0], exp[1], exp[2], scale, k, v, slots, channels)
+    assert torch.equal(caches[0], exp[0]) and torch.equal(caches[1], exp[1])
+    if label_dtype == FP8 and DEVICE == "cpu":
+        # Triton 3.6's interpreter rounds fp32 -> e4m3 off by up to one binade; exact on the GPU.
+        got, want = lab.float(), exp[2].float()
+        assert bool(((got - want).abs() <= want.abs() * 0.5 + 0.02).all())
+    else:
+        assert torch.equal(lab.float(), exp[2].float())
+
+
+def test_store_without_labels():
+    k = torch.randn(5, 3, 64).bfloat16().to(DEVICE)
+    kc = torch.zeros(9, 3, 64, dtype=torch.bfloat16, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([3, 1, 8, 2, 5], dtype=torch.int32, device=DEVICE)
+    ops.store_kv(kc, vc, k, k * 2, slots, impl="triton")
+    assert torch.equal(kc[slots.long()], k) and torch.equal(vc[slots.long()], k * 2)
+
+
+# ---------------------------------------------------------------- dense decode
+@pytest.mark.parametrize("seq_lens", [[1], [37, 5, 130], [3] * 17])
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_dense_decode(seq_lens, hq, hkv, d):
+    if DEVICE == "cpu" and (len(seq_lens) * hq > 64 and d == 128):
+        pytest.skip("too slow under the interpreter")
+    c = make_case(seq_lens, hq, hkv, d, device=DEVICE, seed=_seed(tuple(seq_lens), hq, d))
+    for splits in (1, 3):
+        ws = make_ws(c)
+        out = torch.full_like(c.q, float("nan"))
+        launch.dense_decode(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens,
+                            c.sm_scale, ws, out=out, num_splits=splits)
+        exp = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx,
+                                   c.seq_lens, c.sm_scale)
+        assert not out.isnan().any()
+        assert rel_err(out, exp) < TOL[torch.bfloat16]
+
+
+def test_dense_decode_fp16_fp32():
+    for dt in (torch.float16, torch.float32):
+        c = make_case([40, 9], 4, 2, 64, dtype=dt, device=DEVICE, seed=3)
+        out = ops.dense_decode(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens,
+                               c.sm_scale, make_ws(c), impl="triton")
+        exp = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx,
+                                   c.seq_lens, c.sm_scale)
+        assert out.dtype == dt and rel_err(out, exp) < TOL[dt] * 3
+
+
+# ---------------------------------------------------------------- double sparsity
+def _check_selection(c, ws, sel, k, mode, threshold=0):
+    """The selected set is the top-k of the kernel's fp16 scores; scores match the reference."""
+    hq, hkv = c.q.shape[1], c.k_cache.shape[1]
+    rows = rows_of(mode, hq, hkv)
+    exp_scores = ref.label_scores_ref(c.q, c.label_cache, c.label_scale, c.channels,
+                                      c.req_to_token, c.req_idx, c.seq_lens, mode, c.sm_scale)
+    sparse = ref.is_sparse(c.seq_lens.cpu(), k, threshold)
+    for b in range(c.q.shape[0]):
+        n = int(c.seq_lens[b])
+        if not sparse[b]:
+            continue
+        got = ws.scores[b, :rows, :n].float()
+        assert rel_err(got, exp_scores[b, :, :n]) < 2e-3
+        s = sel[b, :rows, :k].long()
+        assert bool(((s >= 0) & (s < n)).all()), "selected position out of range"
+        assert all(len(set(row.tolist())) == k for row in s.cpu()), "duplicate selection"
+        picked = torch.gather(got, 1, s).sort(-1).values
+        best = got.topk(k, -1).values.sort(-1).values
+        assert torch.equal(picked, best), "selection is not the top-k (beyond ties)"
+
+
+def _expected_output(c, sel, k, mode, threshold=0):
+    rows = rows_of(mode, c.q.shape[1], c.k_cache.shape[1])
+    dense = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx,
+                                 c.seq_lens, c.sm_scale)
+    sparse_rows = ref.is_sparse(c.seq_lens, k, threshold)
+    pos = sel[:, :rows, :k].long().clamp(0, c.req_to_token.shape[1] - 1)
+    sp = ref.sparse_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, pos, c.sm_scale)
+    return torch.where(sparse_rows[:, None, None], sp, dense)
+
+
+CASES = [
+    # seq_lens, hq, hkv, d, r, k
+    ([300], 9, 3, 64, 16, 32),
+    ([5, 260, 77], 9, 3, 64, 8, 40),      # one short request takes the dense path
+    ([129, 200, 64], 32, 8, 128, 32, 64),
+    ([90], 32, 32, 64, 16, 1),
+    ([50, 50], 4, 2, 64, 16, 49),         # k = L - 1
+    ([33] * 17, 9, 3, 64, 16, 16),        # batch 17
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("mode", ["per_head", "group_sum", "group_max"])
+@pytest.mark.parametrize("label_dtype", [torch.bfloat16, FP8])
+def test_ds_decode(case, mode, label_dtype):
+    seq_lens, hq, hkv, d, r, k = case
+    if DEVICE == "cpu" and label_dtype == FP8 and len(seq_lens) > 3:
+        pytest.skip("interpreter time")
+    c = make_case(seq_lens, hq, hkv, d, r=r, label_dtype=label_dtype, device=DEVICE,
+                  seed=_seed(tuple(seq_lens), mode, str(label_dtype)))
+    ws = make_ws(c, max_heavy_tokens=k + 3)
+    out = torch.full_like(c.q, float("nan"))
+    _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, out=out, num_splits=3,
+                              num_progs=2, return_sel=True)
+    assert not out.isnan().any()
+    _check_selection(c, ws, sel, k, mode)
+    assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
+
+
+def test_ds_repeated_calls_keep_workspace_clean():
+    """Histograms are cleared by the kernels themselves: many calls on one workspace stay exact."""
+    ws = None
+    for i, seq_lens in enumerate([[200, 90], [150, 300], [61, 62]]):
+        c = make_case(seq_lens, 9, 3, 64, device=DEVICE, seed=100 + i, max_ctx=300)
+        ws = ws or make_ws(c, max_heavy_tokens=60)
+        _, sel = launch.ds_decode(*c.args(), c.sm_scale, 60, "group_max", ws=ws, num_progs=3,
+                                  return_sel=True)
+        _check_selection(c, ws, sel, 60, "group_max")
+    assert int(ws.hist[0].abs().sum()) == 0
+
+
+def test_ds_threshold_and_sink_recent():
+    c = make_case([100, 400, 250], 9, 3, 64, device=DEVICE, seed=11)
+    k, thr = 48, 260   # the 250-token request is below the threshold: dense
+    ws = make_ws(c, max_heavy_tokens=k)
+    out, sel = launch.ds_decode(*c.args(), c.sm_scale, k, "group_sum", threshold=thr, num_sink=4,
+                                num_recent=8, ws=ws, return_sel=True)
+    exp = _expected_output(c, sel, k, "group_sum", thr)
+    assert rel_err(out, exp) < TOL[torch.bfloat16]
+    dense = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx,
+                                 c.seq_lens, c.sm_scale)
+    assert rel_err(out[[0, 2]], dense[[0, 2]]) < TOL[torch.bfloat16]
+    s = set(sel[1, 0, :k].tolist())
+    assert set(range(4)) <= s and set(range(392, 400)) <= s
+
+
+def test_ds_matches_full_reference_when_k_covers_everything():
+    c = make_case([70, 64], 9, 3, 64, device=DEVICE, seed=5)
+    ws = make_ws(c, max_heavy_tokens=80)
+    out = ops.ds_decode(*c.args(), c.sm_scale, 69, "group_max", ws=ws, impl="triton")
+    exp = ref.ds_decode_ref(*c.args(), c.sm_scale, 69, "group_max")
+    assert rel_err(out, exp) < TOL[torch.bfloat16]
+
+
+def test_ops_torch_path_matches_reference():
+    c = make_case([70, 20], 9, 3, 64, seed=9)
+    out = ops.ds_decode(*c.args(), c.sm_scale, 16, "per_head", impl="torch")
+    exp = ref.ds_decode_ref(*c.args(), c.sm_scale, 16, "per_head")
+    assert torch.allclose(out.float(), exp.to(out.dtype).float())
+
+
+# ---------------------------------------------------------------- bad arguments
+def test_bad_arguments_raise_value_error():
+    c = make_case([40], 9, 3, 64, device=DEVICE, seed=1)
+    ws = make_ws(c, max_heavy_tokens=16)
+    a = list(c.args())
+    with pytest.raises(ValueError, match="heavy_token_num"):
+        launch.ds_decode(*a, c.sm_scale, 0, ws=ws)
+    with pytest.raises(ValueError, match="exceeds workspace"):
+        launch.ds_decode(*a, c.sm_scale, 17, ws=ws)
+    with pytest.raises(ValueError, match="mode"):
+        launch.ds_decode(*a, c.sm_scale, 8, "bogus", ws=ws)
+    with pytest.raises(ValueError, match="seq_lens"):
+        launch.ds_decode(*a[:8], c.seq_lens.long(), c.sm_scale, 8, ws=ws)
+    with pytest.raises(ValueError, match="channels"):
+        launch.ds_decode(*a[:5], c.channels[:, :4], *a[6:], c.sm_scale, 8, ws=ws)
+    with pytest.raises(ValueError, match="q"):
+        launch.dense_decode(c.q.int(), *a[1:3], *a[6:], c.sm_scale, ws)
+    with pytest.raises(ValueError, match="dims"):
+        launch.dense_decode(c.q[0], *a[1:3], *a[6:], c.sm_scale, ws)
+    wide = torch.zeros(c.k_cache.shape[0], 3, 65, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="r=65"):
+        launch.ds_decode(c.q, c.k_cache, c.v_cache, wide, c.label_scale,
+                         torch.zeros(3, 65, dtype=torch.int32, device=DEVICE), *a[6:], c.sm_scale, 8, ws=ws)
+    with pytest.raises(ValueError, match="label_scale"):
+        launch.ds_decode(c.q, c.k_cache, c.v_cache, c.label_cache.to(torch.float8_e4m3fn), None,
+                         c.channels, *a[6:], c.sm_scale, 8, ws=ws)
+    if DEVICE == "cuda":
+        with pytest.raises(ValueError, match="on cpu"):
+            launch.dense_decode(c.q, c.k_cache.cpu(), c.v_cache, *a[6:], c.sm_scale, ws)
+    with pytest.raises(ValueError, match="impl"):
+        ops.dense_decode(*a[:3], *a[6:], c.sm_scale, ws, impl="fast")
