@@ -218,3 +218,40 @@ def test_bad_arguments_raise_value_error():
             launch.dense_decode(c.q, c.k_cache.cpu(), c.v_cache, *a[6:], c.sm_scale, ws)
     with pytest.raises(ValueError, match="impl"):
         ops.dense_decode(*a[:3], *a[6:], c.sm_scale, ws, impl="fast")
+
+
+# ---------------------------------------------------------------- CUDA graphs
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("mode", ["per_head", "group_max"])
+def test_cuda_graph_capture_and_replay(mode):
+    """Capture store + dense + DS decode once; replay with new lengths and contents == eager."""
+    c = make_case([600, 600, 600], 9, 3, 64, device=DEVICE, seed=21)
+    ws = make_ws(c, max_heavy_tokens=64, poison=False)
+    k_new = torch.randn(3, 3, 64, device=DEVICE).bfloat16()
+    slots = c.req_to_token[c.req_idx.long(), 0].clone()
+    out_ds, out_dense = torch.empty_like(c.q), torch.empty_like(c.q)
+
+    def step():
+        ops.store_kv(c.k_cache, c.v_cache, k_new, k_new, slots, c.label_cache, c.label_scale, c.channels)
+        ops.ds_decode(*c.args(), c.sm_scale, 64, mode, ws=ws, out=out_ds)
+        ops.dense_decode(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens,
+                         c.sm_scale, ws, out=out_dense)
+
+    c.seq_lens.copy_(torch.tensor([500, 30, 64], dtype=torch.int32))
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in ([600, 65, 1], [64, 599, 300], [2, 3, 600]):
+        c.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        c.q.normal_()
+        k_new.normal_()
+        graph.replay()
+        got_ds, got_dense = out_ds.clone(), out_dense.clone()
+        step()
+        torch.testing.assert_close(got_dense, out_dense, rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(got_ds, out_ds, rtol=2e-2, atol=2e-3)
+        exp = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx,
+                                   c.seq_lens, c.sm_scale)
+        assert rel_err(got_dense, exp) < TOL[torch.bfloat16]

@@ -207,7 +207,10 @@ def compact_kernel(
         c_gt = tl.sum(gt.to(tl.int32), 0)
         c_eq = tl.sum(eq.to(tl.int32), 0)
         base = tl.atomic_add(info + 2, c_gt, mask=c_gt > 0, sem="relaxed")
-        tl.store(out + base + tl.cumsum(gt.to(tl.int32), 0) - 1, offs, mask=gt)
+        idx_gt = base + tl.cumsum(gt.to(tl.int32), 0) - 1
+        # The bound never binds when the histograms are consistent; it keeps a corrupted
+        # workspace from writing outside its row.
+        tl.store(out + idx_gt, offs, mask=gt & (idx_gt < n_gt))
         base_e = tl.atomic_add(info + 3, c_eq, mask=c_eq > 0, sem="relaxed")
         idx = base_e + tl.cumsum(eq.to(tl.int32), 0) - 1
-        tl.store(out + n_gt + idx, offs, mask=eq & (idx < ties))
+        tl.store(out + n_gt + idx, offs, mask=eq & (idx < ties) & (idx >= 0))

@@ -144,7 +144,12 @@ def _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
     return B, Hq, Hkv, D
 
 
-_ATTN_BLOCK_N = 64
+# Launch parameters, tuned on an H200 by doublesparse.bench.attention --sweep (results/).
+TUNING = {
+    "attn_block_n": 64, "attn_warps": 4, "attn_stages": 2, "attn_programs_per_sm": 2,
+    "score_block_n": 128, "score_warps": 4, "select_block_n": 1024, "select_warps": 4,
+    "select_programs_per_sm": 4,
+}
 
 
 def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
@@ -165,8 +170,9 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
         req_to_token.stride(0), sel.stride(0) if has_sel else 0, sel.stride(1) if has_sel else 0,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         G=G, D=D, PER_HEAD=per_head, HAS_SEL=has_sel, NUM_SPLITS=S,
-        BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=_ATTN_BLOCK_N,
-        BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET, num_warps=4, num_stages=2,
+        BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=TUNING["attn_block_n"],
+        BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET, num_warps=TUNING["attn_warps"],
+        num_stages=TUNING["attn_stages"],
     )
     if out is None:
         out = torch.empty_like(q)
@@ -180,8 +186,8 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
 
 
 def dense_splits(B: int, Hkv: int, ws: DecodeWorkspace, device) -> int:
-    want = triton.cdiv(2 * _num_sms(device), B * Hkv)
-    return max(1, min(ws.max_splits, want, triton.cdiv(ws.max_ctx, _ATTN_BLOCK_N)))
+    want = triton.cdiv(TUNING["attn_programs_per_sm"] * _num_sms(device), B * Hkv)
+    return max(1, min(ws.max_splits, want, triton.cdiv(ws.max_ctx, TUNING["attn_block_n"])))
 
 
 def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out=None,
@@ -192,13 +198,14 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
                       None, Hkv, 0, 0, False, S)
 
 
-_SCORE_BLOCK_N = 128
-_SELECT_BLOCK_N = 1024
 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
               seq_lens, sm_scale, heavy_token_num, mode="group_max", threshold=0, num_sink=0,
-              num_recent=0, ws=None, out=None, num_splits=None, num_progs=None, return_sel=False):
+              num_recent=0, ws=None, out=None, num_splits=None, num_progs=None, return_sel=False,
+              stage="all"):
+    """See ops.ds_decode. ``stage`` ("score", "select", "attend", "all") runs a prefix or the last
+    part only, for the stage-by-stage benchmark; ``return_sel`` also returns the selection."""
     B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
     dev = q.device
     r = _check_labels(label_cache, label_scale, channels, k_cache, dev)
@@ -219,30 +226,35 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     per_head = mode == "per_head"
     rows = Hq if per_head else Hkv
     scores, hist, info, sel = ws.scores, ws.hist, ws.rowinfo, ws.sel
-    P = num_progs or max(1, min(triton.cdiv(4 * _num_sms(dev), B * Hkv),
-                                triton.cdiv(ws.max_ctx, _SELECT_BLOCK_N)))
-    is_fp8 = label_cache.dtype == torch.float8_e4m3fn
-    score_kernel[(B, Hkv, P)](
-        q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
-        scores, hist, info, float(sm_scale), k, int(threshold), int(num_sink), int(num_recent),
-        q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
-        req_to_token.stride(0), scores.stride(0), scores.stride(1),
-        hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
-        G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P,
-        BLOCK_H=triton.next_power_of_2(G), BLOCK_N=_SCORE_BLOCK_N, BLOCK_R=triton.next_power_of_2(r),
-        num_warps=4,
-    )
-    common = (scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
-              info.stride(0), info.stride(1))
-    hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
-                                  NUM_PROGS=P, BLOCK_N=_SELECT_BLOCK_N, num_warps=4)
-    compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, k, int(threshold), *common,
-                                 sel.stride(0), sel.stride(1),
-                                 NUM_PROGS=P, BLOCK_N=_SELECT_BLOCK_N, num_warps=4)
+    if stage != "attend":
+        P = num_progs or max(1, min(triton.cdiv(TUNING["select_programs_per_sm"] * _num_sms(dev), B * Hkv),
+                                    triton.cdiv(ws.max_ctx, TUNING["select_block_n"])))
+        is_fp8 = label_cache.dtype == torch.float8_e4m3fn
+        score_kernel[(B, Hkv, P)](
+            q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
+            scores, hist, info, float(sm_scale), k, int(threshold), int(num_sink), int(num_recent),
+            q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
+            req_to_token.stride(0), scores.stride(0), scores.stride(1),
+            hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
+            G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P,
+            BLOCK_H=triton.next_power_of_2(G), BLOCK_N=TUNING["score_block_n"],
+            BLOCK_R=triton.next_power_of_2(r), num_warps=TUNING["score_warps"],
+        )
+        if stage == "score":
+            return None
+        common = (scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
+                  info.stride(0), info.stride(1))
+        sb, sw = TUNING["select_block_n"], TUNING["select_warps"]
+        hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
+                                      NUM_PROGS=P, BLOCK_N=sb, num_warps=sw)
+        compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, k, int(threshold), *common,
+                                     sel.stride(0), sel.stride(1), NUM_PROGS=P, BLOCK_N=sb, num_warps=sw)
+        if stage == "select":
+            return sel
     if num_splits is None:
-        want = triton.cdiv(2 * _num_sms(dev), B * rows)
-        num_splits = max(1, min(ws.max_splits, want,
-                                max(triton.cdiv(k, _ATTN_BLOCK_N), dense_splits(B, Hkv, ws, dev))))
+        want = triton.cdiv(TUNING["attn_programs_per_sm"] * _num_sms(dev), B * rows)
+        cap = max(triton.cdiv(k, TUNING["attn_block_n"]), dense_splits(B, Hkv, ws, dev))
+        num_splits = max(1, min(ws.max_splits, want, cap))
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                    sel, rows, k, threshold, per_head, num_splits)
     return (o, sel) if return_sel else o

@@ -1,0 +1,309 @@
+"""Benchmark one decode step of one attention layer: torch SDPA, our dense kernel, Double Sparsity.
+
+    python -m doublesparse.bench.attention [--quick] [--json results/attention-h200.json]
+                                           [--md results/attention-h200.md] [--sweep]
+
+Every variant runs inside a CUDA graph that calls it several times over rotating copies of the
+pool (so the cache never holds the data), replayed many times; we report the median per call.
+Bytes are the essential ones: K/V read once for dense; labels read once plus the selected K/V
+rows for Double Sparsity (its "byte floor"). The copy bandwidth is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+from ..kernels.triton import launch
+from ..kernels.workspace import DecodeWorkspace
+
+HQ, HKV, D = 32, 8, 128  # Llama-3.1-8B
+FP8 = torch.float8_e4m3fn
+MIN_BYTES_PER_GRAPH = 1 << 30  # rotate copies until one graph touches >= 1 GiB
+
+
+def copy_bandwidth(dev) -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # 1 GiB, far beyond L2
+    y = torch.empty_like(x)
+    return 2 * x.numel() / time_fn(lambda: y.copy_(x), reps=1, iters=30)
+
+
+def time_fn(fn, reps: int, iters: int = 25) -> float:
+    """Median seconds per call of fn, with fn called ``reps`` times inside one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fn() if reps == 1 else fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / reps)
+    return statistics.median(times)
+
+
+class Pools:
+    """``copies`` independent batches of B requests of length L, each in its own slot range."""
+
+    def __init__(self, B, L, copies, r, label_dtype, dev, seed=0):
+        torch.manual_seed(seed)
+        self.B, self.L, self.copies = B, L, copies
+        S = B * L * copies + 1
+        self.k = torch.randn(S, HKV, D, device=dev, dtype=torch.bfloat16)
+        self.v = torch.randn(S, HKV, D, device=dev, dtype=torch.bfloat16)
+        self.k[:, :, :16] *= 4  # a few strong channels, as post-RoPE K has
+        self.channels = torch.stack([torch.randperm(D, device=dev)[:r] for _ in range(HKV)]).int()
+        self.scale = torch.tensor([0.05], device=dev)
+        lab = torch.gather(self.k, 2, self.channels.long()[None].expand(S, -1, -1)).float()
+        if label_dtype == FP8:
+            lab = (lab / self.scale).clamp(-448, 448)
+        self.labels = lab.to(label_dtype)
+        del lab
+        rt = torch.arange(1, S, device=dev, dtype=torch.int32).view(copies * B, L)
+        self.req_to_token = rt
+        self.req_idx = [torch.arange(c * B, (c + 1) * B, device=dev, dtype=torch.int32) for c in range(copies)]
+        self.seq_lens = torch.full((B,), L, device=dev, dtype=torch.int32)
+        self.q = torch.randn(B, HQ, D, device=dev, dtype=torch.bfloat16)
+        self.out = torch.empty_like(self.q)
+
+    def dense_views(self, c):
+        """Contiguous [B, H, L, D] views for SDPA (slots of copy c are laid out in order)."""
+        lo = 1 + c * self.B * self.L
+        n = self.B * self.L
+        k = self.k[lo: lo + n].view(self.B, self.L, HKV, D).transpose(1, 2)
+        v = self.v[lo: lo + n].view(self.B, self.L, HKV, D).transpose(1, 2)
+        return k, v
+
+
+def sdpa_fn(p: Pools):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    q = p.q.view(p.B, HQ, 1, D)
+    views = [p.dense_views(c) for c in range(p.copies)]
+    best = None
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        def fn(i=0, backend=backend):
+            with sdpa_kernel([backend]):
+                return sdpa(q, views[i][0], views[i][1], enable_gqa=True)
+        try:
+            t = time_fn(fn, p.copies)
+        except Exception as e:  # a backend that refuses this shape
+            print(f"  sdpa {backend.name}: unavailable ({type(e).__name__})", file=sys.stderr)
+            continue
+        if best is None or t < best[0]:
+            best = (t, backend.name)
+    return best
+
+
+def bench_case(B, L, dev, bw, r_list, k_list, modes, fp8, stages, quick, with_sdpa=True):
+    kv_bytes = B * L * HKV * D * 2 * 2
+    copies = max(1, math.ceil(MIN_BYTES_PER_GRAPH / kv_bytes))
+    rows = []
+    p = Pools(B, L, copies, max(r_list), torch.bfloat16, dev)
+    ws = DecodeWorkspace(B, HQ, HKV, D, L, max(max(k_list(L)), 1), device=dev)
+    sm = 1 / math.sqrt(D)
+    t_sdpa, backend = (sdpa_fn(p) if with_sdpa else None) or (float("nan"), "none")
+    t_dense = time_fn(lambda i=0: launch.dense_decode(p.q, p.k, p.v, p.req_to_token, p.req_idx[i],
+                                                      p.seq_lens, sm, ws, out=p.out), copies)
+    base = dict(batch=B, ctx=L, kv_bytes=kv_bytes)
+    rows.append(dict(base, variant=f"sdpa[{backend}]", us=t_sdpa * 1e6, bytes=kv_bytes))
+    rows.append(dict(base, variant="ours-dense", us=t_dense * 1e6, bytes=kv_bytes))
+    best_dense = min(t_sdpa if t_sdpa == t_sdpa else 1e9, t_dense)
+    for label_dtype in ([torch.bfloat16, FP8] if fp8 else [torch.bfloat16]):
+        for r in r_list:
+            if label_dtype == FP8 and r != 16:
+                continue
+            labels = p.labels[:, :, :r].contiguous()
+            if label_dtype == FP8:
+                labels = (labels.float() / p.scale).clamp(-448, 448).to(FP8)
+            ch = p.channels[:, :r].contiguous()
+            for k in k_list(L):
+                if k >= L:
+                    continue
+                for mode in modes:
+                    if label_dtype == FP8 and mode != "group_max":
+                        continue
+                    sel_rows = HQ if mode == "per_head" else HKV
+                    lab_b = B * L * HKV * r * labels.element_size()
+                    kv_sel = B * sel_rows * k * D * 2 * 2
+                    floor_bytes = lab_b + kv_sel
+
+                    def ds(i=0, stage="all"):
+                        return launch.ds_decode(p.q, p.k, p.v, labels, p.scale, ch, p.req_to_token,
+                                                p.req_idx[i], p.seq_lens, sm, k, mode, ws=ws,
+                                                out=p.out, stage=stage)
+                    t = time_fn(ds, copies)
+                    row = dict(base, variant=f"ds-{mode}", r=r, k=k, label=str(label_dtype).split(".")[-1],
+                               us=t * 1e6, bytes=floor_bytes, label_bytes=lab_b, kv_sel_bytes=kv_sel,
+                               speedup=best_dense / t, floor_us=floor_bytes / bw * 1e6)
+                    if stages:
+                        t_score = time_fn(lambda i=0: ds(i, "score"), copies)
+                        ws.hist.zero_()  # score-only runs leave their histogram counts behind
+                        t_sel = time_fn(lambda i=0: ds(i, "select"), copies)
+                        ds(0, "select")
+                        t_att = time_fn(lambda i=0: ds(i, "attend"), copies)
+                        row.update(score_us=t_score * 1e6, select_us=(t_sel - t_score) * 1e6,
+                                   attend_us=t_att * 1e6)
+                    rows.append(row)
+    for row in rows:
+        row["bw_frac"] = row["bytes"] / (row["us"] / 1e6) / bw
+    del p, ws
+    torch.cuda.empty_cache()
+    return rows
+
+
+def fits(B, L, dev, copies_bytes=MIN_BYTES_PER_GRAPH):
+    need = max(B * L * HKV * D * 4, copies_bytes) * 1.6 + B * HQ * L * 2
+    free, _ = torch.cuda.mem_get_info(dev)
+    return need < free * 0.8
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="*", default=[1, 3, 8, 32])
+    ap.add_argument("--ctx", type=int, nargs="*", default=[4096, 16384, 65536, 131072, 262144])
+    ap.add_argument("--quick", action="store_true", help="bs 3 at 64K and 128K only")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--md", default=None)
+    ap.add_argument("--tuning", default=None, help="JSON dict overriding launch.TUNING")
+    ap.add_argument("--sweep", action="store_true", help="time launch-parameter variants at bs3 64K")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("doublesparse.bench.attention needs a CUDA GPU")
+    if args.tuning:
+        launch.TUNING.update(json.loads(args.tuning))
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    print(f"# {torch.cuda.get_device_name(dev)}  copy bandwidth {bw / 1e12:.2f} TB/s  tuning {launch.TUNING}")
+    if args.sweep:
+        return sweep(dev, bw)
+    cases = [(3, 65536), (3, 131072)] if args.quick else [(b, l) for l in args.ctx for b in args.batch]
+    all_rows = []
+    t0 = time.time()
+    for B, L in cases:
+        if not fits(B, L, dev):
+            print(f"skip bs{B} {L}: does not fit")
+            continue
+        key = B == 3
+        rows = bench_case(
+            B, L, dev, bw,
+            r_list=[16, 32] if key else [16],
+            k_list=(lambda L: sorted({L // 16, 1024, 4096})) if key else (lambda L: [L // 16]),
+            modes=["group_max", "per_head"] if key or L >= 65536 else ["group_max"],
+            fp8=key, stages=key, quick=args.quick)
+        for row in rows:
+            print(format_row(row), flush=True)
+        all_rows += rows
+    summary = summarize(all_rows, bw)
+    print(json.dumps(summary, indent=1))
+    print(f"# {time.time() - t0:.0f} s")
+    result = dict(summary=summary, rows=all_rows, tuning=launch.TUNING, copy_bw=bw)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.md:
+        write_markdown(args.md, result)
+
+
+SWEEP = [
+    {}, {"attn_block_n": 32}, {"attn_block_n": 128}, {"attn_stages": 3}, {"attn_stages": 4},
+    {"attn_warps": 8}, {"attn_block_n": 128, "attn_warps": 8, "attn_stages": 3},
+    {"attn_programs_per_sm": 1}, {"attn_programs_per_sm": 4},
+    {"score_block_n": 64}, {"score_block_n": 256}, {"score_warps": 8},
+    {"select_block_n": 2048}, {"select_block_n": 4096, "select_warps": 8},
+    {"select_programs_per_sm": 2}, {"select_programs_per_sm": 8},
+]
+
+
+def sweep(dev, bw):
+    base = dict(launch.TUNING)
+    for var in SWEEP:
+        launch.TUNING.clear()
+        launch.TUNING.update(base, **var)
+        for B, L in ((3, 65536), (8, 16384)):
+            rows = bench_case(B, L, dev, bw, [16], lambda L: [L // 16], ["group_max"], False, True, True,
+                              with_sdpa=False)
+            d = {r["variant"]: r for r in rows}
+            ds = d["ds-group_max"]
+            print(f"sweep {json.dumps(var):<70} bs{B} L={L}: dense {d['ours-dense']['us']:7.1f} "
+                  f"ds {ds['us']:6.1f} "
+                  f"[score {ds['score_us']:.1f} select {ds['select_us']:.1f} attend {ds['attend_us']:.1f}]",
+                  flush=True)
+    launch.TUNING.clear()
+    launch.TUNING.update(base)
+
+
+def format_row(r):
+    extra = ""
+    if "k" in r:
+        extra = f" r={r['r']:<2} k={r['k']:<6} {r['label']:<13} x{r['speedup']:.2f} floor {r['floor_us']:.1f}us"
+        if "score_us" in r:
+            extra += f" [score {r['score_us']:.1f} select {r['select_us']:.1f} attend {r['attend_us']:.1f}]"
+    return f"bs{r['batch']:<3} L={r['ctx']:<7} {r['variant']:<28} {r['us']:9.1f} us  {r['bw_frac']:.2f} bw{extra}"
+
+
+def summarize(rows, bw):
+    def pick(variant, B, L, **kw):
+        for r in rows:
+            if r["variant"] == variant and r["batch"] == B and r["ctx"] == L and all(r.get(a) == b for a, b in kw.items()):
+                return r
+        return None
+
+    s = {}
+    ratios = []
+    for r in rows:
+        if r["variant"] == "ours-dense" and r["ctx"] >= 16384:
+            sd = next(x for x in rows if x["variant"].startswith("sdpa") and x["batch"] == r["batch"] and x["ctx"] == r["ctx"])
+            ratios.append(sd["us"] / r["us"])
+    s["dense_over_sdpa_min_16k"] = min(ratios) if ratios else None
+    for key, L, lab in (("ds_speedup_64k_bs3", 65536, "bfloat16"), ("ds_speedup_128k_bs3", 131072, "bfloat16"),
+                        ("ds_fp8_speedup_128k_bs3", 131072, "float8_e4m3fn")):
+        r = pick("ds-group_max", 3, L, r=16, k=L // 16, label=lab)
+        s[key] = r["speedup"] if r else None
+    r = pick("ds-group_max", 3, 65536, r=16, k=4096, label="bfloat16")
+    s["ds_floor_fraction_64k"] = (r["floor_us"] / r["us"]) if r else None
+    s["select_share_64k"] = (r["select_us"] / r["us"]) if r and "select_us" in r else None
+    s["command"] = "python -m doublesparse.bench.attention " + " ".join(sys.argv[1:])
+    s["date"] = time.strftime("%Y-%m-%d")
+    s["device"] = torch.cuda.get_device_name() + f", copy bandwidth {bw / 1e12:.2f} TB/s"
+    return s
+
+
+def write_markdown(path, result):
+    s = result["summary"]
+    lines = [f"# Attention decode benchmark ({s['device']})", "",
+             f"Command: `{s['command']}`  ", f"Date: {s['date']}  ",
+             f"Launch parameters: `{json.dumps(result['tuning'])}`", "",
+             "One decode step of one layer, Llama-3.1-8B shapes (32 q / 8 KV heads, d=128, bf16). "
+             "Median of CUDA-graph replays. `bw` = essential bytes / time / copy bandwidth "
+             "(dense: all K/V; DS: labels + selected K/V = its byte floor). "
+             "`x` = speedup over the faster dense (SDPA or ours).", "",
+             "## Summary", "", "```json", json.dumps(s, indent=1), "```", "",
+             "## All cases", "",
+             "| bs | ctx | variant | r | k | labels | us | bw | speedup | floor us | score us | select us | attend us |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda r, k, fmt="{:.1f}": fmt.format(r[k]) if k in r and r[k] is not None else ""
+    for r in result["rows"]:
+        lines.append(f"| {r['batch']} | {r['ctx']} | {r['variant']} | {r.get('r', '')} | {r.get('k', '')} | "
+                     f"{r.get('label', '')} | {r['us']:.1f} | {r['bw_frac']:.2f} | {f(r, 'speedup', '{:.2f}')} | "
+                     f"{f(r, 'floor_us')} | {f(r, 'score_us')} | {f(r, 'select_us')} | {f(r, 'attend_us')} |")
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
