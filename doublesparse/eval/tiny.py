@@ -3,7 +3,7 @@
 For tests and CI smoke runs of calibration and eval, without the real checkpoint:
 ``logits = model(input_ids [T], positions [T], batch)``; each layer calls
 ``batch.attn.forward(layer_id, q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], batch) -> [T,Hq,D]`` with q/k
-after (rotate-half) RoPE, and the logits of rows ``batch.logits_indices`` are returned.
+after (rotate-half) RoPE, and the logits of rows ``batch.logits_indices`` (None: all) are returned.
 """
 
 from __future__ import annotations
@@ -83,8 +83,9 @@ class TinyModel(nn.Module):
             o = batch.attn.forward(i, q, k, v, batch)
             x = x + lyr.o_proj(o.reshape(T, -1).to(x.dtype))
             x = x + lyr.down(torch.nn.functional.silu(lyr.up(lyr.post_attention_layernorm(x))))
-        x = self.norm(x)[batch.logits_indices.long()]
-        return self.lm_head(x)
+        idx = getattr(batch, "logits_indices", None)
+        x = self.norm(x if idx is None else x[idx.long()])
+        return self.lm_head(x).float()
 
 
 class ByteTokenizer:

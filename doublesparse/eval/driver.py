@@ -1,0 +1,222 @@
+"""A teacher-forcing decode driver on the real kernels: dense prefill, then every scored token
+decoded through ``ops.store_kv`` + ``ops.ds_decode`` (or ``ops.dense_decode``) on real KV/label pools.
+
+Batching without changing the maths: the M tokens that follow a prefix are decoded in ONE forward
+as M requests sharing one ``req_to_token`` row, request j having ``seq_len = P + j + 1``. Each layer
+first stores all M new K/V (and labels), then decodes; since token j only reads slots < P + j + 1,
+and those hold exactly what sequential decoding would have written there (layer l of token i
+depends only on tokens <= i), the result equals decoding the M tokens one at a time, while the
+kernels see a batch of M (the GPU grid relies on this). Several windows are batched the same way,
+one ``req_to_token`` row each.
+
+Prefill is dense and shared by every setting: the K/V of a prefix is computed once and each
+setting only rewrites the labels of the prefix (``ops.store_kv`` over the stored K) before its
+decode tokens overwrite the slots after the prefix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from doublesparse.kernels import ops
+from doublesparse.kernels import reference as ref
+from doublesparse.kernels.workspace import DecodeWorkspace
+
+from .settings import Setting
+
+
+def _causal():
+    from doublesparse.calibrate.stats import plain_backend
+    return plain_backend()
+
+
+class Pools:
+    """KV and label pools in the kernels' layout for ``num_reqs`` requests of up to ``max_ctx``.
+
+    k[l], v[l]: ``[S, Hkv, D]``; labels[r][l]: ``[S, Hkv, r]`` bf16 (one pool per r in use);
+    req_to_token: ``[num_reqs + 1, max_ctx]`` int32. Slot 0 and row 0 are padding; request i owns
+    row i + 1 and slots ``1 + i * max_ctx + position``.
+    """
+
+    def __init__(self, config, num_reqs: int, max_ctx: int, device="cpu", dtype=torch.float32):
+        c = config
+        self.L, self.hq, self.hkv, self.D = int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim)
+        self.max_ctx, self.device = max_ctx, torch.device(device)
+        S = 1 + num_reqs * max_ctx
+        self.k = [torch.zeros(S, self.hkv, self.D, dtype=dtype, device=device) for _ in range(self.L)]
+        self.v = [torch.zeros_like(self.k[0]) for _ in range(self.L)]
+        self.labels: dict[int, list[torch.Tensor]] = {}
+        self.label_scale = torch.ones(1, dtype=torch.float32, device=device)
+        base = 1 + torch.arange(num_reqs, device=device)[:, None] * max_ctx
+        r2t = base + torch.arange(max_ctx, device=device)[None]
+        self.req_to_token = torch.cat([torch.zeros(1, max_ctx, dtype=torch.long, device=device), r2t]).int()
+        self.prefix_len = [0] * num_reqs
+        self._ws: dict = {}
+
+    def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.req_to_token[rows.long(), positions.long()]
+
+    def label_pool(self, r: int) -> list[torch.Tensor]:
+        if r not in self.labels:
+            S = self.k[0].shape[0]
+            self.labels[r] = [torch.zeros(S, self.hkv, r, dtype=torch.bfloat16, device=self.device)
+                              for _ in range(self.L)]
+        return self.labels[r]
+
+    def relabel(self, channels: torch.Tensor) -> None:
+        """Labels of every request's prefix from its stored K, through the real store kernel.
+
+        channels: ``[L, Hkv, r]``."""
+        r = channels.shape[-1]
+        pool = self.label_pool(r)
+        slots = torch.cat([self.req_to_token[i + 1, :n] for i, n in enumerate(self.prefix_len) if n])
+        for l in range(self.L):
+            ops.store_kv(self.k[l], self.v[l], self.k[l][slots.long()], self.v[l][slots.long()], slots,
+                         pool[l], self.label_scale, channels[l].to(self.device, torch.int32))
+
+    def workspace(self, batch: int, heavy: int):
+        if self.device.type != "cuda":
+            return None  # the CPU (reference) path needs no scratch
+        key = (batch, heavy)
+        if key not in self._ws:
+            self._ws[key] = DecodeWorkspace(batch, self.hq, self.hkv, self.D, self.max_ctx, heavy, self.device)
+        return self._ws[key]
+
+
+class PrefillAttention:
+    """Dense causal prefill of one request; stores its K/V (labels come later, per setting)."""
+
+    def __init__(self, pools: Pools, row: int, positions: torch.Tensor):
+        self.pools, self.row, self.positions, self.inner = pools, row, positions, _causal()
+
+    def forward(self, layer_id, q, k, v, batch):
+        p = self.pools
+        slots = p.slots(torch.full_like(self.positions, self.row), self.positions)
+        ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots)
+        return self.inner.forward(layer_id, q, k, v, batch)
+
+
+class DecodeAttention:
+    """Decode backend: each of the T tokens is one request (row ``rows[t]``, position
+    ``positions[t]``, seq_len ``positions[t] + 1``); stores K/V/labels, then decodes.
+
+    ``observer`` (optional) gets ``(layer_id, q, out, self)`` after every double-sparse layer.
+    """
+
+    def __init__(self, pools: Pools, setting: Setting, channels: torch.Tensor | None, rows, positions,
+                 heavy_tokens: int, observer=None):
+        self.p, self.s, self.rows, self.positions = pools, setting, rows, positions
+        self.heavy = heavy_tokens
+        self.channels = None if channels is None else channels.to(pools.device, torch.int32)
+        self.req_idx = rows.int()
+        self.seq_lens = (positions + 1).int()
+        self.sm_scale = 1.0 / math.sqrt(pools.D)
+        self.observer = observer
+        self.ws = pools.workspace(int(rows.numel()), heavy_tokens if setting.kind == "ds" else 0)
+
+    def forward(self, layer_id, q, k, v, batch):
+        p, s = self.p, self.s
+        slots = p.slots(self.rows, self.positions)
+        if self.channels is not None:
+            lab = p.label_pool(self.channels.shape[-1])[layer_id]
+            ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, lab, p.label_scale, self.channels[layer_id])
+        else:
+            ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots)
+        if s.is_dense_layer(layer_id):
+            return ops.dense_decode(q, p.k[layer_id], p.v[layer_id], p.req_to_token, self.req_idx,
+                                    self.seq_lens, self.sm_scale, ws=self.ws)
+        out = ops.ds_decode(q, p.k[layer_id], p.v[layer_id], lab, p.label_scale, self.channels[layer_id],
+                            p.req_to_token, self.req_idx, self.seq_lens, self.sm_scale, self.heavy,
+                            mode=s.mode, num_sink=s.num_sink, num_recent=s.num_recent, ws=self.ws)
+        if self.observer is not None:
+            self.observer(layer_id, q, out, self)
+        return out
+
+
+def _batch(attn):
+    from doublesparse.calibrate.stats import make_batch
+    return make_batch(attn, None)
+
+
+@torch.inference_mode()
+def prefill(model, pools: Pools, prefixes: list[list[int]]) -> torch.Tensor:
+    """Dense prefill of request i with ``prefixes[i]``; returns each one's last logits ``[n, V]``."""
+    dev = pools.device
+    last = []
+    for i, ids in enumerate(prefixes):
+        pos = torch.arange(len(ids), device=dev)
+        attn = PrefillAttention(pools, i + 1, pos)
+        from doublesparse.calibrate.stats import make_batch
+        b = make_batch(attn, torch.tensor([len(ids) - 1], device=dev))
+        last.append(model(torch.tensor(ids, device=dev), pos, b)[0])
+        pools.prefix_len[i] = len(ids)
+    return torch.stack(last)
+
+
+@torch.inference_mode()
+def decode_tokens(model, pools: Pools, setting: Setting, channels, tokens: list[list[int]],
+                  heavy_tokens: int, observer=None) -> torch.Tensor:
+    """Decode ``tokens[i]`` after request i's prefix, all in one forward (see module doc).
+
+    Returns logits ``[sum_i len(tokens[i]), V]`` float32 in request-major order."""
+    dev = pools.device
+    ids, rows, pos = [], [], []
+    for i, toks in enumerate(tokens):
+        n = pools.prefix_len[i]
+        ids += toks
+        rows += [i + 1] * len(toks)
+        pos += list(range(n, n + len(toks)))
+    rows_t = torch.tensor(rows, device=dev)
+    pos_t = torch.tensor(pos, device=dev)
+    attn = DecodeAttention(pools, setting, channels, rows_t, pos_t, heavy_tokens, observer)
+    return model(torch.tensor(ids, device=dev), pos_t, _batch(attn)).float()
+
+
+@torch.inference_mode()
+def greedy(model, pools: Pools, setting: Setting, channels, first: list[int], steps: int,
+           heavy_tokens: int) -> list[list[int]]:
+    """Greedy generation: request i decodes ``first[i]`` (its prompt's last token) then ``steps - 1``
+    of its own predictions, all through the decode path. Returns the ``steps`` new tokens each."""
+    base = list(pools.prefix_len)
+    cur = [[t] for t in first]
+    out: list[list[int]] = [[] for _ in first]
+    try:
+        for _ in range(steps):
+            logits = decode_tokens(model, pools, setting, channels, cur, heavy_tokens)
+            nxt = logits.argmax(-1).tolist()
+            for i, t in enumerate(nxt):
+                out[i].append(int(t))
+                pools.prefix_len[i] += 1
+            cur = [[t] for t in nxt]
+    finally:
+        pools.prefix_len = base
+    return out
+
+
+def selection_recall(q, view: DecodeAttention, layer_id: int) -> torch.Tensor:
+    """Per (token, query head): attention mass on the tokens the DS selection picks, divided by
+    the mass of the true top-k tokens, ``[B, Hq]``. The selection is recomputed with the float32
+    reference of the kernel (``ops.ds_decode`` does not return its indices) on the same labels."""
+    p, s = view.p, view.s
+    lab = p.label_pool(view.channels.shape[-1])[layer_id]
+    scores = ref.label_scores_ref(q, lab, p.label_scale, view.channels[layer_id], p.req_to_token,
+                                  view.req_idx, view.seq_lens, s.mode, view.sm_scale)
+    scores = ref.force_keep(scores, view.seq_lens, s.num_sink, s.num_recent)
+    B, Hq, _ = q.shape
+    G = Hq // p.hkv
+    out = torch.ones(B, Hq)
+    for b in range(B):
+        n = int(view.seq_lens[b])
+        if n <= view.heavy:
+            continue
+        k = ref.gather_tokens(p.k[layer_id], p.req_to_token, view.req_idx, b, n).repeat_interleave(G, 1)
+        prob = (torch.einsum("hd,nhd->hn", q[b].float(), k) * view.sm_scale).softmax(-1)  # [Hq, n]
+        pos = scores[b, :, :n].topk(view.heavy, -1).indices
+        if pos.shape[0] != Hq:
+            pos = pos.repeat_interleave(G, 0)
+        got = prob.gather(1, pos).sum(-1)
+        best = prob.topk(view.heavy, -1).values.sum(-1)
+        out[b] = (got / best.clamp_min(1e-30)).cpu()
+    return out

@@ -1,0 +1,130 @@
+"""What one evaluated decode configuration is, the grids we sweep, and what a step reads.
+
+Bytes per decode step (per request, summed over layers; K/V and labels counted at 2 bytes, as
+stored in bf16 on the GPU, whatever dtype a CPU run uses):
+
+    dense layer          : n * Hkv * D * 2 (K and V) * 2
+    double-sparse layer  : labels n * Hkv * r * label_bytes
+                           + selected K/V  k * R * D * 2 * 2   (R = Hq for per_head, else Hkv:
+                             per_head reads a separate token set per query head)
+
+n = tokens in the cache, k = heavy tokens (sink and recent tokens are part of the k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+KV_BYTES = 2
+LABEL_BYTES = 2
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One decode configuration.
+
+    kind: "dense" (ops.dense_decode) or "ds" (ops.ds_decode).
+    channel_type: "q" | "k" | "qk" (which calibration statistic picked the channels).
+    mode: "per_head" | "group_sum" | "group_max".
+    r: heavy channels per KV head. k_frac: heavy tokens as a fraction of the context length
+    (k = max(1, round(k_frac * ctx))), so one setting scales across context lengths.
+    num_sink / num_recent: always-kept first / last tokens (counted inside k).
+    dense_layers: the first layers decode densely.
+    """
+
+    kind: str = "ds"
+    channel_type: str = "qk"
+    mode: str = "group_max"
+    r: int = 16
+    k_frac: float = 1 / 16
+    num_sink: int = 0
+    num_recent: int = 0
+    dense_layers: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("dense", "ds"):
+            raise ValueError(f"kind must be 'dense' or 'ds', got {self.kind!r}")
+        if self.kind == "ds" and not 0 < self.k_frac <= 1:
+            raise ValueError(f"k_frac must be in (0, 1], got {self.k_frac}")
+
+    @property
+    def name(self) -> str:
+        if self.kind == "dense":
+            return "dense"
+        s = f"{self.channel_type}/{self.mode}/r{self.r}/k1:{round(1 / self.k_frac)}"
+        if self.num_sink or self.num_recent:
+            s += f"/s{self.num_sink}w{self.num_recent}"
+        if self.dense_layers:
+            s += f"/d{self.dense_layers}"
+        return s
+
+    @property
+    def line(self) -> str:
+        """Plot series: one line per (mode, type, extras); r and k vary along it."""
+        if self.kind == "dense":
+            return "dense"
+        s = f"{self.mode}/{self.channel_type}"
+        if self.num_sink or self.num_recent:
+            s += f"+sink{self.num_sink}/recent{self.num_recent}"
+        if self.dense_layers:
+            s += f"+dense{self.dense_layers}"
+        return s
+
+    def heavy_tokens(self, ctx: int) -> int:
+        return max(1, round(self.k_frac * ctx))
+
+    def is_dense_layer(self, layer: int) -> bool:
+        return self.kind == "dense" or layer < self.dense_layers
+
+    def bytes_per_step(self, ctx: int, num_layers: int, num_q_heads: int, num_kv_heads: int,
+                       head_dim: int) -> int:
+        """Bytes one decode step of one request reads at context length ``ctx`` (see module doc)."""
+        dense = ctx * num_kv_heads * head_dim * 2 * KV_BYTES
+        if self.kind == "dense":
+            return dense * num_layers
+        k = min(self.heavy_tokens(ctx), ctx)
+        rows = num_q_heads if self.mode == "per_head" else num_kv_heads
+        sparse = ctx * num_kv_heads * self.r * LABEL_BYTES + k * rows * head_dim * 2 * KV_BYTES
+        if k >= ctx:  # ops.ds_decode falls back to dense when the context is short
+            sparse = dense
+        nd = min(self.dense_layers, num_layers)
+        return nd * dense + (num_layers - nd) * sparse
+
+
+DENSE = Setting(kind="dense")
+
+
+def grid(channel_types=("q", "k", "qk"), modes=("per_head", "group_sum", "group_max"),
+         rs=(8, 16, 32), k_fracs=(1 / 32, 1 / 16, 1 / 8)) -> list[Setting]:
+    return [Setting("ds", t, m, r, f) for t in channel_types for m in modes for r in rs for f in k_fracs]
+
+
+def improvements(base: Setting, sink: int = 4, recent: int = 32, dense_layers: int = 2) -> list[Setting]:
+    """Variants of ``base`` meant to beat plain group_sum at k = ctx/16."""
+    return [
+        replace(base, mode="group_max"),
+        replace(base, num_sink=sink, num_recent=recent),
+        replace(base, mode="group_max", num_sink=sink, num_recent=recent),
+        replace(base, dense_layers=dense_layers),
+        replace(base, mode="group_max", num_sink=sink, num_recent=recent, dense_layers=dense_layers),
+    ]
+
+
+def preset(name: str) -> list[Setting]:
+    """"small": a CPU/CI-sized set; "full": the GPU grid plus the improvement variants."""
+    base = Setting("ds", "qk", "group_sum", 16, 1 / 16)
+    if name == "small":
+        out = [DENSE, base, Setting("ds", "k", "group_sum", 16, 1 / 16),
+               Setting("ds", "qk", "per_head", 16, 1 / 16), Setting("ds", "qk", "group_sum", 8, 1 / 16),
+               Setting("ds", "qk", "group_sum", 16, 1 / 8)]
+        out += improvements(base)
+    elif name == "full":
+        out = [DENSE] + grid() + improvements(base)
+    else:
+        raise ValueError(f"preset must be 'small' or 'full', got {name!r}")
+    seen, uniq = set(), []
+    for s in out:
+        if s not in seen:
+            seen.add(s)
+            uniq.append(s)
+    return uniq
