@@ -62,7 +62,7 @@ def engine_supports_ds(engine: Any) -> bool:
     cls = getattr(engine, "sampling_params_cls", None)
     if cls is None:
         try:
-            from doublesparse.engine import SamplingParams as cls  # type: ignore
+            from doublesparse.engine.sampling_params import SamplingParams as cls
         except Exception:
             return False
     if dataclasses.is_dataclass(cls):

@@ -93,6 +93,11 @@ def serve(engine: Any, cfg: ServerConfig) -> None:
         def handle_exit(self, sig, frame):  # mark draining before uvicorn starts closing
             state.draining = True
             super().handle_exit(sig, frame)
+            # uvicorn re-raises captured signals after shutdown (exit status -15); a completed
+            # drain is a clean exit, so report 0 instead.
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
 
     ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                           timeout_graceful_shutdown=cfg.graceful_shutdown_timeout,

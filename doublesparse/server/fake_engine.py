@@ -57,6 +57,12 @@ class FakeSamplingParams:
 
 
 @dataclass
+class _PlainSamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+
+
+@dataclass
 class FakeStepOutput:
     request_id: str
     new_token_ids: list[int]
@@ -86,7 +92,11 @@ class FakeEngine:
 
     def __init__(self, max_total_tokens: int | None = 4096, max_context_len: int = 2048,
                  step_delay: float = 0.005, max_running_requests: int = 64,
-                 enable_double_sparsity: bool | None = True, **_: object) -> None:
+                 enable_double_sparsity: bool | None = True, per_request_ds: bool = True,
+                 **_: object) -> None:
+        # per_request_ds=False mimics an engine whose SamplingParams lacks the DS overrides.
+        if not per_request_ds:
+            self.sampling_params_cls = _PlainSamplingParams
         # The CLI passes unset flags as None: fall back to the defaults then.
         max_running_requests = max_running_requests or 64
         max_context_len = max_context_len or 2048

@@ -34,13 +34,28 @@ class APIError(Exception):
 def from_validation_error(e: ValidationError) -> APIError:
     """Report the first problem only: one precise message beats a wall of them."""
     err = e.errors()[0]
-    loc = ".".join(str(p) for p in err.get("loc", ()))
+    loc = ".".join(str(p) for p in _field_path(err.get("loc", ())))
     if err["type"] == "json_invalid":
         return APIError(f"request body is not valid JSON: {err['msg']}", code="invalid_json")
     if err["type"] == "model_type" and not loc:
         return APIError("request body must be a JSON object", code="invalid_json")
     msg = f"{loc}: {err['msg']}" if loc else err["msg"]
     return APIError(msg, param=loc or None, code="invalid_value" if loc else None)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _field_path(loc: tuple) -> list:
+    """Drop the union-member tags pydantic appends (``prompt.str``, ``content.list[TextPart]``):
+    clients want the field they sent, not our type internals."""
+    out = []
+    for p in loc:
+        if isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or p[:1].isupper()
+                                   or p.startswith("function-")):
+            break
+        out.append(p)
+    return out
 
 
 class _Strict(BaseModel):

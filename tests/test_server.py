@@ -1,0 +1,392 @@
+"""End-to-end tests of the HTTP server: a real server process on 127.0.0.1 per backend.
+
+Two backends run the same checks:
+  * "fake": ``doublesparse.server.fake_engine.FakeEngine`` (milliseconds per step), proving the
+    server logic (batching, queueing under a full KV pool, aborts, SIGTERM drain) quickly;
+  * "real": the engine with the embedded SmolLM2-135M on CPU, skipped with the import error as
+    the reason while ``doublesparse.engine.engine`` does not exist yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+FAKE = "doublesparse.server.fake_engine:FakeEngine"
+FAKE_KW = {"step_delay": 0.003, "max_context_len": 1024}
+
+try:
+    from doublesparse.engine.engine import Engine as RealEngine  # noqa: F401
+    REAL_SKIP = None
+except Exception as e:  # pragma: no cover - depends on the tree state
+    REAL_SKIP = f"real engine not importable yet ({type(e).__name__}: {e})"
+
+REAL_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--context-length", "2048"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args: list[str], timeout: float = 240.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "doublesparse.launch_server", "--port", str(self.port),
+               "--api-key", KEY, "--log-level", "warning", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not become healthy")
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5).json()
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            h = self.health()
+            if h["running"] == 0 and h["waiting"] == 0 and h["kv_used_tokens"] == 0 \
+                    and h["in_flight"] == 0:
+                return h
+            time.sleep(0.1)
+        raise AssertionError(f"server not idle: {self.health()}")
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = httpx.get(self.url + "/metrics", headers=AUTH, timeout=5).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + (labels and "{")) or line.startswith(name + " "):
+                if labels in line:
+                    total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def backend_args(kind: str, extra: dict | None = None) -> list[str]:
+    if kind == "fake":
+        return ["--engine-factory", FAKE, "--engine-kwargs", json.dumps({**FAKE_KW, **(extra or {})}),
+                "--max-total-tokens", str((extra or {}).get("max_total_tokens", 8192))]
+    return REAL_ARGS
+
+
+@pytest.fixture(scope="module", params=["fake", "real"])
+def srv(request):
+    if request.param == "real" and REAL_SKIP:
+        pytest.skip(REAL_SKIP)
+    s = Server(backend_args(request.param))
+    s.kind = request.param
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference_engine(srv):
+    """In-process engine of the same kind, for offline greedy references."""
+    if srv.kind == "fake":
+        from doublesparse.server.fake_engine import FakeEngine
+        return FakeEngine(**FAKE_KW)
+    from doublesparse.config import add_cli_args, from_cli_args  # noqa: F401
+    import argparse
+    ns = add_cli_args(argparse.ArgumentParser()).parse_args(REAL_ARGS)
+    cfg = from_cli_args(ns)
+    return RealEngine(**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
+
+
+def offline_greedy(engine, prompt, max_new: int) -> str:
+    rid = engine.add_request(prompt, {"max_new_tokens": max_new, "temperature": 0.0})
+    text = ""
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid:
+                text += o.text
+    return text
+
+
+def client(srv, key=KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def model_name(srv) -> str:
+    return client(srv).models.list().data[0].id
+
+
+# ------------------------------------------------------------------------------ happy paths
+def test_openai_client_both_endpoints(srv):
+    c, m = client(srv), model_name(srv)
+    r = c.completions.create(model=m, prompt="Once upon a time", max_tokens=6, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens <= 6
+    assert r.usage.prompt_tokens > 0 and r.choices[0].text
+    chunks = list(c.completions.create(model=m, prompt="Once upon a time", max_tokens=6,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}]
+    r = c.chat.completions.create(model=m, messages=msgs, max_tokens=6, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 6
+    chunks = list(c.chat.completions.create(model=m, messages=msgs, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_native_generate(srv):
+    body = {"text": "The king", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
+    r = httpx.post(srv.url + "/generate", json=body, headers=AUTH, timeout=120).json()
+    assert r["meta_info"]["completion_tokens"] <= 5 and r["meta_info"]["finish_reason"]["type"]
+    with httpx.stream("POST", srv.url + "/generate", json={**body, "stream": True}, headers=AUTH,
+                      timeout=120) as resp:
+        lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["text"] == r["text"]
+
+
+def test_32_concurrent_clients_match_offline_greedy(srv, reference_engine):
+    prompts = [f"Request number {i}: tell me about {w}" for i, w in
+               enumerate(["kings", "ships", "storms", "wine"] * 8)]
+    n = 8
+
+    async def one(ac, p, i):
+        body = {"prompt": p, "max_tokens": n, "temperature": 0, "stream": i % 2 == 0}
+        if not body["stream"]:
+            r = await ac.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        text = ""
+        async with ac.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for ln in r.aiter_lines():
+                if ln.startswith("data: ") and ln != "data: [DONE]":
+                    text += json.loads(ln[6:])["choices"][0]["text"]
+        return text
+
+    async def all_():
+        async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=300) as ac:
+            return await asyncio.gather(*(one(ac, p, i) for i, p in enumerate(prompts)))
+
+    got = asyncio.run(all_())
+    for p, g in zip(prompts, got):
+        assert g == offline_greedy(reference_engine, p, n), p
+    srv.wait_idle()
+
+
+# ------------------------------------------------------------------------------ bad input
+def _bad_cases(m: str, ctx: int) -> list[tuple[str, object, int, str | None]]:
+    u = [{"role": "user", "content": "hi"}]
+    C, H = "/v1/completions", "/v1/chat/completions"
+    return [
+        (C, b"{not json", 400, None),
+        (C, b"[1, 2]", 400, None),
+        (C, {"model": "no-such-model", "prompt": "hi"}, 404, "model"),
+        (C, {"prompt": "hi " * (ctx + 10), "max_tokens": 1}, 400, "prompt"),
+        (C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        (C, {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+        (C, {"prompt": "hi", "max_tokens": 10 ** 9}, 400, "max_tokens"),
+        (C, {"prompt": "hi", "temperature": 2.5}, 400, "temperature"),
+        (C, {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        (C, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+        (C, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+        (C, {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+        (C, {"prompt": 123}, 400, "prompt"),
+        (C, {"prompt": ""}, 400, "prompt"),
+        (C, {"prompt": "hi", "n": 2}, 400, "n"),
+        (C, {}, 400, "prompt"),
+        (H, {"model": m, "messages": []}, 400, "messages"),
+        (H, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+        (H, {"messages": "hello"}, 400, "messages"),
+        (H, {"messages": u, "stream": "yes"}, 400, "stream"),
+        (H, {"messages": u, "n": 3}, 400, "n"),
+        (H, {"messages": u, "max_tokens": 0}, 400, "max_tokens"),
+        (H, b'{"messages": [' + b'{"role": "user", "content": "' + b"x" * (9 << 20) + b'"}]}',
+         413, None),
+        ("/generate", {"sampling_params": {"max_new_tokens": 2}}, 400, "text"),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, 400, None),
+    ]
+
+
+def test_bad_inputs_while_long_generation_continues(srv):
+    m, ctx = model_name(srv), client(srv).models.list().data[0].model_extra["max_model_len"]
+    long_n = 400 if srv.kind == "fake" else 48
+    body = {"prompt": "A long story:", "max_tokens": long_n, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+
+    async def long_run():
+        pieces = 0
+        async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=600) as ac:
+            async with ac.stream("POST", "/v1/completions", json=body) as r:
+                async for ln in r.aiter_lines():
+                    if ln.startswith("data: {"):
+                        ch = json.loads(ln[6:])
+                        pieces += 1
+                        last = ch["choices"][0]["finish_reason"]
+        return pieces, last
+
+    async def bad_ones():
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=60) as ac:
+            for path, payload, status, param in _bad_cases(m, ctx):
+                kw = {"content": payload} if isinstance(payload, bytes) else {"json": payload}
+                r = await ac.post(path, **kw)
+                assert r.status_code == status, (path, str(payload)[:80], r.text[:200])
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["message"]
+                if param is not None:
+                    assert err["param"] == param, (payload, err)
+            return srv.health()
+
+    async def both():
+        return await asyncio.gather(long_run(), bad_ones())
+
+    (pieces, finish), health = asyncio.run(both())
+    assert finish == "length" and pieces >= long_n // 4  # the long request was not disturbed
+    assert health["status"] == "ok"
+    srv.wait_idle()
+
+
+def test_api_key(srv):
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        client(srv, key="wrong").completions.create(model=model_name(srv), prompt="hi", max_tokens=1)
+    assert httpx.get(srv.url + "/v1/models").status_code == 401
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_disconnect_frees_kv(srv):
+    srv.wait_idle()
+    body = {"prompt": "Keep going:", "max_tokens": 900 if srv.kind == "fake" else 400,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True},
+                      headers=AUTH, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 4:
+                break  # leave mid-stream: the context manager closes the connection
+    with pytest.raises(httpx.ReadTimeout):  # non-streaming client giving up
+        httpx.post(srv.url + "/v1/completions", json=body, headers=AUTH, timeout=1.0)
+    h = srv.wait_idle(timeout=30)
+    assert h["kv_used_tokens"] == 0
+    assert srv.metric("doublesparse_requests_total", 'status="disconnected"') >= 2
+
+
+def test_metrics_move(srv):
+    before = {k: srv.metric(k) for k in ("doublesparse_generation_tokens_total",
+                                         "doublesparse_prompt_tokens_total",
+                                         "doublesparse_time_to_first_token_seconds_count",
+                                         "doublesparse_e2e_request_latency_seconds_count",
+                                         "doublesparse_decode_steps_total")}
+    client(srv).completions.create(model=model_name(srv), prompt="Metrics", max_tokens=4,
+                                   temperature=0, extra_body={"ignore_eos": True})
+    after = {k: srv.metric(k) for k in before}
+    assert after["doublesparse_generation_tokens_total"] - \
+        before["doublesparse_generation_tokens_total"] == 4
+    assert all(after[k] > before[k] for k in before), (before, after)
+    text = httpx.get(srv.url + "/metrics", headers=AUTH).text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_pool_usage",
+                 "sparse_decode_ratio", "time_per_output_token_seconds_bucket"):
+        assert "doublesparse_" + name in text
+
+
+# ------------------------------------------------------------------------------ fake-only
+def test_full_kv_pool_queues_and_abort_while_waiting():
+    """Pool of 600 slots, requests of ~310: one runs, the next waits; nothing fails."""
+    s = Server(backend_args("fake", {"max_total_tokens": 600, "step_delay": 0.004}))
+    try:
+        body = {"prompt": "x" * 10, "max_tokens": 300, "ignore_eos": True}
+
+        async def run():
+            async with httpx.AsyncClient(base_url=s.url, headers=AUTH, timeout=60) as ac:
+                rs = await asyncio.gather(*(ac.post("/v1/completions", json=body) for _ in range(3)))
+            return rs
+
+        t0 = time.time()
+        rs = asyncio.run(run())
+        assert [r.status_code for r in rs] == [200] * 3
+        assert all(r.json()["usage"]["completion_tokens"] == 300 for r in rs)
+        assert time.time() - t0 > 3 * 300 * 0.004 * 0.9  # they ran one after another
+        # a request that can never fit is refused up front instead of waiting forever
+        r = httpx.post(s.url + "/v1/completions", headers=AUTH,
+                       json={"prompt": "x", "max_tokens": 700})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        # a waiting (not yet admitted) request that disconnects leaves the queue
+        with httpx.stream("POST", s.url + "/v1/completions", headers=AUTH, timeout=60,
+                          json={**body, "max_tokens": 585, "stream": True}) as first:
+            lines = first.iter_lines()  # keep a reference: a collected iterator closes the stream
+            next(lines)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(s.url + "/v1/completions", json=body, headers=AUTH, timeout=0.5)
+            deadline = time.time() + 10
+            while s.health()["waiting"] and time.time() < deadline:
+                time.sleep(0.05)
+            assert s.health()["waiting"] == 0 and s.health()["running"] == 1
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
+def test_per_request_double_sparsity():
+    ok = Server(backend_args("fake"))
+    no = Server(backend_args("fake", {"per_request_ds": False}))
+    try:
+        body = {"prompt": "hi", "max_tokens": 2, "ds_heavy_token_num": 64,
+                "enable_double_sparsity": False}
+        assert httpx.post(ok.url + "/v1/completions", json=body, headers=AUTH).status_code == 200
+        r = httpx.post(no.url + "/v1/completions", json=body, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
+    finally:
+        ok.stop(), no.stop()
+
+
+def test_sigterm_drains_accepted_requests():
+    s = Server(backend_args("fake", {"step_delay": 0.005}))
+    body = {"prompt": "drain", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    got: list[str] = []
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        it = r.iter_lines()
+        got.append(next(it))
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(httpx.ConnectError):  # no longer accepting
+            httpx.get(s.url + "/health", timeout=2)
+        got.extend(it)
+    data = [ln for ln in got if ln.startswith("data: ")]
+    assert data[-1] == "data: [DONE]"
+    assert json.loads(data[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert s.proc.wait(30) == 0
