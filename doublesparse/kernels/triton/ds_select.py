@@ -17,7 +17,7 @@ The histograms stay zero between calls: `score` clears hist[1] before `hist_low`
 import triton
 import triton.language as tl
 
-FP16_MAX = 65504.0
+FP16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
@@ -53,13 +53,16 @@ def _threshold_digit(h, need):
 
 
 @triton.jit
-def _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent, out_ptr):
+def _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent, out_ptr, DO_HIST: tl.constexpr):
     # Store one row of scores as fp16 and return the histogram of the keys' high byte.
     keep = (offs < num_sink) | (offs >= seq_len - num_recent)
     s = tl.where(keep, FP16_MAX, tl.minimum(tl.maximum(s, -FP16_MAX), FP16_MAX))
     s16 = s.to(tl.float16)
     tl.store(out_ptr + offs, s16, mask=nmask)
-    return tl.histogram(_key16(s16) >> 8, 256, mask=nmask)
+    if DO_HIST:
+        return tl.histogram(_key16(s16) >> 8, 256, mask=nmask)
+    else:
+        return tl.zeros([256], tl.int32)
 
 
 @triton.jit
@@ -72,9 +75,12 @@ def score_kernel(
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LABEL_FP8: tl.constexpr,
     NUM_PROGS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    DO_HIST: tl.constexpr,
 ):
     # One program: (batch entry, KV head, slice of positions). MODE 0 = per query head (writes the
     # G score rows of the group), 1 = group sum, 2 = group max (one row per KV head).
+    # Everything stays 2-D [BLOCK_N, BLOCK_R] in one layout: a 3-D head x token x channel product
+    # made Triton shuffle the label tile through shared memory on every iteration.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     p = tl.program_id(2)
@@ -82,7 +88,6 @@ def score_kernel(
     n = tl.where(_is_sparse(seq_len, heavy_k, threshold), seq_len, 0)
     bins = tl.arange(0, 256)
     hrow = tl.arange(0, BLOCK_H)
-    hmask = hrow < G
     if p == 0:
         # Reset what the later launches of this call accumulate into.
         if MODE == 0:
@@ -99,12 +104,10 @@ def score_kernel(
     r = tl.arange(0, BLOCK_R)
     rmask = r < R
     ch = tl.load(channels_ptr + kvh * stride_ch + r, mask=rmask, other=0)
-    qh = tl.load(q_ptr + b * stride_qb + (kvh * G + hrow)[:, None] * stride_qh + ch[None, :],
-                 mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
     scale = sm_scale
     if LABEL_FP8:
         scale = scale * tl.load(scale_ptr)
-    qh = qh * scale
+    q_row = q_ptr + b * stride_qb + kvh * G * stride_qh + ch
 
     req = tl.load(req_idx_ptr + b).to(tl.int64)
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
@@ -115,20 +118,21 @@ def score_kernel(
         slot = tl.load(req_to_token_ptr + req * stride_rt + offs, mask=nmask, other=0).to(tl.int64)
         lab = tl.load(label_ptr + slot[:, None] * stride_ls + kvh * stride_lh + r[None, :],
                       mask=nmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-        s_all = tl.sum(qh[:, None, :] * lab[None, :, :], 2)          # [BLOCK_H, BLOCK_N]
         if MODE == 0:
             for i in tl.static_range(G):
-                s_i = tl.sum(tl.where(hrow[:, None] == i, s_all, 0.0), 0)
+                qi = tl.load(q_row + i * stride_qh, mask=rmask, other=0.0).to(tl.float32) * scale
+                s_i = tl.sum(lab * qi[None, :], 1)
                 h_i = _emit_scores(s_i, offs, nmask, seq_len, num_sink, num_recent,
-                                   scores_ptr + b * stride_sb + (kvh * G + i) * stride_sr)
+                                   scores_ptr + b * stride_sb + (kvh * G + i) * stride_sr, DO_HIST)
                 hist += tl.where(hrow[:, None] == i, h_i[None, :], 0)
         else:
-            if MODE == 1:
-                s = tl.sum(s_all, 0)                                  # padded heads are zero
-            else:
-                s = tl.max(tl.where(hmask[:, None], s_all, float("-inf")), 0)
+            s = tl.full([BLOCK_N], float("-inf"), tl.float32) if MODE == 2 else tl.zeros([BLOCK_N], tl.float32)
+            for i in tl.static_range(G):
+                qi = tl.load(q_row + i * stride_qh, mask=rmask, other=0.0).to(tl.float32) * scale
+                s_i = tl.sum(lab * qi[None, :], 1)
+                s = tl.maximum(s, s_i) if MODE == 2 else s + s_i
             h = _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent,
-                             scores_ptr + b * stride_sb + kvh * stride_sr)
+                             scores_ptr + b * stride_sb + kvh * stride_sr, DO_HIST)
             hist += tl.where(hrow[:, None] == 0, h[None, :], 0)
     if MODE == 0:
         for i in tl.static_range(G):
@@ -145,7 +149,7 @@ def hist_low_kernel(
     scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr,
     heavy_k, threshold,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
-    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_HIST: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
@@ -160,14 +164,19 @@ def hist_low_kernel(
         tl.store(rowinfo_ptr + b * stride_rib + row * stride_rir, digit0)
         tl.store(rowinfo_ptr + b * stride_rib + row * stride_rir + 1, heavy_k - above0)
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
-    hist = tl.zeros([256], tl.int32)
+    h1 = hist_ptr + stride_hp + b * stride_hb + row * stride_hr
     for t in range(start, end, BLOCK_N):
         offs = t + tl.arange(0, BLOCK_N)
         nmask = offs < end
         key = _key16(tl.load(scores_ptr + b * stride_sb + row * stride_sr + offs, mask=nmask, other=0.0))
-        hist += tl.histogram(key & 255, 256, mask=nmask & ((key >> 8) == digit0))
-    tl.atomic_add(hist_ptr + stride_hp + b * stride_hb + row * stride_hr + bins, hist, mask=hist > 0,
-                  sem="relaxed")
+        inside = nmask & ((key >> 8) == digit0)
+        if ATOMIC_HIST:
+            # Only the keys of one high-byte bucket count (a few percent): scattered atomics are
+            # cheaper than a full block histogram.
+            tl.atomic_add(h1 + (key & 255), tl.full([BLOCK_N], 1, tl.int32), mask=inside, sem="relaxed")
+        else:
+            hist = tl.histogram(key & 255, 256, mask=inside)
+            tl.atomic_add(h1 + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit

@@ -146,9 +146,9 @@ def _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
 
 # Launch parameters, tuned on an H200 by doublesparse.bench.attention --sweep (results/).
 TUNING = {
-    "attn_block_n": 64, "attn_warps": 4, "attn_stages": 2, "attn_programs_per_sm": 2,
-    "score_block_n": 128, "score_warps": 4, "select_block_n": 1024, "select_warps": 4,
-    "select_programs_per_sm": 4,
+    "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "attn_programs_per_sm": 4,
+    "score_block_n": 256, "score_warps": 4, "select_block_n": 1024, "select_warps": 4,
+    "select_programs_per_sm": 4, "select_atomic_hist": True, "score_hist": True,
 }
 
 
@@ -238,7 +238,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
             G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P,
             BLOCK_H=triton.next_power_of_2(G), BLOCK_N=TUNING["score_block_n"],
-            BLOCK_R=triton.next_power_of_2(r), num_warps=TUNING["score_warps"],
+            BLOCK_R=triton.next_power_of_2(r), DO_HIST=TUNING["score_hist"],
+            num_warps=TUNING["score_warps"],
         )
         if stage == "score":
             return None
@@ -246,7 +247,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
                   info.stride(0), info.stride(1))
         sb, sw = TUNING["select_block_n"], TUNING["select_warps"]
         hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
-                                      NUM_PROGS=P, BLOCK_N=sb, num_warps=sw)
+                                      NUM_PROGS=P, BLOCK_N=sb, ATOMIC_HIST=TUNING["select_atomic_hist"],
+                                      num_warps=sw)
         compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, k, int(threshold), *common,
                                      sel.stride(0), sel.stride(1), NUM_PROGS=P, BLOCK_N=sb, num_warps=sw)
         if stage == "select":
