@@ -87,3 +87,29 @@ def test_eval_small_end_to_end(tmp_path):
     assert len(ds["recall_per_layer"]) == 2 and 0 < ds["recall"] <= 1.0001
     assert ds["bytes_per_step"] < rows["dense"]["bytes_per_step"]
     assert (out / "plot.png").stat().st_size > 1000
+
+
+def test_selection_recall_matches_reference():
+    from doublesparse.kernels import reference as ref
+    m, ids, full, p = _setup()
+    s = Setting("ds", "qk", "group_max", 4, 1 / 8, num_sink=2, num_recent=3)
+    ch = default_channels(m, 4)
+    p.relabel(ch)
+    seen = {}
+
+    def obs(layer_id, q, out, view):
+        got = driver.selection_recall(q, view, layer_id, chunk=5)
+        sc = ref.label_scores_ref(q, p.label_pool(4)[layer_id], p.label_scale, view.channels[layer_id],
+                                  p.req_to_token, view.req_idx, view.seq_lens, s.mode, view.sm_scale)
+        sc = ref.force_keep(sc, view.seq_lens, s.num_sink, s.num_recent)
+        for b in range(q.shape[0]):
+            n = int(view.seq_lens[b])
+            k = ref.gather_tokens(p.k[layer_id], p.req_to_token, view.req_idx, b, n).repeat_interleave(2, 1)
+            prob = (torch.einsum("hd,nhd->hn", q[b].float(), k) * view.sm_scale).softmax(-1)
+            sel = sc[b, :, :n].topk(view.heavy, -1).indices.repeat_interleave(2, 0)
+            want = prob.gather(1, sel).sum(-1) / prob.topk(view.heavy, -1).values.sum(-1)
+            torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)
+        seen[layer_id] = True
+
+    driver.decode_tokens(m, p, s, ch, [x[40:] for x in ids], 8, observer=obs)
+    assert seen == {0: True, 1: True}

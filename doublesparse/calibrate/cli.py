@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", required=True, help="channel config JSON to write")
     p.add_argument("--text", nargs="+", default=None, metavar="FILE",
                    help="calibration text files (default: the fixed calibration plays)")
-    p.add_argument("--num-samples", type=int, default=16)
+    p.add_argument("--num-samples", type=int, default=12)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--device", default="cpu")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -22,8 +22,8 @@ import torch
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|layer|h|blk)\.(\d+)\.")
 _K_NAMES = ("k_proj", "wk", "attn_k", "key", "to_k")
 _Q_NAMES = ("q_proj", "wq", "attn_q", "query", "to_q")
-_QKV_NAMES = ("qkv", "wqkv", "c_attn", "attn_qkv")
-_NORM_NAMES = ("input_layernorm", "attn_norm", "attention_norm", "ln_1", "norm1", "attn_ln")
+_QKV_NAMES = ("qkv", "qkv_proj", "wqkv", "c_attn", "attn_qkv")
+_NORM_NAMES = ("input_layernorm", "input_norm", "attn_norm", "attention_norm", "ln_1", "norm1", "attn_ln")
 
 
 def _cfg(model):

@@ -21,7 +21,6 @@ import math
 import torch
 
 from doublesparse.kernels import ops
-from doublesparse.kernels import reference as ref
 from doublesparse.kernels.workspace import DecodeWorkspace
 
 from .settings import Setting
@@ -195,28 +194,48 @@ def greedy(model, pools: Pools, setting: Setting, channels, first: list[int], st
     return out
 
 
-def selection_recall(q, view: DecodeAttention, layer_id: int) -> torch.Tensor:
+def selection_recall(q, view: DecodeAttention, layer_id: int, chunk: int = 64) -> torch.Tensor:
     """Per (token, query head): attention mass on the tokens the DS selection picks, divided by
-    the mass of the true top-k tokens, ``[B, Hq]``. The selection is recomputed with the float32
-    reference of the kernel (``ops.ds_decode`` does not return its indices) on the same labels."""
+    the mass of the true top-k tokens, ``[B, Hq]`` (1 for rows that decode densely).
+
+    The selection is recomputed here in float32 with the reference's maths (label scores, mode
+    reduction, sink/recent forcing, top-k) on the same label pool, because ``ops.ds_decode`` does
+    not return its indices; it is vectorised over requests (in chunks) so it also runs at GPU scale.
+    """
     p, s = view.p, view.s
-    lab = p.label_pool(view.channels.shape[-1])[layer_id]
-    scores = ref.label_scores_ref(q, lab, p.label_scale, view.channels[layer_id], p.req_to_token,
-                                  view.req_idx, view.seq_lens, s.mode, view.sm_scale)
-    scores = ref.force_keep(scores, view.seq_lens, s.num_sink, s.num_recent)
-    B, Hq, _ = q.shape
+    lab_pool = p.label_pool(view.channels.shape[-1])[layer_id]
+    ch = view.channels[layer_id].long()                                   # [Hkv, r]
+    B, Hq, D = q.shape
     G = Hq // p.hkv
-    out = torch.ones(B, Hq)
-    for b in range(B):
-        n = int(view.seq_lens[b])
-        if n <= view.heavy:
+    kk = view.heavy
+    out = torch.ones(B, Hq, device=q.device)
+    qh = torch.gather(q.float(), 2, ch.repeat_interleave(G, 0)[None].expand(B, -1, -1))  # [B, Hq, r]
+    for b0 in range(0, B, chunk):
+        sl = slice(b0, min(B, b0 + chunk))
+        n = view.seq_lens[sl].long()
+        nmax = int(n.max())
+        if nmax <= kk:
             continue
-        k = ref.gather_tokens(p.k[layer_id], p.req_to_token, view.req_idx, b, n).repeat_interleave(G, 1)
-        prob = (torch.einsum("hd,nhd->hn", q[b].float(), k) * view.sm_scale).softmax(-1)  # [Hq, n]
-        pos = scores[b, :, :n].topk(view.heavy, -1).indices
-        if pos.shape[0] != Hq:
-            pos = pos.repeat_interleave(G, 0)
-        got = prob.gather(1, pos).sum(-1)
-        best = prob.topk(view.heavy, -1).values.sum(-1)
-        out[b] = (got / best.clamp_min(1e-30)).cpu()
-    return out
+        slots = p.req_to_token[view.req_idx[sl].long(), :nmax].long()        # [b, n]
+        valid = torch.arange(nmax, device=q.device)[None] < n[:, None]       # [b, n]
+        k = p.k[layer_id][slots].float()                                     # [b, n, Hkv, D]
+        qg = q[sl].float().view(-1, p.hkv, G, D)
+        prob = torch.einsum("bgjd,bngd->bgjn", qg, k).reshape(-1, Hq, nmax) * view.sm_scale
+        prob = prob.masked_fill(~valid[:, None], float("-inf")).softmax(-1)  # [b, Hq, n]
+        lab = lab_pool[slots].float()                                        # [b, n, Hkv, r]
+        qhg = qh[sl].view(-1, p.hkv, G, qh.shape[-1])
+        sc = torch.einsum("bgjr,bngr->bgjn", qhg, lab).reshape(-1, Hq, nmax) * view.sm_scale
+        if s.mode != "per_head":
+            sc = sc.view(sc.shape[0], p.hkv, G, nmax)
+            sc = sc.sum(2) if s.mode == "group_sum" else sc.amax(2)
+        pos = torch.arange(nmax, device=q.device)[None, None]
+        keep = (pos < s.num_sink) | (pos >= (n[:, None, None] - s.num_recent))
+        sc = sc.masked_fill(keep, float("inf")).masked_fill(~valid[:, None], float("-inf"))
+        sel = sc.topk(kk, -1).indices
+        if sel.shape[1] != Hq:
+            sel = sel.repeat_interleave(G, 1)
+        got = prob.gather(2, sel).sum(-1)
+        best = prob.topk(kk, -1).values.sum(-1)
+        dense_rows = (n <= kk)[:, None]
+        out[sl] = torch.where(dense_rows, torch.ones_like(got), got / best.clamp_min(1e-30))
+    return out.cpu()
