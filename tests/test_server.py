@@ -370,6 +370,22 @@ def test_per_request_double_sparsity():
         ok.stop(), no.stop()
 
 
+def test_engine_failure_fails_only_that_batch():
+    s = Server(backend_args("fake", {"fail_marker": "BOOM"}))
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "BOOM", "max_tokens": 3},
+                       headers=AUTH, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        with httpx.stream("POST", s.url + "/v1/completions", headers=AUTH, timeout=30,
+                          json={"prompt": "BOOM", "max_tokens": 3, "stream": True}) as st:
+            assert st.status_code == 500  # failed before the first token: still a clean status
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "fine", "max_tokens": 3},
+                       headers=AUTH, timeout=30)
+        assert r.status_code == 200 and s.health()["status"] == "ok"
+    finally:
+        s.stop()
+
+
 def test_sigterm_drains_accepted_requests():
     s = Server(backend_args("fake", {"step_delay": 0.005}))
     body = {"prompt": "drain", "max_tokens": 300, "ignore_eos": True, "stream": True}

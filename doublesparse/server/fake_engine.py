@@ -93,7 +93,9 @@ class FakeEngine:
     def __init__(self, max_total_tokens: int | None = 4096, max_context_len: int = 2048,
                  step_delay: float = 0.005, max_running_requests: int = 64,
                  enable_double_sparsity: bool | None = True, per_request_ds: bool = True,
-                 **_: object) -> None:
+                 fail_marker: str | None = None, **_: object) -> None:
+        # fail_marker: step() raises while a prompt containing it runs (engine-failure tests).
+        self.fail_marker = fail_marker
         # per_request_ds=False mimics an engine whose SamplingParams lacks the DS overrides.
         if not per_request_ds:
             self.sampling_params_cls = _PlainSamplingParams
@@ -150,6 +152,9 @@ class FakeEngine:
             self.running.append(r)
         if not self.running:
             return []
+        if self.fail_marker and any(self.fail_marker in self.tokenizer.decode(r.ids[:r.prompt_len])
+                                    for r in self.running):
+            raise RuntimeError("injected engine failure")
         if self.step_delay:
             time.sleep(self.step_delay)
         self.counters["decode_steps_total"] += 1

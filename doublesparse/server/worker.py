@@ -46,6 +46,7 @@ class EngineWorker:
     """Owns the engine; runs ``step()`` whenever any request is unfinished."""
 
     STATS_INTERVAL = 0.05  # refresh the stats snapshot at most 20x/s while decoding
+    MAX_CONSECUTIVE_FAILURES = 5
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -91,7 +92,7 @@ class EngineWorker:
 
     # --- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
-        last_stats = 0.0
+        last_stats, failures = 0.0, 0
         while True:
             busy = self._safe(self.engine.has_unfinished, default=False)
             if self._stop.is_set() and not busy and not self._handles and self._cmds.empty():
@@ -100,11 +101,16 @@ class EngineWorker:
             if self._safe(self.engine.has_unfinished, default=False):
                 try:
                     outs = self.engine.step()
+                    failures = 0
                 except Exception as e:  # keep serving: fail the batch, not the process
                     self.step_errors += 1
+                    failures += 1
                     log.exception("engine.step() failed; aborting %d requests", len(self._handles))
                     self._fail_all(e)
                     outs = []
+                    if failures >= self.MAX_CONSECUTIVE_FAILURES:
+                        self.fatal = e  # /health turns 503 and new requests are refused
+                    time.sleep(0.05 * failures)  # back off instead of spinning on a broken engine
                 self._dispatch(outs)
             now = time.perf_counter()
             if now - last_stats >= self.STATS_INTERVAL or not self._handles:
@@ -128,6 +134,9 @@ class EngineWorker:
         kind = cmd[0]
         if kind == "add":
             _, handle, prompt_ids, sp = cmd
+            if self.fatal is not None:
+                handle.loop.call_soon_threadsafe(handle.push, [Finished("error", self.fatal)])
+                return
             try:
                 self.engine.add_request(prompt_ids, sp, request_id=handle.rid)
             except Exception as e:  # engine-side validation: answer this request only
