@@ -14,6 +14,16 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 CFG = ToyConfig(max_position_embeddings=512)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Decode on CPU is many tiny ops; on a shared 2-core box, 2 OpenMP threads spin-wait on each
+    other and make them ~100x slower. Restored after this module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def model():
     return ToyModel(CFG, seed=0)

@@ -22,6 +22,7 @@ import torch
 
 from ..config import CPU_DEFAULT_TOTAL_TOKENS, EngineConfig
 
+CPU_POOL_BYTES = 1 << 30
 LABEL_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
@@ -80,7 +81,8 @@ def plan_memory(cfg: EngineConfig, model_config, kv_dtype: torch.dtype, device: 
                 max_ctx: int, heavy_channel_num: int, reserved_bytes: int = 0) -> MemoryPlan:
     """Size the pools: ``--max-total-tokens`` if given; else on CUDA the part of
     ``mem_fraction_static * total`` memory not in use yet (weights are already loaded) minus
-    ``reserved_bytes`` (workspace); on CPU :data:`CPU_DEFAULT_TOTAL_TOKENS`."""
+    ``reserved_bytes`` (workspace); on CPU :data:`CPU_DEFAULT_TOTAL_TOKENS` capped at
+    :data:`CPU_POOL_BYTES`."""
     label_dtype = LABEL_TORCH_DTYPES[cfg.ds_label_dtype] if heavy_channel_num else None
     max_reqs = cfg.resolved_max_running_requests
     probe = MemoryPlan(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
@@ -97,7 +99,8 @@ def plan_memory(cfg: EngineConfig, model_config, kv_dtype: torch.dtype, device: 
                                f"{cfg.mem_fraction_static} of GPU memory (need >= {max_ctx}); "
                                "raise --mem-fraction-static or set --max-total-tokens")
     else:
-        tokens = CPU_DEFAULT_TOTAL_TOKENS
+        # fixed default, but no more than ~1 GiB of host memory (at least one full context)
+        tokens = min(CPU_DEFAULT_TOTAL_TOKENS, max(max_ctx, CPU_POOL_BYTES // probe.bytes_per_token))
     return dataclasses.replace(probe, max_total_tokens=int(tokens))
 
 

@@ -1,0 +1,194 @@
+"""``python -m doublesparse.bench_one_batch``: latency of one static batch, SGLang-style.
+
+Random prompt ids, one prefill of the whole batch, then ``output_len - 1`` decode steps through the
+same model runner / backends / CUDA graphs as the engine. Prints SGLang's lines, plus per decode
+step the bytes it must read (weights + KV, or weights + labels + selected KV) and the fraction of
+a copy bandwidth measured here at start. ``--result-json`` writes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from .config import add_cli_args, from_cli_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="doublesparse bench-one-batch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--input-len", type=int, nargs="+", default=[1024])
+    p.add_argument("--output-len", type=int, nargs="+", default=[16])
+    p.add_argument("--result-json", help="write all numbers here")
+    p.add_argument("--log-decode-step", type=int, default=0,
+                   help="print every N-th decode step too (the first 5 are always printed)")
+    p.add_argument("--skip-warmup", action="store_true")
+    p.add_argument("--copy-bytes", type=int, default=1 << 30, help="size of the bandwidth probe copy")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch CPU threads (1 is much faster on a busy machine: decode is many tiny ops)")
+    add_cli_args(p)
+    return p
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a large copy (read + write counted), on the benchmark device."""
+    if device.type != "cuda":
+        nbytes = min(nbytes, 1 << 28)
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    iters = 10 if device.type == "cuda" else 3
+    _sync(device)
+    if device.type == "cuda":
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(iters):
+            b.copy_(a)
+        e.record()
+        e.synchronize()
+        sec = s.elapsed_time(e) / 1e3
+    else:
+        t = time.perf_counter()
+        for _ in range(iters):
+            b.copy_(a)
+        sec = time.perf_counter() - t
+    del a, b
+    return 2 * nbytes * iters / sec
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: all parameters except an untied input embedding
+    (decode gathers B rows of it)."""
+    total = 0
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for name, prm in model.named_parameters():
+        if "embed_tokens" in name and not tied:
+            continue
+        total += prm.numel() * prm.element_size()
+    for name, buf in model.named_buffers():
+        if buf.is_floating_point() is False and buf.dtype in (torch.uint8, torch.int8):
+            total += buf.numel() * buf.element_size()  # packed quantised weights, if any
+    return total
+
+
+def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_every: int,
+             bw: float | None, wbytes: int, verbose: bool = True) -> dict:
+    runner, mem, dev = parts.runner, parts.memory, parts.device
+    need = bs * (input_len + output_len)
+    if need > mem.slots.num_free:
+        raise SystemExit(f"batch {bs} x ({input_len}+{output_len}) = {need} tokens does not fit the KV "
+                         f"pool ({mem.slots.num_free} free); raise --max-total-tokens")
+    if input_len + output_len > parts.max_context_len:
+        raise SystemExit(f"input_len + output_len = {input_len + output_len} exceeds the context "
+                         f"{parts.max_context_len}; pass --context-length or shorter lengths")
+    g = torch.Generator().manual_seed(seed)
+    V = parts.model.config.vocab_size
+    ids = torch.randint(0, V, (bs, input_len), generator=g).tolist()
+    rows = [mem.rows.alloc() for _ in range(bs)]
+    say = print if verbose else (lambda *a, **k: None)
+    try:
+        _sync(dev)
+        t = time.perf_counter()
+        logits = runner.prefill(rows, [0] * bs, ids, [True] * bs)
+        nxt = logits.argmax(-1).tolist()
+        _sync(dev)
+        prefill_lat = time.perf_counter() - t
+        say(f"Prefill. latency: {prefill_lat:6.5f} s, throughput: {bs * input_len / prefill_lat:9.2f} token/s")
+        lats, step_bytes, sparse = [], [], []
+        for i in range(output_len - 1):
+            pos = [input_len + i] * bs
+            _sync(dev)
+            t = time.perf_counter()
+            logits = runner.decode(rows, nxt, pos)
+            nxt = logits.argmax(-1).tolist()
+            _sync(dev)
+            lat = time.perf_counter() - t
+            lens = [p + 1 for p in pos]
+            lats.append(lat)
+            step_bytes.append(wbytes + parts.backend.decode_bytes(lens))
+            sparse.append(any(parts.sparse_rows(lens)))
+            if i < 5 or (log_every and i % log_every == 0):
+                extra = f", bytes: {step_bytes[-1] / 1e6:9.2f} MB"
+                if bw:
+                    extra += f", {step_bytes[-1] / lat / bw * 100:5.1f}% of copy bw"
+                say(f"Decode.  latency: {lat:6.5f} s, throughput: {bs / lat:9.2f} token/s{extra}")
+    finally:
+        for r in rows:
+            mem.release(r, mem.req_to_token_host[r].count_nonzero().item())
+    res = dict(batch_size=bs, input_len=input_len, output_len=output_len, prefill_latency=prefill_lat,
+               prefill_throughput=bs * input_len / prefill_lat, decode_latencies=lats,
+               decode_step_bytes=step_bytes, sparse_steps=sum(sparse), decode_steps=len(lats))
+    if lats:
+        med = statistics.median(lats)
+        med_bytes = statistics.median(step_bytes)
+        res.update(median_decode_latency=med, median_decode_throughput=bs / med,
+                   median_step_bytes=med_bytes, achieved_bandwidth=med_bytes / med,
+                   bandwidth_fraction=(med_bytes / med / bw) if bw else None)
+        say(f"Decode.  median latency: {med:6.5f} s, median throughput: {bs / med:9.2f} token/s")
+        frac = f" = {med_bytes / med / bw * 100:.1f}% of copy bandwidth" if bw else ""
+        say(f"Decode.  median step bytes: {med_bytes / 1e6:.2f} MB (weights {wbytes / 1e6:.2f} MB), "
+            f"achieved {med_bytes / med / 1e9:.2f} GB/s{frac}; sparse steps {sum(sparse)}/{len(lats)}")
+    total = prefill_lat + sum(lats)
+    res.update(total_latency=total, total_throughput=bs * (input_len + output_len) / total)
+    say(f"Total. latency: {total:6.5f} s, throughput: {bs * (input_len + output_len) / total:9.2f} token/s")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cpu_threads:
+        import torch
+        torch.set_num_threads(args.cpu_threads)
+    max_bs = max(args.batch_size)
+    cfg = from_cli_args(args, load_format="dummy",
+                        max_running_requests=args.max_running_requests or max_bs,
+                        cuda_graph_max_bs=args.cuda_graph_max_bs or max_bs)
+    if cfg.max_total_tokens is None and not cfg.resolved_device.startswith("cuda"):
+        need = max(b * (i + o) for b, i, o in itertools.product(args.batch_size, args.input_len, args.output_len))
+        cfg = cfg.replace(max_total_tokens=need)
+    from .engine.setup import build_parts
+    dev = torch.device(cfg.resolved_device)
+    bw = copy_bandwidth(dev, args.copy_bytes)
+    print(f"copy bandwidth: {bw / 1e9:.1f} GB/s ({dev})")
+    parts = build_parts(cfg, progress=True)
+    print(parts.plan.describe())
+    if parts.ds is not None:
+        print(f"Double Sparsity: k={parts.ds.heavy_token_num}, r={parts.plan.heavy_channel_num}, "
+              f"mode={parts.ds.mode}; channels: {parts.channel_source}")
+    else:
+        print(f"attention: {parts.backend.name} (dense decode)")
+    wbytes = weight_bytes(parts.model)
+    if not args.skip_warmup:
+        print("Warmup ...")
+        run_case(parts, max_bs, min(args.input_len), min(4, max(args.output_len)), cfg.seed + 1, 0, bw,
+                 wbytes, verbose=False)
+    results = []
+    for bs, il, ol in itertools.product(args.batch_size, args.input_len, args.output_len):
+        print(f"Benchmark. batch size: {bs}, input len: {il}, output len: {ol}")
+        results.append(run_case(parts, bs, il, ol, cfg.seed, args.log_decode_step, bw, wbytes))
+    if args.result_json:
+        out = dict(config=dataclasses.asdict(cfg), device=str(dev), copy_bandwidth=bw,
+                   weight_bytes=wbytes, channel_source=parts.channel_source,
+                   heavy_token_num=parts.ds.heavy_token_num if parts.ds else None,
+                   heavy_channel_num=parts.plan.heavy_channel_num or None,
+                   cuda_graphs=sorted(parts.runner.graphs), results=results)
+        with open(args.result_json, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"results written to {args.result_json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
