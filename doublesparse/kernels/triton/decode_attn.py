@@ -68,7 +68,8 @@ def decode_attn_kernel(
         pos = offs
         if HAS_SEL:
             picked = tl.load(sel_row + offs, mask=nmask & sparse, other=0)
-            pos = tl.where(sparse, picked, offs)
+            # The clamp never binds on a consistent workspace; it keeps a stale one in bounds.
+            pos = tl.where(sparse, tl.minimum(tl.maximum(picked, 0), seq_len - 1), offs)
         slot = tl.load(rt_row + pos, mask=nmask, other=0).to(tl.int64)
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kvh * stride_kch + d[None, :],

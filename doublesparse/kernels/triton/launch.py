@@ -146,8 +146,8 @@ def _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
 
 # Launch parameters, tuned on an H200 by doublesparse.bench.attention --sweep (results/).
 TUNING = {
-    "attn_block_n": 128, "attn_warps": 4, "attn_stages": 2, "attn_programs_per_sm": 4,
-    "score_block_n": 256, "score_warps": 4, "select_block_n": 1024, "select_warps": 4,
+    "attn_block_n": 64, "attn_warps": 4, "attn_stages": 2, "attn_programs_per_sm": 4,
+    "score_block_n": 256, "score_programs_per_sm": 8, "score_warps": 4, "select_block_n": 1024, "select_warps": 4,
     "select_programs_per_sm": 4, "select_atomic_hist": True, "score_hist": True,
 }
 
@@ -227,16 +227,19 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     rows = Hq if per_head else Hkv
     scores, hist, info, sel = ws.scores, ws.hist, ws.rowinfo, ws.sel
     if stage != "attend":
-        P = num_progs or max(1, min(triton.cdiv(TUNING["select_programs_per_sm"] * _num_sms(dev), B * Hkv),
+        nsm = _num_sms(dev)
+        P_score = num_progs or max(1, min(triton.cdiv(TUNING["score_programs_per_sm"] * nsm, B * Hkv),
+                                          triton.cdiv(ws.max_ctx, TUNING["score_block_n"])))
+        P = num_progs or max(1, min(triton.cdiv(TUNING["select_programs_per_sm"] * nsm, B * rows),
                                     triton.cdiv(ws.max_ctx, TUNING["select_block_n"])))
         is_fp8 = label_cache.dtype == torch.float8_e4m3fn
-        score_kernel[(B, Hkv, P)](
+        score_kernel[(B, Hkv, P_score)](
             q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
             scores, hist, info, float(sm_scale), k, int(threshold), int(num_sink), int(num_recent),
             q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
             req_to_token.stride(0), scores.stride(0), scores.stride(1),
             hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
-            G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P,
+            G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P_score,
             BLOCK_H=triton.next_power_of_2(G), BLOCK_N=TUNING["score_block_n"],
             BLOCK_R=triton.next_power_of_2(r), DO_HIST=TUNING["score_hist"],
             num_warps=TUNING["score_warps"],
