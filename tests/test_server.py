@@ -357,17 +357,31 @@ def test_full_kv_pool_queues_and_abort_while_waiting():
         s.stop()
 
 
-def test_per_request_double_sparsity():
-    ok = Server(backend_args("fake"))
-    no = Server(backend_args("fake", {"per_request_ds": False}))
+def test_per_request_double_sparsity(srv):
+    """Overrides the engine can honour pass through; others get a 400 that says why."""
+    def post(**extra):
+        return httpx.post(srv.url + "/v1/completions", headers=AUTH, timeout=120,
+                          json={"prompt": "hi", "max_tokens": 2, **extra})
+    if srv.kind == "fake":
+        assert post(ds_heavy_token_num=64, enable_double_sparsity=True).status_code == 200
+    else:  # the real test server decodes densely
+        assert post(enable_double_sparsity=False).status_code == 200
+        for extra in ({"ds_heavy_token_num": 64}, {"enable_double_sparsity": True}):
+            r = post(**extra)
+            assert r.status_code == 400 and "not supported" in r.json()["error"]["message"], r.text
+    r = post(ds_heavy_token_num=0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ds_heavy_token_num"
+
+
+def test_per_request_double_sparsity_unsupported_engine():
+    s = Server(backend_args("fake", {"per_request_ds": False}))
     try:
-        body = {"prompt": "hi", "max_tokens": 2, "ds_heavy_token_num": 64,
-                "enable_double_sparsity": False}
-        assert httpx.post(ok.url + "/v1/completions", json=body, headers=AUTH).status_code == 200
-        r = httpx.post(no.url + "/v1/completions", json=body, headers=AUTH)
+        r = httpx.post(s.url + "/v1/completions", headers=AUTH,
+                       json={"prompt": "hi", "max_tokens": 2, "ds_heavy_token_num": 64})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
+        assert r.json()["error"]["param"] == "ds_heavy_token_num"
     finally:
-        ok.stop(), no.stop()
+        s.stop()
 
 
 def test_engine_failure_fails_only_that_batch():
