@@ -149,11 +149,9 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cpu_threads:
-        import torch
         torch.set_num_threads(args.cpu_threads)
     max_bs = max(args.batch_size)
-    cfg = from_cli_args(args, load_format="dummy",
-                        max_running_requests=args.max_running_requests or max_bs,
+    cfg = from_cli_args(args, max_running_requests=args.max_running_requests or max_bs,
                         cuda_graph_max_bs=args.cuda_graph_max_bs or max_bs)
     if cfg.max_total_tokens is None and not cfg.resolved_device.startswith("cuda"):
         need = max(b * (i + o) for b, i, o in itertools.product(args.batch_size, args.input_len, args.output_len))

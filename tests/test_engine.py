@@ -235,3 +235,64 @@ def test_smollm2_sparse_decode_runs(smol):
     r = e.generate(text, {"temperature": 0.0, "max_new_tokens": 6})[0]
     assert r["meta"]["sparse_decode_steps"] == r["meta"]["decode_steps"] > 0
     assert "weight-based" in e.stats()["channel_source"] or "config" in e.stats()["channel_source"]
+
+
+# ---------------------------------------------------------------------------------- config / CLI
+def test_config_cli_roundtrip_and_derivations():
+    import argparse
+
+    from doublesparse.config import EngineConfig, add_cli_args, from_cli_args
+    p = add_cli_args(argparse.ArgumentParser())
+    ns = p.parse_args(["--enable-double-sparsity", "--ds-heavy-token-num", "64", "--ds-label-dtype", "fp8",
+                       "--max-total-tokens", "1000", "--disable-cuda-graph", "--attention-backend", "torch"])
+    c = from_cli_args(ns)
+    assert c.use_double_sparsity and c.ds_heavy_token_num == 64 and c.ds_label_dtype == "fp8"
+    assert c.kernel_impl == "torch" and c.resolved_attention_backend == "torch" and c.disable_cuda_graph
+    assert from_cli_args(p.parse_args([]), enable_double_sparsity=True).enable_double_sparsity
+    assert not from_cli_args(p.parse_args(["--no-enable-double-sparsity"]), enable_double_sparsity=True).enable_double_sparsity
+    d = EngineConfig()
+    assert d.resolved_attention_backend == "dense" and d.heavy_channel_num(64) == 16
+    assert d.heavy_token_num(8192) == 512 and d.ds_selection_mode == "group_max"
+    assert EngineConfig(attention_backend="double_sparsity").use_double_sparsity
+    with pytest.raises(ValueError, match="contradicts"):
+        EngineConfig(attention_backend="dense", enable_double_sparsity=True)
+    with pytest.raises(ValueError, match="ds_selection_mode"):
+        EngineConfig(ds_selection_mode="nope")
+    with pytest.raises(Exception):
+        d.seed = 3                                       # frozen
+
+
+def test_cli_dispatch(capsys):
+    from doublesparse.cli import SUBCOMMANDS, main
+    assert {"generate", "bench-one-batch", "serve", "calibrate", "eval"} <= set(SUBCOMMANDS)
+    assert main([]) == 0 and "bench-one-batch" in capsys.readouterr().out
+    assert main(["nope"]) == 2
+    SUBCOMMANDS["_missing"] = ("doublesparse._no_such_module:main", "x")
+    try:
+        assert main(["_missing"]) == 1 and "unavailable" in capsys.readouterr().err
+    finally:
+        del SUBCOMMANDS["_missing"]
+
+
+def test_bench_one_batch_dummy(tmp_path, capsys):
+    if importlib.util.find_spec("doublesparse.models") is None:
+        pytest.skip("doublesparse.models unavailable")
+    from doublesparse import bench_one_batch
+    from doublesparse.models import shipped_configs
+    if "tiny-llama" not in shipped_configs():
+        pytest.skip("no tiny-llama dummy config")
+    out = tmp_path / "r.json"
+    rc = bench_one_batch.main(["--model-path", "tiny-llama", "--load-format", "dummy", "--batch-size", "2",
+                               "--input-len", "64", "--output-len", "4", "--enable-double-sparsity",
+                               "--ds-heavy-token-num", "16", "--skip-warmup", "--copy-bytes", "1000000",
+                               "--result-json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    import json
+    import re
+    assert re.search(r"^Prefill\. latency: \d+\.\d{5} s, throughput: +\d+\.\d{2} token/s$", text, re.M)
+    assert re.search(r"^Decode\.  median latency: \d+\.\d{5} s, median throughput: +\d+\.\d{2} token/s$", text, re.M)
+    assert re.search(r"^Total\. latency: \d+\.\d{5} s, throughput: +\d+\.\d{2} token/s$", text, re.M)
+    assert "weight-based default" in text
+    r = json.loads(out.read_text())
+    assert r["results"][0]["sparse_steps"] == 3 and r["results"][0]["median_step_bytes"] > r["weight_bytes"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from ..kernels import ops
 
@@ -24,14 +25,14 @@ from ..kernels import ops
 class PrefillSegment:
     """One request of a prefill batch: queries ``q[q_start : q_start + q_len]`` at positions
     ``prefix_len ..``; ``kv_slots`` [prefix_len + q_len] int64 (device) when there is a cached
-    prefix to gather, else None (attend to the fresh k/v); ``mask`` [q_len, prefix_len + q_len]
-    bool lower-right causal mask when there is a prefix."""
+    prefix to gather, else None (attend to the fresh k/v); ``mask``: lower-right causal
+    CausalBias (q_len x prefix_len + q_len) when there is a prefix."""
 
     q_start: int
     q_len: int
     prefix_len: int
     kv_slots: torch.Tensor | None
-    mask: torch.Tensor | None
+    mask: CausalBias | None
 
 
 @dataclass(frozen=True)
@@ -72,15 +73,14 @@ class AttentionBackend:
     def _plan_prefill(self, batch) -> PrefillMeta:
         segs = []
         start = 0
-        dev = self.memory.device
         for row, prefix, n in zip(batch.rows_host, batch.extend_prefix_lens, batch.extend_lens):
             slots = mask = None
             if prefix:
                 total = prefix + n
                 slots = self.memory.req_to_token[row, :total].long()
-                # lower-right causal: query i sits at position prefix + i
-                mask = (torch.arange(total, device=dev)[None, :]
-                        <= torch.arange(prefix, total, device=dev)[:, None])
+                # lower-right causal: query i sits at position prefix + i. CausalBias lets SDPA
+                # pick flash attention (with GQA) on CUDA instead of materialising a mask.
+                mask = causal_lower_right(n, total)
             segs.append(PrefillSegment(start, n, prefix, slots, mask))
             start += n
         return PrefillMeta(tuple(segs))

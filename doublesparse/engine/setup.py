@@ -52,7 +52,13 @@ def load(cfg: EngineConfig, device: torch.device, progress: bool):
     dtype = None if cfg.dtype in (None, "auto") else cfg.dtype
     model = load_model(cfg.model_path, load_format=cfg.load_format, dtype=dtype, device=str(device),
                        progress=progress, seed=cfg.seed)
-    tok = None if cfg.load_format == "dummy" and cfg.model_path is None else load_tokenizer(cfg.model_path)
+    if cfg.load_format == "dummy":
+        try:  # a shipped config name has no tokenizer; a real folder may
+            tok = load_tokenizer(cfg.model_path)
+        except (OSError, ValueError):
+            tok = None
+    else:
+        tok = load_tokenizer(cfg.model_path)
     return model, tok
 
 
