@@ -120,10 +120,8 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
             step_bytes.append(wbytes + parts.backend.decode_bytes(lens))
             sparse.append(any(parts.sparse_rows(lens)))
             if i < 5 or (log_every and i % log_every == 0):
-                extra = f", bytes: {step_bytes[-1] / 1e6:9.2f} MB"
-                if bw:
-                    extra += f", {step_bytes[-1] / lat / bw * 100:5.1f}% of copy bw"
-                say(f"Decode.  latency: {lat:6.5f} s, throughput: {bs / lat:9.2f} token/s{extra}")
+                # exactly SGLang's line (parsers match it); bytes go to the summary and the JSON
+                say(f"Decode.  latency: {lat:6.5f} s, throughput: {bs / lat:9.2f} token/s")
     finally:
         for r in rows:
             mem.release(r, mem.req_to_token_host[r].count_nonzero().item())
