@@ -158,9 +158,14 @@ def test_abort_frees_slots(model):
     e.step()
     assert e.stats()["kv_used_tokens"] == 31
     e.abort(rid)
+    assert e.stats()["kv_used_tokens"] == 0            # freed at once (no step running)
     outs = e.step()
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [(rid, True, "abort")]
     assert e.stats()["kv_used_tokens"] == 0 and not e.has_unfinished()
+    rid2 = e.add_request([5] * 3, {"max_new_tokens": 5})    # aborted while still in the inbox
+    e.abort(rid2)
+    assert [(o.request_id, o.finish_reason) for o in e.step()] == [(rid2, "abort")]
+    assert not e.has_unfinished() and e.step() == []
 
 
 def test_ds_overrides_and_labels_fp8(model):

@@ -69,6 +69,7 @@ class Engine:
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
         self._reqs: dict[str, _Req] = {}
+        self._pending: list[StepOutput] = []   # outputs of aborts done outside step()
         self._known: set[str] = set()
         self._counter = 0
         self.counters = collections.Counter()
@@ -118,10 +119,31 @@ class Engine:
         return rid
 
     def abort(self, request_id: str) -> None:
-        self._abort_inbox.append(request_id)
+        """Abort a request. Its KV is freed at once when no step is running (the server calls this
+        from its engine thread), else at the start of the next step. The "abort" StepOutput comes
+        from the next ``step()``. Unknown / finished ids are ignored."""
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._abort_now(request_id)
+            finally:
+                self._step_lock.release()
+        else:
+            self._abort_inbox.append(request_id)
+
+    def _abort_now(self, rid: str) -> None:
+        if rid in self._reqs:
+            self._pending.append(self._finish(self._reqs[rid], "abort", []))
+            return
+        for req in list(self._inbox):
+            if req.rid == rid:
+                self._inbox.remove(req)
+                with self._lock:
+                    self._known.discard(rid)
+                self._pending.append(StepOutput(rid, [], "", True, "abort", len(req.prompt_ids), 0,
+                                                meta=self._meta(req)))
 
     def has_unfinished(self) -> bool:
-        return bool(self._inbox) or bool(self._reqs)
+        return bool(self._inbox) or bool(self._reqs) or bool(self._pending)
 
     # ----------------------------------------------------------------------------- step
     def step(self) -> list[StepOutput]:
@@ -130,15 +152,13 @@ class Engine:
 
     def _step(self) -> list[StepOutput]:
         p = self.parts
-        outs: list[StepOutput] = []
+        while self._abort_inbox:
+            self._abort_now(self._abort_inbox.popleft())
         while self._inbox:
             req = self._inbox.popleft()
             p.scheduler.add(req.rid, len(req.prompt_ids), req.params.max_new_tokens)
             self._reqs[req.rid] = req
-        while self._abort_inbox:
-            rid = self._abort_inbox.popleft()
-            if rid in self._reqs:
-                outs.append(self._finish(self._reqs[rid], "abort", []))
+        outs, self._pending = self._pending, []
         plan = p.scheduler.schedule()
         for rid in plan.admitted:
             self._reqs[rid].row = p.memory.rows.alloc()
