@@ -301,3 +301,27 @@ def test_bench_one_batch_dummy(tmp_path, capsys):
     assert "weight-based default" in text
     r = json.loads(out.read_text())
     assert r["results"][0]["sparse_steps"] == 3 and r["results"][0]["median_step_bytes"] > r["weight_bytes"]
+
+
+@pytest.mark.parametrize("ds", [False, True])
+def test_triton_path_matches_reference(model, ds):
+    """The engine's calls into the Triton kernels (shapes, dtypes, workspace) on CPU under
+    TRITON_INTERPRET=1 (set by conftest), against the PyTorch reference path."""
+    import os
+
+    from doublesparse.kernels.workspace import DecodeWorkspace
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    kw = dict(enable_double_sparsity=ds, ds_heavy_token_num=8, max_running_requests=2, max_total_tokens=256)
+    ps = prompts(2, seed=8, lo=10, hi=20)
+    sp = {**GREEDY, "max_new_tokens": 4}
+    ref = engine(model, **kw).generate(ps, sp)
+    e = engine(model, **kw)
+    c = model.config
+    e.parts.backend.impl = "triton"
+    e.parts.backend.workspace = DecodeWorkspace(2, c.num_q_heads, c.num_kv_heads, c.head_dim,
+                                                e.max_context_len, 8 if ds else 0, device="cpu")
+    out = e.generate(ps, sp)
+    assert [r["token_ids"] for r in out] == [r["token_ids"] for r in ref]
+    if ds:
+        assert all(r["meta"]["sparse_decode_steps"] > 0 for r in out)
