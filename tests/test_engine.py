@@ -325,3 +325,12 @@ def test_triton_path_matches_reference(model, ds):
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in ref]
     if ds:
         assert all(r["meta"]["sparse_decode_steps"] > 0 for r in out)
+
+
+def test_generate_default_prompt_fits(smol):
+    from doublesparse.generate import DEFAULT_QUESTION, build_parser, build_prompt
+    _, tok = smol
+    args = build_parser().parse_args([])
+    ids = build_prompt(tok, args, 8192)
+    assert 5500 < len(ids) <= 6400 and isinstance(ids[0], int)
+    assert DEFAULT_QUESTION[-40:] in tok.decode(ids)
