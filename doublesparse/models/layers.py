@@ -1,0 +1,57 @@
+"""Building blocks shared by the model families: RMSNorm, a bare linear layer, the SiLU-gated MLP.
+
+Parameters are allocated with ``torch.empty`` on the target device and dtype and are never
+initialised here: a loader always overwrites them (checkpoint or seeded dummy init), and skipping
+nn.Linear's kaiming init is what makes building an 8B model take milliseconds instead of minutes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight`` over the last dim; statistics in float32, output in x's dtype."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Round to the activation dtype before the weight multiply, like HF, so bf16 runs agree.
+        return self.weight * xf.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)`` with ``W: [out, in]`` (the HF layout), uninitialised."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up merged into one GEMM ``[2I, H]``."""
+
+    def __init__(self, hidden: int, intermediate: int, device=None, dtype=None):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, device=device, dtype=dtype)
+        self.down_proj = Linear(intermediate, hidden, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,122 @@
+"""The Llama family as one module: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (qk-norm).
+
+The model runs on a flat token batch: all requests' new tokens are concatenated into ``[T]`` and
+the attention backend (``batch.attn``) owns everything sequence-related (KV cache, masks, sparse
+decode). The model itself is position-aware only through RoPE and keeps no state between calls.
+
+The forward contains no host syncs (no ``.item()``, no data-dependent shapes other than the
+indexing by ``logits_indices``), so a fixed-shape decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .layers import GatedMLP, Linear, RMSNorm
+from .rope import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    """Merged qkv projection -> (bias) -> (per-head qk RMSNorm) -> RoPE -> backend -> o_proj."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, device=None, dtype=None):
+        super().__init__()
+        c = config
+        self.layer_id = layer_id
+        self.num_q_heads, self.num_kv_heads, self.head_dim = c.num_q_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.qkv_proj = Linear(c.hidden_size, c.qkv_size, bias=c.attention_bias, device=device, dtype=dtype)
+        self.o_proj = Linear(c.q_size, c.hidden_size, device=device, dtype=dtype)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, device=device, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch) -> torch.Tensor:
+        """x: [T, H] -> [T, H]; the backend sees contiguous q: [T, Hq, D], k/v: [T, Hkv, D] in the weight dtype."""
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_q_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        # v is a strided slice of the qkv GEMM output; KV-store kernels want dense rows.
+        v = v.contiguous().view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        out = batch.attn.forward(self.layer_id, q, k, v, batch)  # [T, Hq, D]
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, device=None, dtype=None):
+        super().__init__()
+        c = config
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, dtype=dtype)
+        self.attn = LlamaAttention(c, layer_id, device=device, dtype=dtype)
+        self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, dtype=dtype)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, device=device, dtype=dtype)
+
+    def forward(self, x, positions, rope, batch):
+        x = x + self.attn(self.input_norm(x), positions, rope, batch)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class LlamaModel(nn.Module):
+    """Causal LM. ``logits = model(input_ids, positions, batch)``.
+
+    Args of ``__init__``: ``max_positions`` sizes the RoPE table (default: the config's
+    ``max_position_embeddings``). Parameters are allocated uninitialised on ``device`` in ``dtype``;
+    use :func:`doublesparse.models.load_model` to get a model with weights.
+
+    Parameter names (what loaders fill): ``embed_tokens.weight``, ``layers.{i}.input_norm.weight``,
+    ``layers.{i}.attn.qkv_proj.{weight,bias}`` (rows: q | k | v), ``layers.{i}.attn.o_proj.weight``,
+    ``layers.{i}.attn.{q,k}_norm.weight``, ``layers.{i}.post_attn_norm.weight``,
+    ``layers.{i}.mlp.gate_up_proj.weight`` (rows: gate | up), ``layers.{i}.mlp.down_proj.weight``,
+    ``norm.weight``, ``lm_head.weight`` (the same Parameter as the embedding when tied).
+    """
+
+    def __init__(self, config: ModelConfig, device=None, dtype=torch.float32, max_positions: int | None = None):
+        super().__init__()
+        c = self.config = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, device=device, dtype=dtype,
+                                         _weight=torch.empty(c.vocab_size, c.hidden_size, device=device, dtype=dtype))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, device=device, dtype=dtype) for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, dtype=dtype)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, device=device, dtype=dtype)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(c, max_positions=max_positions, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> logits [N, vocab] float32.
+
+        ``batch.attn.forward(layer_id, q, k, v, batch)`` computes attention; ``batch.logits_indices``
+        ([N] int64 into the T tokens, or None for all T) selects the rows to project onto the
+        vocabulary, which for decode-with-prefill batches skips the expensive lm_head on most tokens.
+        """
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, batch)
+        idx = getattr(batch, "logits_indices", None)
+        if idx is not None:
+            x = x.index_select(0, idx)
+        return self.lm_head(self.norm(x)).float()
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"arch={c.architecture}, params={c.num_params / 1e6:.1f}M, max_positions={self.rope.max_positions}"

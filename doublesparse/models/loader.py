@@ -1,0 +1,181 @@
+"""Public entry points: ``load_model`` and ``load_tokenizer``.
+
+``model_path`` may be ``None`` (the embedded SmolLM2-135M-Instruct GGUF), a Hugging Face folder
+(config.json + safetensors), a ``.gguf`` file or a folder holding one, or, with
+``load_format="dummy"``, anything that yields a config.json (folder, file, or the name of a config
+shipped in ``doublesparse/configs/models``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .weights import (check_gguf_magic, gguf_config, init_dummy_weights, load_gguf_weights,
+                      load_safetensors_weights, open_gguf)
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def shipped_configs() -> list[str]:
+    """Names accepted by ``load_model(name, load_format="dummy")``, e.g. ``"llama-3.1-8b"``."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+
+
+def default_model_path() -> Path:
+    from ..assets import smollm2_gguf_path
+
+    return smollm2_gguf_path()
+
+
+def resolve_dtype(dtype, device) -> torch.dtype:
+    """None -> bf16 on CUDA, float32 elsewhere; strings like ``"bfloat16"`` are accepted."""
+    if dtype is None:
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        d = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(d, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}")
+        return d
+    return dtype
+
+
+def _single_gguf(folder: Path) -> Path | None:
+    files = sorted(folder.glob("*.gguf"))
+    if len(files) > 1:
+        raise ValueError(f"{folder} holds several GGUF files ({', '.join(f.name for f in files)}); pass one")
+    return files[0] if files else None
+
+
+def _dummy_config_path(model_path: str | Path) -> Path:
+    p = Path(model_path)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{p} has no config.json (needed for load_format='dummy')")
+        return p / "config.json"
+    if p.is_file():
+        return p
+    shipped = CONFIGS_DIR / f"{model_path}.json"
+    if shipped.is_file():
+        return shipped
+    raise FileNotFoundError(f"no config for dummy model {str(model_path)!r}: not a folder with config.json, "
+                            f"not a JSON file, and not a shipped config ({', '.join(shipped_configs())})")
+
+
+def resolve_model_path(model_path: str | Path | None, load_format: str = "auto") -> tuple[str, Path]:
+    """-> (format, path): ``("safetensors", folder)``, ``("gguf", file)`` or ``("dummy", config.json)``."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
+    if model_path is None:
+        if load_format not in ("auto", "gguf"):
+            raise ValueError(f"load_format={load_format!r} needs a model_path")
+        return "gguf", default_model_path()
+    if load_format == "dummy":
+        return "dummy", _dummy_config_path(model_path)
+    p = Path(model_path).expanduser()
+    if not p.exists():
+        hint = (f" (it is a shipped config: use load_format='dummy' for random weights)"
+                if (CONFIGS_DIR / f"{model_path}.json").is_file() else "")
+        raise FileNotFoundError(f"model path {str(p)!r} does not exist{hint}")
+    if p.is_file():
+        if load_format == "safetensors":
+            raise ValueError(f"{p}: load_format='safetensors' expects a folder with config.json")
+        return "gguf", p  # open_gguf checks the magic and says so if it is something else
+    has_st = (p / "config.json").is_file() and (any(p.glob("*.safetensors"))
+                                                or (p / "model.safetensors.index.json").is_file())
+    if load_format in ("auto", "safetensors") and has_st:
+        return "safetensors", p
+    if load_format in ("auto", "gguf"):
+        g = _single_gguf(p)
+        if g is not None:
+            return "gguf", g
+    what = {"auto": "config.json + *.safetensors or a *.gguf", "safetensors": "config.json + *.safetensors",
+            "gguf": "a *.gguf file"}[load_format]
+    extra = " (use load_format='dummy' for random weights)" if (p / "config.json").is_file() else ""
+    raise ValueError(f"{p} holds no model weights: expected {what}{extra}")
+
+
+def load_config(model_path: str | Path | None, load_format: str = "auto") -> ModelConfig:
+    """The :class:`ModelConfig` ``load_model`` would use, without touching the weights."""
+    fmt, path = resolve_model_path(model_path, load_format)
+    if fmt == "gguf":
+        return gguf_config(open_gguf(path))
+    return ModelConfig.from_json(path / "config.json" if fmt == "safetensors" else path)
+
+
+def load_model(model_path: str | Path | None, load_format: str = "auto", dtype=None, device="cpu",
+               progress: bool = True, seed: int = 0, max_positions: int | None = None):
+    """Build a model with weights on ``device`` in ``dtype`` (default bf16 on CUDA, float32 on CPU;
+    ``"auto"`` = the checkpoint's ``torch_dtype``).
+
+    ``load_format``: ``"auto"`` (detect), ``"safetensors"``, ``"gguf"`` or ``"dummy"`` (seeded random
+    weights, std 0.02, unit norms). ``max_positions`` caps the RoPE table (default: the config's
+    ``max_position_embeddings``). Returns the architecture's model class from the registry, in eval
+    mode. Raises ``FileNotFoundError`` / ``ValueError`` naming the offending path or tensor.
+    """
+    from . import model_class  # the registry lives in the package __init__
+
+    fmt, path = resolve_model_path(model_path, load_format)
+    reader = None
+    if fmt == "gguf":
+        reader = open_gguf(path)
+        config = gguf_config(reader)
+    else:
+        config = ModelConfig.from_json(path / "config.json" if fmt == "safetensors" else path)
+    dtype = resolve_dtype(config.torch_dtype if dtype == "auto" else dtype, device)
+    model = model_class(config.architecture)(config, device=device, dtype=dtype, max_positions=max_positions)
+    if fmt == "gguf":
+        load_gguf_weights(model, reader, path, progress=progress)
+    elif fmt == "safetensors":
+        load_safetensors_weights(model, path, progress=progress)
+    else:
+        init_dummy_weights(model, seed=seed)
+    model.source_path = path
+    return model.eval().requires_grad_(False)
+
+
+def load_tokenizer(model_path: str | Path | None):
+    """transformers tokenizer for a model folder or GGUF, read offline; ``None`` when there is none.
+
+    Dummy models (a bare config.json / shipped config name) and folders without tokenizer files
+    give ``None``: callers must then feed token ids. The chat template, when the tokenizer has one,
+    is ``tokenizer.chat_template`` (SmolLM2's GGUF carries it).
+    """
+    from transformers import AutoTokenizer
+
+    p = default_model_path() if model_path is None else Path(model_path).expanduser()
+    if not p.exists():
+        if (CONFIGS_DIR / f"{model_path}.json").is_file():
+            return None
+        raise FileNotFoundError(f"model path {str(p)!r} does not exist")
+    gguf_file = p if p.suffix == ".gguf" else None
+    if p.is_dir():
+        if any((p / f).is_file() for f in _TOKENIZER_FILES):
+            return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        gguf_file = _single_gguf(p)
+    if gguf_file is None:
+        return None
+    check_gguf_magic(gguf_file)  # a clear error for non-GGUF files before transformers tries
+    return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True)
+
+
+def read_chat_template(model_path: str | Path | None) -> str | None:
+    """The chat template (Jinja source) without building a tokenizer, or ``None`` if there is none."""
+    p = default_model_path() if model_path is None else Path(model_path).expanduser()
+    if p.is_dir():
+        if (p / "chat_template.jinja").is_file():
+            return (p / "chat_template.jinja").read_text()
+        tc = p / "tokenizer_config.json"
+        if tc.is_file():
+            t = json.loads(tc.read_text()).get("chat_template")
+            return t if isinstance(t, str) else None
+        p = _single_gguf(p) or p
+    if p.is_file() and p.suffix == ".gguf":
+        f = open_gguf(p).fields.get("tokenizer.chat_template")
+        return None if f is None else f.contents()
+    return None

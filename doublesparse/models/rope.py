@@ -1,0 +1,86 @@
+"""Rotary position embedding (rotate-half / NeoX layout, as HF Llama), with linear and llama3 scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` float32 after the config's rope scaling."""
+    d = config.head_dim
+    # float32 exponentiation, as HF does it, so cos/sin match the reference bit-for-bit at fp32.
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq
+    kind = rs["rope_type"]
+    if kind == "linear":
+        return inv_freq / rs["factor"]
+    if kind == "freq_factors":
+        factors = torch.tensor(rs["factors"], dtype=torch.float32)
+        if factors.numel() != inv_freq.numel():
+            raise ValueError(f"rope_freqs has {factors.numel()} entries, expected {inv_freq.numel()}")
+        return inv_freq / factors
+    if kind == "llama3":
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old_len = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (beyond the original context) are slowed down by `factor`, short ones kept,
+        # and the band in between is blended linearly in 1/wavelength.
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        middle = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        return torch.where(middle, blended, out)
+    raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q/k given absolute positions, from a cos/sin table precomputed on the device.
+
+    The table is indexed with ``positions`` (a device gather, no host sync), so the op is safe
+    inside CUDA graphs. Positions past ``max_positions`` are out of range: size the table for the
+    longest sequence you will run.
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None, device=None):
+        super().__init__()
+        self.config = config
+        self.max_positions = max_positions or config.max_position_embeddings
+        cos, sin = self._table(device)
+        # Not persistent: derived from the config, so it must not appear in state dicts.
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _table(self, device):
+        inv_freq = rope_inv_freq(self.config).to(device)
+        t = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [P, D/2] float32
+        return freqs.cos(), freqs.sin()
+
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) would round the table too; rebuild it in float32 instead.
+        super()._apply(fn, recurse)
+        if self.cos.dtype != torch.float32:
+            self.cos, self.sin = self._table(self.cos.device)
+        return self
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D] -> rotated (q, k), same dtypes.
+
+        The rotation is done in float32 and rounded once, which is at least as accurate as
+        rotating in bf16.
+        """
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
