@@ -106,15 +106,7 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
         kind = "not_found" if e.status_code == 404 else "invalid_request_error"
         return APIError(str(e.detail), status=e.status_code, type=kind).response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if cfg.api_key and request.url.path not in OPEN_PATHS:
-            got = request.headers.get("authorization", "")
-            token = got[7:].strip() if got[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode(), cfg.api_key.encode()):
-                return APIError("invalid or missing API key (send 'Authorization: Bearer KEY')",
-                                status=401, code="invalid_api_key").response()
-        return await call_next(request)
+    app.add_middleware(FrontDoor, api_key=cfg.api_key)
 
     @app.get("/health")
     async def health():
@@ -141,6 +133,28 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
     from doublesparse.server.routes import register_generation_routes
     register_generation_routes(app, st)
     return app
+
+
+class FrontDoor:
+    """Pure ASGI middleware: stamps the arrival time (TTFT counts from here) and checks the API
+    key before any routing or body reading. Pure ASGI rather than ``@app.middleware`` because
+    the latter re-wraps every streamed chunk, which costs per-token overhead under load."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app, self.key = app, (api_key or "").encode() or None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["t_arrival"] = time.perf_counter()
+            if self.key is not None and scope["path"] not in OPEN_PATHS:
+                got = dict(scope.get("headers") or ()).get(b"authorization", b"")
+                token = got[7:].strip() if got[:7].lower() == b"bearer " else b""
+                if not hmac.compare_digest(token, self.key):
+                    err = APIError("invalid or missing API key (send 'Authorization: Bearer KEY')",
+                                   status=401, code="invalid_api_key")
+                    await err.response()(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -31,7 +31,10 @@ class Generation:
         self._pending: list[Any] = []
         self._handle = None
         self._watch: asyncio.Task | None = None
-        self._t0 = time.perf_counter()
+        # Latencies count from arrival at the server (stamped by FrontDoor), so they include body
+        # reading and tokenization as a client would see them.
+        state = request.scope.get("state") if request is not None else None
+        self._t0 = (state or {}).get("t_arrival") or time.perf_counter()
         self._t_first: float | None = None
         self._done = False
 
