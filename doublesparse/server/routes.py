@@ -138,6 +138,10 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await _begin(st, request, P.ChatCompletionRequest)
+        for i, m in enumerate(req.messages):
+            if m.content is None and m.role != "assistant":
+                raise APIError(f"messages.{i}.content is required for role '{m.role}'",
+                               param=f"messages.{i}.content")
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in req.messages]
         try:
