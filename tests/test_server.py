@@ -274,7 +274,9 @@ def test_bad_inputs_while_long_generation_continues(srv):
     async def both():
         return await asyncio.gather(long_run(), bad_ones())
 
+    rejected = srv.metric("doublesparse_rejected_requests_total")
     (pieces, finish), health = asyncio.run(both())
+    assert srv.metric("doublesparse_rejected_requests_total") - rejected == len(_bad_cases(m, ctx))
     assert finish == "length" and pieces >= long_n // 4  # the long request was not disturbed
     assert health["status"] == "ok"
     srv.wait_idle()

@@ -49,12 +49,18 @@ class ServerState:
 
 
 def default_model_name(engine: Any) -> str:
-    for obj, attr in ((engine, "model_name"), (getattr(engine, "model_config", None), "name"),
-                      (getattr(engine, "config", None), "model_path")):
-        v = getattr(obj, attr, None) if obj is not None else None
-        if isinstance(v, str) and v:
-            return v.rstrip("/").rsplit("/", 1)[-1]
-    return "SmolLM2-135M-Instruct"
+    """A stable, space-free id: the checkpoint's file/dir name (GGUF metadata names are prose)."""
+    if isinstance(getattr(engine, "model_name", None), str):
+        return engine.model_name
+    cfg = getattr(engine, "config", None)
+    if cfg is not None and hasattr(cfg, "model_path"):
+        if cfg.model_path:
+            base = str(cfg.model_path).rstrip("/").rsplit("/", 1)[-1]
+            return base[:-5] if base.endswith(".gguf") else base
+        from doublesparse.assets import SMOLLM2_FILE  # the embedded default model
+        return SMOLLM2_FILE.split(".")[0]
+    name = getattr(getattr(engine, "model_config", None), "name", None)
+    return name.replace(" ", "-") if isinstance(name, str) and name else "doublesparse-model"
 
 
 def engine_supports_ds(engine: Any) -> bool:
@@ -99,6 +105,7 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
+        st.metrics.rejected.labels(str(e.status)).inc()
         return e.response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -75,6 +75,8 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(P + "requests", "Finished HTTP generation requests",
                                 ["endpoint", "status"], registry=r)
+        self.rejected = Counter(P + "rejected_requests", "Requests refused with an error body",
+                                ["status"], registry=r)
         self.in_flight = Gauge(P + "requests_in_flight", "Generation requests accepted by HTTP",
                                registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of served requests",
