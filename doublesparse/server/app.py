@@ -16,14 +16,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from doublesparse.server import protocol as P
 from doublesparse.server.config import ServerConfig
-from doublesparse.server.generation import Generation, usage
+from doublesparse.server.generation import Generation
 from doublesparse.server.metrics import ServerMetrics, stat
 from doublesparse.server.protocol import APIError
 from doublesparse.server.worker import EngineWorker
 
-OPEN_PATHS = {"/health", "/health_generate"}  # liveness probes work without the key
+OPEN_PATHS = {"/health"}  # liveness probes work without the key
 DS_FIELDS = ("enable_double_sparsity", "ds_heavy_token_num")
 
 
