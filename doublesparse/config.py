@@ -136,7 +136,10 @@ class EngineConfig:
 
     @property
     def use_cuda_graph(self) -> bool:
-        return self.resolved_device.startswith("cuda") and not self.disable_cuda_graph
+        # the "torch" backend runs the PyTorch references, which read lengths on the host:
+        # not capturable
+        return (self.resolved_device.startswith("cuda") and not self.disable_cuda_graph
+                and self.attention_backend != "torch")
 
     def heavy_channel_num(self, head_dim: int) -> int:
         r = self.ds_heavy_channel_num or max(1, head_dim // 4)

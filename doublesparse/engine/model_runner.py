@@ -54,7 +54,7 @@ class ModelRunner:
         dev = self.device
         batch = ForwardBatch(
             mode="prefill",
-            input_ids=torch.tensor([t for c in chunks for t in c], dtype=torch.int64).to(dev),
+            input_ids=torch.cat([torch.tensor(c, dtype=torch.int64) for c in chunks]).to(dev),
             positions=pos.to(dev), out_slots=slots.to(dev),
             req_idx=torch.tensor(rows, dtype=torch.int32).to(dev),
             seq_lens=torch.tensor([p + n for p, n in zip(prefix_lens, lens)], dtype=torch.int32).to(dev),
