@@ -56,35 +56,54 @@ class Generation:
         self._pending.append(first)
 
     async def events(self) -> AsyncIterator[tuple[str, list[int]]]:
-        """Yield ``(text_delta, new_token_ids)`` until the request finishes."""
+        """Yield ``(text_delta, new_token_ids)`` until the request finishes.
+
+        Events that queued up while the consumer was busy are merged into one yield: when the
+        event loop falls behind the engine (many streams), it sends fewer, larger chunks instead
+        of falling further behind one token at a time.
+        """
         try:
             while not self._done:
-                ev = self._pending.pop(0) if self._pending else await self._handle.events.get()
-                if isinstance(ev, Finished):
-                    if ev.finish_reason == "error":
-                        self._finish("error")
-                        raise APIError(f"engine error: {ev.error}", status=500, type="server_error")
-                    self._finish(ev.finish_reason)
-                    return
-                ids = list(getattr(ev, "new_token_ids", None) or [])
-                now = time.perf_counter()
-                if ids and self._t_first is None:
-                    self._t_first = now
-                    self.metrics.ttft.observe(now - self._t0)
-                    self.metrics.prompt_tokens.inc(self.prompt_tokens)
-                self.metrics.generation_tokens.inc(len(ids))
-                self.completion_tokens = int(getattr(ev, "completion_tokens", 0) or
-                                             self.completion_tokens + len(ids))
-                self.prompt_tokens = int(getattr(ev, "prompt_tokens", 0) or self.prompt_tokens)
-                delta = getattr(ev, "text", "") or ""
-                self.text += delta
-                if getattr(ev, "finished", False):
-                    self._finish(getattr(ev, "finish_reason", None) or "stop")
-                yield delta, ids
+                batch = [self._pending.pop(0) if self._pending else await self._handle.events.get()]
+                while not self._handle.events.empty():
+                    batch.append(self._handle.events.get_nowait())
+                delta, ids, ended = "", [], None
+                for ev in batch:
+                    if isinstance(ev, Finished):
+                        ended = ev
+                        break
+                    d, new = self._absorb(ev)
+                    delta, ids = delta + d, ids + new
+                    if self._done:
+                        break
+                if delta or ids or (self._done and ended is None):
+                    yield delta, ids
+                if ended is not None and not self._done:
+                    self._finish(ended.finish_reason)
+                    if ended.finish_reason == "error":
+                        raise APIError(f"engine error: {ended.error}", status=500, type="server_error")
         finally:
             if not self._done:  # consumer left early (disconnect, cancellation): free the slots
                 self.worker.abort(self.rid)
                 self._finish("abort")
+
+    def _absorb(self, ev: Any) -> tuple[str, list[int]]:
+        """Account one StepOutput (metrics, counters, text); finishes the request if it is last."""
+        ids = list(getattr(ev, "new_token_ids", None) or [])
+        now = time.perf_counter()
+        if ids and self._t_first is None:
+            self._t_first = now
+            self.metrics.ttft.observe(now - self._t0)
+            self.metrics.prompt_tokens.inc(self.prompt_tokens)
+        self.metrics.generation_tokens.inc(len(ids))
+        self.completion_tokens = int(getattr(ev, "completion_tokens", 0) or
+                                     self.completion_tokens + len(ids))
+        self.prompt_tokens = int(getattr(ev, "prompt_tokens", 0) or self.prompt_tokens)
+        delta = getattr(ev, "text", "") or ""
+        self.text += delta
+        if getattr(ev, "finished", False):
+            self._finish(getattr(ev, "finish_reason", None) or "stop")
+        return delta, ids
 
     async def collect(self) -> str:
         async for _ in self.events():
