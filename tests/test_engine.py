@@ -141,6 +141,9 @@ def test_refusal_and_waiting(model):
         e.add_request(list(range(1, 90)), {"max_new_tokens": 20})
     with pytest.raises(ValueError, match="maximum context length"):
         engine(model, max_total_tokens=10_000).add_request([1] * 500, {"max_new_tokens": 20})
+    with pytest.raises(RequestRefused):
+        e.generate([[1, 2, 3], list(range(1, 90))], {"max_new_tokens": 20})
+    assert not e.has_unfinished()                      # the valid first prompt was not queued
     # two requests that fit only one at a time: the second waits, both complete
     ps = prompts(2, seed=5, lo=40, hi=41)
     res = e.generate(ps, {**GREEDY, "max_new_tokens": 30})

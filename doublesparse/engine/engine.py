@@ -254,7 +254,12 @@ class Engine:
         sps = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(sps) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sps)} sampling_params")
-        rids = [self.add_request(pr, sp) for pr, sp in zip(prompts, sps)]
+        # validate every prompt before queueing any, so a refusal leaves nothing behind
+        checked = [(self._encode(pr), SamplingParams.from_any(sp)) for pr, sp in zip(prompts, sps)]
+        for ids, sp in checked:
+            self._check_ds_overrides(sp)
+            self.parts.scheduler.check(len(ids), sp.max_new_tokens)
+        rids = [self.add_request(ids, sp) for ids, sp in checked]
         results: dict[str, dict] = {rid: {"token_ids": []} for rid in rids}
         while any("meta" not in results[r] for r in rids):
             for o in self.step():
