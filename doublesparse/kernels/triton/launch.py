@@ -146,15 +146,24 @@ def _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
 
 # Launch parameters, tuned on an H200 by doublesparse.bench.attention --sweep (results/).
 TUNING = {
-    "attn_block_n": 64, "attn_warps": 4, "attn_stages": 2, "attn_programs_per_sm": 4,
+    "attn_block_n": 64, "attn_block_n_many_rows": 128, "attn_warps": 4, "attn_stages": 2, "attn_programs_per_sm": 4,
     "score_block_n": 256, "score_programs_per_sm": 8, "score_warps": 4, "select_block_n": 1024, "select_warps": 4,
     "select_programs_per_sm": 4, "select_atomic_hist": True, "score_hist": True,
 }
 
 
+def _attn_block_n(programs_rows: int, device) -> int:
+    # Few (request, head) rows: short tiles and many splits keep enough loads in flight. Many rows
+    # (large batches): long tiles amortize the per-tile softmax work (measured on an H200).
+    if programs_rows >= _num_sms(device):
+        return TUNING["attn_block_n_many_rows"]
+    return TUNING["attn_block_n"]
+
+
 def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                sel, rows, heavy_k, threshold, per_head, num_splits):
     B, Hq, D = q.shape
+    block_n = _attn_block_n(B * rows, q.device)
     G = Hq // k_cache.shape[1]
     S = num_splits
     if not 1 <= S <= ws.max_splits:
@@ -170,7 +179,7 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
         req_to_token.stride(0), sel.stride(0) if has_sel else 0, sel.stride(1) if has_sel else 0,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         G=G, D=D, PER_HEAD=per_head, HAS_SEL=has_sel, NUM_SPLITS=S,
-        BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=TUNING["attn_block_n"],
+        BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET, num_warps=TUNING["attn_warps"],
         num_stages=TUNING["attn_stages"],
     )
@@ -187,7 +196,7 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
 
 def dense_splits(B: int, Hkv: int, ws: DecodeWorkspace, device) -> int:
     want = triton.cdiv(TUNING["attn_programs_per_sm"] * _num_sms(device), B * Hkv)
-    return max(1, min(ws.max_splits, want, triton.cdiv(ws.max_ctx, TUNING["attn_block_n"])))
+    return max(1, min(ws.max_splits, want, triton.cdiv(ws.max_ctx, _attn_block_n(B * Hkv, device))))
 
 
 def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out=None,
@@ -258,7 +267,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             return sel
     if num_splits is None:
         want = triton.cdiv(TUNING["attn_programs_per_sm"] * _num_sms(dev), B * rows)
-        cap = max(triton.cdiv(k, TUNING["attn_block_n"]), dense_splits(B, Hkv, ws, dev))
+        cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev)), dense_splits(B, Hkv, ws, dev))
         num_splits = max(1, min(ws.max_splits, want, cap))
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                    sel, rows, k, threshold, per_head, num_splits)
