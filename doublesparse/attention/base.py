@@ -110,13 +110,11 @@ class AttentionBackend:
                 # same values as the cache when it has the model's dtype; cast otherwise
                 ks = k[s.q_start: s.q_start + s.q_len].to(kp.dtype).to(q.dtype).transpose(0, 1)
                 vs = v[s.q_start: s.q_start + s.q_len].to(vp.dtype).to(q.dtype).transpose(0, 1)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.sm_scale,
-                                                   enable_gqa=True)
+                o = _sdpa(qs, ks, vs, None, self.sm_scale)
             else:
                 ks = kp[s.kv_slots].to(q.dtype).transpose(0, 1)               # [Hkv, L, D]
                 vs = vp[s.kv_slots].to(q.dtype).transpose(0, 1)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=self.sm_scale,
-                                                   enable_gqa=True)
+                o = _sdpa(qs, ks, vs, s.mask, self.sm_scale)
             out[s.q_start: s.q_start + s.q_len] = o.transpose(0, 1)
         return out
 
@@ -132,3 +130,27 @@ class AttentionBackend:
         """KV-side bytes one decode step reads across all layers (model-level estimate)."""
         m = self.memory.plan
         return sum(seq_lens_host) * m.kv_bytes_per_token
+
+
+def _sdpa(q, k, v, mask, scale):
+    """Causal prefill attention. q: [Hq, n, D]; k, v: [Hkv, L, D]; mask: None (top-left causal,
+    n == L) or a lower-right CausalBias. Returns [Hq, n, D].
+
+    On CUDA the fused flash/cuDNN kernels of torch 2.11 refuse unequal head counts and SDPA then
+    falls back to the math kernel, which materialises an [n, L] score matrix per head (13 GiB at
+    60K tokens); repeating K/V over the group costs G x [L, D] transiently and keeps flash.
+    """
+    if q.is_cuda and k.shape[0] != q.shape[0]:
+        g = q.shape[0] // k.shape[0]
+        k = k.repeat_interleave(g, dim=0)
+        v = v.repeat_interleave(g, dim=0)
+        gqa = False
+    else:
+        gqa = k.shape[0] != q.shape[0]
+    if mask is None:
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+                                           enable_gqa=gqa)
+    else:
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                           enable_gqa=gqa)
+    return o[0]
