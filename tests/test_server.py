@@ -378,9 +378,15 @@ def test_per_request_double_sparsity(srv):
     assert r.status_code == 400 and r.json()["error"]["param"] == "ds_heavy_token_num"
 
 
-def test_per_request_double_sparsity_unsupported_engine():
-    s = Server(backend_args("fake", {"per_request_ds": False}))
+def test_per_request_double_sparsity_unsupported_engine_and_model_name():
+    s = Server(backend_args("fake", {"per_request_ds": False}) + ["--served-model-name", "ds/tiny"])
     try:
+        c = client(s)
+        assert [m.id for m in c.models.list().data] == ["ds/tiny"]
+        assert c.models.retrieve("ds/tiny").id == "ds/tiny"
+        with pytest.raises(openai.NotFoundError):
+            c.models.retrieve("other")
+        assert c.completions.create(model="ds/tiny", prompt="a", max_tokens=1).usage.total_tokens == 2
         r = httpx.post(s.url + "/v1/completions", headers=AUTH,
                        json={"prompt": "hi", "max_tokens": 2, "ds_heavy_token_num": 64})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"

@@ -130,11 +130,20 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
     async def metrics():
         return Response(st.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def model_card() -> dict:
+        return {"id": st.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "doublesparse", "max_model_len": st.max_context}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": st.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "doublesparse", "max_model_len": st.max_context}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != st.model_name:
+            raise APIError(f"the model '{model_id}' does not exist", status=404, param="model",
+                           code="model_not_found")
+        return model_card()
 
     from doublesparse.server.routes import register_generation_routes
     register_generation_routes(app, st)
