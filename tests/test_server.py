@@ -412,18 +412,32 @@ def test_engine_failure_fails_only_that_batch():
 
 
 def test_sigterm_drains_accepted_requests():
-    s = Server(backend_args("fake", {"step_delay": 0.005}))
-    body = {"prompt": "drain", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    """One request streaming and one still queued for KV (pool fits one): both finish."""
+    import threading
+
+    s = Server(backend_args("fake", {"step_delay": 0.004, "max_total_tokens": 400}))
+    body = {"prompt": "drain", "max_tokens": 300, "ignore_eos": True}
+    queued: list = []
     got: list[str] = []
-    with httpx.stream("POST", s.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+    with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True},
+                      headers=AUTH, timeout=60) as r:
         it = r.iter_lines()
         got.append(next(it))
+        t = threading.Thread(target=lambda: queued.append(
+            httpx.post(s.url + "/v1/completions", json=body, headers=AUTH, timeout=60)))
+        t.start()
+        deadline = time.time() + 10
+        while s.health()["waiting"] < 1 and time.time() < deadline:
+            time.sleep(0.02)
+        assert s.health()["waiting"] == 1
         s.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         with pytest.raises(httpx.ConnectError):  # no longer accepting
             httpx.get(s.url + "/health", timeout=2)
         got.extend(it)
+    t.join(30)
     data = [ln for ln in got if ln.startswith("data: ")]
     assert data[-1] == "data: [DONE]"
     assert json.loads(data[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert queued[0].status_code == 200 and queued[0].json()["usage"]["completion_tokens"] == 300
     assert s.proc.wait(30) == 0

@@ -8,6 +8,11 @@ Layout:
   app.py        FastAPI routes (/v1/completions, /v1/chat/completions, /generate, ...)
   cli.py        ``doublesparse serve`` / ``python -m doublesparse.launch_server``
   fake_engine.py  a tiny deterministic engine implementing the Engine contract (tests, dry runs)
+
+Run:
+  doublesparse serve --port 30000 [--api-key KEY] [--enable-double-sparsity --ds-heavy-token-num 256]
+  python -m doublesparse.launch_server ...        (same flags)
+  python -m doublesparse.bench_serving --base-url http://127.0.0.1:30000 --request-rate 8
 """
 
 from doublesparse.server.config import ServerConfig
