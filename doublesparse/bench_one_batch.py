@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from .config import add_cli_args, from_cli_args
+from .config import SchedulerConfig, add_cli_args, from_cli_args
+from .engine.scheduler import Scheduler
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,8 +86,28 @@ def weight_bytes(model) -> int:
     return total
 
 
+def prefill_chunked(runner, rows: list[int], ids: list[list[int]], chunk: int) -> list[int]:
+    """Prefill every request, at most ``chunk`` tokens per forward (the engine's own scheduler
+    cuts the chunks); returns each request's first greedy token."""
+    sched = Scheduler(SchedulerConfig(len(rows), chunk), 1 << 62, 1 << 62)
+    for i, r in enumerate(ids):
+        sched.add(str(i), len(r), 1)
+    first: dict[int, int] = {}
+    while len(first) < len(rows):
+        plan = sched.schedule()
+        idx = [int(c.rid) for c in plan.prefill]
+        logits = runner.prefill([rows[i] for i in idx], [c.start for c in plan.prefill],
+                                [ids[i][c.start:c.end] for i, c in zip(idx, plan.prefill)],
+                                [c.last for c in plan.prefill])
+        done = [i for i, c in zip(idx, plan.prefill) if c.last]
+        for i, t in zip(done, logits.argmax(-1).tolist()):
+            first[i] = t
+            sched.finish(str(i))
+    return [first[i] for i in range(len(rows))]
+
+
 def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_every: int,
-             bw: float | None, wbytes: int, verbose: bool = True) -> dict:
+             bw: float | None, wbytes: int, verbose: bool = True, chunk: int = 1 << 30) -> dict:
     runner, mem, dev = parts.runner, parts.memory, parts.device
     need = bs * (input_len + output_len)
     if need > mem.slots.num_free:
@@ -103,8 +124,7 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
     try:
         _sync(dev)
         t = time.perf_counter()
-        logits = runner.prefill(rows, [0] * bs, ids, [True] * bs)
-        nxt = logits.argmax(-1).tolist()
+        nxt = prefill_chunked(runner, rows, ids, chunk)
         _sync(dev)
         prefill_lat = time.perf_counter() - t
         say(f"Prefill. latency: {prefill_lat:6.5f} s, throughput: {bs * input_len / prefill_lat:9.2f} token/s")
@@ -171,11 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_warmup:
         print("Warmup ...")
         run_case(parts, max_bs, min(args.input_len), min(4, max(args.output_len)), cfg.seed + 1, 0, bw,
-                 wbytes, verbose=False)
+                 wbytes, verbose=False, chunk=cfg.chunked_prefill_size)
     results = []
     for bs, il, ol in itertools.product(args.batch_size, args.input_len, args.output_len):
         print(f"Benchmark. batch size: {bs}, input len: {il}, output len: {ol}")
-        results.append(run_case(parts, bs, il, ol, cfg.seed, args.log_decode_step, bw, wbytes))
+        results.append(run_case(parts, bs, il, ol, cfg.seed, args.log_decode_step, bw, wbytes,
+                                chunk=cfg.chunked_prefill_size))
     if args.result_json:
         out = dict(config=dataclasses.asdict(cfg), device=str(dev), copy_bandwidth=bw,
                    weight_bytes=wbytes, channel_source=parts.channel_source,
