@@ -337,3 +337,31 @@ def test_generate_default_prompt_fits(smol):
     ids = build_prompt(tok, args, 8192)
     assert 5500 < len(ids) <= 6400 and isinstance(ids[0], int)
     assert DEFAULT_QUESTION[-40:] in tok.decode(ids)
+
+
+def test_step_loop_in_background_thread(model):
+    """The server's pattern: one thread loops on step(), others add and abort requests."""
+    import threading
+    import time as _time
+    e = engine(model)
+    done, stop = {}, threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            for o in e.step():
+                if o.finished:
+                    done[o.request_id] = o.finish_reason
+            _time.sleep(0.001)
+
+    th = threading.Thread(target=loop, daemon=True)
+    th.start()
+    rids = [e.add_request(p, {**GREEDY, "max_new_tokens": 8}) for p in prompts(5, seed=9)]
+    slow = e.add_request([3] * 10, {**GREEDY, "max_new_tokens": 400})
+    e.abort(slow)
+    deadline = _time.time() + 60
+    while len(done) < 6 and _time.time() < deadline:
+        _time.sleep(0.01)
+    stop.set()
+    th.join(5)
+    assert all(done.get(r) == "length" for r in rids) and done.get(slow) == "abort"
+    assert e.stats()["kv_used_tokens"] == 0
