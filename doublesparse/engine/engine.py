@@ -162,7 +162,7 @@ class Engine:
         plan = p.scheduler.schedule()
         for rid in plan.admitted:
             self._reqs[rid].row = p.memory.rows.alloc()
-        new_tokens: dict[str, int] = {}
+        new_tokens: dict[str, tuple[int, float]] = {}   # rid -> (token, time it was sampled)
         if plan.prefill:
             reqs = [self._reqs[c.rid] for c in plan.prefill]
             t0 = time.perf_counter()
@@ -174,7 +174,8 @@ class Engine:
             done = [r for r, c in zip(reqs, plan.prefill) if c.last]
             if done:
                 toks = sample(logits, [r.params for r in done], [r.generator for r in done]).tolist()
-                new_tokens.update({r.rid: t for r, t in zip(done, toks)})
+                t1 = time.perf_counter()
+                new_tokens.update({r.rid: (t, t1) for r, t in zip(done, toks)})
             self.counters["prefill_tokens"] += plan.num_prefill_tokens
             self.counters["prefill_time"] += time.perf_counter() - t0
         if plan.decode:
@@ -183,20 +184,20 @@ class Engine:
             t0 = time.perf_counter()
             logits = p.runner.decode([r.row for r in reqs], [r.output_ids[-1] for r in reqs], positions)
             toks = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+            t1 = time.perf_counter()
             lens = [n + 1 for n in positions]
             sparse_rows = p.sparse_rows(lens)
             for r, t, sp in zip(reqs, toks, sparse_rows):
                 r.num_cached += 1
                 r.decode_steps += 1
                 r.sparse_decode_steps += int(sp)
-                new_tokens[r.rid] = t
+                new_tokens[r.rid] = (t, t1)
             self.counters["decode_steps"] += 1
             self.counters["sparse_decode_steps"] += int(any(sparse_rows))
             self.counters["decode_tokens"] += len(reqs)
             self.counters["decode_time"] += time.perf_counter() - t0
-        now = time.perf_counter()
-        for rid, tok in new_tokens.items():
-            outs.append(self._on_token(self._reqs[rid], tok, now))
+        for rid, (tok, when) in new_tokens.items():
+            outs.append(self._on_token(self._reqs[rid], tok, when))
         return outs
 
     def _on_token(self, r: _Req, tok: int, now: float) -> StepOutput:
