@@ -68,7 +68,7 @@ def _load(args):
         from .tiny import ByteTokenizer, TinyConfig, TinyModel
         return TinyModel(TinyConfig(max_position_embeddings=8192)).to(args.device).eval(), ByteTokenizer()
     from doublesparse.models import load_model, load_tokenizer
-    kw = {"device": args.device}
+    kw = {"device": args.device, "progress": not args.quiet}
     if args.dtype:
         kw["dtype"] = getattr(torch, args.dtype)
     return load_model(args.model_path, **kw), load_tokenizer(args.model_path)
