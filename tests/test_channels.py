@@ -156,7 +156,7 @@ def test_packaged_path():
         assert p.name == "smollm2-135m-instruct.json"
         cfg = ch.read_config(p)
         meta = cfg[ch.META_KEY]
-        sm = Cfg(meta["num_layers"], meta["num_q_heads"], meta["num_kv_heads"], meta["head_dim"])
+        sm = Cfg(meta["num_layers"], meta["num_q_heads"], meta["num_kv_heads"], meta["head_dim"], meta["model"])
         assert ch.load_channels(p, sm, "qk", 16, "group_max").shape == (30, 3, 16)
 
 
