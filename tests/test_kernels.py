@@ -182,11 +182,17 @@ def test_ds_matches_full_reference_when_k_covers_everything():
     assert rel_err(out, exp) < TOL[torch.bfloat16]
 
 
-def test_ops_torch_path_matches_reference():
-    c = make_case([70, 20], 9, 3, 64, seed=9)
-    out = ops.ds_decode(*c.args(), c.sm_scale, 16, "per_head", impl="torch")
-    exp = ref.ds_decode_ref(*c.args(), c.sm_scale, 16, "per_head")
-    assert torch.allclose(out.float(), exp.to(out.dtype).float())
+@pytest.mark.parametrize("mode", ["per_head", "group_sum", "group_max"])
+@pytest.mark.parametrize("label_dtype", [torch.bfloat16, FP8])
+def test_ops_torch_path_matches_reference(mode, label_dtype):
+    c = make_case([70, 20, 301], 9, 3, 64, seed=9, label_dtype=label_dtype)
+    for thr, sink, recent in ((0, 0, 0), (100, 2, 3)):
+        out = ops.ds_decode(*c.args(), c.sm_scale, 16, mode, thr, sink, recent, impl="torch")
+        exp = ref.ds_decode_ref(*c.args(), c.sm_scale, 16, mode, thr, sink, recent)
+        assert torch.allclose(out.float(), exp.to(out.dtype).float(), atol=1e-2, rtol=1e-2)
+    out = ops.dense_decode(*c.args()[:3], *c.args()[6:], c.sm_scale, impl="torch")
+    exp = ref.dense_decode_ref(*c.args()[:3], *c.args()[6:], c.sm_scale)
+    assert torch.allclose(out.float(), exp.to(out.dtype).float(), atol=1e-2, rtol=1e-2)
 
 
 # ---------------------------------------------------------------- bad arguments

@@ -1,6 +1,6 @@
 """Public kernel entry points. Each dispatches to the Triton kernels (CUDA tensors, or
-``impl="triton"`` under ``TRITON_INTERPRET=1`` for tests) or to the float32 PyTorch reference
-(the pure-PyTorch CPU path of the engine).
+``impl="triton"`` under ``TRITON_INTERPRET=1`` for tests) or to batched float32 PyTorch
+(:mod:`.torch_ops`, the engine's pure-PyTorch CPU path, checked against the references).
 
 The data layout is described in docs/design.md and in :mod:`doublesparse.kernels.reference`.
 Every function here is free of host syncs on the Triton path, so decode can be captured in a
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import reference as ref
+from . import torch_ops
 from .workspace import DecodeWorkspace
 
 __all__ = ["DecodeWorkspace", "store_kv", "dense_decode", "ds_decode", "MODES"]
@@ -54,7 +55,7 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale:
     if _use_triton(q, impl):
         from .triton.launch import dense_decode as _dense
         return _dense(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out)
-    o = ref.dense_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale).to(q.dtype)
+    o = torch_ops.dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale).to(q.dtype)
     if out is not None:
         out.copy_(o)
         return out
@@ -74,9 +75,9 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         from .triton.launch import ds_decode as _ds
         return _ds(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
                    seq_lens, sm_scale, heavy_token_num, mode, threshold, num_sink, num_recent, ws, out)
-    o = ref.ds_decode_ref(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token,
-                          req_idx, seq_lens, sm_scale, heavy_token_num, mode, threshold,
-                          num_sink, num_recent).to(q.dtype)
+    o = torch_ops.ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token,
+                            req_idx, seq_lens, sm_scale, heavy_token_num, mode, threshold,
+                            num_sink, num_recent).to(q.dtype)
     if out is not None:
         out.copy_(o)
         return out

@@ -1,0 +1,83 @@
+"""Batched pure-PyTorch decode (the engine's CPU path): same semantics as the references, without
+their Python loops over requests and heads. Host syncs are fine here (CPU only)."""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import MODES, _group
+
+
+def _gather(cache, req_to_token, req_idx, L):
+    """Rows of the first L positions of every request: [B, L, H, X] float32, and the slots [B, L]."""
+    slots = req_to_token[req_idx.long(), :L].long()
+    return cache[slots].float(), slots
+
+
+def _attend(q, k, v, valid, sm_scale):
+    """q [B, H, G, D]; k, v [B, H, N, D]; valid [B, H or 1, N] -> [B, H, G, D]."""
+    s = torch.einsum("bhgd,bhnd->bhgn", q, k) * sm_scale
+    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
+    return torch.einsum("bhgn,bhnd->bhgd", s.softmax(-1), v)
+
+
+def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale):
+    """[B, Hq, D] float32."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = _group(Hq, Hkv)
+    L = int(seq_lens.max())
+    k, _ = _gather(k_cache, req_to_token, req_idx, L)
+    v, _ = _gather(v_cache, req_to_token, req_idx, L)
+    valid = (torch.arange(L, device=q.device)[None] < seq_lens[:, None].long())[:, None]
+    o = _attend(q.float().view(B, Hkv, G, D), k.transpose(1, 2), v.transpose(1, 2), valid, sm_scale)
+    return o.reshape(B, Hq, D)
+
+
+def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
+              seq_lens, sm_scale, heavy_token_num, mode="group_max", threshold=0, num_sink=0,
+              num_recent=0):
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = _group(Hq, Hkv)
+    k = int(heavy_token_num)
+    lens = seq_lens.long()
+    sparse = (lens > k) & (lens >= threshold)
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
+    if not bool(sparse.all()):
+        d = ~sparse
+        out[d] = dense_decode(q[d], k_cache, v_cache, req_to_token, req_idx[d], seq_lens[d], sm_scale)
+    if not bool(sparse.any()):
+        return out
+    q, req_idx, lens = q[sparse], req_idx[sparse], lens[sparse]
+    b = q.shape[0]
+    L = int(lens.max())
+    lab, slots = _gather(label_cache, req_to_token, req_idx, L)              # [b, L, Hkv, r]
+    if label_cache.dtype == torch.float8_e4m3fn:
+        lab = lab * float(label_scale)
+    ch = channels.long().repeat_interleave(G, dim=0)                           # [Hq, r]
+    qh = torch.gather(q.float(), 2, ch[None].expand(b, -1, -1)).view(b, Hkv, G, -1)
+    s = torch.einsum("bhgr,blhr->bhgl", qh, lab) * sm_scale                    # [b, Hkv, G, L]
+    if mode == "per_head":
+        s = s.reshape(b, Hq, L)
+    elif mode == "group_sum":
+        s = s.sum(2)
+    else:
+        s = s.amax(2)
+    pos = torch.arange(L, device=q.device)[None, None]
+    n = lens[:, None, None]
+    s = s.masked_fill(pos >= n, float("-inf"))
+    keep = (pos < num_sink) | ((pos >= n - num_recent) & (pos < n))
+    s = s.masked_fill(keep, float("inf"))
+    top = s.topk(k, dim=-1).indices                                            # [b, R, k]
+    R = top.shape[1]
+    sel_slots = torch.gather(slots[:, None, :].expand(-1, R, -1), 2, top)      # [b, R, k]
+    heads = torch.arange(R, device=q.device) // (G if R == Hq else 1)          # KV head of each row
+    ks = k_cache[sel_slots, heads[None, :, None]].float()                      # [b, R, k, D]
+    vs = v_cache[sel_slots, heads[None, :, None]].float()
+    qg = q.float().view(b, Hkv, G, D) if R == Hkv else q.float().view(b, Hq, 1, D)
+    valid = torch.ones(b, 1, k, dtype=torch.bool, device=q.device)
+    out[sparse] = _attend(qg, ks, vs, valid, sm_scale).reshape(b, Hq, D)
+    return out
