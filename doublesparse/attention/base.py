@@ -122,9 +122,9 @@ class AttentionBackend:
         raise NotImplementedError
 
     # ---------------------------------------------------------------------------- facts
-    def is_sparse_step(self, seq_lens_host) -> bool:
-        """Whether a decode step over these (host-known) lengths selects tokens at all."""
-        return False
+    def sparse_rows(self, seq_lens_host) -> list[bool]:
+        """Per request of a decode step (host-known lengths after the step): does it select tokens?"""
+        return [False] * len(seq_lens_host)
 
     def decode_bytes(self, seq_lens_host) -> int:
         """KV-side bytes one decode step reads across all layers (model-level estimate)."""

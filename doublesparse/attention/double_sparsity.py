@@ -40,12 +40,10 @@ class DoubleSparsityBackend(AttentionBackend):
                              self.sm_scale, d.heavy_token_num, d.mode, d.threshold, d.num_sink,
                              d.num_recent, ws=self.workspace, impl=self.impl)
 
-    def _sparse_rows(self, seq_lens_host):
+    def sparse_rows(self, seq_lens_host) -> list[bool]:
+        # same rule as the kernels' device-side choice (reference.is_sparse)
         d = self.ds
         return [n > d.heavy_token_num and n >= d.threshold for n in seq_lens_host]
-
-    def is_sparse_step(self, seq_lens_host) -> bool:
-        return any(self._sparse_rows(seq_lens_host))
 
     def decode_bytes(self, seq_lens_host) -> int:
         """Labels of every cached token + K/V of the selected ones (dense rows: all K/V)."""
@@ -53,7 +51,7 @@ class DoubleSparsityBackend(AttentionBackend):
         rows_sel = self.num_q_heads if self.ds.mode == "per_head" else p.num_kv_heads
         sel_kv = 2 * p.num_layers * rows_sel * p.head_dim * p.kv_dtype.itemsize
         total = 0
-        for n, sparse in zip(seq_lens_host, self._sparse_rows(seq_lens_host)):
+        for n, sparse in zip(seq_lens_host, self.sparse_rows(seq_lens_host)):
             if sparse:
                 total += n * p.label_bytes_per_token + self.ds.heavy_token_num * sel_kv
             else:

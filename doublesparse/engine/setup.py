@@ -41,9 +41,7 @@ class EngineParts:
 
     def sparse_rows(self, seq_lens: list[int]) -> list[bool]:
         """Per request of a decode step (lengths after the step): did it select tokens?"""
-        if self.ds is None:
-            return [False] * len(seq_lens)
-        return [n > self.ds.heavy_token_num and n >= self.ds.threshold for n in seq_lens]
+        return self.backend.sparse_rows(seq_lens)
 
 
 def load(cfg: EngineConfig, device: torch.device, progress: bool):
