@@ -39,8 +39,10 @@ class Pools:
     row i + 1 and slots ``1 + i * max_ctx + position``.
     """
 
-    def __init__(self, config, num_reqs: int, max_ctx: int, device="cpu", dtype=torch.float32):
+    def __init__(self, config, num_reqs: int, max_ctx: int, device="cpu", dtype=torch.float32,
+                 impl: str = "auto"):
         c = config
+        self.impl = impl  # passed to every ops call: "auto" = Triton on CUDA, reference on CPU
         self.L, self.hq, self.hkv, self.D = int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim)
         self.max_ctx, self.device = max_ctx, torch.device(device)
         S = 1 + num_reqs * max_ctx
@@ -73,11 +75,11 @@ class Pools:
         slots = torch.cat([self.req_to_token[i + 1, :n] for i, n in enumerate(self.prefix_len) if n])
         for l in range(self.L):
             ops.store_kv(self.k[l], self.v[l], self.k[l][slots.long()], self.v[l][slots.long()], slots,
-                         pool[l], self.label_scale, channels[l].to(self.device, torch.int32))
+                         pool[l], self.label_scale, channels[l].to(self.device, torch.int32), impl=self.impl)
 
     def workspace(self, batch: int, heavy: int):
-        if self.device.type != "cuda":
-            return None  # the CPU (reference) path needs no scratch
+        if self.impl == "torch" or (self.impl == "auto" and self.device.type != "cuda"):
+            return None  # the reference path needs no scratch
         key = (batch, heavy)
         if key not in self._ws:
             self._ws[key] = DecodeWorkspace(batch, self.hq, self.hkv, self.D, self.max_ctx, heavy, self.device)
@@ -93,7 +95,7 @@ class PrefillAttention:
     def forward(self, layer_id, q, k, v, batch):
         p = self.pools
         slots = p.slots(torch.full_like(self.positions, self.row), self.positions)
-        ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots)
+        ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, impl=p.impl)
         return self.inner.forward(layer_id, q, k, v, batch)
 
 
@@ -113,6 +115,9 @@ class DecodeAttention:
         self.seq_lens = (positions + 1).int()
         self.sm_scale = 1.0 / math.sqrt(pools.D)
         self.observer = observer
+        # the kernels need sink + recent <= k; at small k the forced tokens fill k, recent first
+        self.num_recent = min(setting.num_recent, heavy_tokens)
+        self.num_sink = min(setting.num_sink, heavy_tokens - self.num_recent)
         self.ws = pools.workspace(int(rows.numel()), heavy_tokens if setting.kind == "ds" else 0)
 
     def forward(self, layer_id, q, k, v, batch):
@@ -120,15 +125,17 @@ class DecodeAttention:
         slots = p.slots(self.rows, self.positions)
         if self.channels is not None:
             lab = p.label_pool(self.channels.shape[-1])[layer_id]
-            ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, lab, p.label_scale, self.channels[layer_id])
+            ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, lab, p.label_scale, self.channels[layer_id],
+                         impl=p.impl)
         else:
-            ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots)
+            ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, impl=p.impl)
         if s.is_dense_layer(layer_id):
             return ops.dense_decode(q, p.k[layer_id], p.v[layer_id], p.req_to_token, self.req_idx,
-                                    self.seq_lens, self.sm_scale, ws=self.ws)
+                                    self.seq_lens, self.sm_scale, ws=self.ws, impl=p.impl)
         out = ops.ds_decode(q, p.k[layer_id], p.v[layer_id], lab, p.label_scale, self.channels[layer_id],
                             p.req_to_token, self.req_idx, self.seq_lens, self.sm_scale, self.heavy,
-                            mode=s.mode, num_sink=s.num_sink, num_recent=s.num_recent, ws=self.ws)
+                            mode=s.mode, num_sink=self.num_sink, num_recent=self.num_recent, ws=self.ws,
+                            impl=p.impl)
         if self.observer is not None:
             self.observer(layer_id, q, out, self)
         return out
@@ -229,7 +236,7 @@ def selection_recall(q, view: DecodeAttention, layer_id: int, chunk: int = 64) -
             sc = sc.view(sc.shape[0], p.hkv, G, nmax)
             sc = sc.sum(2) if s.mode == "group_sum" else sc.amax(2)
         pos = torch.arange(nmax, device=q.device)[None, None]
-        keep = (pos < s.num_sink) | (pos >= (n[:, None, None] - s.num_recent))
+        keep = (pos < view.num_sink) | (pos >= (n[:, None, None] - view.num_recent))
         sc = sc.masked_fill(keep, float("inf")).masked_fill(~valid[:, None], float("-inf"))
         sel = sc.topk(kk, -1).indices
         if sel.shape[1] != Hq:

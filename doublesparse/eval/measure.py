@@ -47,7 +47,7 @@ class FidelityObserver:
     def __call__(self, layer_id, q, out, view):
         p = view.p
         dense = ops.dense_decode(q, p.k[layer_id], p.v[layer_id], p.req_to_token, view.req_idx,
-                                 view.seq_lens, view.sm_scale, ws=view.ws).float()
+                                 view.seq_lens, view.sm_scale, ws=view.ws, impl=p.impl).float()
         sparse_rows = (view.seq_lens > view.heavy).cpu()
         if not bool(sparse_rows.any()):
             return
