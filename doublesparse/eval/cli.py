@@ -129,13 +129,15 @@ def run(args, model=None, tokenizer=None) -> dict:
         trials = retrieval.make_trials(tokenizer, lens, depths, trials_per)
         ret_res = retrieval.evaluate_retrieval(model, tokenizer, trials, settings, channels_for,
                                                device=args.device, progress=progress)
-    rows = report.rows(settings, lambda s: s.bytes_per_step(window_len, *dims), text_res, ret_res)
+    # bytes are quoted at the text window, or at the longest retrieval context without text
+    bytes_ctx = window_len if text_res is not None else max(lens)
+    rows = report.rows(settings, lambda s: s.bytes_per_step(bytes_ctx, *dims), text_res, ret_res)
     name = getattr(c, "name", "model")
     notes = [f"model: {name}; channels: {source}; device: {args.device}",
              f"text: {num_windows} window(s) of {window_len} tokens from the eval plays, last "
              f"{decode_len} decoded (prefix prefilled densely), {decode_len - 1} scored per window",
              f"retrieval: context lengths {lens}, depths {depths}, {trials_per} trial(s) per cell; "
-             f"k = k_frac x context", f"bytes per step at context {window_len}, K/V/labels as bf16"]
+             f"k = k_frac x context", f"bytes per step at context {bytes_ctx}, K/V/labels as bf16"]
     title = f"Double Sparsity eval: {name}"
     (out_dir / "table.md").write_text(report.markdown(rows, title, notes))
     png = report.plot(rows, out_dir / "plot.png", title)
