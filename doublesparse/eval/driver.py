@@ -141,9 +141,9 @@ class DecodeAttention:
         return out
 
 
-def _batch(attn):
+def _batch(attn, logits_indices=None):
     from doublesparse.calibrate.stats import make_batch
-    return make_batch(attn, None)
+    return make_batch(attn, logits_indices)
 
 
 @torch.inference_mode()
@@ -153,9 +153,7 @@ def prefill(model, pools: Pools, prefixes: list[list[int]]) -> torch.Tensor:
     last = []
     for i, ids in enumerate(prefixes):
         pos = torch.arange(len(ids), device=dev)
-        attn = PrefillAttention(pools, i + 1, pos)
-        from doublesparse.calibrate.stats import make_batch
-        b = make_batch(attn, torch.tensor([len(ids) - 1], device=dev))
+        b = _batch(PrefillAttention(pools, i + 1, pos), torch.tensor([len(ids) - 1], device=dev))
         last.append(model(torch.tensor(ids, device=dev), pos, b)[0])
         pools.prefix_len[i] = len(ids)
     return torch.stack(last)
