@@ -8,9 +8,27 @@ and touch no real request's cache. On CPU (or with graphs disabled) everything r
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .forward_batch import ForwardBatch
+
+
+@contextlib.contextmanager
+def _cpu_threads(n: int):
+    """Run with ``n`` intra-op threads. CPU decode is hundreds of tiny ops; with more threads than
+    rows each op pays an OpenMP barrier, and when another process holds a core the barrier waits a
+    whole time slice (measured: SmolLM2 at 6K context, 2.4 s/step on 2 threads, 0.17 s on 1)."""
+    old = torch.get_num_threads()
+    if n == old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -76,6 +94,12 @@ class ModelRunner:
         bucket = next((b for b in self.graphs if b >= B), None)
         if bucket is not None:
             return self._replay(bucket, B, host)
+        if self.device.type == "cpu":
+            with _cpu_threads(max(1, min(torch.get_num_threads(), B))):
+                return self._decode_eager(B, host)
+        return self._decode_eager(B, host)
+
+    def _decode_eager(self, B: int, host: torch.Tensor) -> torch.Tensor:
         dev = host.to(self.device)
         batch = ForwardBatch(mode="decode", input_ids=dev[0], positions=dev[1], out_slots=dev[2],
                              req_idx=dev[3].to(torch.int32), seq_lens=dev[4].to(torch.int32),
