@@ -233,13 +233,7 @@ def main(argv=None):
         write_markdown(args.md, result)
 
 
-SWEEP = [
-    {}, {"score_hist": False}, {"score_programs_per_sm": 8}, {"score_programs_per_sm": 16},
-    {"score_programs_per_sm": 16, "score_block_n": 128}, {"score_programs_per_sm": 32, "score_block_n": 128},
-    {"score_warps": 2, "score_programs_per_sm": 16}, {"select_programs_per_sm": 8},
-    {"select_programs_per_sm": 16}, {"select_programs_per_sm": 16, "select_block_n": 512},
-    {"select_atomic_hist": False}, {"attn_programs_per_sm": 8, "attn_block_n": 32},
-]
+SWEEP = [{}, {"score_dot": False}, {"score_block_n": 128}, {"score_block_n": 512}]
 
 
 def sweep(dev, bw):
