@@ -148,7 +148,7 @@ def _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
 TUNING = {
     "attn_block_n": 64, "attn_block_n_many_rows": 128, "attn_warps": 4, "attn_stages": 2, "attn_programs_per_sm": 4,
     "score_block_n": 256, "score_programs_per_sm": 8, "score_warps": 4, "select_block_n": 1024, "select_warps": 4,
-    "select_programs_per_sm": 4, "select_atomic_hist": True, "score_hist": True, "score_dot": True,
+    "select_programs_per_sm": 4, "select_atomic_hist": True, "score_hist": True, "score_dot": False,
 }
 
 
