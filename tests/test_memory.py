@@ -68,3 +68,16 @@ def test_kv_memory_assign_release(label):
     mem.release(row, 7)
     assert mem.slots.num_used == 0 and mem.rows.num_free == 2
     assert mem.nbytes > 0
+
+
+def test_prefill_reserve_covers_chunk_and_repeated_kv():
+    import torch
+    from doublesparse.config import EngineConfig
+    from doublesparse.engine.memory import prefill_reserve_bytes
+    from doublesparse.models.loader import load_config
+
+    mc = load_config("llama-3.1-8b", load_format="dummy")
+    cfg = EngineConfig(model_path="llama-3.1-8b", load_format="dummy", chunked_prefill_size=4096)
+    got = prefill_reserve_bytes(cfg, mc, torch.bfloat16, 131072)
+    # 4096 tokens x (4*4096 + 6144 + 3*14336) x 2 B, plus K and V of 131072 tokens over 32 heads
+    assert got == 4096 * (4 * 4096 + 6144 + 3 * 14336) * 2 + 2 * 32 * 131072 * 128 * 2

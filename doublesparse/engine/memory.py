@@ -77,11 +77,23 @@ def _esize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def prefill_reserve_bytes(cfg: EngineConfig, model_config, kv_dtype: torch.dtype, max_ctx: int) -> int:
+    """Transient memory one prefill chunk needs beyond the pools: the chunk's activations
+    (residual, norms, qkv, gate_up and its product, in the model dtype) and the K/V of the longest
+    context repeated over the query group for SDPA's flash path (attention/base.py)."""
+    e = _esize(kv_dtype)
+    mc = model_config
+    per_token = (4 * mc.hidden_size + (mc.num_q_heads + 2 * mc.num_kv_heads) * mc.head_dim
+                 + 3 * getattr(mc, "intermediate_size", 4 * mc.hidden_size)) * e
+    attn = 2 * mc.num_q_heads * max_ctx * mc.head_dim * e
+    return cfg.chunked_prefill_size * per_token + attn
+
+
 def plan_memory(cfg: EngineConfig, model_config, kv_dtype: torch.dtype, device: torch.device,
                 max_ctx: int, heavy_channel_num: int, reserved_bytes: int = 0) -> MemoryPlan:
     """Size the pools: ``--max-total-tokens`` if given; else on CUDA the part of
     ``mem_fraction_static * total`` memory not in use yet (weights are already loaded) minus
-    ``reserved_bytes`` (workspace); on CPU :data:`CPU_DEFAULT_TOTAL_TOKENS` capped at
+    ``reserved_bytes`` (workspace) and one prefill chunk's transient memory; on CPU :data:`CPU_DEFAULT_TOTAL_TOKENS` capped at
     :data:`CPU_POOL_BYTES`."""
     label_dtype = LABEL_TORCH_DTYPES[cfg.ds_label_dtype] if heavy_channel_num else None
     max_reqs = cfg.resolved_max_running_requests
@@ -92,6 +104,7 @@ def plan_memory(cfg: EngineConfig, model_config, kv_dtype: torch.dtype, device: 
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - total * (1.0 - cfg.mem_fraction_static) - reserved_bytes
+        budget -= prefill_reserve_bytes(cfg, model_config, kv_dtype, max_ctx)
         budget -= (max_reqs + 1) * max_ctx * 4
         tokens = int(budget // probe.bytes_per_token)
         if tokens < max_ctx:
