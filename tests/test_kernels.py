@@ -195,6 +195,23 @@ def test_ops_torch_path_matches_reference(mode, label_dtype):
     assert torch.allclose(out.float(), exp.to(out.dtype).float(), atol=1e-2, rtol=1e-2)
 
 
+# ---------------------------------------------------------------- rope
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 9, 3, 64), (37, 32, 8, 128)])
+def test_rope_kernel_matches_torch(t, hq, hkv, d):
+    g = torch.Generator().manual_seed(_seed(t, hq, d))
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).bfloat16().to(DEVICE)
+    q = qkv[:, : hq * d].view(t, hq, d)                  # strided views, as the model passes them
+    k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+    pos = torch.randint(0, 500, (t,), generator=g).to(DEVICE)
+    ang = torch.arange(512)[:, None].float() * torch.rand(d // 2, generator=g)[None]
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    qo, ko = ops.rope(pos, q, k, cos, sin, impl="triton")
+    qe, ke = ops.rope(pos, q, k, cos, sin, impl="torch")
+    assert qo.is_contiguous() and ko.is_contiguous()
+    torch.testing.assert_close(qo.float(), qe.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(ko.float(), ke.float(), atol=1e-2, rtol=1e-2)
+
+
 # ---------------------------------------------------------------- bad arguments
 def test_bad_arguments_raise_value_error():
     c = make_case([40], 9, 3, 64, device=DEVICE, seed=1)

@@ -15,7 +15,7 @@ from . import reference as ref
 from . import torch_ops
 from .workspace import DecodeWorkspace
 
-__all__ = ["DecodeWorkspace", "store_kv", "dense_decode", "ds_decode", "MODES"]
+__all__ = ["DecodeWorkspace", "store_kv", "dense_decode", "ds_decode", "rope", "MODES"]
 
 MODES = ref.MODES
 
@@ -82,3 +82,13 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         out.copy_(o)
         return out
     return o
+
+
+def rope(positions, q, k, cos, sin, impl: str = "auto"):
+    """Rotate-half RoPE. positions: [T] int; q: [T, Hq, D]; k: [T, Hkv, D] (last dim contiguous);
+    cos, sin: [max_pos, D/2] float32. Returns new contiguous (q, k) in their dtypes, computed in
+    float32 and rounded once."""
+    if _use_triton(q, impl):
+        from .triton.launch import rope as _rope
+        return _rope(positions, q, k, cos, sin)
+    return torch_ops.rope(positions, q, k, cos, sin)

@@ -81,3 +81,15 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     valid = torch.ones(b, 1, k, dtype=torch.bool, device=q.device)
     out[sparse] = _attend(qg, ks, vs, valid, sm_scale).reshape(b, Hq, D)
     return out
+
+
+def rope(positions, q, k, cos, sin):
+    """Rotate-half RoPE in float32, rounded once to the input dtype (see ops.rope)."""
+    c = cos[positions].unsqueeze(1)
+    s = sin[positions].unsqueeze(1)
+
+    def rot(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)

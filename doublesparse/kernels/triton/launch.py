@@ -17,6 +17,7 @@ from ..reference import MODES
 from ..workspace import DecodeWorkspace
 from .decode_attn import decode_attn_kernel, merge_kernel
 from .ds_select import compact_kernel, hist_low_kernel, score_kernel
+from .rope import rope_kernel
 from .store import store_kv_kernel
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
@@ -274,3 +275,30 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                    sel, rows, k, threshold, per_head, num_splits)
     return (o, sel) if return_sel else o
+
+
+def rope(positions, q, k, cos, sin):
+    dev = q.device
+    _check(q, "q", 3, _FLOAT, dev)
+    _check(k, "k", 3, (q.dtype,), dev)
+    _check(positions, "positions", 1, _INDEX, dev)
+    _check(cos, "cos", 2, (torch.float32,), dev)
+    _check(sin, "sin", 2, (torch.float32,), dev)
+    T, Hq, D = q.shape
+    if k.shape[0] != T or k.shape[2] != D or positions.shape[0] != T:
+        _fail(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)} disagree")
+    if D % 2 or cos.shape[1] != D // 2 or sin.shape != cos.shape:
+        _fail(f"rope: cos/sin must be [max_pos, {D // 2}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    qo = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    ko = torch.empty(k.shape, dtype=k.dtype, device=dev)
+    if T == 0:
+        return qo, ko
+    Hkv = k.shape[1]
+    rope_kernel[(T,)](
+        q, k, qo, ko, cos, sin, positions,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1),
+        ko.stride(0), ko.stride(1), cos.stride(0),
+        HQ=Hq, HKV=Hkv, HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(Hq),
+        BLOCK_HKV=triton.next_power_of_2(Hkv), BLOCK_D2=triton.next_power_of_2(D // 2), num_warps=1,
+    )
+    return qo, ko
