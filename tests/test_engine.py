@@ -365,3 +365,14 @@ def test_step_loop_in_background_thread(model):
     th.join(5)
     assert all(done.get(r) == "length" for r in rids) and done.get(slow) == "abort"
     assert e.stats()["kv_used_tokens"] == 0
+
+
+def test_sink_recent_defaults_scale_with_k():
+    from doublesparse.config import EngineConfig
+    cfg = EngineConfig()
+    assert cfg.sink_recent(512) == (4, 32)
+    assert cfg.sink_recent(16) == (2, 4)
+    assert cfg.sink_recent(1) == (0, 0)
+    assert EngineConfig(ds_num_sink=0, ds_num_recent=0).sink_recent(512) == (0, 0)
+    with pytest.raises(ValueError, match="exceeds"):
+        EngineConfig(ds_num_sink=10, ds_num_recent=10).sink_recent(16)

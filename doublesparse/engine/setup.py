@@ -113,8 +113,8 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
     r = 0
     if cfg.use_double_sparsity:
         r = cfg.heavy_channel_num(mc.head_dim)
-        ds = DSParams(cfg.heavy_token_num(max_ctx), cfg.ds_selection_mode, cfg.ds_sparse_decode_threshold,
-                      cfg.ds_num_sink, cfg.ds_num_recent)
+        k = cfg.heavy_token_num(max_ctx)
+        ds = DSParams(k, cfg.ds_selection_mode, cfg.ds_sparse_decode_threshold, *cfg.sink_recent(k))
         ch, source = resolve_channels(cfg, model, mc, r)
         channels = ch.to(device=device, dtype=torch.int32).contiguous()
         log.info("Double Sparsity: k=%d, r=%d, %s", ds.heavy_token_num, r, source)
