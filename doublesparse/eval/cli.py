@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retrieval-lens", type=int, nargs="*", default=None)
     p.add_argument("--retrieval-depths", type=float, nargs="*", default=None)
     p.add_argument("--retrieval-trials", type=int, default=None)
+    p.add_argument("--retrieval-seed", type=int, default=0,
+                   help="seed of the pass keys (runs with different seeds give independent trials)")
     p.add_argument("--text", nargs="+", default=None, metavar="FILE", help="eval text (default: eval plays)")
     p.add_argument("--types", nargs="+", default=None, help="override the grid: channel types")
     p.add_argument("--modes", nargs="+", default=None)
@@ -126,24 +128,29 @@ def run(args, model=None, tokenizer=None) -> dict:
                                     progress=progress)
         text_res = {r.setting: r for r in res}
     if not args.no_retrieval:
-        trials = retrieval.make_trials(tokenizer, lens, depths, trials_per)
+        trials = retrieval.make_trials(tokenizer, lens, depths, trials_per,
+                                         seed=getattr(args, "retrieval_seed", 0))
         ret_res = retrieval.evaluate_retrieval(model, tokenizer, trials, settings, channels_for,
                                                device=args.device, progress=progress)
     # bytes are quoted at the text window, or at the longest retrieval context without text
     bytes_ctx = window_len if text_res is not None else max(lens)
     rows = report.rows(settings, lambda s: s.bytes_per_step(bytes_ctx, *dims), text_res, ret_res)
     name = getattr(c, "name", "model")
-    notes = [f"model: {name}; channels: {source}; device: {args.device}",
-             f"text: {num_windows} window(s) of {window_len} tokens from the eval plays, last "
-             f"{decode_len} decoded (prefix prefilled densely), {decode_len - 1} scored per window",
-             f"retrieval: context lengths {lens}, depths {depths}, {trials_per} trial(s) per cell; "
-             f"k = k_frac x context", f"bytes per step at context {bytes_ctx}, K/V/labels as bf16"]
+    notes = [f"model: {name}; channels: {source}; device: {args.device}"]
+    if text_res is not None:
+        notes.append(f"text: {num_windows} window(s) of {window_len} tokens from the eval plays, last "
+                     f"{decode_len} decoded (prefix prefilled densely), {decode_len - 1} scored per window")
+    if ret_res is not None:
+        notes.append(f"retrieval: context lengths {lens}, depths {depths}, {trials_per} trial(s) per "
+                     f"cell, pass-key seed {getattr(args, 'retrieval_seed', 0)}; k = k_frac x context")
+    notes.append(f"bytes per step at context {bytes_ctx}, K/V/labels as bf16")
     title = f"Double Sparsity eval: {name}"
     (out_dir / "table.md").write_text(report.markdown(rows, title, notes))
     png = report.plot(rows, out_dir / "plot.png", title)
     result = {"tool": f"doublesparse {doublesparse.__version__}", "model": name, "channels": source,
               "window_len": window_len, "decode_len": decode_len, "num_windows": num_windows,
-              "retrieval_lens": lens, "retrieval_depths": depths, "rows": rows,
+              "retrieval_lens": lens, "retrieval_depths": depths,
+              "retrieval_seed": getattr(args, "retrieval_seed", 0), "rows": rows,
               "retrieval_answers": {s.name: v["answers"] for s, v in (ret_res or {}).items()},
               "seconds": round(time.perf_counter() - t0, 1), "plot": str(png) if png else None}
     (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
