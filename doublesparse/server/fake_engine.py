@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from ..engine.engine import StepOutput
+
 EOS_ID = 2
 _OFFSET = 3  # ids 0..2 are reserved (pad, bos, eos); characters map to ord(c) + 3
 _ALPHABET = "abcdefghij "
@@ -62,15 +64,8 @@ class _PlainSamplingParams:
     temperature: float = 1.0
 
 
-@dataclass
-class FakeStepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
+# Same record the real engine returns, so server code sees one type.
+FakeStepOutput = StepOutput
 
 
 @dataclass

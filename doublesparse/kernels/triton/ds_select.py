@@ -29,8 +29,10 @@ def _key16(s16):
 
 
 @triton.jit
-def _is_sparse(seq_len, heavy_k, threshold):
-    return (seq_len > heavy_k) & (seq_len >= threshold)
+def _sparse_len(seq_len, heavy_k, threshold):
+    # Positions this request contributes to selection: all of them if it decodes sparsely (the
+    # rule of reference.is_sparse), else none.
+    return tl.where((seq_len > heavy_k) & (seq_len >= threshold), seq_len, 0)
 
 
 @triton.jit
@@ -85,7 +87,7 @@ def score_kernel(
     kvh = tl.program_id(1)
     p = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    n = tl.where(_is_sparse(seq_len, heavy_k, threshold), seq_len, 0)
+    n = _sparse_len(seq_len, heavy_k, threshold)
     bins = tl.arange(0, 256)
     hrow = tl.arange(0, BLOCK_H)
     if p == 0:
@@ -180,9 +182,7 @@ def hist_low_kernel(
     b = tl.program_id(0)
     row = tl.program_id(1)
     p = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    sparse = _is_sparse(seq_len, heavy_k, threshold)
-    n = tl.where(sparse, seq_len, 0)
+    n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k, threshold)
     bins = tl.arange(0, 256)
     h0 = tl.load(hist_ptr + b * stride_hb + row * stride_hr + bins)
     digit0, above0 = _threshold_digit(h0, heavy_k)
@@ -216,9 +216,7 @@ def compact_kernel(
     b = tl.program_id(0)
     row = tl.program_id(1)
     p = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    sparse = _is_sparse(seq_len, heavy_k, threshold)
-    n = tl.where(sparse, seq_len, 0)
+    n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k, threshold)
     bins = tl.arange(0, 256)
     info = rowinfo_ptr + b * stride_rib + row * stride_rir
     digit0 = tl.load(info)
