@@ -233,7 +233,7 @@ def main(argv=None):
         write_markdown(args.md, result)
 
 
-SWEEP = [{}, {"score_dot": False}, {"score_block_n": 128}, {"score_block_n": 512}]
+SWEEP = [{}, {"score_block_n": 128}, {"score_block_n": 512}, {"score_programs_per_sm": 16}]
 
 
 def sweep(dev, bw):

@@ -77,7 +77,7 @@ def score_kernel(
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LABEL_FP8: tl.constexpr,
     NUM_PROGS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DO_HIST: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, HCOLS: tl.constexpr,
+    DO_HIST: tl.constexpr,
 ):
     # One program: (batch entry, KV head, slice of positions). MODE 0 = per query head (writes the
     # G score rows of the group), 1 = group sum, 2 = group max (one row per KV head).
@@ -110,10 +110,6 @@ def score_kernel(
     if LABEL_FP8:
         scale = scale * tl.load(scale_ptr)
     q_row = q_ptr + b * stride_qb + kvh * G * stride_qh + ch
-    hcol = tl.arange(0, HCOLS)
-    if USE_DOT:
-        qt = tl.load(q_row[:, None] + hcol[None, :] * stride_qh,
-                     mask=rmask[:, None] & (hcol < G)[None, :], other=0.0)   # [BLOCK_R, HCOLS]
 
     req = tl.load(req_idx_ptr + b).to(tl.int64)
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
@@ -123,45 +119,23 @@ def score_kernel(
         nmask = offs < end
         slot = tl.load(req_to_token_ptr + req * stride_rt + offs, mask=nmask, other=0).to(tl.int64)
         lab = tl.load(label_ptr + slot[:, None] * stride_ls + kvh * stride_lh + r[None, :],
-                      mask=nmask[:, None] & rmask[None, :], other=0.0)
-        if USE_DOT:
-            # r >= 16: one tensor-core product gives all G heads' scores, [BLOCK_N, HCOLS] fp32.
-            if DOT_F32:
-                s_all = tl.dot(lab.to(tl.float32), qt.to(tl.float32)) * scale
-            else:
-                s_all = tl.dot(lab.to(qt.dtype), qt) * scale
-            if MODE == 0:
-                for i in tl.static_range(G):
-                    s_i = tl.sum(tl.where(hcol[None, :] == i, s_all, 0.0), 1)
-                    h_i = _emit_scores(s_i, offs, nmask, seq_len, num_sink, num_recent,
-                                       scores_ptr + b * stride_sb + (kvh * G + i) * stride_sr, DO_HIST)
-                    hist += tl.where(hrow[:, None] == i, h_i[None, :], 0)
-            else:
-                if MODE == 1:
-                    s = tl.sum(s_all, 1)                              # padded heads are zero
-                else:
-                    s = tl.max(tl.where((hcol < G)[None, :], s_all, float("-inf")), 1)
-                h = _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent,
-                                 scores_ptr + b * stride_sb + kvh * stride_sr, DO_HIST)
-                hist += tl.where(hrow[:, None] == 0, h[None, :], 0)
+                      mask=nmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
+        if MODE == 0:
+            for i in tl.static_range(G):
+                qi = tl.load(q_row + i * stride_qh, mask=rmask, other=0.0).to(tl.float32) * scale
+                s_i = tl.sum(lab * qi[None, :], 1)
+                h_i = _emit_scores(s_i, offs, nmask, seq_len, num_sink, num_recent,
+                                   scores_ptr + b * stride_sb + (kvh * G + i) * stride_sr, DO_HIST)
+                hist += tl.where(hrow[:, None] == i, h_i[None, :], 0)
         else:
-            lab = lab.to(tl.float32)
-            if MODE == 0:
-                for i in tl.static_range(G):
-                    qi = tl.load(q_row + i * stride_qh, mask=rmask, other=0.0).to(tl.float32) * scale
-                    s_i = tl.sum(lab * qi[None, :], 1)
-                    h_i = _emit_scores(s_i, offs, nmask, seq_len, num_sink, num_recent,
-                                       scores_ptr + b * stride_sb + (kvh * G + i) * stride_sr, DO_HIST)
-                    hist += tl.where(hrow[:, None] == i, h_i[None, :], 0)
-            else:
-                s = tl.full([BLOCK_N], float("-inf"), tl.float32) if MODE == 2 else tl.zeros([BLOCK_N], tl.float32)
-                for i in tl.static_range(G):
-                    qi = tl.load(q_row + i * stride_qh, mask=rmask, other=0.0).to(tl.float32) * scale
-                    s_i = tl.sum(lab * qi[None, :], 1)
-                    s = tl.maximum(s, s_i) if MODE == 2 else s + s_i
-                h = _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent,
-                                 scores_ptr + b * stride_sb + kvh * stride_sr, DO_HIST)
-                hist += tl.where(hrow[:, None] == 0, h[None, :], 0)
+            s = tl.full([BLOCK_N], float("-inf"), tl.float32) if MODE == 2 else tl.zeros([BLOCK_N], tl.float32)
+            for i in tl.static_range(G):
+                qi = tl.load(q_row + i * stride_qh, mask=rmask, other=0.0).to(tl.float32) * scale
+                s_i = tl.sum(lab * qi[None, :], 1)
+                s = tl.maximum(s, s_i) if MODE == 2 else s + s_i
+            h = _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent,
+                             scores_ptr + b * stride_sb + kvh * stride_sr, DO_HIST)
+            hist += tl.where(hrow[:, None] == 0, h[None, :], 0)
     if MODE == 0:
         for i in tl.static_range(G):
             h_i = tl.sum(tl.where(hrow[:, None] == i, hist, 0), 0)

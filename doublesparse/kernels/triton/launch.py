@@ -149,7 +149,7 @@ def _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
 TUNING = {
     "attn_block_n": 64, "attn_block_n_many_rows": 128, "attn_warps": 4, "attn_stages": 2, "attn_programs_per_sm": 4,
     "score_block_n": 256, "score_programs_per_sm": 8, "score_warps": 4, "select_block_n": 1024, "select_warps": 4,
-    "select_programs_per_sm": 4, "select_atomic_hist": True, "score_hist": True, "score_dot": False,
+    "select_programs_per_sm": 4, "select_atomic_hist": True, "score_hist": True,
 }
 
 
@@ -252,8 +252,6 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P_score,
             BLOCK_H=triton.next_power_of_2(G), BLOCK_N=TUNING["score_block_n"],
             BLOCK_R=triton.next_power_of_2(r), DO_HIST=TUNING["score_hist"],
-            USE_DOT=TUNING["score_dot"] and r >= 16, DOT_F32=_INTERPRET,
-            HCOLS=max(16, triton.next_power_of_2(G)),
             num_warps=TUNING["score_warps"],
         )
         if stage == "score":
