@@ -8,7 +8,8 @@ import torch
 
 from doublesparse.calibrate import channels as ch
 from doublesparse.calibrate import cli, texts
-from doublesparse.calibrate.stats import StatsAttention, collect_stats, make_batch, sample_windows
+from doublesparse.calibrate.stats import (StatsAttention, causal_attention, collect_stats, make_batch,
+                                          sample_windows)
 from doublesparse.eval.tiny import ByteTokenizer, TinyConfig, TinyModel
 
 
@@ -48,6 +49,20 @@ def test_stats_match_direct_computation():
     # the last sample alone (the reference bug) gives different numbers
     last = torch.cat(cap.ks[0][-1:]).abs().mean(0)
     assert not torch.allclose(got["k"][0], last)
+
+
+def test_causal_attention_matches_explicit_softmax():
+    """The 4-D (flash-kernel) path computes plain causal GQA attention."""
+    g = torch.Generator().manual_seed(0)
+    T, hq, hkv, D = 37, 6, 2, 16
+    q, k, v = (torch.randn(T, h, D, generator=g) for h in (hq, hkv, hkv))
+    kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    s = torch.einsum("thd,shd->hts", q, kk) / D ** 0.5
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("hts,shd->thd", s.softmax(-1), vv)
+    got = causal_attention(q, k, v)
+    assert got.shape == (T, hq, D)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_sample_windows():

@@ -1,7 +1,7 @@
 """``doublesparse calibrate``: rank each layer's head channels on real text, write a channel config.
 
     python -m doublesparse.calibrate --output cfg.json [--model-path P] [--text FILE ...]
-        [--num-samples 16] [--seq-len 2048] [--device cpu]
+        [--num-samples 12] [--seq-len 2048] [--device cpu]
 """
 
 from __future__ import annotations
