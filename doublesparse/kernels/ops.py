@@ -15,7 +15,8 @@ from . import reference as ref
 from . import torch_ops
 from .workspace import DecodeWorkspace
 
-__all__ = ["DecodeWorkspace", "store_kv", "dense_decode", "ds_decode", "rope", "MODES"]
+__all__ = ["DecodeWorkspace", "store_kv", "dense_decode", "ds_decode", "rope", "MODES", "rms_norm",
+           "add_rms_norm", "silu_mul", "rope_store"]
 
 MODES = ref.MODES
 
@@ -84,9 +85,9 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     return o
 
 
-# The Triton RoPE kernel passes its tests under the interpreter but has not been compiled on a GPU
-# yet (the session's GPU time ran out); "auto" keeps the PyTorch form until it has been checked.
-ROPE_TRITON_BY_DEFAULT = False
+# The Triton RoPE kernel's tests passed compiled on an H200; set False to make "auto" use the
+# PyTorch form (~20 tiny launches per layer) on CUDA again.
+ROPE_TRITON_BY_DEFAULT = True
 
 
 def rope(positions, q, k, cos, sin, impl: str = "auto"):
@@ -99,3 +100,53 @@ def rope(positions, q, k, cos, sin, impl: str = "auto"):
         from .triton.launch import rope as _rope
         return _rope(positions, q, k, cos, sin)
     return torch_ops.rope(positions, q, k, cos, sin)
+
+
+# ------------------------------------------------------------- fused layer steps
+# One launch each on the Triton path (kernels/triton/fused.py); the "torch" path is the float32
+# reference. The model's CPU path does not call these (it keeps its own PyTorch ops, whose
+# results the CPU tests pin); the model calls them on CUDA (models/layers.py, models/llama.py).
+
+def rms_norm(x, weight, eps: float, impl: str = "auto"):
+    """x: [T, N]; weight: [N] -> ``x / rms(x) * weight`` [T, N] in x's dtype (fp32 statistics)."""
+    if _use_triton(x, impl):
+        from .triton.fused_launch import rms_norm as _norm
+        return _norm(x, weight, eps)
+    return ref.rmsnorm_ref(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps: float, impl: str = "auto"):
+    """x, residual: [T, N] -> ``(rmsnorm(x + residual) * weight, x + residual)``, both in x's
+    dtype; the sum is rounded before the statistics (= the unfused add, then norm)."""
+    if _use_triton(x, impl):
+        from .triton.fused_launch import rms_norm as _norm
+        return _norm(x, weight, eps, residual)
+    return ref.add_rmsnorm_ref(x, residual, weight, eps)
+
+
+def silu_mul(x, impl: str = "auto"):
+    """x: [T, 2I] (gate | up) -> ``silu(gate) * up`` [T, I] in x's dtype, fp32 math rounded once."""
+    if _use_triton(x, impl):
+        from .triton.fused_launch import silu_mul as _silu_mul
+        return _silu_mul(x)
+    return ref.silu_mul_ref(x)
+
+
+def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache=None,
+               label_scale=None, channels=None, return_k: bool = False, impl: str = "auto"):
+    """RoPE of q and k fused with :func:`store_kv` of the rotated k (and its label) and v.
+
+    positions, slots: [T] int; q: [T, Hq, D]; k, v: [T, Hkv, D] (views of the qkv GEMM output
+    are fine, last dim contiguous); cos, sin: [max_pos, D/2] float32; pools as in store_kv.
+    Returns ``(q_rot [T, Hq, D], k_rot [T, Hkv, D] or None unless return_k)``, contiguous, in
+    q's dtype; the pools get exactly what ``store_kv(rope(q, k)[1], v)`` writes.
+    """
+    if _use_triton(q, impl):
+        from .triton.fused_launch import rope_store as _rope_store
+        return _rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache,
+                           label_scale, channels, return_k)
+    from .triton.launch import check_store_args
+    check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels)
+    qr, kr = ref.rope_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache,
+                                label_scale, channels)
+    return qr, (kr if return_k else None)

@@ -156,3 +156,44 @@ def ds_decode_ref(q, k_cache, v_cache, label_cache, label_scale, channels, req_t
     pos = topk_ref(scores, k)
     sparse = sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, pos, sm_scale)
     return torch.where(sparse_rows[:, None, None], sparse, dense)
+
+
+# ------------------------------------------------------------- fused layer steps (kernels/triton/fused.py)
+# Unlike the attention references above these return the activation dtype: where the kernels
+# round is part of what they compute (one rounding of fp32 math, the residual rounded first).
+
+def rmsnorm_ref(x, weight, eps: float):
+    """``x / rms(x) * weight`` over the last dim in float32, rounded once to x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def add_rmsnorm_ref(x, residual, weight, eps: float):
+    """``(rmsnorm(x + residual) * weight, x + residual)``; the sum is rounded to x's dtype before
+    the statistics are taken (what the unfused add-then-norm does)."""
+    s = (x.float() + residual.float()).to(x.dtype)
+    return rmsnorm_ref(s, weight, eps), s
+
+
+def silu_mul_ref(x):
+    """x: [T, 2I] (gate | up) -> ``silu(gate) * up`` [T, I], fp32 math rounded once."""
+    g, u = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g) * u).to(x.dtype)
+
+
+def rope_ref(positions, x, cos, sin):
+    """Rotate-half RoPE of x ``[T, H, D]`` at ``positions [T]`` with tables ``[P, D/2]`` float32;
+    fp32 math, rounded once to x's dtype."""
+    c = cos[positions.long()].unsqueeze(1)
+    s = sin[positions.long()].unsqueeze(1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def rope_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache=None,
+                   label_scale=None, channels=None):
+    """RoPE of q and k, then :func:`store_ref` of the rotated k (with its label) and v.
+    Returns the rotated ``(q [T, Hq, D], k [T, Hkv, D])`` in q's dtype."""
+    qr, kr = rope_ref(positions, q, cos, sin), rope_ref(positions, k, cos, sin)
+    store_ref(k_cache, v_cache, label_cache, label_scale, kr, v, slots, channels)
+    return qr, kr

@@ -1,0 +1,138 @@
+"""Triton kernels that fuse the small elementwise steps of a decoder layer (one launch each).
+
+At decode time a layer's GEMMs and attention are near their byte floors; what remained was ~30
+tiny PyTorch launches per layer (RoPE's ~8 binary ops, residual adds, casts, concatenations,
+SiLU and mul), which set the step time of small models. Host launchers with argument checks are
+in :mod:`.fused_launch`; float32 references in :mod:`doublesparse.kernels.reference`.
+
+All three kernels are launched with ``enable_fp_fusion=False`` where bit-exactness against the
+PyTorch form matters (RoPE): without FMA contraction the fp32 products and sums round exactly as
+PyTorch's separate elementwise kernels do.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,   # x, res, out, res_out: [T, N]; w: [N]
+    eps, N,
+    stride_x, stride_r, stride_o, stride_ro,
+    HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program per row: a row of 4096 bf16 is 8 KiB, so one CTA reads it in a few vector loads
+    # and the reduction stays inside the CTA (no second pass, no atomics).
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    m = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
+        # The new residual is rounded to the activation dtype (as the unfused ``x + r`` is) and
+        # the statistics are taken from the rounded value, so normed == rmsnorm(new_residual).
+        s = (x + r).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + offs, s, mask=m)
+        x = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    # Rounded once, like F.rms_norm on CUDA (the path this kernel replaces).
+    tl.store(out_ptr + row * stride_o + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr):
+    """x: [T, 2I] (gate | up) -> out: [T, I] = silu(gate) * up, in fp32, rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < I
+    g = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + t * stride_x + I + offs, mask=m, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + t * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _load_halves(src, stride_h, H: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """The two rotate-half halves of H heads at ``src`` (one token): two [BLOCK_H, BLOCK_D2] fp32."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D2)
+    m = (h < H)[:, None] & (d < HALF)[None, :]
+    p = src + h[:, None] * stride_h + d[None, :]
+    x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _store_halves(dst, stride_h, o1, o2, H: tl.constexpr, HALF: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D2)
+    m = (h < H)[:, None] & (d < HALF)[None, :]
+    p = dst + h[:, None] * stride_h + d[None, :]
+    tl.store(p, o1.to(dst.dtype.element_ty), mask=m)
+    tl.store(p + HALF, o2.to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def rope_store_kernel(
+    q_ptr, k_ptr, v_ptr,                  # q: [T, Hq, D], k, v: [T, Hkv, D] (last dim contiguous)
+    pos_ptr, cos_ptr, sin_ptr, slots_ptr,  # pos, slots: [T]; cos, sin: [P, D/2] f32
+    qo_ptr, ko_ptr,                       # qo: [T, Hq, D]; ko: [T, Hkv, D] (if HAS_K_OUT)
+    k_cache_ptr, v_cache_ptr, label_ptr,  # caches: [S, Hkv, D]; label: [S, Hkv, R]
+    channels_ptr, scale_ptr,              # channels: [Hkv, R] int; scale: [1] f32 (fp8)
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+    stride_qot, stride_qoh, stride_kot, stride_koh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_ls, stride_lh, stride_ch,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, R: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_K_OUT: tl.constexpr, HAS_LABEL: tl.constexpr, LABEL_FP8: tl.constexpr,
+):
+    # Grid (T, 2): program (t, 0) rotates the token's q heads, (t, 1) its k heads (to the cache),
+    # copies v and writes the label. Two programs per token halve the latency at decode (T = B).
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D2)
+    c = tl.load(cos_ptr + pos * stride_c + d, mask=d < HALF, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * stride_c + d, mask=d < HALF, other=0.0)[None, :]
+    if part == 0:
+        x1, x2 = _load_halves(q_ptr + t * stride_qt, stride_qh, HQ, HALF, BLOCK_HQ, BLOCK_D2)
+        _store_halves(qo_ptr + t * stride_qot, stride_qoh, x1 * c - x2 * s, x2 * c + x1 * s,
+                      HQ, HALF, BLOCK_HQ, BLOCK_D2)
+    else:
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        x1, x2 = _load_halves(k_ptr + t * stride_kt, stride_kh, HKV, HALF, BLOCK_HKV, BLOCK_D2)
+        # Rounded to the activation dtype first: the unfused path stores RoPE's output, which has
+        # k's dtype, and the cache may have another one.
+        o1 = (x1 * c - x2 * s).to(k_ptr.dtype.element_ty)
+        o2 = (x2 * c + x1 * s).to(k_ptr.dtype.element_ty)
+        _store_halves(k_cache_ptr + slot * stride_kcs, stride_kch, o1, o2, HKV, HALF, BLOCK_HKV, BLOCK_D2)
+        if HAS_K_OUT:
+            _store_halves(ko_ptr + t * stride_kot, stride_koh, o1, o2, HKV, HALF, BLOCK_HKV, BLOCK_D2)
+        v1, v2 = _load_halves(v_ptr + t * stride_vt, stride_vh, HKV, HALF, BLOCK_HKV, BLOCK_D2)
+        _store_halves(v_cache_ptr + slot * stride_vcs, stride_vch, v1, v2, HKV, HALF, BLOCK_HKV, BLOCK_D2)
+        if HAS_LABEL:
+            h = tl.arange(0, BLOCK_HKV)
+            r = tl.arange(0, BLOCK_R)
+            lm = (h < HKV)[:, None] & (r < R)[None, :]
+            ch = tl.load(channels_ptr + h[:, None] * stride_ch + r[None, :], mask=lm, other=0)
+            # Triton has no register gather, so each heavy channel's rotated value is recomputed
+            # from the (L1-resident) input row: channel j < HALF is x1*c - x2*s at frequency j,
+            # channel j >= HALF is x2*c + x1*s at j - HALF. Same fp32 ops, so the same bits.
+            hi = ch >= HALF
+            j = tl.where(hi, ch - HALF, ch)
+            row = k_ptr + t * stride_kt + h[:, None] * stride_kh
+            a = tl.load(row + ch, mask=lm, other=0.0).to(tl.float32)
+            b = tl.load(row + tl.where(hi, j, ch + HALF), mask=lm, other=0.0).to(tl.float32)
+            cj = tl.load(cos_ptr + pos * stride_c + j, mask=lm, other=0.0)
+            sj = tl.load(sin_ptr + pos * stride_c + j, mask=lm, other=0.0)
+            lab = tl.where(hi, a * cj + b * sj, a * cj - b * sj)
+            lab = lab.to(k_ptr.dtype.element_ty).to(tl.float32)
+            if LABEL_FP8:
+                lab = lab / tl.load(scale_ptr)
+                lab = tl.minimum(tl.maximum(lab, -448.0), 448.0)
+            tl.store(label_ptr + slot * stride_ls + h[:, None] * stride_lh + r[None, :],
+                     lab.to(label_ptr.dtype.element_ty), mask=lm)

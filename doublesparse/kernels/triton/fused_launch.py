@@ -1,0 +1,123 @@
+"""Host launchers for the fused layer kernels (:mod:`.fused`): checks, launch geometry, no syncs.
+
+As in :mod:`.launch`, the checks read only shapes, dtypes, strides and devices, and the grids
+depend only on static sizes, so every launcher is capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .fused import rmsnorm_kernel, rope_store_kernel, silu_mul_kernel
+from .launch import _FLOAT, _INDEX, _check, _check_caches, _check_labels, _fail
+
+SILU_BLOCK = 1024
+
+
+def _norm_warps(block: int) -> int:
+    # ~8 elements (one 16-byte bf16 vector) per thread: 576 -> 4 warps, 4096 -> 16 warps.
+    return max(1, min(16, block // 256))
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """x: [T, N] float; weight: [N]; residual: [T, N] in x's dtype or None.
+
+    Returns ``normed`` [T, N] (x's dtype), or ``(normed, x + residual)`` when residual is given;
+    both are new contiguous tensors.
+    """
+    dev = x.device
+    _check(x, "x", 2, _FLOAT, dev)
+    T, N = x.shape
+    _check(weight, "weight", 1, _FLOAT, dev)
+    if weight.shape[0] != N:
+        _fail(f"rms_norm: weight has {weight.shape[0]} entries for rows of {N}")
+    out = torch.empty((T, N), dtype=x.dtype, device=dev)
+    has_res = residual is not None
+    if has_res:
+        _check(residual, "residual", 2, (x.dtype,), dev)
+        if residual.shape != x.shape:
+            _fail(f"rms_norm: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+        res_out = torch.empty_like(out)
+    else:
+        residual = res_out = x  # placeholders the kernel never touches (HAS_RES=False)
+    if T:
+        block = triton.next_power_of_2(N)
+        rmsnorm_kernel[(T,)](
+            x, residual, weight, out, res_out, float(eps), N,
+            x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
+            HAS_RES=has_res, BLOCK_N=block, num_warps=_norm_warps(block),
+        )
+    return (out, res_out) if has_res else out
+
+
+def silu_mul(x):
+    """x: [T, 2I] float (gate | up) -> [T, I] = silu(gate) * up in x's dtype."""
+    dev = x.device
+    _check(x, "x", 2, _FLOAT, dev)
+    T, two_i = x.shape
+    if two_i % 2:
+        _fail(f"silu_mul: last dim {two_i} is not 2 * intermediate")
+    I = two_i // 2
+    out = torch.empty((T, I), dtype=x.dtype, device=dev)
+    if T and I:
+        silu_mul_kernel[(T, triton.cdiv(I, SILU_BLOCK))](
+            x, out, I, x.stride(0), out.stride(0), BLOCK=SILU_BLOCK, num_warps=4)
+    return out
+
+
+def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache=None,
+               label_scale=None, channels=None, return_k: bool = False):
+    """Rotate q and k (rotate-half RoPE, fp32, rounded once to q's dtype), write rotated k, v and
+    the label of rotated k into the pools at ``slots``; one launch.
+
+    positions, slots: [T] int32/int64; q: [T, Hq, D]; k, v: [T, Hkv, D] (any token/head strides,
+    last dim contiguous: views into the merged qkv GEMM output are fine); cos, sin: [P, D/2]
+    float32; caches and labels as in :func:`.launch.store_kv`.
+    Returns ``(q_rot [T, Hq, D] contiguous, k_rot [T, Hkv, D] contiguous or None)``.
+    """
+    dev = q.device
+    _check(q, "q", 3, _FLOAT, dev)
+    _check(k, "k", 3, (q.dtype,), dev)
+    _check(v, "v", 3, _FLOAT, dev)
+    _check(positions, "positions", 1, _INDEX, dev)
+    _check(slots, "slots", 1, _INDEX, dev)
+    _check(cos, "cos", 2, (torch.float32,), dev)
+    _check(sin, "sin", 2, (torch.float32,), dev)
+    _check_caches(k_cache, v_cache, dev)
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if tuple(k.shape) != (T, Hkv, D) or tuple(v.shape) != (T, Hkv, D):
+        _fail(f"rope_store: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
+    if positions.shape[0] != T or slots.shape[0] != T:
+        _fail(f"rope_store: positions {tuple(positions.shape)} / slots {tuple(slots.shape)} must be [{T}]")
+    if Hq % Hkv:
+        _fail(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    if tuple(k_cache.shape[1:]) != (Hkv, D):
+        _fail(f"k is [T, {Hkv}, {D}] but k_cache is {tuple(k_cache.shape)}")
+    if D % 2 or cos.shape[1] != D // 2 or sin.shape != cos.shape:
+        _fail(f"rope_store: cos/sin must be [max_pos, {D // 2}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    has_label = label_cache is not None
+    r = _check_labels(label_cache, label_scale, channels, k_cache, dev) if has_label else 1
+    is_fp8 = has_label and label_cache.dtype == torch.float8_e4m3fn
+    qo = torch.empty((T, Hq, D), dtype=q.dtype, device=dev)
+    ko = torch.empty((T, Hkv, D), dtype=q.dtype, device=dev) if return_k else None
+    if T == 0:
+        return qo, ko
+    ko_t = ko if return_k else qo          # placeholders for the constexpr-disabled paths
+    lab = label_cache if has_label else k_cache
+    ch = channels if has_label else slots
+    scale = label_scale if is_fp8 else cos
+    rope_store_kernel[(T, 2)](
+        q, k, v, positions, cos, sin, slots, qo, ko_t, k_cache, v_cache, lab, ch, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        qo.stride(0), qo.stride(1), ko_t.stride(0), ko_t.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        lab.stride(0), lab.stride(1), ch.stride(0),
+        HQ=Hq, HKV=Hkv, HALF=D // 2, R=r,
+        BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HKV=triton.next_power_of_2(Hkv),
+        BLOCK_D2=triton.next_power_of_2(D // 2), BLOCK_R=triton.next_power_of_2(r),
+        HAS_K_OUT=return_k, HAS_LABEL=has_label, LABEL_FP8=is_fp8,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return qo, ko
