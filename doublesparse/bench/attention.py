@@ -233,7 +233,10 @@ def main(argv=None):
         write_markdown(args.md, result)
 
 
-SWEEP = [{}, {"score_block_n": 128}, {"score_block_n": 512}, {"score_programs_per_sm": 16}]
+SWEEP = [{}, {"score_block_n": 128}, {"score_block_n": 512}, {"score_programs_per_sm": 16},
+         {"score_programs_per_sm": 4}, {"score_warps": 8, "score_block_n": 512}, {"score_stages": 1},
+         {"select_block_n": 2048}, {"select_block_n": 512}, {"select_programs_per_sm": 8},
+         {"attn_programs_per_sm": 8}, {"attn_stages": 3}, {"attn_block_n": 32}]
 
 
 def sweep(dev, bw):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 HIST_BINS = 256  # radix digit of the top-k select: 8 bits, two passes over fp16 score keys
+SCORE_PAD = 4096  # >= the select kernels' block: they read whole blocks of a score row
 
 
 @dataclass
@@ -49,13 +50,17 @@ class DecodeWorkspace:
         if self.max_heavy_tokens:
             i32 = dict(dtype=torch.int32, device=dev)
             # Rows: one per query head (per_head mode) or per KV head (group modes); size for the larger.
-            self.buffers["scores"] = torch.empty(B, Hq, self.max_ctx, dtype=torch.float16, device=dev)
+            # Padded by SCORE_PAD so the select kernels can read whole blocks past a row's end.
+            self.buffers["scores"] = torch.empty(B, Hq, self.max_ctx + SCORE_PAD, dtype=torch.float16, device=dev)
             # hist[0]: high byte of the score key, hist[1]: low byte within the chosen high byte.
             # Kept at zero between steps: each pass's consumer clears what it has read.
             self.buffers["hist"] = torch.zeros(2, B, Hq, HIST_BINS, **i32)
             # Per row: [high digit, rank left after the high digit, count written (>), count written (==)]
             self.buffers["rowinfo"] = torch.zeros(B, Hq, 4, **i32)
             self.buffers["sel"] = torch.empty(B, Hq, self.max_heavy_tokens, **i32)
+            # The cache slots of sel's positions; zero (the padding slot) until written, so a
+            # stale entry can never address outside the pool.
+            self.buffers["sel_slot"] = torch.zeros(B, Hq, self.max_heavy_tokens, **i32)
 
     def __getattr__(self, name):
         buffers = self.__dict__.get("buffers", {})

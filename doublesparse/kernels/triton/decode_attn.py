@@ -3,7 +3,8 @@
 One program handles (batch entry b, row r, split s). A row is a KV head whose whole query group is
 packed into the program (so each K/V byte is read once), or, in per-query-head selection, a single
 query head. The token list of a row is either positions 0..seq_len-1 (dense) or the row's top-k
-selected positions (sparse); which one is decided per request on the device from seq_lens.
+selected tokens (sparse: their cache slots, from the select step); which one is decided per
+request on the device from seq_lens.
 """
 
 import triton
@@ -65,14 +66,22 @@ def decode_attn_kernel(
     for t in range(start, end, BLOCK_N):
         offs = t + tl.arange(0, BLOCK_N)
         nmask = offs < end
-        pos = offs
         if HAS_SEL:
+            # sel holds cache slots (written by the select step; zero-initialised, so even a
+            # stale entry is a valid slot); dense-fallback requests walk req_to_token.
             picked = tl.load(sel_row + offs, mask=nmask & sparse, other=0)
-            # The clamp never binds on a consistent workspace; it keeps a stale one in bounds.
-            pos = tl.where(sparse, tl.minimum(tl.maximum(picked, 0), seq_len - 1), offs)
-        slot = tl.load(rt_row + pos, mask=nmask, other=0).to(tl.int64)
-        kv_mask = nmask[:, None] & dmask[None, :]
+            walked = tl.load(rt_row + offs, mask=nmask & (sparse == 0), other=0)
+            slot = tl.where(sparse, picked, walked).to(tl.int64)
+        else:
+            slot = tl.load(rt_row + offs, mask=nmask, other=0).to(tl.int64)
+        if BLOCK_D == D:
+            kv_mask = nmask[:, None]  # no all-true channel mask: it would block vector loads
+        else:
+            kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kvh * stride_kch + d[None, :],
+                    mask=kv_mask, other=0.0)
+        # Issued before the softmax so both rows' loads are in flight together.
+        v = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kvh * stride_vch + d[None, :],
                     mask=kv_mask, other=0.0)
         if DOT_F32:
             # Triton 3.6's interpreter computes bf16 dots wrongly; upcast there only.
@@ -85,8 +94,6 @@ def decode_attn_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kvh * stride_vch + d[None, :],
-                    mask=kv_mask, other=0.0)
         if DOT_F32:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
         else:

@@ -14,7 +14,7 @@ import torch
 import triton
 
 from ..reference import MODES
-from ..workspace import DecodeWorkspace
+from ..workspace import SCORE_PAD, DecodeWorkspace
 from .decode_attn import decode_attn_kernel, merge_kernel
 from .ds_select import compact_kernel, hist_low_kernel, score_kernel
 from .rope import rope_kernel
@@ -148,8 +148,8 @@ def _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
 # Launch parameters, tuned on an H200 by doublesparse.bench.attention --sweep (results/).
 TUNING = {
     "attn_block_n": 64, "attn_block_n_many_rows": 128, "attn_warps": 4, "attn_stages": 2, "attn_programs_per_sm": 4,
-    "score_block_n": 256, "score_programs_per_sm": 8, "score_warps": 4, "select_block_n": 1024, "select_warps": 4,
-    "select_programs_per_sm": 4, "select_atomic_hist": True, "score_hist": True,
+    "score_block_n": 256, "score_programs_per_sm": 8, "score_warps": 4, "score_stages": 3, "select_block_n": 1024, "select_warps": 4,
+    "select_programs_per_sm": 4, "select_stages": 3, "select_atomic_hist": True, "score_hist": True,
 }
 
 
@@ -235,7 +235,9 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     G = Hq // Hkv
     per_head = mode == "per_head"
     rows = Hq if per_head else Hkv
-    scores, hist, info, sel = ws.scores, ws.hist, ws.rowinfo, ws.sel
+    scores, hist, info, sel, sel_slot = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot
+    if max(TUNING["select_block_n"], TUNING["score_block_n"]) > SCORE_PAD:
+        _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage != "attend":
         nsm = _num_sms(dev)
         P_score = num_progs or max(1, min(triton.cdiv(TUNING["score_programs_per_sm"] * nsm, B * Hkv),
@@ -252,7 +254,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P_score,
             BLOCK_H=triton.next_power_of_2(G), BLOCK_N=TUNING["score_block_n"],
             BLOCK_R=triton.next_power_of_2(r), DO_HIST=TUNING["score_hist"],
-            num_warps=TUNING["score_warps"],
+            num_warps=TUNING["score_warps"], num_stages=TUNING["score_stages"],
         )
         if stage == "score":
             return None
@@ -261,9 +263,11 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         sb, sw = TUNING["select_block_n"], TUNING["select_warps"]
         hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
                                       NUM_PROGS=P, BLOCK_N=sb, ATOMIC_HIST=TUNING["select_atomic_hist"],
-                                      num_warps=sw)
-        compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, k, int(threshold), *common,
-                                     sel.stride(0), sel.stride(1), NUM_PROGS=P, BLOCK_N=sb, num_warps=sw)
+                                      num_warps=sw, num_stages=TUNING["select_stages"])
+        compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx,
+                                     k, int(threshold), *common, sel.stride(0), sel.stride(1),
+                                     req_to_token.stride(0), NUM_PROGS=P, BLOCK_N=sb, num_warps=sw,
+                                     num_stages=TUNING["select_stages"])
         if stage == "select":
             return sel
     if num_splits is None:
@@ -271,7 +275,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev)), dense_splits(B, Hkv, ws, dev))
         num_splits = max(1, min(ws.max_splits, want, cap))
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                   sel, rows, k, threshold, per_head, num_splits)
+                   sel_slot, rows, k, threshold, per_head, num_splits)
     return (o, sel) if return_sel else o
 
 

@@ -1,0 +1,63 @@
+"""Drive the decode kernels for a profiler (ncu) at one shape, eagerly, a few times each.
+
+    ncu --clock-control none -k regex:'score|hist_low|compact|decode_attn|merge' --launch-skip 5 \
+        --launch-count 5 --set full python benchmarks/profile_kernels.py [--batch 3 --ctx 65536]
+
+``--dump DIR`` also writes the compiled score/select kernels (TTGIR, PTX, cubin) there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+
+from doublesparse.bench.attention import HKV, HQ, D, Pools
+from doublesparse.kernels.triton import launch
+from doublesparse.kernels.workspace import DecodeWorkspace
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=3)
+    ap.add_argument("--ctx", type=int, default=65536)
+    ap.add_argument("--r", type=int, default=16)
+    ap.add_argument("--k", type=int, default=None)
+    ap.add_argument("--mode", default="group_max")
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--dump", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    B, L = args.batch, args.ctx
+    k = args.k or L // 16
+    p = Pools(B, L, 1, args.r, torch.bfloat16, dev)
+    ws = DecodeWorkspace(B, HQ, HKV, D, L, k, device=dev)
+    sm = 1 / math.sqrt(D)
+    for _ in range(args.iters):
+        launch.ds_decode(p.q, p.k, p.v, p.labels, p.scale, p.channels, p.req_to_token, p.req_idx[0],
+                         p.seq_lens, sm, k, args.mode, ws=ws, out=p.out)
+    for _ in range(args.iters):
+        launch.dense_decode(p.q, p.k, p.v, p.req_to_token, p.req_idx[0], p.seq_lens, sm, ws, out=p.out)
+    torch.cuda.synchronize()
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+        from doublesparse.kernels.triton import ds_select, decode_attn
+        for fn in (ds_select.score_kernel, ds_select.hist_low_kernel, ds_select.compact_kernel,
+                   decode_attn.decode_attn_kernel):
+            for dev_cache in fn.device_caches.values():
+                for i, kern in enumerate(dev_cache[0].values()):
+                    for ext in ("ttgir", "ptx", "cubin"):
+                        if ext in kern.asm:
+                            mode = "wb" if ext == "cubin" else "w"
+                            with open(os.path.join(args.dump, f"{fn.fn.__name__}.{i}.{ext}"), mode) as f:
+                                f.write(kern.asm[ext])
+                    md = kern.metadata
+                    print(fn.fn.__name__, i, "regs", getattr(kern, "n_regs", "?"), "spills",
+                          getattr(kern, "n_spills", "?"), "shared", getattr(md, "shared", "?"))
+    print("done")
+
+
+if __name__ == "__main__":
+    main()
