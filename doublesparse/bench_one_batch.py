@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print every N-th decode step too (the first 5 are always printed)")
     p.add_argument("--skip-warmup", action="store_true")
     p.add_argument("--copy-bytes", type=int, default=1 << 30, help="size of the bandwidth probe copy")
+    p.add_argument("--profile", action="store_true",
+                   help="after the benchmark: time the decode graph replay alone (GPU time, no host "
+                        "work) and print a per-kernel table of one decode step (torch.profiler)")
+    p.add_argument("--profile-json", default=None, help="with --profile: write the kernel table here")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch CPU threads (1 is much faster on a busy machine: decode is many tiny ops)")
     add_cli_args(p)
@@ -107,7 +111,8 @@ def prefill_chunked(runner, rows: list[int], ids: list[list[int]], chunk: int) -
 
 
 def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_every: int,
-             bw: float | None, wbytes: int, verbose: bool = True, chunk: int = 1 << 30) -> dict:
+             bw: float | None, wbytes: int, verbose: bool = True, chunk: int = 1 << 30,
+             profile=None) -> dict:
     runner, mem, dev = parts.runner, parts.memory, parts.device
     need = bs * (input_len + output_len)
     if need > mem.slots.num_free:
@@ -144,6 +149,8 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
             if i < 5 or (log_every and i % log_every == 0):
                 # exactly SGLang's line (parsers match it); bytes go to the summary and the JSON
                 say(f"Decode.  latency: {lat:6.5f} s, throughput: {bs / lat:9.2f} token/s")
+        if profile is not None and lats:
+            prof = profile(rows, nxt, [input_len + output_len - 1] * bs)
     finally:
         for r in rows:
             mem.release(r, mem.req_to_token_host[r].count_nonzero().item())
@@ -160,6 +167,8 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
         frac = f" = {med_bytes / med / bw * 100:.1f}% of copy bandwidth" if bw else ""
         say(f"Decode.  median step bytes: {med_bytes / 1e6:.2f} MB (weights {wbytes / 1e6:.2f} MB), "
             f"achieved {med_bytes / med / 1e9:.2f} GB/s{frac}; sparse steps {sum(sparse)}/{len(lats)}")
+    if profile is not None and lats:
+        res["profile"] = prof
     total = prefill_lat + sum(lats)
     res.update(total_latency=total, total_throughput=bs * (input_len + output_len) / total)
     say(f"Total. latency: {total:6.5f} s, throughput: {bs * (input_len + output_len) / total:9.2f} token/s")
@@ -195,8 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for bs, il, ol in itertools.product(args.batch_size, args.input_len, args.output_len):
         print(f"Benchmark. batch size: {bs}, input len: {il}, output len: {ol}")
+        profile = None
+        if args.profile:
+            from .bench.profile_step import profile_decode
+            profile = lambda rows, nxt, pos: profile_decode(parts, rows, nxt, pos, args.profile_json)  # noqa: E731
         results.append(run_case(parts, bs, il, ol, cfg.seed, args.log_decode_step, bw, wbytes,
-                                chunk=cfg.chunked_prefill_size))
+                                chunk=cfg.chunked_prefill_size, profile=profile))
     if args.result_json:
         out = dict(config=dataclasses.asdict(cfg), device=str(dev), copy_bandwidth=bw,
                    weight_bytes=wbytes, channel_source=parts.channel_source,
