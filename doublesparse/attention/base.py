@@ -7,6 +7,10 @@ A backend owns the KV (and label) pools of one engine. Per step it is used in tw
     forward(layer_id, q, k, v, batch) device launches only; for decode it is graph-capturable
                                       (reads lengths from device tensors, no host syncs)
 
+``forward`` is exactly ``store`` then ``attention``. A model may instead write the new K/V (and
+labels) itself, e.g. fused with RoPE, into ``store_targets(layer_id)`` and call
+``attention(layer_id, q, k, v, batch)``, when ``accepts_stored_kv`` says the backend allows it.
+
 Both phases receive the per-step state explicitly through the ForwardBatch.
 """
 
@@ -89,17 +93,35 @@ class AttentionBackend:
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] post-RoPE -> [T, Hq, D] in q's dtype."""
         self.store(layer_id, k, v, batch.out_slots)
+        return self.attention(layer_id, q, k, v, batch)
+
+    def attention(self, layer_id: int, q: torch.Tensor, k, v, batch) -> torch.Tensor:
+        """Attention with this step's K/V already in the pools (``store`` or a fused store into
+        ``store_targets``). q [T, Hq, D] post-RoPE; k, v [T, Hkv, D] this step's rows (post-RoPE
+        k; last dim contiguous), read by prefill only: decode may pass None. -> [T, Hq, D]."""
         if batch.mode == "prefill":
             return self.prefill_attention(layer_id, q, k, v, batch)
         return self.decode_attention(layer_id, q, batch)
 
-    def store(self, layer_id: int, k, v, slots) -> None:
+    @property
+    def accepts_stored_kv(self) -> bool:
+        """True when ``forward`` is exactly ``store`` + ``attention`` (not overridden), so a caller
+        may do the store itself and call ``attention``."""
+        return type(self).forward is AttentionBackend.forward
+
+    def store_targets(self, layer_id: int):
+        """Where ``store`` writes layer ``layer_id``: ``(k_cache, v_cache, label_cache, label_scale,
+        channels)`` ([S, Hkv, D] x2, [S, Hkv, r], [1] f32, [Hkv, r] int32; the last three None
+        without labels), in the argument order of ``ops.store_kv``."""
         m = self.memory
         if self.stores_labels:
-            ops.store_kv(m.k[layer_id], m.v[layer_id], k, v, slots, m.label[layer_id],
-                         m.label_scale[layer_id], self.channels[layer_id], impl=self.impl)
-        else:
-            ops.store_kv(m.k[layer_id], m.v[layer_id], k, v, slots, impl=self.impl)
+            return m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id], self.channels[layer_id]
+        return m.k[layer_id], m.v[layer_id], None, None, None
+
+    def store(self, layer_id: int, k, v, slots) -> None:
+        """k, v [N, Hkv, D] post-RoPE; slots [N] int -> pools (and K labels), one launch on CUDA."""
+        kc, vc, lab, scale, ch = self.store_targets(layer_id)
+        ops.store_kv(kc, vc, k, v, slots, lab, scale, ch, impl=self.impl)
 
     def prefill_attention(self, layer_id, q, k, v, batch) -> torch.Tensor:
         out = torch.empty_like(q)

@@ -1,5 +1,8 @@
 """Building blocks shared by the model families: RMSNorm, a bare linear layer, the SiLU-gated MLP.
 
+On CUDA the norms (with the residual add) and SiLU-and-mul run as single fused Triton launches
+(see the FUSED_* switches); on CPU they are the plain PyTorch ops.
+
 Parameters are allocated with ``torch.empty`` on the target device and dtype and are never
 initialised here: a loader always overwrites them (checkpoint or seeded dummy init), and skipping
 nn.Linear's kaiming init is what makes building an 8B model take milliseconds instead of minutes.
@@ -11,16 +14,48 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import ops
+
+# Fused Triton kernels for the layers' elementwise steps (kernels/triton/fused.py): "auto" runs them
+# on CUDA tensors, True also on CPU (the Triton interpreter: tests only), False never (the PyTorch
+# ops below; the switch to flip if a kernel misbehaves on a GPU). The CPU path never changes.
+FUSED_NORM = "auto"        # RMSNorm and residual-add + RMSNorm: one launch each
+FUSED_SILU_MUL = "auto"    # silu(gate) * up: one launch instead of two (plus a strided read)
+
+
+def fused_impl(flag, x: torch.Tensor) -> str | None:
+    """The ``ops`` impl a fused kernel runs with under ``flag`` for tensor x, or None (PyTorch ops)."""
+    if flag is True:
+        return "triton"
+    if flag == "auto" and x.is_cuda:
+        return "auto"
+    return None
+
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight`` over the last dim; statistics in float32, output in x's dtype."""
+    """``x / rms(x) * weight`` over the last dim; statistics in float32, output in x's dtype.
+
+    ``norm(x)`` -> normed; ``norm(x, residual)`` -> ``(norm(x + residual), x + residual)``, the
+    pre-norm decoder's residual stream in one launch on CUDA (vLLM's fused_add_rms_norm).
+    """
 
     def __init__(self, dim: int, eps: float, device=None, dtype=None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        impl = fused_impl(FUSED_NORM, x) if x.dim() == 2 else None
+        if residual is not None:
+            if impl is not None:
+                return ops.add_rms_norm(x, residual, self.weight, self.eps, impl=impl)
+            x = x + residual
+            return self._norm(x), x
+        if impl is not None:
+            return ops.rms_norm(x, self.weight, self.eps, impl=impl)
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             # One fused launch instead of ~8 elementwise ones (decode of small models is
             # launch-bound); rounding differs from the path below only in the last bf16 bit.
@@ -57,5 +92,9 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)                       # [T, 2I]
+        impl = fused_impl(FUSED_SILU_MUL, gate_up) if gate_up.dim() == 2 else None
+        if impl is not None:
+            return self.down_proj(ops.silu_mul(gate_up, impl=impl))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -13,9 +13,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..attention.base import AttentionBackend
+from . import layers as _layers
 from .config import ModelConfig
-from .layers import GatedMLP, Linear, RMSNorm
+from .layers import GatedMLP, Linear, RMSNorm, fused_impl
 from .rope import RotaryEmbedding
+
+# RoPE fused with the KV (+ label) store, one launch per layer on CUDA (kernels/triton/fused.py):
+# "auto" on CUDA, True also on CPU (Triton interpreter, tests), False: RoPE, then backend.forward.
+# Only used with engine backends whose forward is store + attention (see _fused_store).
+FUSED_ROPE_STORE = "auto"
+
+
+def _fused_store(attn, x: torch.Tensor) -> str | None:
+    """The ops impl for the fused RoPE + store, or None when the backend must get the rotated k/v
+    itself: wrappers that record q/k (calibration, eval) or backends with their own store."""
+    if not isinstance(attn, AttentionBackend) or not attn.accepts_stored_kv or attn.impl == "torch":
+        return None
+    return fused_impl(FUSED_ROPE_STORE, x)
 
 
 class LlamaAttention(nn.Module):
@@ -36,17 +51,28 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch) -> torch.Tensor:
-        """x: [T, H] -> [T, H]; the backend sees contiguous q: [T, Hq, D], k/v: [T, Hkv, D] in the weight dtype."""
+        """x: [T, H] -> [T, H]; the backend sees contiguous q: [T, Hq, D], k/v: [T, Hkv, D] in the weight dtype
+        (fused path: v stays a strided view of the qkv output, k is None at decode)."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_q_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
-        # v is a strided slice of the qkv GEMM output; KV-store kernels want dense rows.
-        v = v.contiguous().view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
-        out = batch.attn.forward(self.layer_id, q, k, v, batch)  # [T, Hq, D]
+        attn = batch.attn
+        impl = _fused_store(attn, x)
+        if impl is not None:
+            # One launch: rotated q out, rotated k / v / label into the pools; prefill attention
+            # also reads the chunk's own k (decode reads only the cache).
+            q, k = rope.rotate_and_store(positions, q, k, v, attn.store_targets(self.layer_id),
+                                         batch.out_slots, return_k=batch.mode == "prefill", impl=impl)
+            out = attn.attention(self.layer_id, q, k, v, batch)
+        else:
+            # v is a strided slice of the qkv GEMM output; KV-store kernels want dense rows.
+            v = v.contiguous()
+            q, k = rope(positions, q, k)
+            out = attn.forward(self.layer_id, q, k, v, batch)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -59,9 +85,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, dtype=dtype)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, device=device, dtype=dtype)
 
-    def forward(self, x, positions, rope, batch):
-        x = x + self.attn(self.input_norm(x), positions, rope, batch)
-        return x + self.mlp(self.post_attn_norm(x))
+    def forward(self, x, residual, positions, rope, batch):
+        """(x, residual) [T, H] -> (mlp output, residual stream before it), the pre-norm residual
+        stream kept apart so each add fuses into the next norm; residual None: x is the input."""
+        if residual is None:
+            residual, h = x, self.input_norm(x)
+        else:
+            h, residual = self.input_norm(x, residual)
+        h, residual = self.post_attn_norm(self.attn(h, positions, rope, batch), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -105,17 +137,26 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> logits [N, vocab] float32.
 
-        ``batch.attn.forward(layer_id, q, k, v, batch)`` computes attention; ``batch.logits_indices``
+        ``batch.attn.forward(layer_id, q, k, v, batch)`` computes attention (on CUDA with an engine
+        backend: ``rope.rotate_and_store`` + ``batch.attn.attention``, see ``_fused_store``); ``batch.logits_indices``
         ([N] int64 into the T tokens, or None for all T) selects the rows to project onto the
         vocabulary, which for decode-with-prefill batches skips the expensive lm_head on most tokens.
         """
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, self.rope, batch)
+            x, residual = layer(x, residual, positions, self.rope, batch)
         idx = getattr(batch, "logits_indices", None)
-        if idx is not None:
-            x = x.index_select(0, idx)
-        return self.lm_head(self.norm(x)).float()
+        if fused_impl(_layers.FUSED_NORM, x) is not None:
+            # add + norm in one launch over all T rows, then the row selection (rows are independent)
+            x, _ = self.norm(x, residual)
+            if idx is not None:
+                x = x.index_select(0, idx)
+        else:
+            x = x + residual
+            if idx is not None:
+                x = x.index_select(0, idx)
+            x = self.norm(x)
+        return self.lm_head(x).float()
 
     def extra_repr(self) -> str:
         c = self.config

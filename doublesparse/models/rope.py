@@ -80,3 +80,14 @@ class RotaryEmbedding(nn.Module):
         # ops.rope can run one Triton launch on CUDA instead of the PyTorch form's ~20 tiny
         # launches per layer, which set the decode step time of small models (see ops.rope).
         return ops.rope(positions, q, k, self.cos, self.sin)
+
+    def rotate_and_store(self, positions, q, k, v, targets, slots, return_k: bool = False,
+                         impl: str = "auto"):
+        """RoPE fused with the KV store (one launch on CUDA): rotated k, v and k's label go into
+        the pools at ``slots`` [T] int64. targets: ``(k_cache, v_cache, label_cache, label_scale,
+        channels)`` from ``AttentionBackend.store_targets`` (the last three None: no labels).
+        q: [T, Hq, D]; k, v: [T, Hkv, D] (views of the qkv output are fine). Returns the rotated
+        ``(q [T, Hq, D], k [T, Hkv, D] or None unless return_k)``, contiguous."""
+        k_cache, v_cache, label_cache, label_scale, channels = targets
+        return ops.rope_store(positions, q, k, v, self.cos, self.sin, k_cache, v_cache, slots,
+                              label_cache, label_scale, channels, return_k=return_k, impl=impl)

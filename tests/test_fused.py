@@ -1,0 +1,217 @@
+"""Fused layer kernels (kernels/triton/fused.py) against their references, and the model's fused
+path against its PyTorch path.
+
+On CPU the kernels run under TRITON_INTERPRET=1, whose fp32 -> bf16/fp8 casts do not round to
+nearest (a bf16 result can be one ulp off), so CPU comparisons allow two ulps where casts happen;
+on a GPU the exact ones are exact (RoPE is launched without FMA contraction).
+"""
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from doublesparse.kernels import ops
+from doublesparse.kernels import reference as ref
+from doublesparse.kernels.triton import fused_launch
+
+FP8 = torch.float8_e4m3fn
+BF16 = torch.bfloat16
+EXACT = DEVICE == "cuda"
+
+
+def _gen(*xs):
+    return torch.Generator().manual_seed(abs(hash(xs)) % (2**31))
+
+
+def _close(got, want, exact=EXACT):
+    if exact:
+        assert torch.equal(got.float(), want.float()), (got.float() - want.float()).abs().max()
+    else:
+        # two bf16 ulps: a rounded input (the residual) can carry one into the next rounding
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-2)
+
+
+def _rand(g, *shape, dtype=BF16):
+    return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+
+# ---------------------------------------------------------------- RMSNorm (+ residual add)
+@pytest.mark.parametrize("t", [1, 3, 17])
+@pytest.mark.parametrize("n", [576, 4096])
+@pytest.mark.parametrize("with_res", [False, True])
+def test_rms_norm(t, n, with_res):
+    g = _gen(t, n, with_res)
+    wide = _rand(g, t, n + 32)
+    x = wide[:, :n]                                   # strided rows: the launcher takes any row stride
+    w = (1 + 0.2 * torch.randn(n, generator=g)).to(BF16).to(DEVICE)
+    if with_res:
+        res = _rand(g, t, n)
+        out, new_res = ops.add_rms_norm(x, res, w, 1e-5, impl="triton")
+        exp, exp_res = ref.add_rmsnorm_ref(x, res, w, 1e-5)
+        _close(new_res, exp_res)
+        assert new_res.dtype == BF16 and new_res.is_contiguous()
+    else:
+        out = ops.rms_norm(x, w, 1e-5, impl="triton")
+        exp = ref.rmsnorm_ref(x, w, 1e-5)
+    assert out.dtype == BF16 and out.shape == (t, n)
+    # fp32 sums in another order: rstd may differ in its last bits, so one bf16 ulp even on a GPU
+    _close(out, exp, exact=False)
+
+
+# ---------------------------------------------------------------- SiLU and mul
+@pytest.mark.parametrize("t", [1, 3, 17])
+@pytest.mark.parametrize("i", [64, 1100])
+def test_silu_mul(t, i):
+    g = _gen(t, i)
+    x = _rand(g, t, 2 * i) * 3
+    out = ops.silu_mul(x, impl="triton")
+    assert out.shape == (t, i) and out.dtype == BF16
+    _close(out, ref.silu_mul_ref(x), exact=False)   # exp differs in its last bits
+
+
+# ---------------------------------------------------------------- RoPE + KV / label store
+def _rope_case(t, hq, hkv, d, r, label_dtype, seed):
+    g = _gen(t, hq, hkv, d, seed)
+    w = (hq + 2 * hkv) * d
+    qkv = _rand(g, t, w + 8)[:, :w]                   # the merged GEMM output, padded rows
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    pos = torch.randint(0, 500, (t,), generator=g).to(DEVICE)
+    ang = torch.arange(512)[:, None].float() * torch.rand(d // 2, generator=g)[None]
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    S = t + 9
+    slots = (torch.randperm(S - 1, generator=g)[:t] + 1).to(DEVICE)
+    channels = torch.stack([torch.randperm(d, generator=g)[:r] for _ in range(hkv)]).int().to(DEVICE)
+    # poisoned pools: every slot not written must keep its sentinel
+    pools = [torch.full((S, hkv, d), 7.0, dtype=BF16, device=DEVICE) for _ in range(2)]
+    lab = None if label_dtype is None else torch.full((S, hkv, r), 7.0, device=DEVICE).to(label_dtype)
+    scale = torch.tensor([0.03], device=DEVICE)
+    return (pos, q, k, v, cos, sin), pools, lab, scale, slots, channels
+
+
+@pytest.mark.parametrize("t", [1, 3, 17])
+@pytest.mark.parametrize("hq,hkv,d,r", [(9, 3, 64, 16), (32, 8, 128, 32)])
+@pytest.mark.parametrize("label_dtype", [None, BF16, FP8])
+def test_rope_store(t, hq, hkv, d, r, label_dtype):
+    inputs, pools, lab, scale, slots, ch = _rope_case(t, hq, hkv, d, r, label_dtype, 0)
+    exp_pools = [p.clone() for p in pools]
+    exp_lab = None if lab is None else lab.clone()
+    return_k = t != 3
+    qo, ko = ops.rope_store(*inputs, *pools, slots, lab, scale, ch, return_k=return_k, impl="triton")
+    qe, ke = ref.rope_store_ref(*inputs, *exp_pools, slots, exp_lab, scale, ch)
+    assert qo.shape == (t, hq, d) and qo.is_contiguous() and qo.dtype == BF16
+    _close(qo, qe)
+    if return_k:
+        assert ko.shape == (t, hkv, d) and ko.is_contiguous()
+        _close(ko, ke)
+    else:
+        assert ko is None
+    _close(pools[0], exp_pools[0])
+    assert torch.equal(pools[1], exp_pools[1])        # v is copied, no arithmetic
+    unwritten = torch.ones(pools[0].shape[0], dtype=torch.bool, device=DEVICE)
+    unwritten[slots] = False
+    assert bool((pools[0][unwritten] == 7).all())
+    if lab is None:
+        return
+    assert bool((lab[unwritten].float() == 7).all())
+    got, want = lab[slots].float(), exp_lab[slots].float()
+    if label_dtype == BF16:
+        # the label is the cached k's heavy channels, bit for bit, on CPU too
+        own = torch.gather(pools[0][slots].float(), 2, ch.long()[None].expand(t, -1, -1))
+        assert torch.equal(got, own)
+        _close(got, want)
+    elif EXACT:
+        assert torch.equal(got, want)
+    else:
+        # the interpreter's fp32 -> e4m3 rounds off by up to one binade (as in test_kernels)
+        assert bool(((got - want).abs() <= want.abs() * 0.5 + 0.02).all())
+
+
+def test_rope_store_torch_path_is_rope_then_store():
+    """ops' reference path == the unfused model path (rope, then store_kv), bit for bit."""
+    inputs, pools, lab, scale, slots, ch = _rope_case(5, 9, 3, 64, 16, BF16, 1)
+    exp_pools, exp_lab = [p.clone() for p in pools], lab.clone()
+    qo, ko = ops.rope_store(*inputs, *pools, slots, lab, scale, ch, return_k=True, impl="torch")
+    pos, q, k, v, cos, sin = inputs
+    qe, ke = ops.rope(pos, q, k, cos, sin, impl="torch")
+    ops.store_kv(*exp_pools, ke, v.contiguous(), slots, exp_lab, scale, ch, impl="torch")
+    assert torch.equal(qo, qe) and torch.equal(ko, ke)
+    assert torch.equal(pools[0], exp_pools[0]) and torch.equal(pools[1], exp_pools[1])
+    assert torch.equal(lab, exp_lab)
+
+
+def test_bad_arguments_raise_value_error():
+    inputs, pools, lab, scale, slots, ch = _rope_case(3, 9, 3, 64, 16, FP8, 2)
+    pos, q, k, v, cos, sin = inputs
+    with pytest.raises(ValueError, match="label_scale"):
+        fused_launch.rope_store(*inputs, *pools, slots, lab, None, ch)
+    with pytest.raises(ValueError, match="slots"):
+        fused_launch.rope_store(*inputs, *pools, slots[:2], lab, scale, ch)
+    with pytest.raises(ValueError, match="cos/sin"):
+        fused_launch.rope_store(pos, q, k, v, cos[:, :4], sin[:, :4], *pools, slots)
+    with pytest.raises(ValueError, match="k_cache"):
+        fused_launch.rope_store(*inputs, pools[0][:, :2], pools[1][:, :2], slots)
+    x = torch.zeros(3, 64, dtype=BF16, device=DEVICE)
+    with pytest.raises(ValueError, match="weight"):
+        fused_launch.rms_norm(x, torch.ones(32, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        fused_launch.rms_norm(x, torch.ones(64, device=DEVICE), 1e-5, x.float())
+    with pytest.raises(ValueError, match="2 \\* intermediate"):
+        fused_launch.silu_mul(torch.zeros(3, 65, dtype=BF16, device=DEVICE))
+
+
+# ---------------------------------------------------------------- the model's fused path
+def _tiny_model(qk_norm: bool):
+    import dataclasses
+
+    from doublesparse.models import ModelConfig
+    from doublesparse.models.llama import LlamaModel
+    from doublesparse.models.loader import CONFIGS_DIR
+
+    c = ModelConfig.from_json(CONFIGS_DIR / "tiny-llama.json")
+    c = dataclasses.replace(c, qk_norm=qk_norm, attention_bias=qk_norm)  # also Qwen2's qkv bias
+    m = LlamaModel(c, device=DEVICE, dtype=torch.float32, max_positions=256)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.2 * r if "norm" in name else 0.1 * r)
+    return m.eval().requires_grad_(False)
+
+
+def _run(m, ds: bool):
+    from doublesparse.engine import Engine
+
+    logits = []
+    orig = m.forward
+    m.forward = lambda *a: logits.append(orig(*a)) or logits[-1]
+    try:
+        e = Engine(model=m, device=DEVICE, max_total_tokens=512, max_running_requests=4,
+                   chunked_prefill_size=7, disable_cuda_graph=True, enable_double_sparsity=ds,
+                   ds_heavy_token_num=64, progress=False)
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (11, 4)]
+        out = e.generate(prompts, {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 3})
+    finally:
+        del m.forward
+    return [r["token_ids"] for r in out], logits
+
+
+@pytest.mark.parametrize("qk_norm,ds", [(False, False), (False, True), (True, True)])
+def test_model_fused_path_matches_pytorch_path(qk_norm, ds, monkeypatch):
+    """Fused norms / SiLU-mul / RoPE + store (chunked prefill with a cached prefix, then decode)
+    give the logits of the PyTorch ops; float32, so only summation order differs."""
+    from doublesparse.models import layers, llama
+
+    m = _tiny_model(qk_norm)
+    for mod, name in ((layers, "FUSED_NORM"), (layers, "FUSED_SILU_MUL"), (llama, "FUSED_ROPE_STORE")):
+        monkeypatch.setattr(mod, name, False)
+    plain_tokens, plain = _run(m, ds)
+    for mod, name in ((layers, "FUSED_NORM"), (layers, "FUSED_SILU_MUL"), (llama, "FUSED_ROPE_STORE")):
+        monkeypatch.setattr(mod, name, True)
+    fused_tokens, fused = _run(m, ds)
+    assert fused_tokens == plain_tokens
+    assert len(fused) == len(plain) > 3
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
