@@ -5,9 +5,9 @@ tiny PyTorch launches per layer (RoPE's ~8 binary ops, residual adds, casts, con
 SiLU and mul), which set the step time of small models. Host launchers with argument checks are
 in :mod:`.fused_launch`; float32 references in :mod:`doublesparse.kernels.reference`.
 
-All three kernels are launched with ``enable_fp_fusion=False`` where bit-exactness against the
-PyTorch form matters (RoPE): without FMA contraction the fp32 products and sums round exactly as
-PyTorch's separate elementwise kernels do.
+RoPE + store is launched with ``enable_fp_fusion=False``: without FMA contraction its fp32
+products and sums round exactly as PyTorch's separate elementwise kernels do, so q, k and the
+label match the reference (and each other) bit for bit.
 """
 
 import triton
@@ -98,9 +98,10 @@ def rope_store_kernel(
     d = tl.arange(0, BLOCK_D2)
     c = tl.load(cos_ptr + pos * stride_c + d, mask=d < HALF, other=0.0)[None, :]
     s = tl.load(sin_ptr + pos * stride_c + d, mask=d < HALF, other=0.0)[None, :]
+    # (The branches use distinct names: Triton rejects a name defined in both with two shapes.)
     if part == 0:
-        x1, x2 = _load_halves(q_ptr + t * stride_qt, stride_qh, HQ, HALF, BLOCK_HQ, BLOCK_D2)
-        _store_halves(qo_ptr + t * stride_qot, stride_qoh, x1 * c - x2 * s, x2 * c + x1 * s,
+        q1, q2 = _load_halves(q_ptr + t * stride_qt, stride_qh, HQ, HALF, BLOCK_HQ, BLOCK_D2)
+        _store_halves(qo_ptr + t * stride_qot, stride_qoh, q1 * c - q2 * s, q2 * c + q1 * s,
                       HQ, HALF, BLOCK_HQ, BLOCK_D2)
     else:
         slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -132,7 +133,9 @@ def rope_store_kernel(
             lab = tl.where(hi, a * cj + b * sj, a * cj - b * sj)
             lab = lab.to(k_ptr.dtype.element_ty).to(tl.float32)
             if LABEL_FP8:
-                lab = lab / tl.load(scale_ptr)
+                # IEEE division (plain `/` is div.full.f32, 2 ulp), so the fp8 label is exactly
+                # the reference's (k[ch] / scale).clamp(+-448) rounded to e4m3.
+                lab = tl.div_rn(lab, tl.load(scale_ptr))
                 lab = tl.minimum(tl.maximum(lab, -448.0), 448.0)
             tl.store(label_ptr + slot * stride_ls + h[:, None] * stride_lh + r[None, :],
                      lab.to(label_ptr.dtype.element_ty), mask=lm)
