@@ -180,7 +180,7 @@ def _tiny_model(qk_norm: bool):
     return m.eval().requires_grad_(False)
 
 
-def _run(m, ds: bool):
+def _run(m, ds: bool, graphs: bool = False, heavy: int = 64):
     from doublesparse.engine import Engine
 
     logits = []
@@ -188,8 +188,9 @@ def _run(m, ds: bool):
     m.forward = lambda *a: logits.append(orig(*a)) or logits[-1]
     try:
         e = Engine(model=m, device=DEVICE, max_total_tokens=512, max_running_requests=4,
-                   chunked_prefill_size=7, disable_cuda_graph=True, enable_double_sparsity=ds,
-                   ds_heavy_token_num=64, progress=False)
+                   chunked_prefill_size=7, disable_cuda_graph=not graphs, cuda_graph_max_bs=4,
+                   enable_double_sparsity=ds, ds_heavy_token_num=heavy, progress=False)
+        assert bool(e.parts.runner.graphs) == graphs
         g = torch.Generator().manual_seed(3)
         prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (11, 4)]
         out = e.generate(prompts, {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 3})
@@ -215,6 +216,17 @@ def test_model_fused_path_matches_pytorch_path(qk_norm, ds, monkeypatch):
     assert len(fused) == len(plain) > 3
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("ds", [False, True])
+def test_model_fused_path_in_cuda_graphs(ds):
+    """Decode replayed from graphs (fused kernels, packed graph inputs) == eager decode; with
+    k = 8 the DS requests decode sparsely over labels written by the fused RoPE + store."""
+    m = _tiny_model(False)
+    eager, _ = _run(m, ds, graphs=False, heavy=8)
+    replayed, _ = _run(m, ds, graphs=True, heavy=8)
+    assert replayed == eager
 
 
 # ---------------------------------------------------------------- compiles for a GPU (on CPU)
