@@ -8,6 +8,7 @@ import torch
 
 from doublesparse.calibrate import channels as ch
 from doublesparse.calibrate import cli, texts
+from doublesparse.calibrate.threads import ThreadChooser, candidates_for, num_threads
 from doublesparse.calibrate.stats import (StatsAttention, causal_attention, collect_stats, make_batch,
                                           sample_windows)
 from doublesparse.eval.tiny import ByteTokenizer, TinyConfig, TinyModel
@@ -63,6 +64,27 @@ def test_causal_attention_matches_explicit_softmax():
     got = causal_attention(q, k, v)
     assert got.shape == (T, hq, D)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_thread_chooser_keeps_the_faster_count_and_rechecks():
+    tc = ThreadChooser([1, 2], recheck=5)
+    cost = {2: 3.0, 1: 1.0}                     # loaded machine: 1 thread is faster
+    seen = []
+    for i in range(10):
+        n = tc.next()
+        seen.append(n)
+        if i == 4:
+            cost[2] = 0.5                       # the load went away
+        tc.record(n, cost[n] * 100, 100)
+    # probe both, stay on 1, re-measure 2 at the 5th sample, then keep the now faster 2
+    assert seen == [2, 1, 1, 1, 2, 2, 2, 2, 2, 1] and tc.chosen == seen
+    one = ThreadChooser([3])
+    assert [one.next() for _ in range(4)] == [3, 3, 3, 3]
+    assert candidates_for(2, "cpu") == [2] and candidates_for(0, "cuda") == [torch.get_num_threads()]
+    old = torch.get_num_threads()
+    with num_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == old
 
 
 def test_sample_windows():

@@ -1,7 +1,7 @@
 """``doublesparse calibrate``: rank each layer's head channels on real text, write a channel config.
 
     python -m doublesparse.calibrate --output cfg.json [--model-path P] [--text FILE ...]
-        [--num-samples 12] [--seq-len 2048] [--device cpu]
+        [--num-samples 12] [--seq-len 2048] [--device cpu] [--cpu-threads 0]
 """
 
 from __future__ import annotations
@@ -30,18 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=12)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--cpu-threads", type=int, default=0,
+                   help="intra-op threads; 0 (default): per sample, whichever of torch's count and 1 "
+                        "measured faster (on a shared machine 1 thread often wins)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
 def calibrate(model, tokenizer, texts: list[str], num_samples: int, seq_len: int, device="cpu",
-              progress: bool = True) -> dict:
+              progress: bool = True, cpu_threads: int = 0) -> dict:
     """Statistics over ``num_samples`` windows of ``seq_len`` tokens of the concatenated texts."""
     ids: list[int] = []
     for t in texts:
         ids += encode(tokenizer, t)
     windows = sample_windows(ids, num_samples, seq_len)
-    stats = collect_stats(model, windows, device=device, progress=progress)
+    stats = collect_stats(model, windows, device=device, progress=progress, cpu_threads=cpu_threads)
     stats["text_tokens"] = len(ids)
     return stats
 
@@ -51,7 +54,7 @@ def run(args, model=None, tokenizer=None, argv_for_meta=None) -> dict:
     passed in (tests, notebooks); otherwise they are loaded from ``args.model_path``."""
     if model is None or tokenizer is None:
         from doublesparse.models import load_model, load_tokenizer
-        model = load_model(args.model_path) if model is None else model
+        model = load_model(args.model_path, progress=not args.quiet) if model is None else model
         tokenizer = load_tokenizer(args.model_path) if tokenizer is None else tokenizer
     if hasattr(model, "to"):
         model = model.to(args.device)
@@ -60,7 +63,7 @@ def run(args, model=None, tokenizer=None, argv_for_meta=None) -> dict:
     texts = read_texts(args.text)
     t0 = time.perf_counter()
     stats = calibrate(model, tokenizer, texts, args.num_samples, args.seq_len, args.device,
-                      progress=not args.quiet)
+                      progress=not args.quiet, cpu_threads=getattr(args, "cpu_threads", 0))
     elapsed = time.perf_counter() - t0
     c = model.config
     meta = {
@@ -76,6 +79,7 @@ def run(args, model=None, tokenizer=None, argv_for_meta=None) -> dict:
         "tool": f"doublesparse {doublesparse.__version__}",
         "command": "doublesparse calibrate " + " ".join(shlex.quote(a) for a in (argv_for_meta or [])),
         "device": str(args.device), "seconds": round(elapsed, 1),
+        "threads_per_sample": [int(n) for n in stats.get("threads", [])],
     }
     cfg = stats_to_config(stats, meta)
     save_config(cfg, args.output)

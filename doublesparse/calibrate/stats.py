@@ -8,10 +8,13 @@ magnitudes add without drift; the means are taken once at the end.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
+
+from .threads import ThreadChooser, candidates_for, num_threads
 
 
 def causal_attention(q, k, v, sm_scale: float | None = None):
@@ -73,11 +76,16 @@ class StatsAttention:
         self.tokens = torch.zeros(num_layers, dtype=torch.long)
 
     def forward(self, layer_id, q, k, v, batch):
-        qf, kf = q.detach().double(), k.detach().double()
-        self.q_abs[layer_id] += qf.abs().sum(0).cpu()
-        self.k_abs[layer_id] += kf.abs().sum(0).cpu()
-        self.qk_abs[layer_id] += (qf * kf.repeat_interleave(self.G, dim=1)).abs().sum(0).cpu()
-        self.tokens[layer_id] += q.shape[0]
+        T, hq, D = q.shape
+        # |x| is exact in fp32/bf16, so taking it before the cast to float64 changes no bit; the
+        # group broadcast replaces repeat_interleave. Fewer full-size temporaries than
+        # abs-after-double: measured 2.7 s -> 1.6 s per 2048-token sample on a loaded 2-core box.
+        qa, ka = q.detach().abs(), k.detach().abs()
+        self.q_abs[layer_id] += qa.sum(0, dtype=torch.float64).cpu()
+        self.k_abs[layer_id] += ka.sum(0, dtype=torch.float64).cpu()
+        qk = qa.reshape(T, hq // self.G, self.G, D).double() * ka.double().unsqueeze(2)
+        self.qk_abs[layer_id] += qk.sum(0).reshape(hq, D).cpu()
+        self.tokens[layer_id] += T
         return self.inner.forward(layer_id, q, k, v, batch)
 
     __call__ = forward
@@ -114,14 +122,26 @@ def sample_windows(ids: list[int], num_samples: int, seq_len: int) -> list[list[
 
 
 @torch.inference_mode()
-def collect_stats(model, windows: list[list[int]], device="cpu", progress: bool = True) -> dict:
-    """Run every window through ``model`` with a :class:`StatsAttention` and return its means."""
+def collect_stats(model, windows: list[list[int]], device="cpu", progress: bool = True,
+                  cpu_threads: int = 0) -> dict:
+    """Run every window through ``model`` with a :class:`StatsAttention` and return its means.
+
+    ``cpu_threads``: intra-op threads; 0 = choose per sample from measured times (see
+    :mod:`.threads`). The result's "threads" lists the count each sample ran with.
+    """
     c = model.config
     rec = StatsAttention(int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim))
+    chooser = ThreadChooser(candidates_for(cpu_threads, device))
     for w in tqdm(windows, desc="calibrate", unit="sample", disable=not progress):
         ids = torch.tensor(w, dtype=torch.long, device=device)
         pos = torch.arange(len(w), dtype=torch.long, device=device)
         # only the last row's logits: the LM head is not needed for the statistics
         batch = make_batch(rec, torch.tensor([len(w) - 1], dtype=torch.long, device=device))
-        model(ids, pos, batch)
-    return rec.means()
+        n = chooser.next()
+        with num_threads(n):
+            t0 = time.perf_counter()
+            model(ids, pos, batch)
+            chooser.record(n, time.perf_counter() - t0, len(w))
+    out = rec.means()
+    out["threads"] = list(chooser.chosen)
+    return out
