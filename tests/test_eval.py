@@ -101,7 +101,8 @@ def test_selection_recall_matches_reference():
         got = driver.selection_recall(q, view, layer_id, chunk=5)
         sc = ref.label_scores_ref(q, p.label_pool(4)[layer_id], p.label_scale, view.channels[layer_id],
                                   p.req_to_token, view.req_idx, view.seq_lens, s.mode, view.sm_scale)
-        sc = ref.force_keep(sc, view.seq_lens, s.num_sink, s.num_recent)
+        assert (view.num_sink, view.num_recent) == (1, 2)  # capped at k/8, k/4 (k = 8) like the engine
+        sc = ref.force_keep(sc, view.seq_lens, view.num_sink, view.num_recent)
         for b in range(q.shape[0]):
             n = int(view.seq_lens[b])
             k = ref.gather_tokens(p.k[layer_id], p.req_to_token, view.req_idx, b, n).repeat_interleave(2, 1)
@@ -136,3 +137,81 @@ def test_triton_path_matches_reference():
             p.relabel(ch)
             got[impl] = driver.decode_tokens(m, p, s, ch, [ids[0][40:44]], 8)
         torch.testing.assert_close(got["triton"], got["torch"], atol=1e-4, rtol=1e-4)
+
+
+def _args(**kw):
+    return cli.build_parser().parse_args(["-o", "x"] + [a for k, v in kw.items()
+                                                        for a in ([f"--{k}"] + [str(x) for x in v])])
+
+
+def test_settings_for_has_each_setting_once():
+    """``--modes group_max`` used to run qk/group_max/r16/k1:16 twice (grid and variants)."""
+    from doublesparse.eval.settings import default_setting
+    ss = cli.settings_for(_args(modes=["group_max", "group_sum"], rs=[16], **{"k-fracs": [0.0625]}))
+    assert len(ss) == len(set(ss))
+    assert ss[:2] == [DENSE, default_setting(64)]
+    d = default_setting(64)
+    assert (d.mode, d.r, d.k_frac, d.num_sink, d.num_recent) == ("group_max", 16, 1 / 16, 4, 32)
+    assert d.sink_recent(512) == (4, 32) and d.sink_recent(64) == (4, 16)  # the engine's scaling
+
+
+def test_relabel_is_skipped_for_the_same_channels(monkeypatch):
+    m, ids, full, p = _setup()
+    calls = []
+    real = driver.ops.store_kv
+    monkeypatch.setattr(driver.ops, "store_kv", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    ch = default_channels(m, 4)
+    p.relabel(ch)
+    n = len(calls)
+    assert n == m.config.num_layers
+    s = Setting("ds", "qk", "group_sum", 4, 1 / 8)
+    a = driver.decode_tokens(m, p, s, ch, [x[40:] for x in ids], 6)
+    p.relabel(ch.clone())                      # same channels: the prefix labels are still right
+    assert len(calls) == n + m.config.num_layers  # only the decode's own stores
+    torch.testing.assert_close(driver.decode_tokens(m, p, s, ch, [x[40:] for x in ids], 6), a)
+    p.relabel(ch.flip(-1))                     # other channels (same r): relabelled
+    assert len(calls) == n + 3 * m.config.num_layers
+
+
+def test_text_runner_matches_evaluate_text_and_fidelity_stride():
+    from doublesparse.eval import measure
+    m = TinyModel(TinyConfig()).eval()
+    g = torch.Generator().manual_seed(1)
+    windows = torch.randint(0, 256, (2, 96), generator=g).tolist()
+    ch = default_channels(m, 4)
+    s = Setting("ds", "qk", "group_max", 4, 1 / 8, num_sink=2, num_recent=4)
+    runner = measure.TextRunner(m, windows, 24, lambda _: ch)
+    got = runner.run(s)                        # dense runs first by itself (KL needs it)
+    assert DENSE in runner.results and got.kl > 0 and 0 < got.top1 < 1 and got.tokens == 46
+    want = measure.evaluate_text(m, windows, 24, [DENSE, s], lambda _: ch, fidelity=True, progress=False)[1]
+    assert abs(got.ppl - want.ppl) < 1e-4 and abs(got.kl - want.kl) < 1e-6
+    half = runner.run(s, measure.FidelityObserver(2, stride=2, chunk=5))
+    assert len(half.recall) == 2 and all(0 < x <= 1 + 1e-6 for x in half.recall)
+    assert all(abs(a - b) < 0.15 for a, b in zip(half.recall, want.recall))  # half the tokens
+    assert runner.run(s).recall == half.recall  # a later plain run keeps the fidelity
+
+
+def test_selection_recall_rows_subset():
+    m, ids, full, p = _setup()
+    s = Setting("ds", "qk", "group_sum", 4, 1 / 8)
+    ch = default_channels(m, 4)
+    p.relabel(ch)
+    seen = []
+
+    def obs(layer_id, q, out, view):
+        every = driver.selection_recall(q, view, layer_id, chunk=7)
+        rows = torch.tensor([0, 5, 30, 47])
+        torch.testing.assert_close(driver.selection_recall(q, view, layer_id, chunk=3, rows=rows), every[rows])
+        seen.append(layer_id)
+
+    driver.decode_tokens(m, p, s, ch, [x[40:] for x in ids], 8, observer=obs)
+    assert seen == [0, 1]
+
+
+def test_make_trials_reuses_the_filler_count():
+    tok = ByteTokenizer()
+    trials = retrieval.make_trials(tok, [400, 700], [0.0, 0.5, 1.0], 3, seed=2)
+    assert len(trials) == 18 and len({t.key for t in trials}) == 18
+    for t in trials:  # the same prompt as building it from scratch
+        assert list(t.ids) == retrieval.build_prompt(tok, t.context_len, t.depth, t.key)
+        assert len(t.ids) <= t.context_len

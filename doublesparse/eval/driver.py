@@ -10,8 +10,10 @@ kernels see a batch of M (the GPU grid relies on this). Several windows are batc
 one ``req_to_token`` row each.
 
 Prefill is dense and shared by every setting: the K/V of a prefix is computed once and each
-setting only rewrites the labels of the prefix (``ops.store_kv`` over the stored K) before its
-decode tokens overwrite the slots after the prefix.
+setting only rewrites the labels of the prefix (``ops.store_kv`` over the stored K; skipped when
+they already hold its channels) before its decode tokens overwrite the slots after the prefix.
+No K/V state needs restoring between settings: a decode forward writes every slot it reads past
+the prefix before reading it.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Pools:
         self.req_to_token = torch.cat([torch.zeros(1, max_ctx, dtype=torch.long, device=device), r2t]).int()
         self.prefix_len = [0] * num_reqs
         self._ws: dict = {}
+        self._labelled: dict[int, tuple] = {}  # r -> (channels, prefix_len) the prefix labels hold
 
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.req_to_token[rows.long(), positions.long()]
@@ -69,9 +72,16 @@ class Pools:
     def relabel(self, channels: torch.Tensor) -> None:
         """Labels of every request's prefix from its stored K, through the real store kernel.
 
-        channels: ``[L, Hkv, r]``."""
+        channels: ``[L, Hkv, r]``. Skipped when the r-pool's prefix already holds labels of the
+        same channels: decoding only ever rewrites slots after the prefix, and each decode forward
+        stores its own tokens' labels before it reads them."""
         r = channels.shape[-1]
         pool = self.label_pool(r)
+        done = self._labelled.get(r)
+        if (done is not None and done[1] == tuple(self.prefix_len) and done[0].shape == channels.shape
+                and torch.equal(done[0], channels.cpu())):
+            return
+        self._labelled[r] = (channels.cpu().clone(), tuple(self.prefix_len))
         slots = torch.cat([self.req_to_token[i + 1, :n] for i, n in enumerate(self.prefix_len) if n])
         for l in range(self.L):
             ops.store_kv(self.k[l], self.v[l], self.k[l][slots.long()], self.v[l][slots.long()], slots,
@@ -115,9 +125,8 @@ class DecodeAttention:
         self.seq_lens = (positions + 1).int()
         self.sm_scale = 1.0 / math.sqrt(pools.D)
         self.observer = observer
-        # the kernels need sink + recent <= k; at small k the forced tokens fill k, recent first
-        self.num_recent = min(setting.num_recent, heavy_tokens)
-        self.num_sink = min(setting.num_sink, heavy_tokens - self.num_recent)
+        # capped at k/8 and k/4 like the engine's default (also keeps sink + recent <= k)
+        self.num_sink, self.num_recent = setting.sink_recent(heavy_tokens)
         self.ws = pools.workspace(int(rows.numel()), heavy_tokens if setting.kind == "ds" else 0)
 
     def forward(self, layer_id, q, k, v, batch):
@@ -151,6 +160,7 @@ def prefill(model, pools: Pools, prefixes: list[list[int]]) -> torch.Tensor:
     """Dense prefill of request i with ``prefixes[i]``; returns each one's last logits ``[n, V]``."""
     dev = pools.device
     last = []
+    pools._labelled.clear()  # new prefix K: every label pool is stale
     for i, ids in enumerate(prefixes):
         pos = torch.arange(len(ids), device=dev)
         b = _batch(PrefillAttention(pools, i + 1, pos), torch.tensor([len(ids) - 1], device=dev))
@@ -199,37 +209,43 @@ def greedy(model, pools: Pools, setting: Setting, channels, first: list[int], st
     return out
 
 
-def selection_recall(q, view: DecodeAttention, layer_id: int, chunk: int = 64) -> torch.Tensor:
+def selection_recall(q, view: DecodeAttention, layer_id: int, chunk: int = 64,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
     """Per (token, query head): attention mass on the tokens the DS selection picks, divided by
-    the mass of the true top-k tokens, ``[B, Hq]`` (1 for rows that decode densely).
+    the mass of the true top-k tokens, ``[len(rows), Hq]`` on the CPU (1 for rows that decode
+    densely). q: ``[B, Hq, D]``; rows: indices into the batch (default: all B).
 
     The selection is recomputed here in float32 with the reference's maths (label scores, mode
     reduction, sink/recent forcing, top-k) on the same label pool, because ``ops.ds_decode`` does
-    not return its indices; it is vectorised over requests (in chunks) so it also runs at GPU scale.
+    not return its indices; it is vectorised over requests (``chunk`` at a time: the float32 K
+    gather is ``chunk x ctx x Hkv x D x 4`` bytes) so it also runs at GPU scale.
     """
     p, s = view.p, view.s
     lab_pool = p.label_pool(view.channels.shape[-1])[layer_id]
     ch = view.channels[layer_id].long()                                   # [Hkv, r]
     B, Hq, D = q.shape
+    rows = torch.arange(B, device=q.device) if rows is None else rows.to(q.device).long()
     G = Hq // p.hkv
     kk = view.heavy
-    out = torch.ones(B, Hq, device=q.device)
-    qh = torch.gather(q.float(), 2, ch.repeat_interleave(G, 0)[None].expand(B, -1, -1))  # [B, Hq, r]
-    for b0 in range(0, B, chunk):
-        sl = slice(b0, min(B, b0 + chunk))
-        n = view.seq_lens[sl].long()
+    out = torch.ones(rows.numel(), Hq, device=q.device)
+    for b0 in range(0, rows.numel(), chunk):
+        idx = rows[b0:b0 + chunk]
+        sl = slice(b0, b0 + idx.numel())
+        n = view.seq_lens[idx].long()
         nmax = int(n.max())
         if nmax <= kk:
             continue
-        slots = p.req_to_token[view.req_idx[sl].long(), :nmax].long()        # [b, n]
+        slots = p.req_to_token[view.req_idx[idx].long(), :nmax].long()       # [b, n]
         valid = torch.arange(nmax, device=q.device)[None] < n[:, None]       # [b, n]
         k = p.k[layer_id][slots].float()                                     # [b, n, Hkv, D]
-        qg = q[sl].float().view(-1, p.hkv, G, D)
-        prob = torch.einsum("bgjd,bngd->bgjn", qg, k).reshape(-1, Hq, nmax) * view.sm_scale
-        prob = prob.masked_fill(~valid[:, None], float("-inf")).softmax(-1)  # [b, Hq, n]
+        qb = q[idx].float()                                                  # [b, Hq, D]
+        prob = torch.einsum("bgjd,bngd->bgjn", qb.view(-1, p.hkv, G, D), k).reshape(-1, Hq, nmax)
+        del k
+        prob = (prob * view.sm_scale).masked_fill(~valid[:, None], float("-inf")).softmax(-1)
+        qh = torch.gather(qb, 2, ch.repeat_interleave(G, 0)[None].expand(idx.numel(), -1, -1))  # [b, Hq, r]
         lab = lab_pool[slots].float()                                        # [b, n, Hkv, r]
-        qhg = qh[sl].view(-1, p.hkv, G, qh.shape[-1])
-        sc = torch.einsum("bgjr,bngr->bgjn", qhg, lab).reshape(-1, Hq, nmax) * view.sm_scale
+        sc = torch.einsum("bgjr,bngr->bgjn", qh.view(-1, p.hkv, G, ch.shape[-1]), lab)
+        sc = sc.reshape(-1, Hq, nmax) * view.sm_scale
         if s.mode != "per_head":
             sc = sc.view(sc.shape[0], p.hkv, G, nmax)
             sc = sc.sum(2) if s.mode == "group_sum" else sc.amax(2)

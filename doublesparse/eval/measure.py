@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from doublesparse.kernels import ops
 
 from . import driver
-from .settings import Setting
+from .settings import DENSE, Setting
 
 
 @dataclass
@@ -37,26 +37,30 @@ class TextResult:
 
 class FidelityObserver:
     """Accumulates per-layer selection recall and relative output error ``|o_ds - o| / |o|``
-    (o from ``ops.dense_decode`` on the same q and cache) over the tokens past the dense fallback."""
+    (o from ``ops.dense_decode`` on the same q and cache) over the tokens past the dense fallback.
 
-    def __init__(self, num_layers: int):
+    stride: observe every ``stride``-th decoded token only (the recall recomputes the selection
+    in float32, the costly part); chunk: requests per recall chunk (GPU: bigger)."""
+
+    def __init__(self, num_layers: int, stride: int = 1, chunk: int = 64):
+        self.stride, self.chunk = max(1, int(stride)), int(chunk)
         self.recall_sum = torch.zeros(num_layers, dtype=torch.float64)
         self.err_sum = torch.zeros(num_layers, dtype=torch.float64)
         self.count = torch.zeros(num_layers, dtype=torch.float64)
 
     def __call__(self, layer_id, q, out, view):
         p = view.p
-        dense = ops.dense_decode(q, p.k[layer_id], p.v[layer_id], p.req_to_token, view.req_idx,
-                                 view.seq_lens, view.sm_scale, ws=view.ws, impl=p.impl).float()
-        sparse_rows = (view.seq_lens > view.heavy).cpu()
-        if not bool(sparse_rows.any()):
+        rows = torch.arange(0, q.shape[0], self.stride, device=q.device)
+        rows = rows[view.seq_lens[rows] > view.heavy]             # rows that decoded sparsely
+        if rows.numel() == 0:
             return
-        err = (out.float() - dense).norm(dim=-1) / dense.norm(dim=-1).clamp_min(1e-30)   # [B, Hq]
-        rec = driver.selection_recall(q, view, layer_id)                                 # [B, Hq]
-        m = sparse_rows
-        self.err_sum[layer_id] += err.cpu()[m].mean(-1).double().sum()
-        self.recall_sum[layer_id] += rec[m].mean(-1).double().sum()
-        self.count[layer_id] += int(m.sum())
+        dense = ops.dense_decode(q, p.k[layer_id], p.v[layer_id], p.req_to_token, view.req_idx,
+                                 view.seq_lens, view.sm_scale, ws=view.ws, impl=p.impl).float()[rows]
+        err = (out.float()[rows] - dense).norm(dim=-1) / dense.norm(dim=-1).clamp_min(1e-30)  # [b, Hq]
+        rec = driver.selection_recall(q, view, layer_id, chunk=self.chunk, rows=rows)       # [b, Hq]
+        self.err_sum[layer_id] += err.mean(-1).double().sum().cpu()
+        self.recall_sum[layer_id] += rec.mean(-1).double().sum()
+        self.count[layer_id] += rows.numel()
 
     def means(self):
         c = self.count.clamp_min(1)
@@ -75,63 +79,79 @@ def split_windows(ids: list[int], window_len: int, num_windows: int) -> list[lis
     return [ids[(i * slots // num_windows) * window_len:][:window_len] for i in range(num_windows)]
 
 
-@torch.inference_mode()
-def evaluate_text(model, windows: list[list[int]], decode_len: int, settings: list[Setting],
-                  channels_for, device="cpu", fidelity: bool = False, batch_windows: int = 0,
-                  progress: bool = True) -> list[TextResult]:
-    """Score ``settings`` on ``windows``. ``channels_for(setting) -> [L, Hkv, r]``.
+class TextRunner:
+    """Windows prefilled once (dense, shared by every setting); :meth:`run` scores one setting.
 
-    batch_windows: windows per decode forward (0: all at once); each group is prefilled once and
-    reused by every setting.
-    """
-    c = model.config
-    W = len(windows)
-    wl = len(windows[0])
-    if decode_len < 2 or decode_len >= wl:
-        raise ValueError(f"decode_len must be in [2, window_len), got {decode_len} for windows of {wl}")
-    group = batch_windows or W
-    dense_idx = next((i for i, s in enumerate(settings) if s.kind == "dense"), None)
-    order = ([dense_idx] if dense_idx is not None else []) + [i for i in range(len(settings)) if i != dense_idx]
-    acc = {i: dict(nll=0.0, kl=0.0, top1=0.0, n=0) for i in range(len(settings))}
-    obs = {i: FidelityObserver(int(c.num_layers)) for i in range(len(settings))} if fidelity else {}
-    bar = tqdm(total=len(order) * ((W + group - 1) // group), desc="eval text", unit="setting",
-               disable=not progress)
-    for g0 in range(0, W, group):
-        win = windows[g0:g0 + group]
-        pools = driver.Pools(c, len(win), wl, device=device, dtype=getattr(model, "dtype", torch.float32))
+    windows: ``W`` lists of ``window_len`` ids; the first ``window_len - decode_len`` tokens of each
+    are prefilled, the next ``decode_len - 1`` are decoded in one forward per group of
+    ``batch_windows`` windows (0: all), each predicting its successor. Dense runs first (KL and
+    top-1 compare to it); its log-probs ``[rows, V]`` stay on the device. impl: kernels'
+    ``impl`` ("auto": Triton on CUDA, PyTorch on CPU)."""
+
+    def __init__(self, model, windows, decode_len: int, channels_for, device="cpu", batch_windows: int = 0,
+                 impl: str = "auto"):
+        wl = len(windows[0])
+        if decode_len < 2 or decode_len >= wl:
+            raise ValueError(f"decode_len must be in [2, window_len), got {decode_len} for windows of {wl}")
+        self.model, self.channels_for, self.device, self.wl = model, channels_for, device, wl
+        c = model.config
+        self.num_layers = int(c.num_layers)
         prefix = wl - decode_len
-        driver.prefill(model, pools, [w[:prefix] for w in win])
-        inputs = [w[prefix:-1] for w in win]
-        targets = torch.tensor([t for w in win for t in w[prefix + 1:]], device=device)
-        ref_logp = None
-        for i in order:
-            s = settings[i]
-            ch = None
-            if s.kind == "ds":
-                ch = channels_for(s)
+        step = batch_windows or len(windows)
+        self.groups = []  # (pools, inputs, targets [rows], dense log-probs or None)
+        with torch.inference_mode():
+            for g0 in range(0, len(windows), step):
+                win = windows[g0:g0 + step]
+                pools = driver.Pools(c, len(win), wl, device=device, dtype=getattr(model, "dtype", torch.float32),
+                                     impl=impl)
+                driver.prefill(model, pools, [w[:prefix] for w in win])
+                targets = torch.tensor([t for w in win for t in w[prefix + 1:]], device=device)
+                self.groups.append([pools, [w[prefix:-1] for w in win], targets, None])
+        self.results: dict[Setting, TextResult] = {}
+
+    @torch.inference_mode()
+    def run(self, s: Setting, fidelity: FidelityObserver | None = None) -> TextResult:
+        """Score ``s`` (dense first if it has not run); with ``fidelity``, also per-layer
+        attention fidelity. Results are kept in ``self.results``."""
+        if s.kind == "ds" and self.groups[0][3] is None:
+            self.run(DENSE)
+        a = dict(nll=0.0, kl=0.0, top1=0.0, n=0)
+        ch = self.channels_for(s) if s.kind == "ds" else None
+        for g in self.groups:
+            pools, inputs, targets, ref = g
+            if ch is not None:
                 pools.relabel(ch)
-            logits = driver.decode_tokens(model, pools, s, ch, inputs, s.heavy_tokens(wl),
-                                          observer=obs.get(i) if s.kind == "ds" else None)
+            logits = driver.decode_tokens(self.model, pools, s, ch, inputs, s.heavy_tokens(self.wl),
+                                          observer=fidelity if s.kind == "ds" else None)
             logp = logits.log_softmax(-1)
-            a = acc[i]
+            del logits
             a["nll"] += float(-logp.gather(1, targets[:, None]).sum())
             a["n"] += targets.numel()
             if s.kind == "dense":
-                ref_logp = logp
-            if ref_logp is not None:
-                a["kl"] += float((ref_logp.exp() * (ref_logp - logp)).sum())
-                a["top1"] += float((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
-            bar.update()
-    bar.close()
-    out = []
-    for i, s in enumerate(settings):
-        a = acc[i]
+                g[3] = ref = logp
+            a["kl"] += float((ref.exp() * (ref - logp)).sum())
+            a["top1"] += float((ref.argmax(-1) == logp.argmax(-1)).sum())
         n = max(a["n"], 1)
         nll = a["nll"] / n
-        res = TextResult(s, ppl=float(torch.tensor(nll).exp()), nll=nll,
-                         kl=a["kl"] / n if dense_idx is not None else float("nan"),
-                         top1=a["top1"] / n if dense_idx is not None else float("nan"), tokens=a["n"])
-        if i in obs and s.kind == "ds":
-            res.recall, res.rel_err = obs[i].means()
-        out.append(res)
-    return out
+        res = TextResult(s, ppl=float(torch.tensor(nll).exp()), nll=nll, kl=a["kl"] / n,
+                         top1=a["top1"] / n, tokens=a["n"])
+        if fidelity is not None and s.kind == "ds":
+            res.recall, res.rel_err = fidelity.means()
+        elif s in self.results:  # keep fidelity measured by an earlier run of the same setting
+            res.recall, res.rel_err = self.results[s].recall, self.results[s].rel_err
+        self.results[s] = res
+        return res
+
+
+@torch.inference_mode()
+def evaluate_text(model, windows: list[list[int]], decode_len: int, settings: list[Setting],
+                  channels_for, device="cpu", fidelity: bool = False, batch_windows: int = 0,
+                  progress: bool = True, fidelity_stride: int = 1) -> list[TextResult]:
+    """Score ``settings`` on ``windows`` (see :class:`TextRunner`). ``channels_for(setting) ->
+    [L, Hkv, r]``. Each group of ``batch_windows`` windows is prefilled once for all settings."""
+    runner = TextRunner(model, windows, decode_len, channels_for, device, batch_windows)
+    chunk = 256 if torch.device(device).type == "cuda" else 64
+    for s in tqdm(settings, desc="eval text", unit="setting", disable=not progress):
+        obs = FidelityObserver(runner.num_layers, fidelity_stride, chunk) if fidelity and s.kind == "ds" else None
+        runner.run(s, obs)
+    return [runner.results[s] for s in settings]

@@ -64,44 +64,92 @@ def markdown(rs: list[dict], title: str, notes: list[str] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _series_parts(line: str) -> tuple[str, str]:
+    """``"group_max/qk+sink4/recent32"`` -> (``"group_max+sink4/recent32"``, ``"qk"``)."""
+    mode, rest = line.split("/", 1)
+    ctype = rest.split("+")[0]
+    return mode + rest[len(ctype):], ctype
+
+
 def plot(rs: list[dict], path: str | Path, title: str) -> Path | None:
-    """Accuracy (retrieval, else top-1 agreement) and perplexity vs bytes per step; one line per
-    mode/type series. Returns the PNG path, or None if matplotlib is missing."""
+    """Top-1 agreement, perplexity and retrieval accuracy (the panels that have data) vs bytes
+    per step; one line per mode/type series. Returns the PNG path, or None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    acc_key = "retrieval_acc" if any("retrieval_acc" in r for r in rs) else "top1"
-    panels = [(acc_key, "retrieval accuracy" if acc_key == "retrieval_acc" else "top-1 agreement"),
-              ("ppl", "perplexity")]
+    panels = [("top1", "next-token top-1 agreement with dense"), ("kl", "KL(dense||DS), nats/token"),
+              ("ppl", "perplexity"), ("retrieval_acc", "pass-key retrieval accuracy")]
     panels = [p for p in panels if any(p[0] in r for r in rs)]
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    ncol = min(2, len(panels))
+    nrow = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5.5 * ncol + 3, 4.3 * nrow), squeeze=False)
+    axes = axes.reshape(-1)
+    for ax in axes[len(panels):]:
+        ax.axis("off")
     series = defaultdict(list)
     for r in rs:
         series[r["line"]].append(r)
-    for ax, (key, label) in zip(axes[0], panels):
+    # colour = mode + extras, line style = channel type: 3 x 3 grid lines plus variants stay apart
+    styles = {"qk": "-", "k": "--", "q": ":"}
+    kinds = sorted({_series_parts(n)[0] for n in series if n != "dense"})
+    colour = {k: plt.get_cmap("tab10" if len(kinds) <= 10 else "tab20")(i) for i, k in enumerate(kinds)}
+    for ax, (key, label) in zip(axes, panels):
         for name, pts in sorted(series.items()):
             pts = sorted((p for p in pts if key in p), key=lambda p: p["bytes_per_step"])
             if not pts:
                 continue
             xs = [p["bytes_per_step"] / 1024 for p in pts]
             ys = [p[key] for p in pts]
+            if key == "kl":  # log axis: dense (0) has no point, and a ranking is what matters
+                if name == "dense":
+                    continue
+                ys = [max(y, 1e-6) for y in ys]
             if name == "dense":
                 ax.axhline(ys[0], color="k", ls="--", lw=1, label=f"dense ({xs[0]:.0f} KiB)")
-            else:
-                ax.plot(xs, ys, marker="o", ms=4, label=name)
+                continue
+            kind, ctype = _series_parts(name)
+            ax.plot(xs, ys, marker="o", ms=3.5, lw=1.2, ls=styles.get(ctype, "-"), color=colour[kind],
+                    label=name)
         ax.set_xscale("log")
+        if key == "kl":
+            ax.set_yscale("log")
         ax.set_xlabel("KiB read per decode step (labels + selected K/V, all layers)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    legend = {}
+    for ax in axes[:len(panels)]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(lab, h)
+    fig.legend(list(legend.values()), list(legend), loc="center right", fontsize=7)
+    fig.suptitle(title + "  (line style: channel type qk -, k --, q :)", fontsize=10)
+    # fixed margins: tight_layout took seconds per call, and the protocol plots after every part
+    fig.subplots_adjust(left=0.6 / fig.get_figwidth(), right=1 - 3.0 / fig.get_figwidth(), bottom=0.09,
+                        top=0.93, wspace=0.25, hspace=0.3)
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def write_outputs(out_dir: str | Path, rs: list[dict], title: str, notes: list[str], result: dict,
+                  with_plot: bool = True) -> dict:
+    """``table.md``, ``plot.png`` (if ``with_plot`` and matplotlib is there) and ``results.json``
+    (``result`` plus ``rows`` and ``plot``) into ``out_dir``; returns the JSON dict."""
+    import json
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "table.md").write_text(markdown(rs, title, notes))
+    png = plot(rs, out_dir / "plot.png", title) if with_plot else None
+    result = dict(result, rows=rs, notes=list(notes))
+    if with_plot:
+        result["plot"] = str(png) if png else None
+    tmp = out_dir / "results.json.tmp"  # a kill mid-write must not leave a truncated file
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    tmp.replace(out_dir / "results.json")
+    return result

@@ -50,31 +50,42 @@ def _wrap(tokenizer, user: str) -> str:
     return f"User: {user}\nAssistant: {ANSWER_PREFIX}"
 
 
-def build_prompt(tokenizer, context_len: int, depth: float, key: str) -> list[int]:
-    """Token ids of a prompt of about ``context_len`` tokens (never more)."""
-    def ids_for(units: int) -> list[int]:
-        cut = round(depth * units)
-        hay = FILLER * cut + NEEDLE.format(key=key) + FILLER * (units - cut)
-        return encode(tokenizer, _wrap(tokenizer, INSTRUCTION + hay.strip() + QUESTION))
+def _prompt_ids(tokenizer, units: int, depth: float, key: str) -> list[int]:
+    cut = round(depth * units)
+    hay = FILLER * cut + NEEDLE.format(key=key) + FILLER * (units - cut)
+    return encode(tokenizer, _wrap(tokenizer, INSTRUCTION + hay.strip() + QUESTION))
 
-    base = len(ids_for(0))
-    per = max(1.0, (len(ids_for(20)) - base) / 20)
-    units = max(0, int((context_len - base) / per))
-    ids = ids_for(units)
+
+def filler_units(tokenizer, context_len: int, depth: float, key: str = "12345") -> int:
+    """Filler repeats that bring the prompt close to ``context_len`` tokens (an estimate from
+    the per-repeat token cost; :func:`build_prompt` trims it if the real prompt is longer)."""
+    base = len(_prompt_ids(tokenizer, 0, depth, key))
+    per = max(1.0, (len(_prompt_ids(tokenizer, 20, depth, key)) - base) / 20)
+    return max(0, int((context_len - base) / per))
+
+
+def build_prompt(tokenizer, context_len: int, depth: float, key: str, units: int | None = None) -> list[int]:
+    """Token ids of a prompt of about ``context_len`` tokens (never more). ``units``: a start
+    value from :func:`filler_units` (computed once per length and depth, saving 2 encodes)."""
+    units = filler_units(tokenizer, context_len, depth, key) if units is None else units
+    ids = _prompt_ids(tokenizer, units, depth, key)
     while len(ids) > context_len and units > 0:  # tokenisation at the joins is not exactly linear
         units -= 1
-        ids = ids_for(units)
+        ids = _prompt_ids(tokenizer, units, depth, key)
     return ids
 
 
 def make_trials(tokenizer, context_lens, depths, trials_per_cell: int = 1, seed: int = 0) -> list[Trial]:
+    """``trials_per_cell`` trials per (length, depth), keys drawn in this order from ``seed``."""
     rng = random.Random(seed)
     out = []
     for n in context_lens:
         for d in depths:
+            units = None
             for _ in range(trials_per_cell):
                 key = str(rng.randint(10000, 99999))
-                out.append(Trial(n, d, key, tuple(build_prompt(tokenizer, n, d, key))))
+                units = units if units is not None else filler_units(tokenizer, n, d, key)
+                out.append(Trial(n, d, key, tuple(build_prompt(tokenizer, n, d, key, units))))
     return out
 
 
@@ -91,43 +102,60 @@ def answer_ok(text: str, key: str) -> bool:
     return bool(m) and m.group(0) == key
 
 
-@torch.inference_mode()
+class RetrievalRunner:
+    """Trials prefilled once (dense, shared by every setting); :meth:`run` answers them all
+    greedily with one setting. Trials of one context length form a group (``batch_trials`` at a
+    time, 0: all) decoded as one batch; k scales with the group's context length."""
+
+    def __init__(self, model, tokenizer, trials: list[Trial], device="cpu", batch_trials: int = 0,
+                 impl: str = "auto"):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        by_len: dict[int, list[Trial]] = {}
+        for t in trials:
+            by_len.setdefault(t.context_len, []).append(t)
+        c = model.config
+        self.groups = []  # (context_len, trials, pools)
+        with torch.inference_mode():
+            for n, ts in sorted(by_len.items()):
+                step = batch_trials or len(ts)
+                for i in range(0, len(ts), step):
+                    part = ts[i:i + step]
+                    max_ctx = max(len(t.ids) for t in part) + ANSWER_TOKENS
+                    pools = driver.Pools(c, len(part), max_ctx, device=device,
+                                         dtype=getattr(model, "dtype", torch.float32), impl=impl)
+                    driver.prefill(model, pools, [list(t.ids[:-1]) for t in part])
+                    self.groups.append((n, part, pools))
+        self.results: dict[Setting, dict] = {}
+
+    @torch.inference_mode()
+    def run(self, s: Setting, channels_for) -> dict:
+        """``{"acc": float, "cells": {(len, depth): acc}, "answers": [...]}`` for ``s`` (also kept
+        in ``self.results``)."""
+        ok: dict = {}
+        answers = []
+        ch = channels_for(s) if s.kind == "ds" else None
+        for n, ts, pools in self.groups:
+            if ch is not None:
+                pools.relabel(ch)
+            new = driver.greedy(self.model, pools, s, ch, [t.ids[-1] for t in ts], ANSWER_TOKENS,
+                                s.heavy_tokens(n))
+            for t, toks in zip(ts, new):
+                text = decode_text(self.tokenizer, toks)
+                good = answer_ok(text, t.key)
+                ok.setdefault((t.context_len, t.depth), []).append(good)
+                answers.append({"len": t.context_len, "prompt_tokens": len(t.ids), "depth": t.depth,
+                                "key": t.key, "answer": text.strip(), "ok": good})
+        allv = [x for v in ok.values() for x in v]
+        res = {"acc": sum(allv) / max(len(allv), 1), "cells": {k: sum(v) / len(v) for k, v in ok.items()},
+               "answers": answers}
+        self.results[s] = res
+        return res
+
+
 def evaluate_retrieval(model, tokenizer, trials: list[Trial], settings: list[Setting], channels_for,
                        device="cpu", batch_trials: int = 0, progress: bool = True) -> dict:
-    """Accuracy of every setting. Returns ``{setting: {"acc": float, "cells": {(len, depth): acc},
-    "answers": [...]}}``. Trials of one context length are prefilled together (once, shared by all
-    settings) and decoded as one batch; k scales with each group's context length."""
-    c = model.config
-    by_len: dict[int, list[Trial]] = {}
-    for t in trials:
-        by_len.setdefault(t.context_len, []).append(t)
-    res = {s: {"ok": {}, "answers": []} for s in settings}
-    groups = []
-    for n, ts in sorted(by_len.items()):
-        step = batch_trials or len(ts)
-        groups += [(n, ts[i:i + step]) for i in range(0, len(ts), step)]
-    bar = tqdm(total=len(groups) * len(settings), desc="eval retrieval", unit="setting", disable=not progress)
-    for n, ts in groups:
-        max_ctx = max(len(t.ids) for t in ts) + ANSWER_TOKENS
-        pools = driver.Pools(c, len(ts), max_ctx, device=device, dtype=getattr(model, "dtype", torch.float32))
-        driver.prefill(model, pools, [list(t.ids[:-1]) for t in ts])
-        for s in settings:
-            ch = None
-            if s.kind == "ds":
-                ch = channels_for(s)
-                pools.relabel(ch)
-            new = driver.greedy(model, pools, s, ch, [t.ids[-1] for t in ts], ANSWER_TOKENS, s.heavy_tokens(n))
-            for t, toks in zip(ts, new):
-                text = decode_text(tokenizer, toks)
-                ok = answer_ok(text, t.key)
-                res[s]["ok"].setdefault((t.context_len, t.depth), []).append(ok)
-                res[s]["answers"].append({"len": t.context_len, "prompt_tokens": len(t.ids), "depth": t.depth,
-                                          "key": t.key, "answer": text.strip(), "ok": ok})
-            bar.update()
-    bar.close()
-    out = {}
-    for s, r in res.items():
-        cells = {k: sum(v) / len(v) for k, v in r["ok"].items()}
-        allv = [x for v in r["ok"].values() for x in v]
-        out[s] = {"acc": sum(allv) / max(len(allv), 1), "cells": cells, "answers": r["answers"]}
-    return out
+    """Accuracy of every setting: ``{setting: RetrievalRunner.run(setting)}``."""
+    runner = RetrievalRunner(model, tokenizer, trials, device, batch_trials)
+    for s in tqdm(settings, desc="eval retrieval", unit="setting", disable=not progress):
+        runner.run(s, channels_for)
+    return {s: runner.results[s] for s in settings}

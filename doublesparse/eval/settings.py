@@ -28,7 +28,8 @@ class Setting:
     mode: "per_head" | "group_sum" | "group_max".
     r: heavy channels per KV head. k_frac: heavy tokens as a fraction of the context length
     (k = max(1, round(k_frac * ctx))), so one setting scales across context lengths.
-    num_sink / num_recent: always-kept first / last tokens (counted inside k).
+    num_sink / num_recent: always-kept first / last tokens (counted inside k); like the engine's
+    default they are capped at k/8 and k/4 for small k (:meth:`sink_recent`).
     dense_layers: the first layers decode densely.
     """
 
@@ -73,6 +74,11 @@ class Setting:
     def heavy_tokens(self, ctx: int) -> int:
         return max(1, round(self.k_frac * ctx))
 
+    def sink_recent(self, heavy_tokens: int) -> tuple[int, int]:
+        """(sink, recent) actually forced at top-k ``heavy_tokens``: at most k/8 and k/4, the
+        engine's scaling (``EngineConfig.sink_recent``), so the default setting is the engine's."""
+        return min(self.num_sink, heavy_tokens // 8), min(self.num_recent, heavy_tokens // 4)
+
     def is_dense_layer(self, layer: int) -> bool:
         return self.kind == "dense" or layer < self.dense_layers
 
@@ -92,6 +98,30 @@ class Setting:
 
 
 DENSE = Setting(kind="dense")
+# plain group-sum selection at k = ctx/16: the baseline the improvements must beat
+BASELINE = Setting("ds", "qk", "group_sum", 16, 1 / 16)
+
+
+def default_setting(head_dim: int = 64) -> Setting:
+    """The engine's default Double Sparsity decode (``EngineConfig`` defaults): its channel type
+    and selection mode, r = head_dim/4, k = ctx/16, 4 sink + 32 recent tokens."""
+    from doublesparse.config import EngineConfig
+
+    cfg = EngineConfig()
+    sink, recent = cfg.sink_recent(1 << 20)  # unscaled values; Setting.sink_recent scales them
+    return Setting("ds", cfg.ds_heavy_channel_type, cfg.ds_selection_mode, cfg.heavy_channel_num(head_dim),
+                   1 / 16, num_sink=sink, num_recent=recent)
+
+
+def unique(settings) -> list[Setting]:
+    """``settings`` without repeats, first occurrence kept (a grid and the improvement variants
+    overlap, e.g. qk/group_max/r16/k1:16 is in both)."""
+    seen, out = set(), []
+    for s in settings:
+        if s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out
 
 
 def grid(channel_types=("q", "k", "qk"), modes=("per_head", "group_sum", "group_max"),
@@ -112,7 +142,7 @@ def improvements(base: Setting, sink: int = 4, recent: int = 32, dense_layers: i
 
 def preset(name: str) -> list[Setting]:
     """"small": a CPU/CI-sized set; "full": the GPU grid plus the improvement variants."""
-    base = Setting("ds", "qk", "group_sum", 16, 1 / 16)
+    base = BASELINE
     if name == "small":
         out = [DENSE, base, Setting("ds", "k", "group_sum", 16, 1 / 16),
                Setting("ds", "qk", "per_head", 16, 1 / 16), Setting("ds", "qk", "group_sum", 8, 1 / 16),
@@ -122,9 +152,4 @@ def preset(name: str) -> list[Setting]:
         out = [DENSE] + grid() + improvements(base)
     else:
         raise ValueError(f"preset must be 'small' or 'full', got {name!r}")
-    seen, uniq = set(), []
-    for s in out:
-        if s not in seen:
-            seen.add(s)
-            uniq.append(s)
-    return uniq
+    return unique(out)
