@@ -5,7 +5,7 @@
 
 Requests arrive as a Poisson process at ``--request-rate`` (``inf``: all at once), optionally
 capped at ``--max-concurrency`` in flight. Every valid request streams. ``--malformed-fraction``
-swaps exactly round(f * N) requests for invalid ones; those must be refused with a 4xx while the
+swaps exactly round(f * N) (at least one) requests for invalid ones; those must be refused with a 4xx while the
 valid ones still succeed.
 
 Endpoints: ``completions`` / ``chat`` (OpenAI) count streamed text chunks, so a model without a
@@ -164,8 +164,10 @@ def build_workload(args, model: str, n: int | None = None, n_in: int | None = No
     n = args.num_prompts if n is None else n
     rng = random.Random(args.seed if malformed else args.seed + 7)
     words = _words(args)
-    # An exact count, not a coin per request: "10% malformed" of 20 requests is 2, never 0.
-    n_bad = round(args.malformed_fraction * n) if malformed else 0
+    # An exact count, not a coin per request: "10% malformed" of 20 requests is 2, never 0 (and
+    # any positive fraction gives at least one).
+    f = args.malformed_fraction if malformed else 0.0
+    n_bad = min(n, max(1, int(f * n + 0.5))) if f > 0 else 0
     bad = set(rng.sample(range(n), n_bad))
     specs = []
     for i in range(n):
