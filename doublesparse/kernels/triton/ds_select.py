@@ -75,6 +75,36 @@ def _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent, out_ptr, DO_HIST
 
 
 @triton.jit
+def _q_at(q_row, i: tl.constexpr, stride_qh, rmask, scale, G: tl.constexpr):
+    # Query head i of the group at the heavy channels, fp32, scaled; zeros past the group.
+    return tl.load(q_row + i * stride_qh, mask=rmask & (i < G), other=0.0).to(tl.float32) * scale
+
+
+@triton.jit
+def _pick(i: tl.constexpr, q_row, stride_qh, rmask, scale, G: tl.constexpr, q0, q1, q2, q3, q4, q5, q6, q7):
+    # Compile-time choice among the hoisted rows (i is a static_range index).
+    if G > 8:
+        out = _q_at(q_row, i, stride_qh, rmask, scale, G)
+    elif i == 0:
+        out = q0
+    elif i == 1:
+        out = q1
+    elif i == 2:
+        out = q2
+    elif i == 3:
+        out = q3
+    elif i == 4:
+        out = q4
+    elif i == 5:
+        out = q5
+    elif i == 6:
+        out = q6
+    else:
+        out = q7
+    return out
+
+
+@triton.jit
 def score_kernel(
     q_ptr, label_ptr, channels_ptr, scale_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
@@ -118,6 +148,17 @@ def score_kernel(
         scale = scale * tl.load(scale_ptr)
     q_row = q_ptr + b * stride_qb + kvh * G * stride_qh + ch
 
+    # The group's query rows, loaded (and scaled) once: loads inside the loop are re-issued every
+    # iteration (Triton cannot prove the score stores don't alias them). Groups above 8 reload.
+    q0 = _q_at(q_row, 0, stride_qh, rmask, scale, G)
+    q1 = _q_at(q_row, 1, stride_qh, rmask, scale, G)
+    q2 = _q_at(q_row, 2, stride_qh, rmask, scale, G)
+    q3 = _q_at(q_row, 3, stride_qh, rmask, scale, G)
+    q4 = _q_at(q_row, 4, stride_qh, rmask, scale, G)
+    q5 = _q_at(q_row, 5, stride_qh, rmask, scale, G)
+    q6 = _q_at(q_row, 6, stride_qh, rmask, scale, G)
+    q7 = _q_at(q_row, 7, stride_qh, rmask, scale, G)
+
     req = tl.load(req_idx_ptr + b).to(tl.int64)
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
     hist = tl.zeros([BLOCK_H if MODE == 0 else 1, 256], tl.int32)
@@ -134,7 +175,7 @@ def score_kernel(
             lab = tl.load(lab_ptrs, mask=nmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
         if MODE == 0:
             for i in tl.static_range(G):
-                qi = tl.load(q_row + i * stride_qh, mask=rmask, other=0.0).to(tl.float32) * scale
+                qi = _pick(i, q_row, stride_qh, rmask, scale, G, q0, q1, q2, q3, q4, q5, q6, q7)
                 s_i = tl.sum(lab * qi[None, :], 1)
                 h_i = _emit_scores(s_i, offs, nmask, seq_len, num_sink, num_recent,
                                    scores_ptr + b * stride_sb + (kvh * G + i) * stride_sr, DO_HIST)
@@ -142,7 +183,7 @@ def score_kernel(
         else:
             s = tl.full([BLOCK_N], float("-inf"), tl.float32) if MODE == 2 else tl.zeros([BLOCK_N], tl.float32)
             for i in tl.static_range(G):
-                qi = tl.load(q_row + i * stride_qh, mask=rmask, other=0.0).to(tl.float32) * scale
+                qi = _pick(i, q_row, stride_qh, rmask, scale, G, q0, q1, q2, q3, q4, q5, q6, q7)
                 s_i = tl.sum(lab * qi[None, :], 1)
                 s = tl.maximum(s, s_i) if MODE == 2 else s + s_i
             h = _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent,
@@ -221,18 +262,30 @@ def compact_kernel(
     out = sel_ptr + b * stride_selb + row * stride_selr
     out_slot = sel_slot_ptr + b * stride_selb + row * stride_selr
     rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
+    srow = scores_ptr + b * stride_sb + row * stride_sr
+    # Count first, so the program reserves its output range with one pair of atomics: an
+    # atomic's round trip per block was the loop's critical path. The second pass re-reads the
+    # scores from L2.
+    c_gt = tl.full([], 0, tl.int32)
+    c_eq = tl.full([], 0, tl.int32)
     for t in range(start, end, BLOCK_N):
         offs = t + tl.arange(0, BLOCK_N)
         nmask = offs < end
-        key = _key16(_load_block(scores_ptr + b * stride_sb + row * stride_sr, offs, BLOCK_N))
+        key = _key16(_load_block(srow, offs, BLOCK_N))
+        c_gt += tl.sum(((key > thr) & nmask).to(tl.int32), 0)
+        c_eq += tl.sum(((key == thr) & nmask).to(tl.int32), 0)
+    base = tl.atomic_add(info + 2, c_gt, mask=c_gt > 0, sem="relaxed")
+    base_e = tl.atomic_add(info + 3, c_eq, mask=c_eq > 0, sem="relaxed")
+    for t in range(start, end, BLOCK_N):
+        offs = t + tl.arange(0, BLOCK_N)
+        nmask = offs < end
+        key = _key16(_load_block(srow, offs, BLOCK_N))
         gt = (key > thr) & nmask
         eq = (key == thr) & nmask
-        c_gt = tl.sum(gt.to(tl.int32), 0)
-        c_eq = tl.sum(eq.to(tl.int32), 0)
-        base = tl.atomic_add(info + 2, c_gt, mask=c_gt > 0, sem="relaxed")
-        base_e = tl.atomic_add(info + 3, c_eq, mask=c_eq > 0, sem="relaxed")
         idx_gt = base + tl.cumsum(gt.to(tl.int32), 0) - 1
         idx = base_e + tl.cumsum(eq.to(tl.int32), 0) - 1
+        base += tl.sum(gt.to(tl.int32), 0)
+        base_e += tl.sum(eq.to(tl.int32), 0)
         # The bounds never bind when the histograms are consistent; they keep a corrupted
         # workspace from writing outside its row.
         w_gt = gt & (idx_gt < n_gt)
