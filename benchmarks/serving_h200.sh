@@ -44,8 +44,8 @@ MIX_INPUT_LEN=${MIX_INPUT_LEN:-4096}
 MIX_OUTPUT_LEN=${MIX_OUTPUT_LEN:-128}
 MODEL_ARGS=${MODEL_ARGS:---model-path llama-3.1-8b --load-format dummy}
 if [ "$MODE" = dense ]; then MIX=${MIX:-0}; else MIX=${MIX:-1}; fi
-STOP_MARGIN=25   # seconds kept for stopping the server and writing files
-MIX_RESERVE=45   # seconds kept for the mix (server already warm: a few seconds of work)
+STOP_MARGIN=${STOP_MARGIN:-15}   # seconds kept for stopping the server and writing files
+MIX_RESERVE=${MIX_RESERVE:-30}   # kept for the mix (warm server; ~15 s of work at the H200 sizes)
 URL=http://127.0.0.1:$PORT
 
 say() { echo "[serving_h200 $MODE +$(( $(date +%s) - T0 ))s] $*"; }
@@ -132,7 +132,7 @@ tr '\r' '\n' < "$OUTDIR/server-$MODE.log" | grep -E "KV pool|Double Sparsity|gra
 bench() {  # bench NAME DEADLINE ARGS...: one bench_serving run, ended by DEADLINE (s) at the latest
     local name=$1 deadline=$2; shift 2
     say "bench $name (deadline ${deadline}s): $*"
-    timeout -k 5 $(( deadline + 15 )) "$PY" -m doublesparse.bench_serving "$@" --deadline "$deadline" \
+    timeout -k 5 $(( deadline + 10 )) "$PY" -m doublesparse.bench_serving "$@" --deadline "$deadline" \
         --result-json "$OUTDIR/$name.json"
     say "bench $name exit $?"
 }

@@ -295,7 +295,11 @@ async def run(args) -> dict:
     out.update(model=model, base_url=args.base_url, endpoint=args.endpoint, dataset=args.dataset,
                request_rate=_finite(args.request_rate), max_concurrency=args.max_concurrency,
                input_len=args.input_len, output_len=args.output_len, deadline=args.deadline,
-               server_counters=counter_deltas(before, after))
+               server_counters=counter_deltas(before, after),
+               # per valid request in arrival order, for later analysis (e.g. first wave vs the
+               # rest): [ok, ttft s, latency s, output tokens, longest gap s]
+               per_request=[[r.ok, r.ttft, r.latency, r.output_tokens, max(r.itl, default=None)]
+                            for r in results if not r.malformed])
     return out
 
 
