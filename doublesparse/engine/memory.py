@@ -204,11 +204,16 @@ class KVMemory:
         self.slots = SlotAllocator(plan.max_total_tokens)
         self.rows = RowAllocator(plan.max_reqs)
 
-    def assign(self, rows: torch.Tensor, positions: torch.Tensor, num_new: int) -> torch.Tensor:
+    def assign(self, rows: torch.Tensor, positions: torch.Tensor, num_new: int,
+               write_device: bool = True) -> torch.Tensor:
         """Allocate ``num_new`` slots for (row, position) pairs ``[num_new]`` (host int64) and record
-        them in req_to_token. Returns the slots ``[num_new]`` int64 on the host."""
+        them in req_to_token (host copy always; the device copy unless ``write_device`` is False,
+        for a caller whose launches write it, as the decode graphs do). Returns the slots
+        ``[num_new]`` int64 on the host."""
         slots = self.slots.alloc(num_new)
         self.req_to_token_host[rows, positions] = slots.to(torch.int32)
+        if not write_device:
+            return slots
         dev = slots.to(self.device, non_blocking=True)
         self.req_to_token[rows.to(self.device, non_blocking=True),
                           positions.to(self.device, non_blocking=True)] = dev.to(torch.int32)

@@ -96,8 +96,9 @@ class ModelRunner:
         B = len(rows)
         row_t = torch.tensor(rows, dtype=torch.int64)
         pos_t = torch.tensor(positions, dtype=torch.int64)
-        slots = self.memory.assign(row_t, pos_t, B)
         bucket = next((b for b in self.graphs if b >= B), None)
+        # a graph replay writes the device req_to_token itself (see _graph_step)
+        slots = self.memory.assign(row_t, pos_t, B, write_device=bucket is None)
         if bucket is not None and PACKED_GRAPH_INPUTS:
             return self._replay_packed(bucket, B, tokens, positions, slots.numpy(), rows)
         host = torch.stack([torch.tensor(tokens, dtype=torch.int64), pos_t, slots, row_t, pos_t + 1])
@@ -149,14 +150,22 @@ class ModelRunner:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm up (Triton autotune / lazy init) outside the capture
-                    self.model(batch.input_ids, batch.positions, batch)
+                    self._graph_step(batch)
             torch.cuda.current_stream(self.device).wait_stream(side)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                logits = self.model(batch.input_ids, batch.positions, batch)
+                logits = self._graph_step(batch)
             self.graphs[bs] = (g, batch, logits)
         self.graphs = dict(sorted(self.graphs.items()))
         torch.cuda.synchronize(self.device)
+
+    def _graph_step(self, batch: ForwardBatch) -> torch.Tensor:
+        """The captured decode step. It records each new token's slot in the device req_to_token
+        itself (padding rows write slot 0 to the padding row), so the host skips that update's
+        copies and index_put launches (``KVMemory.assign(write_device=False)``)."""
+        self.memory.req_to_token.index_put_((batch.req_idx.long(), batch.positions),
+                                            batch.out_slots.to(torch.int32))
+        return self.model(batch.input_ids, batch.positions, batch)
 
     def _replay_packed(self, bs: int, B: int, tokens, positions, slots: np.ndarray, rows) -> torch.Tensor:
         """One decode step through the graph of bucket ``bs`` (>= B): padding is filled on the host,
