@@ -118,6 +118,22 @@ def test_chat_template_and_tokenizer(smollm2):
     assert load_tokenizer("tiny-llama") is None  # shipped config: dummy weights, no tokenizer
 
 
+def test_gguf_tokenizer_cache_matches_the_gguf(tmp_path, monkeypatch):
+    """The cached tokenizer folder is written once, verified, and then encodes like the GGUF one."""
+    from doublesparse.models import loader
+
+    monkeypatch.setenv("DOUBLESPARSE_CACHE", str(tmp_path))
+    first = load_tokenizer(None)                   # built from the GGUF, saved and verified
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    assert (entry / "ok").is_file()
+    second = load_tokenizer(None)                  # read from the cache folder
+    text = "ROMEO. But soft! what light through yonder window breaks? 4711 \u00e9\n"
+    assert second.encode(text) == first.encode(text)
+    assert loader._fingerprint(second) == loader._fingerprint(first)
+    (entry / "tokenizer.json").write_text("{ broken")  # a damaged entry falls back to the GGUF
+    assert load_tokenizer(None).encode(text) == first.encode(text)
+
+
 # ---- tiny models of every architecture vs transformers --------------------------------------------
 
 def _tiny_hf_dict(arch: str, **over) -> dict:

@@ -161,7 +161,50 @@ def load_tokenizer(model_path: str | Path | None):
     if gguf_file is None:
         return None
     check_gguf_magic(gguf_file)  # a clear error for non-GGUF files before transformers tries
-    return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True)
+    return _gguf_tokenizer_cached(gguf_file)
+
+
+_PROBE = "Hello, world! To be, or not to be: 12345 \u00e9t\u00e9\n<|im_start|>user"
+
+
+def _gguf_tokenizer_cached(gguf_file: Path):
+    """Building a tokenizer from a GGUF parses its whole vocabulary in Python (~14 s for SmolLM2
+    on 2 cores, in every command), so the first build is saved as a tokenizer folder in the cache
+    (keyed by the file's name, size and mtime) and later loads read that (< 1 s). The saved copy
+    is used only if it encodes a probe string and renders the chat template exactly as the
+    GGUF-built one did; any cache problem falls back to the GGUF."""
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    from ..assets import cache_dir
+
+    st = gguf_file.stat()
+    key = hashlib.sha256(f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_dir() / "tokenizers" / f"{gguf_file.stem}-{key}"
+    if (folder / "ok").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except Exception:  # a damaged cache entry: rebuild from the GGUF below
+            pass
+    tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(str(folder))
+        copy = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        if _fingerprint(copy) == _fingerprint(tok):
+            (folder / "ok").write_text("verified against the GGUF tokenizer\n")
+    except Exception:  # read-only home, full disk, ...: just use the GGUF-built tokenizer
+        pass
+    return tok
+
+
+def _fingerprint(tok) -> tuple:
+    msgs = [{"role": "user", "content": "hi"}]
+    tmpl = None
+    if getattr(tok, "chat_template", None):
+        tmpl = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return (tuple(tok.encode(_PROBE)), tok.eos_token_id, tok.bos_token_id, tmpl, len(tok))
 
 
 def read_chat_template(model_path: str | Path | None) -> str | None:
