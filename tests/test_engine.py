@@ -1,4 +1,5 @@
-"""Engine end-to-end on CPU with the toy stand-in model (fast), plus a few SmolLM2 checks."""
+"""Engine end-to-end on CPU with the tiny random Llama (doublesparse.testing: the real model code
+at toy sizes, fast), plus a few SmolLM2 checks."""
 
 import importlib.util
 import types
@@ -8,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from doublesparse.engine import Engine, RequestRefused, SamplingParams
-from doublesparse.engine.toy_model import CharTokenizer, ToyConfig, ToyModel
+from doublesparse.testing import ByteTokenizer, tiny_llama
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-CFG = ToyConfig(max_position_embeddings=512)
+MAX_POS = 512  # small, so that "maximum context length" is easy to exceed
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,13 +27,13 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def model():
-    return ToyModel(CFG, seed=0)
+    return tiny_llama(seed=0, max_position_embeddings=MAX_POS)
 
 
 def engine(model, **kw):
     kw.setdefault("max_total_tokens", 4096)
     kw.setdefault("max_running_requests", 8)
-    return Engine(model=model, tokenizer=CharTokenizer(), progress=False, **kw)
+    return Engine(model=model, tokenizer=ByteTokenizer(), progress=False, **kw)
 
 
 def prompts(n, seed=0, lo=5, hi=60):
@@ -109,16 +110,20 @@ def test_stop_strings_and_stop_ids(model):
     e = engine(model)
     p = "the quick brown fox"
     full = e.generate(p, {**GREEDY, "max_new_tokens": 16})[0]
-    text = full["text"]
-    assert len(text) == 16
-    stop = text[5:8]
+    text, tok = full["text"], e.tokenizer
+    # Byte tokens: ids >= 128 are parts of UTF-8 sequences, so a token need not be one character.
+    assert len(full["token_ids"]) == 16 and text == tok.decode(full["token_ids"])
+    # a stop string of whole characters (U+FFFD also stands for a not yet complete character)
+    starts = [i for i in range(5, len(text) - 2) if "\ufffd" not in text[i:i + 3]]
+    assert starts, f"no stop string to take from {text!r}: change the prompt"
+    stop = text[starts[0]:starts[0] + 3]
     cut = e.generate(p, {**GREEDY, "max_new_tokens": 16, "stop": [stop]})[0]
     assert cut["meta"]["finish_reason"] == "stop" and cut["text"] == text[: text.find(stop)]
     tid = full["token_ids"][3]
     by_id = e.generate(p, {**GREEDY, "max_new_tokens": 16, "stop_token_ids": [tid]})[0]
     i = full["token_ids"].index(tid)
     assert by_id["token_ids"] == full["token_ids"][: i + 1] and by_id["meta"]["finish_reason"] == "stop"
-    assert by_id["text"] == text[:i]          # the stop token itself is not in the text
+    assert by_id["text"] == tok.decode(full["token_ids"][:i])   # the stop token itself is not in the text
 
 
 def test_streaming_deltas_concatenate_to_text(model):
@@ -193,7 +198,7 @@ def test_sampling_seeded_reproducible(model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("ds", [False, True])
 def test_cuda_graph_equals_eager(ds):
-    m = ToyModel(CFG, seed=0, dtype=torch.bfloat16, device="cuda")
+    m = tiny_llama(seed=0, dtype=torch.bfloat16, device="cuda", max_position_embeddings=MAX_POS)
     kw = dict(device="cuda", enable_double_sparsity=ds, ds_heavy_token_num=16)
     ps = prompts(5, seed=7, lo=20, hi=80)
     sp = {**GREEDY, "max_new_tokens": 12}
