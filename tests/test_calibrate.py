@@ -11,7 +11,7 @@ from doublesparse.calibrate import cli, texts
 from doublesparse.calibrate.threads import ThreadChooser, candidates_for, num_threads
 from doublesparse.calibrate.stats import (StatsAttention, causal_attention, collect_stats, make_batch,
                                           sample_windows)
-from doublesparse.eval.tiny import ByteTokenizer, TinyConfig, TinyModel
+from doublesparse.testing import ByteTokenizer, tiny_llama
 
 
 class Capture:
@@ -28,8 +28,8 @@ class Capture:
 
 
 def test_stats_match_direct_computation():
-    c = TinyConfig()
-    m = TinyModel(c).eval()
+    m = tiny_llama()
+    c = m.config
     g = torch.Generator().manual_seed(1)
     windows = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 17, 33)]
     got = collect_stats(m, windows, progress=False)
@@ -110,9 +110,10 @@ def _args(tmp_path, **kw):
 def test_cli_writes_loadable_config(tmp_path):
     txt = tmp_path / "t.txt"
     txt.write_text("To be, or not to be, that is the question. " * 20)
-    c = TinyConfig()
+    m = tiny_llama()
+    c = m.config
     args = _args(tmp_path, text=[str(txt)])
-    cli.run(args, model=TinyModel(c), tokenizer=ByteTokenizer(), argv_for_meta=["--text", "t.txt"])
+    cli.run(args, model=m, tokenizer=ByteTokenizer(), argv_for_meta=["--text", "t.txt"])
     raw = json.loads((tmp_path / "cfg.json").read_text())
     meta = raw[ch.META_KEY]
     assert meta["num_samples"] == 3 and meta["tokens_per_layer"] == 192
@@ -127,7 +128,7 @@ def test_cli_too_short(tmp_path, capsys):
     txt = tmp_path / "t.txt"
     txt.write_text("short")
     with pytest.raises(ValueError, match="too short"):
-        cli.run(_args(tmp_path, text=[str(txt)]), model=TinyModel(), tokenizer=ByteTokenizer())
+        cli.run(_args(tmp_path, text=[str(txt)]), model=tiny_llama(), tokenizer=ByteTokenizer())
 
 
 def test_main_reports_error(tmp_path, capsys, monkeypatch):

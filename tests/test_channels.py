@@ -8,7 +8,7 @@ import torch
 
 from doublesparse.calibrate import channels as ch
 from doublesparse.calibrate.weights import default_channels, rope_pairs
-from doublesparse.eval.tiny import TinyConfig, TinyModel
+from doublesparse.testing import tiny_llama
 
 
 @dataclass(frozen=True)
@@ -166,10 +166,10 @@ def test_rope_pairs():
 
 
 def test_default_channels_from_weights():
-    c = TinyConfig()
-    m = TinyModel(c)
+    m = tiny_llama()
+    c = m.config
     with torch.no_grad():  # make channel 3 (and its RoPE partner 11) of KV head 1 dominant
-        m.layers[0].k_proj.weight[1 * 16 + 3] *= 50
+        m.layers[0].attn.qkv_proj.weight[c.q_size + 1 * 16 + 3] *= 50   # rows: q | k | v
     for t in ("q", "k", "qk"):
         got = default_channels(m, 4, t)
         assert got.shape == (c.num_layers, c.num_kv_heads, 4)

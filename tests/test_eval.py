@@ -8,11 +8,11 @@ from doublesparse.calibrate.stats import make_batch, plain_backend
 from doublesparse.calibrate.weights import default_channels
 from doublesparse.eval import cli, driver, retrieval
 from doublesparse.eval.settings import DENSE, Setting, preset
-from doublesparse.eval.tiny import ByteTokenizer, TinyConfig, TinyModel
+from doublesparse.testing import ByteTokenizer, tiny_llama
 
 
 def _setup(n=64, prefix=40, reqs=2):
-    m = TinyModel(TinyConfig()).eval()
+    m = tiny_llama()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (reqs, n), generator=g).tolist()
     with torch.no_grad():
@@ -126,7 +126,7 @@ def test_triton_path_matches_reference():
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         import pytest
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    m = TinyModel(TinyConfig()).eval()
+    m = tiny_llama()
     ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(3)).tolist()
     ch = default_channels(m, 4)
     for s in (DENSE, Setting("ds", "qk", "group_max", 4, 1 / 6), Setting("ds", "qk", "group_sum", 4, 1 / 6)):
@@ -175,7 +175,7 @@ def test_relabel_is_skipped_for_the_same_channels(monkeypatch):
 
 def test_text_runner_matches_evaluate_text_and_fidelity_stride():
     from doublesparse.eval import measure
-    m = TinyModel(TinyConfig()).eval()
+    m = tiny_llama()
     g = torch.Generator().manual_seed(1)
     windows = torch.randint(0, 256, (2, 96), generator=g).tolist()
     ch = default_channels(m, 4)

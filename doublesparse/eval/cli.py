@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args):
     if args.tiny:
-        from .tiny import ByteTokenizer, TinyConfig, TinyModel
-        return TinyModel(TinyConfig(max_position_embeddings=8192)).to(args.device).eval(), ByteTokenizer()
+        from doublesparse.testing import ByteTokenizer, tiny_llama
+        dtype = getattr(torch, args.dtype) if args.dtype else torch.float32
+        return tiny_llama(max_position_embeddings=8192, device=args.device, dtype=dtype), ByteTokenizer()
     from doublesparse.models import load_model, load_tokenizer
     kw = {"device": args.device, "progress": not args.quiet}
     if args.dtype:
