@@ -252,9 +252,6 @@ for hq, hkv, d, r, label, kout in ((9, 3, 64, 16, True, True), (32, 8, 128, 1, F
 for res in (True, False):
     comp(fused.rmsnorm_kernel, dict(HAS_RES=res, BLOCK_N=1024), scalars=dict(eps="fp32"), num_warps=4)
 comp(fused.silu_mul_kernel, dict(BLOCK=1024), num_warps=4)
-from doublesparse.kernels.triton import gemv
-for m in (1, 4):
-    comp(gemv.gemv_kernel, dict(M=m, HAS_BIAS=m == 4, BLOCK_N=8, BLOCK_K=256), num_warps=4)
 '''
 
 

@@ -151,11 +151,3 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
                                 label_scale, channels)
     return qr, (kr if return_k else None)
 
-
-def linear_small(x, weight, bias=None, impl: str = "auto"):
-    """``x @ weight.T (+ bias)`` for x: [M <= 4, K]; weight: [N, K]. Triton GEMV on CUDA (or
-    ``impl="triton"``), else ``F.linear``."""
-    if _use_triton(x, impl):
-        from .triton.fused_launch import gemv
-        return gemv(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)

@@ -21,12 +21,6 @@ from ..kernels import ops
 # ops below; the switch to flip if a kernel misbehaves on a GPU). The CPU path never changes.
 FUSED_NORM = "auto"        # RMSNorm and residual-add + RMSNorm: one launch each
 FUSED_SILU_MUL = "auto"    # silu(gate) * up: one launch instead of two (plus a strided read)
-# Small projections of a decode step (<= 4 rows, weight <= 32 MiB) through a Triton GEMV instead
-# of cuBLAS, which pays ~3.9 us per call on SmolLM2's 0.7-3.5 MB weights. Off: on the H200 this
-# kernel measured the same 3.84 us per call (its K loop is latency-bound; a one-pass split-K form
-# is the next thing to try, see results/attention-h200-notes.md). "auto" turns it on for CUDA.
-TRITON_GEMV = False
-GEMV_MAX_WEIGHT_BYTES = 32 << 20
 
 
 def fused_impl(flag, x: torch.Tensor) -> str | None:
@@ -82,13 +76,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if (x.dim() == 2 and 1 <= x.shape[0] <= 4 and x.dtype == w.dtype and x.stride(-1) == 1
-                and w.numel() * w.element_size() <= GEMV_MAX_WEIGHT_BYTES):
-            impl = fused_impl(TRITON_GEMV, x)
-            if impl is not None:
-                return ops.linear_small(x, w, self.bias, impl=impl)
-        return F.linear(x, w, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

@@ -122,38 +122,3 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
     )
     return qo, ko
 
-
-GEMV_MAX_ROWS = 4
-
-
-def gemv(x, weight, bias=None):
-    """x: [M, K] float (M <= GEMV_MAX_ROWS); weight: [N, K]; bias: [N] or None -> [M, N] in x's dtype.
-
-    fp32 accumulation, like cuBLAS; meant for the small projections of a decode step, where
-    cuBLAS's fixed cost per call dominates (see :mod:`.gemv`).
-    """
-    from .gemv import gemv_kernel
-
-    dev = x.device
-    _check(x, "x", 2, _FLOAT, dev)
-    _check(weight, "weight", 2, (x.dtype,), dev)
-    M, K = x.shape
-    N = weight.shape[0]
-    if weight.shape[1] != K:
-        _fail(f"gemv: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
-    if not 1 <= M <= GEMV_MAX_ROWS:
-        _fail(f"gemv: {M} rows; the kernel takes 1..{GEMV_MAX_ROWS}")
-    if bias is not None:
-        _check(bias, "bias", 1, (x.dtype,), dev)
-        if bias.shape[0] != N:
-            _fail(f"gemv: bias has {bias.shape[0]} entries for {N} outputs")
-    y = torch.empty((M, N), dtype=x.dtype, device=dev)
-    # Enough programs to cover the SMs even for N = 576, each reading a few KB per K-block.
-    block_n = max(4, min(32, triton.next_power_of_2(max(1, N // 96))))
-    block_k = min(256, triton.next_power_of_2(K))
-    gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, bias if bias is not None else weight, y, N, K,
-        x.stride(0), weight.stride(0), y.stride(0),
-        M=M, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-    )
-    return y
