@@ -10,10 +10,10 @@ echo "== bench quick"; timeout 100 python3 -m doublesparse.bench.attention --qui
 B="python3 -m doublesparse.bench_one_batch --profile"
 L="$B --load-format dummy --model-path llama-3.1-8b --batch-size 3 --input-len 60000 --output-len 64 --max-total-tokens 190000 --skip-warmup"
 mkdir -p $OUT/e2e
-echo "== llama dense"; timeout 100 $L --result-json $OUT/e2e/llama-dense.json 2>&1 | grep -v "^Decode.  latency" | head -24
-echo "== llama ds"; timeout 100 $L --enable-double-sparsity --ds-heavy-channel-num 16 --ds-heavy-token-num 3750 --result-json $OUT/e2e/llama-ds.json 2>&1 | grep -v "^Decode.  latency" | head -24
+echo "== llama dense"; timeout 100 $L --result-json $OUT/e2e/llama31-8b-60k-bs3-dense.json 2>&1 | grep -v "^Decode.  latency" | head -24
+echo "== llama ds"; timeout 100 $L --enable-double-sparsity --ds-heavy-channel-num 16 --ds-heavy-token-num 3750 --result-json $OUT/e2e/llama31-8b-60k-bs3-ds-r16-k3750.json 2>&1 | grep -v "^Decode.  latency" | head -24
 S="$B --model-path /root/m/smollm2.gguf --batch-size 1 --input-len 8000 --output-len 128"
-echo "== smol dense"; timeout 90 $S --result-json $OUT/e2e/smol-dense.json 2>&1 | grep -v "^Decode.  latency" | head -20
-echo "== smol ds"; timeout 90 $S --enable-double-sparsity --result-json $OUT/e2e/smol-ds.json 2>&1 | grep -v "^Decode.  latency" | head -20
+echo "== smol dense"; timeout 90 $S --result-json $OUT/e2e/smollm2-8k-bs1-dense.json 2>&1 | grep -v "^Decode.  latency" | head -20
+echo "== smol ds"; timeout 90 $S --enable-double-sparsity --result-json $OUT/e2e/smollm2-8k-bs1-ds.json 2>&1 | grep -v "^Decode.  latency" | head -20
 (cd $OUT && tar czf e2e.tgz e2e && rm -rf e2e)
 echo "== end"

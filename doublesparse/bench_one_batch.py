@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_case(parts, bs, il, ol, cfg.seed, args.log_decode_step, bw, wbytes,
                                 chunk=cfg.chunked_prefill_size, profile=profile))
     if args.result_json:
-        out = dict(config=dataclasses.asdict(cfg), device=str(dev), copy_bandwidth=bw,
+        cmd = "python -m doublesparse.bench_one_batch " + " ".join(sys.argv[1:] if argv is None else argv)
+        out = dict(command=cmd, config=dataclasses.asdict(cfg), device=str(dev), copy_bandwidth=bw,
                    weight_bytes=wbytes, channel_source=parts.channel_source,
                    heavy_token_num=parts.ds.heavy_token_num if parts.ds else None,
                    heavy_channel_num=parts.plan.heavy_channel_num or None,
