@@ -168,9 +168,9 @@ _PROBE = "Hello, world! To be, or not to be: 12345 \u00e9t\u00e9\n<|im_start|>us
 
 
 def _gguf_tokenizer_cached(gguf_file: Path):
-    """Building a tokenizer from a GGUF parses its whole vocabulary in Python (~14 s for SmolLM2
-    on 2 cores, in every command), so the first build is saved as a tokenizer folder in the cache
-    (keyed by the file's name, size and mtime) and later loads read that (< 1 s). The saved copy
+    """Building a tokenizer from a GGUF parses its whole vocabulary in Python (seconds, in every
+    command), so the first build is saved as a tokenizer folder in the cache (keyed by the file's
+    path, size and mtime) and later loads read that folder instead. The saved copy
     is used only if it encodes a probe string and renders the chat template exactly as the
     GGUF-built one did; any cache problem falls back to the GGUF."""
     import hashlib
