@@ -14,8 +14,6 @@ from collections import defaultdict
 
 import torch
 
-from ..engine.forward_batch import ForwardBatch
-
 
 def _step_fn(parts, rows, tokens, positions):
     runner, mem = parts.runner, parts.memory
@@ -24,19 +22,14 @@ def _step_fn(parts, rows, tokens, positions):
     bucket = next((b for b in runner.graphs if b >= B), None)
     if bucket is not None:
         return runner.graphs[bucket][0].replay, f"graph bs{bucket}"
-    dev = runner.device
     row_t = torch.tensor(rows, dtype=torch.int64)
     pos_t = torch.tensor(positions, dtype=torch.int64)
-    slots = mem.req_to_token_host[row_t, pos_t].to(torch.int64)
-    host = torch.stack([torch.tensor(tokens, dtype=torch.int64), pos_t, slots, row_t, pos_t + 1]).to(dev)
-    batch = ForwardBatch(mode="decode", input_ids=host[0], positions=host[1], out_slots=host[2],
-                         req_idx=host[3].to(torch.int32), seq_lens=host[4].to(torch.int32),
-                         logits_indices=torch.arange(B, device=dev), attn=runner.backend)
+    slots = mem.req_to_token_host[row_t, pos_t].to(torch.int64)  # assigned by the decode above
+    host = runner.host_inputs(tokens, pos_t, slots, row_t)
 
     def eager():
         with torch.inference_mode():
-            runner.backend.plan(batch)
-            runner.model(batch.input_ids, batch.positions, batch)
+            runner._decode_eager(B, host)
     return eager, "eager"
 
 

@@ -101,13 +101,18 @@ class ModelRunner:
         slots = self.memory.assign(row_t, pos_t, B, write_device=bucket is None)
         if bucket is not None and PACKED_GRAPH_INPUTS:
             return self._replay_packed(bucket, B, tokens, positions, slots.numpy(), rows)
-        host = torch.stack([torch.tensor(tokens, dtype=torch.int64), pos_t, slots, row_t, pos_t + 1])
+        host = self.host_inputs(tokens, pos_t, slots, row_t)
         if bucket is not None:
             return self._replay(bucket, B, host)
         if self.device.type == "cpu":
             with _cpu_threads(max(1, min(torch.get_num_threads(), B))):
                 return self._decode_eager(B, host)
         return self._decode_eager(B, host)
+
+    @staticmethod
+    def host_inputs(tokens, pos_t: torch.Tensor, slots: torch.Tensor, row_t: torch.Tensor) -> torch.Tensor:
+        """[5, B] int64 on the host: input ids, positions, out slots, request rows, seq lens."""
+        return torch.stack([torch.tensor(tokens, dtype=torch.int64), pos_t, slots, row_t, pos_t + 1])
 
     def _decode_eager(self, B: int, host: torch.Tensor) -> torch.Tensor:
         dev = host.to(self.device)
