@@ -74,6 +74,22 @@ def test_dense_decode(seq_lens, hq, hkv, d):
         assert rel_err(out, exp) < TOL[torch.bfloat16]
 
 
+def test_dense_decode_fused_merge(monkeypatch):
+    """The last split merges (launch.TUNING["fuse_merge"]): equal to the reference over repeated
+    calls with changing split counts, and the arrival counters return to zero."""
+    monkeypatch.setitem(launch.TUNING, "fuse_merge", True)
+    c = make_case([1, 130, 77], 9, 3, 64, device=DEVICE, seed=31)
+    ws = make_ws(c)
+    exp = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens, c.sm_scale)
+    for splits in (3, 1, 5, 3):
+        out = torch.full_like(c.q, float("nan"))
+        launch.dense_decode(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens,
+                            c.sm_scale, ws, out=out, num_splits=splits)
+        assert not out.isnan().any()
+        assert rel_err(out, exp) < TOL[torch.bfloat16]
+    assert int(ws.split_count.abs().sum()) == 0
+
+
 def test_dense_decode_fp16_fp32():
     for dt in (torch.float16, torch.float32):
         c = make_case([40, 9], 4, 2, 64, dtype=dt, device=DEVICE, seed=3)
@@ -145,6 +161,32 @@ def test_ds_decode(case, mode, label_dtype):
     assert not out.isnan().any()
     _check_selection(c, ws, sel, k, mode)
     assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
+
+
+PIPELINES = [
+    {"score_hist": False, "fuse_merge": True},                                        # separate high-byte histogram pass
+    {"score_hist": False, "score_loop_stages": 3, "select_loop_stages": 2, "hist_block_n": 256},
+    {"score_hist": True, "score_loop_stages": 2},
+]
+
+
+@pytest.mark.parametrize("tuning", PIPELINES, ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()))
+@pytest.mark.parametrize("mode", ["per_head", "group_max"])
+def test_ds_select_pipelines(tuning, mode, monkeypatch):
+    """Every launch.TUNING choice of how the top-k is computed gives the same exact selection,
+    over repeated calls on one workspace (the histograms are left clean)."""
+    for key, val in tuning.items():
+        monkeypatch.setitem(launch.TUNING, key, val)
+    ws = None
+    for i, (seq_lens, k) in enumerate([([300, 41, 517], 40), ([129, 260], 64)]):
+        c = make_case(seq_lens, 9, 3, 64, r=16, device=DEVICE, seed=_seed(i, mode, str(tuning)), max_ctx=520)
+        ws = ws or make_ws(c, max_heavy_tokens=64)
+        out = torch.full_like(c.q, float("nan"))
+        _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, out=out, num_progs=2,
+                                  return_sel=True)
+        _check_selection(c, ws, sel, k, mode)
+        assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
+    assert int(ws.hist[0].abs().sum()) == 0  # hist[1] is cleared by the next call's score launch
 
 
 def test_ds_repeated_calls_keep_workspace_clean():

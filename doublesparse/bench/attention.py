@@ -190,6 +190,10 @@ def main(argv=None):
     ap.add_argument("--md", default=None)
     ap.add_argument("--tuning", default=None, help="JSON dict overriding launch.TUNING")
     ap.add_argument("--sweep", action="store_true", help="time launch-parameter variants at bs3 64K")
+    ap.add_argument("--sweep-file", default=None,
+                    help="JSON list of TUNING overrides to time instead of the built-in sweep")
+    ap.add_argument("--sweep-cases", default="3x65536,8x16384",
+                    help="comma-separated BxL cases for the sweep; a trailing 'fp8' uses fp8 labels")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("doublesparse.bench.attention needs a CUDA GPU")
@@ -203,8 +207,12 @@ def main(argv=None):
     torch.cuda.synchronize()
     del warm
     print(f"# {torch.cuda.get_device_name(dev)}  copy bandwidth {bw / 1e12:.2f} TB/s  tuning {launch.TUNING}")
-    if args.sweep:
-        return sweep(dev, bw)
+    if args.sweep or args.sweep_file:
+        variants = SWEEP
+        if args.sweep_file:
+            with open(args.sweep_file) as f:
+                variants = json.load(f)
+        return sweep(dev, bw, variants, args.sweep_cases, args.json)
     cases = [(3, 65536), (3, 131072)] if args.quick else [(b, l) for l in args.ctx for b in args.batch]
     all_rows = []
     t0 = time.time()
@@ -239,22 +247,48 @@ SWEEP = [{}, {"score_block_n": 128}, {"score_block_n": 512}, {"score_programs_pe
          {"attn_programs_per_sm": 8}, {"attn_stages": 3}, {"attn_block_n": 32}]
 
 
-def sweep(dev, bw):
+def sweep(dev, bw, variants, cases, json_path=None):
+    """Time DS (total and per stage) under each TUNING override; dense once per case."""
     base = dict(launch.TUNING)
-    for var in SWEEP:
-        launch.TUNING.clear()
-        launch.TUNING.update(base, **var)
-        for B, L in ((3, 65536), (8, 16384)):
-            rows = bench_case(B, L, dev, bw, [16], lambda L: [L // 16], ["group_max"], False, True, True,
-                              with_sdpa=False)
-            d = {r["variant"]: r for r in rows}
-            ds = d["ds-group_max"]
-            print(f"sweep {json.dumps(var):<70} bs{B} L={L}: dense {d['ours-dense']['us']:7.1f} "
-                  f"ds {ds['us']:6.1f} "
-                  f"[score {ds['score_us']:.1f} select {ds['select_us']:.1f} attend {ds['attend_us']:.1f}]",
-                  flush=True)
+    out = []
+    parsed = []
+    for c in cases.split(","):
+        fp8 = c.endswith("fp8")
+        B, L = (int(x) for x in c.removesuffix("fp8").split("x"))
+        parsed.append((B, L, fp8))
+    for B, L, fp8 in parsed:
+        for var in variants:
+            launch.TUNING.clear()
+            launch.TUNING.update(base, **var)
+            try:
+                rows = bench_case(B, L, dev, bw, [16], lambda L: [L // 16], ["group_max"], fp8, True, True,
+                                  with_sdpa=False)
+            except Exception as e:  # a variant that does not compile or launch: report, go on
+                print(f"sweep {json.dumps(var)} bs{B} L={L}: FAILED {type(e).__name__}: {e}"[:400], flush=True)
+                continue
+            dense_us = next(r["us"] for r in rows if r["variant"] == "ours-dense")
+            for ds in rows:
+                if ds["variant"] != "ds-group_max":
+                    continue
+                rec = dict(tuning=var, batch=B, ctx=L, label=ds["label"], dense_us=dense_us,
+                           **{k: ds[k] for k in ("us", "score_us", "select_us", "attend_us", "floor_us", "speedup")})
+                out.append(rec)
+                _dump_sweep(json_path, bw, base, out)
+                print(f"sweep {json.dumps(var):<90} bs{B} L={L} {ds['label'][:5]}: dense {dense_us:7.1f} "
+                      f"ds {ds['us']:6.1f} x{ds['speedup']:.2f} "
+                      f"[score {ds['score_us']:.1f} select {ds['select_us']:.1f} attend {ds['attend_us']:.1f}]",
+                      flush=True)
     launch.TUNING.clear()
     launch.TUNING.update(base)
+
+
+def _dump_sweep(json_path, bw, base, rows):
+    # Rewritten after every row, so a run cut short by a time limit keeps what it measured.
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(command="python -m doublesparse.bench.attention " + " ".join(sys.argv[1:]),
+                           date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(),
+                           copy_bw=bw, base_tuning=base, rows=rows), f, indent=1)
 
 
 def format_row(r):

@@ -5,6 +5,9 @@ packed into the program (so each K/V byte is read once), or, in per-query-head s
 query head. The token list of a row is either positions 0..seq_len-1 (dense) or the row's top-k
 selected tokens (sparse: their cache slots, from the select step); which one is decided per
 request on the device from seq_lens.
+
+With FUSE_MERGE the partials are merged by the row's last split to finish (an arrival counter per
+row, reset by that program), which saves the merge launch; otherwise merge_kernel runs after.
 """
 
 import triton
@@ -15,15 +18,16 @@ import triton.language as tl
 def decode_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr,
-    part_o_ptr, part_lse_ptr,
+    part_o_ptr, part_lse_ptr, count_ptr, out_ptr,
     sm_scale, heavy_k, threshold,
     stride_qb, stride_qh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt, stride_selb, stride_selr,
-    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_cb, stride_ob, stride_oh,
     G: tl.constexpr, D: tl.constexpr,
     PER_HEAD: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
@@ -107,6 +111,45 @@ def decode_attn_kernel(
     tl.store(part_o_ptr + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + d[None, :],
              out, mask=hmask[:, None] & dmask[None, :])
     tl.store(part_lse_ptr + b * stride_plb + heads * stride_plh + split, lse, mask=hmask)
+    if FUSE_MERGE:
+        # Every thread's partial stores come before the arrival (barrier, then a gpu-scope
+        # release); the last arrival acquires them and reads them past L1 (.cg).
+        tl.debug_barrier()
+        cnt = count_ptr + b * stride_cb + row
+        ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if ticket == NUM_SPLITS - 1:
+            tl.store(cnt, 0)  # ready for the next call
+            first = row if PER_HEAD else row * G
+            for i in tl.static_range(1 if PER_HEAD else G):
+                _merge_head(part_o_ptr + b * stride_pob + (first + i) * stride_poh,
+                            part_lse_ptr + b * stride_plb + (first + i) * stride_plh,
+                            out_ptr + b * stride_ob + (first + i) * stride_oh, stride_pos,
+                            D, NUM_SPLITS, BLOCK_S, BLOCK_D, True)
+
+
+@triton.jit
+def _merge_head(po_row, pl_row, out_row, stride_pos, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BYPASS_L1: tl.constexpr):
+    # out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse); empty splits have lse -inf.
+    s = tl.arange(0, BLOCK_S)
+    smask = s < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    if BYPASS_L1:
+        lse = tl.load(pl_row + s, mask=smask, other=float("-inf"), cache_modifier=".cg")
+    else:
+        lse = tl.load(pl_row + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)
+    w = tl.where(smask & (lse > float("-inf")), w, 0.0)
+    o_ptrs = po_row + s[:, None] * stride_pos + d[None, :]
+    o_mask = (w > 0)[:, None] & dmask[None, :]
+    if BYPASS_L1:
+        o = tl.load(o_ptrs, mask=o_mask, other=0.0, cache_modifier=".cg")
+    else:
+        o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_row + d, out.to(out_row.dtype.element_ty), mask=dmask)
 
 
 @triton.jit
@@ -118,15 +161,5 @@ def merge_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    smask = s < NUM_SPLITS
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    lse = tl.load(part_lse_ptr + b * stride_plb + h * stride_plh + s, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - m)
-    w = tl.where(smask & (lse > float("-inf")), w, 0.0)
-    o = tl.load(part_o_ptr + b * stride_pob + h * stride_poh + s[:, None] * stride_pos + d[None, :],
-                mask=(w > 0)[:, None] & dmask[None, :], other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+    _merge_head(part_o_ptr + b * stride_pob + h * stride_poh, part_lse_ptr + b * stride_plb + h * stride_plh,
+                out_ptr + b * stride_ob + h * stride_oh, stride_pos, D, NUM_SPLITS, BLOCK_S, BLOCK_D, False)

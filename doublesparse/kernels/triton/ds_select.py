@@ -3,12 +3,17 @@
 Selection is an exact radix select over 16-bit keys of the fp16 scores, in three launches that all
 use a static grid (B, rows, P) and read lengths from device memory:
 
-  score    : scores = sm_scale * q[heavy] . label (fp16), plus a 256-bin histogram of the key's
-             high byte, accumulated per row with atomics;
+  score    : scores = sm_scale * q[heavy] . label (fp16); optionally (TUNING["score_hist"]) also
+             the 256-bin histogram of the key's high byte, accumulated per row with atomics;
+  hist_high: that histogram in its own pass over the fp16 scores, when score does not make it
+             (the histogram's barriers and ballots slow the score loop's label stream);
   hist_low : finds the high byte holding the k-th largest key, and histograms the low byte of the
              keys inside that bucket;
   compact  : finds the exact 16-bit threshold and writes the positions of the keys above it, then
              enough of the keys equal to it (ties are taken in arrival order), k in all.
+
+Loops use ``tl.range(num_stages=...)``: that annotation makes Triton pipeline every load of the
+loop (cp.async), the label gather included; a plain ``range`` pipelines only loads feeding a dot.
 
 The histograms stay zero between calls: `score` clears hist[1] before `hist_low` fills it, and
 `compact` clears hist[0] after the last reader of it, so no memset launch is needed.
@@ -114,7 +119,7 @@ def score_kernel(
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LABEL_FP8: tl.constexpr,
     NUM_PROGS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DO_HIST: tl.constexpr,
+    DO_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     # One program: (batch entry, KV head, slice of positions). MODE 0 = per query head (writes the
     # G score rows of the group), 1 = group sum, 2 = group max (one row per KV head).
@@ -162,7 +167,7 @@ def score_kernel(
     req = tl.load(req_idx_ptr + b).to(tl.int64)
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
     hist = tl.zeros([BLOCK_H if MODE == 0 else 1, 256], tl.int32)
-    for t in range(start, end, BLOCK_N):
+    for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
         offs = t + tl.arange(0, BLOCK_N)
         nmask = offs < end
         slot = tl.load(req_to_token_ptr + req * stride_rt + offs, mask=nmask, other=0).to(tl.int64)
@@ -189,14 +194,41 @@ def score_kernel(
             h = _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent,
                              scores_ptr + b * stride_sb + kvh * stride_sr, DO_HIST)
             hist += h[None, :]
-    if MODE == 0:
-        for i in tl.static_range(G):
-            h_i = tl.sum(tl.where(hrow[:, None] == i, hist, 0), 0)
-            tl.atomic_add(hist_ptr + b * stride_hb + (kvh * G + i) * stride_hr + bins, h_i,
-                          mask=h_i > 0, sem="relaxed")
-    else:
-        h = tl.sum(hist, 0)
-        tl.atomic_add(hist_ptr + b * stride_hb + kvh * stride_hr + bins, h, mask=h > 0, sem="relaxed")
+    if DO_HIST:
+        if MODE == 0:
+            for i in tl.static_range(G):
+                h_i = tl.sum(tl.where(hrow[:, None] == i, hist, 0), 0)
+                tl.atomic_add(hist_ptr + b * stride_hb + (kvh * G + i) * stride_hr + bins, h_i,
+                              mask=h_i > 0, sem="relaxed")
+        else:
+            h = tl.sum(hist, 0)
+            tl.atomic_add(hist_ptr + b * stride_hb + kvh * stride_hr + bins, h, mask=h > 0, sem="relaxed")
+
+
+
+
+@triton.jit
+def hist_high_kernel(
+    scores_ptr, hist_ptr, seq_lens_ptr,
+    heavy_k, threshold,
+    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
+):
+    # 256-bin histogram of the score keys' high byte, one slice of a row per program; the partial
+    # histograms meet in hist[0] through atomics (one per non-empty bin per program).
+    b = tl.program_id(0)
+    row = tl.program_id(1)
+    p = tl.program_id(2)
+    n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k, threshold)
+    start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
+    srow = scores_ptr + b * stride_sb + row * stride_sr
+    hist = tl.zeros([256], tl.int32)
+    for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+        offs = t + tl.arange(0, BLOCK_N)
+        key = _key16(_load_block(srow, offs, BLOCK_N))
+        hist += tl.histogram(key >> 8, 256, mask=offs < end)
+    bins = tl.arange(0, 256)
+    tl.atomic_add(hist_ptr + b * stride_hb + row * stride_hr + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
@@ -204,7 +236,7 @@ def hist_low_kernel(
     scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr,
     heavy_k, threshold,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
-    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_HIST: tl.constexpr,
+    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
@@ -218,7 +250,7 @@ def hist_low_kernel(
         tl.store(rowinfo_ptr + b * stride_rib + row * stride_rir + 1, heavy_k - above0)
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
     h1 = hist_ptr + stride_hp + b * stride_hb + row * stride_hr
-    for t in range(start, end, BLOCK_N):
+    for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
         offs = t + tl.arange(0, BLOCK_N)
         nmask = offs < end
         key = _key16(_load_block(scores_ptr + b * stride_sb + row * stride_sr, offs, BLOCK_N))
@@ -238,7 +270,7 @@ def compact_kernel(
     heavy_k, threshold,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     stride_selb, stride_selr, stride_rt,
-    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     # Writes the selected positions (sel) and their cache slots (sel_slot): attention then
     # gathers K/V rows with one indirection instead of two.
@@ -268,7 +300,7 @@ def compact_kernel(
     # scores from L2.
     c_gt = tl.full([], 0, tl.int32)
     c_eq = tl.full([], 0, tl.int32)
-    for t in range(start, end, BLOCK_N):
+    for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
         offs = t + tl.arange(0, BLOCK_N)
         nmask = offs < end
         key = _key16(_load_block(srow, offs, BLOCK_N))
@@ -276,14 +308,17 @@ def compact_kernel(
         c_eq += tl.sum(((key == thr) & nmask).to(tl.int32), 0)
     base = tl.atomic_add(info + 2, c_gt, mask=c_gt > 0, sem="relaxed")
     base_e = tl.atomic_add(info + 3, c_eq, mask=c_eq > 0, sem="relaxed")
-    for t in range(start, end, BLOCK_N):
+    for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
         offs = t + tl.arange(0, BLOCK_N)
         nmask = offs < end
         key = _key16(_load_block(srow, offs, BLOCK_N))
         gt = (key > thr) & nmask
         eq = (key == thr) & nmask
-        idx_gt = base + tl.cumsum(gt.to(tl.int32), 0) - 1
-        idx = base_e + tl.cumsum(eq.to(tl.int32), 0) - 1
+        # One scan for both ranks: the "equal" count rides in the high half (a block holds far
+        # fewer than 2^16 keys), halving the block-wide prefix sums, the loop's costliest step.
+        both = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)
+        idx_gt = base + (both & 0xFFFF) - 1
+        idx = base_e + (both >> 16) - 1
         base += tl.sum(gt.to(tl.int32), 0)
         base_e += tl.sum(eq.to(tl.int32), 0)
         # The bounds never bind when the histograms are consistent; they keep a corrupted

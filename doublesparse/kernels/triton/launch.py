@@ -8,6 +8,7 @@ heads, the workspace's max context, k), never on seq_lens.
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import torch
@@ -16,7 +17,7 @@ import triton
 from ..reference import MODES
 from ..workspace import SCORE_PAD, DecodeWorkspace
 from .decode_attn import decode_attn_kernel, merge_kernel
-from .ds_select import compact_kernel, hist_low_kernel, score_kernel
+from .ds_select import compact_kernel, hist_high_kernel, hist_low_kernel, score_kernel
 from .rope import rope_kernel
 from .store import store_kv_kernel
 
@@ -149,8 +150,18 @@ def _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
 TUNING = {
     "attn_block_n": 64, "attn_block_n_many_rows": 128, "attn_warps": 4, "attn_stages": 2, "attn_programs_per_sm": 4,
     "score_block_n": 256, "score_programs_per_sm": 8, "score_warps": 4, "score_stages": 3, "select_block_n": 1024, "select_warps": 4,
-    "select_programs_per_sm": 4, "select_stages": 3, "select_atomic_hist": True, "score_hist": True,
+    "select_programs_per_sm": 4, "select_stages": 3, "select_atomic_hist": True, "score_hist": False,
+    # Software-pipeline depth of the score / select loops (tl.range num_stages; 1 = no pipelining).
+    "score_loop_stages": 3, "select_loop_stages": 1,
+    # The separate high-byte histogram pass (used when score_hist is False).
+    "hist_block_n": 4096, "hist_programs_per_sm": 8,
+    # The attention over the selected tokens (the dense kernel's knobs otherwise).
+    "sparse_attn_programs_per_sm": 4, "sparse_attn_stages": 2,
+    # Merge the split-K partials in the attention kernel's last split instead of a merge launch.
+    "fuse_merge": False,
 }
+# Benchmarks may override launch parameters without code changes (JSON, e.g. '{"fuse_merge": true}').
+TUNING.update(json.loads(os.environ.get("DOUBLESPARSE_TUNING", "{}")))
 
 
 def _attn_block_n(programs_rows: int, device) -> int:
@@ -162,36 +173,40 @@ def _attn_block_n(programs_rows: int, device) -> int:
 
 
 def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-               sel, rows, heavy_k, threshold, per_head, num_splits):
+               sel, rows, heavy_k, threshold, per_head, num_splits, stages=None):
     B, Hq, D = q.shape
     block_n = _attn_block_n(B * rows, q.device)
     G = Hq // k_cache.shape[1]
     S = num_splits
     if not 1 <= S <= ws.max_splits:
         _fail(f"num_splits={S} must be in [1, {ws.max_splits}]")
-    po, pl = ws.part_o, ws.part_lse
+    po, pl, cnt = ws.part_o, ws.part_lse, ws.split_count
     has_sel = sel is not None
     sel_t = sel if has_sel else seq_lens
+    if out is None:
+        out = torch.empty_like(q)
+    fuse = bool(TUNING["fuse_merge"])
+    block_s = triton.next_power_of_2(S)
     decode_attn_kernel[(B, rows, S)](
-        q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sel_t, po, pl,
+        q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sel_t, po, pl, cnt, out,
         float(sm_scale), int(heavy_k), int(threshold),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), sel.stride(0) if has_sel else 0, sel.stride(1) if has_sel else 0,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        cnt.stride(0), out.stride(0), out.stride(1),
         G=G, D=D, PER_HEAD=per_head, HAS_SEL=has_sel, NUM_SPLITS=S,
         BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET, num_warps=TUNING["attn_warps"],
-        num_stages=TUNING["attn_stages"],
+        BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET, FUSE_MERGE=fuse, BLOCK_S=block_s,
+        num_warps=TUNING["attn_warps"], num_stages=stages or TUNING["attn_stages"],
     )
-    if out is None:
-        out = torch.empty_like(q)
-    merge_kernel[(B, Hq)](
-        po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        out.stride(0), out.stride(1),
-        D=D, NUM_SPLITS=S, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4,
-    )
+    if not fuse:
+        merge_kernel[(B, Hq)](
+            po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+            out.stride(0), out.stride(1),
+            D=D, NUM_SPLITS=S, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
+            num_warps=4,
+        )
     return out
 
 
@@ -236,10 +251,11 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     per_head = mode == "per_head"
     rows = Hq if per_head else Hkv
     scores, hist, info, sel, sel_slot = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot
-    if max(TUNING["select_block_n"], TUNING["score_block_n"]) > SCORE_PAD:
+    if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["hist_block_n"]) > SCORE_PAD:
         _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage != "attend":
         nsm = _num_sms(dev)
+        score_hist = bool(TUNING["score_hist"])
         P_score = num_progs or max(1, min(triton.cdiv(TUNING["score_programs_per_sm"] * nsm, B * Hkv),
                                           triton.cdiv(ws.max_ctx, TUNING["score_block_n"])))
         P = num_progs or max(1, min(triton.cdiv(TUNING["select_programs_per_sm"] * nsm, B * rows),
@@ -253,29 +269,37 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
             G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P_score,
             BLOCK_H=triton.next_power_of_2(G), BLOCK_N=TUNING["score_block_n"],
-            BLOCK_R=triton.next_power_of_2(r), DO_HIST=TUNING["score_hist"],
+            BLOCK_R=triton.next_power_of_2(r), DO_HIST=score_hist,
+            LOOP_STAGES=TUNING["score_loop_stages"],
             num_warps=TUNING["score_warps"], num_stages=TUNING["score_stages"],
         )
         if stage == "score":
             return None
         common = (scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
                   info.stride(0), info.stride(1))
-        sb, sw = TUNING["select_block_n"], TUNING["select_warps"]
+        sb, sw, ls = TUNING["select_block_n"], TUNING["select_warps"], TUNING["select_loop_stages"]
+        if not score_hist:
+            hb = TUNING["hist_block_n"]
+            P_hist = num_progs or max(1, min(triton.cdiv(TUNING["hist_programs_per_sm"] * nsm, B * rows),
+                                             triton.cdiv(ws.max_ctx, hb)))
+            hist_high_kernel[(B, rows, P_hist)](scores, hist, seq_lens, k, int(threshold), *common,
+                                                NUM_PROGS=P_hist, BLOCK_N=hb, LOOP_STAGES=ls,
+                                                num_warps=sw, num_stages=TUNING["select_stages"])
         hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
                                       NUM_PROGS=P, BLOCK_N=sb, ATOMIC_HIST=TUNING["select_atomic_hist"],
-                                      num_warps=sw, num_stages=TUNING["select_stages"])
+                                      LOOP_STAGES=ls, num_warps=sw, num_stages=TUNING["select_stages"])
         compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx,
                                      k, int(threshold), *common, sel.stride(0), sel.stride(1),
-                                     req_to_token.stride(0), NUM_PROGS=P, BLOCK_N=sb, num_warps=sw,
-                                     num_stages=TUNING["select_stages"])
+                                     req_to_token.stride(0), NUM_PROGS=P, BLOCK_N=sb, LOOP_STAGES=ls,
+                                     num_warps=sw, num_stages=TUNING["select_stages"])
         if stage == "select":
             return sel
     if num_splits is None:
-        want = triton.cdiv(TUNING["attn_programs_per_sm"] * _num_sms(dev), B * rows)
+        want = triton.cdiv(TUNING["sparse_attn_programs_per_sm"] * _num_sms(dev), B * rows)
         cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev)), dense_splits(B, Hkv, ws, dev))
         num_splits = max(1, min(ws.max_splits, want, cap))
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                   sel_slot, rows, k, threshold, per_head, num_splits)
+                   sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"])
     return (o, sel) if return_sel else o
 
 
