@@ -161,12 +161,13 @@ def bench_case(B, L, dev, bw, r_list, k_list, modes, fp8, stages, quick, with_sd
                                speedup=best_dense / t, floor_us=floor_bytes / bw * 1e6)
                     if stages:
                         t_score = time_fn(lambda i=0: ds(i, "score"), copies)
-                        ws.hist.zero_()  # score-only runs leave their histogram counts behind
+                        t_hist = time_fn(lambda i=0: ds(i, "hist"), copies)
+                        ws.hist.zero_()  # score/hist-only runs leave their histogram counts behind
                         t_sel = time_fn(lambda i=0: ds(i, "select"), copies)
                         ds(0, "select")
                         t_att = time_fn(lambda i=0: ds(i, "attend"), copies)
                         row.update(score_us=t_score * 1e6, select_us=(t_sel - t_score) * 1e6,
-                                   attend_us=t_att * 1e6)
+                                   hist_us=(t_hist - t_score) * 1e6, attend_us=t_att * 1e6)
                     rows.append(row)
     for row in rows:
         row["bw_frac"] = row["bytes"] / (row["us"] / 1e6) / bw
@@ -271,12 +272,14 @@ def sweep(dev, bw, variants, cases, json_path=None):
                 if ds["variant"] != "ds-group_max":
                     continue
                 rec = dict(tuning=var, batch=B, ctx=L, label=ds["label"], dense_us=dense_us,
-                           **{k: ds[k] for k in ("us", "score_us", "select_us", "attend_us", "floor_us", "speedup")})
+                           **{k: ds[k] for k in ("us", "score_us", "hist_us", "select_us", "attend_us",
+                                                 "floor_us", "speedup")})
                 out.append(rec)
                 _dump_sweep(json_path, bw, base, out)
                 print(f"sweep {json.dumps(var):<90} bs{B} L={L} {ds['label'][:5]}: dense {dense_us:7.1f} "
                       f"ds {ds['us']:6.1f} x{ds['speedup']:.2f} "
-                      f"[score {ds['score_us']:.1f} select {ds['select_us']:.1f} attend {ds['attend_us']:.1f}]",
+                      f"[score {ds['score_us']:.1f} select {ds['select_us']:.1f} (hist {ds['hist_us']:.1f}) "
+                      f"attend {ds['attend_us']:.1f}] floor {ds['floor_us']:.1f}",
                       flush=True)
     launch.TUNING.clear()
     launch.TUNING.update(base)

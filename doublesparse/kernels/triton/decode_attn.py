@@ -15,6 +15,29 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_slots(sel_row, rt_row, offs, end, sparse, HAS_SEL: tl.constexpr):
+    # Cache slots of a tile: from the selection (sel holds slots written by the select step,
+    # zero-initialised, so even a stale entry is a valid slot) when the request decodes sparsely,
+    # else walked from req_to_token. Positions past end read the padding slot 0.
+    nmask = offs < end
+    if HAS_SEL:
+        picked = tl.load(sel_row + offs, mask=nmask & sparse, other=0)
+        walked = tl.load(rt_row + offs, mask=nmask & (sparse == 0), other=0)
+        return tl.where(sparse, picked, walked).to(tl.int64)
+    return tl.load(rt_row + offs, mask=nmask, other=0).to(tl.int64)
+
+
+@triton.jit
+def _tile_rows(cache_ptr, slot, kvh, stride_s, stride_h, rmask, d, dmask, FULL_D: tl.constexpr):
+    # [BLOCK_N, BLOCK_D] rows of one KV head; masked rows fetch nothing and read as zero. No
+    # channel mask when the head fills the block: even an all-true one blocks vector loads.
+    ptrs = cache_ptr + slot[:, None] * stride_s + kvh * stride_h + d[None, :]
+    if FULL_D:
+        return tl.load(ptrs, mask=rmask[:, None], other=0.0)
+    return tl.load(ptrs, mask=rmask[:, None] & dmask[None, :], other=0.0)
+
+
+@triton.jit
 def decode_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr,
@@ -27,7 +50,7 @@ def decode_attn_kernel(
     G: tl.constexpr, D: tl.constexpr,
     PER_HEAD: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
@@ -67,26 +90,31 @@ def decode_attn_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     sel_row = sel_ptr + b * stride_selb + row * stride_selr
     rt_row = req_to_token_ptr + req * stride_rt
+    ar = tl.arange(0, BLOCK_N)
+    FULL_D: tl.constexpr = BLOCK_D == D
+    if PREFETCH:
+        # Software-pipelined by hand: the next tile's K/V rows and the slots of the one after
+        # are in flight while a tile is computed (Triton's pipeliner waits for the slot load and
+        # the gather it feeds together, so one tile is in flight and none overlaps the math).
+        slot_after = _tile_slots(sel_row, rt_row, start + BLOCK_N + ar, end, sparse, HAS_SEL)
+        slot0 = _tile_slots(sel_row, rt_row, start + ar, end, sparse, HAS_SEL)
+        k_next = _tile_rows(k_cache_ptr, slot0, kvh, stride_kcs, stride_kch, start + ar < end, d, dmask, FULL_D)
+        v_next = _tile_rows(v_cache_ptr, slot0, kvh, stride_vcs, stride_vch, start + ar < end, d, dmask, FULL_D)
     for t in range(start, end, BLOCK_N):
-        offs = t + tl.arange(0, BLOCK_N)
+        offs = t + ar
         nmask = offs < end
-        if HAS_SEL:
-            # sel holds cache slots (written by the select step; zero-initialised, so even a
-            # stale entry is a valid slot); dense-fallback requests walk req_to_token.
-            picked = tl.load(sel_row + offs, mask=nmask & sparse, other=0)
-            walked = tl.load(rt_row + offs, mask=nmask & (sparse == 0), other=0)
-            slot = tl.where(sparse, picked, walked).to(tl.int64)
+        if PREFETCH:
+            k = k_next
+            v = v_next
+            nxt = offs + BLOCK_N < end
+            k_next = _tile_rows(k_cache_ptr, slot_after, kvh, stride_kcs, stride_kch, nxt, d, dmask, FULL_D)
+            v_next = _tile_rows(v_cache_ptr, slot_after, kvh, stride_vcs, stride_vch, nxt, d, dmask, FULL_D)
+            slot_after = _tile_slots(sel_row, rt_row, offs + 2 * BLOCK_N, end, sparse, HAS_SEL)
         else:
-            slot = tl.load(rt_row + offs, mask=nmask, other=0).to(tl.int64)
-        if BLOCK_D == D:
-            kv_mask = nmask[:, None]  # no all-true channel mask: it would block vector loads
-        else:
-            kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kvh * stride_kch + d[None, :],
-                    mask=kv_mask, other=0.0)
-        # Issued before the softmax so both rows' loads are in flight together.
-        v = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kvh * stride_vch + d[None, :],
-                    mask=kv_mask, other=0.0)
+            slot = _tile_slots(sel_row, rt_row, offs, end, sparse, HAS_SEL)
+            k = _tile_rows(k_cache_ptr, slot, kvh, stride_kcs, stride_kch, nmask, d, dmask, FULL_D)
+            # Issued before the softmax so both rows' loads are in flight together.
+            v = _tile_rows(v_cache_ptr, slot, kvh, stride_vcs, stride_vch, nmask, d, dmask, FULL_D)
         if DOT_F32:
             # Triton 3.6's interpreter computes bf16 dots wrongly; upcast there only.
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))

@@ -138,12 +138,12 @@ def score_kernel(
             for i in tl.static_range(G):
                 tl.store(hist_ptr + stride_hp + b * stride_hb + (kvh * G + i) * stride_hr + bins,
                          tl.zeros([256], tl.int32))
-                tl.store(rowinfo_ptr + b * stride_rib + (kvh * G + i) * stride_rir + 2 + tl.arange(0, 2),
-                         tl.zeros([2], tl.int32))
+                tl.store(rowinfo_ptr + b * stride_rib + (kvh * G + i) * stride_rir + tl.arange(0, 4),
+                         tl.zeros([4], tl.int32))
         else:
             tl.store(hist_ptr + stride_hp + b * stride_hb + kvh * stride_hr + bins, tl.zeros([256], tl.int32))
-            tl.store(rowinfo_ptr + b * stride_rib + kvh * stride_rir + 2 + tl.arange(0, 2),
-                     tl.zeros([2], tl.int32))
+            tl.store(rowinfo_ptr + b * stride_rib + kvh * stride_rir + tl.arange(0, 4),
+                     tl.zeros([4], tl.int32))
 
     r = tl.arange(0, BLOCK_R)
     rmask = r < R
@@ -330,3 +330,113 @@ def compact_kernel(
         slot = tl.load(rt_row + offs, mask=w, other=0)
         tl.store(out + dst, offs, mask=w)
         tl.store(out_slot + dst, slot, mask=w)
+
+
+@triton.jit
+def _bucket_block(cand, srow, t, cnt, over, digit0, BLOCK_N: tl.constexpr):
+    # One block of the bucket's members: positions, 16-bit keys, and which lanes are members.
+    offs = t + tl.arange(0, BLOCK_N)
+    fm = offs < cnt
+    listed = tl.load(cand + offs, mask=fm & (over == 0), other=0, cache_modifier=".cg")
+    pos = tl.where(over, offs, listed)
+    key = _key16(tl.load(srow + pos, mask=fm, other=0.0))
+    return pos, key, fm & ((key >> 8) == digit0)
+
+
+@triton.jit
+def select_kernel(
+    scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr, cand_ptr,
+    req_to_token_ptr, req_idx_ptr, heavy_k, threshold, cand_cap,
+    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+    stride_selb, stride_selr, stride_cb, stride_cr, stride_rt,
+    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
+):
+    # The whole selection after the high-byte histogram, in one launch. Every program writes the
+    # positions of its keys above the threshold bucket (high byte > digit0) straight to sel, and
+    # appends the keys inside the bucket to the row's candidate list; the row's last program to
+    # arrive resolves the bucket exactly by the low byte (a few percent of the row) and resets the
+    # row's histogram and counters for the next call. rowinfo: [arrivals, -, count above, count
+    # in bucket], zeroed by the score launch.
+    b = tl.program_id(0)
+    row = tl.program_id(1)
+    p = tl.program_id(2)
+    n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k, threshold)
+    if n > 0:
+        bins = tl.arange(0, 256)
+        hrow = hist_ptr + b * stride_hb + row * stride_hr
+        h0 = tl.load(hrow + bins)
+        digit0, above0 = _threshold_digit(h0, heavy_k)
+        info = rowinfo_ptr + b * stride_rib + row * stride_rir
+        srow = scores_ptr + b * stride_sb + row * stride_sr
+        out = sel_ptr + b * stride_selb + row * stride_selr
+        out_slot = sel_slot_ptr + b * stride_selb + row * stride_selr
+        cand = cand_ptr + b * stride_cb + row * stride_cr
+        rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
+        start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
+        # Count first, so the program reserves its output ranges with one pair of atomics.
+        c_gt = tl.full([], 0, tl.int32)
+        c_in = tl.full([], 0, tl.int32)
+        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+            offs = t + tl.arange(0, BLOCK_N)
+            nmask = offs < end
+            hb = _key16(_load_block(srow, offs, BLOCK_N)) >> 8
+            c_gt += tl.sum(((hb > digit0) & nmask).to(tl.int32), 0)
+            c_in += tl.sum(((hb == digit0) & nmask).to(tl.int32), 0)
+        base = tl.atomic_add(info + 2, c_gt, mask=c_gt > 0, sem="relaxed")
+        base_in = tl.atomic_add(info + 3, c_in, mask=c_in > 0, sem="relaxed")
+        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+            offs = t + tl.arange(0, BLOCK_N)
+            nmask = offs < end
+            hb = _key16(_load_block(srow, offs, BLOCK_N)) >> 8
+            gt = (hb > digit0) & nmask
+            inb = (hb == digit0) & nmask
+            # One scan for both ranks: the bucket count rides in the high half.
+            both = tl.cumsum(gt.to(tl.int32) + (inb.to(tl.int32) << 16), 0)
+            idx = base + (both & 0xFFFF) - 1
+            idx_in = base_in + (both >> 16) - 1
+            base += tl.sum(gt.to(tl.int32), 0)
+            base_in += tl.sum(inb.to(tl.int32), 0)
+            # The bounds never bind when the histogram is consistent; they keep a corrupted
+            # workspace from writing outside its rows.
+            w = gt & (idx < above0)
+            slot = tl.load(rt_row + offs, mask=w, other=0)
+            tl.store(out + idx, offs, mask=w)
+            tl.store(out_slot + idx, slot, mask=w)
+            tl.store(cand + idx_in, offs, mask=inb & (idx_in < cand_cap))
+        # Every thread's stores come before the arrival (barrier, then a gpu-scope release); the
+        # last arrival acquires them and reads the candidates past L1.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(info, 1, sem="acq_rel", scope="gpu")
+        if ticket == NUM_PROGS - 1:
+            # The bucket's members: the candidate list, or, if the bucket overflowed it (a rare,
+            # slow path that stays exact), the whole row filtered by the high byte.
+            m = tl.sum(tl.where(bins == digit0, h0, 0), 0)
+            over = m > cand_cap
+            cnt = tl.where(over, n, m)
+            need = heavy_k - above0
+            hlow = tl.zeros([256], tl.int32)
+            for t in range(0, cnt, BLOCK_N):
+                pos, key, fm = _bucket_block(cand, srow, t, cnt, over, digit0, BLOCK_N)
+                hlow += tl.histogram(key & 255, 256, mask=fm)
+            digit1, above1 = _threshold_digit(hlow, need)
+            ties = need - above1
+            base = above0
+            taken = tl.full([], 0, tl.int32)
+            for t in range(0, cnt, BLOCK_N):
+                pos, key, fm = _bucket_block(cand, srow, t, cnt, over, digit0, BLOCK_N)
+                low = key & 255
+                gt = (low > digit1) & fm
+                eq = (low == digit1) & fm
+                both = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)
+                idx = base + (both & 0xFFFF) - 1
+                rank = taken + (both >> 16) - 1
+                base += tl.sum(gt.to(tl.int32), 0)
+                taken += tl.sum(eq.to(tl.int32), 0)
+                w_eq = eq & (rank < ties)
+                dst = tl.where(gt, idx, above0 + above1 + rank)
+                w = (gt & (idx < above0 + above1)) | w_eq
+                slot = tl.load(rt_row + pos, mask=w, other=0)
+                tl.store(out + dst, pos, mask=w)
+                tl.store(out_slot + dst, slot, mask=w)
+            tl.store(hrow + bins, tl.zeros([256], tl.int32))
+            tl.store(info, 0)

@@ -17,7 +17,8 @@ import triton
 from ..reference import MODES
 from ..workspace import SCORE_PAD, DecodeWorkspace
 from .decode_attn import decode_attn_kernel, merge_kernel
-from .ds_select import compact_kernel, hist_high_kernel, hist_low_kernel, score_kernel
+from .ds_score import score_mma_kernel
+from .ds_select import compact_kernel, hist_high_kernel, hist_low_kernel, score_kernel, select_kernel
 from .rope import rope_kernel
 from .store import store_kv_kernel
 
@@ -159,6 +160,14 @@ TUNING = {
     "sparse_attn_programs_per_sm": 4, "sparse_attn_stages": 2,
     # Merge the split-K partials in the attention kernel's last split instead of a merge launch.
     "fuse_merge": False,
+    # Scoring: "mma" = all KV heads per program, one tensor-core product (ds_score.py);
+    # "rows" = one KV head per program (ds_select.score_kernel).
+    "score_impl": "mma", "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4, "mma_stages": 1,
+    # Attention loops software-pipelined by hand (decode_attn.py PREFETCH) instead of num_stages.
+    "dense_prefetch": False, "sparse_prefetch": True, "sparse_attn_block_n": 0,
+    # After the high-byte histogram: "fused" = one launch (ds_select.select_kernel: bucket members
+    # resolved by the row's last program); "two_pass" = hist_low_kernel + compact_kernel.
+    "select_impl": "fused",
 }
 # Benchmarks may override launch parameters without code changes (JSON, e.g. '{"fuse_merge": true}').
 TUNING.update(json.loads(os.environ.get("DOUBLESPARSE_TUNING", "{}")))
@@ -173,9 +182,11 @@ def _attn_block_n(programs_rows: int, device) -> int:
 
 
 def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-               sel, rows, heavy_k, threshold, per_head, num_splits, stages=None):
+               sel, rows, heavy_k, threshold, per_head, num_splits, stages=None, prefetch=False):
     B, Hq, D = q.shape
     block_n = _attn_block_n(B * rows, q.device)
+    if sel is not None and TUNING["sparse_attn_block_n"]:
+        block_n = TUNING["sparse_attn_block_n"]
     G = Hq // k_cache.shape[1]
     S = num_splits
     if not 1 <= S <= ws.max_splits:
@@ -198,7 +209,8 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
         G=G, D=D, PER_HEAD=per_head, HAS_SEL=has_sel, NUM_SPLITS=S,
         BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET, FUSE_MERGE=fuse, BLOCK_S=block_s,
-        num_warps=TUNING["attn_warps"], num_stages=stages or TUNING["attn_stages"],
+        PREFETCH=prefetch, num_warps=TUNING["attn_warps"],
+        num_stages=1 if prefetch else (stages or TUNING["attn_stages"]),
     )
     if not fuse:
         merge_kernel[(B, Hq)](
@@ -220,7 +232,7 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
     B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
     S = num_splits or dense_splits(B, Hkv, ws, q.device)
     return _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                      None, Hkv, 0, 0, False, S)
+                      None, Hkv, 0, 0, False, S, prefetch=bool(TUNING["dense_prefetch"]))
 
 
 
@@ -229,8 +241,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
               seq_lens, sm_scale, heavy_token_num, mode="group_max", threshold=0, num_sink=0,
               num_recent=0, ws=None, out=None, num_splits=None, num_progs=None, return_sel=False,
               stage="all"):
-    """See ops.ds_decode. ``stage`` ("score", "select", "attend", "all") runs a prefix or the last
-    part only, for the stage-by-stage benchmark; ``return_sel`` also returns the selection."""
+    """See ops.ds_decode. ``stage`` ("score", "hist", "select", "attend", "all") runs a prefix or
+    the last part only, for the stage-by-stage benchmark; ``return_sel`` also returns the selection."""
     B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
     dev = q.device
     r = _check_labels(label_cache, label_scale, channels, k_cache, dev)
@@ -261,18 +273,23 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         P = num_progs or max(1, min(triton.cdiv(TUNING["select_programs_per_sm"] * nsm, B * rows),
                                     triton.cdiv(ws.max_ctx, TUNING["select_block_n"])))
         is_fp8 = label_cache.dtype == torch.float8_e4m3fn
-        score_kernel[(B, Hkv, P_score)](
-            q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
-            scores, hist, info, float(sm_scale), k, int(threshold), int(num_sink), int(num_recent),
-            q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
-            req_to_token.stride(0), scores.stride(0), scores.stride(1),
-            hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
-            G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P_score,
-            BLOCK_H=triton.next_power_of_2(G), BLOCK_N=TUNING["score_block_n"],
-            BLOCK_R=triton.next_power_of_2(r), DO_HIST=score_hist,
-            LOOP_STAGES=TUNING["score_loop_stages"],
-            num_warps=TUNING["score_warps"], num_stages=TUNING["score_stages"],
-        )
+        if TUNING["score_impl"] == "mma":
+            score_hist = False
+            _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
+                       float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, num_progs)
+        else:
+            score_kernel[(B, Hkv, P_score)](
+                q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
+                scores, hist, info, float(sm_scale), k, int(threshold), int(num_sink), int(num_recent),
+                q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
+                req_to_token.stride(0), scores.stride(0), scores.stride(1),
+                hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
+                G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P_score,
+                BLOCK_H=triton.next_power_of_2(G), BLOCK_N=TUNING["score_block_n"],
+                BLOCK_R=triton.next_power_of_2(r), DO_HIST=score_hist,
+                LOOP_STAGES=TUNING["score_loop_stages"],
+                num_warps=TUNING["score_warps"], num_stages=TUNING["score_stages"],
+            )
         if stage == "score":
             return None
         common = (scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
@@ -285,13 +302,23 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             hist_high_kernel[(B, rows, P_hist)](scores, hist, seq_lens, k, int(threshold), *common,
                                                 NUM_PROGS=P_hist, BLOCK_N=hb, LOOP_STAGES=ls,
                                                 num_warps=sw, num_stages=TUNING["select_stages"])
-        hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
-                                      NUM_PROGS=P, BLOCK_N=sb, ATOMIC_HIST=TUNING["select_atomic_hist"],
-                                      LOOP_STAGES=ls, num_warps=sw, num_stages=TUNING["select_stages"])
-        compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx,
-                                     k, int(threshold), *common, sel.stride(0), sel.stride(1),
-                                     req_to_token.stride(0), NUM_PROGS=P, BLOCK_N=sb, LOOP_STAGES=ls,
-                                     num_warps=sw, num_stages=TUNING["select_stages"])
+        if stage == "hist":
+            return None
+        if TUNING["select_impl"] == "fused":
+            cand = ws.cand
+            select_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, sel_slot, cand, req_to_token,
+                                        req_idx, k, int(threshold), cand.shape[2], *common, sel.stride(0), sel.stride(1),
+                                        cand.stride(0), cand.stride(1), req_to_token.stride(0),
+                                        NUM_PROGS=P, BLOCK_N=sb, LOOP_STAGES=ls, num_warps=sw,
+                                        num_stages=TUNING["select_stages"])
+        else:
+            hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
+                                          NUM_PROGS=P, BLOCK_N=sb, ATOMIC_HIST=TUNING["select_atomic_hist"],
+                                          LOOP_STAGES=ls, num_warps=sw, num_stages=TUNING["select_stages"])
+            compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx,
+                                         k, int(threshold), *common, sel.stride(0), sel.stride(1),
+                                         req_to_token.stride(0), NUM_PROGS=P, BLOCK_N=sb, LOOP_STAGES=ls,
+                                         num_warps=sw, num_stages=TUNING["select_stages"])
         if stage == "select":
             return sel
     if num_splits is None:
@@ -299,8 +326,40 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev)), dense_splits(B, Hkv, ws, dev))
         num_splits = max(1, min(ws.max_splits, want, cap))
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                   sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"])
+                   sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"],
+                   prefetch=bool(TUNING["sparse_prefetch"]))
     return (o, sel) if return_sel else o
+
+
+def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
+               k, threshold, num_sink, num_recent, mode, num_progs=None):
+    """Stage 1 with ds_score.score_mma_kernel: grid (B, P), every KV head per program."""
+    B, Hq, _ = q.shape
+    Hkv, r = label_cache.shape[1], label_cache.shape[2]
+    if label_cache.stride(2) != 1:
+        _fail(f"label_cache must be contiguous in its last dim (stride {label_cache.stride()})")
+    G = Hq // Hkv
+    g_p = triton.next_power_of_2(G)
+    hkv_p = max(triton.next_power_of_2(Hkv), triton.cdiv(16, g_p))
+    block_c = max(16, triton.next_power_of_2(Hkv * r))
+    # About 16-32 KB of labels per tile, whatever Hkv * r is.
+    block_n = max(16, min(TUNING["mma_block_n"], 16384 // block_c))
+    P = num_progs or max(1, min(triton.cdiv(TUNING["mma_programs_per_sm"] * _num_sms(q.device), B),
+                                triton.cdiv(ws.max_ctx, block_n)))
+    is_fp8 = label_cache.dtype == torch.float8_e4m3fn
+    kind = {torch.float16: 1, torch.float32: 2}.get(label_cache.dtype, 0)
+    scores, hist, info = ws.scores, ws.hist, ws.rowinfo
+    rows = Hq if mode == "per_head" else Hkv
+    score_mma_kernel[(B, P)](
+        q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
+        scores, hist, info, sm_scale, k, threshold, num_sink, num_recent,
+        q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
+        req_to_token.stride(0), scores.stride(0), scores.stride(1),
+        hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
+        HKV=Hkv, G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, LABEL_KIND=kind, NUM_PROGS=P,
+        BLOCK_N=block_n, BLOCK_C=block_c, HKV_P=hkv_p, G_P=g_p, ROWS_P=triton.next_power_of_2(rows),
+        DOT_F32=_INTERPRET, num_warps=TUNING["mma_warps"], num_stages=TUNING["mma_stages"],
+    )
 
 
 def rope(positions, q, k, cos, sin):
