@@ -1,6 +1,6 @@
 """Drive the decode kernels for a profiler (ncu) at one shape, eagerly, a few times each.
 
-    ncu --clock-control none -k regex:'score|hist_low|compact|decode_attn|merge' --launch-skip 5 \
+    ncu --clock-control none -k regex:'score|hist|compact|select|decode_attn|merge' --launch-skip 5 \
         --launch-count 5 --set full python benchmarks/profile_kernels.py [--batch 3 --ctx 65536]
 
 ``--dump DIR`` also writes the compiled score/select kernels (TTGIR, PTX, cubin) there.
@@ -28,7 +28,11 @@ def main():
     ap.add_argument("--mode", default="group_max")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--dump", default=None)
+    ap.add_argument("--tuning", default=None, help="JSON dict overriding launch.TUNING")
     args = ap.parse_args()
+    if args.tuning:
+        import json
+        launch.TUNING.update(json.loads(args.tuning))
     dev = torch.device("cuda")
     B, L = args.batch, args.ctx
     k = args.k or L // 16
@@ -43,8 +47,9 @@ def main():
     torch.cuda.synchronize()
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
-        from doublesparse.kernels.triton import ds_select, decode_attn
-        for fn in (ds_select.score_kernel, ds_select.hist_low_kernel, ds_select.compact_kernel,
+        from doublesparse.kernels.triton import decode_attn, ds_score, ds_select
+        for fn in (ds_score.score_mma_kernel, ds_select.score_kernel, ds_select.hist_high_kernel,
+                   ds_select.hist_low_kernel, ds_select.compact_kernel,
                    decode_attn.decode_attn_kernel):
             for dev_cache in fn.device_caches.values():
                 for i, kern in enumerate(dev_cache[0].values()):

@@ -90,20 +90,6 @@ def test_dense_decode_fused_merge(monkeypatch):
     assert int(ws.split_count.abs().sum()) == 0
 
 
-def test_dense_decode_prefetch(monkeypatch):
-    """The hand-pipelined attention loop (launch.TUNING["dense_prefetch"]) equals the reference,
-    with splits shorter than, equal to and longer than two tiles."""
-    monkeypatch.setitem(launch.TUNING, "dense_prefetch", True)
-    c = make_case([1, 130, 77, 300], 9, 3, 64, device=DEVICE, seed=37)
-    exp = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens, c.sm_scale)
-    for splits in (1, 3, 8):
-        out = torch.full_like(c.q, float("nan"))
-        launch.dense_decode(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens,
-                            c.sm_scale, make_ws(c), out=out, num_splits=splits)
-        assert not out.isnan().any()
-        assert rel_err(out, exp) < TOL[torch.bfloat16]
-
-
 def test_dense_decode_fp16_fp32():
     for dt in (torch.float16, torch.float32):
         c = make_case([40, 9], 4, 2, 64, dtype=dt, device=DEVICE, seed=3)
@@ -178,12 +164,13 @@ def test_ds_decode(case, mode, label_dtype):
 
 
 PIPELINES = [
-    {"score_impl": "rows", "score_hist": False, "fuse_merge": True, "select_impl": "two_pass"},
+    {"score_impl": "rows", "score_hist": False, "fuse_merge": True},       # separate high-byte histogram pass
     {"score_impl": "rows", "score_hist": False, "score_loop_stages": 3, "select_loop_stages": 2, "hist_block_n": 256},
-    {"score_impl": "rows", "score_hist": True, "score_loop_stages": 2, "select_impl": "two_pass"},
-    {"score_impl": "mma", "mma_block_n": 32, "select_impl": "two_pass"},
+    {"score_impl": "rows", "score_hist": True, "score_loop_stages": 2},    # histogram in the score launch
+    {"score_impl": "mma", "mma_block_n": 32, "sparse_attn_block_n": 32},
     {"score_impl": "mma", "mma_stages": 2, "select_block_n": 256},
-    {"score_impl": "mma", "sparse_prefetch": False},
+    {"score_impl": "mma", "mma_hist": True},
+    {"score_impl": "mma", "mma_hist": True, "mma_block_n": 16},
 ]
 
 
@@ -204,25 +191,6 @@ def test_ds_select_pipelines(tuning, mode, monkeypatch):
         _check_selection(c, ws, sel, k, mode)
         assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
     assert int(ws.hist[0].abs().sum()) == 0  # hist[1] is cleared by the next call's score launch
-
-
-@pytest.mark.parametrize("cap", [1, 7])
-def test_ds_select_bucket_overflow(cap, monkeypatch):
-    """A threshold bucket larger than the candidate list is resolved from the score row: still
-    the exact top-k, and the workspace is left clean."""
-    from doublesparse.kernels import workspace
-
-    monkeypatch.setattr(workspace, "CAND_MIN", cap)
-    monkeypatch.setattr(workspace, "CAND_PER_K", 0)
-    for mode in ("per_head", "group_max"):
-        c = make_case([300, 41, 517], 9, 3, 64, r=16, device=DEVICE, seed=_seed(cap, mode), max_ctx=520)
-        ws = make_ws(c, max_heavy_tokens=64)
-        assert ws.cand.shape[2] == cap
-        out = torch.full_like(c.q, float("nan"))
-        _, sel = launch.ds_decode(*c.args(), c.sm_scale, 40, mode, ws=ws, out=out, num_progs=2, return_sel=True)
-        _check_selection(c, ws, sel, 40, mode)
-        assert rel_err(out, _expected_output(c, sel, 40, mode)) < TOL[torch.bfloat16]
-        assert int(ws.hist[0].abs().sum()) == 0
 
 
 def test_ds_repeated_calls_keep_workspace_clean():

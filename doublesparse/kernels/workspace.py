@@ -12,7 +12,6 @@ import torch
 
 HIST_BINS = 256  # radix digit of the top-k select: 8 bits, two passes over fp16 score keys
 SCORE_PAD = 4096  # >= the select kernels' block: they read whole blocks of a score row
-CAND_MIN, CAND_PER_K = 4096, 2  # candidate list per row: max(4096, 2 k), at most max_ctx
 
 
 @dataclass
@@ -61,10 +60,6 @@ class DecodeWorkspace:
             # Per row: [high digit, rank left after the high digit, count written (>), count written (==)]
             self.buffers["rowinfo"] = torch.zeros(B, Hq, 4, **i32)
             self.buffers["sel"] = torch.empty(B, Hq, self.max_heavy_tokens, **i32)
-            # Positions inside the threshold's high-byte bucket, per row (ds_select.select_kernel);
-            # a bucket that overflows it is resolved from the score row instead (slower, exact).
-            cap = min(self.max_ctx, max(CAND_MIN, CAND_PER_K * self.max_heavy_tokens))
-            self.buffers["cand"] = torch.empty(B, Hq, cap, **i32)
             # The cache slots of sel's positions; zero (the padding slot) until written, so a
             # stale entry can never address outside the pool.
             self.buffers["sel_slot"] = torch.zeros(B, Hq, self.max_heavy_tokens, **i32)

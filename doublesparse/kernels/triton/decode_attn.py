@@ -50,7 +50,7 @@ def decode_attn_kernel(
     G: tl.constexpr, D: tl.constexpr,
     PER_HEAD: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PREFETCH: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
@@ -92,29 +92,13 @@ def decode_attn_kernel(
     rt_row = req_to_token_ptr + req * stride_rt
     ar = tl.arange(0, BLOCK_N)
     FULL_D: tl.constexpr = BLOCK_D == D
-    if PREFETCH:
-        # Software-pipelined by hand: the next tile's K/V rows and the slots of the one after
-        # are in flight while a tile is computed (Triton's pipeliner waits for the slot load and
-        # the gather it feeds together, so one tile is in flight and none overlaps the math).
-        slot_after = _tile_slots(sel_row, rt_row, start + BLOCK_N + ar, end, sparse, HAS_SEL)
-        slot0 = _tile_slots(sel_row, rt_row, start + ar, end, sparse, HAS_SEL)
-        k_next = _tile_rows(k_cache_ptr, slot0, kvh, stride_kcs, stride_kch, start + ar < end, d, dmask, FULL_D)
-        v_next = _tile_rows(v_cache_ptr, slot0, kvh, stride_vcs, stride_vch, start + ar < end, d, dmask, FULL_D)
     for t in range(start, end, BLOCK_N):
         offs = t + ar
         nmask = offs < end
-        if PREFETCH:
-            k = k_next
-            v = v_next
-            nxt = offs + BLOCK_N < end
-            k_next = _tile_rows(k_cache_ptr, slot_after, kvh, stride_kcs, stride_kch, nxt, d, dmask, FULL_D)
-            v_next = _tile_rows(v_cache_ptr, slot_after, kvh, stride_vcs, stride_vch, nxt, d, dmask, FULL_D)
-            slot_after = _tile_slots(sel_row, rt_row, offs + 2 * BLOCK_N, end, sparse, HAS_SEL)
-        else:
-            slot = _tile_slots(sel_row, rt_row, offs, end, sparse, HAS_SEL)
-            k = _tile_rows(k_cache_ptr, slot, kvh, stride_kcs, stride_kch, nmask, d, dmask, FULL_D)
-            # Issued before the softmax so both rows' loads are in flight together.
-            v = _tile_rows(v_cache_ptr, slot, kvh, stride_vcs, stride_vch, nmask, d, dmask, FULL_D)
+        slot = _tile_slots(sel_row, rt_row, offs, end, sparse, HAS_SEL)
+        k = _tile_rows(k_cache_ptr, slot, kvh, stride_kcs, stride_kch, nmask, d, dmask, FULL_D)
+        # Issued before the softmax so both rows' loads are in flight together.
+        v = _tile_rows(v_cache_ptr, slot, kvh, stride_vcs, stride_vch, nmask, d, dmask, FULL_D)
         if DOT_F32:
             # Triton 3.6's interpreter computes bf16 dots wrongly; upcast there only.
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))

@@ -18,7 +18,7 @@ from ..reference import MODES
 from ..workspace import SCORE_PAD, DecodeWorkspace
 from .decode_attn import decode_attn_kernel, merge_kernel
 from .ds_score import score_mma_kernel
-from .ds_select import compact_kernel, hist_high_kernel, hist_low_kernel, score_kernel, select_kernel
+from .ds_select import compact_kernel, hist_high_kernel, hist_low_kernel, score_kernel
 from .rope import rope_kernel
 from .store import store_kv_kernel
 
@@ -163,11 +163,10 @@ TUNING = {
     # Scoring: "mma" = all KV heads per program, one tensor-core product (ds_score.py);
     # "rows" = one KV head per program (ds_select.score_kernel).
     "score_impl": "mma", "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4, "mma_stages": 1,
-    # Attention loops software-pipelined by hand (decode_attn.py PREFETCH) instead of num_stages.
-    "dense_prefetch": False, "sparse_prefetch": True, "sparse_attn_block_n": 0,
-    # After the high-byte histogram: "fused" = one launch (ds_select.select_kernel: bucket members
-    # resolved by the row's last program); "two_pass" = hist_low_kernel + compact_kernel.
-    "select_impl": "fused",
+    # Group modes: the mma score kernel also makes the high-byte histogram (no hist_high launch).
+    "mma_hist": False,
+    # Tile of the attention over the selected tokens (0: the dense kernel's rule).
+    "sparse_attn_block_n": 0,
 }
 # Benchmarks may override launch parameters without code changes (JSON, e.g. '{"fuse_merge": true}').
 TUNING.update(json.loads(os.environ.get("DOUBLESPARSE_TUNING", "{}")))
@@ -182,7 +181,7 @@ def _attn_block_n(programs_rows: int, device) -> int:
 
 
 def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-               sel, rows, heavy_k, threshold, per_head, num_splits, stages=None, prefetch=False):
+               sel, rows, heavy_k, threshold, per_head, num_splits, stages=None):
     B, Hq, D = q.shape
     block_n = _attn_block_n(B * rows, q.device)
     if sel is not None and TUNING["sparse_attn_block_n"]:
@@ -209,8 +208,7 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
         G=G, D=D, PER_HEAD=per_head, HAS_SEL=has_sel, NUM_SPLITS=S,
         BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET, FUSE_MERGE=fuse, BLOCK_S=block_s,
-        PREFETCH=prefetch, num_warps=TUNING["attn_warps"],
-        num_stages=1 if prefetch else (stages or TUNING["attn_stages"]),
+        num_warps=TUNING["attn_warps"], num_stages=stages or TUNING["attn_stages"],
     )
     if not fuse:
         merge_kernel[(B, Hq)](
@@ -232,7 +230,7 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
     B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
     S = num_splits or dense_splits(B, Hkv, ws, q.device)
     return _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                      None, Hkv, 0, 0, False, S, prefetch=bool(TUNING["dense_prefetch"]))
+                      None, Hkv, 0, 0, False, S)
 
 
 
@@ -274,9 +272,10 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
                                     triton.cdiv(ws.max_ctx, TUNING["select_block_n"])))
         is_fp8 = label_cache.dtype == torch.float8_e4m3fn
         if TUNING["score_impl"] == "mma":
-            score_hist = False
+            score_hist = bool(TUNING["mma_hist"]) and not per_head
             _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
-                       float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, num_progs)
+                       float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, num_progs,
+                       score_hist)
         else:
             score_kernel[(B, Hkv, P_score)](
                 q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
@@ -304,21 +303,13 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
                                                 num_warps=sw, num_stages=TUNING["select_stages"])
         if stage == "hist":
             return None
-        if TUNING["select_impl"] == "fused":
-            cand = ws.cand
-            select_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, sel_slot, cand, req_to_token,
-                                        req_idx, k, int(threshold), cand.shape[2], *common, sel.stride(0), sel.stride(1),
-                                        cand.stride(0), cand.stride(1), req_to_token.stride(0),
-                                        NUM_PROGS=P, BLOCK_N=sb, LOOP_STAGES=ls, num_warps=sw,
-                                        num_stages=TUNING["select_stages"])
-        else:
-            hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
-                                          NUM_PROGS=P, BLOCK_N=sb, ATOMIC_HIST=TUNING["select_atomic_hist"],
-                                          LOOP_STAGES=ls, num_warps=sw, num_stages=TUNING["select_stages"])
-            compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx,
-                                         k, int(threshold), *common, sel.stride(0), sel.stride(1),
-                                         req_to_token.stride(0), NUM_PROGS=P, BLOCK_N=sb, LOOP_STAGES=ls,
-                                         num_warps=sw, num_stages=TUNING["select_stages"])
+        hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
+                                      NUM_PROGS=P, BLOCK_N=sb, ATOMIC_HIST=TUNING["select_atomic_hist"],
+                                      LOOP_STAGES=ls, num_warps=sw, num_stages=TUNING["select_stages"])
+        compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx,
+                                     k, int(threshold), *common, sel.stride(0), sel.stride(1),
+                                     req_to_token.stride(0), NUM_PROGS=P, BLOCK_N=sb, LOOP_STAGES=ls,
+                                     num_warps=sw, num_stages=TUNING["select_stages"])
         if stage == "select":
             return sel
     if num_splits is None:
@@ -326,13 +317,12 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev)), dense_splits(B, Hkv, ws, dev))
         num_splits = max(1, min(ws.max_splits, want, cap))
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                   sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"],
-                   prefetch=bool(TUNING["sparse_prefetch"]))
+                   sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"])
     return (o, sel) if return_sel else o
 
 
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
-               k, threshold, num_sink, num_recent, mode, num_progs=None):
+               k, threshold, num_sink, num_recent, mode, num_progs=None, do_hist=False):
     """Stage 1 with ds_score.score_mma_kernel: grid (B, P), every KV head per program."""
     B, Hq, _ = q.shape
     Hkv, r = label_cache.shape[1], label_cache.shape[2]
@@ -358,7 +348,7 @@ def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq
         hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
         HKV=Hkv, G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, LABEL_KIND=kind, NUM_PROGS=P,
         BLOCK_N=block_n, BLOCK_C=block_c, HKV_P=hkv_p, G_P=g_p, ROWS_P=triton.next_power_of_2(rows),
-        DOT_F32=_INTERPRET, num_warps=TUNING["mma_warps"], num_stages=TUNING["mma_stages"],
+        DOT_F32=_INTERPRET, DO_HIST=do_hist, num_warps=TUNING["mma_warps"], num_stages=TUNING["mma_stages"],
     )
 
 
