@@ -318,8 +318,9 @@ def test_triton_path_matches_reference(model, ds):
     import os
 
     from doublesparse.kernels.workspace import DecodeWorkspace
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1 (on a GPU, test_fused's CUDA tests "
+                    "drive the compiled kernels through the engine)")
     kw = dict(enable_double_sparsity=ds, ds_heavy_token_num=8, max_running_requests=2, max_total_tokens=256)
     ps = prompts(2, seed=8, lo=10, hi=20)
     sp = {**GREEDY, "max_new_tokens": 4}

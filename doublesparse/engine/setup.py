@@ -94,8 +94,17 @@ def _model_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
+def _model_device(model) -> torch.device:
+    d = getattr(model, "device", None)
+    return d if isinstance(d, torch.device) else next(model.parameters()).device
+
+
 def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool = True) -> EngineParts:
     device = torch.device(cfg.resolved_device)
+    if model is not None and not cfg.device:
+        # A model built by the caller runs where it lives (a CPU model on a GPU machine too).
+        device = _model_device(model)
+        cfg = cfg.replace(device=str(device))
     if model is None:
         model, loaded_tok = load(cfg, device, progress)
         tokenizer = loaded_tok if tokenizer is _UNSET or tokenizer is None else tokenizer
