@@ -19,7 +19,7 @@ head's G_P columns (sum, or max with the padding columns at -inf).
 import triton
 import triton.language as tl
 
-from .ds_select import FP16_MAX, _key16, _sparse_len, _split_range
+from .ds_select import FP16_MAX, _sparse_len, _split_range
 
 
 @triton.jit
@@ -48,11 +48,10 @@ def score_mma_kernel(
     HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr,
     LABEL_FP8: tl.constexpr, LABEL_KIND: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HKV_P: tl.constexpr, G_P: tl.constexpr,
-    ROWS_P: tl.constexpr, DOT_F32: tl.constexpr, DO_HIST: tl.constexpr,
+    ROWS_P: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # One program: (batch entry, slice of positions), all KV heads. MODE 0 = per query head (one
-    # score row per query head), 1 = group sum, 2 = group max (one row per KV head). DO_HIST
-    # (group modes): also add the 256-bin histogram of the keys' high byte into hist[0].
+    # score row per query head), 1 = group sum, 2 = group max (one row per KV head).
     # LABEL_KIND: 0 = bf16 or fp8 labels (bf16 products), 1 = fp16 (fp16 products), 2 = fp32.
     b = tl.program_id(0)
     p = tl.program_id(1)
@@ -106,7 +105,6 @@ def score_mma_kernel(
     slot_after = _slots(rt_row, start + BLOCK_N + ar, end)
     lab_next = _labels(label_ptr, _slots(rt_row, start + ar, end), start + ar < end, lab_off, cmask,
                        stride_ls, BLOCK_C == HKV * R)
-    hist = tl.zeros([HKV_P, 256], tl.int32)
     for t in range(start, end, BLOCK_N):
         offs = t + ar
         nmask = offs < end
@@ -135,16 +133,5 @@ def score_mma_kernel(
             else:
                 red = tl.sum(s3, 2)  # padding columns of Q are zero
             v = tl.where(keep[:, None], FP16_MAX, tl.minimum(tl.maximum(red, -FP16_MAX), FP16_MAX))
-            v16 = v.to(tl.float16)
-            tl.store(srow + kv[None, :] * stride_sr + offs[:, None], v16,
+            tl.store(srow + kv[None, :] * stride_sr + offs[:, None], v.to(tl.float16),
                      mask=nmask[:, None] & (kv < HKV)[None, :])
-            if DO_HIST:
-                # The high-byte histogram of each KV head's keys, while the next tile's labels
-                # are in flight (the loop waits on memory, not on its arithmetic).
-                hb = _key16(v16) >> 8
-                for i in tl.static_range(HKV):
-                    hcol = tl.sum(tl.where(kv[None, :] == i, hb, 0), 1)
-                    hist += tl.where(kv[:, None] == i, tl.histogram(hcol, 256, mask=nmask)[None, :], 0)
-    if DO_HIST:
-        tl.atomic_add(hist_ptr + b * stride_hb + kv[:, None] * stride_hr + tl.arange(0, 256)[None, :], hist,
-                      mask=(hist > 0) & (kv < HKV)[:, None], sem="relaxed")

@@ -161,10 +161,12 @@ TUNING = {
     # Merge the split-K partials in the attention kernel's last split instead of a merge launch.
     "fuse_merge": False,
     # Scoring: "mma" = all KV heads per program, one tensor-core product (ds_score.py);
-    # "rows" = one KV head per program (ds_select.score_kernel).
-    "score_impl": "mma", "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4, "mma_stages": 1,
-    # Group modes: the mma score kernel also makes the high-byte histogram (no hist_high launch).
-    "mma_hist": False,
+    # "rows" = one KV head per program (ds_select.score_kernel); "auto" = mma while Hkv * r <= 256
+    # (its product is block-diagonal over KV heads, so its waste grows with Hkv). Measured on an
+    # H200: Llama-3.1-8B (8 x 16) mma 20.6 vs rows 26.9 us per layer at 64K x 3; LongChat-7B
+    # (32 x 16) rows 6.78 vs mma 7.60 ms per decode step at 20K x 3 (results/).
+    "score_impl": "auto", "mma_max_channels": 256,
+    "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4, "mma_stages": 1,
     # Tile of the attention over the selected tokens (0: the dense kernel's rule).
     "sparse_attn_block_n": 0,
 }
@@ -271,11 +273,13 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         P = num_progs or max(1, min(triton.cdiv(TUNING["select_programs_per_sm"] * nsm, B * rows),
                                     triton.cdiv(ws.max_ctx, TUNING["select_block_n"])))
         is_fp8 = label_cache.dtype == torch.float8_e4m3fn
-        if TUNING["score_impl"] == "mma":
-            score_hist = bool(TUNING["mma_hist"]) and not per_head
+        impl = TUNING["score_impl"]
+        if impl == "auto":
+            impl = "mma" if Hkv * r <= TUNING["mma_max_channels"] else "rows"
+        if impl == "mma":
+            score_hist = False
             _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
-                       float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, num_progs,
-                       score_hist)
+                       float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, num_progs)
         else:
             score_kernel[(B, Hkv, P_score)](
                 q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
@@ -322,7 +326,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
 
 
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
-               k, threshold, num_sink, num_recent, mode, num_progs=None, do_hist=False):
+               k, threshold, num_sink, num_recent, mode, num_progs=None):
     """Stage 1 with ds_score.score_mma_kernel: grid (B, P), every KV head per program."""
     B, Hq, _ = q.shape
     Hkv, r = label_cache.shape[1], label_cache.shape[2]
@@ -348,7 +352,7 @@ def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq
         hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
         HKV=Hkv, G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, LABEL_KIND=kind, NUM_PROGS=P,
         BLOCK_N=block_n, BLOCK_C=block_c, HKV_P=hkv_p, G_P=g_p, ROWS_P=triton.next_power_of_2(rows),
-        DOT_F32=_INTERPRET, DO_HIST=do_hist, num_warps=TUNING["mma_warps"], num_stages=TUNING["mma_stages"],
+        DOT_F32=_INTERPRET, num_warps=TUNING["mma_warps"], num_stages=TUNING["mma_stages"],
     )
 
 
