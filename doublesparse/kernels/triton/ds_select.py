@@ -330,4 +330,3 @@ def compact_kernel(
         slot = tl.load(rt_row + offs, mask=w, other=0)
         tl.store(out + dst, offs, mask=w)
         tl.store(out_slot + dst, slot, mask=w)
-
