@@ -166,7 +166,7 @@ TUNING = {
     # H200: Llama-3.1-8B (8 x 16) mma 20.6 vs rows 26.9 us per layer at 64K x 3; LongChat-7B
     # (32 x 16) rows 6.78 vs mma 7.60 ms per decode step at 20K x 3 (results/).
     "score_impl": "auto", "mma_max_channels": 256,
-    "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4, "mma_stages": 1,
+    "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4, "mma_stages": 1, "mma_depth": 1,
     # Tile of the attention over the selected tokens (0: the dense kernel's rule).
     "sparse_attn_block_n": 0,
 }
@@ -352,7 +352,8 @@ def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq
         hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
         HKV=Hkv, G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, LABEL_KIND=kind, NUM_PROGS=P,
         BLOCK_N=block_n, BLOCK_C=block_c, HKV_P=hkv_p, G_P=g_p, ROWS_P=triton.next_power_of_2(rows),
-        DOT_F32=_INTERPRET, num_warps=TUNING["mma_warps"], num_stages=TUNING["mma_stages"],
+        DOT_F32=_INTERPRET, DEPTH=TUNING["mma_depth"], num_warps=TUNING["mma_warps"],
+        num_stages=TUNING["mma_stages"],
     )
 
 
