@@ -167,8 +167,8 @@ PIPELINES = [
     {"score_impl": "rows", "score_hist": False, "fuse_merge": True},       # separate high-byte histogram pass
     {"score_impl": "rows", "score_hist": False, "score_loop_stages": 3, "select_loop_stages": 2, "hist_block_n": 256},
     {"score_impl": "rows", "score_hist": True, "score_loop_stages": 2},    # histogram in the score launch
-    {"score_impl": "mma", "mma_block_n": 32, "sparse_attn_block_n": 32},
-    {"score_impl": "mma", "mma_stages": 2, "select_block_n": 256},
+    {"score_impl": "mma", "mma_block_n": 32},
+    {"score_impl": "mma", "select_block_n": 256},
     {"score_impl": "mma", "mma_block_n": 16, "mma_depth": 2},
 ]
 

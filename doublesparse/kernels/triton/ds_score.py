@@ -64,9 +64,9 @@ def score_mma_kernel(
         bins = tl.arange(0, 256)
         tl.store(hist_ptr + stride_hp + b * stride_hb + rr[:, None] * stride_hr + bins[None, :],
                  tl.zeros([ROWS_P, 256], tl.int32), mask=(rr < ROWS)[:, None])
-        four = tl.arange(0, 4)
-        tl.store(rowinfo_ptr + b * stride_rib + rr[:, None] * stride_rir + four[None, :],
-                 tl.zeros([ROWS_P, 4], tl.int32), mask=(rr < ROWS)[:, None])
+        two = 2 + tl.arange(0, 2)
+        tl.store(rowinfo_ptr + b * stride_rib + rr[:, None] * stride_rir + two[None, :],
+                 tl.zeros([ROWS_P, 2], tl.int32), mask=(rr < ROWS)[:, None])
 
     # Q: [BLOCK_C, HKV_P * G_P], block-diagonal over KV heads.
     c = tl.arange(0, BLOCK_C)

@@ -138,12 +138,12 @@ def score_kernel(
             for i in tl.static_range(G):
                 tl.store(hist_ptr + stride_hp + b * stride_hb + (kvh * G + i) * stride_hr + bins,
                          tl.zeros([256], tl.int32))
-                tl.store(rowinfo_ptr + b * stride_rib + (kvh * G + i) * stride_rir + tl.arange(0, 4),
-                         tl.zeros([4], tl.int32))
+                tl.store(rowinfo_ptr + b * stride_rib + (kvh * G + i) * stride_rir + 2 + tl.arange(0, 2),
+                         tl.zeros([2], tl.int32))
         else:
             tl.store(hist_ptr + stride_hp + b * stride_hb + kvh * stride_hr + bins, tl.zeros([256], tl.int32))
-            tl.store(rowinfo_ptr + b * stride_rib + kvh * stride_rir + tl.arange(0, 4),
-                     tl.zeros([4], tl.int32))
+            tl.store(rowinfo_ptr + b * stride_rib + kvh * stride_rir + 2 + tl.arange(0, 2),
+                     tl.zeros([2], tl.int32))
 
     r = tl.arange(0, BLOCK_R)
     rmask = r < R

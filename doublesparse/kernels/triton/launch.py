@@ -166,9 +166,7 @@ TUNING = {
     # H200: Llama-3.1-8B (8 x 16) mma 20.6 vs rows 26.9 us per layer at 64K x 3; LongChat-7B
     # (32 x 16) rows 6.78 vs mma 7.60 ms per decode step at 20K x 3 (results/).
     "score_impl": "auto", "mma_max_channels": 256,
-    "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4, "mma_stages": 1, "mma_depth": 1,
-    # Tile of the attention over the selected tokens (0: the dense kernel's rule).
-    "sparse_attn_block_n": 0,
+    "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4, "mma_depth": 1,
 }
 # Benchmarks may override launch parameters without code changes (JSON, e.g. '{"fuse_merge": true}').
 TUNING.update(json.loads(os.environ.get("DOUBLESPARSE_TUNING", "{}")))
@@ -186,8 +184,6 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
                sel, rows, heavy_k, threshold, per_head, num_splits, stages=None):
     B, Hq, D = q.shape
     block_n = _attn_block_n(B * rows, q.device)
-    if sel is not None and TUNING["sparse_attn_block_n"]:
-        block_n = TUNING["sparse_attn_block_n"]
     G = Hq // k_cache.shape[1]
     S = num_splits
     if not 1 <= S <= ws.max_splits:
@@ -330,8 +326,6 @@ def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq
     """Stage 1 with ds_score.score_mma_kernel: grid (B, P), every KV head per program."""
     B, Hq, _ = q.shape
     Hkv, r = label_cache.shape[1], label_cache.shape[2]
-    if label_cache.stride(2) != 1:
-        _fail(f"label_cache must be contiguous in its last dim (stride {label_cache.stride()})")
     G = Hq // Hkv
     g_p = triton.next_power_of_2(G)
     hkv_p = max(triton.next_power_of_2(Hkv), triton.cdiv(16, g_p))
@@ -353,7 +347,7 @@ def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq
         HKV=Hkv, G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, LABEL_KIND=kind, NUM_PROGS=P,
         BLOCK_N=block_n, BLOCK_C=block_c, HKV_P=hkv_p, G_P=g_p, ROWS_P=triton.next_power_of_2(rows),
         DOT_F32=_INTERPRET, DEPTH=TUNING["mma_depth"], num_warps=TUNING["mma_warps"],
-        num_stages=TUNING["mma_stages"],
+        num_stages=1,  # the loop is pipelined by hand; Triton's pipeliner would only serialize it
     )
 
 
