@@ -48,7 +48,7 @@ def score_mma_kernel(
     HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr,
     LABEL_FP8: tl.constexpr, LABEL_KIND: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HKV_P: tl.constexpr, G_P: tl.constexpr,
-    ROWS_P: tl.constexpr, DOT_F32: tl.constexpr, DEPTH: tl.constexpr,
+    ROWS_P: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # One program: (batch entry, slice of positions), all KV heads. MODE 0 = per query head (one
     # score row per query head), 1 = group sum, 2 = group max (one row per KV head).
@@ -102,25 +102,18 @@ def score_mma_kernel(
     # Software-pipelined by hand: while a tile is scored, the next tile's labels and the slots of
     # the one after are in flight. (Triton's pipeliner waits for the index load and the gather it
     # feeds together, which leaves one tile in flight and none overlapping the math.)
-    # DEPTH tiles of labels ahead (1 or 2): more bytes in flight for more registers.
+    # (Two tiles of labels in flight, for more registers, measured slower on an H200: 75.5 vs
+    # 66.6 us for the whole DS step at 64K x 3, benchmarks/gpu_s5a.sh.)
     FULL: tl.constexpr = BLOCK_C == HKV * R
-    slot_after = _slots(rt_row, start + DEPTH * BLOCK_N + ar, end)
+    slot_after = _slots(rt_row, start + BLOCK_N + ar, end)
     lab_next = _labels(label_ptr, _slots(rt_row, start + ar, end), start + ar < end, lab_off, cmask,
                        stride_ls, FULL)
-    if DEPTH == 2:
-        lab_next2 = _labels(label_ptr, _slots(rt_row, start + BLOCK_N + ar, end), start + BLOCK_N + ar < end,
-                            lab_off, cmask, stride_ls, FULL)
     for t in range(start, end, BLOCK_N):
         offs = t + ar
         nmask = offs < end
         lab = lab_next
-        if DEPTH == 2:
-            lab_next = lab_next2
-            lab_next2 = _labels(label_ptr, slot_after, offs + 2 * BLOCK_N < end, lab_off, cmask,
-                                stride_ls, FULL)
-        else:
-            lab_next = _labels(label_ptr, slot_after, offs + BLOCK_N < end, lab_off, cmask, stride_ls, FULL)
-        slot_after = _slots(rt_row, offs + (DEPTH + 1) * BLOCK_N, end)
+        lab_next = _labels(label_ptr, slot_after, offs + BLOCK_N < end, lab_off, cmask, stride_ls, FULL)
+        slot_after = _slots(rt_row, offs + 2 * BLOCK_N, end)
         if DOT_F32:
             # The interpreter: plain fp32 products (its low-precision dots are not reliable).
             s = tl.dot(lab.to(tl.float32), qv)

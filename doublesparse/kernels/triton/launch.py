@@ -166,7 +166,10 @@ TUNING = {
     # H200: Llama-3.1-8B (8 x 16) mma 20.6 vs rows 26.9 us per layer at 64K x 3; LongChat-7B
     # (32 x 16) rows 6.78 vs mma 7.60 ms per decode step at 20K x 3 (results/).
     "score_impl": "auto", "mma_max_channels": 256,
-    "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4, "mma_depth": 1,
+    "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4,
+    # Select experiments (session 5): per-key atomics instead of the block histogram (hist_high) or
+    # instead of the count pass + block scan (compact); warps of the hist_high programs.
+    "hist_atomic": False, "compact_atomic": False, "hist_warps": 4,
 }
 # Benchmarks may override launch parameters without code changes (JSON, e.g. '{"fuse_merge": true}').
 TUNING.update(json.loads(os.environ.get("DOUBLESPARSE_TUNING", "{}")))
@@ -300,7 +303,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
                                              triton.cdiv(ws.max_ctx, hb)))
             hist_high_kernel[(B, rows, P_hist)](scores, hist, seq_lens, k, int(threshold), *common,
                                                 NUM_PROGS=P_hist, BLOCK_N=hb, LOOP_STAGES=ls,
-                                                num_warps=sw, num_stages=TUNING["select_stages"])
+                                                ATOMIC=bool(TUNING["hist_atomic"]),
+                                                num_warps=TUNING["hist_warps"], num_stages=TUNING["select_stages"])
         if stage == "hist":
             return None
         hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
@@ -309,7 +313,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx,
                                      k, int(threshold), *common, sel.stride(0), sel.stride(1),
                                      req_to_token.stride(0), NUM_PROGS=P, BLOCK_N=sb, LOOP_STAGES=ls,
-                                     num_warps=sw, num_stages=TUNING["select_stages"])
+                                     ATOMIC=bool(TUNING["compact_atomic"]), num_warps=sw, num_stages=TUNING["select_stages"])
         if stage == "select":
             return sel
     if num_splits is None:
@@ -346,7 +350,7 @@ def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq
         hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
         HKV=Hkv, G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, LABEL_KIND=kind, NUM_PROGS=P,
         BLOCK_N=block_n, BLOCK_C=block_c, HKV_P=hkv_p, G_P=g_p, ROWS_P=triton.next_power_of_2(rows),
-        DOT_F32=_INTERPRET, DEPTH=TUNING["mma_depth"], num_warps=TUNING["mma_warps"],
+        DOT_F32=_INTERPRET, num_warps=TUNING["mma_warps"],
         num_stages=1,  # the loop is pipelined by hand; Triton's pipeliner would only serialize it
     )
 
