@@ -86,7 +86,7 @@ def main() -> None:
                 byts = 2 * B * L * HKV * D * 2
                 rows.append(dict(fuse_merge=fuse, block_n=block_n, splits=eff, auto=not splits, us=us, err=err))
                 print(f"fuse={int(fuse)} block_n={block_n:4d} splits={eff:4d}{' (auto)' if not splits else '       '} "
-                      f"{us:6.2f} us/layer  {byts / us / 1e6:7.1f} GB/s  err {err:.1e}", flush=True)
+                      f"{us:6.2f} us/layer  {byts / us / 1e6:5.2f} TB/s  err {err:.1e}", flush=True)
     launch.TUNING.update(base)
     best = min(rows, key=lambda r: r["us"])
     print("best:", best)
