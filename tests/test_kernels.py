@@ -169,8 +169,7 @@ PIPELINES = [
     {"score_impl": "rows", "score_hist": True, "score_loop_stages": 2},    # histogram in the score launch
     {"score_impl": "mma", "mma_block_n": 32},
     {"score_impl": "mma", "select_block_n": 256},
-    {"score_impl": "mma", "mma_block_n": 16, "hist_atomic": True, "compact_atomic": True},
-    {"score_impl": "rows", "score_hist": False, "hist_atomic": True, "hist_warps": 2},
+    {"score_impl": "mma", "mma_block_n": 16},
 ]
 
 

@@ -212,29 +212,23 @@ def hist_high_kernel(
     scores_ptr, hist_ptr, seq_lens_ptr,
     heavy_k, threshold,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
-    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr, ATOMIC: tl.constexpr,
+    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     # 256-bin histogram of the score keys' high byte, one slice of a row per program; the partial
-    # histograms meet in hist[0] through atomics (one per non-empty bin per program). ATOMIC: no
-    # block histogram, one relaxed atomic per key straight into hist[0].
+    # histograms meet in hist[0] through atomics (one per non-empty bin per program).
     b = tl.program_id(0)
     row = tl.program_id(1)
     p = tl.program_id(2)
     n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k, threshold)
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
     srow = scores_ptr + b * stride_sb + row * stride_sr
-    h0 = hist_ptr + b * stride_hb + row * stride_hr
     hist = tl.zeros([256], tl.int32)
     for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
         offs = t + tl.arange(0, BLOCK_N)
         key = _key16(_load_block(srow, offs, BLOCK_N))
-        if ATOMIC:
-            tl.atomic_add(h0 + (key >> 8), tl.full([BLOCK_N], 1, tl.int32), mask=offs < end, sem="relaxed")
-        else:
-            hist += tl.histogram(key >> 8, 256, mask=offs < end)
-    if not ATOMIC:
-        bins = tl.arange(0, 256)
-        tl.atomic_add(h0 + bins, hist, mask=hist > 0, sem="relaxed")
+        hist += tl.histogram(key >> 8, 256, mask=offs < end)
+    bins = tl.arange(0, 256)
+    tl.atomic_add(hist_ptr + b * stride_hb + row * stride_hr + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
@@ -276,11 +270,10 @@ def compact_kernel(
     heavy_k, threshold,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     stride_selb, stride_selr, stride_rt,
-    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr, ATOMIC: tl.constexpr,
+    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     # Writes the selected positions (sel) and their cache slots (sel_slot): attention then
-    # gathers K/V rows with one indirection instead of two. ATOMIC: one pass, each selected key
-    # takes its output index with its own atomic (no count pass, no block scan).
+    # gathers K/V rows with one indirection instead of two.
     b = tl.program_id(0)
     row = tl.program_id(1)
     p = tl.program_id(2)
@@ -302,56 +295,38 @@ def compact_kernel(
     out_slot = sel_slot_ptr + b * stride_selb + row * stride_selr
     rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
     srow = scores_ptr + b * stride_sb + row * stride_sr
-    if ATOMIC:
-        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-            offs = t + tl.arange(0, BLOCK_N)
-            nmask = offs < end
-            key = _key16(_load_block(srow, offs, BLOCK_N))
-            gt = (key > thr) & nmask
-            eq = (key == thr) & nmask
-            ones = tl.full([BLOCK_N], 1, tl.int32)
-            idx_gt = tl.atomic_add(info + 2 + tl.zeros([BLOCK_N], tl.int32), ones, mask=gt, sem="relaxed")
-            idx = tl.atomic_add(info + 3 + tl.zeros([BLOCK_N], tl.int32), ones, mask=eq, sem="relaxed")
-            w_gt = gt & (idx_gt < n_gt)
-            w_eq = eq & (idx < ties) & (idx >= 0)
-            dst = tl.where(w_gt, idx_gt, n_gt + idx)
-            w = w_gt | w_eq
-            slot = tl.load(rt_row + offs, mask=w, other=0)
-            tl.store(out + dst, offs, mask=w)
-            tl.store(out_slot + dst, slot, mask=w)
-    else:
-        # Count first, so the program reserves its output range with one pair of atomics: an
-        # atomic's round trip per block was the loop's critical path. The second pass re-reads the
-        # scores from L2.
-        c_gt = tl.full([], 0, tl.int32)
-        c_eq = tl.full([], 0, tl.int32)
-        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-            offs = t + tl.arange(0, BLOCK_N)
-            nmask = offs < end
-            key = _key16(_load_block(srow, offs, BLOCK_N))
-            c_gt += tl.sum(((key > thr) & nmask).to(tl.int32), 0)
-            c_eq += tl.sum(((key == thr) & nmask).to(tl.int32), 0)
-        base = tl.atomic_add(info + 2, c_gt, mask=c_gt > 0, sem="relaxed")
-        base_e = tl.atomic_add(info + 3, c_eq, mask=c_eq > 0, sem="relaxed")
-        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-            offs = t + tl.arange(0, BLOCK_N)
-            nmask = offs < end
-            key = _key16(_load_block(srow, offs, BLOCK_N))
-            gt = (key > thr) & nmask
-            eq = (key == thr) & nmask
-            # One scan for both ranks: the "equal" count rides in the high half (a block holds far
-            # fewer than 2^16 keys), halving the block-wide prefix sums, the loop's costliest step.
-            both = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)
-            idx_gt = base + (both & 0xFFFF) - 1
-            idx = base_e + (both >> 16) - 1
-            base += tl.sum(gt.to(tl.int32), 0)
-            base_e += tl.sum(eq.to(tl.int32), 0)
-            # The bounds never bind when the histograms are consistent; they keep a corrupted
-            # workspace from writing outside its row.
-            w_gt = gt & (idx_gt < n_gt)
-            w_eq = eq & (idx < ties) & (idx >= 0)
-            dst = tl.where(w_gt, idx_gt, n_gt + idx)
-            w = w_gt | w_eq
-            slot = tl.load(rt_row + offs, mask=w, other=0)
-            tl.store(out + dst, offs, mask=w)
-            tl.store(out_slot + dst, slot, mask=w)
+    # Count first, so the program reserves its output range with one pair of atomics: an
+    # atomic's round trip per block was the loop's critical path. The second pass re-reads the
+    # scores from L2.
+    c_gt = tl.full([], 0, tl.int32)
+    c_eq = tl.full([], 0, tl.int32)
+    for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+        offs = t + tl.arange(0, BLOCK_N)
+        nmask = offs < end
+        key = _key16(_load_block(srow, offs, BLOCK_N))
+        c_gt += tl.sum(((key > thr) & nmask).to(tl.int32), 0)
+        c_eq += tl.sum(((key == thr) & nmask).to(tl.int32), 0)
+    base = tl.atomic_add(info + 2, c_gt, mask=c_gt > 0, sem="relaxed")
+    base_e = tl.atomic_add(info + 3, c_eq, mask=c_eq > 0, sem="relaxed")
+    for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+        offs = t + tl.arange(0, BLOCK_N)
+        nmask = offs < end
+        key = _key16(_load_block(srow, offs, BLOCK_N))
+        gt = (key > thr) & nmask
+        eq = (key == thr) & nmask
+        # One scan for both ranks: the "equal" count rides in the high half (a block holds far
+        # fewer than 2^16 keys), halving the block-wide prefix sums, the loop's costliest step.
+        both = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)
+        idx_gt = base + (both & 0xFFFF) - 1
+        idx = base_e + (both >> 16) - 1
+        base += tl.sum(gt.to(tl.int32), 0)
+        base_e += tl.sum(eq.to(tl.int32), 0)
+        # The bounds never bind when the histograms are consistent; they keep a corrupted
+        # workspace from writing outside its row.
+        w_gt = gt & (idx_gt < n_gt)
+        w_eq = eq & (idx < ties) & (idx >= 0)
+        dst = tl.where(w_gt, idx_gt, n_gt + idx)
+        w = w_gt | w_eq
+        slot = tl.load(rt_row + offs, mask=w, other=0)
+        tl.store(out + dst, offs, mask=w)
+        tl.store(out_slot + dst, slot, mask=w)

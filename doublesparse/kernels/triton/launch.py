@@ -167,9 +167,6 @@ TUNING = {
     # (32 x 16) rows 6.78 vs mma 7.60 ms per decode step at 20K x 3 (results/).
     "score_impl": "auto", "mma_max_channels": 256,
     "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4,
-    # Select experiments (session 5): per-key atomics instead of the block histogram (hist_high) or
-    # instead of the count pass + block scan (compact); warps of the hist_high programs.
-    "hist_atomic": False, "compact_atomic": False, "hist_warps": 4,
 }
 # Benchmarks may override launch parameters without code changes (JSON, e.g. '{"fuse_merge": true}').
 TUNING.update(json.loads(os.environ.get("DOUBLESPARSE_TUNING", "{}")))
@@ -303,8 +300,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
                                              triton.cdiv(ws.max_ctx, hb)))
             hist_high_kernel[(B, rows, P_hist)](scores, hist, seq_lens, k, int(threshold), *common,
                                                 NUM_PROGS=P_hist, BLOCK_N=hb, LOOP_STAGES=ls,
-                                                ATOMIC=bool(TUNING["hist_atomic"]),
-                                                num_warps=TUNING["hist_warps"], num_stages=TUNING["select_stages"])
+                                                num_warps=sw, num_stages=TUNING["select_stages"])
         if stage == "hist":
             return None
         hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
@@ -313,7 +309,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx,
                                      k, int(threshold), *common, sel.stride(0), sel.stride(1),
                                      req_to_token.stride(0), NUM_PROGS=P, BLOCK_N=sb, LOOP_STAGES=ls,
-                                     ATOMIC=bool(TUNING["compact_atomic"]), num_warps=sw, num_stages=TUNING["select_stages"])
+                                     num_warps=sw, num_stages=TUNING["select_stages"])
         if stage == "select":
             return sel
     if num_splits is None:
