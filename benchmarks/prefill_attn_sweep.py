@@ -1,7 +1,8 @@
 """Prefill attention on the GPU at Llama-3.1-8B's shape (32 q / 8 KV heads, d 128, bf16): which
 torch SDPA backend, with K/V repeated over the group or GQA-native, for a whole prompt (causal) and
-for a chunk after a cached prefix (lower-right causal), and what the engine's gather of the prefix
-from the pool costs. Also one layer's GEMMs at the chunk's token count. GPU only.
+for a chunk after a cached prefix (lower-right causal); the engine's own call
+(attention/prefill.prefill_sdpa) with and without SPLIT_PREFIX; what the engine's gather of the
+prefix from the pool costs. Also one layer's GEMMs at the chunk's token count. GPU only.
 
     python benchmarks/prefill_attn_sweep.py [--json out.json]
 
@@ -18,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
+
+from doublesparse.attention import prefill
 
 HQ, HKV, D = 32, 8, 128
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -76,6 +79,20 @@ def main() -> None:
                         tflops=attn_flops(n, L) / t / 1e12)
                 except Exception as e:  # noqa: BLE001
                     rec(kind="sdpa", n=n, L=L, backend=name, gqa=gqa, error=str(e).split("\n")[0][:160])
+        # the engine's own call (attention/prefill.py), and its split-prefix variant
+        outs = []
+        for split in (False, True):
+            prefill.SPLIT_PREFIX = split
+            try:
+                fn = lambda: prefill.prefill_sdpa(q[0], k[0], v[0], L - n, D ** -0.5, mask)  # noqa: E731
+                outs.append(fn().float())
+                t = bench(fn)
+                diff = (outs[-1] - outs[0]).abs().max().item()
+                rec(kind="engine", n=n, L=L, split_prefix=split, ms=t * 1e3, tflops=attn_flops(n, L) / t / 1e12,
+                    max_abs_diff_vs_unsplit=diff)
+            except Exception as e:  # noqa: BLE001
+                rec(kind="engine", n=n, L=L, split_prefix=split, error=str(e).split("\n")[0][:160])
+        prefill.SPLIT_PREFIX = False
         # what the engine does before SDPA for a chunk with a prefix: gather + repeat over the group
         if n != L:
             pool = torch.randn(L + 1000, HKV, D, device=dev, dtype=torch.bfloat16)

@@ -106,6 +106,18 @@ def test_chunked_prefill_equals_one_shot(model, ds):
     assert [r["token_ids"] for r in chunked] == [r["token_ids"] for r in one]
 
 
+def test_chunked_prefill_split_prefix(model, monkeypatch):
+    """attention.prefill.SPLIT_PREFIX (chunk vs prefix and chunk vs itself, merged by log-sum-exp)
+    generates what one-shot prefill does."""
+    from doublesparse.attention import prefill
+    ps = prompts(3, seed=5, lo=40, hi=90)
+    sp = {**GREEDY, "max_new_tokens": 8}
+    one = engine(model, chunked_prefill_size=4096).generate(ps, sp)
+    monkeypatch.setattr(prefill, "SPLIT_PREFIX", True)
+    chunked = engine(model, chunked_prefill_size=7).generate(ps, sp)
+    assert [r["token_ids"] for r in chunked] == [r["token_ids"] for r in one]
+
+
 def test_stop_strings_and_stop_ids(model):
     e = engine(model)
     p = "the quick brown fox"

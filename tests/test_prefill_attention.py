@@ -1,12 +1,13 @@
-"""Prefill attention (attention/base._sdpa): GQA-native SDPA calls and the backend order give the
-float32 reference's answer, for whole prompts and for chunks after a cached prefix."""
+"""Prefill attention (attention/prefill.py): GQA-native SDPA calls, the backend order and the
+split-prefix path give the float32 reference's answer, for whole prompts and for chunks after a
+cached prefix."""
 
 import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
 from conftest import DEVICE
-from doublesparse.attention.base import _sdpa
+from doublesparse.attention import prefill
 
 
 def _reference(q, k, v, prefix, scale):
@@ -21,15 +22,16 @@ def _reference(q, k, v, prefix, scale):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
-@pytest.mark.parametrize("n,prefix", [(37, 0), (53, 91)])
-def test_sdpa_matches_reference(dtype, hq, hkv, d, n, prefix):
+@pytest.mark.parametrize("n,prefix,split", [(37, 0, False), (53, 91, False), (53, 91, True), (1, 40, True)])
+def test_sdpa_matches_reference(dtype, hq, hkv, d, n, prefix, split, monkeypatch):
+    monkeypatch.setattr(prefill, "SPLIT_PREFIX", split)
     g = torch.Generator(device="cpu").manual_seed(hq * 1000 + n + prefix)
     L = n + prefix
     q = torch.randn(hq, n, d, generator=g).to(DEVICE, dtype)
     k = torch.randn(hkv, L, d, generator=g).to(DEVICE, dtype)
     v = torch.randn(hkv, L, d, generator=g).to(DEVICE, dtype)
     mask = causal_lower_right(n, L) if prefix else None
-    out = _sdpa(q, k, v, mask, d ** -0.5)
+    out = prefill.prefill_sdpa(q, k, v, prefix, d ** -0.5, mask)
     assert out.shape == (hq, n, d) and out.dtype == dtype
     exp = _reference(q, k, v, prefix, d ** -0.5)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4

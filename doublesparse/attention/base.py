@@ -16,15 +16,13 @@ Both phases receive the per-step state explicitly through the ForwardBatch.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from ..kernels import ops
+from .prefill import prefill_sdpa
 
 
 @dataclass(frozen=True)
@@ -134,11 +132,11 @@ class AttentionBackend:
                 # same values as the cache when it has the model's dtype; cast otherwise
                 ks = k[s.q_start: s.q_start + s.q_len].to(kp.dtype).to(q.dtype).transpose(0, 1)
                 vs = v[s.q_start: s.q_start + s.q_len].to(vp.dtype).to(q.dtype).transpose(0, 1)
-                o = _sdpa(qs, ks, vs, None, self.sm_scale)
+                o = prefill_sdpa(qs, ks, vs, 0, self.sm_scale)
             else:
                 ks = kp[s.kv_slots].to(q.dtype).transpose(0, 1)               # [Hkv, L, D]
                 vs = vp[s.kv_slots].to(q.dtype).transpose(0, 1)
-                o = _sdpa(qs, ks, vs, s.mask, self.sm_scale)
+                o = prefill_sdpa(qs, ks, vs, s.prefix_len, self.sm_scale, s.mask)
             out[s.q_start: s.q_start + s.q_len] = o.transpose(0, 1)
         return out
 
@@ -154,55 +152,3 @@ class AttentionBackend:
         """KV-side bytes one decode step reads across all layers (model-level estimate)."""
         m = self.memory.plan
         return sum(seq_lens_host) * m.kv_bytes_per_token
-
-
-# Prefill SDPA backend order on CUDA (measured on an H200, results/h200-s5/gpu_s5b-prefill-sweep.json,
-# Llama-3.1-8B heads): whole prompts (causal, no cached prefix) run 1.7x faster on cuDNN than on
-# flash (595 vs 344 TFLOPS at 32K); chunks after a prefix (lower-right causal) run faster on flash
-# (343 vs 258-300). Backends that refuse a call are skipped, so the order is only a preference.
-PREFILL_BACKENDS_CAUSAL = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                           SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-PREFILL_BACKENDS_PREFIX = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                           SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-
-
-def _fused_gqa(q) -> bool:
-    """Whether flash / cuDNN take this call with fewer K/V heads than query heads (enable_gqa):
-    half-precision inputs with a head dim they support. Measured as fast as repeating K/V."""
-    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
-
-
-def _sdpa(q, k, v, mask, scale):
-    """Causal prefill attention. q: [Hq, n, D]; k, v: [Hkv, L, D]; mask: None (top-left causal,
-    n == L) or a lower-right CausalBias. Returns [Hq, n, D].
-
-    With unequal head counts on CUDA, calls that flash / cuDNN cannot take (e.g. fp32) would fall
-    back to the math kernel, which materialises an [n, L] score matrix per head (13 GiB at 60K
-    tokens): those repeat K/V over the group instead (G x [L, D] transiently) and keep a fused kernel.
-    """
-    gqa = k.shape[0] != q.shape[0]
-    order = None
-    if q.is_cuda:
-        order = PREFILL_BACKENDS_CAUSAL if mask is None else PREFILL_BACKENDS_PREFIX
-        if gqa and not _fused_gqa(q):
-            g = q.shape[0] // k.shape[0]
-            k = k.repeat_interleave(g, dim=0)
-            v = v.repeat_interleave(g, dim=0)
-            gqa = False
-    with _backend_order(order):
-        if mask is None:
-            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
-        else:
-            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)
-    return o[0]
-
-
-def _backend_order(order):
-    if order is None:
-        return contextlib.nullcontext()
-    try:
-        return sdpa_kernel(list(order), set_priority=True)
-    except TypeError:  # a torch without set_priority: its own order, all backends allowed
-        return contextlib.nullcontext()
