@@ -18,6 +18,7 @@ merged exactly. Both halves are shapes cuDNN is fast at; the merge costs one pas
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,8 @@ BACKENDS_CAUSAL = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 BACKENDS_PREFIX = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
                    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-SPLIT_PREFIX = False
+# Benchmarks may turn it on without code changes: DOUBLESPARSE_PREFILL_SPLIT_PREFIX=1.
+SPLIT_PREFIX = os.environ.get("DOUBLESPARSE_PREFILL_SPLIT_PREFIX") == "1"
 
 
 def prefill_sdpa(q, k, v, prefix_len: int, scale: float, mask=None) -> torch.Tensor:
