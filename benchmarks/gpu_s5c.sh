@@ -1,6 +1,6 @@
 #!/bin/bash
-# GPU runbook (session 5, H200) behind results/bench-one-batch-h200-s5/: the prefill, engine and
-# DS kernel tests on the GPU, then bench_one_batch (--profile, 200 output tokens) for Llama-3.1-8B
+# GPU runbook (session 5, H200; prepared, not run: the session's device time went to the serving
+# runs): the prefill, engine and DS kernel tests on the GPU, then bench_one_batch (--profile, 200 output tokens) for Llama-3.1-8B
 # 60K x 3 (dense, DS r16 k3750, DS r32 k3000; and dense with --chunked-prefill-size 16384).
 # Writes under $OUT (the bench_one_batch JSONs as e2e.tgz).
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
