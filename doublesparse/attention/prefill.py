@@ -4,15 +4,20 @@
 ``prefix_len ..``, keys/values ``[Hkv, prefix_len + n, D]`` (the cached prefix, then the segment's
 own tokens). Causal: query i sees keys ``0 .. prefix_len + i``.
 
-Backend choice on CUDA, measured on an H200 (results/h200-s5/gpu_s5b-prefill-sweep.json, Llama-3.1-8B
-heads, bf16): whole prompts (no prefix, top-left causal) run 1.7x faster on cuDNN than on flash
-(595 vs 344 TFLOPS at 32K); a chunk after a prefix, as one lower-right causal call, runs faster on
-flash (343 vs 258-300 TFLOPS on cuDNN). Backends that refuse a call are skipped, so an order is
-only a preference.
+Backends on CUDA, measured on an H200 (results/h200-s5/gpu_s5b-prefill-sweep.json, Llama-3.1-8B
+heads, bf16). Whole prompts (no prefix, top-left causal) run 1.7x faster on cuDNN than on flash
+(595 vs 344 TFLOPS at 32K; 586 vs 310 at 8K). cuDNN builds an execution graph for every new shape
+(reported elsewhere at 0.1-0.4 s; not measured here), so cuDNN goes first only from
+``CUDNN_MIN_TOKENS`` query tokens, where one call saves about that much over the model's layers;
+shorter prompts, whose lengths vary, keep torch's own order (flash first). A chunk after a prefix
+is one lower-right ``CausalBias`` call, which torch dispatches to flash (343 TFLOPS), else the
+memory-efficient kernel, whatever the backend order. Backends switched off globally
+(``torch.backends.cuda.enable_*_sdp(False)``) stay off.
 
-``SPLIT_PREFIX`` (off; not yet timed): a chunk after a prefix as two calls that return their
-log-sum-exp, the chunk against the prefix (no mask) and the chunk against itself (top-left causal),
-merged exactly. Both halves are shapes cuDNN is fast at; the merge costs one pass over [Hq, n, D].
+``SPLIT_PREFIX`` (off; not yet timed on a GPU): a chunk after a prefix as two calls that return
+their log-sum-exp, the chunk against the prefix (no mask) and the chunk against itself (top-left
+causal), merged exactly, so that both halves run on cuDNN. Used only for bf16/fp16 inputs with cuDNN
+enabled; anything else takes the one-call path.
 """
 
 from __future__ import annotations
@@ -23,21 +28,25 @@ import os
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
-BACKENDS_CAUSAL = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                   SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-BACKENDS_PREFIX = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                   SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+CUDNN_MIN_TOKENS = 16384
+_ORDER = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+          SDPBackend.MATH)
 # Benchmarks may turn it on without code changes: DOUBLESPARSE_PREFILL_SPLIT_PREFIX=1.
 SPLIT_PREFIX = os.environ.get("DOUBLESPARSE_PREFILL_SPLIT_PREFIX") == "1"
 
 
 def prefill_sdpa(q, k, v, prefix_len: int, scale: float, mask=None) -> torch.Tensor:
-    """q: [Hq, n, D]; k, v: [Hkv, prefix_len + n, D]; mask: the lower-right CausalBias of a segment
-    with a prefix (None without one, or when SPLIT_PREFIX handles it). Returns [Hq, n, D] in q's dtype."""
-    if prefix_len and SPLIT_PREFIX:
-        return _split_prefix(q, k, v, prefix_len, scale)
-    return _sdpa(q, k, v, mask if prefix_len else None, scale)
+    """q: [Hq, n, D]; k, v: [Hkv, prefix_len + n, D]; mask: the segment's lower-right CausalBias when
+    it has a prefix (built here if None). Returns [Hq, n, D] in q's dtype."""
+    if prefix_len:
+        if SPLIT_PREFIX and _split_ok(q):
+            return _split_prefix(q, k, v, prefix_len, scale)
+        if mask is None:
+            mask = causal_lower_right(q.shape[1], k.shape[1])
+        return _sdpa(q, k, v, mask, scale)
+    return _sdpa(q, k, v, None, scale)
 
 
 def _fused_gqa(q) -> bool:
@@ -59,29 +68,38 @@ def _sdpa(q, k, v, mask, scale):
     tokens): those repeat K/V over the group instead (G x [L, D] transiently) and keep a fused kernel.
     """
     gqa = k.shape[0] != q.shape[0]
-    order = None
-    if q.is_cuda:
-        order = BACKENDS_CAUSAL if mask is None else BACKENDS_PREFIX
-        if gqa and not _fused_gqa(q):
-            k, v = _repeat_kv(q, k, v)
-            gqa = False
-    with _backend_order(order):
-        if mask is None:
-            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
-        else:
-            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)
-    return o[0]
+    if q.is_cuda and gqa and not _fused_gqa(q):
+        k, v = _repeat_kv(q, k, v)
+        gqa = False
+    if mask is not None:
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)[0]
+    cudnn_first = q.is_cuda and q.shape[1] >= CUDNN_MIN_TOKENS
+    with _backend_order(_ORDER) if cudnn_first else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+                                              enable_gqa=gqa)[0]
+
+
+def _enabled(b) -> bool:
+    return {SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
+            SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
+            SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
+            SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled}[b]()
 
 
 def _backend_order(order):
-    if order is None:
-        return contextlib.nullcontext()
+    order = [b for b in order if _enabled(b)]  # never re-enable what the user switched off
     try:
-        return sdpa_kernel(list(order), set_priority=True)
+        return sdpa_kernel(order, set_priority=True)
     except TypeError:  # a torch without set_priority: its own order, all backends allowed
         return contextlib.nullcontext()
+
+
+def _split_ok(q) -> bool:
+    # The private cuDNN op skips SDPA's input checks: only the inputs cuDNN is known to take.
+    if q.is_cuda:
+        return _fused_gqa(q) and torch.backends.cuda.cudnn_sdp_enabled()
+    return True
 
 
 def _split_prefix(q, k, v, prefix_len, scale):
@@ -100,6 +118,9 @@ def _attention_lse(q, k, v, causal: bool, scale):
     equal head counts. CUDA: cuDNN's kernel; CPU: the flash CPU kernel (tests)."""
     H, n, _ = q.shape
     if q.is_cuda:
+        # contiguous BHSD: the engine's q is a transposed [n, H, D] view, and the private op is
+        # not known to take every stride pattern the public dispatcher accepts
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q[None], k[None], v[None], None, True, 0.0, causal, False, scale=scale)
     else:

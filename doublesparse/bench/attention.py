@@ -199,7 +199,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("doublesparse.bench.attention needs a CUDA GPU")
     if args.tuning:
-        launch.TUNING.update(json.loads(args.tuning))
+        launch.TUNING.update(launch.tuning_overrides(json.loads(args.tuning)))
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     warm = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -252,6 +252,8 @@ def sweep(dev, bw, variants, cases, json_path=None):
     """Time DS (total and per stage) under each TUNING override; dense once per case."""
     base = dict(launch.TUNING)
     out = []
+    for var in variants:
+        launch.tuning_overrides(var)  # fail before any timing on a removed or misspelt knob
     parsed = []
     for c in cases.split(","):
         fp8 = c.endswith("fp8")

@@ -168,8 +168,19 @@ TUNING = {
     "score_impl": "auto", "mma_max_channels": 256,
     "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4,
 }
+
+
+def tuning_overrides(overrides: dict) -> dict:
+    """``overrides`` checked against TUNING's keys (a removed or misspelt knob must not time the
+    defaults under its name); returns it."""
+    unknown = sorted(set(overrides) - set(TUNING))
+    if unknown:
+        _fail(f"unknown launch parameters {unknown}; known: {sorted(TUNING)}")
+    return overrides
+
+
 # Benchmarks may override launch parameters without code changes (JSON, e.g. '{"fuse_merge": true}').
-TUNING.update(json.loads(os.environ.get("DOUBLESPARSE_TUNING", "{}")))
+TUNING.update(tuning_overrides(json.loads(os.environ.get("DOUBLESPARSE_TUNING", "{}"))))
 
 
 def _attn_block_n(programs_rows: int, device) -> int:
