@@ -22,32 +22,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from doublesparse.attention import prefill
+from doublesparse.bench.profile_step import gpu_times
 
 HQ, HKV, D = 32, 8, 128
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
-FIRST = {}
-
-
-def bench(fn, reps=10) -> float:
-    """Median seconds of warm calls; FIRST["s"] = the first call's time (cuDNN builds an execution
-    graph for each new shape there)."""
+def bench(fn, reps=10) -> tuple[float, float]:
+    """(median seconds of warm calls, seconds of the first call): cuDNN builds an execution graph
+    for each new shape in the first."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    FIRST["s"] = time.perf_counter() - t0
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3)
-    return statistics.median(ts)
+    first = time.perf_counter() - t0
+    return statistics.median(gpu_times(fn, reps)), first
 
 
 def attn_flops(n, L):
@@ -83,9 +73,9 @@ def main() -> None:
                             return F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa)
                         return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=gqa)
                 try:
-                    t = bench(fn)
+                    t, first = bench(fn)
                     rec(kind="sdpa", n=n, L=L, backend=name, gqa=gqa, ms=t * 1e3,
-                        tflops=attn_flops(n, L) / t / 1e12, first_call_ms=FIRST["s"] * 1e3)
+                        tflops=attn_flops(n, L) / t / 1e12, first_call_ms=first * 1e3)
                 except Exception as e:  # noqa: BLE001
                     rec(kind="sdpa", n=n, L=L, backend=name, gqa=gqa, error=str(e).split("\n")[0][:160])
         # the engine's own call (attention/prefill.py), and its split-prefix variant
@@ -94,8 +84,7 @@ def main() -> None:
             prefill.SPLIT_PREFIX = split
             try:
                 fn = lambda: prefill.prefill_sdpa(q[0], k[0], v[0], L - n, D ** -0.5, mask)  # noqa: E731
-                t = bench(fn)
-                first = FIRST["s"]
+                t, first = bench(fn)
                 outs.append((split, fn().float()))
                 ref = [o for sp, o in outs if not sp]
                 diff = (outs[-1][1] - ref[0]).abs().max().item() if ref else None
@@ -112,7 +101,7 @@ def main() -> None:
             def gather():
                 ks = pool[slots].transpose(0, 1)
                 return ks.repeat_interleave(HQ // HKV, 0)
-            t = bench(gather)
+            t, _ = bench(gather)
             rec(kind="gather_repeat_k", n=n, L=L, ms=t * 1e3)
         del q, k, v, kr, vr
         torch.cuda.empty_cache()
@@ -123,7 +112,7 @@ def main() -> None:
                              "down": (4096, 14336)}.items():
             w = torch.randn(o, i, device=dev, dtype=torch.bfloat16)
             xi = x if i == 4096 else torch.randn(T, i, device=dev, dtype=torch.bfloat16)
-            t = bench(lambda: F.linear(xi, w))
+            t, _ = bench(lambda: F.linear(xi, w))
             rec(kind="gemm", T=T, name=name, ms=t * 1e3, tflops=2 * T * o * i / t / 1e12)
     if args.json:
         with open(args.json, "w") as f:

@@ -11,37 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
+from doublesparse.bench.attention import time_fn
 from doublesparse.kernels import ops
 from doublesparse.kernels.triton import launch
 from doublesparse.kernels.workspace import DecodeWorkspace
 
 LAYERS, HQ, HKV, D = 30, 9, 3, 64
-
-
-def time_graph(fn, reps=50) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -78,7 +56,7 @@ def main() -> None:
                     def step():
                         for k, v in caches:
                             launch.dense_decode(q, k, v, rt, req_idx, seq_lens, D ** -0.5, ws, out, num_splits=ns)
-                    us = time_graph(step) / LAYERS
+                    us = time_fn(step, reps=1, iters=50) * 1e6 / LAYERS
                 except Exception as e:  # noqa: BLE001 - report and go on
                     print(f"fuse={fuse} block_n={block_n} splits={splits}: FAILED {e}"[:300], flush=True)
                     continue

@@ -33,7 +33,8 @@ def _step_fn(parts, rows, tokens, positions):
     return eager, "eager"
 
 
-def _gpu_times(fn, iters: int) -> list[float]:
+def gpu_times(fn, iters: int) -> list[float]:
+    """Seconds of each of ``iters`` calls of fn, by CUDA events (fn is not synchronized inside)."""
     out = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -54,7 +55,7 @@ def profile_decode(parts, rows, tokens, positions, json_path: str | None = None,
     fn, mode = _step_fn(parts, rows, tokens, positions)
     fn()
     torch.cuda.synchronize()
-    med = statistics.median(_gpu_times(fn, iters))
+    med = statistics.median(gpu_times(fn, iters))
     print(f"Profile. decode step GPU time ({mode}, no host work): median {med * 1e3:.3f} ms over {iters}")
     from torch.profiler import ProfilerActivity, profile
     n = 5
