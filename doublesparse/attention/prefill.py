@@ -7,8 +7,8 @@ own tokens). Causal: query i sees keys ``0 .. prefix_len + i``.
 Backends on CUDA, measured on an H200 (results/h200-s5/gpu_s5b-prefill-sweep.json, Llama-3.1-8B
 heads, bf16). Whole prompts (no prefix, top-left causal) run 1.7x faster on cuDNN than on flash
 (595 vs 344 TFLOPS at 32K; 586 vs 310 at 8K). cuDNN builds an execution graph for every new shape
-(reported elsewhere at 0.1-0.4 s; not measured here), so cuDNN goes first only from
-``CUDNN_MIN_TOKENS`` query tokens, where one call saves about that much over the model's layers;
+(its cost not yet measured here; benchmarks/prefill_attn_sweep.py records first-call times), so
+cuDNN goes first only from ``CUDNN_MIN_TOKENS`` query tokens, where one call saves the most;
 shorter prompts, whose lengths vary, keep torch's own order (flash first). A chunk after a prefix
 is one lower-right ``CausalBias`` call, which torch dispatches to flash (343 TFLOPS), else the
 memory-efficient kernel, whatever the backend order. Backends switched off globally
