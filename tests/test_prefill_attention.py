@@ -22,7 +22,7 @@ def _reference(q, k, v, prefix, scale):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
-@pytest.mark.parametrize("n,prefix,split", [(37, 0, False), (53, 91, False), (53, 91, True), (1, 40, True)])
+@pytest.mark.parametrize("n,prefix,split", [(37, 0, False), (53, 91, False), (53, 91, True), (53, 91, None), (1, 40, True)])
 def test_sdpa_matches_reference(dtype, hq, hkv, d, n, prefix, split, monkeypatch):
     monkeypatch.setattr(prefill, "SPLIT_PREFIX", split)
     g = torch.Generator(device="cpu").manual_seed(hq * 1000 + n + prefix)

@@ -14,10 +14,16 @@ is one lower-right ``CausalBias`` call, which torch dispatches to flash (343 TFL
 memory-efficient kernel, whatever the backend order. Backends switched off globally
 (``torch.backends.cuda.enable_*_sdp(False)``) stay off.
 
-``SPLIT_PREFIX`` (off; not yet timed on a GPU): a chunk after a prefix as two calls that return
-their log-sum-exp, the chunk against the prefix (no mask) and the chunk against itself (top-left
-causal), merged exactly, so that both halves run on cuDNN. Used only for bf16/fp16 inputs with cuDNN
-enabled; anything else takes the one-call path.
+``SPLIT_PREFIX``: a chunk after a prefix as two calls that return their log-sum-exp, the chunk
+against the prefix (no mask) and the chunk against itself (top-left causal), merged exactly, so that
+both halves run on cuDNN. Measured on the H200 (results/h200-s6/, ``benchmarks/gpu_s6.sh``): a
+4096-token chunk after 28K cached tokens 6.06 -> 4.67 ms per layer, 8192 after 24K 11.3 -> 7.66 ms;
+bench_one_batch prefill of 3 x 60K tokens 12.8 -> 11.7 s with 4096-token chunks, 12.5 -> 10.3 s
+with 16384. cuDNN builds a graph per new shape (40-80 ms; about 1 s for the first split call of a
+process, which ``warmup`` takes at start-up), so by default (``None``) the split runs on CUDA for
+chunks of at least ``SPLIT_MIN_TOKENS`` tokens: full chunks, whose (chunk, prefix) shapes recur.
+True: wherever the inputs allow (tests; ``DOUBLESPARSE_PREFILL_SPLIT_PREFIX=1``); False: never
+(``=0``). Used only for bf16/fp16 inputs with cuDNN enabled on CUDA.
 """
 
 from __future__ import annotations
@@ -33,15 +39,15 @@ from torch.nn.attention.bias import causal_lower_right
 CUDNN_MIN_TOKENS = 16384
 _ORDER = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
           SDPBackend.MATH)
-# Benchmarks may turn it on without code changes: DOUBLESPARSE_PREFILL_SPLIT_PREFIX=1.
-SPLIT_PREFIX = os.environ.get("DOUBLESPARSE_PREFILL_SPLIT_PREFIX") == "1"
+SPLIT_MIN_TOKENS = 4096
+SPLIT_PREFIX: bool | None = {"1": True, "0": False}.get(os.environ.get("DOUBLESPARSE_PREFILL_SPLIT_PREFIX", ""))
 
 
 def prefill_sdpa(q, k, v, prefix_len: int, scale: float, mask=None) -> torch.Tensor:
     """q: [Hq, n, D]; k, v: [Hkv, prefix_len + n, D]; mask: the segment's lower-right CausalBias when
     it has a prefix (built here if None). Returns [Hq, n, D] in q's dtype."""
     if prefix_len:
-        if SPLIT_PREFIX and _split_ok(q):
+        if _use_split(q):
             return _split_prefix(q, k, v, prefix_len, scale)
         if mask is None:
             mask = causal_lower_right(q.shape[1], k.shape[1])
@@ -95,11 +101,25 @@ def _backend_order(order):
         return contextlib.nullcontext()
 
 
-def _split_ok(q) -> bool:
+def _use_split(q) -> bool:
+    if SPLIT_PREFIX is False:
+        return False
+    if not q.is_cuda:
+        return bool(SPLIT_PREFIX)  # CPU: only when forced (tests); one call is the fast path there
+    if SPLIT_PREFIX is None and q.shape[1] < SPLIT_MIN_TOKENS:
+        return False
     # The private cuDNN op skips SDPA's input checks: only the inputs cuDNN is known to take.
-    if q.is_cuda:
-        return _fused_gqa(q) and torch.backends.cuda.cudnn_sdp_enabled()
-    return True
+    return _fused_gqa(q) and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def warmup(device, dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Take the split path's one-time start-up cost (about 1 s on the H200) now, not in the first
+    long request's time to first token. No-op where the split would not run."""
+    q = torch.randn(num_q_heads, SPLIT_MIN_TOKENS, head_dim, device=device, dtype=dtype)
+    if not _use_split(q):
+        return
+    k = torch.randn(num_kv_heads, 2 * SPLIT_MIN_TOKENS, head_dim, device=device, dtype=dtype)
+    prefill_sdpa(q, k, k, SPLIT_MIN_TOKENS, head_dim ** -0.5)
 
 
 def _split_prefix(q, k, v, prefix_len, scale):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import DSParams, create_backend
+from ..attention import DSParams, create_backend, prefill
 from ..config import EngineConfig
 from ..kernels.workspace import DecodeWorkspace
 from .memory import KVMemory, MemoryPlan, plan_memory
@@ -140,6 +140,9 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
     backend = create_backend(cfg.resolved_attention_backend, use_double_sparsity=ds is not None, ds=ds,
                              memory=memory, num_q_heads=mc.num_q_heads, head_dim=mc.head_dim,
                              impl=cfg.kernel_impl, workspace=ws, channels=channels)
+    if device.type == "cuda" and max_ctx > prefill.SPLIT_MIN_TOKENS:
+        with torch.inference_mode():
+            prefill.warmup(device, _model_dtype(model), mc.num_q_heads, mc.num_kv_heads, mc.head_dim)
     runner = ModelRunner(model, memory, backend, device, use_cuda_graph=cfg.use_cuda_graph,
                          graph_max_bs=cfg.cuda_graph_max_bs)
     scheduler = Scheduler(cfg.scheduler_config(), plan.max_total_tokens, max_ctx)
