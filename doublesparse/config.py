@@ -84,6 +84,7 @@ class EngineConfig:
     max_running_requests: int | None = None
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 32
+    disable_overlap_schedule: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -201,6 +202,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-running-requests", type=int)
     g.add_argument("--disable-cuda-graph", action="store_true", default=None)
     g.add_argument("--cuda-graph-max-bs", type=int)
+    g.add_argument("--disable-overlap-schedule", action="store_true", default=None,
+                   help="process each step's tokens before launching the next (default: launch "
+                        "step n+1, then process step n's tokens while the GPU computes)")
     g.add_argument("--seed", type=int)
     return parser
 

@@ -1,5 +1,14 @@
 """The engine: requests in, tokens out. Owns the model, pools, backend, scheduler and sampler.
 
+Overlap schedule (default; ``disable_overlap_schedule`` turns it off): ``step`` launches step n+1
+first and only then reads step n's tokens and does its host work (stop checks, detokenizing,
+finishing), so the GPU is not idle while Python runs. What makes this possible: every sampled
+token is also scattered on the device into ``_last_tok[row]``, and the next decode takes its input
+ids from there; positions are known on the host ahead of the tokens. The price: a request that
+stops at step n (stop token or string) was already in step n+1, whose extra token is computed and
+dropped; its K/V slot is freed with the rest. A request that reaches max_new_tokens is not
+launched again. Outputs reach the caller one ``step`` later.
+
 Thread model: ``add_request`` / ``abort`` may be called from any thread; they validate at once
 (so refusals raise in the caller) and hand the request to an inbox that ``step`` drains. ``step``
 itself must be called from one thread at a time (the server's background loop).
@@ -17,6 +26,7 @@ import torch
 
 from ..config import EngineConfig
 from .sampler import make_generator, sample
+from .transfer import to_device
 from .sampling_params import SamplingParams
 from .setup import EngineParts, build_parts
 from .text import Detokenizer
@@ -50,6 +60,18 @@ class _Req:
     sparse_decode_steps: int = 0
     t_first_token: float | None = None
     finish_reason: str | None = None
+    launched: int = 0              # output tokens sampled or being sampled on the device
+
+
+@dataclass
+class _Launched:
+    """One step's sampled tokens on their way to the host: ``tokens[i]`` belongs to ``reqs[i]``."""
+
+    reqs: list
+    tokens: torch.Tensor           # [N] int64, host (pinned on CUDA) once ``ready`` has fired
+    ready: "torch.cuda.Event | None"
+    num_decode: int                # the last num_decode entries are the decode forward's
+    t_launch: float
 
 
 class Engine:
@@ -73,6 +95,10 @@ class Engine:
         self._known: set[str] = set()
         self._counter = 0
         self.counters = collections.Counter()
+        self._overlap = not cfg.disable_overlap_schedule
+        self._inflight: _Launched | None = None
+        # each request row's latest sampled token, on the device: the next decode's input ids
+        self._last_tok = torch.zeros(p.memory.plan.max_reqs + 1, dtype=torch.int64, device=p.device)  # + padding row 0
 
     # ------------------------------------------------------------------------- requests
     def _encode(self, prompt) -> list[int]:
@@ -143,7 +169,7 @@ class Engine:
                                                 meta=self._meta(req)))
 
     def has_unfinished(self) -> bool:
-        return bool(self._inbox) or bool(self._reqs) or bool(self._pending)
+        return bool(self._inbox) or bool(self._reqs) or bool(self._pending) or self._inflight is not None
 
     # ----------------------------------------------------------------------------- step
     def step(self) -> list[StepOutput]:
@@ -162,10 +188,24 @@ class Engine:
         plan = p.scheduler.schedule()
         for rid in plan.admitted:
             self._reqs[rid].row = p.memory.rows.alloc()
-        new_tokens: dict[str, tuple[int, float]] = {}   # rid -> (token, time it was sampled)
+        launched = self._launch(plan)
+        if self._overlap:
+            launched, self._inflight = self._inflight, launched
+        if launched is not None:
+            outs.extend(self._collect(launched))
+        return outs
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """int64 [len(values)] on the engine's device, without a host sync."""
+        return to_device(torch.tensor(values, dtype=torch.int64), self.parts.device)
+
+    def _launch(self, plan) -> _Launched | None:
+        """Run the plan's forwards and sampling; nothing here waits for the GPU."""
+        p = self.parts
+        t0 = time.perf_counter()
+        reqs_out, toks = [], []
         if plan.prefill:
             reqs = [self._reqs[c.rid] for c in plan.prefill]
-            t0 = time.perf_counter()
             logits = p.runner.prefill([r.row for r in reqs], [c.start for c in plan.prefill],
                                       [r.prompt_ids[c.start:c.end] for r, c in zip(reqs, plan.prefill)],
                                       [c.last for c in plan.prefill])
@@ -173,31 +213,55 @@ class Engine:
                 r.num_cached = c.end
             done = [r for r, c in zip(reqs, plan.prefill) if c.last]
             if done:
-                toks = sample(logits, [r.params for r in done], [r.generator for r in done]).tolist()
-                t1 = time.perf_counter()
-                new_tokens.update({r.rid: (t, t1) for r, t in zip(done, toks)})
+                t = sample(logits, [r.params for r in done], [r.generator for r in done])
+                self._last_tok[self._to_device([r.row for r in done])] = t
+                reqs_out += done
+                toks.append(t)
             self.counters["prefill_tokens"] += plan.num_prefill_tokens
             self.counters["prefill_time"] += time.perf_counter() - t0
-        if plan.decode:
-            reqs = [self._reqs[rid] for rid in plan.decode]
-            positions = [r.num_cached for r in reqs]
-            t0 = time.perf_counter()
-            logits = p.runner.decode([r.row for r in reqs], [r.output_ids[-1] for r in reqs], positions)
-            toks = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+        # a request whose last token is still on its way has nothing left to decode
+        dec = [r for r in (self._reqs[rid] for rid in plan.decode) if r.launched < r.params.max_new_tokens]
+        if dec:
             t1 = time.perf_counter()
-            lens = [n + 1 for n in positions]
-            sparse_rows = p.sparse_rows(lens)
-            for r, t, sp in zip(reqs, toks, sparse_rows):
+            positions = [r.num_cached for r in dec]
+            rows_dev = self._to_device([r.row for r in dec])
+            logits = p.runner.decode([r.row for r in dec], self._last_tok[rows_dev], positions)
+            t = sample(logits, [r.params for r in dec], [r.generator for r in dec])
+            self._last_tok[rows_dev] = t
+            sparse_rows = p.sparse_rows([n + 1 for n in positions])
+            for r, sp in zip(dec, sparse_rows):
                 r.num_cached += 1
                 r.decode_steps += 1
                 r.sparse_decode_steps += int(sp)
-                new_tokens[r.rid] = (t, t1)
+            reqs_out += dec
+            toks.append(t)
             self.counters["decode_steps"] += 1
             self.counters["sparse_decode_steps"] += int(any(sparse_rows))
-            self.counters["decode_tokens"] += len(reqs)
-            self.counters["decode_time"] += time.perf_counter() - t0
-        for rid, (tok, when) in new_tokens.items():
-            outs.append(self._on_token(self._reqs[rid], tok, when))
+            self.counters["decode_tokens"] += len(dec)
+            self.counters["decode_time"] += time.perf_counter() - t1
+        if not reqs_out:
+            return None
+        for r in reqs_out:
+            r.launched += 1
+        tokens = torch.cat(toks) if len(toks) > 1 else toks[0]
+        ready = None
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            tokens = host
+        return _Launched(reqs_out, tokens, ready, len(dec), t0)
+
+    def _collect(self, launched: _Launched) -> list[StepOutput]:
+        """Wait for a launched step's tokens and hand them to their requests."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        now = time.perf_counter()
+        outs = []
+        for r, tok in zip(launched.reqs, launched.tokens.tolist()):
+            if r.finish_reason is None:   # else it stopped (or was aborted) after this launch
+                outs.append(self._on_token(r, tok, now))
         return outs
 
     def _on_token(self, r: _Req, tok: int, now: float) -> StepOutput:

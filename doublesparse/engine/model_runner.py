@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .forward_batch import ForwardBatch
+from .transfer import to_device
 
 # Graph replay feeds all five per-step inputs through one pinned host buffer and one H2D copy into
 # a [5, max_bs] int64 device buffer that every bucket's static ForwardBatch views (was: 5 copies
@@ -79,11 +80,11 @@ class ModelRunner:
         dev = self.device
         batch = ForwardBatch(
             mode="prefill",
-            input_ids=torch.cat([torch.tensor(c, dtype=torch.int64) for c in chunks]).to(dev),
-            positions=pos.to(dev), out_slots=slots.to(dev),
-            req_idx=torch.tensor(rows, dtype=torch.int32).to(dev),
-            seq_lens=torch.tensor([p + n for p, n in zip(prefix_lens, lens)], dtype=torch.int32).to(dev),
-            logits_indices=idx.to(dev), attn=self.backend, rows_host=tuple(rows),
+            input_ids=to_device(torch.cat([torch.tensor(c, dtype=torch.int64) for c in chunks]), dev),
+            positions=to_device(pos, dev), out_slots=to_device(slots, dev),
+            req_idx=to_device(torch.tensor(rows, dtype=torch.int32), dev),
+            seq_lens=to_device(torch.tensor([p + n for p, n in zip(prefix_lens, lens)], dtype=torch.int32), dev),
+            logits_indices=to_device(idx, dev), attn=self.backend, rows_host=tuple(rows),
             extend_prefix_lens=tuple(prefix_lens), extend_lens=tuple(lens))
         self.backend.plan(batch)
         return self.model(batch.input_ids, batch.positions, batch)
@@ -92,7 +93,9 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token per request: ``tokens[i]`` at ``positions[i]`` (== cached length before the
-        step). Returns logits ``[B, V]`` float32."""
+        step). ``tokens``: host ints, or an int64 ``[B]`` tensor on the device (the engine's
+        overlap schedule: the previous step's samples, never read on the host). Returns logits
+        ``[B, V]`` float32."""
         B = len(rows)
         row_t = torch.tensor(rows, dtype=torch.int64)
         pos_t = torch.tensor(positions, dtype=torch.int64)
@@ -103,19 +106,23 @@ class ModelRunner:
             return self._replay_packed(bucket, B, tokens, positions, slots.numpy(), rows)
         host = self.host_inputs(tokens, pos_t, slots, row_t)
         if bucket is not None:
-            return self._replay(bucket, B, host)
+            return self._replay(bucket, B, host, tokens)
         if self.device.type == "cpu":
             with _cpu_threads(max(1, min(torch.get_num_threads(), B))):
-                return self._decode_eager(B, host)
-        return self._decode_eager(B, host)
+                return self._decode_eager(B, host, tokens)
+        return self._decode_eager(B, host, tokens)
 
     @staticmethod
     def host_inputs(tokens, pos_t: torch.Tensor, slots: torch.Tensor, row_t: torch.Tensor) -> torch.Tensor:
-        """[5, B] int64 on the host: input ids, positions, out slots, request rows, seq lens."""
-        return torch.stack([torch.tensor(tokens, dtype=torch.int64), pos_t, slots, row_t, pos_t + 1])
+        """[5, B] int64 on the host: input ids (0 when they are a device tensor, filled in later),
+        positions, out slots, request rows, seq lens."""
+        ids = torch.zeros_like(pos_t) if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.int64)
+        return torch.stack([ids, pos_t, slots, row_t, pos_t + 1])
 
-    def _decode_eager(self, B: int, host: torch.Tensor) -> torch.Tensor:
+    def _decode_eager(self, B: int, host: torch.Tensor, tokens=None) -> torch.Tensor:
         dev = host.to(self.device)
+        if isinstance(tokens, torch.Tensor):
+            dev[0] = tokens
         batch = ForwardBatch(mode="decode", input_ids=dev[0], positions=dev[1], out_slots=dev[2],
                              req_idx=dev[3].to(torch.int32), seq_lens=dev[4].to(torch.int32),
                              logits_indices=torch.arange(B, device=self.device), attn=self.backend)
@@ -178,7 +185,8 @@ class ModelRunner:
         g, sb, logits = self.graphs[bs]
         dev, host, h64, h32, copied = self._inputs
         copied.synchronize()  # the previous step's copy has read the host buffer (normally long done)
-        h64[0, :B] = tokens
+        on_device = isinstance(tokens, torch.Tensor)
+        h64[0, :B] = 0 if on_device else tokens
         h64[1, :B] = positions
         h64[2, :B] = slots
         h64[:3, B:] = 0
@@ -188,12 +196,16 @@ class ModelRunner:
         h32[1, B:] = 1  # rows a previous, larger batch filled go back to padding
         dev.copy_(host, non_blocking=True)
         copied.record(torch.cuda.current_stream(self.device))
+        if on_device:
+            dev[0, :B].copy_(tokens)
         g.replay()
         return logits[:B].clone()
 
-    def _replay(self, bs: int, B: int, host: torch.Tensor) -> torch.Tensor:
+    def _replay(self, bs: int, B: int, host: torch.Tensor, tokens=None) -> torch.Tensor:
         g, sb, logits = self.graphs[bs]
         dev = host.to(self.device, non_blocking=True)
+        if isinstance(tokens, torch.Tensor):
+            dev[0] = tokens
         for buf, src, pad in ((sb.input_ids, dev[0], 0), (sb.positions, dev[1], 0),
                               (sb.out_slots, dev[2], 0), (sb.req_idx, dev[3], 0), (sb.seq_lens, dev[4], 1)):
             buf[:B].copy_(src)

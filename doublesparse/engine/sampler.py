@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .sampling_params import SamplingParams
+from .transfer import to_device
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -48,7 +49,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if not rows:
         return out
     dev = logits.device
-    idx = torch.tensor(rows, device=dev)
+    idx = to_device(torch.tensor(rows), dev)
     sub = params_tensors([params[i] for i in rows], dev)
     probs, order = filter_probs(logits[idx], *sub)
     picks = []
@@ -63,4 +64,5 @@ def params_tensors(params: list[SamplingParams], device) -> tuple[torch.Tensor, 
     t = torch.tensor([float(p.temperature) for p in params], dtype=torch.float32)
     p = torch.tensor([float(p.top_p) for p in params], dtype=torch.float32)
     k = torch.tensor([int(p.top_k or 0) for p in params], dtype=torch.int64)
-    return t.to(device), p.to(device), k.to(device)
+    return to_device(t, device), to_device(p, device), to_device(k, device)
+

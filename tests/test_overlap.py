@@ -1,0 +1,106 @@
+"""The engine's overlap schedule (launch step n+1, then read step n's tokens) against the plain
+one: same tokens, same finish reasons, every slot freed, outputs one step later."""
+
+import pytest
+import torch
+
+from doublesparse.engine import Engine
+from doublesparse.testing import ByteTokenizer, tiny_llama
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=1, max_position_embeddings=512)
+
+
+def engine(model, overlap, **kw):
+    kw.setdefault("max_total_tokens", 2048)
+    kw.setdefault("max_running_requests", 3)
+    return Engine(model=model, tokenizer=ByteTokenizer(), progress=False,
+                  disable_overlap_schedule=not overlap, **kw)
+
+
+def run_all(e, reqs):
+    """Feed requests, step to the end; returns {rid: (token ids, finish reason)} and the steps."""
+    rids = [e.add_request(p, sp) for p, sp in reqs]
+    got = {r: [] for r in rids}
+    reason = {}
+    steps = 0
+    while e.has_unfinished():
+        for o in e.step():
+            got[o.request_id] += o.new_token_ids
+            if o.finished:
+                assert o.request_id not in reason, "finished twice"
+                reason[o.request_id] = o.finish_reason
+        steps += 1
+        assert steps < 1000
+    return [(got[r], reason[r]) for r in rids], steps
+
+
+@pytest.mark.parametrize("ds", [False, True])
+def test_overlap_matches_plain_schedule(model, ds):
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(1, 128, (int(n),), generator=g).tolist() for n in (9, 40, 23, 61, 5, 33)]
+    first = engine(model, False).generate(ps[1], {**GREEDY, "max_new_tokens": 12})[0]["token_ids"]
+    sps = [
+        {**GREEDY, "max_new_tokens": 7},
+        {**GREEDY, "max_new_tokens": 12, "stop_token_ids": [first[4]]},   # stops at a token id
+        {"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_new_tokens": 9, "ignore_eos": True},
+        {**GREEDY, "max_new_tokens": 1},
+        {"temperature": 1.0, "top_k": 5, "seed": 2, "max_new_tokens": 15, "ignore_eos": True},
+        {**GREEDY, "max_new_tokens": 20},
+    ]
+    kw = dict(enable_double_sparsity=ds, ds_heavy_token_num=8, chunked_prefill_size=16) if ds else {}
+    plain, _ = run_all(engine(model, False, **kw), list(zip(ps, sps)))
+    e = engine(model, True, **kw)
+    over, _ = run_all(e, list(zip(ps, sps)))
+    assert over == plain
+    assert plain[1][1] == "stop" and len(plain[1][0]) <= 5 and plain[3] == (plain[3][0], "length")
+    s = e.stats()
+    assert s["kv_used_tokens"] == 0 and s["running"] == 0 and s["kv_reserved_tokens"] == 0
+
+
+def test_overlap_outputs_lag_one_step_and_stop_frees_extra_slot(model):
+    e = engine(model, True)
+    p = list(range(20, 40))
+    ref = engine(model, False).generate(p, {**GREEDY, "max_new_tokens": 12})[0]["token_ids"]
+    i = next(i for i in range(2, 12) if ref[i] not in ref[:i])   # the first new token from the 3rd
+    rid = e.add_request(p, {**GREEDY, "max_new_tokens": 12, "stop_token_ids": [ref[i]]})
+    assert e.step() == []                         # prefill launched, its token not read yet
+    outs = e.step()                               # first decode launched, first token out
+    assert [o.new_token_ids for o in outs] == [[ref[0]]]
+    for _ in range(i):
+        outs = e.step()
+    assert outs[0].finished and outs[0].new_token_ids == [ref[i]]   # the stop token
+    # the request was already in the next step: that token is dropped and its slot freed
+    assert e.step() == [] and not e.has_unfinished()
+    assert e.stats()["kv_used_tokens"] == 0 and rid not in e._reqs
+
+
+def test_abort_during_overlap(model):
+    e = engine(model, True)
+    rid = e.add_request([3] * 20, {**GREEDY, "max_new_tokens": 50})
+    other = e.add_request([4] * 12, {**GREEDY, "max_new_tokens": 8})
+    for _ in range(4):
+        e.step()
+    e.abort(rid)                                   # a step of it is still in flight
+    done = {}
+    while e.has_unfinished():
+        for o in e.step():
+            if o.finished:
+                done[o.request_id] = o.finish_reason
+    assert done == {rid: "abort", other: "length"}
+    assert e.stats()["kv_used_tokens"] == 0
+    alone = engine(model, False).generate([4] * 12, {**GREEDY, "max_new_tokens": 8})[0]["token_ids"]
+    e2 = engine(model, True)
+    assert e2.generate([4] * 12, {**GREEDY, "max_new_tokens": 8})[0]["token_ids"] == alone
