@@ -13,13 +13,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
 
 ISSUE = {"num_prompts": 100, "input_len": 32768, "output_len": 1024, "max_concurrency": 16}
 MIXES = ("malformed-generate", "malformed-completions")
-CHUNK = 4096  # the engine's default --chunked-prefill-size, which serving_h200.sh keeps
+CHUNK = 4096  # the engine's default --chunked-prefill-size (a run may pass its own: see _chunk)
+
+
+def _chunk(cmds: list[str]) -> int:
+    """The servers' --chunked-prefill-size (the default when they did not pass one)."""
+    for c in cmds:
+        m = re.search(r"--chunked-prefill-size[ =](\d+)", c)
+        if m:
+            return int(m.group(1))
+    return CHUNK
 
 
 def find(dirs: list[Path]) -> dict[str, Path]:
@@ -168,7 +178,8 @@ def markdown(doc: dict) -> str:
     d, x = runs["dense"]["metrics"], runs["ds"]["metrics"]
     server = (doc["env"].get("ds") or doc["env"].get("dense") or {}).get("server_cmd", "")
     model = f"`{d['model']}`" + (" with dummy weights (`--load-format dummy`)" if "dummy" in server else "")
-    C, chunks = d["max_concurrency"], -(-d["input_len"] // CHUNK)
+    chunk = _chunk(s["commands"])
+    C, chunks = d["max_concurrency"], -(-d["input_len"] // chunk)
     L = [f"# Serving benchmark (issue 5) on {s['device']}", "",
          f"Date: {s['date']}. Workload: bench_serving `--endpoint generate` (token ids, streamed), "
          f"{d['num_requests']} requests of {d['input_len']} prompt + {d['output_len']} output tokens "
@@ -201,7 +212,7 @@ def markdown(doc: dict) -> str:
     L += ["", "## How to read TPOT and ITL", "",
           "TPOT is per request, (latency - TTFT) / (output tokens - 1), then p50/p99 over requests "
           f"(the SGLang/vLLM definition). The engine runs, in every step, one prefill chunk "
-          f"(<= {CHUNK} prompt tokens) and then one decode forward of all running requests, so each "
+          f"(<= {chunk} prompt tokens) and then one decode forward of all running requests, so each "
           f"later arrival's {d['input_len']}-token prefill ({chunks} chunks) stalls the running "
           f"requests' decode for ~{chunks} steps. With {C} requests in flight and arrivals replacing "
           f"finished ones, a request sees about {C - 1} other prefills during its life (fewer in the "
@@ -209,6 +220,13 @@ def markdown(doc: dict) -> str:
           "and is added to both TPOTs, which pulls their ratio towards 1. ITL is every gap between "
           "streamed chunks over all requests: its p50 is a decode step without prefill (the "
           "decode-only speedup), its p99 a step with a prefill chunk in it.", "",
+          "With C requests always in flight, each lives C / (requests per second) (Little's law), "
+          "so as long as TTFT is a small part of that life, the TPOT ratio follows the inverse of "
+          f"the throughput ratio: here {_f(s['ds_over_dense_tpot_p50'], 3)} against "
+          f"1 / {_f(s['ds_over_dense_output_tok_s'], 3)} = "
+          f"{_f(1 / s['ds_over_dense_output_tok_s'], 3) if s['ds_over_dense_output_tok_s'] else '–'}. "
+          "A TPOT ratio of 0.5 therefore needs about twice dense's output tokens/s over the whole "
+          "run, prefill included.", "",
           "## Summary", "", "```json", json.dumps(s, indent=1), "```", "", "## Commands", ""]
     L += [f"- `{c}`" for c in s["commands"]]
     return "\n".join(L) + "\n"
