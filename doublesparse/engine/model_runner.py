@@ -120,7 +120,7 @@ class ModelRunner:
         return torch.stack([ids, pos_t, slots, row_t, pos_t + 1])
 
     def _decode_eager(self, B: int, host: torch.Tensor, tokens=None) -> torch.Tensor:
-        dev = host.to(self.device)
+        dev = to_device(host, self.device)
         if isinstance(tokens, torch.Tensor):
             dev[0] = tokens
         batch = ForwardBatch(mode="decode", input_ids=dev[0], positions=dev[1], out_slots=dev[2],
@@ -203,7 +203,7 @@ class ModelRunner:
 
     def _replay(self, bs: int, B: int, host: torch.Tensor, tokens=None) -> torch.Tensor:
         g, sb, logits = self.graphs[bs]
-        dev = host.to(self.device, non_blocking=True)
+        dev = to_device(host, self.device)
         if isinstance(tokens, torch.Tensor):
             dev[0] = tokens
         for buf, src, pad in ((sb.input_ids, dev[0], 0), (sb.positions, dev[1], 0),
