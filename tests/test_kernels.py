@@ -170,8 +170,6 @@ PIPELINES = [
     {"score_impl": "mma", "mma_block_n": 32},
     {"score_impl": "mma", "select_block_n": 256},
     {"score_impl": "mma", "mma_block_n": 16},
-    {"score_impl": "mma", "select_prog_stats": True},
-    {"score_impl": "rows", "score_hist": True, "select_prog_stats": True, "select_block_n": 256},
 ]
 
 
@@ -192,22 +190,6 @@ def test_ds_select_pipelines(tuning, mode, monkeypatch):
         _check_selection(c, ws, sel, k, mode)
         assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
     assert int(ws.hist[0].abs().sum()) == 0  # hist[1] is cleared by the next call's score launch
-
-
-def test_ds_select_prog_stats_many_programs(monkeypatch):
-    """select_prog_stats with more programs per row than one stats chunk (16), over repeated
-    calls with different batch shapes: exact selection, and the stats are left zeroed."""
-    monkeypatch.setitem(launch.TUNING, "select_prog_stats", True)
-    monkeypatch.setitem(launch.TUNING, "select_block_n", 256)
-    ws = None
-    for i, (seq_lens, k, progs) in enumerate([([600, 4000, 1], 64, 5), ([4700, 3001], 300, 19), ([2500], 257, 17)]):
-        c = make_case(seq_lens, 9, 3, 64, r=16, device=DEVICE, seed=300 + i, max_ctx=4800)
-        ws = ws or make_ws(c, max_heavy_tokens=300)
-        _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, num_progs=progs,
-                                  return_sel=True)
-        _check_selection(c, ws, sel, k, "group_max")
-        assert int(ws.select_stats(1).abs().sum()) == 0
-    assert int(ws.hist[0].abs().sum()) == 0
 
 
 def test_ds_repeated_calls_keep_workspace_clean():

@@ -64,18 +64,6 @@ class DecodeWorkspace:
             # stale entry can never address outside the pool.
             self.buffers["sel_slot"] = torch.zeros(B, Hq, self.max_heavy_tokens, **i32)
 
-    def select_stats(self, num_programs: int, capacity: int = 0) -> torch.Tensor:
-        """Zeroed int32 scratch of at least ``num_programs`` x 257 for the select kernels'
-        per-program stats (``TUNING["select_prog_stats"]``), allocated on first use for
-        ``capacity`` programs (the launcher passes a bound over every batch size, so graphs
-        captured after the first eager call never need a larger one). The kernels leave it zeroed."""
-        n = max(num_programs, capacity) * 257
-        buf = self.buffers.get("select_stats")
-        if buf is None or buf.numel() < num_programs * 257:
-            buf = torch.zeros(n, dtype=torch.int32, device=self.buffers["rowinfo"].device)
-            self.buffers["select_stats"] = buf
-        return buf
-
     def __getattr__(self, name):
         buffers = self.__dict__.get("buffers", {})
         if name in buffers:

@@ -23,8 +23,6 @@ import triton
 import triton.language as tl
 
 FP16_MAX = tl.constexpr(65504.0)
-STAT_W = tl.constexpr(257)   # per-program select stats: 256 low-byte bins + count above the high digit
-STAT_CHUNK = tl.constexpr(16)
 
 
 @triton.jit
@@ -235,15 +233,11 @@ def hist_high_kernel(
 
 @triton.jit
 def hist_low_kernel(
-    scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, stats_ptr,
+    scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr,
     heavy_k, threshold,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    PROG_STATS: tl.constexpr,
 ):
-    # PROG_STATS: each program keeps its own low-byte histogram and its count of keys above the
-    # high digit (stats[(b, row, p)] = [256 bins, count]), so compact can rank its output range
-    # from them without a counting pass over the scores.
     b = tl.program_id(0)
     row = tl.program_id(1)
     p = tl.program_id(2)
@@ -256,35 +250,27 @@ def hist_low_kernel(
         tl.store(rowinfo_ptr + b * stride_rib + row * stride_rir + 1, heavy_k - above0)
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
     h1 = hist_ptr + stride_hp + b * stride_hb + row * stride_hr
-    st = stats_ptr + ((b * tl.num_programs(1) + row) * NUM_PROGS + p) * STAT_W
-    c_hi = tl.full([], 0, tl.int32)
     for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
         offs = t + tl.arange(0, BLOCK_N)
         nmask = offs < end
         key = _key16(_load_block(scores_ptr + b * stride_sb + row * stride_sr, offs, BLOCK_N))
         inside = nmask & ((key >> 8) == digit0)
-        if PROG_STATS:
-            c_hi += tl.sum((nmask & ((key >> 8) > digit0)).to(tl.int32), 0)
-            tl.atomic_add(st + (key & 255), tl.full([BLOCK_N], 1, tl.int32), mask=inside, sem="relaxed")
-        elif ATOMIC_HIST:
+        if ATOMIC_HIST:
             # Only the keys of one high-byte bucket count (a few percent): scattered atomics are
             # cheaper than a full block histogram.
             tl.atomic_add(h1 + (key & 255), tl.full([BLOCK_N], 1, tl.int32), mask=inside, sem="relaxed")
         else:
             hist = tl.histogram(key & 255, 256, mask=inside)
             tl.atomic_add(h1 + bins, hist, mask=hist > 0, sem="relaxed")
-    if PROG_STATS:
-        tl.store(st + 256, c_hi)
 
 
 @triton.jit
 def compact_kernel(
     scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr, req_to_token_ptr, req_idx_ptr,
-    stats_ptr, heavy_k, threshold,
+    heavy_k, threshold,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     stride_selb, stride_selr, stride_rt,
     NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    PROG_STATS: tl.constexpr,
 ):
     # Writes the selected positions (sel) and their cache slots (sel_slot): attention then
     # gathers K/V rows with one indirection instead of two.
@@ -296,16 +282,7 @@ def compact_kernel(
     info = rowinfo_ptr + b * stride_rib + row * stride_rir
     digit0 = tl.load(info)
     need0 = tl.load(info + 1)
-    st0 = stats_ptr + (b * tl.num_programs(1) + row) * NUM_PROGS * STAT_W
-    if PROG_STATS:
-        # The row's low-byte histogram is the sum of its programs' (hist_low wrote them).
-        h1 = tl.zeros([256], tl.int32)
-        for c in tl.range(0, NUM_PROGS, STAT_CHUNK):
-            pp = c + tl.arange(0, STAT_CHUNK)
-            h1 += tl.sum(tl.load(st0 + pp[:, None] * STAT_W + bins[None, :],
-                                 mask=(pp < NUM_PROGS)[:, None], other=0), 0)
-    else:
-        h1 = tl.load(hist_ptr + stride_hp + b * stride_hb + row * stride_hr + bins)
+    h1 = tl.load(hist_ptr + stride_hp + b * stride_hb + row * stride_hr + bins)
     digit1, above1 = _threshold_digit(h1, need0)
     thr = digit0 * 256 + digit1
     n_gt = heavy_k - need0 + above1
@@ -318,32 +295,19 @@ def compact_kernel(
     out_slot = sel_slot_ptr + b * stride_selb + row * stride_selr
     rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
     srow = scores_ptr + b * stride_sb + row * stride_sr
-    if PROG_STATS:
-        # This program's output ranges start after the keys of the programs before it (slices
-        # are in position order, so ties go to the earliest positions).
-        base = tl.full([], 0, tl.int32)
-        base_e = tl.full([], 0, tl.int32)
-        for c in tl.range(0, NUM_PROGS, STAT_CHUNK):
-            pp = c + tl.arange(0, STAT_CHUNK)
-            before = pp < p
-            H = tl.load(st0 + pp[:, None] * STAT_W + bins[None, :], mask=before[:, None], other=0)
-            c_hi = tl.load(st0 + pp * STAT_W + 256, mask=before, other=0)
-            base += tl.sum(c_hi, 0) + tl.sum(tl.sum(tl.where(bins[None, :] > digit1, H, 0), 1), 0)
-            base_e += tl.sum(tl.sum(tl.where(bins[None, :] == digit1, H, 0), 1), 0)
-    else:
-        # Count first, so the program reserves its output range with one pair of atomics: an
-        # atomic's round trip per block was the loop's critical path. The second pass re-reads the
-        # scores from L2.
-        c_gt = tl.full([], 0, tl.int32)
-        c_eq = tl.full([], 0, tl.int32)
-        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-            offs = t + tl.arange(0, BLOCK_N)
-            nmask = offs < end
-            key = _key16(_load_block(srow, offs, BLOCK_N))
-            c_gt += tl.sum(((key > thr) & nmask).to(tl.int32), 0)
-            c_eq += tl.sum(((key == thr) & nmask).to(tl.int32), 0)
-        base = tl.atomic_add(info + 2, c_gt, mask=c_gt > 0, sem="relaxed")
-        base_e = tl.atomic_add(info + 3, c_eq, mask=c_eq > 0, sem="relaxed")
+    # Count first, so the program reserves its output range with one pair of atomics: an
+    # atomic's round trip per block was the loop's critical path. The second pass re-reads the
+    # scores from L2.
+    c_gt = tl.full([], 0, tl.int32)
+    c_eq = tl.full([], 0, tl.int32)
+    for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+        offs = t + tl.arange(0, BLOCK_N)
+        nmask = offs < end
+        key = _key16(_load_block(srow, offs, BLOCK_N))
+        c_gt += tl.sum(((key > thr) & nmask).to(tl.int32), 0)
+        c_eq += tl.sum(((key == thr) & nmask).to(tl.int32), 0)
+    base = tl.atomic_add(info + 2, c_gt, mask=c_gt > 0, sem="relaxed")
+    base_e = tl.atomic_add(info + 3, c_eq, mask=c_eq > 0, sem="relaxed")
     for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
         offs = t + tl.arange(0, BLOCK_N)
         nmask = offs < end
@@ -366,15 +330,3 @@ def compact_kernel(
         slot = tl.load(rt_row + offs, mask=w, other=0)
         tl.store(out + dst, offs, mask=w)
         tl.store(out_slot + dst, slot, mask=w)
-    if PROG_STATS:
-        # The last program of the row to finish clears the row's stats for the next call (every
-        # program has read them by then). info[2] counts finishers; score resets it each call.
-        tl.debug_barrier()
-        done = tl.atomic_add(info + 2, 1, sem="acq_rel")
-        if done == NUM_PROGS - 1:
-            for c in tl.range(0, NUM_PROGS, STAT_CHUNK):
-                pp = c + tl.arange(0, STAT_CHUNK)
-                pm = pp < NUM_PROGS
-                tl.store(st0 + pp[:, None] * STAT_W + bins[None, :], tl.zeros([STAT_CHUNK, 256], tl.int32),
-                         mask=pm[:, None])
-                tl.store(st0 + pp * STAT_W + 256, tl.zeros([STAT_CHUNK], tl.int32), mask=pm)

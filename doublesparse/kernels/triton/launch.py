@@ -156,9 +156,6 @@ TUNING = {
     "score_loop_stages": 3, "select_loop_stages": 1,
     # The separate high-byte histogram pass (used when score_hist is False).
     "hist_block_n": 4096, "hist_programs_per_sm": 8,
-    # hist_low keeps per-program stats (low-byte histogram, count above the high digit) so that
-    # compact ranks its output from them instead of a counting pass over the scores.
-    "select_prog_stats": False,
     # The attention over the selected tokens (the dense kernel's knobs otherwise).
     "sparse_attn_programs_per_sm": 4, "sparse_attn_stages": 2,
     # Merge the split-K partials in the attention kernel's last split instead of a merge launch.
@@ -317,18 +314,12 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
                                                 num_warps=sw, num_stages=TUNING["select_stages"])
         if stage == "hist":
             return None
-        prog_stats = bool(TUNING["select_prog_stats"])
-        # B * rows * P <= programs_per_sm * nsm + B * rows for every B: one allocation for all
-        cap = TUNING["select_programs_per_sm"] * nsm + ws.max_batch * ws.num_q_heads
-        stats = ws.select_stats(B * rows * P, cap) if prog_stats else info
-        hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, stats, k, int(threshold), *common,
+        hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
                                       NUM_PROGS=P, BLOCK_N=sb, ATOMIC_HIST=TUNING["select_atomic_hist"],
-                                      LOOP_STAGES=ls, PROG_STATS=prog_stats,
-                                      num_warps=sw, num_stages=TUNING["select_stages"])
+                                      LOOP_STAGES=ls, num_warps=sw, num_stages=TUNING["select_stages"])
         compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx,
-                                     stats, k, int(threshold), *common, sel.stride(0), sel.stride(1),
+                                     k, int(threshold), *common, sel.stride(0), sel.stride(1),
                                      req_to_token.stride(0), NUM_PROGS=P, BLOCK_N=sb, LOOP_STAGES=ls,
-                                     PROG_STATS=prog_stats,
                                      num_warps=sw, num_stages=TUNING["select_stages"])
         if stage == "select":
             return sel
