@@ -203,8 +203,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--disable-cuda-graph", action="store_true", default=None)
     g.add_argument("--cuda-graph-max-bs", type=int)
     g.add_argument("--disable-overlap-schedule", action="store_true", default=None,
-                   help="process each step's tokens before launching the next (default: launch "
-                        "step n+1, then process step n's tokens while the GPU computes)")
+                   help="process each step's tokens before launching the next (default on CUDA: "
+                        "launch step n+1, then process step n's tokens while the GPU computes)")
     g.add_argument("--seed", type=int)
     return parser
 

@@ -26,25 +26,29 @@ def model():
 def engine(model, overlap, **kw):
     kw.setdefault("max_total_tokens", 2048)
     kw.setdefault("max_running_requests", 3)
-    return Engine(model=model, tokenizer=ByteTokenizer(), progress=False,
-                  disable_overlap_schedule=not overlap, **kw)
+    e = Engine(model=model, tokenizer=ByteTokenizer(), progress=False,
+               disable_overlap_schedule=not overlap, **kw)
+    assert not e.overlap  # CPU: off by default (every launch runs at once, nothing to overlap)
+    e.overlap = overlap   # forced here, to test the GPU default's logic
+    return e
 
 
 def run_all(e, reqs):
-    """Feed requests, step to the end; returns {rid: (token ids, finish reason)} and the steps."""
+    """Feed requests, step to the end; returns per request (token ids, finish reason, decode
+    steps, sparse decode steps) and the number of steps."""
     rids = [e.add_request(p, sp) for p, sp in reqs]
     got = {r: [] for r in rids}
-    reason = {}
+    fin = {}
     steps = 0
     while e.has_unfinished():
         for o in e.step():
             got[o.request_id] += o.new_token_ids
             if o.finished:
-                assert o.request_id not in reason, "finished twice"
-                reason[o.request_id] = o.finish_reason
+                assert o.request_id not in fin, "finished twice"
+                fin[o.request_id] = (o.finish_reason, o.meta["decode_steps"], o.meta["sparse_decode_steps"])
         steps += 1
         assert steps < 1000
-    return [(got[r], reason[r]) for r in rids], steps
+    return [(got[r], *fin[r]) for r in rids], steps
 
 
 @pytest.mark.parametrize("ds", [False, True])
@@ -61,13 +65,18 @@ def test_overlap_matches_plain_schedule(model, ds):
         {**GREEDY, "max_new_tokens": 20},
     ]
     kw = dict(enable_double_sparsity=ds, ds_heavy_token_num=8, chunked_prefill_size=16) if ds else {}
-    plain, _ = run_all(engine(model, False, **kw), list(zip(ps, sps)))
+    e0 = engine(model, False, **kw)
+    plain, _ = run_all(e0, list(zip(ps, sps)))
     e = engine(model, True, **kw)
     over, _ = run_all(e, list(zip(ps, sps)))
-    assert over == plain
-    assert plain[1][1] == "stop" and len(plain[1][0]) <= 5 and plain[3] == (plain[3][0], "length")
-    s = e.stats()
+    assert over == plain   # tokens, finish reasons, and per-request (sparse) decode step counts
+    assert plain[1][1] == "stop" and len(plain[1][0]) <= 5 and plain[3][1] == "length"
+    assert all(steps == len(toks) - 1 for toks, _, steps, _ in over)
+    s, s0 = e.stats(), e0.stats()
     assert s["kv_used_tokens"] == 0 and s["running"] == 0 and s["kv_reserved_tokens"] == 0
+    # (engine-wide step counts may differ: with the lag, a freed request's place is taken a step later)
+    for key in ("decode_tokens", "generation_tokens"):
+        assert s[key] == s0[key], key
 
 
 def test_overlap_outputs_lag_one_step_and_stop_frees_extra_slot(model):
@@ -82,8 +91,10 @@ def test_overlap_outputs_lag_one_step_and_stop_frees_extra_slot(model):
     for _ in range(i):
         outs = e.step()
     assert outs[0].finished and outs[0].new_token_ids == [ref[i]]   # the stop token
-    # the request was already in the next step: that token is dropped and its slot freed
-    assert e.step() == [] and not e.has_unfinished()
+    assert outs[0].meta["decode_steps"] == i
+    # the request was already in the next step: that token is dropped, its slot freed, and
+    # nothing is left to wait for
+    assert not e.has_unfinished() and e.step() == []
     assert e.stats()["kv_used_tokens"] == 0 and rid not in e._reqs
 
 
@@ -104,3 +115,4 @@ def test_abort_during_overlap(model):
     alone = engine(model, False).generate([4] * 12, {**GREEDY, "max_new_tokens": 8})[0]["token_ids"]
     e2 = engine(model, True)
     assert e2.generate([4] * 12, {**GREEDY, "max_new_tokens": 8})[0]["token_ids"] == alone
+    assert not e2.has_unfinished()

@@ -1,6 +1,8 @@
 """The engine: requests in, tokens out. Owns the model, pools, backend, scheduler and sampler.
 
-Overlap schedule (default; ``disable_overlap_schedule`` turns it off): ``step`` launches step n+1
+Overlap schedule (default on CUDA; ``disable_overlap_schedule`` turns it off; on CPU, where it
+gains nothing because every launch runs at once, it is off unless ``Engine.overlap`` is set
+before the first step, as the tests do): ``step`` launches step n+1
 first and only then reads step n's tokens and does its host work (stop checks, detokenizing,
 finishing), so the GPU is not idle while Python runs. What makes this possible: every sampled
 token is also scattered on the device into ``_last_tok[row]``, and the next decode takes its input
@@ -70,8 +72,9 @@ class _Launched:
     reqs: list
     tokens: torch.Tensor           # [N] int64, host (pinned on CUDA) once ``ready`` has fired
     ready: "torch.cuda.Event | None"
-    num_decode: int                # the last num_decode entries are the decode forward's
+    sparse: list                   # per entry: None (a prefill's first token) or whether its decode was sparse
     t_launch: float
+    has_prefill: bool
 
 
 class Engine:
@@ -95,7 +98,7 @@ class Engine:
         self._known: set[str] = set()
         self._counter = 0
         self.counters = collections.Counter()
-        self._overlap = not cfg.disable_overlap_schedule
+        self.overlap = not cfg.disable_overlap_schedule and p.device.type == "cuda"
         self._inflight: _Launched | None = None
         # each request row's latest sampled token, on the device: the next decode's input ids
         self._last_tok = torch.zeros(p.memory.plan.max_reqs + 1, dtype=torch.int64, device=p.device)  # + padding row 0
@@ -189,10 +192,12 @@ class Engine:
         for rid in plan.admitted:
             self._reqs[rid].row = p.memory.rows.alloc()
         launched = self._launch(plan)
-        if self._overlap:
+        if self.overlap:
             launched, self._inflight = self._inflight, launched
         if launched is not None:
             outs.extend(self._collect(launched))
+        if self._inflight is not None and all(r.finish_reason for r in self._inflight.reqs):
+            self._inflight = None  # only dropped tokens left in it: nothing to wait for
         return outs
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
@@ -218,27 +223,19 @@ class Engine:
                 reqs_out += done
                 toks.append(t)
             self.counters["prefill_tokens"] += plan.num_prefill_tokens
-            self.counters["prefill_time"] += time.perf_counter() - t0
         # a request whose last token is still on its way has nothing left to decode
         dec = [r for r in (self._reqs[rid] for rid in plan.decode) if r.launched < r.params.max_new_tokens]
         if dec:
-            t1 = time.perf_counter()
             positions = [r.num_cached for r in dec]
             rows_dev = self._to_device([r.row for r in dec])
             logits = p.runner.decode([r.row for r in dec], self._last_tok[rows_dev], positions)
             t = sample(logits, [r.params for r in dec], [r.generator for r in dec])
             self._last_tok[rows_dev] = t
-            sparse_rows = p.sparse_rows([n + 1 for n in positions])
-            for r, sp in zip(dec, sparse_rows):
+            sparse_rows = list(p.sparse_rows([n + 1 for n in positions]))
+            for r in dec:
                 r.num_cached += 1
-                r.decode_steps += 1
-                r.sparse_decode_steps += int(sp)
             reqs_out += dec
             toks.append(t)
-            self.counters["decode_steps"] += 1
-            self.counters["sparse_decode_steps"] += int(any(sparse_rows))
-            self.counters["decode_tokens"] += len(dec)
-            self.counters["decode_time"] += time.perf_counter() - t1
         if not reqs_out:
             return None
         for r in reqs_out:
@@ -251,7 +248,8 @@ class Engine:
             ready = torch.cuda.Event()
             ready.record()
             tokens = host
-        return _Launched(reqs_out, tokens, ready, len(dec), t0)
+        sparse = [None] * (len(reqs_out) - len(dec)) + (sparse_rows if dec else [])
+        return _Launched(reqs_out, tokens, ready, sparse, t0, bool(plan.prefill))
 
     def _collect(self, launched: _Launched) -> list[StepOutput]:
         """Wait for a launched step's tokens and hand them to their requests."""
@@ -259,9 +257,26 @@ class Engine:
             launched.ready.synchronize()
         now = time.perf_counter()
         outs = []
-        for r, tok in zip(launched.reqs, launched.tokens.tolist()):
-            if r.finish_reason is None:   # else it stopped (or was aborted) after this launch
-                outs.append(self._on_token(r, tok, now))
+        decoded = sparse_any = 0
+        for r, tok, sp in zip(launched.reqs, launched.tokens.tolist(), launched.sparse):
+            if r.finish_reason is not None:   # it stopped (or was aborted) after this launch
+                continue
+            if sp is not None:  # counted here, not at launch, so a dropped extra token never counts
+                r.decode_steps += 1
+                r.sparse_decode_steps += int(sp)
+                decoded += 1
+                sparse_any |= bool(sp)
+            outs.append(self._on_token(r, tok, now))
+        c = self.counters
+        if decoded:
+            c["decode_steps"] += 1
+            c["sparse_decode_steps"] += sparse_any
+            c["decode_tokens"] += decoded
+        # wall time from launch to tokens read, so with the overlap schedule the GPU time is in it
+        if launched.has_prefill:
+            c["prefill_time"] += now - launched.t_launch
+        if any(sp is not None for sp in launched.sparse):
+            c["decode_time"] += now - launched.t_launch
         return outs
 
     def _on_token(self, r: _Req, tok: int, now: float) -> StepOutput:
