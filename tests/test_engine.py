@@ -15,14 +15,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 MAX_POS = 512  # small, so that "maximum context length" is easy to exceed
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decode on CPU is many tiny ops; on a shared 2-core box, 2 OpenMP threads spin-wait on each
-    other and make them ~100x slower. Restored after this module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

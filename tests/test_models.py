@@ -27,14 +27,7 @@ from doublesparse.models.rope import rope_inv_freq  # noqa: E402
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Run this module single-threaded: with other jobs on a 2-core box, two spinning OpenMP
-    threads make decode 10-20x slower (measured 91 s vs 5.6 s for 32 SmolLM2 tokens)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
