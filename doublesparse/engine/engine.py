@@ -2,9 +2,9 @@
 
 Overlap schedule (default on CUDA; ``disable_overlap_schedule`` turns it off; on CPU, where it
 gains nothing because every launch runs at once, it is off unless ``Engine.overlap`` is set
-before the first step, as the tests do): ``step`` launches step n+1
-first and only then reads step n's tokens and does its host work (stop checks, detokenizing,
-finishing), so the GPU is not idle while Python runs. What makes this possible: every sampled
+before the first step, as the tests do): ``step`` launches step n+1 first and only then reads
+step n's tokens and does its host work (stop checks, detokenizing, finishing), so the GPU is not
+idle while Python runs. What makes this possible: every sampled
 token is also scattered on the device into ``_last_tok[row]``, and the next decode takes its input
 ids from there; positions are known on the host ahead of the tokens. The price: a request that
 stops at step n (stop token or string) was already in step n+1, whose extra token is computed and
@@ -28,10 +28,10 @@ import torch
 
 from ..config import EngineConfig
 from .sampler import make_generator, sample
-from .transfer import to_device
 from .sampling_params import SamplingParams
 from .setup import EngineParts, build_parts
 from .text import Detokenizer
+from .transfer import to_device
 
 
 @dataclass
@@ -101,7 +101,8 @@ class Engine:
         self.overlap = not cfg.disable_overlap_schedule and p.device.type == "cuda"
         self._inflight: _Launched | None = None
         # each request row's latest sampled token, on the device: the next decode's input ids
-        self._last_tok = torch.zeros(p.memory.plan.max_reqs + 1, dtype=torch.int64, device=p.device)  # + padding row 0
+        # (rows 1..max_reqs; row 0 is req_to_token's padding row)
+        self._last_tok = torch.zeros(p.memory.plan.max_reqs + 1, dtype=torch.int64, device=p.device)
 
     # ------------------------------------------------------------------------- requests
     def _encode(self, prompt) -> list[int]:
@@ -200,10 +201,6 @@ class Engine:
             self._inflight = None  # only dropped tokens left in it: nothing to wait for
         return outs
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        """int64 [len(values)] on the engine's device, without a host sync."""
-        return to_device(torch.tensor(values, dtype=torch.int64), self.parts.device)
-
     def _launch(self, plan) -> _Launched | None:
         """Run the plan's forwards and sampling; nothing here waits for the GPU."""
         p = self.parts
@@ -219,7 +216,7 @@ class Engine:
             done = [r for r, c in zip(reqs, plan.prefill) if c.last]
             if done:
                 t = sample(logits, [r.params for r in done], [r.generator for r in done])
-                self._last_tok[self._to_device([r.row for r in done])] = t
+                self._last_tok[to_device(torch.tensor([r.row for r in done]), p.device)] = t
                 reqs_out += done
                 toks.append(t)
             self.counters["prefill_tokens"] += plan.num_prefill_tokens
@@ -227,7 +224,7 @@ class Engine:
         dec = [r for r in (self._reqs[rid] for rid in plan.decode) if r.launched < r.params.max_new_tokens]
         if dec:
             positions = [r.num_cached for r in dec]
-            rows_dev = self._to_device([r.row for r in dec])
+            rows_dev = to_device(torch.tensor([r.row for r in dec]), p.device)
             logits = p.runner.decode([r.row for r in dec], self._last_tok[rows_dev], positions)
             t = sample(logits, [r.params for r in dec], [r.generator for r in dec])
             self._last_tok[rows_dev] = t

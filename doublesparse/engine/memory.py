@@ -215,7 +215,7 @@ class KVMemory:
         self.req_to_token_host[rows, positions] = slots.to(torch.int32)
         if not write_device:
             return slots
-        # pinned + async: a pageable copy would wait for the GPU (see sampler.to_device)
+        # pinned + async: a pageable copy would wait for the GPU (engine/transfer.py)
         self.req_to_token[to_device(rows, self.device), to_device(positions, self.device)] = \
             to_device(slots.to(torch.int32), self.device)
         return slots

@@ -119,10 +119,15 @@ class ModelRunner:
         ids = torch.zeros_like(pos_t) if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.int64)
         return torch.stack([ids, pos_t, slots, row_t, pos_t + 1])
 
-    def _decode_eager(self, B: int, host: torch.Tensor, tokens=None) -> torch.Tensor:
+    def _device_inputs(self, host: torch.Tensor, tokens) -> torch.Tensor:
+        """``host_inputs`` on the device, with the input ids filled in when they are on it."""
         dev = to_device(host, self.device)
         if isinstance(tokens, torch.Tensor):
             dev[0] = tokens
+        return dev
+
+    def _decode_eager(self, B: int, host: torch.Tensor, tokens=None) -> torch.Tensor:
+        dev = self._device_inputs(host, tokens)
         batch = ForwardBatch(mode="decode", input_ids=dev[0], positions=dev[1], out_slots=dev[2],
                              req_idx=dev[3].to(torch.int32), seq_lens=dev[4].to(torch.int32),
                              logits_indices=torch.arange(B, device=self.device), attn=self.backend)
@@ -203,9 +208,7 @@ class ModelRunner:
 
     def _replay(self, bs: int, B: int, host: torch.Tensor, tokens=None) -> torch.Tensor:
         g, sb, logits = self.graphs[bs]
-        dev = to_device(host, self.device)
-        if isinstance(tokens, torch.Tensor):
-            dev[0] = tokens
+        dev = self._device_inputs(host, tokens)
         for buf, src, pad in ((sb.input_ids, dev[0], 0), (sb.positions, dev[1], 0),
                               (sb.out_slots, dev[2], 0), (sb.req_idx, dev[3], 0), (sb.seq_lens, dev[4], 1)):
             buf[:B].copy_(src)

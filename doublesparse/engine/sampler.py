@@ -65,4 +65,3 @@ def params_tensors(params: list[SamplingParams], device) -> tuple[torch.Tensor, 
     p = torch.tensor([float(p.top_p) for p in params], dtype=torch.float32)
     k = torch.tensor([int(p.top_k or 0) for p in params], dtype=torch.int64)
     return to_device(t, device), to_device(p, device), to_device(k, device)
-
