@@ -111,3 +111,48 @@ def test_abort_during_overlap(model):
     e2 = engine(model, True)
     assert e2.generate([4] * 12, {**GREEDY, "max_new_tokens": 8})[0]["token_ids"] == alone
     assert not e2.has_unfinished()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_overlap_randomized(model, seed):
+    """Random mixes (prompt lengths, greedy or seeded sampling, stop ids and strings, a tight pool,
+    small chunks, staggered arrivals): the same tokens and finish reasons as the plain schedule, and
+    every slot, reservation and row freed. A run with aborts keeps the same bookkeeping."""
+    import random
+    rng = random.Random(seed)
+    reqs = []
+    for j in range(6):
+        p = [rng.randrange(32, 127) for _ in range(rng.randrange(1, 40))]
+        sp = dict(max_new_tokens=rng.randrange(1, 20), ignore_eos=rng.random() < 0.5)
+        sp.update(temperature=0.0) if rng.random() < 0.5 else sp.update(temperature=1.0, seed=rng.randrange(100))
+        if rng.random() < 0.4:
+            sp["stop_token_ids"] = [rng.randrange(0, 256) for _ in range(20)]
+        if rng.random() < 0.4:
+            sp["stop"] = [chr(rng.randrange(32, 127)) for _ in range(3)]
+        reqs.append((f"r{j}", p, sp))
+    aborts = {rng.randrange(0, 30): f"r{rng.randrange(6)}" for _ in range(3)}
+
+    def run(overlap, abort_at):
+        e = engine(model, overlap, max_total_tokens=200, chunked_prefill_size=16)
+        pending, got, fin, step = list(reqs), {}, {}, 0
+        while pending or e.has_unfinished():
+            if pending and random.Random(step).random() < 0.5:
+                rid, p, sp = pending.pop(0)
+                e.add_request(p, sp, request_id=rid)
+                got[rid] = []
+            if step in abort_at:
+                e.abort(abort_at[step])
+            for o in e.step():
+                assert o.request_id not in fin, "finished twice"
+                got[o.request_id] += o.new_token_ids
+                if o.finished:
+                    fin[o.request_id] = (o.finish_reason, o.text, o.completion_tokens)
+            step += 1
+            assert e.parts.memory.slots.num_used <= 200
+        s = e.stats()
+        assert s["kv_used_tokens"] == 0 and s["kv_reserved_tokens"] == 0
+        assert e.parts.memory.rows.num_free == 3
+        return got, fin
+
+    assert run(True, {}) == run(False, {})
+    run(True, aborts)
