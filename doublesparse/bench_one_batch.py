@@ -1,7 +1,10 @@
 """``python -m doublesparse.bench_one_batch``: latency of one static batch, SGLang-style.
 
 Random prompt ids, one prefill of the whole batch, then ``output_len - 1`` decode steps through the
-same model runner / backends / CUDA graphs as the engine. Prints SGLang's lines, plus per decode
+same model runner / backends / CUDA graphs as the engine. On CUDA the decode loop uses the engine's
+overlap schedule (the next step is launched before this step's tokens are read), so a step's
+latency is the time between consecutive token reads; ``--disable-overlap-schedule`` gives
+SGLang's one-step-at-a-time loop (host work added to every step). Prints SGLang's lines, plus per decode
 step the bytes it must read (weights + KV, or weights + labels + selected KV) and the fraction of
 a copy bandwidth measured here at start. ``--result-json`` writes every number.
 """
@@ -20,6 +23,7 @@ import torch
 
 from .config import SchedulerConfig, add_cli_args, from_cli_args
 from .engine.scheduler import Scheduler
+from .engine.transfer import to_device
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,9 +114,46 @@ def prefill_chunked(runner, rows: list[int], ids: list[list[int]], chunk: int) -
     return [first[i] for i in range(len(rows))]
 
 
+def _decode_sync(runner, rows, nxt, input_len, steps, dev):
+    """SGLang's loop: each step's inputs built, launched and its tokens read before the next.
+    Yields each step's latency (s)."""
+    for i in range(steps):
+        _sync(dev)
+        t = time.perf_counter()
+        logits = runner.decode(rows, nxt, [input_len + i] * len(rows))
+        nxt = logits.argmax(-1).tolist()
+        _sync(dev)
+        yield time.perf_counter() - t
+
+
+def _decode_overlapped(runner, rows, nxt, input_len, steps, dev):
+    """The engine's overlap schedule (engine.py): step i+1 is launched, its input ids taken from
+    step i's argmax on the device, before step i's tokens are read, so the host's work for a step
+    runs while the GPU computes the one before. Yields the time between consecutive token reads,
+    the per-token latency a streaming client sees. CUDA only."""
+    B = len(rows)
+    tok = to_device(torch.tensor(nxt, dtype=torch.int64), dev)
+    host = torch.empty(2, B, dtype=torch.int64, pin_memory=True)
+    pending = None
+    _sync(dev)
+    last = time.perf_counter()
+    for i in range(steps + 1):
+        if i < steps:
+            tok = runner.decode(rows, tok, [input_len + i] * B).argmax(-1)
+            host[i % 2].copy_(tok, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+        if pending is not None:
+            pending.synchronize()  # the previous step's tokens are on the host
+            now = time.perf_counter()
+            yield now - last
+            last = now
+        pending = ev if i < steps else None
+
+
 def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_every: int,
              bw: float | None, wbytes: int, verbose: bool = True, chunk: int = 1 << 30,
-             profile=None) -> dict:
+             profile=None, overlap: bool = False) -> dict:
     runner, mem, dev = parts.runner, parts.memory, parts.device
     need = bs * (input_len + output_len)
     if need > mem.slots.num_free:
@@ -134,15 +175,9 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
         prefill_lat = time.perf_counter() - t
         say(f"Prefill. latency: {prefill_lat:6.5f} s, throughput: {bs * input_len / prefill_lat:9.2f} token/s")
         lats, step_bytes, sparse = [], [], []
-        for i in range(output_len - 1):
-            pos = [input_len + i] * bs
-            _sync(dev)
-            t = time.perf_counter()
-            logits = runner.decode(rows, nxt, pos)
-            nxt = logits.argmax(-1).tolist()
-            _sync(dev)
-            lat = time.perf_counter() - t
-            lens = [p + 1 for p in pos]
+        steps = _decode_overlapped if overlap else _decode_sync
+        for i, lat in enumerate(steps(runner, rows, nxt, input_len, output_len - 1, dev)):
+            lens = [input_len + i + 1] * bs
             lats.append(lat)
             step_bytes.append(wbytes + parts.backend.decode_bytes(lens))
             sparse.append(any(parts.sparse_rows(lens)))
@@ -150,11 +185,12 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
                 # exactly SGLang's line (parsers match it); bytes go to the summary and the JSON
                 say(f"Decode.  latency: {lat:6.5f} s, throughput: {bs / lat:9.2f} token/s")
         if profile is not None and lats:
-            prof = profile(rows, nxt, [input_len + output_len - 1] * bs)
+            prof = profile(rows, [0] * bs, [input_len + output_len - 1] * bs)
     finally:
         for r in rows:
             mem.release(r, mem.req_to_token_host[r].count_nonzero().item())
-    res = dict(batch_size=bs, input_len=input_len, output_len=output_len, prefill_latency=prefill_lat,
+    res = dict(batch_size=bs, input_len=input_len, output_len=output_len, decode_overlapped=overlap,
+               prefill_latency=prefill_lat,
                prefill_throughput=bs * input_len / prefill_lat, decode_latencies=lats,
                decode_step_bytes=step_bytes, sparse_steps=sum(sparse), decode_steps=len(lats))
     if lats:
@@ -205,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"attention: {parts.backend.name} (dense decode)")
     wbytes = weight_bytes(parts.model)
+    # As in the engine: on CUDA, step i+1 is launched before step i's tokens are read.
+    overlap = dev.type == "cuda" and not cfg.disable_overlap_schedule
+    print("decode: overlap schedule (--disable-overlap-schedule: one step at a time)" if overlap
+          else "decode: one step at a time")
     if not args.skip_warmup:
         print("Warmup ...")
         run_case(parts, max_bs, min(args.input_len), min(4, max(args.output_len)), cfg.seed + 1, 0, bw,
@@ -217,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             from .bench.profile_step import profile_decode
             profile = lambda rows, nxt, pos: profile_decode(parts, rows, nxt, pos, args.profile_json)  # noqa: E731
         results.append(run_case(parts, bs, il, ol, cfg.seed, args.log_decode_step, bw, wbytes,
-                                chunk=cfg.chunked_prefill_size, profile=profile))
+                                chunk=cfg.chunked_prefill_size, profile=profile, overlap=overlap))
     if args.result_json:
         cmd = "python -m doublesparse.bench_one_batch " + " ".join(sys.argv[1:] if argv is None else argv)
         out = dict(command=cmd, config=dataclasses.asdict(cfg), device=str(dev), copy_bandwidth=bw,

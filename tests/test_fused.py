@@ -161,6 +161,45 @@ def test_bad_arguments_raise_value_error():
         fused_launch.silu_mul(torch.zeros(3, 65, dtype=BF16, device=DEVICE))
 
 
+# ---------------------------------------------------------------- GEMV (small decode projections)
+@pytest.mark.parametrize("m", [1, 3, 4])
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 100), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv(m, n, k, bias):
+    g = _gen(m, n, k, bias)
+    wide = _rand(g, m, k + 8)
+    x = wide[:, :k]                                   # strided rows
+    w = _rand(g, n, k)
+    b = _rand(g, n) if bias else None
+    y = fused_launch.gemv(x, w, b)
+    exp = x.float() @ w.float().T + (b.float() if bias else 0)
+    assert y.dtype == BF16 and y.shape == (m, n)
+    # fp32 sums in another order, rounded once to bf16
+    torch.testing.assert_close(y.float(), exp, rtol=1e-2, atol=2e-2)
+
+
+def test_linear_dispatch():
+    """ops.linear is F.linear except where the GEMV takes a CUDA decode projection."""
+    g = _gen("linear")
+    x, w = _rand(g, 2, 64), _rand(g, 32, 64)
+    want = torch.nn.functional.linear(x, w)
+    torch.testing.assert_close(ops.linear(x, w).float(), want.float(), rtol=1e-2, atol=2e-2)
+    assert not fused_launch.gemv_fits(x.cpu(), w.cpu())
+    assert not fused_launch.gemv_fits(_rand(g, 5, 64), w)  # more rows than the kernel takes
+
+
+def test_gemv_bad_arguments_raise_value_error():
+    x = torch.zeros(2, 64, dtype=BF16, device=DEVICE)
+    with pytest.raises(ValueError, match="does not match"):
+        fused_launch.gemv(x, torch.zeros(8, 32, dtype=BF16, device=DEVICE))
+    with pytest.raises(ValueError, match="rows"):
+        fused_launch.gemv(torch.zeros(5, 64, dtype=BF16, device=DEVICE), torch.zeros(8, 64, dtype=BF16, device=DEVICE))
+    with pytest.raises(ValueError, match="dtype"):
+        fused_launch.gemv(x, torch.zeros(8, 64, dtype=torch.float32, device=DEVICE))
+    with pytest.raises(ValueError, match="bias"):
+        fused_launch.gemv(x, torch.zeros(8, 64, dtype=BF16, device=DEVICE), torch.zeros(7, dtype=BF16, device=DEVICE))
+
+
 # ---------------------------------------------------------------- the model's fused path
 def _tiny_model(qk_norm: bool):
     import dataclasses
@@ -252,6 +291,13 @@ for hq, hkv, d, r, label, kout in ((9, 3, 64, 16, True, True), (32, 8, 128, 1, F
 for res in (True, False):
     comp(fused.rmsnorm_kernel, dict(HAS_RES=res, BLOCK_N=1024), scalars=dict(eps="fp32"), num_warps=4)
 comp(fused.silu_mul_kernel, dict(BLOCK=1024), num_warps=4)
+# programmatic dependent launch (pdl.py): the griddepcontrol instructions, and the GEMV's weight
+# loads ahead of its wait
+comp(fused.rmsnorm_kernel, dict(HAS_RES=True, BLOCK_N=1024, PDL=True), scalars=dict(eps="fp32"), num_warps=4,
+     launch_pdl=True)
+from doublesparse.kernels.triton import gemv
+for bias in (False, True):
+    comp(gemv.gemv_kernel, dict(M=3, HAS_BIAS=bias, BLOCK_N=8, BLOCK_K=1024, PDL=True), num_warps=4, launch_pdl=True)
 
 from doublesparse.kernels.triton import ds_score, ds_select
 i32 = dict(channels_ptr="*i32", req_to_token_ptr="*i32", req_idx_ptr="*i32", seq_lens_ptr="*i32",

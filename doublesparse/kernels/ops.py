@@ -16,7 +16,7 @@ from . import torch_ops
 from .workspace import DecodeWorkspace
 
 __all__ = ["DecodeWorkspace", "store_kv", "dense_decode", "ds_decode", "rope", "MODES", "rms_norm",
-           "add_rms_norm", "silu_mul", "rope_store"]
+           "add_rms_norm", "silu_mul", "rope_store", "linear"]
 
 MODES = ref.MODES
 
@@ -106,6 +106,16 @@ def rope(positions, q, k, cos, sin, impl: str = "auto"):
 # One launch each on the Triton path (kernels/triton/fused.py); the "torch" path is the float32
 # reference. The model's CPU path does not call these (it keeps its own PyTorch ops, whose
 # results the CPU tests pin); the model calls them on CUDA (models/layers.py, models/llama.py).
+
+def linear(x, weight, bias=None):
+    """``F.linear``; on CUDA a decode step's small projections (<= 4 rows, small weights) run
+    through the Triton GEMV instead (kernels/triton/gemv.py). x: [T, K]; weight: [N, K]."""
+    if x.is_cuda:
+        from .triton.fused_launch import gemv, gemv_fits
+        if gemv_fits(x, weight):
+            return gemv(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
 
 def rms_norm(x, weight, eps: float, impl: str = "auto"):
     """x: [T, N]; weight: [N] -> ``x / rms(x) * weight`` [T, N] in x's dtype (fp32 statistics)."""

@@ -10,7 +10,8 @@ import torch
 import triton
 
 from .fused import rmsnorm_kernel, rope_store_kernel, silu_mul_kernel
-from .launch import _FLOAT, _INDEX, _check, _check_caches, _check_labels, _fail
+from .gemv import gemv_kernel
+from .launch import TUNING, _FLOAT, _INDEX, _check, _check_caches, _check_labels, _fail, _num_sms, pdl_kwargs
 
 SILU_BLOCK = 1024
 
@@ -46,7 +47,7 @@ def rms_norm(x, weight, eps: float, residual=None):
         rmsnorm_kernel[(T,)](
             x, residual, weight, out, res_out, float(eps), N,
             x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
-            HAS_RES=has_res, BLOCK_N=block, num_warps=_norm_warps(block),
+            HAS_RES=has_res, BLOCK_N=block, num_warps=_norm_warps(block), **pdl_kwargs(dev),
         )
     return (out, res_out) if has_res else out
 
@@ -62,7 +63,7 @@ def silu_mul(x):
     out = torch.empty((T, I), dtype=x.dtype, device=dev)
     if T and I:
         silu_mul_kernel[(T, triton.cdiv(I, SILU_BLOCK))](
-            x, out, I, x.stride(0), out.stride(0), BLOCK=SILU_BLOCK, num_warps=4)
+            x, out, I, x.stride(0), out.stride(0), BLOCK=SILU_BLOCK, num_warps=4, **pdl_kwargs(dev))
     return out
 
 
@@ -118,7 +119,54 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
         BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HKV=triton.next_power_of_2(Hkv),
         BLOCK_D2=triton.next_power_of_2(D // 2), BLOCK_R=triton.next_power_of_2(r),
         HAS_K_OUT=return_k, HAS_LABEL=has_label, LABEL_FP8=is_fp8,
-        num_warps=4, enable_fp_fusion=False,
+        num_warps=4, enable_fp_fusion=False, **pdl_kwargs(dev),
     )
     return qo, ko
 
+
+
+# The whole [BLOCK_N, K] weight slice of a program sits in registers: at most this many elements
+# (64 per thread at 4 warps).
+GEMV_TILE = 8192
+GEMV_MAX_ROWS = 4
+
+
+def gemv_fits(x, weight) -> bool:
+    """Whether :func:`gemv` takes ``F.linear(x, weight)``: a CUDA decode projection of at most
+    GEMV_MAX_ROWS rows whose weights are at most ``TUNING["gemv_max_bytes"]`` (0: never), where
+    programmatic dependent launch is on (without it the kernel only matches cuBLAS)."""
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and pdl_kwargs(x.device)
+            and weight.shape[1] <= GEMV_TILE and weight.dtype == x.dtype
+            and weight.numel() * weight.element_size() <= TUNING["gemv_max_bytes"])
+
+
+def gemv(x, weight, bias=None):
+    """x: [M, K] float (M <= GEMV_MAX_ROWS); weight: [N, K] (x's dtype); bias: [N] or None ->
+    [M, N] in x's dtype, fp32 accumulation. See :mod:`.gemv`."""
+    dev = x.device
+    _check(x, "x", 2, _FLOAT, dev)
+    _check(weight, "weight", 2, (x.dtype,), dev)
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        _fail(f"gemv: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+    if not 1 <= M <= GEMV_MAX_ROWS:
+        _fail(f"gemv: {M} rows; the kernel takes 1..{GEMV_MAX_ROWS}")
+    if K > GEMV_TILE:
+        _fail(f"gemv: K={K} > {GEMV_TILE}")
+    if bias is not None:
+        _check(bias, "bias", 1, (x.dtype,), dev)
+        if bias.shape[0] != N:
+            _fail(f"gemv: bias has {bias.shape[0]} entries for {N} outputs")
+    y = torch.empty((M, N), dtype=x.dtype, device=dev)
+    block_k = triton.next_power_of_2(K)
+    # About one program per SM or more, each a few KB of weights, all resident at once.
+    per_sm = max(1, N // _num_sms(dev))
+    block_n = max(1, min(GEMV_TILE // block_k, 1 << (per_sm.bit_length() - 1)))
+    gemv_kernel[(triton.cdiv(N, block_n),)](
+        x, weight, bias if bias is not None else weight, y, N, K,
+        x.stride(0), weight.stride(0), y.stride(0),
+        M=M, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        **pdl_kwargs(dev),
+    )
+    return y
