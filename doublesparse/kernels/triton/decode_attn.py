@@ -13,7 +13,7 @@ row, reset by that program), which saves the merge launch; otherwise merge_kerne
 import triton
 import triton.language as tl
 
-from .pdl import enter
+from .pdl import allow_dependents
 
 
 @triton.jit
@@ -53,9 +53,7 @@ def decode_attn_kernel(
     PER_HEAD: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
     FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    enter(PDL)  # see pdl.py
     b = tl.program_id(0)
     row = tl.program_id(1)
     split = tl.program_id(2)
@@ -176,7 +174,7 @@ def merge_kernel(
     D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    enter(PDL)  # see pdl.py
+    allow_dependents(PDL)  # the o projection's GEMV may start loading its weights (pdl.py)
     b = tl.program_id(0)
     h = tl.program_id(1)
     _merge_head(part_o_ptr + b * stride_pob + h * stride_poh, part_lse_ptr + b * stride_plb + h * stride_plh,

@@ -19,8 +19,6 @@ head's G_P columns (sum, or max with the padding columns at -inf).
 import triton
 import triton.language as tl
 
-from .pdl import enter
-
 from .ds_select import FP16_MAX, _sparse_len, _split_range
 
 
@@ -51,9 +49,7 @@ def score_mma_kernel(
     LABEL_FP8: tl.constexpr, LABEL_KIND: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HKV_P: tl.constexpr, G_P: tl.constexpr,
     ROWS_P: tl.constexpr, DOT_F32: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    enter(PDL)  # see pdl.py
     # One program: (batch entry, slice of positions), all KV heads. MODE 0 = per query head (one
     # score row per query head), 1 = group sum, 2 = group max (one row per KV head).
     # LABEL_KIND: 0 = bf16 or fp8 labels (bf16 products), 1 = fp16 (fp16 products), 2 = fp32.

@@ -22,8 +22,6 @@ The histograms stay zero between calls: `score` clears hist[1] before `hist_low`
 import triton
 import triton.language as tl
 
-from .pdl import enter
-
 FP16_MAX = tl.constexpr(65504.0)
 
 
@@ -122,9 +120,7 @@ def score_kernel(
     G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LABEL_FP8: tl.constexpr,
     NUM_PROGS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DO_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    enter(PDL)  # see pdl.py
     # One program: (batch entry, KV head, slice of positions). MODE 0 = per query head (writes the
     # G score rows of the group), 1 = group sum, 2 = group max (one row per KV head).
     # Everything stays 2-D [BLOCK_N, BLOCK_R] in one layout: a 3-D head x token x channel product
@@ -217,9 +213,7 @@ def hist_high_kernel(
     heavy_k, threshold,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    enter(PDL)  # see pdl.py
     # 256-bin histogram of the score keys' high byte, one slice of a row per program; the partial
     # histograms meet in hist[0] through atomics (one per non-empty bin per program).
     b = tl.program_id(0)
@@ -243,9 +237,7 @@ def hist_low_kernel(
     heavy_k, threshold,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    enter(PDL)  # see pdl.py
     b = tl.program_id(0)
     row = tl.program_id(1)
     p = tl.program_id(2)
@@ -279,9 +271,7 @@ def compact_kernel(
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     stride_selb, stride_selr, stride_rt,
     NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    enter(PDL)  # see pdl.py
     # Writes the selected positions (sel) and their cache slots (sel_slot): attention then
     # gathers K/V rows with one indirection instead of two.
     b = tl.program_id(0)

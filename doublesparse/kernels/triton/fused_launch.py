@@ -11,7 +11,7 @@ import triton
 
 from .fused import rmsnorm_kernel, rope_store_kernel, silu_mul_kernel
 from .gemv import gemv_kernel
-from .launch import TUNING, _FLOAT, _INDEX, _check, _check_caches, _check_labels, _fail, _num_sms, pdl_kwargs
+from .launch import TUNING, _FLOAT, _INDEX, _check, _check_caches, _check_labels, _fail, _num_sms, pdl_enabled
 
 SILU_BLOCK = 1024
 
@@ -47,7 +47,7 @@ def rms_norm(x, weight, eps: float, residual=None):
         rmsnorm_kernel[(T,)](
             x, residual, weight, out, res_out, float(eps), N,
             x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
-            HAS_RES=has_res, BLOCK_N=block, num_warps=_norm_warps(block), **pdl_kwargs(dev),
+            HAS_RES=has_res, BLOCK_N=block, PDL=pdl_enabled(dev), num_warps=_norm_warps(block),
         )
     return (out, res_out) if has_res else out
 
@@ -63,7 +63,8 @@ def silu_mul(x):
     out = torch.empty((T, I), dtype=x.dtype, device=dev)
     if T and I:
         silu_mul_kernel[(T, triton.cdiv(I, SILU_BLOCK))](
-            x, out, I, x.stride(0), out.stride(0), BLOCK=SILU_BLOCK, num_warps=4, **pdl_kwargs(dev))
+            x, out, I, x.stride(0), out.stride(0), BLOCK=SILU_BLOCK, PDL=pdl_enabled(dev),
+            num_warps=4)
     return out
 
 
@@ -119,10 +120,9 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
         BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HKV=triton.next_power_of_2(Hkv),
         BLOCK_D2=triton.next_power_of_2(D // 2), BLOCK_R=triton.next_power_of_2(r),
         HAS_K_OUT=return_k, HAS_LABEL=has_label, LABEL_FP8=is_fp8,
-        num_warps=4, enable_fp_fusion=False, **pdl_kwargs(dev),
+        num_warps=4, enable_fp_fusion=False,
     )
     return qo, ko
-
 
 
 # The whole [BLOCK_N, K] weight slice of a program sits in registers: at most this many elements
@@ -135,7 +135,7 @@ def gemv_fits(x, weight) -> bool:
     """Whether :func:`gemv` takes ``F.linear(x, weight)``: a CUDA decode projection of at most
     GEMV_MAX_ROWS rows whose weights are at most ``TUNING["gemv_max_bytes"]`` (0: never), where
     programmatic dependent launch is on (without it the kernel only matches cuBLAS)."""
-    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and pdl_kwargs(x.device)
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and pdl_enabled(x.device)
             and weight.shape[1] <= GEMV_TILE and weight.dtype == x.dtype
             and weight.numel() * weight.element_size() <= TUNING["gemv_max_bytes"])
 
@@ -167,6 +167,6 @@ def gemv(x, weight, bias=None):
         x, weight, bias if bias is not None else weight, y, N, K,
         x.stride(0), weight.stride(0), y.stride(0),
         M=M, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-        **pdl_kwargs(dev),
+        **({"PDL": True, "launch_pdl": True} if pdl_enabled(dev) else {}),
     )
     return y

@@ -106,7 +106,6 @@ def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, 
         D=D, R=r, BLOCK_T=BLOCK_T, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_R=triton.next_power_of_2(r), HAS_LABEL=has_label,
         LABEL_FP8=has_label and label_cache.dtype == torch.float8_e4m3fn, num_warps=4,
-        **pdl_kwargs(k.device),
     )
 
 
@@ -168,8 +167,8 @@ TUNING = {
     # (32 x 16) rows 6.78 vs mma 7.60 ms per decode step at 20K x 3 (results/).
     "score_impl": "auto", "mma_max_channels": 256,
     "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4,
-    # Programmatic dependent launch on Hopper and later (pdl.py): each kernel's launch overlaps
-    # the tail of the one before it.
+    # Programmatic dependent launch on Hopper and later (pdl.py): the GEMV's programs start, and
+    # load their weights, while the kernel ahead of it runs. Off: no GEMV either.
     "pdl": True,
     # Decode projections of at most this many weight bytes (and <= 4 rows) run through the Triton
     # GEMV (gemv.py), which loads its weights before it waits for the kernel ahead; 0 = never.
@@ -195,11 +194,9 @@ def _pdl_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def pdl_kwargs(device: torch.device) -> dict:
-    """Launch kwargs that turn on programmatic dependent launch (pdl.py) where it exists."""
-    if TUNING["pdl"] and not _INTERPRET and _pdl_capable(device):
-        return {"PDL": True, "launch_pdl": True}
-    return {}
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether programmatic dependent launch (pdl.py) is used on ``device``."""
+    return bool(TUNING["pdl"]) and not _INTERPRET and _pdl_capable(device)
 
 
 def _attn_block_n(programs_rows: int, device) -> int:
@@ -237,14 +234,13 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
         BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET, FUSE_MERGE=fuse, BLOCK_S=block_s,
         num_warps=TUNING["attn_warps"], num_stages=stages or TUNING["attn_stages"],
-        **pdl_kwargs(q.device),
     )
     if not fuse:
         merge_kernel[(B, Hq)](
             po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
             out.stride(0), out.stride(1),
             D=D, NUM_SPLITS=S, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
-            num_warps=4, **pdl_kwargs(q.device),
+            PDL=pdl_enabled(q.device), num_warps=4,
         )
     return out
 
@@ -318,7 +314,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
                 BLOCK_H=triton.next_power_of_2(G), BLOCK_N=TUNING["score_block_n"],
                 BLOCK_R=triton.next_power_of_2(r), DO_HIST=score_hist,
                 LOOP_STAGES=TUNING["score_loop_stages"],
-                num_warps=TUNING["score_warps"], num_stages=TUNING["score_stages"], **pdl_kwargs(dev),
+                num_warps=TUNING["score_warps"], num_stages=TUNING["score_stages"],
             )
         if stage == "score":
             return None
@@ -331,17 +327,16 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
                                              triton.cdiv(ws.max_ctx, hb)))
             hist_high_kernel[(B, rows, P_hist)](scores, hist, seq_lens, k, int(threshold), *common,
                                                 NUM_PROGS=P_hist, BLOCK_N=hb, LOOP_STAGES=ls,
-                                                num_warps=sw, num_stages=TUNING["select_stages"], **pdl_kwargs(dev))
+                                                num_warps=sw, num_stages=TUNING["select_stages"])
         if stage == "hist":
             return None
         hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
                                       NUM_PROGS=P, BLOCK_N=sb, ATOMIC_HIST=TUNING["select_atomic_hist"],
-                                      LOOP_STAGES=ls, num_warps=sw, num_stages=TUNING["select_stages"],
-                                      **pdl_kwargs(dev))
+                                      LOOP_STAGES=ls, num_warps=sw, num_stages=TUNING["select_stages"])
         compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx,
                                      k, int(threshold), *common, sel.stride(0), sel.stride(1),
                                      req_to_token.stride(0), NUM_PROGS=P, BLOCK_N=sb, LOOP_STAGES=ls,
-                                     num_warps=sw, num_stages=TUNING["select_stages"], **pdl_kwargs(dev))
+                                     num_warps=sw, num_stages=TUNING["select_stages"])
         if stage == "select":
             return sel
     if num_splits is None:
@@ -380,7 +375,6 @@ def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq
         BLOCK_N=block_n, BLOCK_C=block_c, HKV_P=hkv_p, G_P=g_p, ROWS_P=triton.next_power_of_2(rows),
         DOT_F32=_INTERPRET, num_warps=TUNING["mma_warps"],
         num_stages=1,  # the loop is pipelined by hand; Triton's pipeliner would only serialize it
-        **pdl_kwargs(q.device),
     )
 
 
@@ -407,6 +401,5 @@ def rope(positions, q, k, cos, sin):
         ko.stride(0), ko.stride(1), cos.stride(0),
         HQ=Hq, HKV=Hkv, HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(Hq),
         BLOCK_HKV=triton.next_power_of_2(Hkv), BLOCK_D2=triton.next_power_of_2(D // 2), num_warps=1,
-        **pdl_kwargs(dev),
     )
     return qo, ko

@@ -8,8 +8,6 @@ not bytes, set the step time of small models.
 import triton
 import triton.language as tl
 
-from .pdl import enter
-
 
 @triton.jit
 def _rotate_heads(x_ptr, o_ptr, stride_xt, stride_xh, stride_ot, stride_oh, t, c, s,
@@ -32,9 +30,7 @@ def rope_kernel(
     stride_c,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D2: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    enter(PDL)  # see pdl.py
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D2)

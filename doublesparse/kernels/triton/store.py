@@ -3,8 +3,6 @@
 import triton
 import triton.language as tl
 
-from .pdl import enter
-
 
 @triton.jit
 def store_kv_kernel(
@@ -18,9 +16,7 @@ def store_kv_kernel(
     D: tl.constexpr, R: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_LABEL: tl.constexpr, LABEL_FP8: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    enter(PDL)  # see pdl.py
     # One program: BLOCK_T tokens of one KV head.
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
