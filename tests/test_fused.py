@@ -291,10 +291,10 @@ for hq, hkv, d, r, label, kout in ((9, 3, 64, 16, True, True), (32, 8, 128, 1, F
 for res in (True, False):
     comp(fused.rmsnorm_kernel, dict(HAS_RES=res, BLOCK_N=1024), scalars=dict(eps="fp32"), num_warps=4)
 comp(fused.silu_mul_kernel, dict(BLOCK=1024), num_warps=4)
-# programmatic dependent launch (pdl.py): the kernels ahead of a GEMV let it start, and the GEMV
-# loads its weights before it waits
-comp(fused.rmsnorm_kernel, dict(HAS_RES=True, BLOCK_N=1024, PDL=True), scalars=dict(eps="fp32"), num_warps=4)
-comp(fused.silu_mul_kernel, dict(BLOCK=1024, PDL=True), num_warps=4)
+# programmatic dependent launch (pdl.py); the GEMV loads its weights before it waits
+comp(fused.rmsnorm_kernel, dict(HAS_RES=True, BLOCK_N=1024, PDL=True), scalars=dict(eps="fp32"), num_warps=4,
+     launch_pdl=True)
+comp(fused.silu_mul_kernel, dict(BLOCK=1024, PDL=True), num_warps=4, launch_pdl=True)
 from doublesparse.kernels.triton import gemv
 for bias in (False, True):
     comp(gemv.gemv_kernel, dict(M=3, HAS_BIAS=bias, BLOCK_N=8, BLOCK_K=1024, PDL=True), num_warps=4, launch_pdl=True)

@@ -13,7 +13,7 @@ row, reset by that program), which saves the merge launch; otherwise merge_kerne
 import triton
 import triton.language as tl
 
-from .pdl import allow_dependents
+from .pdl import enter
 
 
 @triton.jit
@@ -174,7 +174,7 @@ def merge_kernel(
     D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    allow_dependents(PDL)  # the o projection's GEMV may start loading its weights (pdl.py)
+    enter(PDL)  # see pdl.py
     b = tl.program_id(0)
     h = tl.program_id(1)
     _merge_head(part_o_ptr + b * stride_pob + h * stride_poh, part_lse_ptr + b * stride_plb + h * stride_plh,

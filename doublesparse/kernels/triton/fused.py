@@ -13,7 +13,7 @@ label match the reference (and each other) bit for bit.
 import triton
 import triton.language as tl
 
-from .pdl import allow_dependents
+from .pdl import enter
 
 
 @triton.jit
@@ -23,7 +23,7 @@ def rmsnorm_kernel(
     stride_x, stride_r, stride_o, stride_ro,
     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    allow_dependents(PDL)  # a GEMV behind us may start loading its weights (pdl.py)
+    enter(PDL)  # see pdl.py
     # One program per row: a row of 4096 bf16 is 8 KiB, so one CTA reads it in a few vector loads
     # and the reduction stays inside the CTA (no second pass, no atomics).
     row = tl.program_id(0).to(tl.int64)
@@ -47,7 +47,7 @@ def rmsnorm_kernel(
 def silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr,
                     PDL: tl.constexpr = False):
     """x: [T, 2I] (gate | up) -> out: [T, I] = silu(gate) * up, in fp32, rounded once."""
-    allow_dependents(PDL)  # see rmsnorm_kernel
+    enter(PDL)  # see pdl.py
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
@@ -94,7 +94,9 @@ def rope_store_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, R: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_K_OUT: tl.constexpr, HAS_LABEL: tl.constexpr, LABEL_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    enter(PDL)  # see pdl.py
     # Grid (T, 2): program (t, 0) rotates the token's q heads, (t, 1) its k heads (to the cache),
     # copies v and writes the label. Two programs per token halve the latency at decode (T = B).
     t = tl.program_id(0).to(tl.int64)

@@ -11,7 +11,8 @@ import triton
 
 from .fused import rmsnorm_kernel, rope_store_kernel, silu_mul_kernel
 from .gemv import gemv_kernel
-from .launch import TUNING, _FLOAT, _INDEX, _check, _check_caches, _check_labels, _fail, _num_sms, pdl_enabled
+from .launch import (TUNING, _FLOAT, _INDEX, _check, _check_caches, _check_labels, _fail, _num_sms,
+                     pdl_enabled, pdl_kwargs)
 
 SILU_BLOCK = 1024
 
@@ -47,7 +48,7 @@ def rms_norm(x, weight, eps: float, residual=None):
         rmsnorm_kernel[(T,)](
             x, residual, weight, out, res_out, float(eps), N,
             x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
-            HAS_RES=has_res, BLOCK_N=block, PDL=pdl_enabled(dev), num_warps=_norm_warps(block),
+            HAS_RES=has_res, BLOCK_N=block, num_warps=_norm_warps(block), **pdl_kwargs(dev),
         )
     return (out, res_out) if has_res else out
 
@@ -63,8 +64,8 @@ def silu_mul(x):
     out = torch.empty((T, I), dtype=x.dtype, device=dev)
     if T and I:
         silu_mul_kernel[(T, triton.cdiv(I, SILU_BLOCK))](
-            x, out, I, x.stride(0), out.stride(0), BLOCK=SILU_BLOCK, PDL=pdl_enabled(dev),
-            num_warps=4)
+            x, out, I, x.stride(0), out.stride(0), BLOCK=SILU_BLOCK, num_warps=4,
+            **pdl_kwargs(dev))
     return out
 
 
@@ -120,7 +121,7 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
         BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HKV=triton.next_power_of_2(Hkv),
         BLOCK_D2=triton.next_power_of_2(D // 2), BLOCK_R=triton.next_power_of_2(r),
         HAS_K_OUT=return_k, HAS_LABEL=has_label, LABEL_FP8=is_fp8,
-        num_warps=4, enable_fp_fusion=False,
+        num_warps=4, enable_fp_fusion=False, **pdl_kwargs(dev),
     )
     return qo, ko
 
@@ -167,6 +168,6 @@ def gemv(x, weight, bias=None):
         x, weight, bias if bias is not None else weight, y, N, K,
         x.stride(0), weight.stride(0), y.stride(0),
         M=M, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-        **({"PDL": True, "launch_pdl": True} if pdl_enabled(dev) else {}),
+        **pdl_kwargs(dev),
     )
     return y

@@ -167,8 +167,9 @@ TUNING = {
     # (32 x 16) rows 6.78 vs mma 7.60 ms per decode step at 20K x 3 (results/).
     "score_impl": "auto", "mma_max_channels": 256,
     "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4,
-    # Programmatic dependent launch on Hopper and later (pdl.py): the GEMV's programs start, and
-    # load their weights, while the kernel ahead of it runs. Off: no GEMV either.
+    # Programmatic dependent launch on Hopper and later (pdl.py) for the small per-row kernels and
+    # the GEMV, whose programs start, and load their weights, while the kernel ahead runs.
+    # Off: no GEMV either.
     "pdl": True,
     # Decode projections of at most this many weight bytes (and <= 4 rows) run through the Triton
     # GEMV (gemv.py), which loads its weights before it waits for the kernel ahead; 0 = never.
@@ -197,6 +198,11 @@ def _pdl_capable(device: torch.device) -> bool:
 def pdl_enabled(device: torch.device) -> bool:
     """Whether programmatic dependent launch (pdl.py) is used on ``device``."""
     return bool(TUNING["pdl"]) and not _INTERPRET and _pdl_capable(device)
+
+
+def pdl_kwargs(device: torch.device) -> dict:
+    """Launch kwargs of a kernel that takes part in programmatic dependent launch (pdl.py)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {}
 
 
 def _attn_block_n(programs_rows: int, device) -> int:
@@ -240,7 +246,7 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
             po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
             out.stride(0), out.stride(1),
             D=D, NUM_SPLITS=S, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
-            PDL=pdl_enabled(q.device), num_warps=4,
+            num_warps=4, **pdl_kwargs(q.device),
         )
     return out
 
