@@ -292,7 +292,8 @@ def test_cli_dispatch(capsys):
         del SUBCOMMANDS["_missing"]
 
 
-def test_bench_one_batch_dummy(tmp_path, capsys):
+@pytest.mark.parametrize("warmup", [["--skip-warmup"], ["--warmup-input-len", "8"]])
+def test_bench_one_batch_dummy(tmp_path, capsys, warmup):
     if importlib.util.find_spec("doublesparse.models") is None:
         pytest.skip("doublesparse.models unavailable")
     from doublesparse import bench_one_batch
@@ -302,7 +303,7 @@ def test_bench_one_batch_dummy(tmp_path, capsys):
     out = tmp_path / "r.json"
     rc = bench_one_batch.main(["--model-path", "tiny-llama", "--load-format", "dummy", "--batch-size", "2",
                                "--input-len", "64", "--output-len", "4", "--enable-double-sparsity",
-                               "--ds-heavy-token-num", "16", "--skip-warmup", "--copy-bytes", "1000000",
+                               "--ds-heavy-token-num", "16", *warmup, "--copy-bytes", "1000000",
                                "--result-json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
