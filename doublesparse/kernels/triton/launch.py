@@ -192,7 +192,9 @@ TUNING.update(tuning_overrides(json.loads(os.environ.get("DOUBLESPARSE_TUNING", 
 
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    # NVIDIA only: ROCm also reports device type "cuda" (and MI300 a "capability" of 9.4)
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def pdl_enabled(device: torch.device) -> bool:
