@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_warmup:
         print("Warmup ...")
         run_case(parts, max_bs, args.warmup_input_len or min(args.input_len), min(4, max(args.output_len)),
-                 cfg.seed + 1, 0, bw, wbytes, verbose=False, chunk=cfg.chunked_prefill_size)
+                 cfg.seed + 1, 0, bw, wbytes, verbose=False, chunk=cfg.chunked_prefill_size, overlap=overlap)
     results = []
     for bs, il, ol in itertools.product(args.batch_size, args.input_len, args.output_len):
         print(f"Benchmark. batch size: {bs}, input len: {il}, output len: {ol}")

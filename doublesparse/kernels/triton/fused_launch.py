@@ -137,7 +137,8 @@ def gemv_fits(x, weight) -> bool:
     GEMV_MAX_ROWS rows whose weights are at most ``TUNING["gemv_max_bytes"]`` (0: never), where
     programmatic dependent launch is on (without it the kernel only matches cuBLAS)."""
     return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and pdl_enabled(x.device)
-            and weight.shape[1] <= GEMV_TILE and weight.dtype == x.dtype
+            and x.dtype in _FLOAT and weight.dtype == x.dtype and weight.dim() == 2
+            and weight.shape[1] <= GEMV_TILE and x.stride(-1) == 1 and weight.stride(-1) == 1
             and weight.numel() * weight.element_size() <= TUNING["gemv_max_bytes"])
 
 

@@ -19,6 +19,7 @@ from ..workspace import SCORE_PAD, DecodeWorkspace
 from .decode_attn import decode_attn_kernel, merge_kernel
 from .ds_score import score_mma_kernel
 from .ds_select import compact_kernel, hist_high_kernel, hist_low_kernel, score_kernel
+from .pdl import HAVE_GDC
 from .rope import rope_kernel
 from .store import store_kv_kernel
 
@@ -199,7 +200,7 @@ def _pdl_capable(device: torch.device) -> bool:
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether programmatic dependent launch (pdl.py) is used on ``device``."""
-    return bool(TUNING["pdl"]) and not _INTERPRET and _pdl_capable(device)
+    return bool(TUNING["pdl"]) and HAVE_GDC and not _INTERPRET and _pdl_capable(device)
 
 
 def pdl_kwargs(device: torch.device) -> dict:

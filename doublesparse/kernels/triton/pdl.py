@@ -14,7 +14,12 @@ kernels launch normally: launched this way too, they measured slower on an H200 
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAVE_GDC = True
+except ImportError:  # Triton before 3.4: no PDL (launch.pdl_enabled is then False)
+    gdc_launch_dependents = gdc_wait = None
+    HAVE_GDC = False
 
 
 @triton.jit
