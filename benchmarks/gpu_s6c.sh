@@ -6,22 +6,11 @@
 # on the current tree (split-prefix prefill on by default since session 6; the LongChat DS row now
 # runs the engine's default score kernel choice, which picks "rows" for 32 KV heads x r 16).
 # The commands are those of results/bench-one-batch-h200.json. Writes $OUT/e2e.tgz + console.log.
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-exec > >(tee -a $OUT/console.log) 2>&1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+source benchmarks/runbook_lib.sh; runbook_start
 echo "== tests"; timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k "pipelines or many_programs or repeated or graph" 2>&1 | tail -2
 echo "== sweep"; timeout 150 python3 -m doublesparse.bench.attention --sweep-file benchmarks/sweep-s6c.json \
     --sweep-cases 3x65536,16x32768,8x16384,3x131072 --json $OUT/sweep-s6c.json 2>&1 | grep -E "^sweep|Error"
 mkdir -p /tmp/e2e; cd /tmp/e2e
-B="python -m doublesparse.bench_one_batch --profile --load-format dummy --skip-warmup --batch-size 3 --output-len 200"
-L="$B --model-path llama-3.1-8b --input-len 60000 --max-total-tokens 190000"
-C="$B --model-path longchat-7b-v1.5-32k --input-len 20000 --max-total-tokens 70000"
-G='^(Prefill|Decode.  median|Profile. decode)'
-run() { local name=$1; shift; echo "== $name"; timeout 100 "$@" --result-json $name.json 2>&1 | grep -E "$G"; }
-run llama31-8b-60k-bs3-dense $L
-run llama31-8b-60k-bs3-ds-r16-k3750 $L --enable-double-sparsity --ds-heavy-channel-num 16 --ds-heavy-token-num 3750
-run llama31-8b-60k-bs3-ds-r32-k3000 $L --enable-double-sparsity --ds-heavy-channel-num 32 --ds-heavy-token-num 3000
-run longchat-7b-20k-bs3-dense $C
-run longchat-7b-20k-bs3-ds-r16-k1024 $C --enable-double-sparsity --ds-heavy-channel-num 16 --ds-heavy-token-num 1024
+issue3_rows
 tar czf $OUT/e2e.tgz *.json
 echo "== end"

@@ -6,16 +6,13 @@
 # time (--disable-overlap-schedule). Writes $OUT/s7a.tgz and $OUT/console.log.
 # An earlier version of this runbook (tree 16688f6, every Triton kernel launched with PDL and
 # waiting at entry) also ran an A/B sweep of the decode kernels: results/h200-s7/README.md.
-export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
-exec > >(tee -a $OUT/console.log) 2>&1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+source benchmarks/runbook_lib.sh; runbook_start
 echo "== tests"; timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py tests/test_kernels.py \
     tests/test_engine.py tests/test_overlap.py \
     -k "gemv or linear or fused_path or compile or pipelines or many_programs or repeated or graph or overlap or dense" 2>&1 | tail -4
 mkdir -p /tmp/s7a; cd /tmp/s7a
 S="python3 -m doublesparse.bench_one_batch --profile --model-path /root/m/smollm2.gguf --batch-size 1 --input-len 8000 --output-len 128"
-G='^(Prefill|Decode.  median|Profile. (decode|kernels))'
-run() { local name=$1; shift; echo "== $name"; timeout 90 "$@" --result-json $name.json 2>&1 | grep -E "$G"; }
+RUN_TIMEOUT=90
 run smollm2-8k-bs1-dense $S
 run smollm2-8k-bs1-ds $S --enable-double-sparsity
 DOUBLESPARSE_TUNING='{"gemv_max_bytes": 0}' run smollm2-8k-bs1-dense-nogemv $S

@@ -2,18 +2,8 @@
 # GPU runbook, session 7 (H200), part b: issue 3's bench_one_batch rows for Llama-3.1-8B (60K x 3)
 # and LongChat-7B (20K x 3), the commands of results/bench-one-batch-h200.json, on the tree with
 # programmatic dependent launch and the overlapped decode loop. Writes $OUT/s7b.tgz + console.log.
-export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
-exec > >(tee -a $OUT/console.log) 2>&1
+source benchmarks/runbook_lib.sh; runbook_start
 mkdir -p /tmp/s7b; cd /tmp/s7b
-B="python -m doublesparse.bench_one_batch --profile --load-format dummy --skip-warmup --batch-size 3 --output-len 200"
-L="$B --model-path llama-3.1-8b --input-len 60000 --max-total-tokens 190000"
-C="$B --model-path longchat-7b-v1.5-32k --input-len 20000 --max-total-tokens 70000"
-G='^(Prefill|Decode.  median|Profile. decode)'
-run() { local name=$1; shift; echo "== $name"; timeout 100 "$@" --result-json $name.json 2>&1 | grep -E "$G"; }
-run llama31-8b-60k-bs3-dense $L
-run llama31-8b-60k-bs3-ds-r16-k3750 $L --enable-double-sparsity --ds-heavy-channel-num 16 --ds-heavy-token-num 3750
-run llama31-8b-60k-bs3-ds-r32-k3000 $L --enable-double-sparsity --ds-heavy-channel-num 32 --ds-heavy-token-num 3000
-run longchat-7b-20k-bs3-dense $C
-run longchat-7b-20k-bs3-ds-r16-k1024 $C --enable-double-sparsity --ds-heavy-channel-num 16 --ds-heavy-token-num 1024
+issue3_rows
 tar czf $OUT/s7b.tgz *.json
 echo "== end"
