@@ -23,7 +23,7 @@ import torch
 
 from .config import SchedulerConfig, add_cli_args, from_cli_args
 from .engine.scheduler import Scheduler
-from .engine.transfer import to_device
+from .engine.transfer import to_device, to_host_async
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,22 +137,20 @@ def _decode_overlapped(runner, rows, nxt, input_len, steps, dev):
     the per-token latency a streaming client sees. CUDA only."""
     B = len(rows)
     tok = to_device(torch.tensor(nxt, dtype=torch.int64), dev)
-    host = torch.empty(2, B, dtype=torch.int64, pin_memory=True)
     pending = None
     _sync(dev)
     last = time.perf_counter()
     for i in range(steps + 1):
+        ready = None
         if i < steps:
             tok = runner.decode(rows, tok, [input_len + i] * B).argmax(-1)
-            host[i % 2].copy_(tok, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
+            _, ready = to_host_async(tok)
         if pending is not None:
             pending.synchronize()  # the previous step's tokens are on the host
             now = time.perf_counter()
             yield now - last
             last = now
-        pending = ev if i < steps else None
+        pending = ready
 
 
 def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_every: int,

@@ -31,7 +31,7 @@ from .sampler import make_generator, sample
 from .sampling_params import SamplingParams
 from .setup import EngineParts, build_parts
 from .text import Detokenizer
-from .transfer import to_device
+from .transfer import to_device, to_host_async
 
 
 @dataclass
@@ -237,14 +237,7 @@ class Engine:
             return None
         for r in reqs_out:
             r.launched += 1
-        tokens = torch.cat(toks) if len(toks) > 1 else toks[0]
-        ready = None
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            tokens = host
+        tokens, ready = to_host_async(torch.cat(toks) if len(toks) > 1 else toks[0])
         sparse = [None] * (len(reqs_out) - len(dec)) + (sparse_rows if dec else [])
         return _Launched(reqs_out, tokens, ready, sparse, t0, bool(plan.prefill))
 

@@ -8,8 +8,8 @@ and its writes are visible) it must touch nothing that kernel writes or reads.
 Taking part: RMSNorm, SiLU-and-mul, RoPE + store and the attention merge, which wait first thing
 (``enter``) and so only hide their launch latency, and the small-projection GEMV (gemv.py), which
 loads its weights, written by no kernel, before it waits. The attention and Double Sparsity
-kernels launch normally: launched this way too, they measured slower on an H200 (the DS stages by
-2-7 us per layer, the dense attention at 64K x 3 by 23 us; results/h200-s7/).
+kernels launch normally: launched this way too, the DS stages measured 2-7 us per layer slower on
+an H200 and the dense attention no faster (results/h200-s7/README.md).
 """
 
 import triton
