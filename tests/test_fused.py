@@ -307,8 +307,10 @@ for mode, label in ((2, "*bf16"), (0, "*fp8e4nv"), (1, "*bf16")):
     comp(ds_score.score_mma_kernel, dict(HKV=8, G=4, R=16, MODE=mode, LABEL_FP8=label != "*bf16", LABEL_KIND=0,
          NUM_PROGS=8, BLOCK_N=64, BLOCK_C=128, HKV_P=8, G_P=4, ROWS_P=32 if mode == 0 else 8, DOT_F32=False),
          dict(i32, q_ptr="*bf16", label_ptr=label), dict(sm_scale="fp32"), num_warps=4, num_stages=1)
-comp(ds_select.hist_high_kernel, dict(NUM_PROGS=4, BLOCK_N=1024, LOOP_STAGES=1), i32, num_warps=4)
-comp(ds_select.compact_kernel, dict(NUM_PROGS=4, BLOCK_N=1024, LOOP_STAGES=1), i32, num_warps=4)
+from doublesparse.kernels.triton import ds_topk
+for phase, one in ((0, True), (0, False), (1, False), (3, True)):
+    comp(ds_topk.select_kernel, dict(PHASE=phase, BLOCK_N=1024, ONE_TILE=one, ATOMIC_HIST=True, LOOP_STAGES=1),
+         dict(i32, bar_ptr="*i32"), num_warps=4)
 '''
 
 

@@ -165,7 +165,7 @@ def test_ds_decode(case, mode, label_dtype):
 
 PIPELINES = [
     {"score_impl": "rows", "score_hist": False, "fuse_merge": True},       # separate high-byte histogram pass
-    {"score_impl": "rows", "score_hist": False, "score_loop_stages": 3, "select_loop_stages": 2, "hist_block_n": 256},
+    {"score_impl": "rows", "score_hist": False, "score_loop_stages": 3, "select_loop_stages": 2, "select_block_n": 128},
     {"score_impl": "rows", "score_hist": True, "score_loop_stages": 2},    # histogram in the score launch
     {"score_impl": "mma", "mma_block_n": 32},
     {"score_impl": "mma", "select_block_n": 256},
@@ -190,6 +190,41 @@ def test_ds_select_pipelines(tuning, mode, monkeypatch):
         _check_selection(c, ws, sel, k, mode)
         assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
     assert int(ws.hist[0].abs().sum()) == 0  # hist[1] is cleared by the next call's score launch
+
+
+@pytest.mark.parametrize("block", [4096, 128])
+@pytest.mark.parametrize("mode", ["per_head", "group_sum"])
+def test_ds_select_one_launch(block, mode, monkeypatch):
+    """The one-launch select (ds_topk PHASE 0, programs of a row meeting at barriers) gives the
+    exact top-k over repeated calls, and leaves histograms and barriers clean. The interpreter runs
+    programs one by one, so on CPU a row has one program (its barrier never waits); on a GPU the
+    launcher's own grid (block 4096) or two looping programs per row (block 128)."""
+    monkeypatch.setitem(launch.TUNING, "coop_block_n", block)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(launch, "_coop_capable", lambda dev: True)
+    progs = 1 if DEVICE == "cpu" else (None if block == 4096 else 2)
+    ws = None
+    for i, (seq_lens, k) in enumerate([([300, 41, 517], 40), ([129, 260, 3], 64), ([520, 519, 333], 64)]):
+        c = make_case(seq_lens, 9, 3, 64, r=16, device=DEVICE, seed=_seed(i, mode, block), max_ctx=520)
+        ws = ws or make_ws(c, max_heavy_tokens=64)
+        out = torch.full_like(c.q, float("nan"))
+        _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, out=out, num_progs=progs,
+                                  return_sel=True)
+        _check_selection(c, ws, sel, k, mode)
+        assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
+    assert int(ws.hist[0].abs().sum()) == 0
+    assert int(ws.barrier[..., 0].abs().sum()) == 0
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a real grid of co-resident programs needs a GPU")
+def test_ds_select_one_launch_at_scale():
+    """Llama-3.1-8B heads at 40K x 3: the launcher's grid puts many programs on each row, all
+    meeting at the barriers; the same exact selection as the three-launch select."""
+    c = make_case([40000, 39001, 1500], 32, 8, 128, r=16, device=DEVICE, seed=5)
+    ws = make_ws(c, max_heavy_tokens=2500)
+    _, sel = launch.ds_decode(*c.args(), c.sm_scale, 2500, "group_max", ws=ws, return_sel=True)
+    _check_selection(c, ws, sel, 2500, "group_max")
+    assert int(ws.barrier[..., 0].abs().sum()) == 0
 
 
 def test_ds_repeated_calls_keep_workspace_clean():

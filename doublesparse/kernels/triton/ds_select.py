@@ -1,22 +1,13 @@
-"""Triton kernels for Double Sparsity stages 1 and 2: label scoring and top-k selection.
+"""Triton kernel for Double Sparsity stage 1 with one KV head per program (``score_impl="rows"``),
+and the helpers the score and top-k kernels share.
 
-Selection is an exact radix select over 16-bit keys of the fp16 scores, in three launches that all
-use a static grid (B, rows, P) and read lengths from device memory:
-
-  score    : scores = sm_scale * q[heavy] . label (fp16); optionally (TUNING["score_hist"]) also
-             the 256-bin histogram of the key's high byte, accumulated per row with atomics;
-  hist_high: that histogram in its own pass over the fp16 scores, when score does not make it
-             (the histogram's barriers and ballots slow the score loop's label stream);
-  hist_low : finds the high byte holding the k-th largest key, and histograms the low byte of the
-             keys inside that bucket;
-  compact  : finds the exact 16-bit threshold and writes the positions of the keys above it, then
-             enough of the keys equal to it (ties are taken in arrival order), k in all.
+Selection (ds_topk.py) is an exact radix select over 16-bit keys of the fp16 scores written here;
+``score_kernel`` can also (TUNING["score_hist"]) make the 256-bin histogram of the keys' high byte,
+accumulated per row with atomics, sparing the select its first phase (measured slower: the
+histogram's barriers and ballots slow the score loop's label stream).
 
 Loops use ``tl.range(num_stages=...)``: that annotation makes Triton pipeline every load of the
 loop (cp.async), the label gather included; a plain ``range`` pipelines only loads feeding a dot.
-
-The histograms stay zero between calls: `score` clears hist[1] before `hist_low` fills it, and
-`compact` clears hist[0] after the last reader of it, so no memset launch is needed.
 """
 
 import triton
@@ -203,130 +194,3 @@ def score_kernel(
         else:
             h = tl.sum(hist, 0)
             tl.atomic_add(hist_ptr + b * stride_hb + kvh * stride_hr + bins, h, mask=h > 0, sem="relaxed")
-
-
-
-
-@triton.jit
-def hist_high_kernel(
-    scores_ptr, hist_ptr, seq_lens_ptr,
-    heavy_k, threshold,
-    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
-    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
-):
-    # 256-bin histogram of the score keys' high byte, one slice of a row per program; the partial
-    # histograms meet in hist[0] through atomics (one per non-empty bin per program).
-    b = tl.program_id(0)
-    row = tl.program_id(1)
-    p = tl.program_id(2)
-    n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k, threshold)
-    start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
-    srow = scores_ptr + b * stride_sb + row * stride_sr
-    hist = tl.zeros([256], tl.int32)
-    for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-        offs = t + tl.arange(0, BLOCK_N)
-        key = _key16(_load_block(srow, offs, BLOCK_N))
-        hist += tl.histogram(key >> 8, 256, mask=offs < end)
-    bins = tl.arange(0, 256)
-    tl.atomic_add(hist_ptr + b * stride_hb + row * stride_hr + bins, hist, mask=hist > 0, sem="relaxed")
-
-
-@triton.jit
-def hist_low_kernel(
-    scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr,
-    heavy_k, threshold,
-    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
-    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr,
-):
-    b = tl.program_id(0)
-    row = tl.program_id(1)
-    p = tl.program_id(2)
-    n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k, threshold)
-    bins = tl.arange(0, 256)
-    h0 = tl.load(hist_ptr + b * stride_hb + row * stride_hr + bins)
-    digit0, above0 = _threshold_digit(h0, heavy_k)
-    if p == 0:
-        tl.store(rowinfo_ptr + b * stride_rib + row * stride_rir, digit0)
-        tl.store(rowinfo_ptr + b * stride_rib + row * stride_rir + 1, heavy_k - above0)
-    start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
-    h1 = hist_ptr + stride_hp + b * stride_hb + row * stride_hr
-    for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-        offs = t + tl.arange(0, BLOCK_N)
-        nmask = offs < end
-        key = _key16(_load_block(scores_ptr + b * stride_sb + row * stride_sr, offs, BLOCK_N))
-        inside = nmask & ((key >> 8) == digit0)
-        if ATOMIC_HIST:
-            # Only the keys of one high-byte bucket count (a few percent): scattered atomics are
-            # cheaper than a full block histogram.
-            tl.atomic_add(h1 + (key & 255), tl.full([BLOCK_N], 1, tl.int32), mask=inside, sem="relaxed")
-        else:
-            hist = tl.histogram(key & 255, 256, mask=inside)
-            tl.atomic_add(h1 + bins, hist, mask=hist > 0, sem="relaxed")
-
-
-@triton.jit
-def compact_kernel(
-    scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr, req_to_token_ptr, req_idx_ptr,
-    heavy_k, threshold,
-    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
-    stride_selb, stride_selr, stride_rt,
-    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
-):
-    # Writes the selected positions (sel) and their cache slots (sel_slot): attention then
-    # gathers K/V rows with one indirection instead of two.
-    b = tl.program_id(0)
-    row = tl.program_id(1)
-    p = tl.program_id(2)
-    n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k, threshold)
-    bins = tl.arange(0, 256)
-    info = rowinfo_ptr + b * stride_rib + row * stride_rir
-    digit0 = tl.load(info)
-    need0 = tl.load(info + 1)
-    h1 = tl.load(hist_ptr + stride_hp + b * stride_hb + row * stride_hr + bins)
-    digit1, above1 = _threshold_digit(h1, need0)
-    thr = digit0 * 256 + digit1
-    n_gt = heavy_k - need0 + above1
-    ties = heavy_k - n_gt
-    if p == 0:
-        # hist[0] has had its last reader (hist_low); leave it zeroed for the next call.
-        tl.store(hist_ptr + b * stride_hb + row * stride_hr + bins, tl.zeros([256], tl.int32))
-    start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
-    out = sel_ptr + b * stride_selb + row * stride_selr
-    out_slot = sel_slot_ptr + b * stride_selb + row * stride_selr
-    rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
-    srow = scores_ptr + b * stride_sb + row * stride_sr
-    # Count first, so the program reserves its output range with one pair of atomics: an
-    # atomic's round trip per block was the loop's critical path. The second pass re-reads the
-    # scores from L2.
-    c_gt = tl.full([], 0, tl.int32)
-    c_eq = tl.full([], 0, tl.int32)
-    for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-        offs = t + tl.arange(0, BLOCK_N)
-        nmask = offs < end
-        key = _key16(_load_block(srow, offs, BLOCK_N))
-        c_gt += tl.sum(((key > thr) & nmask).to(tl.int32), 0)
-        c_eq += tl.sum(((key == thr) & nmask).to(tl.int32), 0)
-    base = tl.atomic_add(info + 2, c_gt, mask=c_gt > 0, sem="relaxed")
-    base_e = tl.atomic_add(info + 3, c_eq, mask=c_eq > 0, sem="relaxed")
-    for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-        offs = t + tl.arange(0, BLOCK_N)
-        nmask = offs < end
-        key = _key16(_load_block(srow, offs, BLOCK_N))
-        gt = (key > thr) & nmask
-        eq = (key == thr) & nmask
-        # One scan for both ranks: the "equal" count rides in the high half (a block holds far
-        # fewer than 2^16 keys), halving the block-wide prefix sums, the loop's costliest step.
-        both = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)
-        idx_gt = base + (both & 0xFFFF) - 1
-        idx = base_e + (both >> 16) - 1
-        base += tl.sum(gt.to(tl.int32), 0)
-        base_e += tl.sum(eq.to(tl.int32), 0)
-        # The bounds never bind when the histograms are consistent; they keep a corrupted
-        # workspace from writing outside its row.
-        w_gt = gt & (idx_gt < n_gt)
-        w_eq = eq & (idx < ties) & (idx >= 0)
-        dst = tl.where(w_gt, idx_gt, n_gt + idx)
-        w = w_gt | w_eq
-        slot = tl.load(rt_row + offs, mask=w, other=0)
-        tl.store(out + dst, offs, mask=w)
-        tl.store(out_slot + dst, slot, mask=w)

@@ -18,7 +18,9 @@ from ..reference import MODES
 from ..workspace import SCORE_PAD, DecodeWorkspace
 from .decode_attn import decode_attn_kernel, merge_kernel
 from .ds_score import score_mma_kernel
-from .ds_select import compact_kernel, hist_high_kernel, hist_low_kernel, score_kernel
+from .ds_select import score_kernel
+from .ds_topk import select_kernel
+from .occupancy import resident_per_sm
 from .pdl import HAVE_GDC
 from .rope import rope_kernel
 from .store import store_kv_kernel
@@ -155,8 +157,9 @@ TUNING = {
     "select_programs_per_sm": 4, "select_stages": 3, "select_atomic_hist": True, "score_hist": False,
     # Software-pipeline depth of the score / select loops (tl.range num_stages; 1 = no pipelining).
     "score_loop_stages": 3, "select_loop_stages": 1,
-    # The separate high-byte histogram pass (used when score_hist is False).
-    "hist_block_n": 4096, "hist_programs_per_sm": 8,
+    # The top-k select in one launch (ds_topk.py, PHASE 0: its programs meet at per-row barriers)
+    # where the occupancy API says the grid is resident at once; else three launches.
+    "select_coop": True, "coop_block_n": 4096, "coop_warps": 4,
     # The attention over the selected tokens (the dense kernel's knobs otherwise).
     "sparse_attn_programs_per_sm": 4, "sparse_attn_stages": 2,
     # Merge the split-K partials in the attention kernel's last split instead of a merge launch.
@@ -191,11 +194,14 @@ def tuning_overrides(overrides: dict) -> dict:
 TUNING.update(tuning_overrides(json.loads(os.environ.get("DOUBLESPARSE_TUNING", "{}"))))
 
 
+def _is_nvidia(device: torch.device) -> bool:
+    # ROCm also reports device type "cuda" (and MI300 a "capability" of 9.4)
+    return device.type == "cuda" and torch.version.hip is None
+
+
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(device: torch.device) -> bool:
-    # NVIDIA only: ROCm also reports device type "cuda" (and MI300 a "capability" of 9.4)
-    return (device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return _is_nvidia(device) and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -295,15 +301,13 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     per_head = mode == "per_head"
     rows = Hq if per_head else Hkv
     scores, hist, info, sel, sel_slot = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot
-    if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["hist_block_n"]) > SCORE_PAD:
+    if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["coop_block_n"]) > SCORE_PAD:
         _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage != "attend":
         nsm = _num_sms(dev)
         score_hist = bool(TUNING["score_hist"])
         P_score = num_progs or max(1, min(triton.cdiv(TUNING["score_programs_per_sm"] * nsm, B * Hkv),
                                           triton.cdiv(ws.max_ctx, TUNING["score_block_n"])))
-        P = num_progs or max(1, min(triton.cdiv(TUNING["select_programs_per_sm"] * nsm, B * rows),
-                                    triton.cdiv(ws.max_ctx, TUNING["select_block_n"])))
         is_fp8 = label_cache.dtype == torch.float8_e4m3fn
         impl = TUNING["score_impl"]
         if impl == "auto":
@@ -327,25 +331,10 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             )
         if stage == "score":
             return None
-        common = (scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
-                  info.stride(0), info.stride(1))
-        sb, sw, ls = TUNING["select_block_n"], TUNING["select_warps"], TUNING["select_loop_stages"]
-        if not score_hist:
-            hb = TUNING["hist_block_n"]
-            P_hist = num_progs or max(1, min(triton.cdiv(TUNING["hist_programs_per_sm"] * nsm, B * rows),
-                                             triton.cdiv(ws.max_ctx, hb)))
-            hist_high_kernel[(B, rows, P_hist)](scores, hist, seq_lens, k, int(threshold), *common,
-                                                NUM_PROGS=P_hist, BLOCK_N=hb, LOOP_STAGES=ls,
-                                                num_warps=sw, num_stages=TUNING["select_stages"])
+        _select(ws, seq_lens, req_to_token, req_idx, k, int(threshold), B, rows, score_hist,
+                num_progs, stage)
         if stage == "hist":
             return None
-        hist_low_kernel[(B, rows, P)](scores, hist, info, seq_lens, k, int(threshold), *common,
-                                      NUM_PROGS=P, BLOCK_N=sb, ATOMIC_HIST=TUNING["select_atomic_hist"],
-                                      LOOP_STAGES=ls, num_warps=sw, num_stages=TUNING["select_stages"])
-        compact_kernel[(B, rows, P)](scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx,
-                                     k, int(threshold), *common, sel.stride(0), sel.stride(1),
-                                     req_to_token.stride(0), NUM_PROGS=P, BLOCK_N=sb, LOOP_STAGES=ls,
-                                     num_warps=sw, num_stages=TUNING["select_stages"])
         if stage == "select":
             return sel
     if num_splits is None:
@@ -355,6 +344,66 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                    sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"])
     return (o, sel) if return_sel else o
+
+
+def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage):
+    """Stage 2 (ds_topk.select_kernel): one launch with per-row barriers where that is safe,
+    else one launch per phase. stage "hist" runs phase 1 only (the stage-by-stage benchmark)."""
+    scores, hist, info, sel, sel_slot, bar = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot, ws.barrier
+    args = (scores, hist, info, bar, seq_lens, sel, sel_slot, req_to_token, req_idx, k, threshold)
+    strides = (scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
+               info.stride(0), info.stride(1), sel.stride(0), sel.stride(1), req_to_token.stride(0),
+               bar.stride(0))
+    common = dict(ATOMIC_HIST=TUNING["select_atomic_hist"], LOOP_STAGES=TUNING["select_loop_stages"],
+                  num_stages=TUNING["select_stages"])
+    dev = scores.device
+    if stage != "hist" and not skip_phase1 and _coop_capable(dev):
+        opts = dict(common, BLOCK_N=TUNING["coop_block_n"], num_warps=TUNING["coop_warps"])
+        P, one = num_progs, False
+        if P:
+            one = triton.cdiv(ws.max_ctx, P) <= opts["BLOCK_N"]
+        else:
+            P, one = _coop_plan(args, strides, opts, B * rows, ws.max_ctx, dev)
+        select_kernel[(B, rows, P)](*args, P, *strides, PHASE=0, ONE_TILE=one, **opts)
+        return
+    sb = TUNING["select_block_n"]
+    P = num_progs or max(1, min(triton.cdiv(TUNING["select_programs_per_sm"] * _num_sms(dev), B * rows),
+                                triton.cdiv(ws.max_ctx, sb)))
+    one = triton.cdiv(ws.max_ctx, P) <= sb
+    phases = (1,) if stage == "hist" else (1, 2, 3)
+    for phase in phases[1:] if skip_phase1 else phases:
+        select_kernel[(B, rows, P)](*args, P, *strides, PHASE=phase, BLOCK_N=sb, ONE_TILE=one,
+                                    num_warps=TUNING["select_warps"], **common)
+
+
+def _coop_capable(device: torch.device) -> bool:
+    # NVIDIA GPUs only: the interpreter runs programs one after another (a barrier of several
+    # would never open), and the occupancy query is CUDA's.
+    return bool(TUNING["select_coop"]) and not _INTERPRET and _is_nvidia(device)
+
+
+_COOP_PLANS: dict = {}
+
+
+def _coop_plan(args, strides, opts, rows_total, max_ctx, dev):
+    """(programs per row, ONE_TILE) for the one-launch select: one block per program when the
+    whole grid fits on the GPU at once, else as many programs per row as fit, at least 1 (a row
+    with one program never waits at its barrier, so any grid is safe)."""
+    key = (dev, rows_total, max_ctx, tuple(sorted(opts.items())))
+    if key not in _COOP_PLANS:
+        nsm = _num_sms(dev)
+
+        def capacity(P, one):
+            return nsm * resident_per_sm(select_kernel, *args, P, *strides, PHASE=0, ONE_TILE=one, **opts)
+
+        P = triton.cdiv(max_ctx, opts["BLOCK_N"])
+        if rows_total * P <= capacity(P, True):
+            plan = (P, True)
+        else:
+            P = max(1, capacity(1, False) // rows_total)
+            plan = (P, False)  # the occupancy measured is the looping variant's
+        _COOP_PLANS[key] = plan
+    return _COOP_PLANS[key]
 
 
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
