@@ -90,6 +90,26 @@ def test_dense_decode_fused_merge(monkeypatch):
     assert int(ws.split_count.abs().sum()) == 0
 
 
+def test_decode_prefetch_loop(monkeypatch):
+    """The hand-pipelined attention loop (TUNING attn_prefetch / sparse_attn_prefetch) equals the
+    reference, dense and sparse, with lengths that end mid-tile, inside the first tile, and at 1."""
+    monkeypatch.setitem(launch.TUNING, "attn_prefetch", True)
+    monkeypatch.setitem(launch.TUNING, "sparse_attn_prefetch", True)
+    c = make_case([1, 130, 77], 9, 3, 64, device=DEVICE, seed=41)
+    ws = make_ws(c, max_heavy_tokens=40)
+    exp = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens, c.sm_scale)
+    for splits in (1, 3):
+        out = torch.full_like(c.q, float("nan"))
+        launch.dense_decode(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens,
+                            c.sm_scale, ws, out=out, num_splits=splits)
+        assert rel_err(out, exp) < TOL[torch.bfloat16]
+    out = torch.full_like(c.q, float("nan"))
+    _, sel = launch.ds_decode(*c.args(), c.sm_scale, 40, "group_max", ws=ws, out=out, num_splits=2,
+                              return_sel=True)
+    _check_selection(c, ws, sel, 40, "group_max")
+    assert rel_err(out, _expected_output(c, sel, 40, "group_max")) < TOL[torch.bfloat16]
+
+
 def test_dense_decode_fp16_fp32():
     for dt in (torch.float16, torch.float32):
         c = make_case([40, 9], 4, 2, 64, dtype=dt, device=DEVICE, seed=3)

@@ -159,9 +159,13 @@ TUNING = {
     "score_loop_stages": 3, "select_loop_stages": 1,
     # The top-k select in one launch (ds_topk.py, PHASE 0: its programs meet at per-row barriers)
     # where the occupancy API says the grid is resident at once; else three launches.
-    "select_coop": True, "coop_block_n": 4096, "coop_warps": 4,
+    "select_coop": False, "coop_block_n": 2048, "coop_warps": 4,
+    # The phased select's first phase (high-byte histogram) has its own geometry.
+    "hist_block_n": 4096, "hist_programs_per_sm": 8,
     # The attention over the selected tokens (the dense kernel's knobs otherwise).
     "sparse_attn_programs_per_sm": 4, "sparse_attn_stages": 2,
+    # Hand-pipelined attention loop (decode_attn PREFETCH: next tile's K/V in flight), dense / sparse.
+    "attn_prefetch": False, "sparse_attn_prefetch": False,
     # Merge the split-K partials in the attention kernel's last split instead of a merge launch.
     "fuse_merge": False,
     # Scoring: "mma" = all KV heads per program, one tensor-core product (ds_score.py);
@@ -223,7 +227,7 @@ def _attn_block_n(programs_rows: int, device) -> int:
 
 
 def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-               sel, rows, heavy_k, threshold, per_head, num_splits, stages=None):
+               sel, rows, heavy_k, threshold, per_head, num_splits, stages=None, prefetch=False):
     B, Hq, D = q.shape
     block_n = _attn_block_n(B * rows, q.device)
     G = Hq // k_cache.shape[1]
@@ -248,7 +252,9 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
         G=G, D=D, PER_HEAD=per_head, HAS_SEL=has_sel, NUM_SPLITS=S,
         BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET, FUSE_MERGE=fuse, BLOCK_S=block_s,
-        num_warps=TUNING["attn_warps"], num_stages=stages or TUNING["attn_stages"],
+        PREFETCH=prefetch, num_warps=TUNING["attn_warps"],
+        # a hand-pipelined loop needs no pipeliner (it would only serialize it)
+        num_stages=1 if prefetch else (stages or TUNING["attn_stages"]),
     )
     if not fuse:
         merge_kernel[(B, Hq)](
@@ -270,7 +276,7 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
     B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
     S = num_splits or dense_splits(B, Hkv, ws, q.device)
     return _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                      None, Hkv, 0, 0, False, S)
+                      None, Hkv, 0, 0, False, S, prefetch=bool(TUNING["attn_prefetch"]))
 
 
 
@@ -301,7 +307,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     per_head = mode == "per_head"
     rows = Hq if per_head else Hkv
     scores, hist, info, sel, sel_slot = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot
-    if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["coop_block_n"]) > SCORE_PAD:
+    if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["coop_block_n"],
+           TUNING["hist_block_n"]) > SCORE_PAD:
         _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage != "attend":
         nsm = _num_sms(dev)
@@ -342,7 +349,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev)), dense_splits(B, Hkv, ws, dev))
         num_splits = max(1, min(ws.max_splits, want, cap))
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                   sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"])
+                   sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"],
+                   prefetch=bool(TUNING["sparse_attn_prefetch"]))
     return (o, sel) if return_sel else o
 
 
@@ -366,14 +374,19 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
             P, one = _coop_plan(args, strides, opts, B * rows, ws.max_ctx, dev)
         select_kernel[(B, rows, P)](*args, P, *strides, PHASE=0, ONE_TILE=one, **opts)
         return
-    sb = TUNING["select_block_n"]
-    P = num_progs or max(1, min(triton.cdiv(TUNING["select_programs_per_sm"] * _num_sms(dev), B * rows),
-                                triton.cdiv(ws.max_ctx, sb)))
-    one = triton.cdiv(ws.max_ctx, P) <= sb
-    phases = (1,) if stage == "hist" else (1, 2, 3)
-    for phase in phases[1:] if skip_phase1 else phases:
-        select_kernel[(B, rows, P)](*args, P, *strides, PHASE=phase, BLOCK_N=sb, ONE_TILE=one,
+    nsm = _num_sms(dev)
+
+    def launch(phase, block, per_sm):
+        P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, block)))
+        select_kernel[(B, rows, P)](*args, P, *strides, PHASE=phase, BLOCK_N=block,
+                                    ONE_TILE=triton.cdiv(ws.max_ctx, P) <= block,
                                     num_warps=TUNING["select_warps"], **common)
+
+    if not skip_phase1:
+        launch(1, TUNING["hist_block_n"], TUNING["hist_programs_per_sm"])
+    if stage != "hist":
+        for phase in (2, 3):
+            launch(phase, TUNING["select_block_n"], TUNING["select_programs_per_sm"])
 
 
 def _coop_capable(device: torch.device) -> bool:
