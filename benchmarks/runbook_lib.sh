@@ -17,7 +17,7 @@ run() {
 
 # issue 3's Llama-3.1-8B (60K x 3) and LongChat-7B (20K x 3) rows, dense and DS
 issue3_rows() {
-  local B="python -m doublesparse.bench_one_batch --profile --load-format dummy --skip-warmup --batch-size 3 --output-len 200"
+  local B="python -m doublesparse.bench_one_batch --profile --load-format dummy --warmup-input-len 1024 --batch-size 3 --output-len 200"
   local L="$B --model-path llama-3.1-8b --input-len 60000 --max-total-tokens 190000"
   local C="$B --model-path longchat-7b-v1.5-32k --input-len 20000 --max-total-tokens 70000"
   run llama31-8b-60k-bs3-dense $L

@@ -90,26 +90,6 @@ def test_dense_decode_fused_merge(monkeypatch):
     assert int(ws.split_count.abs().sum()) == 0
 
 
-def test_decode_prefetch_loop(monkeypatch):
-    """The hand-pipelined attention loop (TUNING attn_prefetch / sparse_attn_prefetch) equals the
-    reference, dense and sparse, with lengths that end mid-tile, inside the first tile, and at 1."""
-    monkeypatch.setitem(launch.TUNING, "attn_prefetch", True)
-    monkeypatch.setitem(launch.TUNING, "sparse_attn_prefetch", True)
-    c = make_case([1, 130, 77], 9, 3, 64, device=DEVICE, seed=41)
-    ws = make_ws(c, max_heavy_tokens=40)
-    exp = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens, c.sm_scale)
-    for splits in (1, 3):
-        out = torch.full_like(c.q, float("nan"))
-        launch.dense_decode(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens,
-                            c.sm_scale, ws, out=out, num_splits=splits)
-        assert rel_err(out, exp) < TOL[torch.bfloat16]
-    out = torch.full_like(c.q, float("nan"))
-    _, sel = launch.ds_decode(*c.args(), c.sm_scale, 40, "group_max", ws=ws, out=out, num_splits=2,
-                              return_sel=True)
-    _check_selection(c, ws, sel, 40, "group_max")
-    assert rel_err(out, _expected_output(c, sel, 40, "group_max")) < TOL[torch.bfloat16]
-
-
 def test_dense_decode_fp16_fp32():
     for dt in (torch.float16, torch.float32):
         c = make_case([40, 9], 4, 2, 64, dtype=dt, device=DEVICE, seed=3)
@@ -210,41 +190,6 @@ def test_ds_select_pipelines(tuning, mode, monkeypatch):
         _check_selection(c, ws, sel, k, mode)
         assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
     assert int(ws.hist[0].abs().sum()) == 0  # hist[1] is cleared by the next call's score launch
-
-
-@pytest.mark.parametrize("block", [4096, 128])
-@pytest.mark.parametrize("mode", ["per_head", "group_sum"])
-def test_ds_select_one_launch(block, mode, monkeypatch):
-    """The one-launch select (ds_topk PHASE 0, programs of a row meeting at barriers) gives the
-    exact top-k over repeated calls, and leaves histograms and barriers clean. The interpreter runs
-    programs one by one, so on CPU a row has one program (its barrier never waits); on a GPU the
-    launcher's own grid (block 4096) or two looping programs per row (block 128)."""
-    monkeypatch.setitem(launch.TUNING, "coop_block_n", block)
-    if DEVICE == "cpu":
-        monkeypatch.setattr(launch, "_coop_capable", lambda dev: True)
-    progs = 1 if DEVICE == "cpu" else (None if block == 4096 else 2)
-    ws = None
-    for i, (seq_lens, k) in enumerate([([300, 41, 517], 40), ([129, 260, 3], 64), ([520, 519, 333], 64)]):
-        c = make_case(seq_lens, 9, 3, 64, r=16, device=DEVICE, seed=_seed(i, mode, block), max_ctx=520)
-        ws = ws or make_ws(c, max_heavy_tokens=64)
-        out = torch.full_like(c.q, float("nan"))
-        _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, out=out, num_progs=progs,
-                                  return_sel=True)
-        _check_selection(c, ws, sel, k, mode)
-        assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
-    assert int(ws.hist[0].abs().sum()) == 0
-    assert int(ws.barrier[..., 0].abs().sum()) == 0
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="a real grid of co-resident programs needs a GPU")
-def test_ds_select_one_launch_at_scale():
-    """Llama-3.1-8B heads at 40K x 3: the launcher's grid puts many programs on each row, all
-    meeting at the barriers; the same exact selection as the three-launch select."""
-    c = make_case([40000, 39001, 1500], 32, 8, 128, r=16, device=DEVICE, seed=5)
-    ws = make_ws(c, max_heavy_tokens=2500)
-    _, sel = launch.ds_decode(*c.args(), c.sm_scale, 2500, "group_max", ws=ws, return_sel=True)
-    _check_selection(c, ws, sel, 2500, "group_max")
-    assert int(ws.barrier[..., 0].abs().sum()) == 0
 
 
 def test_ds_repeated_calls_keep_workspace_clean():

@@ -59,9 +59,6 @@ class DecodeWorkspace:
             self.buffers["hist"] = torch.zeros(2, B, Hq, HIST_BINS, **i32)
             # Per row: [high digit, rank left after the high digit, count written (>), count written (==)]
             self.buffers["rowinfo"] = torch.zeros(B, Hq, 4, **i32)
-            # Per row: [arrivals, generation] of the one-launch select's barrier (ds_topk.py);
-            # it resets itself, so it is zeroed only here.
-            self.buffers["barrier"] = torch.zeros(B, Hq, 2, **i32)
             self.buffers["sel"] = torch.empty(B, Hq, self.max_heavy_tokens, **i32)
             # The cache slots of sel's positions; zero (the padding slot) until written, so a
             # stale entry can never address outside the pool.

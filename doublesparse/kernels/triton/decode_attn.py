@@ -40,28 +40,6 @@ def _tile_rows(cache_ptr, slot, kvh, stride_s, stride_h, rmask, d, dmask, FULL_D
 
 
 @triton.jit
-def _online_softmax_tile(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr):
-    # One tile of flash-decoding: q [BLOCK_H, BLOCK_D], k/v [BLOCK_N, BLOCK_D]; returns the
-    # updated running max, sum and accumulator.
-    if DOT_F32:
-        # Triton 3.6's interpreter computes bf16 dots wrongly; upcast there only.
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale                                         # [BLOCK_H, BLOCK_N], log2 units
-    s = tl.where(nmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if DOT_F32:
-        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
 def decode_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr,
@@ -74,7 +52,7 @@ def decode_attn_kernel(
     G: tl.constexpr, D: tl.constexpr,
     PER_HEAD: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PREFETCH: tl.constexpr = False,
+    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
@@ -116,30 +94,30 @@ def decode_attn_kernel(
     rt_row = req_to_token_ptr + req * stride_rt
     ar = tl.arange(0, BLOCK_N)
     FULL_D: tl.constexpr = BLOCK_D == D
-    if PREFETCH:
-        # Software-pipelined by hand: the next tile's K/V rows are in flight while this tile is
-        # computed (Triton's pipeliner waits for a slot load and the gather it feeds together).
-        slot = _tile_slots(sel_row, rt_row, start + ar, end, sparse, HAS_SEL)
-        k_nx = _tile_rows(k_cache_ptr, slot, kvh, stride_kcs, stride_kch, start + ar < end, d, dmask, FULL_D)
-        v_nx = _tile_rows(v_cache_ptr, slot, kvh, stride_vcs, stride_vch, start + ar < end, d, dmask, FULL_D)
-        for t in range(start, end, BLOCK_N):
-            offs = t + ar
-            k = k_nx
-            v = v_nx
-            nxt = offs + BLOCK_N
-            slot = _tile_slots(sel_row, rt_row, nxt, end, sparse, HAS_SEL)
-            k_nx = _tile_rows(k_cache_ptr, slot, kvh, stride_kcs, stride_kch, nxt < end, d, dmask, FULL_D)
-            v_nx = _tile_rows(v_cache_ptr, slot, kvh, stride_vcs, stride_vch, nxt < end, d, dmask, FULL_D)
-            m_i, l_i, acc = _online_softmax_tile(q, k, v, offs < end, m_i, l_i, acc, qk_scale, DOT_F32)
-    else:
-        for t in range(start, end, BLOCK_N):
-            offs = t + ar
-            nmask = offs < end
-            slot = _tile_slots(sel_row, rt_row, offs, end, sparse, HAS_SEL)
-            k = _tile_rows(k_cache_ptr, slot, kvh, stride_kcs, stride_kch, nmask, d, dmask, FULL_D)
-            # Issued before the softmax so both rows' loads are in flight together.
-            v = _tile_rows(v_cache_ptr, slot, kvh, stride_vcs, stride_vch, nmask, d, dmask, FULL_D)
-            m_i, l_i, acc = _online_softmax_tile(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_F32)
+    for t in range(start, end, BLOCK_N):
+        offs = t + ar
+        nmask = offs < end
+        slot = _tile_slots(sel_row, rt_row, offs, end, sparse, HAS_SEL)
+        k = _tile_rows(k_cache_ptr, slot, kvh, stride_kcs, stride_kch, nmask, d, dmask, FULL_D)
+        # Issued before the softmax so both rows' loads are in flight together.
+        v = _tile_rows(v_cache_ptr, slot, kvh, stride_vcs, stride_vch, nmask, d, dmask, FULL_D)
+        if DOT_F32:
+            # Triton 3.6's interpreter computes bf16 dots wrongly; upcast there only.
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale                                         # [BLOCK_H, BLOCK_N], log2 units
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_F32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]

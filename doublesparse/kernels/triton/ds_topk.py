@@ -1,8 +1,8 @@
 """Triton kernel for Double Sparsity stage 2: exact top-k of the fp16 score rows (a radix select).
 
 Keys are the 16-bit order-preserving images of the fp16 scores; the k-th largest key is found one
-byte at a time. One kernel holds the three phases of the select; grid (B, rows, P), P programs per
-score row, each owning one slice of the row:
+byte at a time, in three launches of one kernel (PHASE), each on a static grid (B, rows, P), P
+programs per score row, each owning one slice of the row; the kernel boundaries order the phases:
 
   1. histogram of the keys' high byte            -> hist[0] (atomics, one per non-empty bin)
   2. the high byte d0 holding the k-th largest key; histogram of the low byte of the keys whose
@@ -10,51 +10,18 @@ score row, each owning one slice of the row:
   3. the exact 16-bit threshold; write the positions of the keys above it, then enough of the keys
      equal to it (ties in arrival order), k in all, with their cache slots.
 
-PHASE = 1, 2 or 3 runs one phase: three launches, the kernel boundaries ordering them. PHASE = 0
-runs all three in one launch, the P programs of a row meeting at a barrier between phases (two
-launch boundaries and two re-reads of the slice fewer). The barrier needs all P programs of a row
-resident on the GPU at once: the launcher only picks PHASE 0 when the occupancy API says the whole
-grid fits, or when P = 1 (a barrier of one program never waits). ONE_TILE: the slice fits one block,
-so its keys are loaded once and stay in registers through all three phases.
-
 Workspace protocol (no memset launches): the score launch clears hist[1] and the row's output
-counters; phase 3 clears hist[0] after its last reader (phase 2); the barrier resets itself.
+counters; phase 3 clears hist[0] after its last reader (phase 2).
+
+(Session 8 also ran all three phases in one launch, a row's programs meeting at global barriers,
+the grid sized by the CUDA occupancy API: decode steps measured the same as three launches on an
+H200, so that path, which depends on co-residency, was removed: results/h200-s8/README.md.)
 """
 
 import triton
 import triton.language as tl
 
-from .ds_select import _key16, _load_block, _sparse_len, _threshold_digit
-
-
-@triton.jit
-def _row_barrier(bar, num_progs):
-    # bar: [count, generation] int32 of one row. The last arrival zeroes the count, then bumps the
-    # generation the others spin on (it may wrap: only a change is watched). The CTA barriers order
-    # every thread's earlier atomics before the arrival and keep all threads waiting with thread 0.
-    tl.debug_barrier()
-    gen = tl.atomic_add(bar + 1, 0, sem="acquire")
-    old = tl.atomic_add(bar, 1, sem="acq_rel")
-    if old == num_progs - 1:
-        tl.atomic_xchg(bar, 0, sem="relaxed")
-        tl.atomic_add(bar + 1, 1, sem="release")
-    else:
-        cur = tl.atomic_add(bar + 1, 0, sem="acquire")
-        while cur == gen:
-            cur = tl.atomic_add(bar + 1, 0, sem="acquire")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _low_hist(key, nmask, digit0, h1, bins, ATOMIC_HIST: tl.constexpr):
-    inside = nmask & ((key >> 8) == digit0)
-    if ATOMIC_HIST:
-        # Only the keys of one high-byte bucket count (a few percent): scattered atomics are
-        # cheaper than a full block histogram.
-        tl.atomic_add(h1 + (key & 255), tl.full(key.shape, 1, tl.int32), mask=inside, sem="relaxed")
-    else:
-        hist = tl.histogram(key & 255, 256, mask=inside)
-        tl.atomic_add(h1 + bins, hist, mask=hist > 0, sem="relaxed")
+from .ds_select import _key16, _load_block, _sparse_len, _split_range, _threshold_digit
 
 
 @triton.jit
@@ -81,67 +48,52 @@ def _emit(key, offs, nmask, thr, n_gt, ties, base, base_e, out, out_slot, rt_row
 
 @triton.jit
 def select_kernel(
-    scores_ptr, hist_ptr, rowinfo_ptr, bar_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
-    req_to_token_ptr, req_idx_ptr, heavy_k, threshold, num_progs,
+    scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
+    req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
-    stride_selb, stride_selr, stride_rt, stride_barb,
-    PHASE: tl.constexpr, BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr,
+    stride_selb, stride_selr, stride_rt,
+    PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
     ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
     p = tl.program_id(2)
     n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k, threshold)
-    per = tl.cdiv(tl.cdiv(n, num_progs), BLOCK_N) * BLOCK_N
-    start = p * per
-    end = tl.minimum(start + per, n)
+    start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
     srow = scores_ptr + b * stride_sb + row * stride_sr
     bins = tl.arange(0, 256)
     h0 = hist_ptr + b * stride_hb + row * stride_hr
     h1 = h0 + stride_hp
     info = rowinfo_ptr + b * stride_rib + row * stride_rir
-    bar = bar_ptr + b * stride_barb + row * 2
-    if ONE_TILE:
-        offs1 = start + tl.arange(0, BLOCK_N)
-        nmask1 = offs1 < end
-        key1 = _key16(_load_block(srow, offs1, BLOCK_N))
 
-    # Phase 1: high-byte histogram.
-    if PHASE == 0 or PHASE == 1:
-        if ONE_TILE:
-            hist = tl.histogram(key1 >> 8, 256, mask=nmask1)
-        else:
-            hist = tl.zeros([256], tl.int32)
-            for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-                offs = t + tl.arange(0, BLOCK_N)
-                hist += tl.histogram(_key16(_load_block(srow, offs, BLOCK_N)) >> 8, 256, mask=offs < end)
+    if PHASE == 1:  # high-byte histogram
+        hist = tl.zeros([256], tl.int32)
+        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+            offs = t + tl.arange(0, BLOCK_N)
+            hist += tl.histogram(_key16(_load_block(srow, offs, BLOCK_N)) >> 8, 256, mask=offs < end)
         tl.atomic_add(h0 + bins, hist, mask=hist > 0, sem="relaxed")
-    # Phase 2: the high byte of the k-th largest key; low-byte histogram inside it.
-    if PHASE == 0:
-        _row_barrier(bar, num_progs)
-    if PHASE == 0 or PHASE == 2:
-        # .cg: the other programs' totals come from L2, never from a stale L1 line.
-        digit0, above0 = _threshold_digit(tl.load(h0 + bins, cache_modifier=".cg"), heavy_k)
-        need0 = heavy_k - above0
+
+    elif PHASE == 2:  # the high byte of the k-th largest key; low-byte histogram inside it
+        digit0, above0 = _threshold_digit(tl.load(h0 + bins), heavy_k)
         if p == 0:
             tl.store(info, digit0)
-            tl.store(info + 1, need0)
-        if ONE_TILE:
-            _low_hist(key1, nmask1, digit0, h1, bins, ATOMIC_HIST)
-        else:
-            for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-                offs = t + tl.arange(0, BLOCK_N)
-                key = _key16(_load_block(srow, offs, BLOCK_N))
-                _low_hist(key, offs < end, digit0, h1, bins, ATOMIC_HIST)
+            tl.store(info + 1, heavy_k - above0)
+        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+            offs = t + tl.arange(0, BLOCK_N)
+            key = _key16(_load_block(srow, offs, BLOCK_N))
+            inside = (offs < end) & ((key >> 8) == digit0)
+            if ATOMIC_HIST:
+                # Only the keys of one high-byte bucket count (a few percent): scattered atomics
+                # are cheaper than a full block histogram.
+                tl.atomic_add(h1 + (key & 255), tl.full([BLOCK_N], 1, tl.int32), mask=inside, sem="relaxed")
+            else:
+                hist = tl.histogram(key & 255, 256, mask=inside)
+                tl.atomic_add(h1 + bins, hist, mask=hist > 0, sem="relaxed")
 
-    # Phase 3: the exact threshold; write the selection.
-    if PHASE == 0:
-        _row_barrier(bar, num_progs)
-    if PHASE == 0 or PHASE == 3:
-        if PHASE == 3:
-            digit0 = tl.load(info)
-            need0 = tl.load(info + 1)
-        digit1, above1 = _threshold_digit(tl.load(h1 + bins, cache_modifier=".cg"), need0)
+    else:  # the exact threshold; write the selection
+        digit0 = tl.load(info)
+        need0 = tl.load(info + 1)
+        digit1, above1 = _threshold_digit(tl.load(h1 + bins), need0)
         thr = digit0 * 256 + digit1
         n_gt = heavy_k - need0 + above1
         ties = heavy_k - n_gt
@@ -152,26 +104,19 @@ def select_kernel(
         out_slot = sel_slot_ptr + b * stride_selb + row * stride_selr
         rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
         # Count first, so the program reserves its output range with one pair of atomics: an
-        # atomic's round trip per block was the loop's critical path.
-        if ONE_TILE:
-            c_gt = tl.sum(((key1 > thr) & nmask1).to(tl.int32), 0)
-            c_eq = tl.sum(((key1 == thr) & nmask1).to(tl.int32), 0)
-        else:
-            c_gt = tl.full([], 0, tl.int32)
-            c_eq = tl.full([], 0, tl.int32)
-            for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-                offs = t + tl.arange(0, BLOCK_N)
-                nmask = offs < end
-                key = _key16(_load_block(srow, offs, BLOCK_N))
-                c_gt += tl.sum(((key > thr) & nmask).to(tl.int32), 0)
-                c_eq += tl.sum(((key == thr) & nmask).to(tl.int32), 0)
+        # atomic's round trip per block was the loop's critical path. The second pass re-reads
+        # the scores from L2.
+        c_gt = tl.full([], 0, tl.int32)
+        c_eq = tl.full([], 0, tl.int32)
+        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+            offs = t + tl.arange(0, BLOCK_N)
+            nmask = offs < end
+            key = _key16(_load_block(srow, offs, BLOCK_N))
+            c_gt += tl.sum(((key > thr) & nmask).to(tl.int32), 0)
+            c_eq += tl.sum(((key == thr) & nmask).to(tl.int32), 0)
         base = tl.atomic_add(info + 2, c_gt, mask=c_gt > 0, sem="relaxed")
         base_e = tl.atomic_add(info + 3, c_eq, mask=c_eq > 0, sem="relaxed")
-        if ONE_TILE:
-            _emit(key1, offs1, nmask1, thr, n_gt, ties, base, base_e, out, out_slot, rt_row)
-        else:
-            for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-                offs = t + tl.arange(0, BLOCK_N)
-                key = _key16(_load_block(srow, offs, BLOCK_N))
-                base, base_e = _emit(key, offs, offs < end, thr, n_gt, ties, base, base_e, out,
-                                     out_slot, rt_row)
+        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+            offs = t + tl.arange(0, BLOCK_N)
+            key = _key16(_load_block(srow, offs, BLOCK_N))
+            base, base_e = _emit(key, offs, offs < end, thr, n_gt, ties, base, base_e, out, out_slot, rt_row)

@@ -20,7 +20,6 @@ from .decode_attn import decode_attn_kernel, merge_kernel
 from .ds_score import score_mma_kernel
 from .ds_select import score_kernel
 from .ds_topk import select_kernel
-from .occupancy import resident_per_sm
 from .pdl import HAVE_GDC
 from .rope import rope_kernel
 from .store import store_kv_kernel
@@ -157,15 +156,10 @@ TUNING = {
     "select_programs_per_sm": 4, "select_stages": 3, "select_atomic_hist": True, "score_hist": False,
     # Software-pipeline depth of the score / select loops (tl.range num_stages; 1 = no pipelining).
     "score_loop_stages": 3, "select_loop_stages": 1,
-    # The top-k select in one launch (ds_topk.py, PHASE 0: its programs meet at per-row barriers)
-    # where the occupancy API says the grid is resident at once; else three launches.
-    "select_coop": False, "coop_block_n": 2048, "coop_warps": 4,
-    # The phased select's first phase (high-byte histogram) has its own geometry.
+    # The select's first phase (high-byte histogram, ds_topk.py) has its own geometry.
     "hist_block_n": 4096, "hist_programs_per_sm": 8,
     # The attention over the selected tokens (the dense kernel's knobs otherwise).
     "sparse_attn_programs_per_sm": 4, "sparse_attn_stages": 2,
-    # Hand-pipelined attention loop (decode_attn PREFETCH: next tile's K/V in flight), dense / sparse.
-    "attn_prefetch": False, "sparse_attn_prefetch": False,
     # Merge the split-K partials in the attention kernel's last split instead of a merge launch.
     "fuse_merge": False,
     # Scoring: "mma" = all KV heads per program, one tensor-core product (ds_score.py);
@@ -198,14 +192,11 @@ def tuning_overrides(overrides: dict) -> dict:
 TUNING.update(tuning_overrides(json.loads(os.environ.get("DOUBLESPARSE_TUNING", "{}"))))
 
 
-def _is_nvidia(device: torch.device) -> bool:
-    # ROCm also reports device type "cuda" (and MI300 a "capability" of 9.4)
-    return device.type == "cuda" and torch.version.hip is None
-
-
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(device: torch.device) -> bool:
-    return _is_nvidia(device) and torch.cuda.get_device_capability(device)[0] >= 9
+    # NVIDIA only: ROCm also reports device type "cuda" (and MI300 a "capability" of 9.4)
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -227,7 +218,7 @@ def _attn_block_n(programs_rows: int, device) -> int:
 
 
 def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-               sel, rows, heavy_k, threshold, per_head, num_splits, stages=None, prefetch=False):
+               sel, rows, heavy_k, threshold, per_head, num_splits, stages=None):
     B, Hq, D = q.shape
     block_n = _attn_block_n(B * rows, q.device)
     G = Hq // k_cache.shape[1]
@@ -252,9 +243,7 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
         G=G, D=D, PER_HEAD=per_head, HAS_SEL=has_sel, NUM_SPLITS=S,
         BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET, FUSE_MERGE=fuse, BLOCK_S=block_s,
-        PREFETCH=prefetch, num_warps=TUNING["attn_warps"],
-        # a hand-pipelined loop needs no pipeliner (it would only serialize it)
-        num_stages=1 if prefetch else (stages or TUNING["attn_stages"]),
+        num_warps=TUNING["attn_warps"], num_stages=stages or TUNING["attn_stages"],
     )
     if not fuse:
         merge_kernel[(B, Hq)](
@@ -276,7 +265,7 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
     B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
     S = num_splits or dense_splits(B, Hkv, ws, q.device)
     return _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                      None, Hkv, 0, 0, False, S, prefetch=bool(TUNING["attn_prefetch"]))
+                      None, Hkv, 0, 0, False, S)
 
 
 
@@ -307,8 +296,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     per_head = mode == "per_head"
     rows = Hq if per_head else Hkv
     scores, hist, info, sel, sel_slot = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot
-    if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["coop_block_n"],
-           TUNING["hist_block_n"]) > SCORE_PAD:
+    if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["hist_block_n"]) > SCORE_PAD:
         _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage != "attend":
         nsm = _num_sms(dev)
@@ -349,74 +337,31 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev)), dense_splits(B, Hkv, ws, dev))
         num_splits = max(1, min(ws.max_splits, want, cap))
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                   sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"],
-                   prefetch=bool(TUNING["sparse_attn_prefetch"]))
+                   sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"])
     return (o, sel) if return_sel else o
 
 
 def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage):
-    """Stage 2 (ds_topk.select_kernel): one launch with per-row barriers where that is safe,
-    else one launch per phase. stage "hist" runs phase 1 only (the stage-by-stage benchmark)."""
-    scores, hist, info, sel, sel_slot, bar = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot, ws.barrier
-    args = (scores, hist, info, bar, seq_lens, sel, sel_slot, req_to_token, req_idx, k, threshold)
-    strides = (scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
-               info.stride(0), info.stride(1), sel.stride(0), sel.stride(1), req_to_token.stride(0),
-               bar.stride(0))
-    common = dict(ATOMIC_HIST=TUNING["select_atomic_hist"], LOOP_STAGES=TUNING["select_loop_stages"],
-                  num_stages=TUNING["select_stages"])
-    dev = scores.device
-    if stage != "hist" and not skip_phase1 and _coop_capable(dev):
-        opts = dict(common, BLOCK_N=TUNING["coop_block_n"], num_warps=TUNING["coop_warps"])
-        P, one = num_progs, False
-        if P:
-            one = triton.cdiv(ws.max_ctx, P) <= opts["BLOCK_N"]
-        else:
-            P, one = _coop_plan(args, strides, opts, B * rows, ws.max_ctx, dev)
-        select_kernel[(B, rows, P)](*args, P, *strides, PHASE=0, ONE_TILE=one, **opts)
-        return
-    nsm = _num_sms(dev)
+    """Stage 2: ds_topk.select_kernel's three phases, one launch each (phase 1 skipped when the
+    score launch made the histogram; stage "hist" runs phase 1 only, for the stage benchmark)."""
+    scores, hist, info, sel, sel_slot = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot
+    args = (scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx, k, threshold,
+            scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
+            info.stride(0), info.stride(1), sel.stride(0), sel.stride(1), req_to_token.stride(0))
+    nsm = _num_sms(scores.device)
 
     def launch(phase, block, per_sm):
         P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, block)))
-        select_kernel[(B, rows, P)](*args, P, *strides, PHASE=phase, BLOCK_N=block,
-                                    ONE_TILE=triton.cdiv(ws.max_ctx, P) <= block,
-                                    num_warps=TUNING["select_warps"], **common)
+        select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
+                                    ATOMIC_HIST=TUNING["select_atomic_hist"],
+                                    LOOP_STAGES=TUNING["select_loop_stages"],
+                                    num_warps=TUNING["select_warps"], num_stages=TUNING["select_stages"])
 
     if not skip_phase1:
         launch(1, TUNING["hist_block_n"], TUNING["hist_programs_per_sm"])
     if stage != "hist":
         for phase in (2, 3):
             launch(phase, TUNING["select_block_n"], TUNING["select_programs_per_sm"])
-
-
-def _coop_capable(device: torch.device) -> bool:
-    # NVIDIA GPUs only: the interpreter runs programs one after another (a barrier of several
-    # would never open), and the occupancy query is CUDA's.
-    return bool(TUNING["select_coop"]) and not _INTERPRET and _is_nvidia(device)
-
-
-_COOP_PLANS: dict = {}
-
-
-def _coop_plan(args, strides, opts, rows_total, max_ctx, dev):
-    """(programs per row, ONE_TILE) for the one-launch select: one block per program when the
-    whole grid fits on the GPU at once, else as many programs per row as fit, at least 1 (a row
-    with one program never waits at its barrier, so any grid is safe)."""
-    key = (dev, rows_total, max_ctx, tuple(sorted(opts.items())))
-    if key not in _COOP_PLANS:
-        nsm = _num_sms(dev)
-
-        def capacity(P, one):
-            return nsm * resident_per_sm(select_kernel, *args, P, *strides, PHASE=0, ONE_TILE=one, **opts)
-
-        P = triton.cdiv(max_ctx, opts["BLOCK_N"])
-        if rows_total * P <= capacity(P, True):
-            plan = (P, True)
-        else:
-            P = max(1, capacity(1, False) // rows_total)
-            plan = (P, False)  # the occupancy measured is the looping variant's
-        _COOP_PLANS[key] = plan
-    return _COOP_PLANS[key]
 
 
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
