@@ -48,7 +48,7 @@ def main():
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
         from doublesparse.kernels.triton import decode_attn, ds_score, ds_select, ds_topk
-        for fn in (ds_score.score_mma_kernel, ds_select.score_kernel, ds_topk.select_kernel,
+        for fn in (ds_score.score_mma_kernel, ds_select.score_kernel, *ds_topk.PHASE_KERNELS.values(),
                    decode_attn.decode_attn_kernel):
             for dev_cache in fn.device_caches.values():
                 for i, kern in enumerate(dev_cache[0].values()):

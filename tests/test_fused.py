@@ -308,9 +308,8 @@ for mode, label in ((2, "*bf16"), (0, "*fp8e4nv"), (1, "*bf16")):
          NUM_PROGS=8, BLOCK_N=64, BLOCK_C=128, HKV_P=8, G_P=4, ROWS_P=32 if mode == 0 else 8, DOT_F32=False),
          dict(i32, q_ptr="*bf16", label_ptr=label), dict(sm_scale="fp32"), num_warps=4, num_stages=1)
 from doublesparse.kernels.triton import ds_topk
-for phase in (1, 2, 3):
-    comp(ds_topk.select_kernel, dict(PHASE=phase, NUM_PROGS=4, BLOCK_N=1024, ATOMIC_HIST=True, LOOP_STAGES=1),
-         i32, num_warps=4)
+for kern in ds_topk.PHASE_KERNELS.values():
+    comp(kern, dict(NUM_PROGS=4, BLOCK_N=1024, ATOMIC_HIST=True, LOOP_STAGES=1), i32, num_warps=4)
 '''
 
 

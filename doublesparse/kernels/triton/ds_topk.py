@@ -1,13 +1,14 @@
 """Triton kernel for Double Sparsity stage 2: exact top-k of the fp16 score rows (a radix select).
 
 Keys are the 16-bit order-preserving images of the fp16 scores; the k-th largest key is found one
-byte at a time, in three launches of one kernel (PHASE), each on a static grid (B, rows, P), P
-programs per score row, each owning one slice of the row; the kernel boundaries order the phases:
+byte at a time, in three launches, each on a static grid (B, rows, P), P programs per score row,
+each owning one slice of the row; the kernel boundaries order the phases. One body
+(``_select_phase``) has the three phases; each has its own kernel entry, so that profiles name it:
 
-  1. histogram of the keys' high byte            -> hist[0] (atomics, one per non-empty bin)
-  2. the high byte d0 holding the k-th largest key; histogram of the low byte of the keys whose
+  1. hist_high_kernel: the keys' high-byte histogram -> hist[0] (atomics, one per non-empty bin)
+  2. hist_low_kernel: the high byte d0 holding the k-th largest key; histogram of the low byte of the keys whose
      high byte is d0                             -> hist[1]
-  3. the exact 16-bit threshold; write the positions of the keys above it, then enough of the keys
+  3. compact_kernel: the exact 16-bit threshold; write the positions of the keys above it, then enough of the keys
      equal to it (ties in arrival order), k in all, with their cache slots.
 
 Workspace protocol (no memset launches): the score launch clears hist[1] and the row's output
@@ -47,7 +48,7 @@ def _emit(key, offs, nmask, thr, n_gt, ties, base, base_e, out, out_slot, rt_row
 
 
 @triton.jit
-def select_kernel(
+def _select_phase(
     scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
     req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
@@ -120,3 +121,45 @@ def select_kernel(
             offs = t + tl.arange(0, BLOCK_N)
             key = _key16(_load_block(srow, offs, BLOCK_N))
             base, base_e = _emit(key, offs, offs < end, thr, n_gt, ties, base, base_e, out, out_slot, rt_row)
+
+
+@triton.jit
+def hist_high_kernel(scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
+                     req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
+                     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+                     stride_selb, stride_selr, stride_rt,
+                     NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_HIST: tl.constexpr,
+                     LOOP_STAGES: tl.constexpr):
+    _select_phase(scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
+                  req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
+                  stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+                  stride_selb, stride_selr, stride_rt, 1, NUM_PROGS, BLOCK_N, ATOMIC_HIST, LOOP_STAGES)
+
+
+@triton.jit
+def hist_low_kernel(scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
+                    req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
+                    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+                    stride_selb, stride_selr, stride_rt,
+                    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_HIST: tl.constexpr,
+                    LOOP_STAGES: tl.constexpr):
+    _select_phase(scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
+                  req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
+                  stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+                  stride_selb, stride_selr, stride_rt, 2, NUM_PROGS, BLOCK_N, ATOMIC_HIST, LOOP_STAGES)
+
+
+@triton.jit
+def compact_kernel(scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
+                   req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
+                   stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+                   stride_selb, stride_selr, stride_rt,
+                   NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_HIST: tl.constexpr,
+                   LOOP_STAGES: tl.constexpr):
+    _select_phase(scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
+                  req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
+                  stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+                  stride_selb, stride_selr, stride_rt, 3, NUM_PROGS, BLOCK_N, ATOMIC_HIST, LOOP_STAGES)
+
+
+PHASE_KERNELS = {1: hist_high_kernel, 2: hist_low_kernel, 3: compact_kernel}

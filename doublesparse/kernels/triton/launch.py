@@ -19,7 +19,7 @@ from ..workspace import SCORE_PAD, DecodeWorkspace
 from .decode_attn import decode_attn_kernel, merge_kernel
 from .ds_score import score_mma_kernel
 from .ds_select import score_kernel
-from .ds_topk import select_kernel
+from .ds_topk import PHASE_KERNELS
 from .pdl import HAVE_GDC
 from .rope import rope_kernel
 from .store import store_kv_kernel
@@ -342,7 +342,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
 
 
 def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage):
-    """Stage 2: ds_topk.select_kernel's three phases, one launch each (phase 1 skipped when the
+    """Stage 2: ds_topk's three phases, one launch each (phase 1 skipped when the
     score launch made the histogram; stage "hist" runs phase 1 only, for the stage benchmark)."""
     scores, hist, info, sel, sel_slot = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot
     args = (scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx, k, threshold,
@@ -352,10 +352,11 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
 
     def launch(phase, block, per_sm):
         P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, block)))
-        select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
-                                    ATOMIC_HIST=TUNING["select_atomic_hist"],
-                                    LOOP_STAGES=TUNING["select_loop_stages"],
-                                    num_warps=TUNING["select_warps"], num_stages=TUNING["select_stages"])
+        PHASE_KERNELS[phase][(B, rows, P)](*args, NUM_PROGS=P, BLOCK_N=block,
+                                           ATOMIC_HIST=TUNING["select_atomic_hist"],
+                                           LOOP_STAGES=TUNING["select_loop_stages"],
+                                           num_warps=TUNING["select_warps"],
+                                           num_stages=TUNING["select_stages"])
 
     if not skip_phase1:
         launch(1, TUNING["hist_block_n"], TUNING["hist_programs_per_sm"])
