@@ -5,18 +5,14 @@ byte at a time, in three launches, each on a static grid (B, rows, P), P program
 each owning one slice of the row; the kernel boundaries order the phases. One body
 (``_select_phase``) has the three phases; each has its own kernel entry, so that profiles name it:
 
-  1. hist_high_kernel: the keys' high-byte histogram -> hist[0] (atomics, one per non-empty bin)
-  2. hist_low_kernel: the high byte d0 holding the k-th largest key; histogram of the low byte of the keys whose
-     high byte is d0                             -> hist[1]
-  3. compact_kernel: the exact 16-bit threshold; write the positions of the keys above it, then enough of the keys
-     equal to it (ties in arrival order), k in all, with their cache slots.
+  1. hist_high_kernel: histogram of the keys' high byte -> hist[0] (atomics, one per non-empty bin)
+  2. hist_low_kernel: the high byte d0 holding the k-th largest key; histogram of the low byte of
+     the keys whose high byte is d0 -> hist[1]
+  3. compact_kernel: the exact 16-bit threshold; write the positions of the keys above it, then
+     enough of the keys equal to it (ties in arrival order), k in all, with their cache slots.
 
 Workspace protocol (no memset launches): the score launch clears hist[1] and the row's output
 counters; phase 3 clears hist[0] after its last reader (phase 2).
-
-(Session 8 also ran all three phases in one launch, a row's programs meeting at global barriers,
-the grid sized by the CUDA occupancy API: decode steps measured the same as three launches on an
-H200, so that path, which depends on co-residency, was removed: results/h200-s8/README.md.)
 """
 
 import triton
