@@ -119,6 +119,8 @@ def _select_phase(
             base, base_e = _emit(key, offs, offs < end, thr, n_gt, ties, base, base_e, out, out_slot, rt_row)
 
 
+# Three thin entries over one body: Triton names a compiled kernel after its Python function, and
+# a single entry with a PHASE argument shows up in profiles as one kernel for all three phases.
 @triton.jit
 def hist_high_kernel(scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
                      req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
