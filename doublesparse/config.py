@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 CHANNEL_TYPES = ("q", "k", "qk")
 SELECTION_MODES = ("per_head", "group_sum", "group_max")
 LABEL_DTYPES = ("bf16", "fp8")
+PREFILL_SCHEDULES = ("interleave", "cohort")
 CPU_DEFAULT_TOTAL_TOKENS = 65536  # no device memory to measure on CPU: a sane fixed pool
 
 
@@ -42,14 +43,20 @@ class SchedulerConfig:
 
     max_running_requests: most requests holding KV at once (decode batch size bound).
     chunked_prefill_size: most prompt tokens computed in one prefill forward (across requests).
+    prefill_schedule: "interleave" (a prefill chunk and the running decodes in every step) or
+        "cohort" (prefill-only steps until the admitted prompts are done, then their first tokens
+        together; trades time to first token for time per output token). See
+        :mod:`doublesparse.engine.scheduler`.
     """
 
     max_running_requests: int = 64
     chunked_prefill_size: int = 4096
+    prefill_schedule: str = "interleave"
 
     def __post_init__(self):
         _check_pos("max_running_requests", self.max_running_requests, allow_none=False)
         _check_pos("chunked_prefill_size", self.chunked_prefill_size, allow_none=False)
+        _check_choice("prefill_schedule", self.prefill_schedule, PREFILL_SCHEDULES)
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class EngineConfig:
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85
     chunked_prefill_size: int = 4096
+    prefill_schedule: str = "interleave"
     max_running_requests: int | None = None
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 32
@@ -94,6 +102,7 @@ class EngineConfig:
         _check_choice("ds_heavy_channel_type", self.ds_heavy_channel_type, CHANNEL_TYPES)
         _check_choice("ds_selection_mode", self.ds_selection_mode, SELECTION_MODES)
         _check_choice("ds_label_dtype", self.ds_label_dtype, LABEL_DTYPES)
+        _check_choice("prefill_schedule", self.prefill_schedule, PREFILL_SCHEDULES)
         for name in ("ds_heavy_channel_num", "ds_heavy_token_num", "max_total_tokens",
                      "max_running_requests", "context_length"):
             _check_pos(name, getattr(self, name))
@@ -167,7 +176,8 @@ class EngineConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_running_requests=self.resolved_max_running_requests,
-                               chunked_prefill_size=self.chunked_prefill_size)
+                               chunked_prefill_size=self.chunked_prefill_size,
+                               prefill_schedule=self.prefill_schedule)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -199,6 +209,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
     g.add_argument("--mem-fraction-static", type=float)
     g.add_argument("--chunked-prefill-size", type=int)
+    g.add_argument("--prefill-schedule", choices=PREFILL_SCHEDULES,
+                   help="interleave (default): a prefill chunk and the running decodes in every step; "
+                        "cohort: prefill-only steps until the admitted prompts are done, then their "
+                        "first tokens together (higher time to first token, lower time per output token)")
     g.add_argument("--max-running-requests", type=int)
     g.add_argument("--disable-cuda-graph", action="store_true", default=None)
     g.add_argument("--cuda-graph-max-bs", type=int)

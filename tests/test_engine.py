@@ -388,3 +388,69 @@ def test_sink_recent_defaults_scale_with_k():
     assert EngineConfig(ds_num_sink=0, ds_num_recent=0).sink_recent(512) == (0, 0)
     with pytest.raises(ValueError, match="exceeds"):
         EngineConfig(ds_num_sink=10, ds_num_recent=10).sink_recent(16)
+
+
+# ---------------------------------------------------------------------------- prefill schedule
+COHORT_PROMPT_LENS = (1, 9, 23, 40, 2)
+
+
+def _cohort_prompts(vocab=128):
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in COHORT_PROMPT_LENS]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("ds", [False, True])
+def test_cohort_schedule_equals_interleave(model, ds, overlap):
+    """Prefill-only steps, 1-token last chunks after a cached prefix, and a 1-token prompt: the
+    same greedy tokens as the default schedule, with and without the overlap schedule."""
+    kw = dict(enable_double_sparsity=True, ds_heavy_token_num=16, ds_heavy_channel_num=8) if ds else {}
+    ps = _cohort_prompts()
+    sps = [{**GREEDY, "max_new_tokens": n} for n in (5, 8, 3, 6, 1)]
+    ref = engine(model, chunked_prefill_size=7, **kw).generate(ps, sps)
+    e = engine(model, chunked_prefill_size=7, prefill_schedule="cohort", **kw)
+    e.overlap = overlap
+    out = e.generate(ps, sps)
+    assert [r["token_ids"] for r in out] == [r["token_ids"] for r in ref]
+    assert e.stats()["kv_used_tokens"] == 0 and e.stats()["kv_reserved_tokens"] == 0
+    if ds:
+        assert any(r["meta"]["sparse_decode_steps"] > 0 for r in out)
+
+
+def test_cohort_first_tokens_arrive_together(model):
+    e = engine(model, chunked_prefill_size=7, prefill_schedule="cohort")
+    rids = [e.add_request(p, {**GREEDY, "max_new_tokens": 4}) for p in _cohort_prompts()]
+    steps = []
+    while e.has_unfinished():
+        steps.append({o.request_id for o in e.step()})
+    first = next(i for i, s in enumerate(steps) if s)
+    assert steps[first] == set(rids) and first == -(-sum(n - 1 for n in COHORT_PROMPT_LENS) // 7)
+    assert all(s == set(rids) for s in steps[first:first + 4])   # then they decode together
+
+
+def test_smollm2_cohort_equals_interleave(smol):
+    m, tok = smol
+    ps = ["The capital of France is", "1, 2, 3, 4,", "The cat sat on the mat. " * 10]
+    sp = {**GREEDY, "max_new_tokens": 4}
+    for kw in ({}, dict(enable_double_sparsity=True, ds_heavy_token_num=64)):
+        outs = [Engine(model=m, tokenizer=tok, max_total_tokens=512, chunked_prefill_size=16,
+                       prefill_schedule=sched, progress=False, **kw).generate(ps, sp)
+                for sched in ("interleave", "cohort")]
+        assert [r["token_ids"] for r in outs[1]] == [r["token_ids"] for r in outs[0]]
+        if kw:   # the long prompt decodes sparsely
+            assert outs[1][2]["meta"]["sparse_decode_steps"] == 3
+
+
+def test_prefill_schedule_flag_reaches_engine_and_server():
+    import argparse
+
+    from doublesparse.config import add_cli_args, from_cli_args
+    from doublesparse.server.cli import build_parser, engine_kwargs
+    p = add_cli_args(argparse.ArgumentParser())
+    assert from_cli_args(p.parse_args([])).prefill_schedule == "interleave"
+    c = from_cli_args(p.parse_args(["--prefill-schedule", "cohort"]))
+    assert c.prefill_schedule == "cohort" and c.scheduler_config().prefill_schedule == "cohort"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--prefill-schedule", "fifo"])
+    ns = build_parser().parse_args(["--prefill-schedule", "cohort"])   # the server's flags
+    assert engine_kwargs(ns)["prefill_schedule"] == "cohort"

@@ -5,10 +5,18 @@ Policy
     request can never run out of cache mid-decode (no preemption needed). A request that can never
     fit (pool or context too small) is refused at ``add``; one that does not fit *now* waits, and
     requests behind it wait too (no overtaking, so a big request is not starved).
-  * Every step does up to two forwards: a prefill forward over at most ``chunked_prefill_size``
-    prompt tokens (the chunked request in progress first, then newly admitted ones), and a decode
-    forward over every request that had finished its prefill *before* this step. So new requests
-    join between decode steps and long prompts do not stall running decodes.
+  * ``prefill_schedule="interleave"`` (default): every step does up to two forwards, a prefill
+    forward over at most ``chunked_prefill_size`` prompt tokens (the chunked request in progress
+    first, then newly admitted ones) and a decode forward over every request that had finished its
+    prefill *before* this step. New requests join between decode steps and long prompts do not
+    stall running decodes, but every running decode step then also waits for a prefill chunk.
+  * ``prefill_schedule="cohort"`` (TGI-style batched prefill): while any prompt work other than a
+    last prompt token is left (of running requests, or of waiting ones that fit now), steps are
+    prefill-only, same budget, same FCFS admission, each prompt held back at its last token. When
+    none is left, one step computes the held-back last tokens of all of them (their first output
+    tokens) together with the running decodes, and from then on they decode with no prefill in
+    their steps. Requests that arrive together get their first token together; decodes stop
+    while a cohort prefills. Higher time to first token, lower and steadier time per output token.
   * ``finish`` (done or aborted) releases the reservation at once.
 """
 
@@ -113,10 +121,15 @@ class Scheduler:
         budget = self.config.chunked_prefill_size
         chunks: list[PrefillChunk] = []
         admitted: list[str] = []
+        # cohort: while work other than last prompt tokens is left, hold every prompt back at its
+        # last token and skip the decodes; else compute the held-back tokens with the decodes
+        hold = self.config.prefill_schedule == "cohort" and self._cohort_work_left()
 
         def take(r: SchedRequest) -> None:
             nonlocal budget
-            n = min(budget, r.prompt_len - r.num_prefilled)
+            n = min(budget, r.prompt_len - int(hold) - r.num_prefilled)
+            if n <= 0:      # only the held-back last token left (or a 1-token prompt)
+                return
             start = r.num_prefilled
             r.num_prefilled += n
             budget -= n
@@ -130,16 +143,35 @@ class Scheduler:
                 break
             if r.state == "prefill":
                 take(r)
-        while (self.waiting and budget > 0
-               and len(self.running) < self.config.max_running_requests
-               and self.waiting[0].reserve <= self.free_tokens):
+        while budget > 0 and self.waiting and self._fits(self.waiting[0]):
             r = self.waiting.popleft()
             r.state = "prefill"
             self.running[r.rid] = r
             self.reserved_tokens += r.reserve
             admitted.append(r.rid)
             take(r)
-        return StepPlan(tuple(chunks), decode, tuple(admitted))
+        return StepPlan(tuple(chunks), () if hold else decode, tuple(admitted))
+
+    def _fits(self, r: SchedRequest, extra_running: int = 0, extra_tokens: int = 0) -> bool:
+        """Whether waiting request ``r`` can be admitted now (after ``extra_*`` more admissions)."""
+        return (len(self.running) + extra_running < self.config.max_running_requests
+                and r.reserve + extra_tokens <= self.free_tokens)
+
+    def _cohort_work_left(self) -> bool:
+        """Prompt work other than last tokens: of a running request, or of a waiting one that the
+        FCFS admission would take now. One that does not fit now does not count, so a full pool
+        cannot keep the decodes from running (which is what frees it)."""
+        if any(r.state == "prefill" and r.num_prefilled < r.prompt_len - 1
+               for r in self.running.values()):
+            return True
+        n = tokens = 0
+        for w in self.waiting:
+            if not self._fits(w, n, tokens):
+                return False
+            if w.prompt_len > 1:
+                return True
+            n, tokens = n + 1, tokens + w.reserve
+        return False
 
     # ------------------------------------------------------------------------------- finish
     def finish(self, rid: str) -> str | None:
