@@ -6,17 +6,18 @@ strided sample of the row says where the k-th largest key lies: the keys above a
 are surely selected and are written at once; the keys inside it (a few percent of the row) are
 collected, and one program per row picks the exact remainder among them.
 
-  1. pivot_kernel (B, rows): sample ``min(n, SAMPLE)`` keys at a stride; lo and hi are the sample
-     keys at the ranks ``k_s -/+ z * sigma`` around the expected rank ``k_s = k * SAMPLE / n``
-     (the binomial spread of the sample count above the true threshold). A row no longer than the
-     sample is read whole: lo = hi = the exact k-th largest key.
+  1. pivot_kernel (B, rows): sample ``min(n, SAMPLE)`` keys at a stride; lo and hi are the
+     sample keys at the ranks ``k_s -/+ z * sigma`` around the expected rank
+     ``k_s = k * SAMPLE / n`` (sigma: the binomial spread of the sample count above the true
+     threshold), found by a 16-way search. A row no longer than the sample is read whole:
+     lo = hi = the exact k-th largest key.
   2. split_kernel (B, rows, P): count, then write, the keys above hi (to the selection) and the
      keys in [lo, hi] (to a candidate list, positions and keys); one pair of atomics per program.
   3. resolve_kernel (B, rows): if the bracket held (fewer than k keys above hi, at least k up to
      lo, and the candidates fit or are all ties), the missing ``k - count(> hi)`` are the largest
-     candidates: a radix select over the list, one program. If it did not hold (a sample far from
-     the row's distribution: rare), the same program selects over the whole row instead, slowly
-     but exactly.
+     candidates: a 16-way search for their threshold over the list, one program. If it did not
+     hold (a sample far from the row's distribution: rare), the same program selects over the
+     whole row instead, slowly but exactly.
 
 Workspace: rowinfo[0:2] = (lo, hi), rowinfo[2:4] = counters, reset by the score launch.
 """
@@ -24,16 +25,33 @@ Workspace: rowinfo[0:2] = (lo, hi), rowinfo[2:4] = counters, reset by the score 
 import triton
 import triton.language as tl
 
-from .ds_select import _key16, _load_block, _sparse_len, _split_range, _threshold_digit
+from .ds_select import _key16, _load_block, _sparse_len, _split_range
 
 
 @triton.jit
-def _kth_key(key, valid, h_high, rank):
-    # The rank-th largest (1-based) of the valid 16-bit keys, given their high-byte histogram.
-    d0, above0 = _threshold_digit(h_high, rank)
-    h_low = tl.histogram(key & 255, 256, mask=valid & ((key >> 8) == d0))
-    d1, _ = _threshold_digit(h_low, rank - above0)
-    return d0 * 256 + d1
+def _count_ge(key, m, v):
+    # [16] counts of the masked keys >= each of the 16 thresholds v.
+    return tl.sum(((key[None, :] >= v[:, None]) & m[None, :]).to(tl.int32), 1)
+
+
+@triton.jit
+def _narrow(base, step, counts, rank):
+    # One step of a 16-way search: the largest of base + j * step (j < 16) with at least `rank`
+    # keys at or above it (counts[0] >= rank holds by induction).
+    return base + (tl.sum((counts >= rank).to(tl.int32), 0) - 1) * step
+
+
+@triton.jit
+def _kth_key(key, valid, rank):
+    # The rank-th largest (1-based) of the valid 16-bit keys: a 16-way search, 4 bits a step.
+    # Comparisons and sums only: a histogram here costs more, its shared-memory atomics
+    # serializing on the few bins that a sample's keys crowd into.
+    j = tl.arange(0, 16)
+    base = tl.full([], 0, tl.int32)
+    for i in tl.static_range(4):
+        step: tl.constexpr = 1 << (12 - 4 * i)
+        base = _narrow(base, step, _count_ge(key, valid, base + j * step), rank)
+    return base
 
 
 @triton.jit
@@ -49,7 +67,6 @@ def pivot_kernel(scores_ptr, rowinfo_ptr, seq_lens_ptr, heavy_k, threshold, z,
         pos = i.to(tl.int64) * n // m
         srow = scores_ptr + b * stride_sb + row * stride_sr
         key = _key16(tl.load(srow + pos, mask=valid, other=0.0))
-        h = tl.histogram(key >> 8, 256, mask=valid)
         kf = heavy_k * 1.0
         ks = kf * m.to(tl.float32) / n.to(tl.float32)
         sd = tl.sqrt(ks * (1.0 - kf / n.to(tl.float32)))
@@ -58,8 +75,8 @@ def pivot_kernel(scores_ptr, rowinfo_ptr, seq_lens_ptr, heavy_k, threshold, z,
         lo_rank = tl.where(exact, heavy_k, tl.ceil(ks + z * sd).to(tl.int32) + 1)
         # A bracket side past the sample's ends is open: no sample key bounds it with confidence
         # (with few sample keys above the threshold, even the sample's largest may lie below it).
-        hi = tl.where(hi_rank < 1, 65535, _kth_key(key, valid, h, tl.minimum(tl.maximum(hi_rank, 1), m)))
-        lo = tl.where(lo_rank > m, 0, _kth_key(key, valid, h, tl.minimum(tl.maximum(lo_rank, 1), m)))
+        hi = tl.where(hi_rank < 1, 65535, _kth_key(key, valid, tl.minimum(tl.maximum(hi_rank, 1), m)))
+        lo = tl.where(lo_rank > m, 0, _kth_key(key, valid, tl.minimum(tl.maximum(lo_rank, 1), m)))
         info = rowinfo_ptr + b * stride_rib + row * stride_rir
         tl.store(info, lo)
         tl.store(info + 1, hi)
@@ -171,18 +188,21 @@ def resolve_kernel(scores_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
         # the whole candidate list, and every reload would be a dependent L2 round trip.
         offs0 = tl.arange(0, BLOCK)
         pos0, key0, m0 = _source(srow, cpos, ckey, offs0, cnt, use_cand)
-        h = tl.histogram(key0 >> 8, 256, mask=m0)
+        # The need-th largest key: the 16-way search of _kth_key, over blocks.
+        j = tl.arange(0, 16)
+        thr = tl.full([], 0, tl.int32)
+        for i in tl.static_range(4):
+            step: tl.constexpr = 1 << (12 - 4 * i)
+            v = thr + j * step
+            counts = _count_ge(key0, m0, v)
+            for t in range(BLOCK, cnt, BLOCK):
+                _, key, m = _source(srow, cpos, ckey, t + offs0, cnt, use_cand)
+                counts += _count_ge(key, m, v)
+            thr = _narrow(thr, step, counts, need)
+        n_gt = tl.sum(((key0 > thr) & m0).to(tl.int32), 0)
         for t in range(BLOCK, cnt, BLOCK):
             _, key, m = _source(srow, cpos, ckey, t + offs0, cnt, use_cand)
-            h += tl.histogram(key >> 8, 256, mask=m)
-        d0, above0 = _threshold_digit(h, need)
-        h = tl.histogram(key0 & 255, 256, mask=m0 & ((key0 >> 8) == d0))
-        for t in range(BLOCK, cnt, BLOCK):
-            _, key, m = _source(srow, cpos, ckey, t + offs0, cnt, use_cand)
-            h += tl.histogram(key & 255, 256, mask=m & ((key >> 8) == d0))
-        d1, above1 = _threshold_digit(h, need - above0)
-        thr = d0 * 256 + d1
-        n_gt = above0 + above1
+            n_gt += tl.sum(((key > thr) & m).to(tl.int32), 0)
         ties = need - n_gt
         out = sel_ptr + b * stride_selb + row * stride_selr + out_base
         out_slot = sel_slot_ptr + b * stride_selb + row * stride_selr + out_base

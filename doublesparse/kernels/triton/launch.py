@@ -162,7 +162,7 @@ TUNING = {
     # select_* geometry, then one program per row resolves the bracket). sample_z: the bracket's
     # half-width in standard deviations of the sample count (a miss costs a slow exact redo).
     "select_impl": "radix", "sample_size": 4096, "sample_z": 5.0, "sample_warps": 8,
-    "resolve_block": 4096, "resolve_warps": 8,
+    "resolve_block": 2048, "resolve_warps": 16,
     # The radix select's first phase (high-byte histogram, ds_topk.py) has its own geometry.
     "hist_block_n": 4096, "hist_programs_per_sm": 8,
     # The attention over the selected tokens (the dense kernel's knobs otherwise).
