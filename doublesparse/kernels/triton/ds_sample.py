@@ -49,7 +49,7 @@ def _kth_key(key, valid, rank):
     j = tl.arange(0, 16)
     base = tl.full([], 0, tl.int32)
     for i in tl.static_range(4):
-        step: tl.constexpr = 1 << (12 - 4 * i)
+        step = 1 << (12 - 4 * i)
         base = _narrow(base, step, _count_ge(key, valid, base + j * step), rank)
     return base
 
@@ -192,7 +192,7 @@ def resolve_kernel(scores_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
         j = tl.arange(0, 16)
         thr = tl.full([], 0, tl.int32)
         for i in tl.static_range(4):
-            step: tl.constexpr = 1 << (12 - 4 * i)
+            step = 1 << (12 - 4 * i)
             v = thr + j * step
             counts = _count_ge(key0, m0, v)
             for t in range(BLOCK, cnt, BLOCK):
