@@ -32,6 +32,15 @@ def _chunk(cmds: list[str]) -> int:
     return CHUNK
 
 
+def _schedule(cmds: list[str]) -> str:
+    """The servers' --prefill-schedule (interleave, the default, when they did not pass one)."""
+    for c in cmds:
+        m = re.search(r"--prefill-schedule[ =](\w+)", c)
+        if m:
+            return m.group(1)
+    return "interleave"
+
+
 def find(dirs: list[Path]) -> dict[str, Path]:
     """name (file stem) -> path; a later DIR wins, so a re-run can be merged over an old one."""
     out: dict[str, Path] = {}
@@ -102,6 +111,7 @@ def build(files: dict[str, Path]) -> dict:
     s["deviations"] = deviations(dense, ds, mixes)
     env_any = next((e for e in (envs["ds"], envs["dense"], envs["malformed"]) if e), {})
     s["commands"] = commands(envs, mixes)
+    s["prefill_schedule"] = _schedule(s["commands"])
     s["date"] = env_any.get("date")
     s["device"] = device(env_any)
     return {"summary": s, "runs": {k: v for k, v in runs.items() if v}, "env": {k: v for k, v in envs.items() if v}}
@@ -211,22 +221,36 @@ def markdown(doc: dict) -> str:
                      f"{m['malformed_rejected']} | {m['malformed_unexpected']} |")
     L += ["", "## How to read TPOT and ITL", "",
           "TPOT is per request, (latency - TTFT) / (output tokens - 1), then p50/p99 over requests "
-          f"(the SGLang/vLLM definition). The engine runs, in every step, one prefill chunk "
-          f"(<= {chunk} prompt tokens) and then one decode forward of all running requests, so each "
-          f"later arrival's {d['input_len']}-token prefill ({chunks} chunks) stalls the running "
-          f"requests' decode for ~{chunks} steps. With {C} requests in flight and arrivals replacing "
-          f"finished ones, a request sees about {C - 1} other prefills during its life (fewer in the "
-          "first and last wave); that stall is the same for dense and DS "
-          "and is added to both TPOTs, which pulls their ratio towards 1. ITL is every gap between "
-          "streamed chunks over all requests: its p50 is a decode step without prefill (the "
-          "decode-only speedup), its p99 a step with a prefill chunk in it.", "",
-          "With C requests always in flight, each lives C / (requests per second) (Little's law), "
-          "so as long as TTFT is a small part of that life, the TPOT ratio follows the inverse of "
-          f"the throughput ratio: here {_f(s['ds_over_dense_tpot_p50'], 3)} against "
-          f"1 / {_f(s['ds_over_dense_output_tok_s'], 3)} = "
-          f"{_f(1 / s['ds_over_dense_output_tok_s'], 3) if s['ds_over_dense_output_tok_s'] else '–'}. "
-          "A TPOT ratio of 0.5 therefore needs about twice dense's output tokens/s over the whole "
-          "run, prefill included.", "",
+          "(the SGLang/vLLM definition). ITL is every gap between streamed chunks over all "
+          "requests."]
+    if s.get("prefill_schedule") == "cohort":
+        L += ["", "Both servers ran `--prefill-schedule cohort`: while prompts wait or are being "
+              "prefilled, steps are prefill-only, and the requests prefilled together get their "
+              "first tokens in one step, then decode without being stalled by each other's prefill. "
+              f"Here the {C} requests in flight arrive and finish together, so every request waits in "
+              f"TTFT for the prefill of its whole cohort (~{C} prompts), and TPOT and ITL are decode "
+              "steps: their ratio is the decode-only speedup. The same work as with the default "
+              "`interleave` schedule is moved from TPOT into TTFT; output tokens/s over the whole run "
+              "does not improve (the last, smaller cohort decodes at a lower batch).", ""]
+    else:
+        L += [f" The engine runs, in every step, one prefill chunk "
+              f"(<= {chunk} prompt tokens) and then one decode forward of all running requests, so each "
+              f"later arrival's {d['input_len']}-token prefill ({chunks} chunks) stalls the running "
+              f"requests' decode for ~{chunks} steps. With {C} requests in flight and arrivals replacing "
+              f"finished ones, a request sees about {C - 1} other prefills during its life (fewer in the "
+              "first and last wave); that stall is the same for dense and DS "
+              "and is added to both TPOTs, which pulls their ratio towards 1. ITL's p50 is a decode "
+              "step without prefill (the decode-only speedup), its p99 a step with a prefill chunk in "
+              "it.", "",
+              "With C requests always in flight, each lives C / (requests per second) (Little's law), "
+              "so as long as TTFT is a small part of that life, the TPOT ratio follows the inverse of "
+              f"the throughput ratio: here {_f(s['ds_over_dense_tpot_p50'], 3)} against "
+              f"1 / {_f(s['ds_over_dense_output_tok_s'], 3)} = "
+              f"{_f(1 / s['ds_over_dense_output_tok_s'], 3) if s['ds_over_dense_output_tok_s'] else '–'}. "
+              "A TPOT ratio of 0.5 therefore needs about twice dense's output tokens/s over the whole "
+              "run, prefill included, or `--prefill-schedule cohort`, which moves the prefill stalls "
+              "into TTFT.", ""]
+    L += [
           "## Summary", "", "```json", json.dumps(s, indent=1), "```", "", "## Commands", ""]
     L += [f"- `{c}`" for c in s["commands"]]
     return "\n".join(L) + "\n"

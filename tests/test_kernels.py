@@ -192,49 +192,8 @@ def test_ds_select_pipelines(tuning, mode, monkeypatch):
     assert int(ws.hist[0].abs().sum()) == 0  # hist[1] is cleared by the next call's score launch
 
 
-SAMPLE_SELECT = [
-    # (launch.TUNING, workspace max_heavy_tokens = the candidate list's size, the bracket should)
-    ({"sample_size": 4096}, 64, "hold"),                       # rows shorter than the sample: exact
-    ({"sample_size": 64, "resolve_block": 32}, 512, "hold"),   # bracketed; candidates in blocks
-    ({"sample_size": 64}, 64, None),                           # candidates overflow: the redo
-    ({"sample_size": 64, "sample_z": -4.0}, 512, "miss"),      # an empty bracket: the redo
-    ({"sample_size": 16, "score_impl": "rows", "select_block_n": 128}, 512, None),
-]
-
-
-@pytest.mark.parametrize("tuning,cap,bracket", SAMPLE_SELECT,
-                         ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()) if isinstance(t, dict) else str(t))
-@pytest.mark.parametrize("mode", ["per_head", "group_max"])
-def test_ds_sample_select(tuning, cap, bracket, mode, monkeypatch):
-    """The sample select (ds_sample.py) is exact whether its bracket holds or not, and over
-    repeated calls on one workspace."""
-    monkeypatch.setitem(launch.TUNING, "select_impl", "sample")
-    for key, val in tuning.items():
-        monkeypatch.setitem(launch.TUNING, key, val)
-    ws = None
-    for i, (seq_lens, k) in enumerate([([300, 41, 517], 40), ([129, 260], 64), ([517], 1)]):
-        c = make_case(seq_lens, 9, 3, 64, r=16, device=DEVICE, seed=_seed(i, mode, str(tuning)), max_ctx=520)
-        ws = ws or make_ws(c, max_heavy_tokens=cap)
-        out = torch.full_like(c.q, float("nan"))
-        _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, out=out, num_progs=3,
-                                  return_sel=True)
-        _check_selection(c, ws, sel, k, mode)
-        assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
-        if bracket and k > 1:
-            rows = rows_of(mode, 9, 3)
-            # A row no longer than the sample is read whole: its bracket always holds.
-            sparse = ref.is_sparse(c.seq_lens.cpu(), k, 0) & (c.seq_lens.cpu() > launch.TUNING["sample_size"])
-            lo, hi, c_gt, c_in = ws.rowinfo[:len(seq_lens), :rows].cpu().unbind(-1)
-            held = (c_gt < k) & (c_gt + c_in >= k) & (c_in <= cap)
-            assert bool((held[sparse] == (bracket == "hold")).all()), ws.rowinfo
-
-
-@pytest.mark.parametrize("impl", ["radix", "sample"])
-def test_ds_select_all_ties(impl, monkeypatch):
-    """Equal scores everywhere (a zero query): any k distinct positions are a top-k; the sample
-    select's candidates (all ties) overflow its list and must still give k distinct ones."""
-    monkeypatch.setitem(launch.TUNING, "select_impl", impl)
-    monkeypatch.setitem(launch.TUNING, "sample_size", 32)
+def test_ds_select_all_ties():
+    """Equal scores everywhere (a zero query): any k distinct positions are a top-k."""
     c = make_case([400, 150], 9, 3, 64, device=DEVICE, seed=3)
     c.q.zero_()
     k = 24

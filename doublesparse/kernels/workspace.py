@@ -63,10 +63,6 @@ class DecodeWorkspace:
             # The cache slots of sel's positions; zero (the padding slot) until written, so a
             # stale entry can never address outside the pool.
             self.buffers["sel_slot"] = torch.zeros(B, Hq, self.max_heavy_tokens, **i32)
-            # The sample select's candidates (ds_sample.py): positions and 16-bit keys of the
-            # scores inside its bracket, at most max_heavy_tokens per row.
-            self.buffers["cand_pos"] = torch.empty(B, Hq, self.max_heavy_tokens, **i32)
-            self.buffers["cand_key"] = torch.empty(B, Hq, self.max_heavy_tokens, dtype=torch.int16, device=dev)
 
     def __getattr__(self, name):
         buffers = self.__dict__.get("buffers", {})

@@ -19,7 +19,6 @@ from ..workspace import SCORE_PAD, DecodeWorkspace
 from .decode_attn import decode_attn_kernel, merge_kernel
 from .ds_score import score_mma_kernel
 from .ds_select import score_kernel
-from .ds_sample import pivot_kernel, resolve_kernel, split_kernel
 from .ds_topk import PHASE_KERNELS
 from .pdl import HAVE_GDC
 from .rope import rope_kernel
@@ -157,13 +156,7 @@ TUNING = {
     "select_programs_per_sm": 4, "select_stages": 3, "select_atomic_hist": True, "score_hist": False,
     # Software-pipeline depth of the score / select loops (tl.range num_stages; 1 = no pipelining).
     "score_loop_stages": 3, "select_loop_stages": 1,
-    # Top-k select: "radix" = ds_topk.py (two histogram passes, then compact), "sample" =
-    # ds_sample.py (a sample brackets the threshold; one counting + writing pass, which uses the
-    # select_* geometry, then one program per row resolves the bracket). sample_z: the bracket's
-    # half-width in standard deviations of the sample count (a miss costs a slow exact redo).
-    "select_impl": "radix", "sample_size": 4096, "sample_z": 5.0, "sample_warps": 8,
-    "resolve_block": 2048, "resolve_warps": 16,
-    # The radix select's first phase (high-byte histogram, ds_topk.py) has its own geometry.
+    # The select's first phase (high-byte histogram, ds_topk.py) has its own geometry.
     "hist_block_n": 4096, "hist_programs_per_sm": 8,
     # The attention over the selected tokens (the dense kernel's knobs otherwise).
     "sparse_attn_programs_per_sm": 4, "sparse_attn_stages": 2,
@@ -350,12 +343,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
 
 def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage):
     """Stage 2: ds_topk's three phases, one launch each (phase 1 skipped when the
-    score launch made the histogram; stage "hist" runs phase 1 only, for the stage benchmark),
-    or ds_sample's (stage "hist": the pivots only)."""
-    if TUNING["select_impl"] == "sample":
-        return _select_sample(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, num_progs, stage)
-    if TUNING["select_impl"] != "radix":
-        _fail(f"select_impl must be 'radix' or 'sample', got {TUNING['select_impl']!r}")
+    score launch made the histogram; stage "hist" runs phase 1 only, for the stage benchmark)."""
     scores, hist, info, sel, sel_slot = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot
     args = (scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx, k, threshold,
             scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
@@ -375,30 +363,6 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
     if stage != "hist":
         for phase in (2, 3):
             launch(phase, TUNING["select_block_n"], TUNING["select_programs_per_sm"])
-
-
-def _select_sample(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, num_progs, stage):
-    scores, info, sel, sel_slot = ws.scores, ws.rowinfo, ws.sel, ws.sel_slot
-    cpos, ckey = ws.cand_pos, ws.cand_key
-    sample = TUNING["sample_size"]
-    if sample & (sample - 1) or sample < 16:
-        _fail(f"sample_size must be a power of two >= 16, got {sample}")
-    pivot_kernel[(B, rows)](
-        scores, info, seq_lens, k, threshold, float(TUNING["sample_z"]),
-        scores.stride(0), scores.stride(1), info.stride(0), info.stride(1),
-        SAMPLE=sample, num_warps=TUNING["sample_warps"])
-    if stage == "hist":
-        return
-    cap = ws.max_heavy_tokens
-    args = (scores, info, seq_lens, sel, sel_slot, cpos, ckey, req_to_token, req_idx, k, threshold, cap,
-            scores.stride(0), scores.stride(1), info.stride(0), info.stride(1),
-            sel.stride(0), sel.stride(1), cpos.stride(0), cpos.stride(1), req_to_token.stride(0))
-    block = TUNING["select_block_n"]
-    P = num_progs or max(1, min(triton.cdiv(TUNING["select_programs_per_sm"] * _num_sms(scores.device), B * rows),
-                                triton.cdiv(ws.max_ctx, block)))
-    split_kernel[(B, rows, P)](*args, NUM_PROGS=P, BLOCK_N=block, num_warps=TUNING["select_warps"],
-                               num_stages=TUNING["select_stages"])
-    resolve_kernel[(B, rows)](*args, BLOCK=TUNING["resolve_block"], num_warps=TUNING["resolve_warps"])
 
 
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
