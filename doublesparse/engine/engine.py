@@ -197,7 +197,8 @@ class Engine:
             launched, self._inflight = self._inflight, launched
         if launched is not None:
             outs.extend(self._collect(launched))
-        if self._inflight is not None and all(r.finish_reason for r in self._inflight.reqs):
+        if (self._inflight is not None and self._inflight.reqs
+                and all(r.finish_reason for r in self._inflight.reqs)):
             self._inflight = None  # only dropped tokens left in it: nothing to wait for
         return outs
 
@@ -234,7 +235,12 @@ class Engine:
             reqs_out += dec
             toks.append(t)
         if not reqs_out:
-            return None
+            if not plan.prefill:
+                return None
+            # A prefill-only step (a chunk that is not a prompt's last) samples nothing; it is
+            # still collected, through one event, so that its time counts as prefill time.
+            tokens, ready = to_host_async(torch.empty(0, dtype=torch.long, device=p.device))
+            return _Launched([], tokens, ready, [], t0, True)
         for r in reqs_out:
             r.launched += 1
         tokens, ready = to_host_async(torch.cat(toks) if len(toks) > 1 else toks[0])
