@@ -48,17 +48,18 @@ def main():
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
         from doublesparse.kernels.triton import decode_attn, ds_score, ds_select, ds_topk
-        for fn in (ds_score.score_mma_kernel, ds_select.score_kernel, *ds_topk.PHASE_KERNELS.values(),
+        for fn in (ds_score.score_mma_kernel, ds_select.score_kernel, ds_topk.select_kernel,
                    decode_attn.decode_attn_kernel):
             for dev_cache in fn.device_caches.values():
                 for i, kern in enumerate(dev_cache[0].values()):
+                    name = getattr(kern, "name", fn.fn.__name__)  # the phase's name for select_kernel
                     for ext in ("ttgir", "ptx", "cubin"):
                         if ext in kern.asm:
                             mode = "wb" if ext == "cubin" else "w"
-                            with open(os.path.join(args.dump, f"{fn.fn.__name__}.{i}.{ext}"), mode) as f:
+                            with open(os.path.join(args.dump, f"{name}.{i}.{ext}"), mode) as f:
                                 f.write(kern.asm[ext])
                     md = kern.metadata
-                    print(fn.fn.__name__, i, "regs", getattr(kern, "n_regs", "?"), "spills",
+                    print(name, i, "regs", getattr(kern, "n_regs", "?"), "spills",
                           getattr(kern, "n_spills", "?"), "shared", getattr(md, "shared", "?"))
     print("done")
 

@@ -280,7 +280,7 @@ def comp(fn, consts, ptrs=(), scalars=(), **opts):
     sig = {n: "constexpr" if n in consts else dict(ptrs).get(n, "*bf16") if n.endswith("_ptr")
            else dict(scalars).get(n, "i32") for n in names}
     c = {(names.index(k),): v for k, v in consts.items()}
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32), options=opts)
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32), options=opts)
 
 rope_ptrs = dict(pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", slots_ptr="*i64", channels_ptr="*i32",
                  scale_ptr="*fp32", label_ptr="*fp8e4nv")
@@ -308,8 +308,10 @@ for mode, label in ((2, "*bf16"), (0, "*fp8e4nv"), (1, "*bf16")):
          NUM_PROGS=8, BLOCK_N=64, BLOCK_C=128, HKV_P=8, G_P=4, ROWS_P=32 if mode == 0 else 8, DOT_F32=False),
          dict(i32, q_ptr="*bf16", label_ptr=label), dict(sm_scale="fp32"), num_warps=4, num_stages=1)
 from doublesparse.kernels.triton import ds_topk
-for kern in ds_topk.PHASE_KERNELS.values():
-    comp(kern, dict(NUM_PROGS=4, BLOCK_N=1024, ATOMIC_HIST=True, LOOP_STAGES=1), i32, num_warps=4)
+for phase, name in ds_topk.PHASE_NAMES.items():
+    k = comp(ds_topk.select_kernel, dict(PHASE=phase, NUM_PROGS=4, BLOCK_N=1024, ATOMIC_HIST=True, LOOP_STAGES=1),
+             i32, num_warps=4)
+    assert k.name == name, (k.name, name)  # each phase is its own kernel in a profile
 '''
 
 

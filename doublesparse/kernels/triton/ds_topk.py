@@ -1,9 +1,10 @@
 """Triton kernel for Double Sparsity stage 2: exact top-k of the fp16 score rows (a radix select).
 
 Keys are the 16-bit order-preserving images of the fp16 scores; the k-th largest key is found one
-byte at a time, in three launches, each on a static grid (B, rows, P), P programs per score row,
-each owning one slice of the row; the kernel boundaries order the phases. One body
-(``_select_phase``) has the three phases; each has its own kernel entry, so that profiles name it:
+byte at a time, in three launches of ``select_kernel`` (PHASE = 1, 2, 3), each on a static grid
+(B, rows, P), P programs per score row, each owning one slice of the row; the kernel boundaries
+order the phases. Each phase compiles to a kernel named for it (PHASE_NAMES), so profiles tell
+them apart:
 
   1. hist_high_kernel: histogram of the keys' high byte -> hist[0] (atomics, one per non-empty bin)
   2. hist_low_kernel: the high byte d0 holding the k-th largest key; histogram of the low byte of
@@ -19,6 +20,8 @@ import triton
 import triton.language as tl
 
 from .ds_select import _key16, _load_block, _sparse_len, _split_range, _threshold_digit
+
+PHASE_NAMES = {1: "hist_high_kernel", 2: "hist_low_kernel", 3: "compact_kernel"}
 
 
 @triton.jit
@@ -43,8 +46,14 @@ def _emit(key, offs, nmask, thr, n_gt, ties, base, base_e, out, out_slot, rt_row
     return base + tl.sum(gt.to(tl.int32), 0), base_e + tl.sum(eq.to(tl.int32), 0)
 
 
-@triton.jit
-def _select_phase(
+def _phase_name(specialization) -> str:
+    # The compiled kernel's name: Triton names a kernel after its Python function, so one entry for
+    # three phases would show up in profiles as one kernel.
+    return PHASE_NAMES[specialization.constants["PHASE"]]
+
+
+@triton.jit(repr=_phase_name)
+def select_kernel(
     scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
     req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
@@ -118,46 +127,3 @@ def _select_phase(
             key = _key16(_load_block(srow, offs, BLOCK_N))
             base, base_e = _emit(key, offs, offs < end, thr, n_gt, ties, base, base_e, out, out_slot, rt_row)
 
-
-# Three thin entries over one body: Triton names a compiled kernel after its Python function, and
-# a single entry with a PHASE argument shows up in profiles as one kernel for all three phases.
-@triton.jit
-def hist_high_kernel(scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
-                     req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
-                     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
-                     stride_selb, stride_selr, stride_rt,
-                     NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_HIST: tl.constexpr,
-                     LOOP_STAGES: tl.constexpr):
-    _select_phase(scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
-                  req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
-                  stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
-                  stride_selb, stride_selr, stride_rt, 1, NUM_PROGS, BLOCK_N, ATOMIC_HIST, LOOP_STAGES)
-
-
-@triton.jit
-def hist_low_kernel(scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
-                    req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
-                    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
-                    stride_selb, stride_selr, stride_rt,
-                    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_HIST: tl.constexpr,
-                    LOOP_STAGES: tl.constexpr):
-    _select_phase(scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
-                  req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
-                  stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
-                  stride_selb, stride_selr, stride_rt, 2, NUM_PROGS, BLOCK_N, ATOMIC_HIST, LOOP_STAGES)
-
-
-@triton.jit
-def compact_kernel(scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
-                   req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
-                   stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
-                   stride_selb, stride_selr, stride_rt,
-                   NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_HIST: tl.constexpr,
-                   LOOP_STAGES: tl.constexpr):
-    _select_phase(scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
-                  req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
-                  stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
-                  stride_selb, stride_selr, stride_rt, 3, NUM_PROGS, BLOCK_N, ATOMIC_HIST, LOOP_STAGES)
-
-
-PHASE_KERNELS = {1: hist_high_kernel, 2: hist_low_kernel, 3: compact_kernel}

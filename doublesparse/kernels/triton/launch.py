@@ -19,7 +19,7 @@ from ..workspace import SCORE_PAD, DecodeWorkspace
 from .decode_attn import decode_attn_kernel, merge_kernel
 from .ds_score import score_mma_kernel
 from .ds_select import score_kernel
-from .ds_topk import PHASE_KERNELS
+from .ds_topk import select_kernel
 from .pdl import HAVE_GDC
 from .rope import rope_kernel
 from .store import store_kv_kernel
@@ -352,7 +352,7 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
 
     def launch(phase, block, per_sm):
         P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, block)))
-        PHASE_KERNELS[phase][(B, rows, P)](*args, NUM_PROGS=P, BLOCK_N=block,
+        select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
                                            ATOMIC_HIST=TUNING["select_atomic_hist"],
                                            LOOP_STAGES=TUNING["select_loop_stages"],
                                            num_warps=TUNING["select_warps"],
