@@ -454,3 +454,22 @@ def test_prefill_schedule_flag_reaches_engine_and_server():
         p.parse_args(["--prefill-schedule", "fifo"])
     ns = build_parser().parse_args(["--prefill-schedule", "cohort"])   # the server's flags
     assert engine_kwargs(ns)["prefill_schedule"] == "cohort"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("sched", ["interleave", "cohort"])
+def test_prefill_time_counts_every_prefill_step(model, sched, overlap):
+    """Every step with a prefill chunk is collected as a prefill step (so its time counts in
+    stats()["prefill_time"]), also one that samples no token: a chunk that is not a prompt's last."""
+    e = engine(model, chunked_prefill_size=7, prefill_schedule=sched)
+    e.overlap = overlap
+    planned, collected = [], []
+    schedule, collect = e.parts.scheduler.schedule, e._collect
+    e.parts.scheduler.schedule = lambda: planned.append(schedule()) or planned[-1]
+    e._collect = lambda launched: collected.append(launched.has_prefill) or collect(launched)
+    for p in _cohort_prompts():
+        e.add_request(p, {**GREEDY, "max_new_tokens": 3})
+    while e.has_unfinished():
+        e.step()
+    assert sum(collected) == sum(bool(plan.prefill) for plan in planned)
+    assert sum(collected) >= -(-sum(n - 1 for n in COHORT_PROMPT_LENS) // 7)
