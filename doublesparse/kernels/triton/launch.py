@@ -353,10 +353,9 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
     def launch(phase, block, per_sm):
         P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, block)))
         select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
-                                           ATOMIC_HIST=TUNING["select_atomic_hist"],
-                                           LOOP_STAGES=TUNING["select_loop_stages"],
-                                           num_warps=TUNING["select_warps"],
-                                           num_stages=TUNING["select_stages"])
+                                    ATOMIC_HIST=TUNING["select_atomic_hist"],
+                                    LOOP_STAGES=TUNING["select_loop_stages"],
+                                    num_warps=TUNING["select_warps"], num_stages=TUNING["select_stages"])
 
     if not skip_phase1:
         launch(1, TUNING["hist_block_n"], TUNING["hist_programs_per_sm"])
