@@ -70,6 +70,18 @@ class DecodeWorkspace:
             return buffers[name]
         raise AttributeError(name)
 
+    def rows(self, b0: int, b1: int) -> "DecodeWorkspace":
+        """A workspace over batch rows ``b0:b1`` of this one: views of every buffer, no copies.
+        Every buffer is indexed by batch row (``hist`` on its second dimension), so launches on
+        disjoint row ranges, e.g. two halves of a batch on two streams, never share scratch."""
+        if not 0 <= b0 < b1 <= self.max_batch:
+            raise ValueError(f"rows({b0}, {b1}) outside a workspace of max_batch {self.max_batch}")
+        sub = object.__new__(DecodeWorkspace)
+        sub.__dict__.update(self.__dict__, max_batch=b1 - b0,
+                            buffers={n: (t[:, b0:b1] if n == "hist" else t[b0:b1])
+                                     for n, t in self.buffers.items()})
+        return sub
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers.values())

@@ -1,0 +1,100 @@
+"""Experiment: one layer's Double Sparsity decode with the batch cut into parts on several streams.
+
+    python benchmarks/ds_streams.py [--cases 16x32768,3x65536,8x16384] [--json OUT.json]
+
+The DS stages are a chain (score -> three select passes -> attend) whose select passes are
+latency-bound, not byte-bound (results/attention-h200-notes.md). Independent requests of the
+batch could overlap one part's select with another part's byte-bound score or attend. Each
+variant cuts the batch into parts (each with its own rows of the workspace, ``ws.rows``), launches
+part i on stream i % streams inside one CUDA graph, and joins; timed as bench.attention times DS
+(median of graph replays over rotating pool copies). Output equality with the uncut call is
+checked first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+
+from doublesparse.bench.attention import HKV, HQ, D, MIN_BYTES_PER_GRAPH, Pools, copy_bandwidth, time_fn
+from doublesparse.kernels.triton import launch
+from doublesparse.kernels.workspace import DecodeWorkspace
+
+
+def cut(B, parts):
+    """Row ranges of ``parts`` near-equal parts of a batch of B."""
+    edges = [round(i * B / parts) for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="16x32768,3x65536,8x16384")
+    ap.add_argument("--variants", default="1/1,2/1,2/2,4/2,4/4", help="parts/streams")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    print(f"# {torch.cuda.get_device_name(dev)} copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    streams = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(3)]
+    out = []
+    for case in args.cases.split(","):
+        B, L = (int(x) for x in case.split("x"))
+        k, r = L // 16, 16
+        copies = max(1, math.ceil(MIN_BYTES_PER_GRAPH / (B * L * HKV * D * 4)))
+        p = Pools(B, L, copies, r, torch.bfloat16, dev)
+        ws = DecodeWorkspace(B, HQ, HKV, D, L, k, device=dev)
+        sm = 1 / math.sqrt(D)
+        dense_t = time_fn(lambda i=0: launch.dense_decode(p.q, p.k, p.v, p.req_to_token, p.req_idx[i],
+                                                          p.seq_lens, sm, ws, out=p.out), copies)
+        floor_us = (B * L * HKV * r * 2 + B * HKV * k * D * 4) / bw * 1e6
+        print(f"bs{B} L={L}: dense {dense_t * 1e6:.1f} us, DS floor {floor_us:.1f} us", flush=True)
+        ref = None
+        for var in args.variants.split(","):
+            parts, nstr = (int(x) for x in var.split("/"))
+            rng = cut(B, parts)
+            if len(rng) < parts:
+                continue
+            subs = [(a, b, ws.rows(a, b)) for a, b in rng]
+
+            def ds(i=0):
+                main_s = torch.cuda.current_stream()
+                for j in range(1, nstr):
+                    streams[j].wait_stream(main_s)
+                for j, (a, b, w) in enumerate(subs):
+                    with torch.cuda.stream(streams[j % nstr]):
+                        launch.ds_decode(p.q[a:b], p.k, p.v, p.labels, p.scale, p.channels,
+                                         p.req_to_token, p.req_idx[i][a:b], p.seq_lens[a:b], sm, k,
+                                         "group_max", ws=w, out=p.out[a:b])
+                for j in range(1, nstr):
+                    main_s.wait_stream(streams[j])
+
+            p.out.fill_(float("nan"))
+            ds(0)
+            torch.cuda.synchronize()
+            o = p.out.float().clone()
+            if ref is None:
+                ref = o
+            err = (o - ref).abs().max().item()
+            t = time_fn(ds, copies)
+            rec = dict(batch=B, ctx=L, k=k, r=r, parts=parts, streams=nstr, us=t * 1e6,
+                       dense_us=dense_t * 1e6, floor_us=floor_us, speedup=dense_t / t, max_err_vs_uncut=err)
+            out.append(rec)
+            print(f"  parts {parts} streams {nstr}: {t * 1e6:7.1f} us  x{dense_t / t:.2f}  "
+                  f"floor frac {floor_us / (t * 1e6):.2f}  max|diff| {err:.2e}", flush=True)
+        del p, ws
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(command="python benchmarks/ds_streams.py " + " ".join(sys.argv[1:]),
+                           date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(),
+                           copy_bw=bw, tuning=launch.TUNING, rows=out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
