@@ -3,11 +3,20 @@
 Decode per layer: label scores ``q[heavy] . label`` for every cached token -> top-k on the device
 -> exact attention over the selected tokens only. Requests with ``seq_len <= k`` (or below the
 threshold) decode densely inside the same launches, decided on the device.
+
+With ``DSParams.batch_parts`` > 1 (CUDA), a decode batch is cut into that many parts of whole
+requests, each launched on its own stream over its own workspace rows, joined before the output
+is used: the select's latency-bound passes of one part then overlap the byte-bound score and
+attend of another (benchmarks/ds_streams.py measured it). Inside a CUDA graph the streams become
+parallel branches of the graph.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+
+import torch
 
 from ..kernels import ops
 from .base import AttentionBackend
@@ -20,6 +29,14 @@ class DSParams:
     threshold: int = 0
     num_sink: int = 0
     num_recent: int = 0
+    batch_parts: int = 1
+
+
+def cut_batch(batch_size: int, parts: int) -> list[tuple[int, int]]:
+    """Row ranges ``[(a, b), ...]`` of at most ``parts`` near-equal, non-empty parts of a batch."""
+    parts = max(1, min(parts, batch_size))
+    edges = [round(i * batch_size / parts) for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
 class DoubleSparsityBackend(AttentionBackend):
@@ -32,13 +49,40 @@ class DoubleSparsityBackend(AttentionBackend):
         if ds is None:
             raise ValueError("DoubleSparsityBackend needs DSParams")
         self.ds = ds
+        self._streams: list = []      # side streams for batch parts 1.. (created on first use)
+        self._ws_rows: dict = {}      # (a, b) -> workspace views over those rows
 
     def decode_attention(self, layer_id, q, batch):
+        parts = cut_batch(q.shape[0], self.ds.batch_parts) if self.workspace is not None else [(0, q.shape[0])]
+        if len(parts) == 1:
+            return self._decode(layer_id, q, batch.req_idx, batch.seq_lens, self.workspace)
+        out = torch.empty_like(q)
+        main = torch.cuda.current_stream(q.device) if q.is_cuda else None
+        side = self._side_streams(len(parts) - 1, q.device) if main is not None else []
+        for s in side:
+            s.wait_stream(main)
+        for j, (a, b) in enumerate(parts):
+            if (a, b) not in self._ws_rows:
+                self._ws_rows[(a, b)] = self.workspace.rows(a, b)
+            ctx = torch.cuda.stream(side[j - 1]) if j and side else contextlib.nullcontext()
+            with ctx:
+                self._decode(layer_id, q[a:b], batch.req_idx[a:b], batch.seq_lens[a:b],
+                             self._ws_rows[(a, b)], out[a:b])
+        for s in side:
+            main.wait_stream(s)
+        return out
+
+    def _decode(self, layer_id, q, req_idx, seq_lens, ws, out=None):
         m, d = self.memory, self.ds
         return ops.ds_decode(q, m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id],
-                             self.channels[layer_id], m.req_to_token, batch.req_idx, batch.seq_lens,
+                             self.channels[layer_id], m.req_to_token, req_idx, seq_lens,
                              self.sm_scale, d.heavy_token_num, d.mode, d.threshold, d.num_sink,
-                             d.num_recent, ws=self.workspace, impl=self.impl)
+                             d.num_recent, ws=ws, out=out, impl=self.impl)
+
+    def _side_streams(self, n, device):
+        while len(self._streams) < n:
+            self._streams.append(torch.cuda.Stream(device))
+        return self._streams[:n]
 
     def sparse_rows(self, seq_lens_host) -> list[bool]:
         # same rule as the kernels' device-side choice (reference.is_sparse)

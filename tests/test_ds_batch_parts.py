@@ -1,0 +1,42 @@
+"""The Double Sparsity backend with its decode batch cut into parts (``DSParams.batch_parts``):
+each part on its own workspace rows (and, on CUDA, its own stream) gives the uncut output."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from kernel_utils import TOL, make_case, make_ws, rel_err
+from doublesparse.attention import DSParams, create_backend
+from doublesparse.attention.double_sparsity import cut_batch
+
+
+def test_cut_batch():
+    assert cut_batch(16, 2) == [(0, 8), (8, 16)]
+    assert cut_batch(3, 2) == [(0, 2), (2, 3)] or cut_batch(3, 2) == [(0, 1), (1, 3)]
+    assert cut_batch(2, 4) == [(0, 1), (1, 2)]
+    assert cut_batch(5, 1) == [(0, 5)]
+    for B in range(1, 20):
+        for p in range(1, 6):
+            parts = cut_batch(B, p)
+            assert parts[0][0] == 0 and parts[-1][1] == B and len(parts) == min(B, p)
+            assert all(b > a for a, b in parts) and all(x[1] == y[0] for x, y in zip(parts, parts[1:]))
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_batch_parts_match_uncut(parts):
+    c = make_case([300, 90, 257, 140, 33], 9, 3, 64, device=DEVICE, seed=31)
+    k = 40
+    mem = SimpleNamespace(k=[c.k_cache], v=[c.v_cache], label=[c.label_cache], label_scale=[c.label_scale],
+                          req_to_token=c.req_to_token)
+    batch = SimpleNamespace(mode="decode", req_idx=c.req_idx, seq_lens=c.seq_lens)
+    outs = []
+    for n in (1, parts):
+        be = create_backend("double_sparsity", use_double_sparsity=True,
+                            ds=DSParams(k, "group_max", 0, 2, 4, batch_parts=n), memory=mem,
+                            num_q_heads=9, head_dim=64, impl="triton",
+                            workspace=make_ws(c, max_heavy_tokens=k), channels=c.channels[None])
+        outs.append(be.decode_attention(0, c.q, batch))
+    assert not outs[1].isnan().any()
+    assert rel_err(outs[1], outs[0]) < TOL[torch.bfloat16]
