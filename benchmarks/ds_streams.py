@@ -41,7 +41,7 @@ def main(argv=None):
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"# {torch.cuda.get_device_name(dev)} copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    streams = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(3)]
+    side = [torch.cuda.Stream() for _ in range(3)]
     out = []
     for case in args.cases.split(","):
         B, L = (int(x) for x in case.split("x"))
@@ -63,16 +63,17 @@ def main(argv=None):
             subs = [(a, b, ws.rows(a, b)) for a, b in rng]
 
             def ds(i=0):
-                main_s = torch.cuda.current_stream()
-                for j in range(1, nstr):
-                    streams[j].wait_stream(main_s)
+                main_s = torch.cuda.current_stream()  # the capture stream inside a graph
+                streams = [main_s] + side[: nstr - 1]
+                for s in streams[1:]:
+                    s.wait_stream(main_s)
                 for j, (a, b, w) in enumerate(subs):
                     with torch.cuda.stream(streams[j % nstr]):
                         launch.ds_decode(p.q[a:b], p.k, p.v, p.labels, p.scale, p.channels,
                                          p.req_to_token, p.req_idx[i][a:b], p.seq_lens[a:b], sm, k,
                                          "group_max", ws=w, out=p.out[a:b])
-                for j in range(1, nstr):
-                    main_s.wait_stream(streams[j])
+                for s in streams[1:]:
+                    main_s.wait_stream(s)
 
             p.out.fill_(float("nan"))
             ds(0)
