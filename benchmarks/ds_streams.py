@@ -36,6 +36,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="16x32768,3x65536,8x16384")
     ap.add_argument("--variants", default="1/1,2/1,2/2,4/2,4/4", help="parts/streams")
+    ap.add_argument("--tunings", default="[{}]",
+                    help="JSON list of launch.TUNING overrides; each is timed with every variant")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -55,7 +57,10 @@ def main(argv=None):
         floor_us = (B * L * HKV * r * 2 + B * HKV * k * D * 4) / bw * 1e6
         print(f"bs{B} L={L}: dense {dense_t * 1e6:.1f} us, DS floor {floor_us:.1f} us", flush=True)
         ref = None
-        for var in args.variants.split(","):
+        base = dict(launch.TUNING)
+        for tun, var in [(t, v) for t in json.loads(args.tunings) for v in args.variants.split(",")]:
+            launch.TUNING.clear()
+            launch.TUNING.update(base, **launch.tuning_overrides(tun))
             parts, nstr = (int(x) for x in var.split("/"))
             rng = cut(B, parts)
             if len(rng) < parts:
@@ -83,11 +88,13 @@ def main(argv=None):
                 ref = o
             err = (o - ref).abs().max().item()
             t = time_fn(ds, copies)
-            rec = dict(batch=B, ctx=L, k=k, r=r, parts=parts, streams=nstr, us=t * 1e6,
+            rec = dict(batch=B, ctx=L, k=k, r=r, parts=parts, streams=nstr, tuning=tun, us=t * 1e6,
                        dense_us=dense_t * 1e6, floor_us=floor_us, speedup=dense_t / t, max_err_vs_uncut=err)
             out.append(rec)
-            print(f"  parts {parts} streams {nstr}: {t * 1e6:7.1f} us  x{dense_t / t:.2f}  "
+            print(f"  parts {parts} streams {nstr} {json.dumps(tun)}: {t * 1e6:7.1f} us  x{dense_t / t:.2f}  "
                   f"floor frac {floor_us / (t * 1e6):.2f}  max|diff| {err:.2e}", flush=True)
+        launch.TUNING.clear()
+        launch.TUNING.update(base)
         del p, ws
         torch.cuda.empty_cache()
     if args.json:
