@@ -59,8 +59,9 @@ def main(argv=None):
         ref = None
         base = dict(launch.TUNING)
         for tun, var in [(t, v) for t in json.loads(args.tunings) for v in args.variants.split(",")]:
+            launch.tuning_overrides(tun)  # checked against the full table, before it is cleared
             launch.TUNING.clear()
-            launch.TUNING.update(base, **launch.tuning_overrides(tun))
+            launch.TUNING.update(base, **tun)
             parts, nstr = (int(x) for x in var.split("/"))
             rng = cut(B, parts)
             if len(rng) < parts:
