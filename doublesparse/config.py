@@ -85,7 +85,7 @@ class EngineConfig:
     ds_label_dtype: str = "bf16"
     ds_num_sink: int | None = None
     ds_num_recent: int | None = None
-    ds_batch_parts: int = 1
+    ds_batch_parts: int | None = None
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85
     chunked_prefill_size: int = 4096
@@ -113,7 +113,7 @@ class EngineConfig:
             _check_pos(name, getattr(self, name), allow_none=True, allow_zero=True)
         _check_pos("chunked_prefill_size", self.chunked_prefill_size, allow_none=False)
         _check_pos("cuda_graph_max_bs", self.cuda_graph_max_bs, allow_none=False)
-        _check_pos("ds_batch_parts", self.ds_batch_parts, allow_none=False)
+        _check_pos("ds_batch_parts", self.ds_batch_parts)
         if not 0.0 < float(self.mem_fraction_static) < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.attention_backend == "dense" and self.enable_double_sparsity:
@@ -210,7 +210,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ds-num-recent", type=int, help="last tokens always selected (default: 32, at most k/4)")
     g.add_argument("--ds-batch-parts", type=int,
                    help="cut a sparse decode batch into this many parts, each on its own CUDA stream, "
-                        "so one part's top-k select overlaps another's scoring and attention (default 1)")
+                        "so one part's top-k select overlaps another's scoring and attention "
+                        "(default: 2 from 16 requests, else 1)")
     g.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
     g.add_argument("--mem-fraction-static", type=float)
     g.add_argument("--chunked-prefill-size", type=int)

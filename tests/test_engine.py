@@ -201,10 +201,10 @@ def test_sampling_seeded_reproducible(model):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("ds", [False, True])
-def test_cuda_graph_equals_eager(ds):
+@pytest.mark.parametrize("ds,parts", [(False, None), (True, None), (True, 2)])
+def test_cuda_graph_equals_eager(ds, parts):
     m = tiny_llama(seed=0, dtype=torch.bfloat16, device="cuda", max_position_embeddings=MAX_POS)
-    kw = dict(device="cuda", enable_double_sparsity=ds, ds_heavy_token_num=16)
+    kw = dict(device="cuda", enable_double_sparsity=ds, ds_heavy_token_num=16, ds_batch_parts=parts)
     ps = prompts(5, seed=7, lo=20, hi=80)
     sp = {**GREEDY, "max_new_tokens": 12}
     eager = engine(m, disable_cuda_graph=True, **kw).generate(ps, sp)

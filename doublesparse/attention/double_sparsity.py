@@ -4,11 +4,15 @@ Decode per layer: label scores ``q[heavy] . label`` for every cached token -> to
 -> exact attention over the selected tokens only. Requests with ``seq_len <= k`` (or below the
 threshold) decode densely inside the same launches, decided on the device.
 
-With ``DSParams.batch_parts`` > 1 (CUDA), a decode batch is cut into that many parts of whole
-requests, each launched on its own stream over its own workspace rows, joined before the output
-is used: the select's latency-bound passes of one part then overlap the byte-bound score and
-attend of another (benchmarks/ds_streams.py measured it). Inside a CUDA graph the streams become
-parallel branches of the graph.
+Batch parts (CUDA): a decode batch can be cut into parts of whole requests, each launched on its
+own stream over its own workspace rows and joined before the output is used, so that the select's
+latency-bound passes of one part overlap the byte-bound scoring and attention of another. Inside a
+CUDA graph the streams become parallel branches. ``DSParams.batch_parts``: that many parts, or 0
+for the default: 2 parts from ``AUTO_PARTS_MIN_BATCH`` requests, else 1. Measured on an H200
+(benchmarks/ds_streams.py, results/h200-s10/, one Llama-3.1-8B layer, r 16, k = L/16): 2 parts on
+2 streams took bs 16 x 32K from 143-147 to 132-134 us (the engine's decode step 9.15 -> 8.77 ms),
+left bs 3 x 128K unchanged (114-116 us) and made smaller batches slower (bs 3 x 64K 66 -> 72,
+bs 8 x 16K 49 -> 54); 3 or 4 parts were slower than 2.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import torch
 from ..kernels import ops
 from .base import AttentionBackend
 
+AUTO_PARTS_MIN_BATCH = 16
+
 
 @dataclass(frozen=True)
 class DSParams:
@@ -29,7 +35,7 @@ class DSParams:
     threshold: int = 0
     num_sink: int = 0
     num_recent: int = 0
-    batch_parts: int = 1
+    batch_parts: int = 0  # 0 = auto (see the module docstring)
 
 
 def cut_batch(batch_size: int, parts: int) -> list[tuple[int, int]]:
@@ -53,7 +59,9 @@ class DoubleSparsityBackend(AttentionBackend):
         self._ws_rows: dict = {}      # (a, b) -> workspace views over those rows
 
     def decode_attention(self, layer_id, q, batch):
-        parts = cut_batch(q.shape[0], self.ds.batch_parts) if self.workspace is not None else [(0, q.shape[0])]
+        B = q.shape[0]
+        n = self.ds.batch_parts or (2 if B >= AUTO_PARTS_MIN_BATCH else 1)
+        parts = cut_batch(B, n) if self.workspace is not None else [(0, B)]
         if len(parts) == 1:
             return self._decode(layer_id, q, batch.req_idx, batch.seq_lens, self.workspace)
         out = torch.empty_like(q)

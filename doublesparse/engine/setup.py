@@ -124,7 +124,7 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         r = cfg.heavy_channel_num(mc.head_dim)
         k = cfg.heavy_token_num(max_ctx)
         ds = DSParams(k, cfg.ds_selection_mode, cfg.ds_sparse_decode_threshold, *cfg.sink_recent(k),
-                      batch_parts=cfg.ds_batch_parts)
+                      batch_parts=cfg.ds_batch_parts or 0)
         ch, source = resolve_channels(cfg, model, mc, r)
         channels = ch.to(device=device, dtype=torch.int32).contiguous()
         log.info("Double Sparsity: k=%d, r=%d, %s", ds.heavy_token_num, r, source)
