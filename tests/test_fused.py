@@ -69,6 +69,37 @@ def test_silu_mul(t, i):
     _close(out, ref.silu_mul_ref(x), exact=False)   # exp differs in its last bits
 
 
+# ---------------------------------------------------------------- log-sum-exp merge (split prefill)
+@pytest.mark.parametrize("h,n,d", [(9, 1, 64), (4, 37, 128), (2, 130, 64)])
+def test_lse_merge_matches_softmax_over_the_union(h, n, d):
+    """Two partials of softmax attention over disjoint key sets, merged, equal the attention over
+    all keys (fp32 reference), and the PyTorch merge of prefill._split_prefix."""
+    g = _gen(h, n, d)
+    q = torch.randn(h, n, d, generator=g)
+    k = torch.randn(h, 50, d, generator=g) * 2
+    v = torch.randn(h, 50, d, generator=g)
+
+    def part(ks, vs):
+        s = q @ ks.transpose(1, 2)
+        return torch.softmax(s, -1) @ vs, torch.logsumexp(s, -1)
+
+    o1, l1 = part(k[:, :20], v[:, :20])
+    o2, l2 = part(k[:, 20:], v[:, 20:])
+    full = torch.softmax(q @ k.transpose(1, 2), -1) @ v
+    wide = torch.full((h, n + 3, d), float("nan"))       # strided rows: a view, as cuDNN's may be
+    wide[:, :n] = o1
+    o1b, o2b = wide[:, :n].to(BF16).to(DEVICE), o2.to(BF16).to(DEVICE)
+    out = fused_launch.lse_merge(o1b, o2b, l1.to(DEVICE), l2.to(DEVICE))
+    assert out.dtype == BF16 and out.shape == (h, n, d) and not out.isnan().any()
+    torch.testing.assert_close(out.float().cpu(), full, rtol=2e-2, atol=2e-2)
+    m = torch.maximum(l1, l2)[..., None]
+    w1, w2 = torch.exp(l1[..., None] - m), torch.exp(l2[..., None] - m)
+    torch_merge = ((o1b.float().cpu() * w1 + o2b.float().cpu() * w2) / (w1 + w2)).to(BF16)
+    _close(out.cpu(), torch_merge, exact=False)
+    with pytest.raises(ValueError):
+        fused_launch.lse_merge(o1b, o2b[:1], l1.to(DEVICE), l2.to(DEVICE))
+
+
 # ---------------------------------------------------------------- RoPE + KV / label store
 def _rope_case(t, hq, hkv, d, r, label_dtype, seed):
     g = _gen(t, hq, hkv, d, seed)
@@ -291,6 +322,7 @@ for hq, hkv, d, r, label, kout in ((9, 3, 64, 16, True, True), (32, 8, 128, 1, F
 for res in (True, False):
     comp(fused.rmsnorm_kernel, dict(HAS_RES=res, BLOCK_N=1024), scalars=dict(eps="fp32"), num_warps=4)
 comp(fused.silu_mul_kernel, dict(BLOCK=1024), num_warps=4)
+comp(fused.lse_merge_kernel, dict(BLOCK_N=32, BLOCK_D=128), dict(lse1_ptr="*fp32", lse2_ptr="*fp32"), num_warps=4)
 # programmatic dependent launch (pdl.py); the GEMV loads its weights before it waits
 comp(fused.rmsnorm_kernel, dict(HAS_RES=True, BLOCK_N=1024, PDL=True), scalars=dict(eps="fp32"), num_warps=4,
      launch_pdl=True)

@@ -40,6 +40,11 @@ CUDNN_MIN_TOKENS = 16384
 _ORDER = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
           SDPBackend.MATH)
 SPLIT_MIN_TOKENS = 4096
+# The split's merge as one Triton pass (fused.lse_merge_kernel) instead of ~8 PyTorch elementwise
+# ops; those took ~95 ms of a 32K prompt's 1.33 s prefill in 16384-token chunks on the H200
+# (results/h200-s10/README.md); this kernel's own time is not yet measured there. False: the
+# PyTorch merge (the CPU path always uses it).
+MERGE_TRITON = True
 SPLIT_PREFIX: bool | None = {"1": True, "0": False}.get(os.environ.get("DOUBLESPARSE_PREFILL_SPLIT_PREFIX", ""))
 
 
@@ -127,6 +132,9 @@ def _split_prefix(q, k, v, prefix_len, scale):
         k, v = _repeat_kv(q, k, v)
     o1, lse1 = _attention_lse(q, k[:, :prefix_len], v[:, :prefix_len], False, scale)
     o2, lse2 = _attention_lse(q, k[:, prefix_len:], v[:, prefix_len:], True, scale)
+    if q.is_cuda and MERGE_TRITON and o1.dtype == q.dtype:
+        from ..kernels.triton.fused_launch import lse_merge
+        return lse_merge(o1, o2, lse1[..., 0], lse2[..., 0])
     # softmax over the union of the two key sets = the two partial softmaxes weighted by their mass
     m = torch.maximum(lse1, lse2)
     w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)

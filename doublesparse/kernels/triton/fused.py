@@ -146,3 +146,30 @@ def rope_store_kernel(
                 lab = tl.minimum(tl.maximum(lab, -448.0), 448.0)
             tl.store(label_ptr + slot * stride_ls + h[:, None] * stride_lh + r[None, :],
                      lab.to(label_ptr.dtype.element_ty), mask=lm)
+
+
+@triton.jit
+def lse_merge_kernel(o1_ptr, o2_ptr, lse1_ptr, lse2_ptr, out_ptr, N, D,
+                     s1_h, s1_n, s2_h, s2_n, sl1_h, sl2_h, so_h, so_n,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Two attention partials over disjoint key sets -> the attention over their union.
+
+    o1, o2: [H, N, D] (last dim contiguous); lse1, lse2: [H, N] fp32 natural-log log-sum-exps
+    (last dim contiguous); out: [H, N, D]. out = (o1 e1 + o2 e2) / (e1 + e2), e_i = exp(lse_i - m),
+    m = max(lse1, lse2), in fp32, rounded once.
+    """
+    h = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    mn = n < N
+    m2 = mn[:, None] & (d < D)[None, :]
+    l1 = tl.load(lse1_ptr + h * sl1_h + n, mask=mn, other=0.0)
+    l2 = tl.load(lse2_ptr + h * sl2_h + n, mask=mn, other=0.0)
+    m = tl.maximum(l1, l2)
+    e1 = tl.exp(l1 - m)
+    e2 = tl.exp(l2 - m)
+    inv = 1.0 / (e1 + e2)
+    a = tl.load(o1_ptr + h * s1_h + n[:, None] * s1_n + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    b = tl.load(o2_ptr + h * s2_h + n[:, None] * s2_n + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    y = (a * (e1 * inv)[:, None] + b * (e2 * inv)[:, None])
+    tl.store(out_ptr + h * so_h + n[:, None] * so_n + d[None, :], y.to(out_ptr.dtype.element_ty), mask=m2)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .fused import rmsnorm_kernel, rope_store_kernel, silu_mul_kernel
+from .fused import lse_merge_kernel, rmsnorm_kernel, rope_store_kernel, silu_mul_kernel
 from .gemv import gemv_kernel
 from .launch import (TUNING, _FLOAT, _INDEX, _check, _check_caches, _check_labels, _fail, _num_sms,
                      pdl_enabled, pdl_kwargs)
@@ -66,6 +66,33 @@ def silu_mul(x):
         silu_mul_kernel[(T, triton.cdiv(I, SILU_BLOCK))](
             x, out, I, x.stride(0), out.stride(0), BLOCK=SILU_BLOCK, num_warps=4,
             **pdl_kwargs(dev))
+    return out
+
+
+def lse_merge(o1, o2, lse1, lse2):
+    """Attention over the union of two disjoint key sets from its two partials, one pass.
+
+    o1, o2: [H, N, D] bf16/fp16/fp32 (last dim contiguous); lse1, lse2: [H, N] float32
+    (natural-log log-sum-exp of each partial's scores). Returns [H, N, D] contiguous, o1's dtype,
+    computed in fp32 and rounded once (the same math as prefill._split_prefix's PyTorch merge).
+    """
+    dev = o1.device
+    _check(o1, "o1", 3, _FLOAT, dev)
+    _check(o2, "o2", 3, (o1.dtype,), dev)
+    _check(lse1, "lse1", 2, (torch.float32,), dev)
+    _check(lse2, "lse2", 2, (torch.float32,), dev)
+    H, N, D = o1.shape
+    if o2.shape != o1.shape or tuple(lse1.shape) != (H, N) or lse2.shape != lse1.shape:
+        _fail(f"lse_merge: o1 {tuple(o1.shape)}, o2 {tuple(o2.shape)}, lse1 {tuple(lse1.shape)}, "
+              f"lse2 {tuple(lse2.shape)} disagree")
+    out = torch.empty((H, N, D), dtype=o1.dtype, device=dev)
+    if H and N and D:
+        block_d = triton.next_power_of_2(D)
+        block_n = max(1, 4096 // block_d)
+        lse_merge_kernel[(H, triton.cdiv(N, block_n))](
+            o1, o2, lse1, lse2, out, N, D, o1.stride(0), o1.stride(1), o2.stride(0), o2.stride(1),
+            lse1.stride(0), lse2.stride(0), out.stride(0), out.stride(1),
+            BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
     return out
 
 
