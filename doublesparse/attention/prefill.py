@@ -134,7 +134,7 @@ def _split_prefix(q, k, v, prefix_len, scale):
     o2, lse2 = _attention_lse(q, k[:, prefix_len:], v[:, prefix_len:], True, scale)
     if q.is_cuda and MERGE_TRITON and o1.dtype == q.dtype:
         from ..kernels.triton.fused_launch import lse_merge
-        return lse_merge(o1, o2, lse1[..., 0], lse2[..., 0])
+        return lse_merge(o1, o2, lse1[..., 0].contiguous(), lse2[..., 0].contiguous())
     # softmax over the union of the two key sets = the two partial softmaxes weighted by their mass
     m = torch.maximum(lse1, lse2)
     w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
