@@ -21,15 +21,10 @@ import time
 
 import torch
 
+from doublesparse.attention.double_sparsity import cut_batch
 from doublesparse.bench.attention import HKV, HQ, D, MIN_BYTES_PER_GRAPH, Pools, copy_bandwidth, time_fn
 from doublesparse.kernels.triton import launch
 from doublesparse.kernels.workspace import DecodeWorkspace
-
-
-def cut(B, parts):
-    """Row ranges of ``parts`` near-equal parts of a batch of B."""
-    edges = [round(i * B / parts) for i in range(parts + 1)]
-    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
 def main(argv=None):
@@ -63,7 +58,7 @@ def main(argv=None):
             launch.TUNING.clear()
             launch.TUNING.update(base, **tun)
             parts, nstr = (int(x) for x in var.split("/"))
-            rng = cut(B, parts)
+            rng = cut_batch(B, parts)
             if len(rng) < parts:
                 continue
             subs = [(a, b, ws.rows(a, b)) for a, b in rng]

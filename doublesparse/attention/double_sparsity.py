@@ -55,13 +55,11 @@ class DoubleSparsityBackend(AttentionBackend):
         if ds is None:
             raise ValueError("DoubleSparsityBackend needs DSParams")
         self.ds = ds
-        self._streams: list = []      # side streams for batch parts 1.. (created on first use)
-        self._ws_rows: dict = {}      # (a, b) -> workspace views over those rows
+        self._streams: list = []   # side streams for batch parts 1.. (created on first use)
+        self._parts: dict = {}     # batch size -> [(a, b, workspace views over rows a:b)]
 
     def decode_attention(self, layer_id, q, batch):
-        B = q.shape[0]
-        n = self.ds.batch_parts or (2 if B >= AUTO_PARTS_MIN_BATCH else 1)
-        parts = cut_batch(B, n) if self.workspace is not None else [(0, B)]
+        parts = self._batch_parts(q.shape[0])
         if len(parts) == 1:
             return self._decode(layer_id, q, batch.req_idx, batch.seq_lens, self.workspace)
         out = torch.empty_like(q)
@@ -69,16 +67,22 @@ class DoubleSparsityBackend(AttentionBackend):
         side = self._side_streams(len(parts) - 1, q.device) if main is not None else []
         for s in side:
             s.wait_stream(main)
-        for j, (a, b) in enumerate(parts):
-            if (a, b) not in self._ws_rows:
-                self._ws_rows[(a, b)] = self.workspace.rows(a, b)
-            ctx = torch.cuda.stream(side[j - 1]) if j and side else contextlib.nullcontext()
-            with ctx:
-                self._decode(layer_id, q[a:b], batch.req_idx[a:b], batch.seq_lens[a:b],
-                             self._ws_rows[(a, b)], out[a:b])
+        for j, (a, b, ws) in enumerate(parts):
+            with torch.cuda.stream(side[j - 1]) if j and side else contextlib.nullcontext():
+                self._decode(layer_id, q[a:b], batch.req_idx[a:b], batch.seq_lens[a:b], ws, out[a:b])
         for s in side:
             main.wait_stream(s)
         return out
+
+    def _batch_parts(self, B):
+        """[(a, b, workspace rows a:b)] of a decode batch of B; one entry: run it whole."""
+        if B not in self._parts:
+            n = self.ds.batch_parts or (2 if B >= AUTO_PARTS_MIN_BATCH else 1)
+            if self.workspace is None or n == 1:
+                self._parts[B] = [(0, B, self.workspace)]
+            else:
+                self._parts[B] = [(a, b, self.workspace.rows(a, b)) for a, b in cut_batch(B, n)]
+        return self._parts[B]
 
     def _decode(self, layer_id, q, req_idx, seq_lens, ws, out=None):
         m, d = self.memory, self.ds

@@ -132,7 +132,7 @@ def _split_prefix(q, k, v, prefix_len, scale):
         k, v = _repeat_kv(q, k, v)
     o1, lse1 = _attention_lse(q, k[:, :prefix_len], v[:, :prefix_len], False, scale)
     o2, lse2 = _attention_lse(q, k[:, prefix_len:], v[:, prefix_len:], True, scale)
-    if q.is_cuda and MERGE_TRITON and o1.dtype == q.dtype:
+    if q.is_cuda and MERGE_TRITON:
         from ..kernels.triton.fused_launch import lse_merge
         return lse_merge(o1, o2, lse1[..., 0].contiguous(), lse2[..., 0].contiguous())
     # softmax over the union of the two key sets = the two partial softmaxes weighted by their mass
