@@ -59,7 +59,7 @@ def select_kernel(
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     stride_selb, stride_selr, stride_rt,
     PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
-    ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, COUNT_STAGES: tl.constexpr = 1,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
@@ -114,7 +114,8 @@ def select_kernel(
         # the scores from L2.
         c_gt = tl.full([], 0, tl.int32)
         c_eq = tl.full([], 0, tl.int32)
-        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+        # The count loop only loads and sums, so it may pipeline deeper than the emit loop.
+        for t in tl.range(start, end, BLOCK_N, num_stages=COUNT_STAGES):
             offs = t + tl.arange(0, BLOCK_N)
             nmask = offs < end
             key = _key16(_load_block(srow, offs, BLOCK_N))

@@ -154,6 +154,9 @@ TUNING = {
     "attn_block_n": 64, "attn_block_n_many_rows": 128, "attn_warps": 4, "attn_stages": 2, "attn_programs_per_sm": 4,
     "score_block_n": 256, "score_programs_per_sm": 8, "score_warps": 4, "score_stages": 3, "select_block_n": 1024, "select_warps": 4,
     "select_programs_per_sm": 4, "select_stages": 3, "select_atomic_hist": True, "score_hist": False,
+    # The select's last phase (compact: a count loop, then the emit loop) has its own geometry;
+    # the select_* knobs above are hist_low's.
+    "compact_block_n": 1024, "compact_programs_per_sm": 4, "compact_loop_stages": 1, "compact_count_stages": 1,
     # Software-pipeline depth of the score / select loops (tl.range num_stages; 1 = no pipelining).
     "score_loop_stages": 3, "select_loop_stages": 1,
     # The select's first phase (high-byte histogram, ds_topk.py) has its own geometry.
@@ -296,7 +299,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     per_head = mode == "per_head"
     rows = Hq if per_head else Hkv
     scores, hist, info, sel, sel_slot = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot
-    if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["hist_block_n"]) > SCORE_PAD:
+    if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["hist_block_n"],
+           TUNING["compact_block_n"]) > SCORE_PAD:
         _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage != "attend":
         nsm = _num_sms(dev)
@@ -350,18 +354,19 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
             info.stride(0), info.stride(1), sel.stride(0), sel.stride(1), req_to_token.stride(0))
     nsm = _num_sms(scores.device)
 
-    def launch(phase, block, per_sm):
+    def launch(phase, block, per_sm, loop_stages=TUNING["select_loop_stages"], count_stages=1):
         P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, block)))
         select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
                                     ATOMIC_HIST=TUNING["select_atomic_hist"],
-                                    LOOP_STAGES=TUNING["select_loop_stages"],
+                                    LOOP_STAGES=loop_stages, COUNT_STAGES=count_stages,
                                     num_warps=TUNING["select_warps"], num_stages=TUNING["select_stages"])
 
     if not skip_phase1:
         launch(1, TUNING["hist_block_n"], TUNING["hist_programs_per_sm"])
     if stage != "hist":
-        for phase in (2, 3):
-            launch(phase, TUNING["select_block_n"], TUNING["select_programs_per_sm"])
+        launch(2, TUNING["select_block_n"], TUNING["select_programs_per_sm"])
+        launch(3, TUNING["compact_block_n"], TUNING["compact_programs_per_sm"],
+               TUNING["compact_loop_stages"], TUNING["compact_count_stages"])
 
 
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
