@@ -30,7 +30,9 @@ from doublesparse.kernels.workspace import DecodeWorkspace
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="16x32768,3x65536,8x16384")
-    ap.add_argument("--variants", default="1/1,2/1,2/2,4/2,4/4", help="parts/streams")
+    ap.add_argument("--variants", default="1/1,2/1,2/2,4/2,4/4",
+                    help="parts/streams; a trailing s (2/2s) skews the parts: part j's stream waits "
+                         "until part j-1's score has run, so one part's select overlaps the next one's score")
     ap.add_argument("--tunings", default="[{}]",
                     help="JSON list of launch.TUNING overrides; each is timed with every variant")
     ap.add_argument("--json", default=None)
@@ -57,22 +59,38 @@ def main(argv=None):
             launch.tuning_overrides(tun)  # checked against the full table, before it is cleared
             launch.TUNING.clear()
             launch.TUNING.update(base, **tun)
-            parts, nstr = (int(x) for x in var.split("/"))
+            skew = var.endswith("s")  # part j's stream starts when part j-1's score has run
+            parts, nstr = (int(x) for x in var.rstrip("s").split("/"))
             rng = cut_batch(B, parts)
-            if len(rng) < parts:
+            if len(rng) < parts or (skew and nstr != parts):  # skewed: one stream per part
                 continue
             subs = [(a, b, ws.rows(a, b)) for a, b in rng]
+            scored = [torch.cuda.Event() for _ in subs]
 
             def ds(i=0):
                 main_s = torch.cuda.current_stream()  # the capture stream inside a graph
                 streams = [main_s] + side[: nstr - 1]
                 for s in streams[1:]:
                     s.wait_stream(main_s)
-                for j, (a, b, w) in enumerate(subs):
-                    with torch.cuda.stream(streams[j % nstr]):
-                        launch.ds_decode(p.q[a:b], p.k, p.v, p.labels, p.scale, p.channels,
-                                         p.req_to_token, p.req_idx[i][a:b], p.seq_lens[a:b], sm, k,
-                                         "group_max", ws=w, out=p.out[a:b])
+                def call(j, stage):
+                    a, b, w = subs[j]
+                    launch.ds_decode(p.q[a:b], p.k, p.v, p.labels, p.scale, p.channels,
+                                     p.req_to_token, p.req_idx[i][a:b], p.seq_lens[a:b], sm, k,
+                                     "group_max", ws=w, out=p.out[a:b], stage=stage)
+                if skew:
+                    for j in range(len(subs)):
+                        with torch.cuda.stream(streams[j % nstr]):
+                            if j:
+                                streams[j % nstr].wait_event(scored[j - 1])
+                            call(j, "score")
+                            scored[j].record()
+                    for j in range(len(subs)):
+                        with torch.cuda.stream(streams[j % nstr]):
+                            call(j, "rest")
+                else:
+                    for j in range(len(subs)):
+                        with torch.cuda.stream(streams[j % nstr]):
+                            call(j, "all")
                 for s in streams[1:]:
                     main_s.wait_stream(s)
 

@@ -238,6 +238,27 @@ def test_ds_decode_on_workspace_rows_matches_whole_batch():
         ws.rows(2, 4)
 
 
+def test_ds_decode_score_then_rest_matches_all():
+    """stage "score" then stage "rest" (how batch parts are skewed across streams) is the whole
+    call: same selection, same output; an unknown stage is refused."""
+    c = make_case([300, 33, 257], 9, 3, 64, device=DEVICE, seed=23)
+    k = 40
+    ws = make_ws(c, max_heavy_tokens=k)
+    whole, sel = launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, return_sel=True)
+    whole, sel = whole.clone(), sel.clone()
+    out = torch.full_like(c.q, float("nan"))
+    assert launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, stage="score") is None
+    _, sel2 = launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, out=out, stage="rest",
+                               return_sel=True)
+    for b in range(3):
+        n = min(k, int(c.seq_lens[b]))
+        for h in range(3):
+            assert set(sel2[b, h, :n].tolist()) == set(sel[b, h, :n].tolist())
+    assert rel_err(out, whole) < TOL[torch.bfloat16]
+    with pytest.raises(ValueError):
+        launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, stage="scores")
+
+
 def test_ds_threshold_and_sink_recent():
     c = make_case([100, 400, 250], 9, 3, 64, device=DEVICE, seed=11)
     k, thr = 48, 260   # the 250-token request is below the threshold: dense

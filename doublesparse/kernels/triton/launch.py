@@ -273,12 +273,17 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
 
 
 
+STAGES = ("score", "hist", "select", "attend", "rest", "all")
+
+
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
               seq_lens, sm_scale, heavy_token_num, mode="group_max", threshold=0, num_sink=0,
               num_recent=0, ws=None, out=None, num_splits=None, num_progs=None, return_sel=False,
               stage="all"):
     """See ops.ds_decode. ``stage`` ("score", "hist", "select", "attend", "all") runs a prefix or
-    the last part only, for the stage-by-stage benchmark; ``return_sel`` also returns the selection."""
+    the last part only, for the stage-by-stage benchmark; "rest" runs everything after the score
+    (select and attend), so that callers can order batch parts' stages across streams;
+    ``return_sel`` also returns the selection."""
     B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
     dev = q.device
     r = _check_labels(label_cache, label_scale, channels, k_cache, dev)
@@ -302,17 +307,18 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["hist_block_n"],
            TUNING["compact_block_n"]) > SCORE_PAD:
         _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
-    if stage != "attend":
+    if stage not in STAGES:
+        _fail(f"stage must be one of {STAGES}, got {stage!r}")
+    impl = TUNING["score_impl"]
+    if impl == "auto":
+        impl = "mma" if Hkv * r <= TUNING["mma_max_channels"] else "rows"
+    score_hist = impl != "mma" and bool(TUNING["score_hist"])  # the score launch made hist[0]
+    if stage not in ("attend", "rest"):
         nsm = _num_sms(dev)
-        score_hist = bool(TUNING["score_hist"])
         P_score = num_progs or max(1, min(triton.cdiv(TUNING["score_programs_per_sm"] * nsm, B * Hkv),
                                           triton.cdiv(ws.max_ctx, TUNING["score_block_n"])))
         is_fp8 = label_cache.dtype == torch.float8_e4m3fn
-        impl = TUNING["score_impl"]
-        if impl == "auto":
-            impl = "mma" if Hkv * r <= TUNING["mma_max_channels"] else "rows"
         if impl == "mma":
-            score_hist = False
             _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
                        float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, num_progs)
         else:
@@ -330,6 +336,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             )
         if stage == "score":
             return None
+    if stage != "attend":
         _select(ws, seq_lens, req_to_token, req_idx, k, int(threshold), B, rows, score_hist,
                 num_progs, stage)
         if stage == "hist":
