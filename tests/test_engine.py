@@ -428,6 +428,23 @@ def test_cohort_first_tokens_arrive_together(model):
     assert all(s == set(rids) for s in steps[first:first + 4])   # then they decode together
 
 
+def test_cohort_release_waits_for_the_last_prefill_step(model):
+    """Overlap schedule: a request whose prefill is in flight when others arrive is not released
+    alone (it would then wait through their whole prefill with its first token out); the
+    release is planned after that step is collected, so the arrivals join its cohort."""
+    e = engine(model, chunked_prefill_size=64, prefill_schedule="cohort")
+    e.overlap = True
+    ps = _cohort_prompts()
+    first = e.add_request(ps[2], {**GREEDY, "max_new_tokens": 3})
+    assert e.step() == []          # its prefill is launched (all but the held-back last token)
+    assert e.step() == []          # collects that step instead of planning the release
+    later = [e.add_request(p, {**GREEDY, "max_new_tokens": 3}) for p in ps[3:]]  # arrived meanwhile
+    steps = []
+    while e.has_unfinished():
+        steps.append({o.request_id for o in e.step()})
+    assert next(s for s in steps if s) == {first, *later}
+
+
 def test_smollm2_cohort_equals_interleave(smol):
     m, tok = smol
     ps = ["The capital of France is", "1, 2, 3, 4,", "The cat sat on the mat. " * 10]

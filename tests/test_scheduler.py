@@ -250,3 +250,24 @@ def test_interleave_unchanged_by_the_option():
                                         prefill_schedule="interleave"), 1000, 512))
     assert a == b
     assert a[3].decode == ("long", "short") and chunks(a[3]) == [("late", 0, 5, True)]
+
+
+def test_cohort_release_next():
+    """True exactly when the next plan releases held-back last tokens (cohort schedule only)."""
+    s = cohort(chunk=64)
+    assert not s.cohort_release_next()          # nothing running
+    s.add("a", 30, 2)
+    assert not s.cohort_release_next()          # prompt work waiting
+    assert chunks(s.schedule()) == [("a", 0, 29, False)]
+    assert s.cohort_release_next()              # only a's last token left
+    s.add("b", 10, 2)
+    assert not s.cohort_release_next()          # an arrival that fits: its prompt comes first
+    s.schedule()
+    assert s.cohort_release_next()
+    p = s.schedule()
+    assert chunks(p) == [("a", 29, 30, True), ("b", 9, 10, True)]
+    assert not s.cohort_release_next()          # both decode now
+    i = Scheduler(SchedulerConfig(chunked_prefill_size=64), 1000, 512)
+    i.add("a", 30, 2)
+    i.schedule()
+    assert not i.cohort_release_next()          # interleave: never

@@ -189,6 +189,16 @@ class Engine:
             p.scheduler.add(req.rid, len(req.prompt_ids), req.params.max_new_tokens)
             self._reqs[req.rid] = req
         outs, self._pending = self._pending, []
+        if (self._inflight is not None and self._inflight.has_prefill
+                and p.scheduler.cohort_release_next()):
+            # With the overlap schedule this plan would be made while the cohort's last prefill
+            # still runs (~1 s for a 32K prompt), so requests arriving meanwhile would miss the
+            # release, and a request released alone would then wait through their whole prefill
+            # with its first token out. Collect first; the caller hands over new arrivals, and
+            # the next step plans with them.
+            launched, self._inflight = self._inflight, None
+            outs.extend(self._collect(launched))
+            return outs
         plan = p.scheduler.schedule()
         for rid in plan.admitted:
             self._reqs[rid].row = p.memory.rows.alloc()

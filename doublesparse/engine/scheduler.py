@@ -152,6 +152,13 @@ class Scheduler:
             take(r)
         return StepPlan(tuple(chunks), () if hold else decode, tuple(admitted))
 
+    def cohort_release_next(self) -> bool:
+        """Whether the next plan (cohort schedule) is a release: prompts are held back at their
+        last token and no other prompt work is left."""
+        return (self.config.prefill_schedule == "cohort"
+                and any(r.state == "prefill" for r in self.running.values())
+                and not self._cohort_work_left())
+
     def _fits(self, r: SchedRequest, extra_running: int = 0, extra_tokens: int = 0) -> bool:
         """Whether waiting request ``r`` can be admitted now (after ``extra_*`` more admissions)."""
         return (len(self.running) + extra_running < self.config.max_running_requests
