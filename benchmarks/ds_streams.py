@@ -102,10 +102,10 @@ def main(argv=None):
                 ref = o
             err = (o - ref).abs().max().item()
             t = time_fn(ds, copies)
-            rec = dict(batch=B, ctx=L, k=k, r=r, parts=parts, streams=nstr, tuning=tun, us=t * 1e6,
+            rec = dict(batch=B, ctx=L, k=k, r=r, parts=parts, streams=nstr, skew=skew, tuning=tun, us=t * 1e6,
                        dense_us=dense_t * 1e6, floor_us=floor_us, speedup=dense_t / t, max_err_vs_uncut=err)
             out.append(rec)
-            print(f"  parts {parts} streams {nstr} {json.dumps(tun)}: {t * 1e6:7.1f} us  x{dense_t / t:.2f}  "
+            print(f"  parts {parts} streams {nstr}{' skewed' if skew else ''} {json.dumps(tun)}: {t * 1e6:7.1f} us  x{dense_t / t:.2f}  "
                   f"floor frac {floor_us / (t * 1e6):.2f}  max|diff| {err:.2e}", flush=True)
         launch.TUNING.clear()
         launch.TUNING.update(base)
