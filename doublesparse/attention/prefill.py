@@ -41,9 +41,8 @@ _ORDER = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFF
           SDPBackend.MATH)
 SPLIT_MIN_TOKENS = 4096
 # The split's merge as one Triton pass (fused.lse_merge_kernel) instead of ~8 PyTorch elementwise
-# ops; those took ~95 ms of a 32K prompt's 1.33 s prefill in 16384-token chunks on the H200
-# (results/h200-s10/README.md); this kernel's own time is not yet measured there. False: the
-# PyTorch merge (the CPU path always uses it).
+# ops: ~15 ms less kernel time per 32K prompt in 16384-token chunks on the H200
+# (results/h200-s11/README.md). False: the PyTorch merge (the CPU path always uses it).
 MERGE_TRITON = True
 SPLIT_PREFIX: bool | None = {"1": True, "0": False}.get(os.environ.get("DOUBLESPARSE_PREFILL_SPLIT_PREFIX", ""))
 
@@ -128,10 +127,20 @@ def warmup(device, dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) ->
 
 
 def _split_prefix(q, k, v, prefix_len, scale):
-    if k.shape[0] != q.shape[0]:
-        k, v = _repeat_kv(q, k, v)
-    o1, lse1 = _attention_lse(q, k[:, :prefix_len], v[:, :prefix_len], False, scale)
-    o2, lse2 = _attention_lse(q, k[:, prefix_len:], v[:, prefix_len:], True, scale)
+    Hq, n, D = q.shape
+    Hkv = k.shape[0]
+    G = Hq // Hkv
+    q = q.contiguous()  # once, for both calls
+    # The chunk against the prefix has no mask, so the G query heads of one KV head fold into its
+    # query rows (query head h uses KV head h // G): one call over Hkv heads, no K/V repeated.
+    o1, lse1 = _attention_lse(q.view(Hkv, G * n, D), k[:, :prefix_len], v[:, :prefix_len], False, scale)
+    o1, lse1 = o1.reshape(Hq, n, D), lse1.reshape(Hq, n, 1)
+    # The chunk against itself is causal by query position, which folding would break: repeat the
+    # chunk's own K/V (n tokens, not the prefix) over the group.
+    k2, v2 = k[:, prefix_len:], v[:, prefix_len:]
+    if G > 1:
+        k2, v2 = k2.repeat_interleave(G, 0), v2.repeat_interleave(G, 0)
+    o2, lse2 = _attention_lse(q, k2, v2, True, scale)
     if q.is_cuda and MERGE_TRITON:
         from ..kernels.triton.fused_launch import lse_merge
         return lse_merge(o1, o2, lse1[..., 0].contiguous(), lse2[..., 0].contiguous())
