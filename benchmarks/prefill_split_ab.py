@@ -20,6 +20,7 @@ import sys
 import torch
 
 from doublesparse.attention import prefill
+from doublesparse.bench.profile_step import gpu_times
 from doublesparse.kernels.triton.fused_launch import lse_merge
 
 
@@ -34,15 +35,7 @@ def before(q, k, v, prefix_len, scale):
 def time_ms(fn, reps=10):
     for _ in range(2):
         fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return statistics.median(gpu_times(fn, reps)) * 1e3
 
 
 def main(argv=None):
