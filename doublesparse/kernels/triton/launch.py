@@ -14,12 +14,8 @@ import os
 import torch
 import triton
 
-from ..reference import MODES
-from ..workspace import SCORE_PAD, DecodeWorkspace
+from ..workspace import DecodeWorkspace
 from .decode_attn import decode_attn_kernel, merge_kernel
-from .ds_score import score_mma_kernel
-from .ds_select import score_kernel
-from .ds_topk import select_kernel
 from .pdl import HAVE_GDC
 from .rope import rope_kernel
 from .store import store_kv_kernel
@@ -271,141 +267,6 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
                       None, Hkv, 0, 0, False, S)
 
 
-
-
-STAGES = ("score", "hist", "select", "attend", "rest", "all")
-
-
-def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-              seq_lens, sm_scale, heavy_token_num, mode="group_max", threshold=0, num_sink=0,
-              num_recent=0, ws=None, out=None, num_splits=None, num_progs=None, return_sel=False,
-              stage="all"):
-    """See ops.ds_decode. ``stage`` ("score", "hist", "select", "attend", "all") runs a prefix or
-    the last part only, for the stage-by-stage benchmark; "rest" runs everything after the score
-    (select and attend), so that callers can order batch parts' stages across streams;
-    ``return_sel`` also returns the selection."""
-    B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
-    dev = q.device
-    r = _check_labels(label_cache, label_scale, channels, k_cache, dev)
-    if mode not in MODES:
-        _fail(f"mode must be one of {MODES}, got {mode!r}")
-    k = int(heavy_token_num)
-    if k <= 0:
-        _fail(f"heavy_token_num must be positive, got {k}")
-    if not ws.max_heavy_tokens:
-        _fail("workspace has no Double Sparsity buffers (max_heavy_tokens=0)")
-    if k > ws.max_heavy_tokens:
-        _fail(f"heavy_token_num={k} exceeds workspace max_heavy_tokens={ws.max_heavy_tokens}")
-    if req_to_token.shape[1] > ws.max_ctx:
-        _fail(f"req_to_token has {req_to_token.shape[1]} positions > workspace max_ctx {ws.max_ctx}")
-    if num_sink < 0 or num_recent < 0 or num_sink + num_recent > k:
-        _fail(f"need 0 <= num_sink + num_recent <= k, got {num_sink} + {num_recent} (k={k})")
-    G = Hq // Hkv
-    per_head = mode == "per_head"
-    rows = Hq if per_head else Hkv
-    scores, hist, info, sel, sel_slot = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot
-    if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["hist_block_n"],
-           TUNING["compact_block_n"]) > SCORE_PAD:
-        _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
-    if stage not in STAGES:
-        _fail(f"stage must be one of {STAGES}, got {stage!r}")
-    impl = TUNING["score_impl"]
-    if impl == "auto":
-        impl = "mma" if Hkv * r <= TUNING["mma_max_channels"] else "rows"
-    score_hist = impl != "mma" and bool(TUNING["score_hist"])  # the score launch made hist[0]
-    if stage not in ("attend", "rest"):
-        nsm = _num_sms(dev)
-        P_score = num_progs or max(1, min(triton.cdiv(TUNING["score_programs_per_sm"] * nsm, B * Hkv),
-                                          triton.cdiv(ws.max_ctx, TUNING["score_block_n"])))
-        is_fp8 = label_cache.dtype == torch.float8_e4m3fn
-        if impl == "mma":
-            _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
-                       float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, num_progs)
-        else:
-            score_kernel[(B, Hkv, P_score)](
-                q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
-                scores, hist, info, float(sm_scale), k, int(threshold), int(num_sink), int(num_recent),
-                q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
-                req_to_token.stride(0), scores.stride(0), scores.stride(1),
-                hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
-                G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P_score,
-                BLOCK_H=triton.next_power_of_2(G), BLOCK_N=TUNING["score_block_n"],
-                BLOCK_R=triton.next_power_of_2(r), DO_HIST=score_hist,
-                LOOP_STAGES=TUNING["score_loop_stages"],
-                num_warps=TUNING["score_warps"], num_stages=TUNING["score_stages"],
-            )
-        if stage == "score":
-            return None
-    if stage != "attend":
-        _select(ws, seq_lens, req_to_token, req_idx, k, int(threshold), B, rows, score_hist,
-                num_progs, stage)
-        if stage == "hist":
-            return None
-        if stage == "select":
-            return sel
-    if num_splits is None:
-        want = triton.cdiv(TUNING["sparse_attn_programs_per_sm"] * _num_sms(dev), B * rows)
-        cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev)), dense_splits(B, Hkv, ws, dev))
-        num_splits = max(1, min(ws.max_splits, want, cap))
-    o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                   sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"])
-    return (o, sel) if return_sel else o
-
-
-def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage):
-    """Stage 2: ds_topk's three phases, one launch each (phase 1 skipped when the
-    score launch made the histogram; stage "hist" runs phase 1 only, for the stage benchmark)."""
-    scores, hist, info, sel, sel_slot = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot
-    args = (scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx, k, threshold,
-            scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
-            info.stride(0), info.stride(1), sel.stride(0), sel.stride(1), req_to_token.stride(0))
-    nsm = _num_sms(scores.device)
-
-    def launch(phase, block, per_sm, loop_stages=TUNING["select_loop_stages"], count_stages=1):
-        P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, block)))
-        select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
-                                    ATOMIC_HIST=TUNING["select_atomic_hist"],
-                                    LOOP_STAGES=loop_stages, COUNT_STAGES=count_stages,
-                                    num_warps=TUNING["select_warps"], num_stages=TUNING["select_stages"])
-
-    if not skip_phase1:
-        launch(1, TUNING["hist_block_n"], TUNING["hist_programs_per_sm"])
-    if stage != "hist":
-        launch(2, TUNING["select_block_n"], TUNING["select_programs_per_sm"])
-        launch(3, TUNING["compact_block_n"], TUNING["compact_programs_per_sm"],
-               TUNING["compact_loop_stages"], TUNING["compact_count_stages"])
-
-
-def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
-               k, threshold, num_sink, num_recent, mode, num_progs=None):
-    """Stage 1 with ds_score.score_mma_kernel: grid (B, P), every KV head per program."""
-    B, Hq, _ = q.shape
-    Hkv, r = label_cache.shape[1], label_cache.shape[2]
-    G = Hq // Hkv
-    g_p = triton.next_power_of_2(G)
-    hkv_p = max(triton.next_power_of_2(Hkv), triton.cdiv(16, g_p))
-    block_c = max(16, triton.next_power_of_2(Hkv * r))
-    # About 16-32 KB of labels per tile, whatever Hkv * r is.
-    block_n = max(16, min(TUNING["mma_block_n"], 16384 // block_c))
-    P = num_progs or max(1, min(triton.cdiv(TUNING["mma_programs_per_sm"] * _num_sms(q.device), B),
-                                triton.cdiv(ws.max_ctx, block_n)))
-    is_fp8 = label_cache.dtype == torch.float8_e4m3fn
-    kind = {torch.float16: 1, torch.float32: 2}.get(label_cache.dtype, 0)
-    scores, hist, info = ws.scores, ws.hist, ws.rowinfo
-    rows = Hq if mode == "per_head" else Hkv
-    score_mma_kernel[(B, P)](
-        q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
-        scores, hist, info, sm_scale, k, threshold, num_sink, num_recent,
-        q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
-        req_to_token.stride(0), scores.stride(0), scores.stride(1),
-        hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
-        HKV=Hkv, G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, LABEL_KIND=kind, NUM_PROGS=P,
-        BLOCK_N=block_n, BLOCK_C=block_c, HKV_P=hkv_p, G_P=g_p, ROWS_P=triton.next_power_of_2(rows),
-        DOT_F32=_INTERPRET, num_warps=TUNING["mma_warps"],
-        num_stages=1,  # the loop is pipelined by hand; Triton's pipeliner would only serialize it
-    )
-
-
 def rope(positions, q, k, cos, sin):
     dev = q.device
     _check(q, "q", 3, _FLOAT, dev)
@@ -431,3 +292,8 @@ def rope(positions, q, k, cos, sin):
         BLOCK_HKV=triton.next_power_of_2(Hkv), BLOCK_D2=triton.next_power_of_2(D // 2), num_warps=1,
     )
     return qo, ko
+
+
+# The Double Sparsity launcher lives in ds_launch.py (it builds on the helpers above); callers use
+# launch.ds_decode as before.
+from .ds_launch import STAGES, ds_decode  # noqa: E402,F401
