@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .bench.serving_workload import Spec, _body, _malformed, build_workload  # noqa: F401 (_body, _malformed: tests)
+from .bench.serving_workload import Spec, build_workload
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/generate"}
 

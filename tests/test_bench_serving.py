@@ -7,6 +7,7 @@ import json
 import pytest
 
 from doublesparse import bench_serving as B
+from doublesparse.bench import serving_workload as W
 from test_server import KEY, Server, backend_args
 
 
@@ -94,11 +95,11 @@ def test_generate_malformed_mix_is_exact(srv):
 
 @pytest.mark.parametrize("endpoint", ["generate", "completions", "chat"])
 def test_every_malformed_kind_is_refused(srv, endpoint):
-    base = B._body(B.parse_args(["--endpoint", endpoint]), "fake-model", B.random.Random(0),
+    base = W._body(B.parse_args(["--endpoint", endpoint]), "fake-model", B.random.Random(0),
                    [], 8, 2)
     kinds = set()
     for seed in range(60):  # every kind of this endpoint comes up among 60 draws
-        spec = B._malformed(B.random.Random(seed), base, endpoint)
+        spec = W._malformed(B.random.Random(seed), base, endpoint)
         if spec.malformed_kind in kinds:
             continue
         kinds.add(spec.malformed_kind)
