@@ -109,8 +109,9 @@ def score_mma_kernel(
         slot0 = tl.load(rt_row).to(tl.int64)
         for t in tl.range(start, end, BLOCK_N, num_stages=CONTIG_STAGES):
             offs = t + ar
-            lab = _labels(label_ptr, slot0 + offs, offs < end, lab_off, cmask, stride_ls, FULL)
-            _score_tile(lab, offs, qv, q_hi, q_lo, srow, head, colmask, kv, gvalid, seq_len, end,
+            nmask = offs < end
+            lab = _labels(label_ptr, slot0 + offs, nmask, lab_off, cmask, stride_ls, FULL)
+            _score_tile(lab, offs, nmask, qv, q_hi, q_lo, srow, head, colmask, kv, gvalid, seq_len,
                         num_sink, num_recent, stride_sr, HKV, MODE, LABEL_KIND, BLOCK_N, HKV_P, G_P,
                         DOT_F32)
     else:
@@ -124,22 +125,22 @@ def score_mma_kernel(
                            cmask, stride_ls, FULL)
         for t in range(start, end, BLOCK_N):
             offs = t + ar
+            nmask = offs < end
             lab = lab_next
             lab_next = _labels(label_ptr, slot_after, offs + BLOCK_N < end, lab_off, cmask, stride_ls,
                                FULL)
             slot_after = _slots(rt_row, offs + 2 * BLOCK_N, end)
-            _score_tile(lab, offs, qv, q_hi, q_lo, srow, head, colmask, kv, gvalid, seq_len, end,
+            _score_tile(lab, offs, nmask, qv, q_hi, q_lo, srow, head, colmask, kv, gvalid, seq_len,
                         num_sink, num_recent, stride_sr, HKV, MODE, LABEL_KIND, BLOCK_N, HKV_P, G_P,
                         DOT_F32)
 
 
 @triton.jit
-def _score_tile(lab, offs, qv, q_hi, q_lo, srow, head, colmask, kv, gvalid, seq_len, end, num_sink,
+def _score_tile(lab, offs, nmask, qv, q_hi, q_lo, srow, head, colmask, kv, gvalid, seq_len, num_sink,
                 num_recent, stride_sr, HKV: tl.constexpr, MODE: tl.constexpr, LABEL_KIND: tl.constexpr,
                 BLOCK_N: tl.constexpr, HKV_P: tl.constexpr, G_P: tl.constexpr, DOT_F32: tl.constexpr):
     # One tile's scores ([BLOCK_N, HKV_P * G_P] products of its labels with Q), reduced per mode,
     # clamped to fp16, sink / recent tokens forced to the top, stored.
-    nmask = offs < end
     if DOT_F32:
         # The interpreter: plain fp32 products (its low-precision dots are not reliable).
         s = tl.dot(lab.to(tl.float32), qv)
