@@ -139,7 +139,7 @@ def _split_prefix(q, k, v, prefix_len, scale):
     # chunk's own K/V (n tokens, not the prefix) over the group.
     k2, v2 = k[:, prefix_len:], v[:, prefix_len:]
     if G > 1:
-        k2, v2 = k2.repeat_interleave(G, 0), v2.repeat_interleave(G, 0)
+        k2, v2 = _repeat_kv(q, k2, v2)
     o2, lse2 = _attention_lse(q, k2, v2, True, scale)
     if q.is_cuda and MERGE_TRITON:
         from ..kernels.triton.fused_launch import lse_merge
