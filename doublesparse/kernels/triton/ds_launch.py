@@ -107,7 +107,7 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
             info.stride(0), info.stride(1), sel.stride(0), sel.stride(1), req_to_token.stride(0))
     nsm = _num_sms(scores.device)
 
-    def launch(phase, block, per_sm, loop_stages=TUNING["select_loop_stages"], count_stages=1):
+    def launch(phase, block, per_sm, loop_stages, count_stages=1):
         P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, block)))
         select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
                                     ATOMIC_HIST=TUNING["select_atomic_hist"],
@@ -115,9 +115,9 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
                                     num_warps=TUNING["select_warps"], num_stages=TUNING["select_stages"])
 
     if not skip_phase1:
-        launch(1, TUNING["hist_block_n"], TUNING["hist_programs_per_sm"])
+        launch(1, TUNING["hist_block_n"], TUNING["hist_programs_per_sm"], TUNING["select_loop_stages"])
     if stage != "hist":
-        launch(2, TUNING["select_block_n"], TUNING["select_programs_per_sm"])
+        launch(2, TUNING["select_block_n"], TUNING["select_programs_per_sm"], TUNING["select_loop_stages"])
         launch(3, TUNING["compact_block_n"], TUNING["compact_programs_per_sm"],
                TUNING["compact_loop_stages"], TUNING["compact_count_stages"])
 

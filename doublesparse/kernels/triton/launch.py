@@ -301,4 +301,4 @@ def rope(positions, q, k, cos, sin):
 
 # The Double Sparsity launcher lives in ds_launch.py (it builds on the helpers above); callers use
 # launch.ds_decode as before.
-from .ds_launch import STAGES, ds_decode  # noqa: E402,F401
+from .ds_launch import ds_decode  # noqa: E402,F401
