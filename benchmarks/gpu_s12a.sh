@@ -7,6 +7,8 @@
 #     "diag_contiguous_slots"; the benchmark's pools hold one run per request), against the
 #     gathering score. One layer, r 16, k = L/16, group_max.
 # Writes $OUT/console.log and $OUT/streams-contig.json.
+# Ran in session 12 at 05cfd1a (results/h200-s12/): no gain, so the diagnostic knobs were removed
+# afterwards; this runbook only runs at that commit.
 source benchmarks/runbook_lib.sh; runbook_start
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_ds_batch_parts.py \
     tests/test_fused.py 2>&1 | tail -2

@@ -1,12 +1,11 @@
 """Compile DS decode kernels for sm_90 on a machine without a GPU and print their registers.
 
-    python benchmarks/kernel_resources.py [--block-n 64] [--contiguous-slots]
+    python benchmarks/kernel_resources.py [--block-n 64]
 
 Uses Triton's own compiler and the cuobjdump its NVIDIA backend ships (no GPU needed). The shapes
 are Llama-3.1-8B's (32 q / 8 KV heads, d 128, r 16, group_max); pointer and stride arguments are
-marked 16-divisible, as Triton specializes them at run time for these shapes. ``--contiguous-slots``
-also compiles the score's benchmark-only variant (launch.TUNING "diag_contiguous_slots", 3 stages)
-and counts the asynchronous copies (cp.async) in each score kernel's PTX.
+marked 16-divisible, as Triton specializes them at run time for these shapes. For the score it
+also counts the asynchronous copies (cp.async) in the PTX.
 """
 
 from __future__ import annotations
@@ -50,16 +49,12 @@ def resources(kernel) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--block-n", type=int, default=64)
-    ap.add_argument("--contiguous-slots", action="store_true")
     a = ap.parse_args()
-    for contig in (False, True) if a.contiguous_slots else (False,):
-        k = compile_sm90(ds_score.score_mma_kernel, dict(
-            HKV=8, G=4, R=16, MODE=2, LABEL_FP8=False, LABEL_KIND=0, NUM_PROGS=176, BLOCK_N=a.block_n,
-            BLOCK_C=128, HKV_P=8, G_P=4, ROWS_P=8, DOT_F32=False, CONTIG=contig, CONTIG_STAGES=3),
-            num_warps=4, num_stages=1)
-        copies = f", cp.async in PTX: {len(re.findall(r'cp[.]async', k.asm['ptx']))}" if a.contiguous_slots else ""
-        print(f"score_mma_kernel block_n={a.block_n}{' contiguous slots' if contig else ''}: "
-              f"{resources(k)}{copies}")
+    k = compile_sm90(ds_score.score_mma_kernel, dict(
+        HKV=8, G=4, R=16, MODE=2, LABEL_FP8=False, LABEL_KIND=0, NUM_PROGS=176, BLOCK_N=a.block_n,
+        BLOCK_C=128, HKV_P=8, G_P=4, ROWS_P=8, DOT_F32=False), num_warps=4, num_stages=1)
+    print(f"score_mma_kernel block_n={a.block_n}: {resources(k)}, "
+          f"cp.async in PTX: {len(re.findall(r'cp[.]async', k.asm['ptx']))}")
     k = compile_sm90(decode_attn.decode_attn_kernel, dict(
         G=4, D=128, PER_HEAD=False, HAS_SEL=True, NUM_SPLITS=22, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128,
         DOT_F32=False, FUSE_MERGE=False, BLOCK_S=32), num_warps=4, num_stages=2)

@@ -4,7 +4,6 @@ On CPU the Triton kernels run under TRITON_INTERPRET=1 (see conftest.py), so siz
 on a GPU the same tests run compiled.
 """
 
-import dataclasses
 
 import pytest
 import torch
@@ -259,45 +258,6 @@ def test_ds_decode_score_then_rest_matches_all():
     assert rel_err(out, whole) < TOL[torch.bfloat16]
     with pytest.raises(ValueError):
         launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, stage="scores")
-
-
-def _contiguous_slots(c):
-    """The same case with each request's tokens moved to one run of slots (request order)."""
-    old = c.req_to_token.clone()
-    new = torch.zeros_like(old)
-    perm = torch.arange(c.k_cache.shape[0], device=old.device)   # new slot -> old slot
-    nxt = 1
-    for b in range(c.q.shape[0]):
-        row, n = int(c.req_idx[b]), int(c.seq_lens[b])
-        new[row, :n] = torch.arange(nxt, nxt + n, dtype=old.dtype, device=old.device)
-        perm[nxt: nxt + n] = old[row, :n].long()
-        nxt += n
-    used = set(perm[1:nxt].tolist())
-    perm[nxt:] = torch.tensor([s for s in range(1, c.k_cache.shape[0]) if s not in used][: len(perm) - nxt],
-                              device=old.device, dtype=perm.dtype)
-    return dataclasses.replace(c, k_cache=c.k_cache[perm], v_cache=c.v_cache[perm],
-                               label_cache=c.label_cache[perm], req_to_token=new)
-
-
-def test_diag_contiguous_slots_score_matches_gather(monkeypatch):
-    """The benchmark-only contiguous-slot score (launch.TUNING["diag_contiguous_slots"]) selects
-    what the gathering score selects on a pool whose requests hold one run of slots each; the
-    Double Sparsity backend refuses to start with it set."""
-    c = _contiguous_slots(make_case([300, 77, 129], 32, 8, 64, device=DEVICE, seed=31))
-    k = 40
-    ws = make_ws(c, max_heavy_tokens=k)
-    out, sel = launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, return_sel=True)
-    out, sel = out.clone(), sel.clone()
-    monkeypatch.setitem(launch.TUNING, "diag_contiguous_slots", True)
-    out2, sel2 = launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, return_sel=True)
-    for b in range(3):
-        n = min(k, int(c.seq_lens[b]))
-        for h in range(8):
-            assert set(sel2[b, h, :n].tolist()) == set(sel[b, h, :n].tolist())
-    assert rel_err(out2, out) < TOL[torch.bfloat16]
-    from doublesparse.attention.double_sparsity import DoubleSparsityBackend
-    with pytest.raises(ValueError, match="diag_contiguous_slots"):
-        DoubleSparsityBackend(None, 32, 64, ds=object())
 
 
 def test_ds_threshold_and_sink_recent():

@@ -51,11 +51,6 @@ class DoubleSparsityBackend(AttentionBackend):
 
     def __init__(self, memory, num_q_heads, head_dim, sm_scale=None, impl="auto", workspace=None,
                  channels=None, ds: DSParams | None = None):
-        from ..kernels.triton.launch import TUNING
-        if TUNING["diag_contiguous_slots"]:
-            raise ValueError("launch parameter diag_contiguous_slots is a kernel-benchmark diagnostic; "
-                             "the engine's slots are not contiguous per request (unset it in "
-                             "DOUBLESPARSE_TUNING)")
         super().__init__(memory, num_q_heads, head_dim, sm_scale, impl, workspace, channels)
         if ds is None:
             raise ValueError("DoubleSparsityBackend needs DSParams")

@@ -147,7 +147,6 @@ def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq
         hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
         HKV=Hkv, G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, LABEL_KIND=kind, NUM_PROGS=P,
         BLOCK_N=block_n, BLOCK_C=block_c, HKV_P=hkv_p, G_P=g_p, ROWS_P=triton.next_power_of_2(rows),
-        DOT_F32=_INTERPRET, CONTIG=bool(TUNING["diag_contiguous_slots"]),
-        CONTIG_STAGES=TUNING["diag_contiguous_stages"], num_warps=TUNING["mma_warps"],
+        DOT_F32=_INTERPRET, num_warps=TUNING["mma_warps"],
         num_stages=1,  # the loop is pipelined by hand; Triton's pipeliner would only serialize it
     )

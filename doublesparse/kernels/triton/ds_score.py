@@ -48,8 +48,7 @@ def score_mma_kernel(
     HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr,
     LABEL_FP8: tl.constexpr, LABEL_KIND: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HKV_P: tl.constexpr, G_P: tl.constexpr,
-    ROWS_P: tl.constexpr, DOT_F32: tl.constexpr, CONTIG: tl.constexpr = False,
-    CONTIG_STAGES: tl.constexpr = 3,
+    ROWS_P: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # One program: (batch entry, slice of positions), all KV heads. MODE 0 = per query head (one
     # score row per query head), 1 = group sum, 2 = group max (one row per KV head).
@@ -101,38 +100,24 @@ def score_mma_kernel(
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
     ar = tl.arange(0, BLOCK_N)
     FULL: tl.constexpr = BLOCK_C == HKV * R
-    if CONTIG:
-        # Diagnostic (TUNING "diag_contiguous_slots"): the request's slots are one run from its
-        # first slot, so label addresses need no slot lookup and Triton's pipeliner can keep
-        # CONTIG_STAGES tiles in flight through shared memory. Valid only for such pools (the
-        # kernel benchmark's); it measures what a label layout in request order would gain.
-        slot0 = tl.load(rt_row).to(tl.int64)
-        for t in tl.range(start, end, BLOCK_N, num_stages=CONTIG_STAGES):
-            offs = t + ar
-            nmask = offs < end
-            lab = _labels(label_ptr, slot0 + offs, nmask, lab_off, cmask, stride_ls, FULL)
-            _score_tile(lab, offs, nmask, qv, q_hi, q_lo, srow, head, colmask, kv, gvalid, seq_len,
-                        num_sink, num_recent, stride_sr, HKV, MODE, LABEL_KIND, BLOCK_N, HKV_P, G_P,
-                        DOT_F32)
-    else:
-        # Software-pipelined by hand: while a tile is scored, the next tile's labels and the slots
-        # of the one after are in flight. (Triton's pipeliner waits for the index load and the
-        # gather it feeds together, which leaves one tile in flight and none overlapping the math.)
-        # (Two tiles of labels in flight, for more registers, measured slower on an H200: 75.5 vs
-        # 66.6 us for the whole DS step at 64K x 3, benchmarks/gpu_s5a.sh.)
-        slot_after = _slots(rt_row, start + BLOCK_N + ar, end)
-        lab_next = _labels(label_ptr, _slots(rt_row, start + ar, end), start + ar < end, lab_off,
-                           cmask, stride_ls, FULL)
-        for t in range(start, end, BLOCK_N):
-            offs = t + ar
-            nmask = offs < end
-            lab = lab_next
-            lab_next = _labels(label_ptr, slot_after, offs + BLOCK_N < end, lab_off, cmask, stride_ls,
-                               FULL)
-            slot_after = _slots(rt_row, offs + 2 * BLOCK_N, end)
-            _score_tile(lab, offs, nmask, qv, q_hi, q_lo, srow, head, colmask, kv, gvalid, seq_len,
-                        num_sink, num_recent, stride_sr, HKV, MODE, LABEL_KIND, BLOCK_N, HKV_P, G_P,
-                        DOT_F32)
+    # Software-pipelined by hand: while a tile is scored, the next tile's labels and the slots
+    # of the one after are in flight. (Triton's pipeliner waits for the index load and the
+    # gather it feeds together, which leaves one tile in flight and none overlapping the math.)
+    # (Two tiles of labels in flight, for more registers, measured slower on an H200: 75.5 vs
+    # 66.6 us for the whole DS step at 64K x 3, benchmarks/gpu_s5a.sh.)
+    slot_after = _slots(rt_row, start + BLOCK_N + ar, end)
+    lab_next = _labels(label_ptr, _slots(rt_row, start + ar, end), start + ar < end, lab_off,
+                       cmask, stride_ls, FULL)
+    for t in range(start, end, BLOCK_N):
+        offs = t + ar
+        nmask = offs < end
+        lab = lab_next
+        lab_next = _labels(label_ptr, slot_after, offs + BLOCK_N < end, lab_off, cmask, stride_ls,
+                           FULL)
+        slot_after = _slots(rt_row, offs + 2 * BLOCK_N, end)
+        _score_tile(lab, offs, nmask, qv, q_hi, q_lo, srow, head, colmask, kv, gvalid, seq_len,
+                    num_sink, num_recent, stride_sr, HKV, MODE, LABEL_KIND, BLOCK_N, HKV_P, G_P,
+                    DOT_F32)
 
 
 @triton.jit

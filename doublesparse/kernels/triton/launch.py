@@ -168,11 +168,6 @@ TUNING = {
     # (32 x 16) rows 6.78 vs mma 7.60 ms per decode step at 20K x 3 (results/).
     "score_impl": "auto", "mma_max_channels": 256,
     "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4,
-    # Diagnostic only, for the kernel benchmarks: the mma score reads each request's labels as one
-    # run of slots from its first slot, pipelined through shared memory (that many stages), to
-    # measure what a label layout in request order would gain. Wrong for the engine's pools, whose
-    # slots are scattered: the Double Sparsity backend refuses to start with it set.
-    "diag_contiguous_slots": False, "diag_contiguous_stages": 3,
     # Programmatic dependent launch on Hopper and later (pdl.py) for the small per-row kernels and
     # the GEMV, whose programs start, and load their weights, while the kernel ahead runs.
     # Off: no GEMV either.
