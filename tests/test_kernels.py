@@ -123,6 +123,21 @@ def _check_selection(c, ws, sel, k, mode, threshold=0):
         picked = torch.gather(got, 1, s).sort(-1).values
         best = got.topk(k, -1).values.sort(-1).values
         assert torch.equal(picked, best), "selection is not the top-k (beyond ties)"
+        assert s.cpu().tolist() == _ordered_top_k(ws.scores[b, :rows, :n], k), \
+            "selection order differs from the kernel's contract"
+
+
+def _ordered_top_k(scores16, k):
+    """The select's contract per row: positions whose 16-bit key is above the k-th largest key,
+    in increasing order, then those equal to it, in increasing order, k in all."""
+    bits = scores16.cpu().view(torch.int16).to(torch.int32)
+    keys = torch.where(bits < 0, ~bits, bits | 0x8000) & 0xFFFF
+    rows = []
+    for row in keys:
+        thr = int(row.topk(k).values[-1])
+        above = (row > thr).nonzero().flatten().tolist()
+        rows.append(above + (row == thr).nonzero().flatten().tolist()[: k - len(above)])
+    return rows
 
 
 def _expected_output(c, sel, k, mode, threshold=0):

@@ -11,7 +11,7 @@ import torch
 import triton
 
 from ..reference import MODES
-from ..workspace import SCORE_PAD
+from ..workspace import SCORE_PAD, SELECT_MAX_PROGS
 from .ds_score import score_mma_kernel
 from .ds_select import score_kernel
 from .ds_topk import select_kernel
@@ -49,7 +49,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     G = Hq // Hkv
     per_head = mode == "per_head"
     rows = Hq if per_head else Hkv
-    scores, hist, info, sel, sel_slot = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot
+    scores, hist, sel, sel_slot = ws.scores, ws.hist, ws.sel, ws.sel_slot
     if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["hist_block_n"],
            TUNING["compact_block_n"]) > SCORE_PAD:
         _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
@@ -70,10 +70,10 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         else:
             score_kernel[(B, Hkv, P_score)](
                 q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
-                scores, hist, info, float(sm_scale), k, int(threshold), int(num_sink), int(num_recent),
+                scores, hist, float(sm_scale), k, int(threshold), int(num_sink), int(num_recent),
                 q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
                 req_to_token.stride(0), scores.stride(0), scores.stride(1),
-                hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
+                hist.stride(0), hist.stride(1), hist.stride(2),
                 G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P_score,
                 BLOCK_H=triton.next_power_of_2(G), BLOCK_N=TUNING["score_block_n"],
                 BLOCK_R=triton.next_power_of_2(r), DO_HIST=score_hist,
@@ -101,25 +101,31 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
 def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage):
     """Stage 2: ds_topk's three phases, one launch each (phase 1 skipped when the
     score launch made the histogram; stage "hist" runs phase 1 only, for the stage benchmark)."""
-    scores, hist, info, sel, sel_slot = ws.scores, ws.hist, ws.rowinfo, ws.sel, ws.sel_slot
-    args = (scores, hist, info, seq_lens, sel, sel_slot, req_to_token, req_idx, k, threshold,
+    scores, hist, info, counts, sel, sel_slot = (ws.scores, ws.hist, ws.rowinfo, ws.counts, ws.sel,
+                                                 ws.sel_slot)
+    args = (scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx, k, threshold,
             scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
-            info.stride(0), info.stride(1), sel.stride(0), sel.stride(1), req_to_token.stride(0))
+            info.stride(0), info.stride(1), counts.stride(0), counts.stride(1),
+            sel.stride(0), sel.stride(1), req_to_token.stride(0))
     nsm = _num_sms(scores.device)
 
-    def launch(phase, block, per_sm, loop_stages, count_stages=1):
+    def launch(phase, block, per_sm, loop_stages, max_progs=None):
         P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, block)))
+        if max_progs:
+            P = min(P, max_progs)
         select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
-                                    ATOMIC_HIST=TUNING["select_atomic_hist"],
-                                    LOOP_STAGES=loop_stages, COUNT_STAGES=count_stages,
+                                    ATOMIC_HIST=TUNING["select_atomic_hist"], LOOP_STAGES=loop_stages,
+                                    MAX_PROGS=SELECT_MAX_PROGS,
                                     num_warps=TUNING["select_warps"], num_stages=TUNING["select_stages"])
 
     if not skip_phase1:
         launch(1, TUNING["hist_block_n"], TUNING["hist_programs_per_sm"], TUNING["select_loop_stages"])
     if stage != "hist":
         launch(2, TUNING["select_block_n"], TUNING["select_programs_per_sm"], TUNING["select_loop_stages"])
-        launch(3, TUNING["compact_block_n"], TUNING["compact_programs_per_sm"],
-               TUNING["compact_loop_stages"], TUNING["compact_count_stages"])
+        # The count and compact phases share one geometry: phase 4 reads phase 3's per-program counts.
+        for phase, stages in ((3, TUNING["compact_count_stages"]), (4, TUNING["compact_loop_stages"])):
+            launch(phase, TUNING["compact_block_n"], TUNING["compact_programs_per_sm"], stages,
+                   SELECT_MAX_PROGS)
 
 
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
@@ -137,14 +143,14 @@ def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq
                                 triton.cdiv(ws.max_ctx, block_n)))
     is_fp8 = label_cache.dtype == torch.float8_e4m3fn
     kind = {torch.float16: 1, torch.float32: 2}.get(label_cache.dtype, 0)
-    scores, hist, info = ws.scores, ws.hist, ws.rowinfo
+    scores, hist = ws.scores, ws.hist
     rows = Hq if mode == "per_head" else Hkv
     score_mma_kernel[(B, P)](
         q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
-        scores, hist, info, sm_scale, k, threshold, num_sink, num_recent,
+        scores, hist, sm_scale, k, threshold, num_sink, num_recent,
         q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
         req_to_token.stride(0), scores.stride(0), scores.stride(1),
-        hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
+        hist.stride(0), hist.stride(1), hist.stride(2),
         HKV=Hkv, G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, LABEL_KIND=kind, NUM_PROGS=P,
         BLOCK_N=block_n, BLOCK_C=block_c, HKV_P=hkv_p, G_P=g_p, ROWS_P=triton.next_power_of_2(rows),
         DOT_F32=_INTERPRET, num_warps=TUNING["mma_warps"],

@@ -104,10 +104,10 @@ def _pick(i: tl.constexpr, q_row, stride_qh, rmask, scale, G: tl.constexpr, q0, 
 def score_kernel(
     q_ptr, label_ptr, channels_ptr, scale_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
-    scores_ptr, hist_ptr, rowinfo_ptr,
+    scores_ptr, hist_ptr,
     sm_scale, heavy_k, threshold, num_sink, num_recent,
     stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt,
-    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr,
     G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LABEL_FP8: tl.constexpr,
     NUM_PROGS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DO_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr,
@@ -124,17 +124,13 @@ def score_kernel(
     bins = tl.arange(0, 256)
     hrow = tl.arange(0, BLOCK_H)
     if p == 0:
-        # Reset what the later launches of this call accumulate into.
+        # Reset what a later launch of this call accumulates into (hist[1]).
         if MODE == 0:
             for i in tl.static_range(G):
                 tl.store(hist_ptr + stride_hp + b * stride_hb + (kvh * G + i) * stride_hr + bins,
                          tl.zeros([256], tl.int32))
-                tl.store(rowinfo_ptr + b * stride_rib + (kvh * G + i) * stride_rir + 2 + tl.arange(0, 2),
-                         tl.zeros([2], tl.int32))
         else:
             tl.store(hist_ptr + stride_hp + b * stride_hb + kvh * stride_hr + bins, tl.zeros([256], tl.int32))
-            tl.store(rowinfo_ptr + b * stride_rib + kvh * stride_rir + 2 + tl.arange(0, 2),
-                     tl.zeros([2], tl.int32))
 
     r = tl.arange(0, BLOCK_R)
     rmask = r < R

@@ -1,7 +1,7 @@
 """Triton kernel for Double Sparsity stage 2: exact top-k of the fp16 score rows (a radix select).
 
 Keys are the 16-bit order-preserving images of the fp16 scores; the k-th largest key is found one
-byte at a time, in three launches of ``select_kernel`` (PHASE = 1, 2, 3), each on a static grid
+byte at a time, in four launches of ``select_kernel`` (PHASE = 1..4), each on a static grid
 (B, rows, P), P programs per score row, each owning one slice of the row; the kernel boundaries
 order the phases. Each phase compiles to a kernel named for it (PHASE_NAMES), so profiles tell
 them apart:
@@ -9,11 +9,16 @@ them apart:
   1. hist_high_kernel: histogram of the keys' high byte -> hist[0] (atomics, one per non-empty bin)
   2. hist_low_kernel: the high byte d0 holding the k-th largest key; histogram of the low byte of
      the keys whose high byte is d0 -> hist[1]
-  3. compact_kernel: the exact 16-bit threshold; write the positions of the keys above it, then
-     enough of the keys equal to it (ties in arrival order), k in all, with their cache slots.
+  3. count_kernel: the exact 16-bit threshold; each program counts its slice's keys above it and
+     equal to it -> counts[b, row, p]
+  4. compact_kernel: each program writes its slice's positions above the threshold, then as many
+     of the keys equal to it as the rank allows, with their cache slots, at offsets summed from
+     the counts of the programs before it. So a row's selection is the same on every run: the
+     positions above the threshold in increasing order, then the tied positions in increasing
+     order (the first ``k - above`` of them).
 
-Workspace protocol (no memset launches): the score launch clears hist[1] and the row's output
-counters; phase 3 clears hist[0] after its last reader (phase 2).
+Workspace protocol (no memset launches): the score launch clears hist[1]; phase 3 clears hist[0]
+after its last reader (phase 2); phase 4 only reads what phase 3 wrote.
 """
 
 import triton
@@ -21,7 +26,7 @@ import triton.language as tl
 
 from .ds_select import _key16, _load_block, _sparse_len, _split_range, _threshold_digit
 
-PHASE_NAMES = {1: "hist_high_kernel", 2: "hist_low_kernel", 3: "compact_kernel"}
+PHASE_NAMES = {1: "hist_high_kernel", 2: "hist_low_kernel", 3: "count_kernel", 4: "compact_kernel"}
 
 
 @triton.jit
@@ -54,12 +59,12 @@ def _phase_name(specialization) -> str:
 
 @triton.jit(repr=_phase_name)
 def select_kernel(
-    scores_ptr, hist_ptr, rowinfo_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
+    scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
     req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
-    stride_selb, stride_selr, stride_rt,
+    stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
     PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
-    ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, COUNT_STAGES: tl.constexpr = 1,
+    ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, MAX_PROGS: tl.constexpr = 64,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
@@ -96,35 +101,39 @@ def select_kernel(
                 hist = tl.histogram(key & 255, 256, mask=inside)
                 tl.atomic_add(h1 + bins, hist, mask=hist > 0, sem="relaxed")
 
-    else:  # the exact threshold; write the selection
+    else:  # phases 3 and 4: the exact threshold; count, then write the selection
         digit0 = tl.load(info)
         need0 = tl.load(info + 1)
         digit1, above1 = _threshold_digit(tl.load(h1 + bins), need0)
         thr = digit0 * 256 + digit1
         n_gt = heavy_k - need0 + above1
         ties = heavy_k - n_gt
-        if p == 0:
-            # hist[0] has had its last reader (phase 2): leave it zeroed for the next call.
-            tl.store(h0 + bins, tl.zeros([256], tl.int32))
-        out = sel_ptr + b * stride_selb + row * stride_selr
-        out_slot = sel_slot_ptr + b * stride_selb + row * stride_selr
-        rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
-        # Count first, so the program reserves its output range with one pair of atomics: an
-        # atomic's round trip per block was the loop's critical path. The second pass re-reads
-        # the scores from L2.
-        c_gt = tl.full([], 0, tl.int32)
-        c_eq = tl.full([], 0, tl.int32)
-        # The count loop only loads and sums, so it may pipeline deeper than the emit loop.
-        for t in tl.range(start, end, BLOCK_N, num_stages=COUNT_STAGES):
-            offs = t + tl.arange(0, BLOCK_N)
-            nmask = offs < end
-            key = _key16(_load_block(srow, offs, BLOCK_N))
-            c_gt += tl.sum(((key > thr) & nmask).to(tl.int32), 0)
-            c_eq += tl.sum(((key == thr) & nmask).to(tl.int32), 0)
-        base = tl.atomic_add(info + 2, c_gt, mask=c_gt > 0, sem="relaxed")
-        base_e = tl.atomic_add(info + 3, c_eq, mask=c_eq > 0, sem="relaxed")
-        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-            offs = t + tl.arange(0, BLOCK_N)
-            key = _key16(_load_block(srow, offs, BLOCK_N))
-            base, base_e = _emit(key, offs, offs < end, thr, n_gt, ties, base, base_e, out, out_slot, rt_row)
-
+        cnt = counts_ptr + b * stride_cb + row * stride_cr
+        if PHASE == 3:
+            if p == 0:
+                # hist[0] has had its last reader (phase 2): leave it zeroed for the next call.
+                tl.store(h0 + bins, tl.zeros([256], tl.int32))
+            c_gt = tl.full([], 0, tl.int32)
+            c_eq = tl.full([], 0, tl.int32)
+            for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+                offs = t + tl.arange(0, BLOCK_N)
+                nmask = offs < end
+                key = _key16(_load_block(srow, offs, BLOCK_N))
+                c_gt += tl.sum(((key > thr) & nmask).to(tl.int32), 0)
+                c_eq += tl.sum(((key == thr) & nmask).to(tl.int32), 0)
+            tl.store(cnt + 2 * p, c_gt)
+            tl.store(cnt + 2 * p + 1, c_eq)
+        else:
+            # This program's output offsets: the counts of the slices before its own. Summed rather
+            # than reserved with atomics, so the selection does not depend on program order.
+            before = tl.arange(0, MAX_PROGS) < p
+            base = tl.sum(tl.load(cnt + 2 * tl.arange(0, MAX_PROGS), mask=before, other=0), 0)
+            base_e = tl.sum(tl.load(cnt + 2 * tl.arange(0, MAX_PROGS) + 1, mask=before, other=0), 0)
+            out = sel_ptr + b * stride_selb + row * stride_selr
+            out_slot = sel_slot_ptr + b * stride_selb + row * stride_selr
+            rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
+            for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+                offs = t + tl.arange(0, BLOCK_N)
+                key = _key16(_load_block(srow, offs, BLOCK_N))
+                base, base_e = _emit(key, offs, offs < end, thr, n_gt, ties, base, base_e, out, out_slot,
+                                     rt_row)
