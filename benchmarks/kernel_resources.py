@@ -52,7 +52,7 @@ def main():
     a = ap.parse_args()
     k = compile_sm90(ds_score.score_mma_kernel, dict(
         HKV=8, G=4, R=16, MODE=2, LABEL_FP8=False, LABEL_KIND=0, NUM_PROGS=176, BLOCK_N=a.block_n,
-        BLOCK_C=128, HKV_P=8, G_P=4, ROWS_P=8, DOT_F32=False), num_warps=4, num_stages=1)
+        BLOCK_C=128, HKV_P=8, G_P=4, DOT_F32=False), num_warps=4, num_stages=1)
     print(f"score_mma_kernel block_n={a.block_n}: {resources(k)}, "
           f"cp.async in PTX: {len(re.findall(r'cp[.]async', k.asm['ptx']))}")
     k = compile_sm90(decode_attn.decode_attn_kernel, dict(

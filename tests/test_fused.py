@@ -301,6 +301,7 @@ def test_model_fused_path_in_cuda_graphs(ds):
 
 # ---------------------------------------------------------------- compiles for a GPU (on CPU)
 _COMPILE = r'''
+import itertools
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -337,12 +338,12 @@ i32 = dict(channels_ptr="*i32", req_to_token_ptr="*i32", req_idx_ptr="*i32", seq
            scores_ptr="*fp16", scale_ptr="*fp32")
 for mode, label in ((2, "*bf16"), (0, "*fp8e4nv"), (1, "*bf16")):
     comp(ds_score.score_mma_kernel, dict(HKV=8, G=4, R=16, MODE=mode, LABEL_FP8=label != "*bf16", LABEL_KIND=0,
-         NUM_PROGS=8, BLOCK_N=64, BLOCK_C=128, HKV_P=8, G_P=4, ROWS_P=32 if mode == 0 else 8, DOT_F32=False),
+         NUM_PROGS=8, BLOCK_N=64, BLOCK_C=128, HKV_P=8, G_P=4, DOT_F32=False),
          dict(i32, q_ptr="*bf16", label_ptr=label), dict(sm_scale="fp32"), num_warps=4, num_stages=1)
 from doublesparse.kernels.triton import ds_topk
-for phase, name in ds_topk.PHASE_NAMES.items():
-    k = comp(ds_topk.select_kernel, dict(PHASE=phase, NUM_PROGS=4, BLOCK_N=1024, ATOMIC_HIST=True, LOOP_STAGES=1,
-             MAX_PROGS=64),
+for (phase, name), atomic in itertools.product(ds_topk.PHASE_NAMES.items(), (True, False)):
+    k = comp(ds_topk.select_kernel, dict(PHASE=phase, NUM_PROGS=4, BLOCK_N=1024, ATOMIC_HIST=atomic, LOOP_STAGES=1,
+             MAX_PROGS=16),
              i32, num_warps=4)
     assert k.name == name, (k.name, name)  # each phase is its own kernel in a profile
 '''

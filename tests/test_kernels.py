@@ -186,6 +186,7 @@ PIPELINES = [
     {"score_impl": "mma", "mma_block_n": 32},
     {"score_impl": "mma", "select_block_n": 256},
     {"score_impl": "mma", "mma_block_n": 16},
+    {"score_impl": "mma", "select_atomic_hist": False, "compact_loop_stages": 2},  # block histograms
 ]
 
 
@@ -205,7 +206,7 @@ def test_ds_select_pipelines(tuning, mode, monkeypatch):
                                   return_sel=True)
         _check_selection(c, ws, sel, k, mode)
         assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
-    assert int(ws.hist[0].abs().sum()) == 0  # hist[1] is cleared by the next call's score launch
+    assert int(ws.hist[0].abs().sum()) == 0  # phase 3 clears it; phase 2 overwrites hist[1:]
 
 
 def test_ds_select_all_ties():
@@ -216,6 +217,19 @@ def test_ds_select_all_ties():
     ws = make_ws(c, max_heavy_tokens=k)
     _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, num_progs=2, return_sel=True)
     _check_selection(c, ws, sel, k, "group_max")
+
+
+def test_ds_select_more_programs_than_phase_cap(monkeypatch):
+    """Asked for more programs per row than workspace.SELECT_MAX_PROGS, phases 2 and 3 run with
+    that many and the selection is still the ordered top-k."""
+    from doublesparse.kernels.workspace import SELECT_MAX_PROGS
+    monkeypatch.setitem(launch.TUNING, "select_block_n", 16)
+    monkeypatch.setitem(launch.TUNING, "hist_block_n", 16)
+    c = make_case([700, 333], 9, 3, 64, device=DEVICE, seed=41)
+    ws = make_ws(c, max_heavy_tokens=50)
+    _, sel = launch.ds_decode(*c.args(), c.sm_scale, 50, "group_max", ws=ws,
+                              num_progs=SELECT_MAX_PROGS + 5, return_sel=True)
+    _check_selection(c, ws, sel, 50, "group_max")
 
 
 def test_ds_repeated_calls_keep_workspace_clean():
@@ -249,7 +263,7 @@ def test_ds_decode_on_workspace_rows_matches_whole_batch():
                 n = min(k, int(c.seq_lens[a + i]))
                 assert set(part_sel[i, h, :n].tolist()) == set(sel[a + i, h, :n].tolist())
     assert rel_err(out, whole) < TOL[torch.bfloat16]
-    assert int(ws.hist[0].abs().sum()) == 0  # phase 3 clears it; hist[1] is cleared by the score launch
+    assert int(ws.hist[0].abs().sum()) == 0  # phase 3 clears it; phase 2 overwrites hist[1:]
     with pytest.raises(ValueError):
         ws.rows(2, 4)
 

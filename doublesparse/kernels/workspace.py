@@ -12,7 +12,7 @@ import torch
 
 HIST_BINS = 256  # radix digit of the top-k select: 8 bits, two passes over fp16 score keys
 SCORE_PAD = 4096  # >= the select kernels' block: they read whole blocks of a score row
-SELECT_MAX_PROGS = 64  # programs per score row in the select's count and compact phases, at most
+SELECT_MAX_PROGS = 16  # programs per score row in the select's phases 2 and 3, at most
 
 
 @dataclass
@@ -55,13 +55,14 @@ class DecodeWorkspace:
             # Rows: one per query head (per_head mode) or per KV head (group modes); size for the larger.
             # Padded by SCORE_PAD so the select kernels can read whole blocks past a row's end.
             self.buffers["scores"] = torch.empty(B, Hq, self.max_ctx + SCORE_PAD, dtype=torch.float16, device=dev)
-            # hist[0]: high byte of the score key, hist[1]: low byte within the chosen high byte.
-            # Kept at zero between steps: each pass's consumer clears what it has read.
-            self.buffers["hist"] = torch.zeros(2, B, Hq, HIST_BINS, **i32)
+            # hist[0]: high byte of the score keys, kept at zero between steps (its last reader
+            # clears it); hist[1 + p]: low byte of the keys inside the chosen high byte, in select
+            # program p's slice (overwritten by that program each step).
+            self.buffers["hist"] = torch.zeros(1 + SELECT_MAX_PROGS, B, Hq, HIST_BINS, **i32)
             # Per row: [high digit, rank left after the high digit]
             self.buffers["rowinfo"] = torch.zeros(B, Hq, 2, **i32)
-            # Per row and select program: [keys above the threshold, keys equal to it] in its slice.
-            self.buffers["counts"] = torch.zeros(B, Hq, SELECT_MAX_PROGS, 2, **i32)
+            # Per row and select program: keys of its slice whose high byte is above the chosen one.
+            self.buffers["counts"] = torch.zeros(B, Hq, SELECT_MAX_PROGS, **i32)
             self.buffers["sel"] = torch.empty(B, Hq, self.max_heavy_tokens, **i32)
             # The cache slots of sel's positions; zero (the padding slot) until written, so a
             # stale entry can never address outside the pool.

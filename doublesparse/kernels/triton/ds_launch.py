@@ -50,8 +50,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     per_head = mode == "per_head"
     rows = Hq if per_head else Hkv
     scores, hist, sel, sel_slot = ws.scores, ws.hist, ws.sel, ws.sel_slot
-    if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["hist_block_n"],
-           TUNING["compact_block_n"]) > SCORE_PAD:
+    if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["hist_block_n"]) > SCORE_PAD:
         _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage not in STAGES:
         _fail(f"stage must be one of {STAGES}, got {stage!r}")
@@ -121,10 +120,9 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
     if not skip_phase1:
         launch(1, TUNING["hist_block_n"], TUNING["hist_programs_per_sm"], TUNING["select_loop_stages"])
     if stage != "hist":
-        launch(2, TUNING["select_block_n"], TUNING["select_programs_per_sm"], TUNING["select_loop_stages"])
-        # The count and compact phases share one geometry: phase 4 reads phase 3's per-program counts.
-        for phase, stages in ((3, TUNING["compact_count_stages"]), (4, TUNING["compact_loop_stages"])):
-            launch(phase, TUNING["compact_block_n"], TUNING["compact_programs_per_sm"], stages,
+        # Phases 2 and 3 share one geometry: phase 3 reads phase 2's per-program histograms.
+        for phase, stages in ((2, TUNING["select_loop_stages"]), (3, TUNING["compact_loop_stages"])):
+            launch(phase, TUNING["select_block_n"], TUNING["select_programs_per_sm"], stages,
                    SELECT_MAX_PROGS)
 
 
@@ -143,16 +141,14 @@ def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq
                                 triton.cdiv(ws.max_ctx, block_n)))
     is_fp8 = label_cache.dtype == torch.float8_e4m3fn
     kind = {torch.float16: 1, torch.float32: 2}.get(label_cache.dtype, 0)
-    scores, hist = ws.scores, ws.hist
-    rows = Hq if mode == "per_head" else Hkv
+    scores = ws.scores
     score_mma_kernel[(B, P)](
         q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
-        scores, hist, sm_scale, k, threshold, num_sink, num_recent,
+        scores, sm_scale, k, threshold, num_sink, num_recent,
         q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
         req_to_token.stride(0), scores.stride(0), scores.stride(1),
-        hist.stride(0), hist.stride(1), hist.stride(2),
         HKV=Hkv, G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, LABEL_KIND=kind, NUM_PROGS=P,
-        BLOCK_N=block_n, BLOCK_C=block_c, HKV_P=hkv_p, G_P=g_p, ROWS_P=triton.next_power_of_2(rows),
+        BLOCK_N=block_n, BLOCK_C=block_c, HKV_P=hkv_p, G_P=g_p,
         DOT_F32=_INTERPRET, num_warps=TUNING["mma_warps"],
         num_stages=1,  # the loop is pipelined by hand; Triton's pipeliner would only serialize it
     )

@@ -41,14 +41,14 @@ def _labels(label_ptr, slot, rmask, lab_off, cmask, stride_ls, FULL: tl.constexp
 def score_mma_kernel(
     q_ptr, label_ptr, channels_ptr, scale_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
-    scores_ptr, hist_ptr,
+    scores_ptr,
     sm_scale, heavy_k, threshold, num_sink, num_recent,
     stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt,
-    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr,
+    stride_sb, stride_sr,
     HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr,
     LABEL_FP8: tl.constexpr, LABEL_KIND: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HKV_P: tl.constexpr, G_P: tl.constexpr,
-    ROWS_P: tl.constexpr, DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     # One program: (batch entry, slice of positions), all KV heads. MODE 0 = per query head (one
     # score row per query head), 1 = group sum, 2 = group max (one row per KV head).
@@ -57,13 +57,6 @@ def score_mma_kernel(
     p = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
     n = _sparse_len(seq_len, heavy_k, threshold)
-    ROWS: tl.constexpr = HKV * G if MODE == 0 else HKV
-    if p == 0:
-        # Reset what a later launch of this call accumulates into (hist[1]).
-        rr = tl.arange(0, ROWS_P)
-        bins = tl.arange(0, 256)
-        tl.store(hist_ptr + stride_hp + b * stride_hb + rr[:, None] * stride_hr + bins[None, :],
-                 tl.zeros([ROWS_P, 256], tl.int32), mask=(rr < ROWS)[:, None])
 
     # Q: [BLOCK_C, HKV_P * G_P], block-diagonal over KV heads.
     c = tl.arange(0, BLOCK_C)

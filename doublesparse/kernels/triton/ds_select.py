@@ -123,14 +123,6 @@ def score_kernel(
     n = _sparse_len(seq_len, heavy_k, threshold)
     bins = tl.arange(0, 256)
     hrow = tl.arange(0, BLOCK_H)
-    if p == 0:
-        # Reset what a later launch of this call accumulates into (hist[1]).
-        if MODE == 0:
-            for i in tl.static_range(G):
-                tl.store(hist_ptr + stride_hp + b * stride_hb + (kvh * G + i) * stride_hr + bins,
-                         tl.zeros([256], tl.int32))
-        else:
-            tl.store(hist_ptr + stride_hp + b * stride_hb + kvh * stride_hr + bins, tl.zeros([256], tl.int32))
 
     r = tl.arange(0, BLOCK_R)
     rmask = r < R

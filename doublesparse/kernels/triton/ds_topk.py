@@ -1,24 +1,25 @@
 """Triton kernel for Double Sparsity stage 2: exact top-k of the fp16 score rows (a radix select).
 
 Keys are the 16-bit order-preserving images of the fp16 scores; the k-th largest key is found one
-byte at a time, in four launches of ``select_kernel`` (PHASE = 1..4), each on a static grid
+byte at a time, in three launches of ``select_kernel`` (PHASE = 1, 2, 3), each on a static grid
 (B, rows, P), P programs per score row, each owning one slice of the row; the kernel boundaries
 order the phases. Each phase compiles to a kernel named for it (PHASE_NAMES), so profiles tell
 them apart:
 
   1. hist_high_kernel: histogram of the keys' high byte -> hist[0] (atomics, one per non-empty bin)
-  2. hist_low_kernel: the high byte d0 holding the k-th largest key; histogram of the low byte of
-     the keys whose high byte is d0 -> hist[1]
-  3. count_kernel: the exact 16-bit threshold; each program counts its slice's keys above it and
-     equal to it -> counts[b, row, p]
-  4. compact_kernel: each program writes its slice's positions above the threshold, then as many
-     of the keys equal to it as the rank allows, with their cache slots, at offsets summed from
-     the counts of the programs before it. So a row's selection is the same on every run: the
-     positions above the threshold in increasing order, then the tied positions in increasing
-     order (the first ``k - above`` of them).
+  2. hist_low_kernel: the high byte d0 holding the k-th largest key; per program, the histogram of
+     the low byte of its slice's keys whose high byte is d0 -> hist[1 + p], and the count of its
+     keys whose high byte is above d0 -> counts[b, row, p]
+  3. compact_kernel: the exact 16-bit threshold (d0, d1) from the sum of the programs' low-byte
+     histograms; each program writes its slice's positions above the threshold, then as many of
+     the keys equal to it as the rank allows, with their cache slots, at offsets summed from the
+     programs before it (their high-byte counts and low-byte histograms). So a row's selection
+     is the same on every run: the positions above the threshold in increasing order, then the
+     first tied positions in increasing order.
 
-Workspace protocol (no memset launches): the score launch clears hist[1]; phase 3 clears hist[0]
-after its last reader (phase 2); phase 4 only reads what phase 3 wrote.
+Phases 2 and 3 share one geometry (at most workspace.SELECT_MAX_PROGS programs per row).
+Workspace protocol (no memset launches): phase 3 clears hist[0] after its last reader (phase 2);
+phase 2 programs overwrite their own hist[1 + p] and counts.
 """
 
 import triton
@@ -26,7 +27,7 @@ import triton.language as tl
 
 from .ds_select import _key16, _load_block, _sparse_len, _split_range, _threshold_digit
 
-PHASE_NAMES = {1: "hist_high_kernel", 2: "hist_low_kernel", 3: "count_kernel", 4: "compact_kernel"}
+PHASE_NAMES = {1: "hist_high_kernel", 2: "hist_low_kernel", 3: "compact_kernel"}
 
 
 @triton.jit
@@ -64,7 +65,7 @@ def select_kernel(
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
     PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
-    ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, MAX_PROGS: tl.constexpr = 64,
+    ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, MAX_PROGS: tl.constexpr = 16,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
@@ -74,7 +75,8 @@ def select_kernel(
     srow = scores_ptr + b * stride_sb + row * stride_sr
     bins = tl.arange(0, 256)
     h0 = hist_ptr + b * stride_hb + row * stride_hr
-    h1 = h0 + stride_hp
+    hp = h0 + stride_hp  # hist[1 + p]: program p's low-byte histogram
+    cnt = counts_ptr + b * stride_cb + row * stride_cr
     info = rowinfo_ptr + b * stride_rib + row * stride_rir
 
     if PHASE == 1:  # high-byte histogram
@@ -84,56 +86,60 @@ def select_kernel(
             hist += tl.histogram(_key16(_load_block(srow, offs, BLOCK_N)) >> 8, 256, mask=offs < end)
         tl.atomic_add(h0 + bins, hist, mask=hist > 0, sem="relaxed")
 
-    elif PHASE == 2:  # the high byte of the k-th largest key; low-byte histogram inside it
+    elif PHASE == 2:  # the high byte of the k-th largest key; per program, the keys above and in it
         digit0, above0 = _threshold_digit(tl.load(h0 + bins), heavy_k)
         if p == 0:
             tl.store(info, digit0)
             tl.store(info + 1, heavy_k - above0)
+        h1 = hp + p * stride_hp
+        n_hi = tl.zeros([BLOCK_N], tl.int32)
+        if ATOMIC_HIST:
+            # Only the keys of one high-byte bucket count (a few percent): scattered atomics are
+            # cheaper than a full block histogram. This program alone adds to its histogram: clear
+            # it first (the barrier orders the stores before the atomics of the other warps).
+            tl.store(h1 + bins, tl.zeros([256], tl.int32))
+            tl.debug_barrier()
+        else:
+            hist = tl.zeros([256], tl.int32)
         for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
             offs = t + tl.arange(0, BLOCK_N)
             key = _key16(_load_block(srow, offs, BLOCK_N))
-            inside = (offs < end) & ((key >> 8) == digit0)
+            nmask = offs < end
+            n_hi += (((key >> 8) > digit0) & nmask).to(tl.int32)
+            inside = nmask & ((key >> 8) == digit0)
             if ATOMIC_HIST:
-                # Only the keys of one high-byte bucket count (a few percent): scattered atomics
-                # are cheaper than a full block histogram.
                 tl.atomic_add(h1 + (key & 255), tl.full([BLOCK_N], 1, tl.int32), mask=inside, sem="relaxed")
             else:
-                hist = tl.histogram(key & 255, 256, mask=inside)
-                tl.atomic_add(h1 + bins, hist, mask=hist > 0, sem="relaxed")
+                hist += tl.histogram(key & 255, 256, mask=inside)
+        if not ATOMIC_HIST:
+            tl.store(h1 + bins, hist)
+        tl.store(cnt + p, tl.sum(n_hi, 0))
 
-    else:  # phases 3 and 4: the exact threshold; count, then write the selection
+    else:  # the exact threshold; write the selection
+        if p == 0:
+            # hist[0] has had its last reader (phase 2): leave it zeroed for the next call.
+            tl.store(h0 + bins, tl.zeros([256], tl.int32))
         digit0 = tl.load(info)
         need0 = tl.load(info + 1)
-        digit1, above1 = _threshold_digit(tl.load(h1 + bins), need0)
+        # Every program's low-byte histogram [MAX_PROGS, 256]: their sum gives the low byte of the
+        # threshold; per program, the keys above it and equal to it, whose sums over the programs
+        # before this one are its output offsets (no atomics, so no dependence on program order).
+        pp = tl.arange(0, MAX_PROGS)
+        used = pp < NUM_PROGS
+        h = tl.load(hp + pp[:, None] * stride_hp + bins[None, :], mask=used[:, None], other=0)
+        digit1, above1 = _threshold_digit(tl.sum(h, 0), need0)
         thr = digit0 * 256 + digit1
         n_gt = heavy_k - need0 + above1
         ties = heavy_k - n_gt
-        cnt = counts_ptr + b * stride_cb + row * stride_cr
-        if PHASE == 3:
-            if p == 0:
-                # hist[0] has had its last reader (phase 2): leave it zeroed for the next call.
-                tl.store(h0 + bins, tl.zeros([256], tl.int32))
-            c_gt = tl.full([], 0, tl.int32)
-            c_eq = tl.full([], 0, tl.int32)
-            for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-                offs = t + tl.arange(0, BLOCK_N)
-                nmask = offs < end
-                key = _key16(_load_block(srow, offs, BLOCK_N))
-                c_gt += tl.sum(((key > thr) & nmask).to(tl.int32), 0)
-                c_eq += tl.sum(((key == thr) & nmask).to(tl.int32), 0)
-            tl.store(cnt + 2 * p, c_gt)
-            tl.store(cnt + 2 * p + 1, c_eq)
-        else:
-            # This program's output offsets: the counts of the slices before its own. Summed rather
-            # than reserved with atomics, so the selection does not depend on program order.
-            before = tl.arange(0, MAX_PROGS) < p
-            base = tl.sum(tl.load(cnt + 2 * tl.arange(0, MAX_PROGS), mask=before, other=0), 0)
-            base_e = tl.sum(tl.load(cnt + 2 * tl.arange(0, MAX_PROGS) + 1, mask=before, other=0), 0)
-            out = sel_ptr + b * stride_selb + row * stride_selr
-            out_slot = sel_slot_ptr + b * stride_selb + row * stride_selr
-            rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
-            for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-                offs = t + tl.arange(0, BLOCK_N)
-                key = _key16(_load_block(srow, offs, BLOCK_N))
-                base, base_e = _emit(key, offs, offs < end, thr, n_gt, ties, base, base_e, out, out_slot,
-                                     rt_row)
+        c_gt = tl.load(cnt + pp, mask=used, other=0) + tl.sum(tl.where(bins[None, :] > digit1, h, 0), 1)
+        c_eq = tl.sum(tl.where(bins[None, :] == digit1, h, 0), 1)
+        base = tl.sum(tl.where(pp < p, c_gt, 0), 0)
+        base_e = tl.sum(tl.where(pp < p, c_eq, 0), 0)
+        out = sel_ptr + b * stride_selb + row * stride_selr
+        out_slot = sel_slot_ptr + b * stride_selb + row * stride_selr
+        rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
+        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+            offs = t + tl.arange(0, BLOCK_N)
+            key = _key16(_load_block(srow, offs, BLOCK_N))
+            base, base_e = _emit(key, offs, offs < end, thr, n_gt, ties, base, base_e, out, out_slot,
+                                 rt_row)

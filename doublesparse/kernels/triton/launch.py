@@ -150,11 +150,9 @@ TUNING = {
     "attn_block_n": 64, "attn_block_n_many_rows": 128, "attn_warps": 4, "attn_stages": 2, "attn_programs_per_sm": 4,
     "score_block_n": 256, "score_programs_per_sm": 8, "score_warps": 4, "score_stages": 3, "select_block_n": 1024, "select_warps": 4,
     "select_programs_per_sm": 4, "select_stages": 3, "select_atomic_hist": True, "score_hist": False,
-    # The select's count and compact phases (ds_topk.py, one geometry for both, at most
-    # workspace.SELECT_MAX_PROGS programs per row) have their own; the select_* knobs above are
-    # hist_low's. compact_count_stages pipelines the count phase's loop, compact_loop_stages the
-    # compact phase's.
-    "compact_block_n": 1024, "compact_programs_per_sm": 4, "compact_loop_stages": 1, "compact_count_stages": 1,
+    # The select's phases 2 and 3 (ds_topk.py) share the select_* geometry above (at most
+    # workspace.SELECT_MAX_PROGS programs per row); phase 3's loop has its own pipelining depth.
+    "compact_loop_stages": 1,
     # Software-pipeline depth of the score / select loops (tl.range num_stages; 1 = no pipelining).
     "score_loop_stages": 3, "select_loop_stages": 1,
     # The select's first phase (high-byte histogram, ds_topk.py) has its own geometry.
