@@ -6,6 +6,7 @@
 # (2) one layer, r 16, k = L/16, group_max: new, old, new, each with two repeats of the default
 #     launch parameters, so that the max|diff| column shows whether a repeat is bitwise equal.
 # Writes $OUT/console.log and $OUT/streams-{new,old,new2}.json.
+# Ran in session 12 at b4b89b1 (results/h200-s12/); the worktree step failed on the device.
 source benchmarks/runbook_lib.sh; runbook_start
 git worktree add -f /tmp/old cae0fed > /dev/null 2>&1 || echo "no worktree of cae0fed"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_ds_batch_parts.py \
