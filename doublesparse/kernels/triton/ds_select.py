@@ -107,7 +107,7 @@ def score_kernel(
     scores_ptr, hist_ptr,
     sm_scale, heavy_k, threshold, num_sink, num_recent,
     stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt,
-    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr,
+    stride_sb, stride_sr, stride_hb, stride_hr,
     G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LABEL_FP8: tl.constexpr,
     NUM_PROGS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DO_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr,
