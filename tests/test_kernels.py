@@ -4,7 +4,6 @@ On CPU the Triton kernels run under TRITON_INTERPRET=1 (see conftest.py), so siz
 on a GPU the same tests run compiled.
 """
 
-
 import pytest
 import torch
 

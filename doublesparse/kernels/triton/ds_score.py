@@ -89,53 +89,41 @@ def score_mma_kernel(
     srow = scores_ptr + b * stride_sb
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
     ar = tl.arange(0, BLOCK_N)
-    FULL: tl.constexpr = BLOCK_C == HKV * R
-    # Software-pipelined by hand: while a tile is scored, the next tile's labels and the slots
-    # of the one after are in flight. (Triton's pipeliner waits for the index load and the
-    # gather it feeds together, which leaves one tile in flight and none overlapping the math.)
+    # Software-pipelined by hand: while a tile is scored, the next tile's labels and the slots of
+    # the one after are in flight. (Triton's pipeliner waits for the index load and the gather it
+    # feeds together, which leaves one tile in flight and none overlapping the math.)
     # (Two tiles of labels in flight, for more registers, measured slower on an H200: 75.5 vs
     # 66.6 us for the whole DS step at 64K x 3, benchmarks/gpu_s5a.sh.)
+    FULL: tl.constexpr = BLOCK_C == HKV * R
     slot_after = _slots(rt_row, start + BLOCK_N + ar, end)
-    lab_next = _labels(label_ptr, _slots(rt_row, start + ar, end), start + ar < end, lab_off,
-                       cmask, stride_ls, FULL)
+    lab_next = _labels(label_ptr, _slots(rt_row, start + ar, end), start + ar < end, lab_off, cmask,
+                       stride_ls, FULL)
     for t in range(start, end, BLOCK_N):
         offs = t + ar
         nmask = offs < end
         lab = lab_next
-        lab_next = _labels(label_ptr, slot_after, offs + BLOCK_N < end, lab_off, cmask, stride_ls,
-                           FULL)
+        lab_next = _labels(label_ptr, slot_after, offs + BLOCK_N < end, lab_off, cmask, stride_ls, FULL)
         slot_after = _slots(rt_row, offs + 2 * BLOCK_N, end)
-        _score_tile(lab, offs, nmask, qv, q_hi, q_lo, srow, head, colmask, kv, gvalid, seq_len,
-                    num_sink, num_recent, stride_sr, HKV, MODE, LABEL_KIND, BLOCK_N, HKV_P, G_P,
-                    DOT_F32)
-
-
-@triton.jit
-def _score_tile(lab, offs, nmask, qv, q_hi, q_lo, srow, head, colmask, kv, gvalid, seq_len, num_sink,
-                num_recent, stride_sr, HKV: tl.constexpr, MODE: tl.constexpr, LABEL_KIND: tl.constexpr,
-                BLOCK_N: tl.constexpr, HKV_P: tl.constexpr, G_P: tl.constexpr, DOT_F32: tl.constexpr):
-    # One tile's scores ([BLOCK_N, HKV_P * G_P] products of its labels with Q), reduced per mode,
-    # clamped to fp16, sink / recent tokens forced to the top, stored.
-    if DOT_F32:
-        # The interpreter: plain fp32 products (its low-precision dots are not reliable).
-        s = tl.dot(lab.to(tl.float32), qv)
-    elif LABEL_KIND == 2:
-        s = tl.dot(lab, qv, input_precision="ieee")
-    else:
-        lab16 = lab.to(q_hi.dtype)
-        s = tl.dot(lab16, q_hi)
-        s = tl.dot(lab16, q_lo, s)
-    keep = (offs < num_sink) | (offs >= seq_len - num_recent)
-    if MODE == 0:
-        v = tl.where(keep[:, None], FP16_MAX, tl.minimum(tl.maximum(s, -FP16_MAX), FP16_MAX))
-        tl.store(srow + head[None, :] * stride_sr + offs[:, None], v.to(tl.float16),
-                 mask=nmask[:, None] & colmask[None, :])
-    else:
-        s3 = tl.reshape(s, [BLOCK_N, HKV_P, G_P])
-        if MODE == 2:
-            red = tl.max(tl.where(gvalid[None, None, :], s3, float("-inf")), 2)
+        if DOT_F32:
+            # The interpreter: plain fp32 products (its low-precision dots are not reliable).
+            s = tl.dot(lab.to(tl.float32), qv)
+        elif LABEL_KIND == 2:
+            s = tl.dot(lab, qv, input_precision="ieee")
         else:
-            red = tl.sum(s3, 2)  # padding columns of Q are zero
-        v = tl.where(keep[:, None], FP16_MAX, tl.minimum(tl.maximum(red, -FP16_MAX), FP16_MAX))
-        tl.store(srow + kv[None, :] * stride_sr + offs[:, None], v.to(tl.float16),
-                 mask=nmask[:, None] & (kv < HKV)[None, :])
+            lab16 = lab.to(q_hi.dtype)
+            s = tl.dot(lab16, q_hi)
+            s = tl.dot(lab16, q_lo, s)
+        keep = (offs < num_sink) | (offs >= seq_len - num_recent)
+        if MODE == 0:
+            v = tl.where(keep[:, None], FP16_MAX, tl.minimum(tl.maximum(s, -FP16_MAX), FP16_MAX))
+            tl.store(srow + head[None, :] * stride_sr + offs[:, None], v.to(tl.float16),
+                     mask=nmask[:, None] & colmask[None, :])
+        else:
+            s3 = tl.reshape(s, [BLOCK_N, HKV_P, G_P])
+            if MODE == 2:
+                red = tl.max(tl.where(gvalid[None, None, :], s3, float("-inf")), 2)
+            else:
+                red = tl.sum(s3, 2)  # padding columns of Q are zero
+            v = tl.where(keep[:, None], FP16_MAX, tl.minimum(tl.maximum(red, -FP16_MAX), FP16_MAX))
+            tl.store(srow + kv[None, :] * stride_sr + offs[:, None], v.to(tl.float16),
+                     mask=nmask[:, None] & (kv < HKV)[None, :])
