@@ -114,7 +114,6 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
         select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
                                     ATOMIC_HIST=TUNING["select_atomic_hist"], LOOP_STAGES=loop_stages,
                                     MAX_PROGS=SELECT_MAX_PROGS,
-                                    VECTOR_KEYS=str(phase) in str(TUNING["select_vector_keys"]),
                                     num_warps=TUNING["select_warps"], num_stages=TUNING["select_stages"])
 
     if not skip_phase1:

@@ -25,25 +25,10 @@ def _key16(s16):
 
 
 @triton.jit
-def _block_offs(t, BLOCK_N: tl.constexpr, VECTOR: tl.constexpr):
-    # Positions t .. t + BLOCK_N - 1 (t a multiple of BLOCK_N), with the layout hint for the loop
-    # that uses them. VECTOR: contiguous, so loads of keys take 16 bytes (8 keys) per thread. Else
-    # one element per thread per access, the layout of scattered stores and atomics: with vector
-    # loads Triton moves their pointers and masks through shared memory, behind barriers, on
-    # every iteration (sm_90 SASS), and holds more registers.
-    offs = t + tl.arange(0, BLOCK_N)
-    if VECTOR:
-        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_N), BLOCK_N)
-    else:
-        offs = tl.max_contiguous(offs, 1)
-    return offs
-
-
-@triton.jit
-def _load_block(row_ptr, offs):
-    # Unmasked (so vector loads stay possible): score rows are padded by
-    # DecodeWorkspace.SCORE_PAD, and callers mask what lies past their range.
-    return tl.load(row_ptr + offs)
+def _load_block(row_ptr, offs, BLOCK_N: tl.constexpr):
+    # Unmasked, so Triton vectorizes it: score rows are padded by DecodeWorkspace.SCORE_PAD, and
+    # callers mask what lies past their range. offs starts at a multiple of BLOCK_N.
+    return tl.load(row_ptr + tl.max_contiguous(tl.multiple_of(offs, BLOCK_N), BLOCK_N))
 
 
 @triton.jit

@@ -25,7 +25,7 @@ phase 2 programs overwrite their own hist[1 + p] and counts.
 import triton
 import triton.language as tl
 
-from .ds_select import _block_offs, _key16, _load_block, _sparse_len, _split_range, _threshold_digit
+from .ds_select import _key16, _load_block, _sparse_len, _split_range, _threshold_digit
 
 PHASE_NAMES = {1: "hist_high_kernel", 2: "hist_low_kernel", 3: "compact_kernel"}
 
@@ -49,7 +49,7 @@ def _emit(key, offs, nmask, thr, n_gt, ties, base, base_e, out, out_slot, rt_row
     slot = tl.load(rt_row + offs, mask=w, other=0)
     tl.store(out + dst, offs, mask=w)
     tl.store(out_slot + dst, slot, mask=w)
-    # The scan's last element holds both block totals: one reduction instead of two.
+    # The scan's last element holds both block totals: one reduction instead of two sums.
     last = tl.max(both, 0)
     return base + (last & 0xFFFF), base_e + (last >> 16)
 
@@ -68,7 +68,6 @@ def select_kernel(
     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
     PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
     ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, MAX_PROGS: tl.constexpr = 16,
-    VECTOR_KEYS: tl.constexpr = True,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
@@ -85,8 +84,8 @@ def select_kernel(
     if PHASE == 1:  # high-byte histogram
         hist = tl.zeros([256], tl.int32)
         for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-            offs = _block_offs(t, BLOCK_N, VECTOR_KEYS)
-            hist += tl.histogram(_key16(_load_block(srow, offs)) >> 8, 256, mask=offs < end)
+            offs = t + tl.arange(0, BLOCK_N)
+            hist += tl.histogram(_key16(_load_block(srow, offs, BLOCK_N)) >> 8, 256, mask=offs < end)
         tl.atomic_add(h0 + bins, hist, mask=hist > 0, sem="relaxed")
 
     elif PHASE == 2:  # the high byte of the k-th largest key; per program, the keys above and in it
@@ -105,8 +104,8 @@ def select_kernel(
         else:
             hist = tl.zeros([256], tl.int32)
         for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-            offs = _block_offs(t, BLOCK_N, VECTOR_KEYS)
-            key = _key16(_load_block(srow, offs))
+            offs = t + tl.arange(0, BLOCK_N)
+            key = _key16(_load_block(srow, offs, BLOCK_N))
             nmask = offs < end
             n_hi += (((key >> 8) > digit0) & nmask).to(tl.int32)
             inside = nmask & ((key >> 8) == digit0)
@@ -142,7 +141,7 @@ def select_kernel(
         out_slot = sel_slot_ptr + b * stride_selb + row * stride_selr
         rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
         for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-            offs = _block_offs(t, BLOCK_N, VECTOR_KEYS)
-            key = _key16(_load_block(srow, offs))
+            offs = t + tl.arange(0, BLOCK_N)
+            key = _key16(_load_block(srow, offs, BLOCK_N))
             base, base_e = _emit(key, offs, offs < end, thr, n_gt, ties, base, base_e, out, out_slot,
                                  rt_row)

@@ -153,9 +153,6 @@ TUNING = {
     # The select's phases 2 and 3 (ds_topk.py) share the select_* geometry above (at most
     # workspace.SELECT_MAX_PROGS programs per row); phase 3's loop has its own pipelining depth.
     "compact_loop_stages": 1,
-    # The select phases (digits "1", "2", "3") whose key loads are 16-byte vectors; the others load
-    # one key per thread per access (ds_select._block_offs: fewer registers, no layout shuffles).
-    "select_vector_keys": "",
     # Software-pipeline depth of the score / select loops (tl.range num_stages; 1 = no pipelining).
     "score_loop_stages": 3, "select_loop_stages": 1,
     # The select's first phase (high-byte histogram, ds_topk.py) has its own geometry.
