@@ -6,6 +6,8 @@
 # (1) GPU kernel tests on the new default; (2) one layer, r 16, k = L/16, group_max: 16 x 32K with
 # one and two parts, 3 x 64K and 3 x 128K with one part; old and new each timed twice.
 # Writes $OUT/console.log and $OUT/streams-*.json.
+# Ran at f6570fb (call c of results/h200-s13/README.md). Slower at every shape, so 2843016 removed
+# the knob: on later trees the tunings naming it are refused.
 source benchmarks/runbook_lib.sh; runbook_start
 timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -2
 T='[{"select_vector_keys": "123"}, {}, {"select_vector_keys": "1"}, {"select_programs_per_sm": 8}, {"select_vector_keys": "123"}, {}]'
