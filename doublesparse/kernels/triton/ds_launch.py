@@ -113,7 +113,7 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
             P = min(P, max_progs)
         select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
                                     ATOMIC_HIST=TUNING["select_atomic_hist"], LOOP_STAGES=loop_stages,
-                                    MAX_PROGS=SELECT_MAX_PROGS,
+                                    MAX_PROGS=SELECT_MAX_PROGS, PREFETCH=bool(TUNING["select_prefetch"]),
                                     num_warps=TUNING["select_warps"], num_stages=TUNING["select_stages"])
 
     if not skip_phase1:

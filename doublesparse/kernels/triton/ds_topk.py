@@ -54,6 +54,14 @@ def _emit(key, offs, nmask, thr, n_gt, ties, base, base_e, out, out_slot, rt_row
     return base + (last & 0xFFFF), base_e + (last >> 16)
 
 
+@triton.jit
+def _keys_at(srow, t, end, BLOCK_N: tl.constexpr):
+    # The fp16 scores of the block at t, loaded ahead of their use; past the program's range (the
+    # block after its last), those of block 0, an address that is always valid, never used.
+    t = tl.where(t < end, t, 0)
+    return _load_block(srow, t + tl.arange(0, BLOCK_N), BLOCK_N)
+
+
 def _phase_name(specialization) -> str:
     # The compiled kernel's name: Triton names a kernel after its Python function, so one entry for
     # three phases would show up in profiles as one kernel.
@@ -68,6 +76,7 @@ def select_kernel(
     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
     PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
     ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, MAX_PROGS: tl.constexpr = 16,
+    PREFETCH: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
@@ -89,6 +98,10 @@ def select_kernel(
         tl.atomic_add(h0 + bins, hist, mask=hist > 0, sem="relaxed")
 
     elif PHASE == 2:  # the high byte of the k-th largest key; per program, the keys above and in it
+        if PREFETCH:
+            # The loop's keys are loaded one block ahead, the first before the threshold's loads
+            # and reductions, so that each load's latency overlaps other work.
+            s16 = _keys_at(srow, start, end, BLOCK_N)
         digit0, above0 = _threshold_digit(tl.load(h0 + bins), heavy_k)
         if p == 0:
             tl.store(info, digit0)
@@ -105,7 +118,11 @@ def select_kernel(
             hist = tl.zeros([256], tl.int32)
         for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
             offs = t + tl.arange(0, BLOCK_N)
-            key = _key16(_load_block(srow, offs, BLOCK_N))
+            if PREFETCH:
+                key = _key16(s16)
+                s16 = _keys_at(srow, t + BLOCK_N, end, BLOCK_N)
+            else:
+                key = _key16(_load_block(srow, offs, BLOCK_N))
             nmask = offs < end
             n_hi += (((key >> 8) > digit0) & nmask).to(tl.int32)
             inside = nmask & ((key >> 8) == digit0)
@@ -118,6 +135,8 @@ def select_kernel(
         tl.store(cnt + p, tl.sum(n_hi, 0))
 
     else:  # the exact threshold; write the selection
+        if PREFETCH:
+            s16 = _keys_at(srow, start, end, BLOCK_N)
         if p == 0:
             # hist[0] has had its last reader (phase 2): leave it zeroed for the next call.
             tl.store(h0 + bins, tl.zeros([256], tl.int32))
@@ -142,6 +161,10 @@ def select_kernel(
         rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
         for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
             offs = t + tl.arange(0, BLOCK_N)
-            key = _key16(_load_block(srow, offs, BLOCK_N))
+            if PREFETCH:
+                key = _key16(s16)
+                s16 = _keys_at(srow, t + BLOCK_N, end, BLOCK_N)
+            else:
+                key = _key16(_load_block(srow, offs, BLOCK_N))
             base, base_e = _emit(key, offs, offs < end, thr, n_gt, ties, base, base_e, out, out_slot,
                                  rt_row)

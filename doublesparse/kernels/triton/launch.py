@@ -153,6 +153,8 @@ TUNING = {
     # The select's phases 2 and 3 (ds_topk.py) share the select_* geometry above (at most
     # workspace.SELECT_MAX_PROGS programs per row); phase 3's loop has its own pipelining depth.
     "compact_loop_stages": 1,
+    # Phases 2 and 3 load each block's keys one iteration ahead, the first before their prologue.
+    "select_prefetch": True,
     # Software-pipeline depth of the score / select loops (tl.range num_stages; 1 = no pipelining).
     "score_loop_stages": 3, "select_loop_stages": 1,
     # The select's first phase (high-byte histogram, ds_topk.py) has its own geometry.
