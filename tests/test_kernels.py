@@ -183,9 +183,10 @@ PIPELINES = [
     {"score_impl": "rows", "score_hist": False, "score_loop_stages": 3, "select_loop_stages": 2, "select_block_n": 128},
     {"score_impl": "rows", "score_hist": True, "score_loop_stages": 2},    # histogram in the score launch
     {"score_impl": "mma", "mma_block_n": 32},
-    {"score_impl": "mma", "select_block_n": 256},
+    {"score_impl": "mma", "select_block_n": 256, "select_prefetch": ""},  # keys loaded where used
     {"score_impl": "mma", "mma_block_n": 16},
-    {"score_impl": "mma", "select_atomic_hist": False, "compact_loop_stages": 2},  # block histograms
+    {"score_impl": "mma", "select_atomic_hist": False, "compact_loop_stages": 2,  # block histograms
+     "select_prefetch": "2"},
 ]
 
 

@@ -106,6 +106,8 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
             info.stride(0), info.stride(1), counts.stride(0), counts.stride(1),
             sel.stride(0), sel.stride(1), req_to_token.stride(0))
     nsm = _num_sms(scores.device)
+    prefetch = TUNING["select_prefetch"]
+    prefetch = {True: "23", False: ""}.get(prefetch, str(prefetch))  # phases, as digits
 
     def launch(phase, block, per_sm, loop_stages, max_progs=None):
         P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, block)))
@@ -113,7 +115,7 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
             P = min(P, max_progs)
         select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
                                     ATOMIC_HIST=TUNING["select_atomic_hist"], LOOP_STAGES=loop_stages,
-                                    MAX_PROGS=SELECT_MAX_PROGS, PREFETCH=bool(TUNING["select_prefetch"]),
+                                    MAX_PROGS=SELECT_MAX_PROGS, PREFETCH=str(phase) in prefetch,
                                     num_warps=TUNING["select_warps"], num_stages=TUNING["select_stages"])
 
     if not skip_phase1:

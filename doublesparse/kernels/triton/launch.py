@@ -153,8 +153,10 @@ TUNING = {
     # The select's phases 2 and 3 (ds_topk.py) share the select_* geometry above (at most
     # workspace.SELECT_MAX_PROGS programs per row); phase 3's loop has its own pipelining depth.
     "compact_loop_stages": 1,
-    # Phases 2 and 3 load each block's keys one iteration ahead, the first before their prologue.
-    "select_prefetch": True,
+    # The select phases ("2", "3") that load each block's keys one iteration ahead, the first
+    # before their prologue; true = "23", false or "" = none. Measured on an H200 (results/h200-s13):
+    # "23" saved 0.08 ms per DS decode step at 16 x 32K, 3-6 us per layer at one part.
+    "select_prefetch": "23",
     # Software-pipeline depth of the score / select loops (tl.range num_stages; 1 = no pipelining).
     "score_loop_stages": 3, "select_loop_stages": 1,
     # The select's first phase (high-byte histogram, ds_topk.py) has its own geometry.
