@@ -17,7 +17,8 @@ them apart:
      is the same on every run: the positions above the threshold in increasing order, then the
      first tied positions in increasing order.
 
-Phases 2 and 3 share one geometry (at most workspace.SELECT_MAX_PROGS programs per row).
+Phases 2 and 3 share one geometry (at most workspace.SELECT_MAX_PROGS programs per row). With
+PREFETCH they load each block of keys one loop iteration ahead, the first before their prologue.
 Workspace protocol (no memset launches): phase 3 clears hist[0] after its last reader (phase 2);
 phase 2 programs overwrite their own hist[1 + p] and counts.
 """
