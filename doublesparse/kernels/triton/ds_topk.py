@@ -56,11 +56,27 @@ def _emit(key, offs, nmask, thr, n_gt, ties, base, base_e, out, out_slot, rt_row
 
 
 @triton.jit
-def _keys_at(srow, t, end, BLOCK_N: tl.constexpr):
-    # The fp16 scores of the block at t, loaded ahead of their use; past the program's range (the
-    # block after its last), those of block 0, an address that is always valid, never used.
-    t = tl.where(t < end, t, 0)
-    return _load_block(srow, t + tl.arange(0, BLOCK_N), BLOCK_N)
+def _keys_ahead(srow, t, end, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+    # With PREFETCH, the fp16 scores of the block at t, loaded ahead of their use (past the
+    # program's range, those of block 0: an address always valid, never used); else nothing to
+    # carry (zeros, which the compiler drops).
+    if PREFETCH:
+        t = tl.where(t < end, t, 0)
+        s16 = _load_block(srow, t + tl.arange(0, BLOCK_N), BLOCK_N)
+    else:
+        s16 = tl.zeros([BLOCK_N], tl.float16)
+    return s16
+
+
+@triton.jit
+def _next_keys(srow, ahead, t, end, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+    # The 16-bit keys of the block at t, and the scores to carry into the next iteration: with
+    # PREFETCH block t's were loaded one iteration ahead (ahead) and the next block's load now.
+    if PREFETCH:
+        s16 = ahead
+    else:
+        s16 = _load_block(srow, t + tl.arange(0, BLOCK_N), BLOCK_N)
+    return _key16(s16), _keys_ahead(srow, t + BLOCK_N, end, BLOCK_N, PREFETCH)
 
 
 def _phase_name(specialization) -> str:
@@ -76,8 +92,8 @@ def select_kernel(
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
     PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
-    ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, MAX_PROGS: tl.constexpr = 16,
-    PREFETCH: tl.constexpr = False,
+    ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, MAX_PROGS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
@@ -99,10 +115,9 @@ def select_kernel(
         tl.atomic_add(h0 + bins, hist, mask=hist > 0, sem="relaxed")
 
     elif PHASE == 2:  # the high byte of the k-th largest key; per program, the keys above and in it
-        if PREFETCH:
-            # The loop's keys are loaded one block ahead, the first before the threshold's loads
-            # and reductions, so that each load's latency overlaps other work.
-            s16 = _keys_at(srow, start, end, BLOCK_N)
+        # With PREFETCH the loop's keys are loaded one block ahead, the first before the
+        # threshold's loads and reductions, so that each load's latency overlaps other work.
+        ahead = _keys_ahead(srow, start, end, BLOCK_N, PREFETCH)
         digit0, above0 = _threshold_digit(tl.load(h0 + bins), heavy_k)
         if p == 0:
             tl.store(info, digit0)
@@ -119,11 +134,7 @@ def select_kernel(
             hist = tl.zeros([256], tl.int32)
         for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
             offs = t + tl.arange(0, BLOCK_N)
-            if PREFETCH:
-                key = _key16(s16)
-                s16 = _keys_at(srow, t + BLOCK_N, end, BLOCK_N)
-            else:
-                key = _key16(_load_block(srow, offs, BLOCK_N))
+            key, ahead = _next_keys(srow, ahead, t, end, BLOCK_N, PREFETCH)
             nmask = offs < end
             n_hi += (((key >> 8) > digit0) & nmask).to(tl.int32)
             inside = nmask & ((key >> 8) == digit0)
@@ -136,8 +147,7 @@ def select_kernel(
         tl.store(cnt + p, tl.sum(n_hi, 0))
 
     else:  # the exact threshold; write the selection
-        if PREFETCH:
-            s16 = _keys_at(srow, start, end, BLOCK_N)
+        ahead = _keys_ahead(srow, start, end, BLOCK_N, PREFETCH)
         if p == 0:
             # hist[0] has had its last reader (phase 2): leave it zeroed for the next call.
             tl.store(h0 + bins, tl.zeros([256], tl.int32))
@@ -162,10 +172,6 @@ def select_kernel(
         rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
         for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
             offs = t + tl.arange(0, BLOCK_N)
-            if PREFETCH:
-                key = _key16(s16)
-                s16 = _keys_at(srow, t + BLOCK_N, end, BLOCK_N)
-            else:
-                key = _key16(_load_block(srow, offs, BLOCK_N))
+            key, ahead = _next_keys(srow, ahead, t, end, BLOCK_N, PREFETCH)
             base, base_e = _emit(key, offs, offs < end, thr, n_gt, ties, base, base_e, out, out_slot,
                                  rt_row)
