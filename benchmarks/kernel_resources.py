@@ -66,10 +66,15 @@ def sass(kernel) -> list[str]:
 
 def select_phases(consts: dict):
     from doublesparse.kernels.triton import ds_topk
+    names = ds_topk.select_kernel.arg_names
+    unknown = sorted(set(consts) - set(names))
+    if unknown:
+        raise SystemExit(f"select_kernel has no parameters {unknown}")
     for phase, block, progs in ((1, 4096, 8), (2, 1024, 5), (3, 1024, 5)):
+        # The defaults that the package's select_kernel takes (an older one may lack some).
         c = dict(PHASE=phase, NUM_PROGS=progs, BLOCK_N=block, ATOMIC_HIST=True, LOOP_STAGES=1, MAX_PROGS=16,
                  PREFETCH=True)
-        c = {k: v for k, v in {**c, **consts}.items() if k in ds_topk.select_kernel.arg_names}
+        c = {**{k: v for k, v in c.items() if k in names}, **consts}
         k = compile_sm90(ds_topk.select_kernel, c, num_warps=4, num_stages=3)
         ins = sass(k)
         print(f"{ds_topk.PHASE_NAMES[phase]} {json.dumps(consts)}: {resources(k)}, {len(ins)} SASS "
