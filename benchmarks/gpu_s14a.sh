@@ -1,26 +1,17 @@
 #!/bin/bash
-# GPU runbook, prepared in session 13 for the next session (H200): which select phases should load
-# their keys one block ahead. Session 13 measured "23" (both) against "" (neither): the DS decode step
-# 8.61 vs 8.69 ms at bs 16 x 32K, and in the two-part profile the low-byte pass got shorter while
-# the compact pass got longer. Here "", "2", "3" and "23", alternating twice, at issue 5's decode
-# shape (bs 16 x 32K, two parts, r 16, k 2048), then once each at issue 3's 60K x 3 DS row (r 16,
-# k 3750). Writes $OUT/console.log and $OUT/*.json. About 7 minutes on a started machine.
+# GPU runbook, session 14 (H200): one layer's DS decode at issue 5's decode shape (16 x 32K, r 16,
+# k 2048, two batch parts on two streams), `benchmarks/ds_streams.py`.
+#  1. Which select phases load their keys one block ahead (TUNING["select_prefetch"]: "23" is the
+#     default, against "", "2", "3"), plain parts, listed twice so the variants alternate.
+#  2. Skewed parts (part 1's score waits for part 0's) with the select's grids cut down, so that
+#     part 0's latency-bound select leaves SMs to part 1's byte-bound score. Session 11 measured
+#     skew only with the full-GPU select grids (137.1 vs 133.3 us plain).
+# Writes $OUT/console.log and $OUT/streams-*.json. About 2 minutes on a started machine.
 source benchmarks/runbook_lib.sh; runbook_start
-B="python3 -m doublesparse.bench_one_batch --profile --load-format dummy --warmup-input-len 1024 --model-path llama-3.1-8b --enable-double-sparsity --ds-heavy-channel-num 16"
-S="$B --batch-size 16 --output-len 32 --input-len 32768 --max-total-tokens 540672 --ds-heavy-token-num 2048 --ds-batch-parts 2"
-L="$B --batch-size 3 --output-len 200 --input-len 60000 --max-total-tokens 190000 --ds-heavy-token-num 3750"
-for i in 1 2; do
-  for v in none 2 3 23; do
-    p=$v; [ $v = none ] && p=""
-    echo "== bs16-32k prefetch=$v $i"
-    DOUBLESPARSE_TUNING="{\"select_prefetch\": \"$p\"}" timeout 75 $S \
-      --result-json $OUT/bs16-32k-ds-parts2-prefetch-$v-$i.json 2>&1 | grep -E "^(Profile. decode|Decode.  median latency)"
-  done
-done
-for v in none 2 23; do
-  p=$v; [ $v = none ] && p=""
-  echo "== 60k-bs3 prefetch=$v"
-  DOUBLESPARSE_TUNING="{\"select_prefetch\": \"$p\"}" timeout 60 $L \
-    --result-json $OUT/llama31-8b-60k-bs3-ds-r16-k3750-prefetch-$v.json 2>&1 | grep -E "^(Decode.  median|Profile. decode)"
-done
+timeout 150 python3 benchmarks/ds_streams.py --cases 16x32768 --variants 2/2 \
+  --tunings '[{}, {"select_prefetch": ""}, {"select_prefetch": "2"}, {"select_prefetch": "3"}, {}, {"select_prefetch": ""}, {"select_prefetch": "2"}, {"select_prefetch": "3"}]' \
+  --json $OUT/streams-prefetch.json 2>&1 | grep -v -i "warn\|capture_end"
+timeout 150 python3 benchmarks/ds_streams.py --cases 16x32768 --variants 2/2,2/2s \
+  --tunings '[{}, {"select_programs_per_sm": 2, "hist_programs_per_sm": 4}, {"select_programs_per_sm": 1, "hist_programs_per_sm": 2}, {"select_programs_per_sm": 2, "hist_programs_per_sm": 4, "sparse_attn_programs_per_sm": 2}, {"select_programs_per_sm": 1, "hist_programs_per_sm": 1}]' \
+  --json $OUT/streams-skew.json 2>&1 | grep -v -i "warn\|capture_end"
 echo "== end"
