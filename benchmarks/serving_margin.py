@@ -27,7 +27,9 @@ def main(argv=None):
     print(f"each ms off the DS step: {dense / (ds - steps / 1000) - dense / ds:+.3f}")
     for t in (float(x) for x in a.targets.split(",")):
         cut_ms = (ds - dense / t) / steps * 1000
-        print(f"ratio {t:.2f}: the DS step {cut_ms:.2f} ms shorter (TPOT p50 {tpot - cut_ms:.2f} ms)")
+        how = (f"the DS step {cut_ms:.2f} ms shorter" if cut_ms > 0
+               else f"met; the DS step could be {-cut_ms:.2f} ms longer")
+        print(f"ratio {t:.2f}: {how} (TPOT p50 {tpot - cut_ms:.2f} ms)")
 
 
 if __name__ == "__main__":
