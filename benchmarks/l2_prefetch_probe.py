@@ -1,0 +1,103 @@
+"""Experiment: can a decode projection's weights wait in L2 through the DS attention's byte stream?
+
+    python benchmarks/l2_prefetch_probe.py [--rows 16] [--json OUT.json]
+
+Idea (not in the engine): the DS select passes are latency-bound and leave DRAM idle for tens of
+µs per layer, while the o_proj that follows reads its 33.5 MB of weights (Llama-3.1-8B) from DRAM.
+If those weights were loaded into L2 during the select (evict_last) and the attention's gathered
+K/V (~134 MB per layer at 16 x 32K) were read with evict_first, the o_proj would read L2. This
+times the o_proj GEMM (cuBLAS, F.linear, [rows, 4096] x [4096, 4096] bf16) alone after each
+preparation (events right before and after it), median of repeats:
+
+  cold        L2 flushed (a 256 MB read), then the GEMM
+  warm        the weights just read (evict_last), then the GEMM: the bound of the idea
+  stream      weights read (evict_last), then STREAM MB read with the default policy, then the GEMM
+  stream_ef   the same with the stream read evict_first
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _read_kernel(src, sink, n, BLOCK: tl.constexpr, POLICY: tl.constexpr):
+    # Reads src[0:n] (bf16) once; the sum goes to sink only if it is NaN, which keeps the loads.
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)
+        acc += tl.load(src + offs, mask=offs < n, other=0.0, eviction_policy=POLICY).to(tl.float32)
+    s = tl.sum(acc, 0)
+    tl.store(sink + pid, s, mask=s != s)
+
+
+def read(t: torch.Tensor, sink: torch.Tensor, policy: str, programs: int = 528):
+    n = t.numel()
+    _read_kernel[(programs,)](t, sink, n, BLOCK=4096, POLICY=policy, num_warps=8)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--stream-mb", default="67,134")
+    ap.add_argument("--shapes", default="4096x4096,6144x4096")
+    ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    sink = torch.zeros(4096, device=dev)
+    flush = torch.randn(128 << 20, device=dev, dtype=torch.bfloat16)  # 256 MB
+    streams = {mb: torch.randn(mb << 19, device=dev, dtype=torch.bfloat16) for mb in
+               (int(x) for x in args.stream_mb.split(","))}
+    rows = []
+    for shape in args.shapes.split(","):
+        N, K = (int(x) for x in shape.split("x"))
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
+        x = torch.randn(args.rows, K, device=dev, dtype=torch.bfloat16)
+        preps = {"cold": lambda: read(flush, sink, ""),
+                 "warm": lambda: (read(flush, sink, ""), read(w, sink, "evict_last"))}
+        for mb, s in streams.items():
+            preps[f"stream{mb}"] = lambda s=s: (read(flush, sink, ""), read(w, sink, "evict_last"),
+                                                read(s, sink, ""))
+            preps[f"stream{mb}_ef"] = lambda s=s: (read(flush, sink, ""), read(w, sink, "evict_last"),
+                                                   read(s, sink, "evict_first"))
+        for _ in range(3):  # compile and warm up
+            for prep in preps.values():
+                prep()
+            F.linear(x, w)
+        torch.cuda.synchronize()
+        times = {k: [] for k in preps}
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(args.repeats):
+            for name, prep in preps.items():  # interleaved, so that drift hits every case alike
+                prep()  # not synchronised: the GPU is still busy with it when the GEMM is queued,
+                a.record()  # so the events time the GEMM, not its launch from the host
+                F.linear(x, w)
+                b.record()
+                torch.cuda.synchronize()
+                times[name].append(a.elapsed_time(b) * 1e3)
+        floor_us = w.numel() * 2 / 4.26e12 * 1e6
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            rows.append(dict(shape=shape, rows=args.rows, case=name, us=med, weight_mb=w.numel() * 2 / 1e6,
+                             dram_floor_us=floor_us))
+            print(f"{shape} rows {args.rows} {name:12s} {med:7.2f} us  (DRAM floor {floor_us:.2f} us)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(command="python benchmarks/l2_prefetch_probe.py " + " ".join(sys.argv[1:]),
+                           date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), rows=rows), f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
