@@ -1,0 +1,180 @@
+"""Experiment: a split-K Triton GEMM for decode projections (a few rows), launched with PDL.
+
+    python benchmarks/skinny_gemm_probe.py [--rows 16,3] [--json OUT.json]
+
+Why: at 16 decode rows cuBLAS's o_proj of Llama-3.1-8B takes ~11.5 us plus a ~1.9 us split-K
+reduce kernel against a 7.9 us DRAM floor, and reads only 2-3 us faster from L2
+(benchmarks/l2_prefetch_probe.py): launch and first-load latency, not bytes. In a decode step
+every projection follows a kernel that takes part in programmatic dependent launch (RMSNorm,
+SiLU-mul, the attention merge; kernels/triton/pdl.py), so a projection launched with PDL could
+have its first weight tile in flight before that kernel ends. The kernel here: a grid of
+(N / BLOCK_N, SPLIT_K) programs; each loads its first [BLOCK_N, BLOCK_K] weight tile, then waits
+(PDL), then runs its K range on tensor cores (x padded to 16 rows); the partial tiles are summed by
+the last program of each N tile to arrive (a counter, reset by it), so one launch, no reduce kernel.
+
+Timed (median of repeats, L2 flushed before each): a short PDL kernel that stands for the RMSNorm
+ahead of a projection, then the projection, between two events. Variants: cuBLAS (F.linear), the
+Triton kernel without and with PDL, over a few launch shapes. Each Triton result is first checked
+against F.linear in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from doublesparse.kernels.triton.pdl import enter
+
+
+@triton.jit
+def skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                  STAGES: tl.constexpr, PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k0 = pid_k * k_len
+    k1 = tl.minimum(k0 + k_len, K)
+    rows = tl.arange(0, 16)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    kk = tl.arange(0, BLOCK_K)
+    # The weights are written by no kernel of the step: the first tile is loaded before the wait.
+    k = k0 + kk
+    w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=nmask[:, None] & (k < k1)[None, :], other=0.0)
+    enter(PDL)
+    xm = rows < M
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm[:, None] & (k < k1)[None, :], other=0.0)
+    acc = tl.dot(x, tl.trans(w))
+    for t in tl.range(k0 + BLOCK_K, k1, BLOCK_K, num_stages=STAGES):
+        k = t + kk
+        km = k < k1
+        w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm[:, None] & km[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    out_mask = xm[:, None] & nmask[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptr + rows[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # part: [SPLIT_K, 16, N] fp32. The last program of this N tile sums the parts (release by
+        # the atomic's acq_rel after the barrier, as in decode_attn's fused merge).
+        tl.store(part_ptr + (pid_k * 16 + rows[:, None]) * N + n[None, :], acc, mask=out_mask)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            tl.store(cnt_ptr + pid_n, 0)
+            tot = tl.zeros([16, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                tot += tl.load(part_ptr + (s * 16 + rows[:, None]) * N + n[None, :], mask=out_mask, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(y_ptr + rows[:, None] * stride_ym + n[None, :], tot.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+class Skinny:
+    """y = x @ w.T for x [M <= 16, K]; its workspace (partials, counters) allocated once."""
+
+    def __init__(self, N, K, block_n, block_k, split_k, stages, pdl, device):
+        self.N, self.K = N, K
+        self.cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, STAGES=stages)
+        self.pdl = pdl
+        self.part = torch.empty(split_k * 16 * N, dtype=torch.float32, device=device)
+        self.cnt = torch.zeros(triton.cdiv(N, block_n), dtype=torch.int32, device=device)
+
+    def __call__(self, x, w, y):
+        M = x.shape[0]
+        assert M <= 16 and x.shape[1] == self.K and w.shape == (self.N, self.K)
+        grid = (triton.cdiv(self.N, self.cfg["BLOCK_N"]), self.cfg["SPLIT_K"])
+        kw = dict(launch_pdl=True) if self.pdl else {}
+        skinny_kernel[grid](x, w, y, self.part, self.cnt, M, self.N, self.K, x.stride(0), w.stride(0), y.stride(0),
+                            PDL=self.pdl, num_warps=4, **self.cfg, **kw)
+        return y
+
+
+@triton.jit
+def _pre_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # Stands for the RMSNorm ahead of a projection: waits, lets the next kernel start, copies x.
+    enter(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@triton.jit
+def _flush_kernel(src, sink, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)
+        acc += tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32)
+    s = tl.sum(acc, 0)
+    tl.store(sink + pid, s, mask=s != s)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="16,3")
+    ap.add_argument("--shapes", default="4096x4096,6144x4096,4096x14336,28672x4096",
+                    help="NxK: o_proj, qkv, down, gate_up of Llama-3.1-8B")
+    ap.add_argument("--configs", default="64:128:4:3,64:128:8:3,32:128:4:3,64:256:4:2,128:128:2:3,64:128:1:3",
+                    help="BLOCK_N:BLOCK_K:SPLIT_K:STAGES, each timed with and without PDL")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    sink = torch.zeros(4096, device=dev)
+    flush = torch.randn(128 << 20, device=dev, dtype=torch.bfloat16)  # 256 MB
+    nsm = torch.cuda.get_device_properties(dev).multi_processor_count
+    out = []
+    for shape in args.shapes.split(","):
+        N, K = (int(v) for v in shape.split("x"))
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
+        for M in (int(v) for v in args.rows.split(",")):
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            x_in = torch.empty_like(x)
+            y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+            ref = (x.float() @ w.float().T)
+            variants = {"cublas": lambda: F.linear(x_in, w)}
+            for c in args.configs.split(","):
+                bn, bk, sk, st = (int(v) for v in c.split(":"))
+                for pdl in (False, True):
+                    g = Skinny(N, K, bn, bk, sk, st, pdl, dev)
+                    variants[f"triton {c}{' pdl' if pdl else ''}"] = lambda g=g: g(x_in, w, y)
+            floor_us = N * K * 2 / 4.26e12 * 1e6
+            times = {name: [] for name in variants}
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            errs = {}
+            for rep in range(args.repeats + 2):
+                for name, fn in variants.items():
+                    _flush_kernel[(4 * nsm,)](flush, sink, flush.numel(), BLOCK=4096, num_warps=8)
+                    a.record()
+                    pdl = name.endswith("pdl")
+                    _pre_kernel[(triton.cdiv(x.numel(), 1024),)](x, x_in, x.numel(), BLOCK=1024, PDL=pdl,
+                                                                 **(dict(launch_pdl=True) if pdl else {}))
+                    r = fn()
+                    b.record()
+                    torch.cuda.synchronize()
+                    if rep < 2:  # warm-up rounds: check, do not time
+                        errs[name] = ((r.float() - ref).abs().max() / ref.abs().max()).item()
+                    else:
+                        times[name].append(a.elapsed_time(b) * 1e3)
+            for name, ts in times.items():
+                med = statistics.median(ts)
+                out.append(dict(shape=shape, rows=M, variant=name, us=med, floor_us=floor_us, rel_err=errs[name]))
+                print(f"{shape} rows {M:2d} {name:28s} {med:7.2f} us  floor {floor_us:6.2f}  rel err {errs[name]:.1e}",
+                      flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(command="python benchmarks/skinny_gemm_probe.py " + " ".join(sys.argv[1:]),
+                           date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), rows=out), f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
