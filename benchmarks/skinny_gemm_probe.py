@@ -12,7 +12,9 @@ have its first weight tile in flight before that kernel ends. The kernel here: a
 (PDL), then runs its K range on tensor cores (x padded to 16 rows); the partial tiles are summed by
 the last program of each N tile to arrive (a counter, reset by it), so one launch, no reduce kernel.
 
-Timed (median of repeats, L2 flushed before each): a short PDL kernel that stands for the RMSNorm
+Timed (median of repeats, L2 flushed before each by a 1 GB read, long enough (~0.25 ms) for the
+host to queue what follows before the GPU gets there, so that launch costs on the host stay out of
+the events): a short PDL kernel that stands for the RMSNorm
 ahead of a projection, then the projection, between two events. Variants: cuBLAS (F.linear), the
 Triton kernel without and with PDL, over a few launch shapes. Each Triton result is first checked
 against F.linear in fp32.
@@ -129,7 +131,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     sink = torch.zeros(4096, device=dev)
-    flush = torch.randn(128 << 20, device=dev, dtype=torch.bfloat16)  # 256 MB
+    flush = torch.randn(512 << 20, device=dev, dtype=torch.bfloat16)  # 1 GB
     nsm = torch.cuda.get_device_properties(dev).multi_processor_count
     out = []
     for shape in args.shapes.split(","):
