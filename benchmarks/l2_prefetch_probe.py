@@ -18,32 +18,12 @@ preparation (events right before and after it), median of repeats:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-
-@triton.jit
-def _read_kernel(src, sink, n, BLOCK: tl.constexpr, POLICY: tl.constexpr):
-    # Reads src[0:n] (bf16) once; the sum goes to sink only if it is NaN, which keeps the loads.
-    pid = tl.program_id(0)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
-        offs = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)
-        acc += tl.load(src + offs, mask=offs < n, other=0.0, eviction_policy=POLICY).to(tl.float32)
-    s = tl.sum(acc, 0)
-    tl.store(sink + pid, s, mask=s != s)
-
-
-def read(t: torch.Tensor, sink: torch.Tensor, policy: str, programs: int = 528):
-    n = t.numel()
-    _read_kernel[(programs,)](t, sink, n, BLOCK=4096, POLICY=policy, num_warps=8)
+from probe_lib import read, write_json
 
 
 def main(argv=None):
@@ -92,12 +72,7 @@ def main(argv=None):
             rows.append(dict(shape=shape, rows=args.rows, case=name, us=med, weight_mb=w.numel() * 2 / 1e6,
                              dram_floor_us=floor_us))
             print(f"{shape} rows {args.rows} {name:12s} {med:7.2f} us  (DRAM floor {floor_us:.2f} us)", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(command="python benchmarks/l2_prefetch_probe.py " + " ".join(sys.argv[1:]),
-                           date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), rows=rows), f,
-                      indent=1)
-
+    write_json(args.json, "l2_prefetch_probe.py", rows)
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
 """Experiment: a split-K Triton GEMM for decode projections (a few rows), launched with PDL.
 
     python benchmarks/skinny_gemm_probe.py [--rows 16,3] [--json OUT.json]
+    python benchmarks/skinny_gemm_probe.py --summarize OUT.json   # no GPU needed
 
 Why: at 16 decode rows cuBLAS's o_proj of Llama-3.1-8B takes ~11.5 us plus a ~1.9 us split-K
 reduce kernel against a 7.9 us DRAM floor, and reads only 2-3 us faster from L2
@@ -25,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +33,7 @@ import triton
 import triton.language as tl
 
 from doublesparse.kernels.triton.pdl import enter
+from probe_lib import read, write_json
 
 
 @triton.jit
@@ -108,15 +108,29 @@ def _pre_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
 
 
-@triton.jit
-def _flush_kernel(src, sink, n, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
-        offs = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)
-        acc += tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32)
-    s = tl.sum(acc, 0)
-    tl.store(sink + pid, s, mask=s != s)
+def summarize(path):
+    """Per projection and row count: cuBLAS and the fastest Triton variant (a min over noisy medians,
+    so it flatters Triton a little); per row count, the sum over the projections of one layer of
+    (cuBLAS - best Triton), with and without the projections where Triton is slower."""
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    best, gain = {}, {}
+    for r in rows:
+        key = (r["shape"], r["rows"])
+        b = best.setdefault(key, {})
+        if r["variant"] == "cublas":
+            b["cublas"] = r["us"]
+        elif "triton" not in b or r["us"] < b["triton"][0]:
+            b["triton"] = (r["us"], r["variant"])
+    for (shape, m), b in best.items():
+        d = b["cublas"] - b["triton"][0]
+        g = gain.setdefault(m, [0.0, 0.0])
+        g[0] += d
+        g[1] += max(d, 0.0)
+        print(f"{shape} rows {m:2d}: cuBLAS {b['cublas']:6.2f} us, best {b['triton'][1]} {b['triton'][0]:6.2f} us")
+    for m, (net, kept) in gain.items():
+        print(f"rows {m}: per layer (the shapes above once each) {net:+.2f} us; keeping cuBLAS where it is "
+              f"faster {kept:+.2f} us")
 
 
 def main(argv=None):
@@ -128,7 +142,10 @@ def main(argv=None):
                     help="BLOCK_N:BLOCK_K:SPLIT_K:STAGES, each timed with and without PDL")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--summarize", default=None, help="a result file: cuBLAS against the best Triton variant")
     args = ap.parse_args(argv)
+    if args.summarize:
+        return summarize(args.summarize)
     dev = torch.device("cuda")
     sink = torch.zeros(4096, device=dev)
     flush = torch.randn(512 << 20, device=dev, dtype=torch.bfloat16)  # 1 GB
@@ -154,7 +171,7 @@ def main(argv=None):
             errs = {}
             for rep in range(args.repeats + 2):
                 for name, fn in variants.items():
-                    _flush_kernel[(4 * nsm,)](flush, sink, flush.numel(), BLOCK=4096, num_warps=8)
+                    read(flush, sink, programs=4 * nsm)
                     a.record()
                     pdl = name.endswith("pdl")
                     _pre_kernel[(triton.cdiv(x.numel(), 1024),)](x, x_in, x.numel(), BLOCK=1024, PDL=pdl,
@@ -171,12 +188,7 @@ def main(argv=None):
                 out.append(dict(shape=shape, rows=M, variant=name, us=med, floor_us=floor_us, rel_err=errs[name]))
                 print(f"{shape} rows {M:2d} {name:28s} {med:7.2f} us  floor {floor_us:6.2f}  rel err {errs[name]:.1e}",
                       flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(command="python benchmarks/skinny_gemm_probe.py " + " ".join(sys.argv[1:]),
-                           date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), rows=out), f,
-                      indent=1)
-
+    write_json(args.json, "skinny_gemm_probe.py", out)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,39 @@
+"""Shared by the GPU probes in benchmarks/ (l2_prefetch_probe.py, skinny_gemm_probe.py): a streaming
+read of a tensor with a chosen L2 eviction policy (to flush L2, or to load a tensor into it), and the
+result file every probe writes (its command, date, device and rows)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _read_kernel(src, sink, n, BLOCK: tl.constexpr, POLICY: tl.constexpr):
+    # Reads src[0:n] (bf16) once; the sum goes to sink only if it is NaN, which keeps the loads.
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)
+        acc += tl.load(src + offs, mask=offs < n, other=0.0, eviction_policy=POLICY).to(tl.float32)
+    s = tl.sum(acc, 0)
+    tl.store(sink + pid, s, mask=s != s)
+
+
+def read(t: torch.Tensor, sink: torch.Tensor, policy: str = "", programs: int = 528):
+    """Read ``t`` (bf16) once on the current stream; policy "", "evict_first" or "evict_last".
+    sink: float32, at least ``programs`` entries. 528 programs = 4 per SM of an H200."""
+    _read_kernel[(programs,)](t, sink, t.numel(), BLOCK=4096, POLICY=policy, num_warps=8)
+
+
+def write_json(path: str | None, script: str, rows: list) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(command=f"python benchmarks/{script} " + " ".join(sys.argv[1:]),
+                           date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), rows=rows), f,
+                      indent=1)
