@@ -45,22 +45,23 @@ def compile_sm90(fn, consts, **opts):
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def resources(kernel) -> str:
+def cuobjdump(kernel, flag: str) -> str:
+    """The output of the cuobjdump that Triton's NVIDIA backend ships, run on the kernel's cubin."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+
+
+def resources(kernel) -> str:
+    out = cuobjdump(kernel, "--dump-resource-usage")
     return re.search(r"REG:\d+", out).group(0) + f" shared {kernel.metadata.shared} B"
 
 
 def sass(kernel) -> list[str]:
     """The kernel's sm_90 SASS instructions (opcode and operands), in order."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    out = cuobjdump(kernel, "-sass")
     return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+([^;]*);", out)]
 
 
