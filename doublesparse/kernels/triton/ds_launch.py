@@ -7,9 +7,12 @@ devices only, and the geometry depends on static sizes only, so a call is captur
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 
+from ..cuda import select as cuda_select
 from ..reference import MODES
 from ..workspace import SCORE_PAD, SELECT_MAX_PROGS
 from .ds_score import score_mma_kernel
@@ -106,6 +109,10 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
             info.stride(0), info.stride(1), counts.stride(0), counts.stride(1),
             sel.stride(0), sel.stride(1), req_to_token.stride(0))
     nsm = _num_sms(scores.device)
+    if _use_cuda_select(scores):
+        _select_cuda(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs,
+                     stage, nsm)
+        return
     prefetch = TUNING["select_prefetch"]
     prefetch = {True: "23", False: ""}.get(prefetch, str(prefetch))  # phases, as digits
 
@@ -125,6 +132,45 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
         for phase, stages in ((2, TUNING["select_loop_stages"]), (3, TUNING["compact_loop_stages"])):
             launch(phase, TUNING["select_block_n"], TUNING["select_programs_per_sm"], stages,
                    SELECT_MAX_PROGS)
+
+
+def _use_cuda_select(scores) -> bool:
+    """Whether this call's select runs select.cu (TUNING["select_impl"]: "triton", "cuda" or
+    "auto" = cuda where it can run); "cuda" where it cannot warns once and runs Triton."""
+    impl = TUNING["select_impl"]
+    if impl == "triton" or _INTERPRET:
+        return False
+    why = cuda_select.unavailable(scores.device)
+    if why is None and not cuda_select.aligned(scores):
+        why = "the score rows are not 16-byte aligned"
+    if why is None:
+        return True
+    if impl == "cuda" and why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"select_impl='cuda' cannot run ({why}); using the Triton select", stacklevel=3)
+    return False
+
+
+_WARNED: set = set()
+
+
+def _select_cuda(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs,
+                 stage, nsm):
+    """_select's three phases with select.cu's kernels, on the same launch geometry knobs (a
+    slice is whole cuda_select.CHUNK-key steps)."""
+    scores, hist, info, counts = ws.scores, ws.hist, ws.rowinfo, ws.counts
+
+    def progs(per_sm, max_progs=None):
+        P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, cuda_select.CHUNK)))
+        return min(P, max_progs) if max_progs else P
+
+    if not skip_phase1:
+        cuda_select.hist_high(scores, hist, seq_lens, k, threshold, B, rows, progs(TUNING["hist_programs_per_sm"]))
+    if stage != "hist":
+        P = progs(TUNING["select_programs_per_sm"], SELECT_MAX_PROGS)
+        cuda_select.hist_low(scores, hist, info, counts, seq_lens, k, threshold, B, rows, P)
+        cuda_select.compact(scores, hist, info, counts, seq_lens, ws.sel, ws.sel_slot, req_to_token, req_idx,
+                            k, threshold, B, rows, P)
 
 
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
