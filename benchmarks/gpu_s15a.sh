@@ -8,7 +8,8 @@
 #     implementations alternating.
 # Writes $OUT/console.log, $OUT/select-probe.json, $OUT/streams-impl.json. ~4 minutes started.
 source benchmarks/runbook_lib.sh; runbook_start
-DOUBLESPARSE_TUNING='{"select_impl": "cuda"}' timeout 200 python3 -m pytest -q -x -W error::UserWarning \
+python3 -c "import torch, time; t = time.time(); from doublesparse.kernels.cuda import select as s; print('CUDA select unavailable:', s.unavailable(torch.device('cuda')), f'({time.time() - t:.1f} s)')"
+DOUBLESPARSE_TUNING='{"select_impl": "cuda"}' timeout 200 python3 -m pytest -q -x \
   tests/test_kernels.py -k "ds_" 2>&1 | tail -5
 timeout 120 python3 benchmarks/select_impl_probe.py --cases 16x32768,3x65536,3x131072 \
   --json $OUT/select-probe.json 2>&1 | grep -v -i "warn\|capture_end"
