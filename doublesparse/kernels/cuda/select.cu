@@ -38,12 +38,22 @@ __device__ __forceinline__ void split_range(int n, int p, int P, int* start, int
     *end = min(*start + per, n);
 }
 
-// The 8 keys of one 16-byte load at pos (rows are padded, so whole chunks are always readable).
-__device__ __forceinline__ void load_keys(const unsigned short* srow, int pos, unsigned key[VEC]) {
-    uint4 v = *reinterpret_cast<const uint4*>(srow + pos);
+// The 16 bytes (8 fp16 scores) at pos; rows are padded, so whole chunks are always readable.
+// Loops load the next chunk's scores one step ahead (the first before their prologue), so that
+// each load's latency overlaps the work on the chunk before it.
+__device__ __forceinline__ uint4 load_raw(const unsigned short* srow, int pos) {
+    return *reinterpret_cast<const uint4*>(srow + pos);
+}
+
+__device__ __forceinline__ void to_keys(uint4 v, unsigned key[VEC]) {
     unsigned w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int j = 0; j < VEC; ++j) key[j] = key16((w[j >> 1] >> ((j & 1) * 16)) & 0xFFFFu);
+}
+
+// Program-uniform: the scores of the chunk at t for this thread, or zeros past the slice.
+__device__ __forceinline__ uint4 load_ahead(const unsigned short* srow, int t, int end) {
+    return t < end ? load_raw(srow, t + threadIdx.x * VEC) : make_uint4(0, 0, 0, 0);
 }
 
 __device__ __forceinline__ int warp_sum(int v) {
@@ -90,13 +100,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_hist_high(
     int start, end;
     split_range(sparse_len(seq_lens[b], heavy_k, threshold), p, P, &start, &end);
     if (start >= end) return;
+    const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
+    uint4 ahead = load_ahead(srow, start, end);
     for (int i = threadIdx.x; i < 256; i += THREADS) sh[i] = 0;
     __syncthreads();
-    const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
     for (int t = start; t < end; t += CHUNK) {
         const int pos = t + threadIdx.x * VEC;
         unsigned key[VEC];
-        load_keys(srow, pos, key);
+        to_keys(ahead, key);
+        ahead = load_ahead(srow, t + CHUNK, end);
 #pragma unroll
         for (int j = 0; j < VEC; ++j)
             if (pos + j < end) atomicAdd(&sh[key[j] >> 8], 1);
@@ -122,6 +134,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_hist_low(
     const int b = blockIdx.x, row = blockIdx.y, p = blockIdx.z;
     int start, end;
     split_range(sparse_len(seq_lens[b], heavy_k, threshold), p, P, &start, &end);
+    const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
+    uint4 ahead = load_ahead(srow, start, end);
     const long long hrow = (long long)b * stride_hb + (long long)row * stride_hr;
     for (int i = threadIdx.x; i < 256; i += THREADS) sh[i] = hist[hrow + i];
     __syncthreads();
@@ -142,12 +156,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_hist_low(
     const int d0 = s_digit;
     for (int i = threadIdx.x; i < 256; i += THREADS) sh[i] = 0;
     __syncthreads();
-    const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
     int above = 0;
     for (int t = start; t < end; t += CHUNK) {
         const int pos = t + threadIdx.x * VEC;
         unsigned key[VEC];
-        load_keys(srow, pos, key);
+        to_keys(ahead, key);
+        ahead = load_ahead(srow, t + CHUNK, end);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
             if (pos + j >= end) continue;
@@ -176,20 +190,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_compact(
     int stride_rir, int stride_cb, int stride_cr, int stride_selb, int stride_selr, int stride_rt, int P)
 {
     __shared__ int s_total[256], s_before[256];
-    __shared__ int s_warp[NWARPS];
+    __shared__ int s_warp[2][NWARPS];  // per step, alternating: one barrier per step
     __shared__ int s_thr, s_ngt, s_base, s_base_e;
     const int b = blockIdx.x, row = blockIdx.y, p = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int start, end;
     split_range(sparse_len(seq_lens[b], heavy_k, threshold), p, P, &start, &end);
+    const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
+    uint4 ahead = load_ahead(srow, start, end);
     const long long hrow = (long long)b * stride_hb + (long long)row * stride_hr;
     const int* info = rowinfo + (long long)b * stride_rib + (long long)row * stride_rir;
     const int d0 = info[0], need0 = info[1];
+    // Keys above d0 in each program before this one (warp 0 sums them below).
+    int gt = (warp == 0 && lane < p) ? counts[(long long)b * stride_cb + (long long)row * stride_cr + lane] : 0;
     if (p == 0)  // hist[0] has had its last reader (phase 2): leave it zeroed for the next call
         for (int i = tid; i < 256; i += THREADS) hist[hrow + i] = 0;
     // Per low-byte bin: its count over all programs, and over the programs before this one.
     for (int i = tid; i < 256; i += THREADS) {
         int total = 0, before = 0;
+#pragma unroll 4
         for (int q = 0; q < P; ++q) {
             int c = hist[(long long)(1 + q) * stride_hp + hrow + i];
             total += c;
@@ -204,7 +223,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_compact(
         const int d1 = threshold_digit(s_total, need0, &above1);
         // Offsets: the programs before this one hold, above the threshold, their keys above d0
         // (counts) and their keys of bucket d0 above d1; equal to it, their bucket-d0 keys at d1.
-        int gt = lane < p ? counts[(long long)b * stride_cb + (long long)row * stride_cr + lane] : 0;
 #pragma unroll
         for (int j = 0; j < 8; ++j) gt += (lane * 8 + j > d1) ? s_before[lane * 8 + j] : 0;
         gt = warp_sum(gt);
@@ -219,15 +237,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_compact(
     const unsigned thr = (unsigned)s_thr;
     const int n_gt = s_ngt, ties = heavy_k - n_gt;
     int base = s_base, base_e = s_base_e;
-    const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
     const long long r = req_idx_64 ? ((const long long*)req_idx)[b] : (long long)((const int*)req_idx)[b];
     const int* rt_row = req_to_token + r * stride_rt;
     int* out = sel + (long long)b * stride_selb + (long long)row * stride_selr;
     int* out_slot = sel_slot + (long long)b * stride_selb + (long long)row * stride_selr;
-    for (int t = start; t < end; t += CHUNK) {
+    int step = 0;
+    for (int t = start; t < end; t += CHUNK, step ^= 1) {
         const int pos = t + tid * VEC;
         unsigned key[VEC];
-        load_keys(srow, pos, key);
+        to_keys(ahead, key);
+        ahead = load_ahead(srow, t + CHUNK, end);
         unsigned gtm = 0, eqm = 0;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -235,6 +254,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_compact(
             gtm |= (unsigned)(ok && key[j] > thr) << j;
             eqm |= (unsigned)(ok && key[j] == thr) << j;
         }
+        // The candidates' cache slots, loaded now so that their latency overlaps the ranking.
+        int slot[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) slot[j] = ((gtm | eqm) >> j) & 1 ? rt_row[pos + j] : 0;
         // Ranks in position order: "equal" counts ride in the high half (a chunk holds < 2^16).
         const int mine = __popc(gtm) | (__popc(eqm) << 16);
         int inc = mine;
@@ -243,16 +266,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_compact(
             int v = __shfl_up_sync(FULL, inc, o);
             if (lane >= o) inc += v;
         }
-        if (lane == 31) s_warp[warp] = inc;
+        if (lane == 31) s_warp[step][warp] = inc;
         __syncthreads();
         int before = 0, chunk = 0;
 #pragma unroll
         for (int w = 0; w < NWARPS; ++w) {
-            const int v = s_warp[w];
+            const int v = s_warp[step][w];
             before += w < warp ? v : 0;
             chunk += v;
         }
-        __syncthreads();  // s_warp is rewritten by the next step
         const int excl = before + inc - mine;
         int ig = base + (excl & 0xFFFF), ie = base_e + (excl >> 16);
 #pragma unroll
@@ -264,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_compact(
             if ((eqm >> j) & 1) { if (ie >= 0 && ie < ties) dst = n_gt + ie; ++ie; }
             if (dst >= 0) {
                 out[dst] = pos + j;
-                out_slot[dst] = rt_row[pos + j];
+                out_slot[dst] = slot[j];
             }
         }
         base += chunk & 0xFFFF;
