@@ -159,18 +159,21 @@ def _select_cuda(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, ski
     """_select's three phases with select.cu's kernels, on the same launch geometry knobs (a
     slice is whole cuda_select.CHUNK-key steps)."""
     scores, hist, info, counts = ws.scores, ws.hist, ws.rowinfo, ws.counts
+    vec = TUNING["select_cuda_vec"]
 
     def progs(per_sm, max_progs=None):
-        P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, cuda_select.CHUNK)))
+        P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows),
+                                    triton.cdiv(ws.max_ctx, cuda_select.chunk(vec))))
         return min(P, max_progs) if max_progs else P
 
     if not skip_phase1:
-        cuda_select.hist_high(scores, hist, seq_lens, k, threshold, B, rows, progs(TUNING["hist_programs_per_sm"]))
+        cuda_select.hist_high(scores, hist, seq_lens, k, threshold, B, rows, progs(TUNING["hist_programs_per_sm"]),
+                              vec)
     if stage != "hist":
         P = progs(TUNING["select_programs_per_sm"], SELECT_MAX_PROGS)
-        cuda_select.hist_low(scores, hist, info, counts, seq_lens, k, threshold, B, rows, P)
+        cuda_select.hist_low(scores, hist, info, counts, seq_lens, k, threshold, B, rows, P, vec)
         cuda_select.compact(scores, hist, info, counts, seq_lens, ws.sel, ws.sel_slot, req_to_token, req_idx,
-                            k, threshold, B, rows, P)
+                            k, threshold, B, rows, P, vec)
 
 
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,

@@ -165,7 +165,7 @@ TUNING = {
     "sparse_attn_programs_per_sm": 4, "sparse_attn_stages": 2,
     # The select's kernels: "triton" (ds_topk.py), "cuda" (kernels/cuda/select.cu through NVRTC;
     # the same output), or "auto" = "cuda" where NVRTC and the GPU allow, else "triton".
-    "select_impl": "triton",
+    "select_impl": "triton", "select_cuda_vec": 8,
     # Merge the split-K partials in the attention kernel's last split instead of a merge launch.
     "fuse_merge": False,
     # Scoring: "mma" = all KV heads per program, one tensor-core product (ds_score.py);
