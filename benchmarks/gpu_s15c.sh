@@ -2,6 +2,7 @@
 # GPU runbook, session 15 (H200): the CUDA select with 8 or 16 keys per thread per step
 # (select_cuda_vec), one layer (ds_streams.py), then the engine's DS decode step at issue 5's shape
 # (bench_one_batch, 16 x 32K, r 16, k 2048, two batch parts) with the Triton and the CUDA select.
+# Ran at commit 64d7212. 16 keys per thread were no faster, so the knob was removed afterwards.
 # Writes $OUT/console.log, $OUT/streams-vec.json, $OUT/bs16-32k-ds-parts2-{triton,cuda}.json.
 source benchmarks/runbook_lib.sh; runbook_start
 C='"select_impl": "cuda"'

@@ -410,3 +410,39 @@ def test_cuda_graph_capture_and_replay(mode):
         exp = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx,
                                    c.seq_lens, c.sm_scale)
         assert rel_err(got_dense, exp) < TOL[torch.bfloat16]
+
+
+# ---------------------------------------------------------------- the CUDA select (select.cu)
+def test_cuda_select_source_compiles(tmp_path):
+    """select.cu compiles for sm_90 (nvcc where the machine has it; on a GPU, NVRTC compiles it
+    at run time and the tests below run it)."""
+    import shutil
+    import subprocess
+    from doublesparse.kernels.cuda import select as cuda_select
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine")
+    res = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "select.cubin"),
+                          str(cuda_select.SOURCE)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="CUDA kernels need a GPU")
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("mode", ["per_head", "group_max"])
+def test_cuda_select_equals_triton(case, mode, monkeypatch):
+    """The CUDA and the Triton select write the same selection, position for position, and the
+    CUDA one the ordered top-k of the reference scores."""
+    from doublesparse.kernels.cuda import select as cuda_select
+    assert cuda_select.unavailable(torch.device(DEVICE)) is None
+    seq_lens, hq, hkv, d, r, k = case
+    c = make_case(seq_lens, hq, hkv, d, r=r, device=DEVICE, seed=_seed(tuple(seq_lens), mode, "cuda"))
+    got = {}
+    for impl in ("triton", "cuda"):
+        monkeypatch.setitem(launch.TUNING, "select_impl", impl)
+        ws = make_ws(c, max_heavy_tokens=k + 3)
+        _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, num_progs=3, return_sel=True)
+        if impl == "cuda":
+            _check_selection(c, ws, sel, k, mode)
+        got[impl] = (sel.clone(), ws.sel_slot.clone())
+    assert torch.equal(got["triton"][0], got["cuda"][0]) and torch.equal(got["triton"][1], got["cuda"][1])

@@ -53,8 +53,11 @@ class DecodeWorkspace:
         if self.max_heavy_tokens:
             i32 = dict(dtype=torch.int32, device=dev)
             # Rows: one per query head (per_head mode) or per KV head (group modes); size for the larger.
-            # Padded by SCORE_PAD so the select kernels can read whole blocks past a row's end.
-            self.buffers["scores"] = torch.empty(B, Hq, self.max_ctx + SCORE_PAD, dtype=torch.float16, device=dev)
+            # Padded by SCORE_PAD so the select kernels can read whole blocks past a row's end;
+            # rows are a multiple of 8 scores long, so every row starts 16-byte aligned (the CUDA
+            # select's vector loads need it).
+            row_len = -(-self.max_ctx // 8) * 8 + SCORE_PAD
+            self.buffers["scores"] = torch.empty(B, Hq, row_len, dtype=torch.float16, device=dev)
             # hist[0]: high byte of the score keys, kept at zero between steps (its last reader
             # clears it); hist[1 + p]: low byte of the keys inside the chosen high byte, in select
             # program p's slice (overwritten by that program each step).

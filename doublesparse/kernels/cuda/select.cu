@@ -15,10 +15,7 @@
 
 #define THREADS 256
 #define NWARPS (THREADS / 32)
-#ifndef VEC
-#define VEC 8                    // keys per thread per step: 8 or 16 (one or two 16-byte loads)
-#endif
-#define NV (VEC / 8)             // 16-byte loads per thread per step
+#define VEC 8                    // keys per thread per step: one 16-byte load
 #define CHUNK (THREADS * VEC)    // keys per block per step
 #define MAX_PROGS 16             // workspace.SELECT_MAX_PROGS
 #define FULL 0xffffffffu
@@ -41,28 +38,22 @@ __device__ __forceinline__ void split_range(int n, int p, int P, int* start, int
     *end = min(*start + per, n);
 }
 
-// Rows are padded (workspace.SCORE_PAD >= CHUNK), so whole chunks are always readable.
+// The 16 bytes (8 fp16 scores) at pos; rows are padded, so whole chunks are always readable.
 // Loops load the next chunk's scores one step ahead (the first before their prologue), so that
 // each load's latency overlaps the work on the chunk before it.
-struct Raw { uint4 v[NV]; };
-
-// Program-uniform: this thread's VEC scores of the chunk at t, or zeros past the slice.
-__device__ __forceinline__ Raw load_ahead(const unsigned short* srow, int t, int end) {
-    Raw r;
-#pragma unroll
-    for (int i = 0; i < NV; ++i)
-        r.v[i] = t < end ? *reinterpret_cast<const uint4*>(srow + t + threadIdx.x * VEC + i * 8)
-                         : make_uint4(0, 0, 0, 0);
-    return r;
+__device__ __forceinline__ uint4 load_raw(const unsigned short* srow, int pos) {
+    return *reinterpret_cast<const uint4*>(srow + pos);
 }
 
-__device__ __forceinline__ void to_keys(const Raw& r, unsigned key[VEC]) {
+__device__ __forceinline__ void to_keys(uint4 v, unsigned key[VEC]) {
+    unsigned w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int i = 0; i < NV; ++i) {
-        unsigned w[4] = {r.v[i].x, r.v[i].y, r.v[i].z, r.v[i].w};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) key[i * 8 + j] = key16((w[j >> 1] >> ((j & 1) * 16)) & 0xFFFFu);
-    }
+    for (int j = 0; j < VEC; ++j) key[j] = key16((w[j >> 1] >> ((j & 1) * 16)) & 0xFFFFu);
+}
+
+// Program-uniform: the scores of the chunk at t for this thread, or zeros past the slice.
+__device__ __forceinline__ uint4 load_ahead(const unsigned short* srow, int t, int end) {
+    return t < end ? load_raw(srow, t + threadIdx.x * VEC) : make_uint4(0, 0, 0, 0);
 }
 
 __device__ __forceinline__ int warp_sum(int v) {
@@ -110,7 +101,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_hist_high(
     split_range(sparse_len(seq_lens[b], heavy_k, threshold), p, P, &start, &end);
     if (start >= end) return;
     const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
-    Raw ahead = load_ahead(srow, start, end);
+    uint4 ahead = load_ahead(srow, start, end);
     for (int i = threadIdx.x; i < 256; i += THREADS) sh[i] = 0;
     __syncthreads();
     for (int t = start; t < end; t += CHUNK) {
@@ -144,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_hist_low(
     int start, end;
     split_range(sparse_len(seq_lens[b], heavy_k, threshold), p, P, &start, &end);
     const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
-    Raw ahead = load_ahead(srow, start, end);
+    uint4 ahead = load_ahead(srow, start, end);
     const long long hrow = (long long)b * stride_hb + (long long)row * stride_hr;
     for (int i = threadIdx.x; i < 256; i += THREADS) sh[i] = hist[hrow + i];
     __syncthreads();
@@ -206,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_compact(
     int start, end;
     split_range(sparse_len(seq_lens[b], heavy_k, threshold), p, P, &start, &end);
     const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
-    Raw ahead = load_ahead(srow, start, end);
+    uint4 ahead = load_ahead(srow, start, end);
     const long long hrow = (long long)b * stride_hb + (long long)row * stride_hr;
     const int* info = rowinfo + (long long)b * stride_rib + (long long)row * stride_rir;
     const int d0 = info[0], need0 = info[1];

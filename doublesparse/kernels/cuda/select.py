@@ -16,25 +16,16 @@ import torch
 
 SOURCE = pathlib.Path(__file__).with_name("select.cu")
 THREADS = 256  # select.cu's THREADS
+CHUNK = 2048  # select.cu's CHUNK: keys per block per step; slices are whole chunks
 KERNELS = ("ds_select_hist_high", "ds_select_hist_low", "ds_select_compact")
 _INT32_MAX = 2**31 - 1
 
 
-VECS = (8, 16)  # keys per thread per step that select.cu compiles for (its VEC)
-
-
-def chunk(vec: int) -> int:
-    """Keys per program per step (select.cu's CHUNK); slices are whole chunks."""
-    return THREADS * vec
-
-
 @functools.lru_cache(maxsize=None)
-def _compiled(device_index: int, vec: int = 8):
-    if vec not in VECS:
-        raise ValueError(f"CUDA select: keys per thread must be one of {VECS}, got {vec}")
+def _compiled(device_index: int):
     with torch.cuda.device(device_index):
         src = SOURCE.read_text()
-        return {name: torch.cuda._compile_kernel(src, name, nvcc_options=[f"-DVEC={vec}"]) for name in KERNELS}
+        return {name: torch.cuda._compile_kernel(src, name) for name in KERNELS}
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,22 +61,21 @@ def _ints(*xs):
     return [int(x) for x in xs]
 
 
-def _kernel(name, device, vec):
-    return _compiled(device.index if device.index is not None else torch.cuda.current_device(), vec)[name]
+def _kernel(name, device):
+    return _compiled(device.index if device.index is not None else torch.cuda.current_device())[name]
 
 
-def hist_high(scores, hist, seq_lens, k, threshold, B, rows, P, vec=8):
-    """Phase 1: hist[0] += the high-byte histogram of each row's keys. Grid (B, rows, P); every
-    phase takes ``vec`` keys per thread per step (one of VECS)."""
-    _kernel("ds_select_hist_high", scores.device, vec)(
+def hist_high(scores, hist, seq_lens, k, threshold, B, rows, P):
+    """Phase 1: hist[0] += the high-byte histogram of each row's keys. Grid (B, rows, P)."""
+    _kernel("ds_select_hist_high", scores.device)(
         grid=(B, rows, P), block=(THREADS, 1, 1),
         args=[scores, hist, seq_lens, *_ints(k, threshold, scores.stride(0), scores.stride(1),
                                               hist.stride(1), hist.stride(2), P)])
 
 
-def hist_low(scores, hist, info, counts, seq_lens, k, threshold, B, rows, P, vec=8):
+def hist_low(scores, hist, info, counts, seq_lens, k, threshold, B, rows, P):
     """Phase 2: rowinfo, hist[1 + p] and counts[p] of each row. Grid (B, rows, P)."""
-    _kernel("ds_select_hist_low", scores.device, vec)(
+    _kernel("ds_select_hist_low", scores.device)(
         grid=(B, rows, P), block=(THREADS, 1, 1),
         args=[scores, hist, info, counts, seq_lens,
               *_ints(k, threshold, scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1),
@@ -93,9 +83,9 @@ def hist_low(scores, hist, info, counts, seq_lens, k, threshold, B, rows, P, vec
 
 
 def compact(scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx, k, threshold,
-            B, rows, P, vec=8):
-    """Phase 3: sel / sel_slot of each row, hist[0] cleared. Grid (B, rows, P), P and vec as phase 2's."""
-    _kernel("ds_select_compact", scores.device, vec)(
+            B, rows, P):
+    """Phase 3: sel / sel_slot of each row, hist[0] cleared. Grid (B, rows, P), P as phase 2's."""
+    _kernel("ds_select_compact", scores.device)(
         grid=(B, rows, P), block=(THREADS, 1, 1),
         args=[scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx,
               *_ints(req_idx.dtype == torch.int64, k, threshold, scores.stride(0), scores.stride(1),

@@ -138,6 +138,8 @@ def _use_cuda_select(scores) -> bool:
     """Whether this call's select runs select.cu (TUNING["select_impl"]: "triton", "cuda" or
     "auto" = cuda where it can run); "cuda" where it cannot warns once and runs Triton."""
     impl = TUNING["select_impl"]
+    if impl not in ("triton", "cuda", "auto"):
+        _fail(f"select_impl must be 'triton', 'cuda' or 'auto', got {impl!r}")
     if impl == "triton" or _INTERPRET:
         return False
     why = cuda_select.unavailable(scores.device)
@@ -159,21 +161,18 @@ def _select_cuda(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, ski
     """_select's three phases with select.cu's kernels, on the same launch geometry knobs (a
     slice is whole cuda_select.CHUNK-key steps)."""
     scores, hist, info, counts = ws.scores, ws.hist, ws.rowinfo, ws.counts
-    vec = TUNING["select_cuda_vec"]
 
     def progs(per_sm, max_progs=None):
-        P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows),
-                                    triton.cdiv(ws.max_ctx, cuda_select.chunk(vec))))
+        P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, cuda_select.CHUNK)))
         return min(P, max_progs) if max_progs else P
 
     if not skip_phase1:
-        cuda_select.hist_high(scores, hist, seq_lens, k, threshold, B, rows, progs(TUNING["hist_programs_per_sm"]),
-                              vec)
+        cuda_select.hist_high(scores, hist, seq_lens, k, threshold, B, rows, progs(TUNING["hist_programs_per_sm"]))
     if stage != "hist":
         P = progs(TUNING["select_programs_per_sm"], SELECT_MAX_PROGS)
-        cuda_select.hist_low(scores, hist, info, counts, seq_lens, k, threshold, B, rows, P, vec)
+        cuda_select.hist_low(scores, hist, info, counts, seq_lens, k, threshold, B, rows, P)
         cuda_select.compact(scores, hist, info, counts, seq_lens, ws.sel, ws.sel_slot, req_to_token, req_idx,
-                            k, threshold, B, rows, P, vec)
+                            k, threshold, B, rows, P)
 
 
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
