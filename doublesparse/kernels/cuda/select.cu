@@ -56,6 +56,14 @@ __device__ __forceinline__ uint4 load_ahead(const unsigned short* srow, int t, i
     return t < end ? load_raw(srow, t + threadIdx.x * VEC) : make_uint4(0, 0, 0, 0);
 }
 
+// This thread's keys of the chunk at t, whose scores were loaded a step ahead into `ahead`; starts
+// the load of the next chunk's.
+__device__ __forceinline__ void next_keys(const unsigned short* srow, uint4& ahead, int t, int end,
+                                          unsigned key[VEC]) {
+    to_keys(ahead, key);
+    ahead = load_ahead(srow, t + CHUNK, end);
+}
+
 __device__ __forceinline__ int warp_sum(int v) {
 #pragma unroll
     for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
@@ -107,8 +115,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_hist_high(
     for (int t = start; t < end; t += CHUNK) {
         const int pos = t + threadIdx.x * VEC;
         unsigned key[VEC];
-        to_keys(ahead, key);
-        ahead = load_ahead(srow, t + CHUNK, end);
+        next_keys(srow, ahead, t, end, key);
 #pragma unroll
         for (int j = 0; j < VEC; ++j)
             if (pos + j < end) atomicAdd(&sh[key[j] >> 8], 1);
@@ -160,8 +167,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_hist_low(
     for (int t = start; t < end; t += CHUNK) {
         const int pos = t + threadIdx.x * VEC;
         unsigned key[VEC];
-        to_keys(ahead, key);
-        ahead = load_ahead(srow, t + CHUNK, end);
+        next_keys(srow, ahead, t, end, key);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
             if (pos + j >= end) continue;
@@ -245,8 +251,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_compact(
     for (int t = start; t < end; t += CHUNK, step ^= 1) {
         const int pos = t + tid * VEC;
         unsigned key[VEC];
-        to_keys(ahead, key);
-        ahead = load_ahead(srow, t + CHUNK, end);
+        next_keys(srow, ahead, t, end, key);
         unsigned gtm = 0, eqm = 0;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
