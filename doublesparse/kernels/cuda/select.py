@@ -41,11 +41,15 @@ def _unavailable(device_index: int) -> str | None:
     return None
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def unavailable(device: torch.device) -> str | None:
     """None if the CUDA select can run on ``device``, else why not (compiles on first call)."""
     if device.type != "cuda":
         return f"device {device} is not a CUDA device"
-    return _unavailable(device.index if device.index is not None else torch.cuda.current_device())
+    return _unavailable(_index(device))
 
 
 def aligned(scores: torch.Tensor) -> bool:
@@ -62,7 +66,7 @@ def _ints(*xs):
 
 
 def _kernel(name, device):
-    return _compiled(device.index if device.index is not None else torch.cuda.current_device())[name]
+    return _compiled(_index(device))[name]
 
 
 def hist_high(scores, hist, seq_lens, k, threshold, B, rows, P):

@@ -100,26 +100,39 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
 
 
 def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage):
-    """Stage 2: ds_topk's three phases, one launch each (phase 1 skipped when the
-    score launch made the histogram; stage "hist" runs phase 1 only, for the stage benchmark)."""
+    """Stage 2: the top-k select's three phases, one launch each (phase 1 skipped when the
+    score launch made the histogram; stage "hist" runs phase 1 only, for the stage benchmark), by
+    ds_topk.py's Triton kernel or select.cu's CUDA kernels (``_use_cuda_select``)."""
     scores, hist, info, counts, sel, sel_slot = (ws.scores, ws.hist, ws.rowinfo, ws.counts, ws.sel,
                                                  ws.sel_slot)
+    nsm = _num_sms(scores.device)
+    cuda = _use_cuda_select(scores)
+
+    def progs(per_sm, block, max_progs=None):
+        # Programs per score row: per_sm per SM over the grid's rows, at most one per block of
+        # the longest row (and max_progs); phases 2 and 3 must agree, phase 3 reading phase 2's.
+        P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, block)))
+        return min(P, max_progs) if max_progs else P
+
+    if cuda:
+        if not skip_phase1:
+            cuda_select.hist_high(scores, hist, seq_lens, k, threshold, B, rows,
+                                  progs(TUNING["hist_programs_per_sm"], cuda_select.CHUNK))
+        if stage != "hist":
+            P = progs(TUNING["select_programs_per_sm"], cuda_select.CHUNK, SELECT_MAX_PROGS)
+            cuda_select.hist_low(scores, hist, info, counts, seq_lens, k, threshold, B, rows, P)
+            cuda_select.compact(scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx,
+                                k, threshold, B, rows, P)
+        return
     args = (scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx, k, threshold,
             scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
             info.stride(0), info.stride(1), counts.stride(0), counts.stride(1),
             sel.stride(0), sel.stride(1), req_to_token.stride(0))
-    nsm = _num_sms(scores.device)
-    if _use_cuda_select(scores):
-        _select_cuda(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs,
-                     stage, nsm)
-        return
     prefetch = TUNING["select_prefetch"]
     prefetch = {True: "23", False: ""}.get(prefetch, str(prefetch))  # phases, as digits
 
     def launch(phase, block, per_sm, loop_stages, max_progs=None):
-        P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, block)))
-        if max_progs:
-            P = min(P, max_progs)
+        P = progs(per_sm, block, max_progs)
         select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
                                     ATOMIC_HIST=TUNING["select_atomic_hist"], LOOP_STAGES=loop_stages,
                                     MAX_PROGS=SELECT_MAX_PROGS, PREFETCH=str(phase) in prefetch,
@@ -128,10 +141,12 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
     if not skip_phase1:
         launch(1, TUNING["hist_block_n"], TUNING["hist_programs_per_sm"], TUNING["select_loop_stages"])
     if stage != "hist":
-        # Phases 2 and 3 share one geometry: phase 3 reads phase 2's per-program histograms.
         for phase, stages in ((2, TUNING["select_loop_stages"]), (3, TUNING["compact_loop_stages"])):
             launch(phase, TUNING["select_block_n"], TUNING["select_programs_per_sm"], stages,
                    SELECT_MAX_PROGS)
+
+
+_WARNED: set = set()  # reasons the CUDA select could not run, each warned about once
 
 
 def _use_cuda_select(scores) -> bool:
@@ -151,28 +166,6 @@ def _use_cuda_select(scores) -> bool:
         _WARNED.add(why)
         warnings.warn(f"select_impl='cuda' cannot run ({why}); using the Triton select", stacklevel=3)
     return False
-
-
-_WARNED: set = set()
-
-
-def _select_cuda(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs,
-                 stage, nsm):
-    """_select's three phases with select.cu's kernels, on the same launch geometry knobs (a
-    slice is whole cuda_select.CHUNK-key steps)."""
-    scores, hist, info, counts = ws.scores, ws.hist, ws.rowinfo, ws.counts
-
-    def progs(per_sm, max_progs=None):
-        P = num_progs or max(1, min(triton.cdiv(per_sm * nsm, B * rows), triton.cdiv(ws.max_ctx, cuda_select.CHUNK)))
-        return min(P, max_progs) if max_progs else P
-
-    if not skip_phase1:
-        cuda_select.hist_high(scores, hist, seq_lens, k, threshold, B, rows, progs(TUNING["hist_programs_per_sm"]))
-    if stage != "hist":
-        P = progs(TUNING["select_programs_per_sm"], SELECT_MAX_PROGS)
-        cuda_select.hist_low(scores, hist, info, counts, seq_lens, k, threshold, B, rows, P)
-        cuda_select.compact(scores, hist, info, counts, seq_lens, ws.sel, ws.sel_slot, req_to_token, req_idx,
-                            k, threshold, B, rows, P)
 
 
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
