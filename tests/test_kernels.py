@@ -446,3 +446,28 @@ def test_cuda_select_equals_triton(case, mode, monkeypatch):
             _check_selection(c, ws, sel, k, mode)
         got[impl] = (sel.clone(), ws.sel_slot.clone())
     assert torch.equal(got["triton"][0], got["cuda"][0]) and torch.equal(got["triton"][1], got["cuda"][1])
+
+
+def test_cuda_select_launch_protocol(monkeypatch):
+    """ds_decode's select stage, when it takes the CUDA kernels (launches recorded here, so this
+    runs on the CPU): phases 2 and 3 on one grid, at most SELECT_MAX_PROGS programs per row,
+    phase 1 only for stage "hist", and none when the score launch made the histogram."""
+    from doublesparse.kernels.triton import ds_launch
+    from doublesparse.kernels.workspace import SELECT_MAX_PROGS, DecodeWorkspace
+    calls = []
+    for name in ("hist_high", "hist_low", "compact"):
+        monkeypatch.setattr(ds_launch.cuda_select, name, lambda *a, name=name: calls.append((name, a[-3:])))
+    monkeypatch.setattr(ds_launch, "_use_cuda_select", lambda scores: True)
+    monkeypatch.setattr(ds_launch, "_num_sms", lambda dev: 132)
+    ws = DecodeWorkspace(17, 9, 3, 64, 65536, 64, device="cpu")
+    sl = torch.zeros(17, dtype=torch.int32)
+    rt = torch.zeros(17, 8, dtype=torch.int32)
+    for skip, stage, want in ((False, "all", ["hist_high", "hist_low", "compact"]), (False, "hist", ["hist_high"]),
+                              (True, "all", ["hist_low", "compact"])):
+        calls.clear()
+        ds_launch._select(ws, sl, rt, sl, 64, 0, 17, 3, skip, None, stage)
+        assert [c[0] for c in calls] == want
+        grids = {n: g for n, g in calls}
+        assert all(g[:2] == (17, 3) for g in grids.values())
+        if "compact" in grids:
+            assert grids["hist_low"] == grids["compact"] and 1 <= grids["compact"][2] <= SELECT_MAX_PROGS
