@@ -52,6 +52,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
+    default_impl = launch.TUNING["select_impl"]
     rows = []
     for case in args.cases.split(","):
         B, L = (int(x) for x in case.split("x"))
@@ -76,7 +77,7 @@ def main(argv=None):
                              total_us=total))
         del p, ws
         torch.cuda.empty_cache()
-    launch.TUNING["select_impl"] = "triton"
+    launch.TUNING["select_impl"] = default_impl
     write_json(args.json, "select_impl_probe.py", rows)
 
 
