@@ -1,11 +1,13 @@
-"""Probe: the select's two implementations (TUNING["select_impl"]: Triton ds_topk.py, CUDA
-kernels/cuda/select.cu), one layer's DS decode at given shapes.
+"""Probe: two implementations of a DS stage, one layer's DS decode at given shapes. By default the
+select's (TUNING["select_impl"]: Triton ds_topk.py, CUDA kernels/cuda/select.cu); ``--knob
+score_impl --values mma,cuda`` compares the score's (ds_score.py, kernels/cuda/score.cu).
 
-    python benchmarks/select_impl_probe.py [--cases 16x32768,3x65536] [--json OUT.json]
+    python benchmarks/select_impl_probe.py [--cases 16x32768,3x65536] [--knob K --values A,B] [--json OUT.json]
 
-Per case: the selection (sel, sel_slot) of both must be equal, element for element (same positions
-in the same order); then each runs the whole DS call eagerly under the PyTorch profiler, and the
-table gives each kernel's mean GPU time per call. Whole-call times in CUDA graphs, with batch
+Per case: whether the selections (sel, sel_slot) of the two are equal, element for element (same
+positions in the same order: the selects must agree; two score kernels may round a score
+differently and so pick a tied position differently); then each runs the whole DS call eagerly
+under the PyTorch profiler, and the table gives each kernel's mean GPU time per call. Whole-call times in CUDA graphs, with batch
 parts: benchmarks/ds_streams.py --tunings '[{}, {"select_impl": "cuda"}]'.
 """
 
@@ -22,11 +24,8 @@ from doublesparse.kernels.triton import launch
 from doublesparse.kernels.workspace import DecodeWorkspace
 from probe_lib import write_json
 
-IMPLS = ("triton", "cuda")
-
-
-def run(p, ws, k, impl, iters=0):
-    launch.TUNING["select_impl"] = impl
+def run(p, ws, k, knob, impl, iters=0):
+    launch.TUNING[knob] = impl
     sm = 1 / math.sqrt(D)
     call = lambda: launch.ds_decode(p.q, p.k, p.v, p.labels, p.scale, p.channels, p.req_to_token,  # noqa: E731
                                     p.req_idx[0], p.seq_lens, sm, k, "group_max", ws=ws, out=p.out)
@@ -49,10 +48,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="16x32768,3x65536,3x131072")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--knob", default="select_impl", help="the launch.TUNING key to vary")
+    ap.add_argument("--values", default="triton,cuda", help="its two values, comma-separated")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
-    default_impl = launch.TUNING["select_impl"]
+    knob, impls = args.knob, args.values.split(",")
+    default_impl = launch.TUNING[knob]
     rows = []
     for case in args.cases.split(","):
         B, L = (int(x) for x in case.split("x"))
@@ -60,24 +62,24 @@ def main(argv=None):
         p = Pools(B, L, 1, 16, torch.bfloat16, dev)
         ws = DecodeWorkspace(B, HQ, HKV, D, L, k, device=dev)
         sels = {}
-        for impl in IMPLS:
+        for impl in impls:
             ws.sel.fill_(-7)
             ws.sel_slot.fill_(-7)
-            run(p, ws, k, impl)
+            run(p, ws, k, knob, impl)
             torch.cuda.synchronize()
             sels[impl] = (ws.sel[:B, :HKV, :k].clone(), ws.sel_slot[:B, :HKV, :k].clone())
-        same = all(torch.equal(a, b) for a, b in zip(sels["triton"], sels["cuda"]))
+        same = all(torch.equal(a, b) for a, b in zip(sels[impls[0]], sels[impls[-1]]))
         print(f"bs{B} L={L} k={k}: selections equal: {same}", flush=True)
-        for impl in IMPLS:
-            us = run(p, ws, k, impl, args.iters)
+        for impl in impls:
+            us = run(p, ws, k, knob, impl, args.iters)
             total = sum(us.values())
             print(f"  {impl:6s} total {total:7.1f} us: " + ", ".join(
                 f"{n[:28]} {t:.1f}" for n, t in sorted(us.items(), key=lambda x: -x[1])), flush=True)
-            rows.append(dict(batch=B, ctx=L, k=k, impl=impl, selections_equal=same, kernel_us=us,
+            rows.append(dict(batch=B, ctx=L, k=k, knob=knob, impl=impl, selections_equal=same, kernel_us=us,
                              total_us=total))
         del p, ws
         torch.cuda.empty_cache()
-    launch.TUNING["select_impl"] = default_impl
+    launch.TUNING[knob] = default_impl
     write_json(args.json, "select_impl_probe.py", rows)
 
 

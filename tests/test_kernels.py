@@ -412,19 +412,31 @@ def test_cuda_graph_capture_and_replay(mode):
         assert rel_err(got_dense, exp) < TOL[torch.bfloat16]
 
 
-# ---------------------------------------------------------------- the CUDA select (select.cu)
-def test_cuda_select_source_compiles(tmp_path):
-    """select.cu compiles for sm_90 (nvcc where the machine has it; on a GPU, NVRTC compiles it
-    at run time and the tests below run it)."""
+# ---------------------------------------------------------------- the CUDA kernels (kernels/cuda)
+_SCORE_DEFINES = [  # score.cu's compile-time values: Llama-3.1-8B r16/r32, fp8, SmolLM2 per head, MHA
+    dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LPT=2),
+    dict(HKV=8, G=4, R=32, MODE=1, LABEL=0, QTYPE=0, CH64=1, DO_HIST=1, LPT=1),
+    dict(HKV=8, G=4, R=16, MODE=2, LABEL=2, QTYPE=1, CH64=0, DO_HIST=1, LPT=4),
+    dict(HKV=3, G=3, R=8, MODE=0, LABEL=1, QTYPE=2, CH64=0, DO_HIST=1, LPT=2),
+    dict(HKV=32, G=1, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=0, LPT=2),
+]
+
+
+@pytest.mark.parametrize("source,defines", [("select.cu", {})] + [("score.cu", d) for d in _SCORE_DEFINES])
+def test_cuda_source_compiles(tmp_path, source, defines):
+    """The CUDA C++ sources compile for sm_90 without spilling registers (nvcc where the machine
+    has it; on a GPU, NVRTC compiles them at run time and the tests below run them)."""
     import shutil
     import subprocess
-    from doublesparse.kernels.cuda import select as cuda_select
+    from doublesparse.kernels.cuda import nvrtc
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc on this machine")
-    res = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "select.cubin"),
-                          str(cuda_select.SOURCE)], capture_output=True, text=True)
+    res = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
+                          *[f"-D{k}={v}" for k, v in defines.items()], str(nvrtc.source(source))],
+                         capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+    assert " 0 bytes spill stores" in res.stderr, res.stderr
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA kernels need a GPU")
@@ -471,3 +483,62 @@ def test_cuda_select_launch_protocol(monkeypatch):
         assert all(g[:2] == (17, 3) for g in grids.values())
         if "compact" in grids:
             assert grids["hist_low"] == grids["compact"] and 1 <= grids["compact"][2] <= SELECT_MAX_PROGS
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="CUDA kernels need a GPU")
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("mode", ["per_head", "group_sum", "group_max"])
+@pytest.mark.parametrize("label_dtype", [torch.bfloat16, FP8])
+def test_cuda_score_equals_triton(case, mode, label_dtype, monkeypatch):
+    """score.cu's fp16 scores equal the Triton score's within one fp16 rounding step, on the
+    sparse requests' positions only, and its fused histogram is that of its own scores' keys."""
+    from doublesparse.kernels.cuda import score as cuda_score
+    seq_lens, hq, hkv, d, r, k = case
+    c = make_case(seq_lens, hq, hkv, d, r=r, label_dtype=label_dtype, device=DEVICE,
+                  seed=_seed(tuple(seq_lens), mode, str(label_dtype), "score"))
+    lpt = launch.TUNING["score_cuda_rows_per_thread"]
+    hist = cuda_score.hist_fits(hq, hkv, r, mode)
+    if cuda_score.why_not(c.q, c.label_cache, c.channels, mode, hist, lpt) is not None:
+        pytest.skip(cuda_score.why_not(c.q, c.label_cache, c.channels, mode, hist, lpt))
+    rows = rows_of(mode, hq, hkv)
+    got = {}
+    for impl in ("mma", "cuda"):
+        monkeypatch.setitem(launch.TUNING, "score_impl", impl)
+        ws = make_ws(c, max_heavy_tokens=k + 3)
+        launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, num_progs=3, stage="score")
+        got[impl] = (ws.scores[:, :rows].clone(), ws.hist[0, :, :rows].clone())
+    sparse = ref.is_sparse(c.seq_lens.cpu(), k, 0)
+    for b in range(c.q.shape[0]):
+        n = int(c.seq_lens[b]) if sparse[b] else 0
+        a, e = got["cuda"][0][b, :, :n].float(), got["mma"][0][b, :, :n].float()
+        # one fp16 step of the larger magnitude (the two round differently), and the Triton
+        # score's split of q into two bf16 parts (about 2^-16 of the row's largest score)
+        step = torch.maximum(a.abs(), e.abs()).clamp_min(2.0**-14) * 2.0**-10
+        tol = step * 1.01 + (e.abs().amax(-1, keepdim=True) * 2e-4 if n else 0)
+        assert bool(((a - e).abs() <= tol).all()), (a - e).abs().max()
+        bits = got["cuda"][0][b, :, :n].view(torch.int16).to(torch.int32)
+        keys = torch.where(bits < 0, ~bits, bits | 0x8000) & 0xFFFF
+        want = torch.stack([torch.bincount(row >> 8, minlength=256) for row in keys]) if n else 0
+        assert torch.equal(got["cuda"][1][b].long(), want + torch.zeros(rows, 256, dtype=torch.long, device=DEVICE))
+
+
+def test_cuda_score_launch_protocol(monkeypatch):
+    """ds_decode with the CUDA score (launches recorded here, so this runs on the CPU): one launch
+    on a (B, P) grid, and the select then skips its first phase if the score made the histogram,
+    not otherwise."""
+    from doublesparse.kernels.triton import ds_launch
+    calls = []
+    monkeypatch.setattr(ds_launch.cuda_score, "score", lambda *a: calls.append(("score", a[-3:])))
+    monkeypatch.setattr(ds_launch, "_select", lambda ws, sl, rt, ri, k, thr, B, rows, skip, np, stage:
+                        calls.append(("select", skip)))
+    monkeypatch.setattr(ds_launch, "_take_cuda", lambda knob, why_not: knob == "score_impl")
+    monkeypatch.setattr(ds_launch, "_num_sms", lambda dev: 132)
+    c = make_case([70, 20, 301], 9, 3, 64, seed=5)
+    for hist in (True, False):
+        monkeypatch.setitem(launch.TUNING, "score_cuda_hist", hist)
+        calls.clear()
+        ws = make_ws(c, max_heavy_tokens=16)
+        ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="select")
+        assert [n for n, _ in calls] == ["score", "select"]
+        P, do_hist, lpt = calls[0][1]
+        assert do_hist == hist and calls[1][1] == hist and P >= 1 and lpt == launch.TUNING["score_cuda_rows_per_thread"]

@@ -12,6 +12,7 @@ import warnings
 import torch
 import triton
 
+from ..cuda import score as cuda_score
 from ..cuda import select as cuda_select
 from ..reference import MODES
 from ..workspace import SCORE_PAD, SELECT_MAX_PROGS
@@ -23,6 +24,7 @@ from .launch import (_INTERPRET, TUNING, _attention, _attn_block_n, _check_decod
 
 
 STAGES = ("score", "hist", "select", "attend", "rest", "all")
+SCORE_IMPLS = ("auto", "cuda", "mma", "rows")
 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
@@ -58,15 +60,26 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     if stage not in STAGES:
         _fail(f"stage must be one of {STAGES}, got {stage!r}")
     impl = TUNING["score_impl"]
-    if impl == "auto":
-        impl = "mma" if Hkv * r <= TUNING["mma_max_channels"] else "rows"
-    score_hist = impl != "mma" and bool(TUNING["score_hist"])  # the score launch made hist[0]
+    if impl not in SCORE_IMPLS:
+        _fail(f"score_impl must be one of {SCORE_IMPLS}, got {impl!r}")
+    lpt = TUNING["score_cuda_rows_per_thread"]
+    cuda_hist = bool(TUNING["score_cuda_hist"]) and cuda_score.hist_fits(Hq, Hkv, r, mode)
+    if impl in ("auto", "cuda"):
+        cuda = _take_cuda("score_impl", lambda: cuda_score.why_not(q, label_cache, channels, mode, cuda_hist, lpt))
+        impl = "cuda" if cuda else "mma" if Hkv * r <= TUNING["mma_max_channels"] else "rows"
+    # Whether the score launch made hist[0] (the select's first phase)
+    score_hist = cuda_hist if impl == "cuda" else impl == "rows" and bool(TUNING["score_hist"])
     if stage not in ("attend", "rest"):
         nsm = _num_sms(dev)
         P_score = num_progs or max(1, min(triton.cdiv(TUNING["score_programs_per_sm"] * nsm, B * Hkv),
                                           triton.cdiv(ws.max_ctx, TUNING["score_block_n"])))
         is_fp8 = label_cache.dtype == torch.float8_e4m3fn
-        if impl == "mma":
+        if impl == "cuda":
+            P = num_progs or max(1, min(triton.cdiv(TUNING["score_cuda_programs_per_sm"] * nsm, B),
+                                        triton.cdiv(ws.max_ctx, cuda_score.step_tokens(Hkv, lpt))))
+            cuda_score.score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist,
+                             sm_scale, k, threshold, num_sink, num_recent, mode, P, cuda_hist, lpt)
+        elif impl == "mma":
             _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
                        float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, num_progs)
         else:
@@ -146,26 +159,38 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
                    SELECT_MAX_PROGS)
 
 
-_WARNED: set = set()  # reasons the CUDA select could not run, each warned about once
+_WARNED: set = set()  # (knob, reason) a CUDA path could not run, each warned about once
+
+
+def _take_cuda(knob: str, why_not) -> bool:
+    """Whether TUNING[knob] takes its CUDA C++ kernels: "cuda", or "auto" = cuda where they can
+    run (``why_not()`` is None); never under the interpreter. "cuda" where they cannot warns once
+    and the caller runs Triton."""
+    impl = TUNING[knob]
+    if impl not in ("cuda", "auto") or _INTERPRET:
+        return False
+    why = why_not()
+    if why is None:
+        return True
+    if impl == "cuda" and (knob, why) not in _WARNED:
+        _WARNED.add((knob, why))
+        warnings.warn(f"{knob}='cuda' cannot run ({why}); using Triton", stacklevel=4)
+    return False
 
 
 def _use_cuda_select(scores) -> bool:
     """Whether this call's select runs select.cu (TUNING["select_impl"]: "triton", "cuda" or
     "auto" = cuda where it can run); "cuda" where it cannot warns once and runs Triton."""
-    impl = TUNING["select_impl"]
-    if impl not in ("triton", "cuda", "auto"):
-        _fail(f"select_impl must be 'triton', 'cuda' or 'auto', got {impl!r}")
-    if impl == "triton" or _INTERPRET:
-        return False
-    why = cuda_select.unavailable(scores.device)
-    if why is None and not cuda_select.aligned(scores):
-        why = "the score rows are not 16-byte aligned"
-    if why is None:
-        return True
-    if impl == "cuda" and why not in _WARNED:
-        _WARNED.add(why)
-        warnings.warn(f"select_impl='cuda' cannot run ({why}); using the Triton select", stacklevel=3)
-    return False
+    if TUNING["select_impl"] not in ("triton", "cuda", "auto"):
+        _fail(f"select_impl must be 'triton', 'cuda' or 'auto', got {TUNING['select_impl']!r}")
+
+    def why_not():
+        why = cuda_select.unavailable(scores.device)
+        if why is None and not cuda_select.aligned(scores):
+            why = "the score rows are not 16-byte aligned"
+        return why
+
+    return _take_cuda("select_impl", why_not)
 
 
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,

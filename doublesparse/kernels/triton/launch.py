@@ -174,8 +174,11 @@ TUNING = {
     # (its product is block-diagonal over KV heads, so its waste grows with Hkv). Measured on an
     # H200: Llama-3.1-8B (8 x 16) mma 20.6 vs rows 26.9 us per layer at 64K x 3; LongChat-7B
     # (32 x 16) rows 6.78 vs mma 7.60 ms per decode step at 20K x 3 (results/).
+    # "cuda" = kernels/cuda/score.cu through NVRTC, which also makes the select's first phase
+    # (score_cuda_hist); "auto" takes it where it can run (dtypes, alignment, G * r <= 128).
     "score_impl": "auto", "mma_max_channels": 256,
     "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4,
+    "score_cuda_programs_per_sm": 4, "score_cuda_rows_per_thread": 2, "score_cuda_hist": True,
     # Programmatic dependent launch on Hopper and later (pdl.py) for the small per-row kernels and
     # the GEMV, whose programs start, and load their weights, while the kernel ahead runs.
     # Off: no GEMV either.

@@ -1,0 +1,217 @@
+// Double Sparsity stage 1 in CUDA C++: label scoring, with the select's first phase (the
+// high-byte histogram of the score keys, select.cu's ds_select_hist_high) fused in.
+//
+// Why a second implementation: the Triton score kernels are bound by instruction issue, not by
+// the label bytes (results/attention-h200-notes.md: fp8 labels, half the bytes, score no faster),
+// and Triton 3.6 has no shared-memory atomics for a cheap histogram. Here each thread owns one KV
+// head for the whole kernel and keeps that head's G x R scaled query values in registers; a label
+// row (R channels of one head of one token) is one or a few 16-byte loads, and consecutive
+// threads read consecutive rows, so a block streams whole label rows of consecutive slots.
+//
+// Compiled at run time by NVRTC (score.py) with these compile-time values:
+//   HKV, G, R    KV heads, query heads per KV head, heavy channels
+//   MODE         0 = per query head (HKV * G score rows), 1 = group sum, 2 = group max
+//   LABEL        label dtype: 0 = bf16, 1 = fp16, 2 = fp8 e4m3 (with a [1] fp32 scale)
+//   QTYPE        q dtype: 0 = bf16, 1 = fp16, 2 = fp32
+//   CH64         channels are int64 (else int32)
+//   DO_HIST      add the keys' high-byte histogram to hist[0] (else the select's phase 1 runs)
+//   LPT            label rows per thread per step (default 2)
+// Grid (B, P): P blocks per request, each one slice of its positions. Same output as the Triton
+// score kernels (ds_score.py): fp16 scores clamped to +-65504, sink and recent positions at 65504,
+// positions written only for requests that decode sparsely.
+
+#define THREADS 256
+#ifndef LPT
+#define LPT 2                      // label rows per thread per step (loads in flight)
+#endif
+#define TOK (THREADS / HKV)      // tokens per block per row of a step
+#define STEP (TOK * LPT)           // tokens per block per step
+#define ACTIVE (TOK * HKV)       // threads with a (token, head) pair; the rest only help set up
+#define ROWS (MODE == 0 ? HKV * G : HKV)
+#define LBYTES (LABEL == 2 ? R : 2 * R)
+#define NVEC (LBYTES / 16)       // 16-byte loads per label row (the launcher checks LBYTES % 16)
+#define FP16_MAX 65504.0f
+
+#if LABEL == 2
+typedef unsigned char label_t;
+#else
+typedef unsigned short label_t;
+#endif
+#if QTYPE == 2
+typedef float q_t;
+#else
+typedef unsigned short q_t;
+#endif
+#if CH64
+typedef long long ch_t;
+#else
+typedef int ch_t;
+#endif
+
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float q_to_f32(q_t x) {
+#if QTYPE == 0
+    return __uint_as_float((unsigned)x << 16);
+#elif QTYPE == 1
+    return f16_to_f32(x);
+#else
+    return x;
+#endif
+}
+
+// Label channel j of a row held in 32-bit words. fp8 e4m3 is placed into fp16's bits (sign, then
+// exponent and mantissa shifted into place): exact, and 2^8 too small, a factor the query's scale
+// carries (score.py).
+__device__ __forceinline__ float label_at(const unsigned* w, int j) {
+#if LABEL == 2
+    unsigned x = (w[j >> 2] >> ((j & 3) * 8)) & 0xFFu;
+    return f16_to_f32((unsigned short)(((x & 0x80u) << 8) | ((x & 0x7Fu) << 7)));
+#elif LABEL == 1
+    return f16_to_f32((unsigned short)((w[j >> 1] >> ((j & 1) * 16)) & 0xFFFFu));
+#else
+    return __uint_as_float((w[j >> 1] >> ((j & 1) * 16)) << 16);
+#endif
+}
+
+// Order-preserving map of fp16 bits to [0, 65535] (select.cu's key16).
+__device__ __forceinline__ unsigned key16(unsigned bits) {
+    return (bits & 0x8000u) ? (~bits & 0xFFFFu) : (bits | 0x8000u);
+}
+
+__device__ __forceinline__ void load_row(const label_t* row, bool valid, uint4 v[NVEC]) {
+#pragma unroll
+    for (int i = 0; i < NVEC; ++i)
+        v[i] = valid ? reinterpret_cast<const uint4*>(row)[i] : make_uint4(0, 0, 0, 0);
+}
+
+// Scores one (token, head) pair from its label row (32-bit words) and writes its score row(s).
+__device__ __forceinline__ void score_pair(const unsigned* w, const float (&qr)[G][R], int pos, int h,
+                                           int seq_len, int num_sink, int num_recent,
+                                           unsigned short* srow, int stride_sr, int* sh) {
+    float acc[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) acc[g] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+        const float x = label_at(w, j);
+#pragma unroll
+        for (int g = 0; g < G; ++g) acc[g] = fmaf(qr[g][j], x, acc[g]);
+    }
+    const bool keep = pos < num_sink || pos >= seq_len - num_recent;
+#if MODE == 0
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const unsigned short s16 = f32_to_f16(keep ? FP16_MAX : fminf(fmaxf(acc[g], -FP16_MAX), FP16_MAX));
+        srow[(long long)(h * G + g) * stride_sr + pos] = s16;
+#if DO_HIST
+        atomicAdd(&sh[(h * G + g) * 256 + (key16(s16) >> 8)], 1);
+#endif
+    }
+#else
+    float s = acc[0];
+#pragma unroll
+    for (int g = 1; g < G; ++g) s = MODE == 2 ? fmaxf(s, acc[g]) : s + acc[g];
+    const unsigned short s16 = f32_to_f16(keep ? FP16_MAX : fminf(fmaxf(s, -FP16_MAX), FP16_MAX));
+    srow[(long long)h * stride_sr + pos] = s16;
+#if DO_HIST
+    atomicAdd(&sh[h * 256 + (key16(s16) >> 8)], 1);
+#endif
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) ds_score(
+    const q_t* __restrict__ q, const label_t* __restrict__ labels, const ch_t* __restrict__ channels,
+    const float* __restrict__ label_scale, const int* __restrict__ req_to_token,
+    const void* __restrict__ req_idx, int req_idx_64, const int* __restrict__ seq_lens,
+    unsigned short* __restrict__ scores, int* __restrict__ hist, double sm_scale,
+    int heavy_k, int threshold, int num_sink, int num_recent,
+    int stride_qb, int stride_qh, int stride_ls, int stride_lh, int stride_ch, int stride_rt,
+    int stride_sb, int stride_sr, int stride_hb, int stride_hr, int P)
+{
+    __shared__ float sq[HKV * G * R];
+#if DO_HIST
+    __shared__ int sh[ROWS * 256];
+#else
+    int* sh = nullptr;
+#endif
+    const int b = blockIdx.x, p = blockIdx.y, tid = threadIdx.x;
+    const int seq_len = seq_lens[b];
+    const int n = (seq_len > heavy_k && seq_len >= threshold) ? seq_len : 0;  // sparse rows only
+    const int per = ((n + P - 1) / P + STEP - 1) / STEP * STEP;
+    const int start = p * per, end = min(start + per, n);
+    if (start >= end) return;
+
+    float scale = (float)sm_scale;
+#if LABEL == 2
+    scale *= label_scale[0] * 256.0f;
+#endif
+    for (int i = tid; i < HKV * G * R; i += THREADS) {
+        const int h = i / (G * R), g = (i / R) % G, j = i % R;
+        const long long ch = channels[h * stride_ch + j];
+        sq[i] = q_to_f32(q[(long long)b * stride_qb + (long long)(h * G + g) * stride_qh + ch]) * scale;
+    }
+#if DO_HIST
+    for (int i = tid; i < ROWS * 256; i += THREADS) sh[i] = 0;
+#endif
+    __syncthreads();
+
+    const int h = tid % HKV, tk = tid / HKV;
+    const bool active = tid < ACTIVE;
+    float qr[G][R];
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int j = 0; j < R; ++j) qr[g][j] = sq[(h * G + g) * R + j];
+
+    const long long req = req_idx_64 ? ((const long long*)req_idx)[b] : ((const int*)req_idx)[b];
+    const int* rt_row = req_to_token + req * stride_rt;
+    const label_t* lab_h = labels + (long long)h * stride_lh;
+    unsigned short* srow = scores + (long long)b * stride_sb;
+
+    // Software-pipelined: the labels of the next step and the slots of the one after are in
+    // flight while a step is scored. Thread (tk, h) takes tokens t + u * TOK + tk of step t.
+    uint4 ahead[LPT][NVEC];
+    int slot_after[LPT];
+#pragma unroll
+    for (int u = 0; u < LPT; ++u) {
+        const int pos = start + u * TOK + tk;
+        const bool ok = active && pos < end;
+        load_row(lab_h + (long long)(ok ? rt_row[pos] : 0) * stride_ls, ok, ahead[u]);
+        slot_after[u] = (active && pos + STEP < end) ? rt_row[pos + STEP] : 0;
+    }
+    for (int t = start; t < end; t += STEP) {
+        uint4 cur[LPT][NVEC];
+#pragma unroll
+        for (int u = 0; u < LPT; ++u) {
+            const int pos = t + u * TOK + tk;
+#pragma unroll
+            for (int i = 0; i < NVEC; ++i) cur[u][i] = ahead[u][i];
+            load_row(lab_h + (long long)slot_after[u] * stride_ls, active && pos + STEP < end, ahead[u]);
+            slot_after[u] = (active && pos + 2 * STEP < end) ? rt_row[pos + 2 * STEP] : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < LPT; ++u) {
+            const int pos = t + u * TOK + tk;
+            if (active && pos < end)
+                score_pair(reinterpret_cast<const unsigned*>(cur[u]), qr, pos, h, seq_len, num_sink,
+                           num_recent, srow, stride_sr, sh);
+        }
+    }
+#if DO_HIST
+    __syncthreads();
+    int* h0 = hist + (long long)b * stride_hb;
+    for (int i = tid; i < ROWS * 256; i += THREADS)
+        if (sh[i]) atomicAdd(h0 + (long long)(i >> 8) * stride_hr + (i & 255), sh[i]);
+#endif
+}
