@@ -414,11 +414,11 @@ def test_cuda_graph_capture_and_replay(mode):
 
 # ---------------------------------------------------------------- the CUDA kernels (kernels/cuda)
 _SCORE_DEFINES = [  # score.cu's compile-time values: Llama-3.1-8B r16/r32, fp8, SmolLM2 per head, MHA
-    dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LPT=2),
-    dict(HKV=8, G=4, R=32, MODE=1, LABEL=0, QTYPE=0, CH64=1, DO_HIST=1, LPT=1),
-    dict(HKV=8, G=4, R=16, MODE=2, LABEL=2, QTYPE=1, CH64=0, DO_HIST=1, LPT=4),
-    dict(HKV=3, G=3, R=8, MODE=0, LABEL=1, QTYPE=2, CH64=0, DO_HIST=1, LPT=2),
-    dict(HKV=32, G=1, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=0, LPT=2),
+    dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, NSTAGE=4),
+    dict(HKV=8, G=4, R=32, MODE=1, LABEL=0, QTYPE=0, CH64=1, DO_HIST=1, NSTAGE=2, MINB=1),
+    dict(HKV=8, G=4, R=16, MODE=2, LABEL=2, QTYPE=1, CH64=0, DO_HIST=1, NSTAGE=4),
+    dict(HKV=3, G=3, R=8, MODE=0, LABEL=1, QTYPE=2, CH64=0, DO_HIST=1, NSTAGE=3),
+    dict(HKV=32, G=1, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=0, NSTAGE=4),
 ]
 
 
@@ -496,10 +496,11 @@ def test_cuda_score_equals_triton(case, mode, label_dtype, monkeypatch):
     seq_lens, hq, hkv, d, r, k = case
     c = make_case(seq_lens, hq, hkv, d, r=r, label_dtype=label_dtype, device=DEVICE,
                   seed=_seed(tuple(seq_lens), mode, str(label_dtype), "score"))
-    lpt = launch.TUNING["score_cuda_rows_per_thread"]
+    nstage = launch.TUNING["score_cuda_stages"]
     hist = cuda_score.hist_fits(hq, hkv, r, mode)
-    if cuda_score.why_not(c.q, c.label_cache, c.channels, mode, hist, lpt) is not None:
-        pytest.skip(cuda_score.why_not(c.q, c.label_cache, c.channels, mode, hist, lpt))
+    why = cuda_score.why_not(c.q, c.label_cache, c.channels, mode, hist, nstage)
+    if why is not None:
+        pytest.skip(why)
     rows = rows_of(mode, hq, hkv)
     got = {}
     for impl in ("mma", "cuda"):
@@ -540,5 +541,5 @@ def test_cuda_score_launch_protocol(monkeypatch):
         ws = make_ws(c, max_heavy_tokens=16)
         ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="select")
         assert [n for n, _ in calls] == ["score", "select"]
-        P, do_hist, lpt = calls[0][1]
-        assert do_hist == hist and calls[1][1] == hist and P >= 1 and lpt == launch.TUNING["score_cuda_rows_per_thread"]
+        P, do_hist, nstage = calls[0][1]
+        assert do_hist == hist and calls[1][1] == hist and P >= 1 and nstage == launch.TUNING["score_cuda_stages"]

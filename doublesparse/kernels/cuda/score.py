@@ -24,25 +24,38 @@ _MODE = {"per_head": 0, "group_sum": 1, "group_max": 2}
 _SMEM = 48 * 1024  # static shared memory a block may use
 
 
-def step_tokens(hkv: int, rows_per_thread: int) -> int:
-    """Tokens a block scores per step (score.cu's STEP): slices are whole steps."""
-    return (THREADS // hkv) * rows_per_thread
+def step_tokens(hkv: int) -> int:
+    """Tokens a block scores per step (score.cu's TOK): slices are whole steps."""
+    return THREADS // hkv
+
+
+def _fixed_smem(hq, hkv, r, mode, do_hist):
+    rows = hq if mode == "per_head" else hkv
+    return hq * r * 4 + (rows * 1024 if do_hist else 0)
 
 
 def hist_fits(hq: int, hkv: int, r: int, mode: str) -> bool:
-    """Whether the fused histogram's shared memory (256 ints per score row) fits a block."""
-    rows = hq if mode == "per_head" else hkv
-    return rows * 1024 + hq * r * 4 <= _SMEM
+    """Whether the fused histogram's shared memory (256 ints per score row) fits a block beside
+    the query and two stages of label rows."""
+    return _fixed_smem(hq, hkv, r, mode, True) + 2 * THREADS * 2 * r <= _SMEM
 
 
-def _defines(q, label_cache, channels, mode, do_hist, rows_per_thread):
+def stages(hq, hkv, r, label_bytes, mode, do_hist, want) -> int:
+    """Steps in flight: ``want``, fewer where the stage buffers would pass 48 KB (0: not even 2 fit)."""
+    per_stage = THREADS * r * label_bytes
+    fit = (_SMEM - _fixed_smem(hq, hkv, r, mode, do_hist)) // per_stage
+    return min(want, fit) if fit >= 2 else 0
+
+
+def _defines(q, label_cache, channels, mode, do_hist, nstage):
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
     return (("HKV", Hkv), ("G", Hq // Hkv), ("R", r), ("MODE", _MODE[mode]), ("LABEL", _LABEL[label_cache.dtype]),
             ("QTYPE", _QTYPE[q.dtype]), ("CH64", int(channels.dtype == torch.int64)), ("DO_HIST", int(do_hist)),
-            ("LPT", rows_per_thread))
+            ("NSTAGE", stages(Hq, Hkv, r, label_cache.element_size(), mode, do_hist, nstage)),
+            ("MINB", 2 if (Hq // Hkv) * r <= 64 else 1))  # 2 blocks per SM leave 128 registers
 
 
-def why_not(q, label_cache, channels, mode, do_hist, rows_per_thread) -> str | None:
+def why_not(q, label_cache, channels, mode, do_hist, nstage) -> str | None:
     """None if ``score`` can run these arguments, else why not (compiles on the first call)."""
     if q.device.type != "cuda":
         return f"device {q.device} is not a CUDA device"
@@ -57,19 +70,20 @@ def why_not(q, label_cache, channels, mode, do_hist, rows_per_thread) -> str | N
         return f"G * r = {(Hq // Hkv) * r} query values per thread (at most {MAX_QREGS}) or Hkv > {THREADS}"
     if do_hist and not hist_fits(Hq, Hkv, r, mode):
         return "the histogram does not fit shared memory"
-    return nvrtc.unavailable(q.device, NAME, KERNELS, _defines(q, label_cache, channels, mode, do_hist,
-                                                              rows_per_thread))
+    if stages(Hq, Hkv, r, es, mode, do_hist, nstage) < 2:
+        return "two steps of label rows do not fit shared memory"
+    return nvrtc.unavailable(q.device, NAME, KERNELS, _defines(q, label_cache, channels, mode, do_hist, nstage))
 
 
 def score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist, sm_scale,
-          k, threshold, num_sink, num_recent, mode, P, do_hist, rows_per_thread):
+          k, threshold, num_sink, num_recent, mode, P, do_hist, nstage):
     """Stage 1 (and, with ``do_hist``, the select's phase 1). Grid (B, P).
 
     q: [B, Hq, D]; label_cache: [slots, Hkv, r] bf16/fp16/fp8 (label_scale: [1] fp32 for fp8);
     channels: [Hkv, r] int32/int64; scores: [B, rows, L] fp16; hist: [1 + progs, B, rows, 256] int32.
     """
     B = q.shape[0]
-    defines = _defines(q, label_cache, channels, mode, do_hist, rows_per_thread)
+    defines = _defines(q, label_cache, channels, mode, do_hist, nstage)
     kern = nvrtc.kernel(q.device, NAME, KERNELS, "ds_score", defines)
     kern(grid=(B, P, 1), block=(THREADS, 1, 1),
          args=[q, label_cache, channels, label_scale if label_scale is not None else q, req_to_token, req_idx,
