@@ -4,13 +4,13 @@
 // Why a second implementation: the Triton score kernels are bound by instruction issue, not by
 // the label bytes (results/attention-h200-notes.md: fp8 labels, half the bytes, score no faster),
 // and Triton 3.6 has no shared-memory atomics for a cheap histogram. Here each thread owns one KV
-// head for the whole kernel and keeps that head's G x R scaled query values in registers; a label
-// row (R channels of one head of one token) is one or a few 16-byte copies, and consecutive
-// threads copy consecutive rows, so a block streams whole label rows of consecutive slots. The
-// copies go global -> shared memory by cp.async, NSTAGE steps ahead: bytes in flight then cost no
-// registers (holding them in registers, two rows per thread, measured slower than Triton's
-// tensor-core kernel on an H200: results/h200-s16). Each thread reads back only what it copied,
-// so the pipeline needs no block barrier.
+// head for the whole kernel; a label row (R channels of one head of one token) is one or a few
+// 16-byte loads, and consecutive threads read consecutive rows, so a block streams whole label
+// rows of consecutive slots. Each thread keeps LPT rows of the next step in flight in registers.
+// The scaled query values stay in shared memory (read 4 channels at a time; each head's block
+// padded by 16 bytes, so the heads of a warp hit different banks), which leaves the registers to
+// the rows in flight (results/h200-s16: query values in registers left room for 64 bytes in
+// flight per thread, slower than Triton's tensor-core kernel; cp.async stages, slower still).
 //
 // Compiled at run time by NVRTC (score.py) with these compile-time values:
 //   HKV, G, R    KV heads, query heads per KV head, heavy channels
@@ -19,20 +19,22 @@
 //   QTYPE        q dtype: 0 = bf16, 1 = fp16, 2 = fp32
 //   CH64         channels are int64 (else int32)
 //   DO_HIST      add the keys' high-byte histogram to hist[0] (else the select's phase 1 runs)
-//   NSTAGE       steps in flight (default 4; the launcher fits it to 48 KB of shared memory)
-//   MINB         blocks per SM the registers must allow (default 2; 1 where G * R > 64)
+//   LPT          label rows per thread per step (default 2)
+//   MINB         blocks per SM the registers must allow (default 2)
 // Grid (B, P): P blocks per request, each one slice of its positions. Same output as the Triton
 // score kernels (ds_score.py): fp16 scores clamped to +-65504, sink and recent positions at 65504,
 // positions written only for requests that decode sparsely.
 
 #define THREADS 256
-#ifndef NSTAGE
-#define NSTAGE 4                 // steps whose label rows are in flight (cp.async groups)
+#ifndef LPT
+#define LPT 2                      // label rows per thread per step (loads in flight)
 #endif
 #ifndef MINB
 #define MINB 2
 #endif
-#define TOK (THREADS / HKV)      // tokens per block per step
+#define QS (G * R + 4)           // floats per KV head of the query block in shared memory
+#define TOK (THREADS / HKV)      // tokens per block per row of a step
+#define STEP (TOK * LPT)           // tokens per block per step
 #define ACTIVE (TOK * HKV)       // threads with a (token, head) pair; the rest only help set up
 #define ROWS (MODE == 0 ? HKV * G : HKV)
 #define LBYTES (LABEL == 2 ? R : 2 * R)
@@ -91,42 +93,42 @@ __device__ __forceinline__ float label_at(const unsigned* w, int j) {
 #endif
 }
 
+// Four query values from shared memory, re-read at every use: an ordinary load the compiler
+// would hoist out of the token loop into G * R registers, the cost this layout avoids.
+__device__ __forceinline__ float4 lds4(const float* p) {
+    float4 v;
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));
+    return v;
+}
+
 // Order-preserving map of fp16 bits to [0, 65535] (select.cu's key16).
 __device__ __forceinline__ unsigned key16(unsigned bits) {
     return (bits & 0x8000u) ? (~bits & 0xFFFFu) : (bits | 0x8000u);
 }
 
-// Starts the copy of one label row (NVEC 16-byte pieces) into this thread's column of a stage
-// buffer laid out [NVEC][THREADS] (consecutive threads, consecutive 16 bytes: no bank conflicts).
-__device__ __forceinline__ void copy_row(uint4* stage, const label_t* row) {
-    unsigned dst;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-        : "=r"(dst) : "l"(stage + threadIdx.x));
+__device__ __forceinline__ void load_row(const label_t* row, bool valid, uint4 v[NVEC]) {
 #pragma unroll
     for (int i = 0; i < NVEC; ++i)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                     :: "r"(dst + i * THREADS * 16), "l"(reinterpret_cast<const uint4*>(row) + i) : "memory");
-}
-
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Waits until at most NSTAGE - 1 of this thread's copy groups are pending.
-__device__ __forceinline__ void wait_copies() {
-    asm volatile("cp.async.wait_group %0;" :: "n"(NSTAGE - 1) : "memory");
+        v[i] = valid ? reinterpret_cast<const uint4*>(row)[i] : make_uint4(0, 0, 0, 0);
 }
 
 // Scores one (token, head) pair from its label row (32-bit words) and writes its score row(s).
-__device__ __forceinline__ void score_pair(const unsigned* w, const float (&qr)[G][R], int pos, int h,
+__device__ __forceinline__ void score_pair(const unsigned* w, const float* qh, int pos, int h,
                                            int seq_len, int num_sink, int num_recent,
                                            unsigned short* srow, int stride_sr, int* sh) {
     float acc[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) acc[g] = 0.0f;
 #pragma unroll
-    for (int j = 0; j < R; ++j) {
-        const float x = label_at(w, j);
+    for (int j = 0; j < R; j += 4) {
+        const float x0 = label_at(w, j), x1 = label_at(w, j + 1), x2 = label_at(w, j + 2), x3 = label_at(w, j + 3);
 #pragma unroll
-        for (int g = 0; g < G; ++g) acc[g] = fmaf(qr[g][j], x, acc[g]);
+        for (int g = 0; g < G; ++g) {
+            const float4 qv = lds4(qh + g * R + j);
+            acc[g] = fmaf(qv.x, x0, fmaf(qv.y, x1, fmaf(qv.z, x2, fmaf(qv.w, x3, acc[g]))));
+        }
     }
     const bool keep = pos < num_sink || pos >= seq_len - num_recent;
 #if MODE == 0
@@ -159,8 +161,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
     int stride_qb, int stride_qh, int stride_ls, int stride_lh, int stride_ch, int stride_rt,
     int stride_sb, int stride_sr, int stride_hb, int stride_hr, int P)
 {
-    __shared__ float sq[HKV * G * R];
-    __shared__ uint4 buf[NSTAGE * NVEC * THREADS];
+    __shared__ __align__(16) float sq[HKV * QS];
 #if DO_HIST
     __shared__ int sh[ROWS * 256];
 #else
@@ -169,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
     const int b = blockIdx.x, p = blockIdx.y, tid = threadIdx.x;
     const int seq_len = seq_lens[b];
     const int n = (seq_len > heavy_k && seq_len >= threshold) ? seq_len : 0;  // sparse rows only
-    const int per = ((n + P - 1) / P + TOK - 1) / TOK * TOK;
+    const int per = ((n + P - 1) / P + STEP - 1) / STEP * STEP;
     const int start = p * per, end = min(start + per, n);
     if (start >= end) return;
 
@@ -180,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
     for (int i = tid; i < HKV * G * R; i += THREADS) {
         const int h = i / (G * R), g = (i / R) % G, j = i % R;
         const long long ch = channels[h * stride_ch + j];
-        sq[i] = q_to_f32(q[(long long)b * stride_qb + (long long)(h * G + g) * stride_qh + ch]) * scale;
+        sq[h * QS + g * R + j] = q_to_f32(q[(long long)b * stride_qb + (long long)(h * G + g) * stride_qh + ch]) * scale;
     }
 #if DO_HIST
     for (int i = tid; i < ROWS * 256; i += THREADS) sh[i] = 0;
@@ -189,49 +190,40 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
 
     const int h = tid % HKV, tk = tid / HKV;
     const bool active = tid < ACTIVE;
-    float qr[G][R];
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-        for (int j = 0; j < R; ++j) qr[g][j] = sq[(h * G + g) * R + j];
+    const float* qh = sq + h * QS;
 
     const long long req = req_idx_64 ? ((const long long*)req_idx)[b] : ((const int*)req_idx)[b];
     const int* rt_row = req_to_token + req * stride_rt;
     const label_t* lab_h = labels + (long long)h * stride_lh;
     unsigned short* srow = scores + (long long)b * stride_sb;
 
-    // Software-pipelined: step i + NSTAGE - 1's rows are copied while step i is scored; the
-    // slots are loaded NSTAGE steps before their rows' copies start (slots[j]: step i + NSTAGE + j).
-    const int nsteps = (end - start + TOK - 1) / TOK;
-    for (int s = 0; s < NSTAGE - 1; ++s) {
-        const int pos = start + s * TOK + tk;
-        if (active && pos < end) copy_row(buf + s * NVEC * THREADS, lab_h + (long long)rt_row[pos] * stride_ls);
-        commit_copies();
+    // Software-pipelined: the labels of the next step and the slots of the one after are in
+    // flight while a step is scored. Thread (tk, h) takes tokens t + u * TOK + tk of step t.
+    uint4 ahead[LPT][NVEC];
+    int slot_after[LPT];
+#pragma unroll
+    for (int u = 0; u < LPT; ++u) {
+        const int pos = start + u * TOK + tk;
+        const bool ok = active && pos < end;
+        load_row(lab_h + (long long)(ok ? rt_row[pos] : 0) * stride_ls, ok, ahead[u]);
+        slot_after[u] = (active && pos + STEP < end) ? rt_row[pos + STEP] : 0;
     }
-    int slots[NSTAGE];
+    for (int t = start; t < end; t += STEP) {
+        uint4 cur[LPT][NVEC];
 #pragma unroll
-    for (int j = 0; j < NSTAGE; ++j) {
-        const int pos = start + (NSTAGE - 1 + j) * TOK + tk;
-        slots[j] = (active && pos < end) ? rt_row[pos] : 0;
-    }
-    for (int i = 0; i < nsteps; ++i) {
-        const int pos = start + i * TOK + tk;
-        const int ahead = pos + (NSTAGE - 1) * TOK;
-        if (active && ahead < end)
-            copy_row(buf + ((i + NSTAGE - 1) % NSTAGE) * NVEC * THREADS, lab_h + (long long)slots[0] * stride_ls);
-        commit_copies();
+        for (int u = 0; u < LPT; ++u) {
+            const int pos = t + u * TOK + tk;
 #pragma unroll
-        for (int j = 0; j < NSTAGE - 1; ++j) slots[j] = slots[j + 1];
-        const int later = ahead + NSTAGE * TOK;
-        slots[NSTAGE - 1] = (active && later < end) ? rt_row[later] : 0;
-        wait_copies();
-        if (active && pos < end) {
-            const uint4* mine = buf + (i % NSTAGE) * NVEC * THREADS + tid;
-            uint4 row[NVEC];
+            for (int i = 0; i < NVEC; ++i) cur[u][i] = ahead[u][i];
+            load_row(lab_h + (long long)slot_after[u] * stride_ls, active && pos + STEP < end, ahead[u]);
+            slot_after[u] = (active && pos + 2 * STEP < end) ? rt_row[pos + 2 * STEP] : 0;
+        }
 #pragma unroll
-            for (int v = 0; v < NVEC; ++v) row[v] = mine[v * THREADS];
-            score_pair(reinterpret_cast<const unsigned*>(row), qr, pos, h, seq_len, num_sink, num_recent,
-                       srow, stride_sr, sh);
+        for (int u = 0; u < LPT; ++u) {
+            const int pos = t + u * TOK + tk;
+            if (active && pos < end)
+                score_pair(reinterpret_cast<const unsigned*>(cur[u]), qh, pos, h, seq_len, num_sink,
+                           num_recent, srow, stride_sr, sh);
         }
     }
 #if DO_HIST

@@ -17,45 +17,32 @@ NAME = "score.cu"
 SOURCE = nvrtc.source(NAME)
 KERNELS = ("ds_score",)
 THREADS = 256  # score.cu's THREADS
-MAX_QREGS = 128  # G * R query values a thread holds in registers, at most
 _LABEL = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}
 _QTYPE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _MODE = {"per_head": 0, "group_sum": 1, "group_max": 2}
 _SMEM = 48 * 1024  # static shared memory a block may use
 
 
-def step_tokens(hkv: int) -> int:
-    """Tokens a block scores per step (score.cu's TOK): slices are whole steps."""
-    return THREADS // hkv
-
-
-def _fixed_smem(hq, hkv, r, mode, do_hist):
-    rows = hq if mode == "per_head" else hkv
-    return hq * r * 4 + (rows * 1024 if do_hist else 0)
+def step_tokens(hkv: int, rows_per_thread: int) -> int:
+    """Tokens a block scores per step (score.cu's STEP): slices are whole steps."""
+    return (THREADS // hkv) * rows_per_thread
 
 
 def hist_fits(hq: int, hkv: int, r: int, mode: str) -> bool:
     """Whether the fused histogram's shared memory (256 ints per score row) fits a block beside
-    the query and two stages of label rows."""
-    return _fixed_smem(hq, hkv, r, mode, True) + 2 * THREADS * 2 * r <= _SMEM
+    the query block."""
+    rows = hq if mode == "per_head" else hkv
+    return rows * 1024 + (hq * r + 4 * hkv) * 4 <= _SMEM
 
 
-def stages(hq, hkv, r, label_bytes, mode, do_hist, want) -> int:
-    """Steps in flight: ``want``, fewer where the stage buffers would pass 48 KB (0: not even 2 fit)."""
-    per_stage = THREADS * r * label_bytes
-    fit = (_SMEM - _fixed_smem(hq, hkv, r, mode, do_hist)) // per_stage
-    return min(want, fit) if fit >= 2 else 0
-
-
-def _defines(q, label_cache, channels, mode, do_hist, nstage):
+def _defines(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks):
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
     return (("HKV", Hkv), ("G", Hq // Hkv), ("R", r), ("MODE", _MODE[mode]), ("LABEL", _LABEL[label_cache.dtype]),
             ("QTYPE", _QTYPE[q.dtype]), ("CH64", int(channels.dtype == torch.int64)), ("DO_HIST", int(do_hist)),
-            ("NSTAGE", stages(Hq, Hkv, r, label_cache.element_size(), mode, do_hist, nstage)),
-            ("MINB", 2 if (Hq // Hkv) * r <= 64 else 1))  # 2 blocks per SM leave 128 registers
+            ("LPT", rows_per_thread), ("MINB", min_blocks))
 
 
-def why_not(q, label_cache, channels, mode, do_hist, nstage) -> str | None:
+def why_not(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks) -> str | None:
     """None if ``score`` can run these arguments, else why not (compiles on the first call)."""
     if q.device.type != "cuda":
         return f"device {q.device} is not a CUDA device"
@@ -66,24 +53,25 @@ def why_not(q, label_cache, channels, mode, do_hist, nstage) -> str | None:
     if (r * es) % 16 or (label_cache.stride(0) * es) % 16 or (label_cache.stride(1) * es) % 16 \
             or label_cache.data_ptr() % 16:
         return "label rows are not whole 16-byte vectors"
-    if (Hq // Hkv) * r > MAX_QREGS or Hkv > THREADS:
-        return f"G * r = {(Hq // Hkv) * r} query values per thread (at most {MAX_QREGS}) or Hkv > {THREADS}"
+    if Hkv > THREADS:
+        return f"Hkv = {Hkv} > {THREADS} KV heads"
     if do_hist and not hist_fits(Hq, Hkv, r, mode):
         return "the histogram does not fit shared memory"
-    if stages(Hq, Hkv, r, es, mode, do_hist, nstage) < 2:
-        return "two steps of label rows do not fit shared memory"
-    return nvrtc.unavailable(q.device, NAME, KERNELS, _defines(q, label_cache, channels, mode, do_hist, nstage))
+    if (Hq * r + 4 * Hkv) * 4 > _SMEM:
+        return "the query block does not fit shared memory"
+    return nvrtc.unavailable(q.device, NAME, KERNELS,
+                             _defines(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks))
 
 
 def score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist, sm_scale,
-          k, threshold, num_sink, num_recent, mode, P, do_hist, nstage):
+          k, threshold, num_sink, num_recent, mode, P, do_hist, rows_per_thread, min_blocks):
     """Stage 1 (and, with ``do_hist``, the select's phase 1). Grid (B, P).
 
     q: [B, Hq, D]; label_cache: [slots, Hkv, r] bf16/fp16/fp8 (label_scale: [1] fp32 for fp8);
     channels: [Hkv, r] int32/int64; scores: [B, rows, L] fp16; hist: [1 + progs, B, rows, 256] int32.
     """
     B = q.shape[0]
-    defines = _defines(q, label_cache, channels, mode, do_hist, nstage)
+    defines = _defines(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks)
     kern = nvrtc.kernel(q.device, NAME, KERNELS, "ds_score", defines)
     kern(grid=(B, P, 1), block=(THREADS, 1, 1),
          args=[q, label_cache, channels, label_scale if label_scale is not None else q, req_to_token, req_idx,

@@ -62,10 +62,10 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     impl = TUNING["score_impl"]
     if impl not in SCORE_IMPLS:
         _fail(f"score_impl must be one of {SCORE_IMPLS}, got {impl!r}")
-    nstage = TUNING["score_cuda_stages"]
+    lpt, minb = TUNING["score_cuda_rows_per_thread"], TUNING["score_cuda_min_blocks"]
     cuda_hist = bool(TUNING["score_cuda_hist"]) and cuda_score.hist_fits(Hq, Hkv, r, mode)
     if impl in ("auto", "cuda"):
-        cuda = _take_cuda("score_impl", lambda: cuda_score.why_not(q, label_cache, channels, mode, cuda_hist, nstage))
+        cuda = _take_cuda("score_impl", lambda: cuda_score.why_not(q, label_cache, channels, mode, cuda_hist, lpt, minb))
         impl = "cuda" if cuda else "mma" if Hkv * r <= TUNING["mma_max_channels"] else "rows"
     # Whether the score launch made hist[0] (the select's first phase)
     score_hist = cuda_hist if impl == "cuda" else impl == "rows" and bool(TUNING["score_hist"])
@@ -76,9 +76,9 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         is_fp8 = label_cache.dtype == torch.float8_e4m3fn
         if impl == "cuda":
             P = num_progs or max(1, min(triton.cdiv(TUNING["score_cuda_programs_per_sm"] * nsm, B),
-                                        triton.cdiv(ws.max_ctx, cuda_score.step_tokens(Hkv))))
+                                        triton.cdiv(ws.max_ctx, cuda_score.step_tokens(Hkv, lpt))))
             cuda_score.score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist,
-                             sm_scale, k, threshold, num_sink, num_recent, mode, P, cuda_hist, nstage)
+                             sm_scale, k, threshold, num_sink, num_recent, mode, P, cuda_hist, lpt, minb)
         elif impl == "mma":
             _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
                        float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, num_progs)
