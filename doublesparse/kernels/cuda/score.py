@@ -64,14 +64,15 @@ def why_not(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks
 
 
 def score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist, sm_scale,
-          k, threshold, num_sink, num_recent, mode, P, do_hist, rows_per_thread, min_blocks):
+          k, threshold, num_sink, num_recent, mode, P, do_hist, rows_per_thread, min_blocks, extra=()):
     """Stage 1 (and, with ``do_hist``, the select's phase 1). Grid (B, P).
 
     q: [B, Hq, D]; label_cache: [slots, Hkv, r] bf16/fp16/fp8 (label_scale: [1] fp32 for fp8);
     channels: [Hkv, r] int32/int64; scores: [B, rows, L] fp16; hist: [1 + progs, B, rows, 256] int32.
+    ``extra``: more (name, value) defines (score.cu's PROBE variants, for benchmarks).
     """
     B = q.shape[0]
-    defines = _defines(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks)
+    defines = _defines(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks) + tuple(extra)
     kern = nvrtc.kernel(q.device, NAME, KERNELS, "ds_score", defines)
     kern(grid=(B, P, 1), block=(THREADS, 1, 1),
          args=[q, label_cache, channels, label_scale if label_scale is not None else q, req_to_token, req_idx,

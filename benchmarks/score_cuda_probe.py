@@ -1,0 +1,73 @@
+"""Probe: where the CUDA label score's time goes (kernels/cuda/score.cu), one layer, Llama-3.1-8B
+shapes (8 KV heads, G 4, r 16, bf16 labels, group_max), against the Triton score (score_impl mma).
+
+    python benchmarks/score_cuda_probe.py [--cases 3x65536,16x32768] [--json OUT.json]
+
+Variants of score.cu (its PROBE define): "loads" (label rows and slots only), "products" (also the
+dot products, no stores), "full" (stores and the fused histogram), "no-hist". Each is timed alone
+in a CUDA graph (median of replays, as bench.attention times DS) with the default geometry and
+with one block per SM slot (programs per SM = min blocks). Label bytes / time gives the fraction
+of the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from doublesparse.bench.attention import HKV, HQ, D, Pools, copy_bandwidth, time_fn
+from doublesparse.kernels.cuda import score as cuda_score
+from doublesparse.kernels.triton import launch
+from doublesparse.kernels.workspace import DecodeWorkspace
+from probe_lib import write_json
+
+VARIANTS = {"loads": (("PROBE", 1),), "products": (("PROBE", 2),), "full": (), "no-hist": ()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="3x65536,16x32768")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    print(f"# {torch.cuda.get_device_name(dev)} copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    T = launch.TUNING
+    rows = []
+    for case in args.cases.split(","):
+        B, L = (int(x) for x in case.split("x"))
+        k = L // 16
+        p = Pools(B, L, 1, 16, torch.bfloat16, dev)
+        ws = DecodeWorkspace(B, HQ, HKV, D, L, k, device=dev)
+        sm = 1 / math.sqrt(D)
+        lab_bytes = B * L * HKV * 16 * 2
+        T["score_impl"] = "mma"
+        t = time_fn(lambda: launch.ds_decode(p.q, p.k, p.v, p.labels, p.scale, p.channels, p.req_to_token,
+                                             p.req_idx[0], p.seq_lens, sm, k, "group_max", ws=ws, stage="score"), 1)
+        res = {"triton-mma": t * 1e6}
+        T["score_impl"] = "auto"
+        nsm = torch.cuda.get_device_properties(dev).multi_processor_count
+        for per_sm, lpt, minb in ((T["score_cuda_programs_per_sm"], T["score_cuda_rows_per_thread"],
+                                   T["score_cuda_min_blocks"]), (2, 2, 2), (2, 4, 2), (4, 1, 4)):
+            P = max(1, min(-(-per_sm * nsm // B), -(-L // cuda_score.step_tokens(HKV, lpt))))
+            for name, extra in VARIANTS.items():
+                hist = name != "no-hist"
+
+                def call():
+                    cuda_score.score(p.q, p.labels, p.scale, p.channels, p.req_to_token, p.req_idx[0], p.seq_lens,
+                                     ws.scores, ws.hist, sm, k, 0, 0, 0, "group_max", P, hist, lpt, minb, extra)
+                res[f"{name} P/SM {per_sm} lpt {lpt} minb {minb}"] = time_fn(call, 1) * 1e6
+                ws.hist.zero_()
+        print(f"bs{B} L={L}: label bytes {lab_bytes / 1e6:.1f} MB, floor {lab_bytes / bw * 1e6:.1f} us", flush=True)
+        for n, us in res.items():
+            print(f"  {n:34s} {us:7.1f} us  bw {lab_bytes / (us / 1e6) / bw:.2f}", flush=True)
+        rows.append(dict(batch=B, ctx=L, label_bytes=lab_bytes, copy_bw=bw, us=res))
+        del p, ws
+        torch.cuda.empty_cache()
+    write_json(args.json, "score_cuda_probe.py", rows)
+
+
+if __name__ == "__main__":
+    main()
