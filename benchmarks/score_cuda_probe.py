@@ -50,7 +50,7 @@ def main(argv=None):
         T["score_impl"] = "auto"
         nsm = torch.cuda.get_device_properties(dev).multi_processor_count
         for per_sm, lpt, minb in ((T["score_cuda_programs_per_sm"], T["score_cuda_rows_per_thread"],
-                                   T["score_cuda_min_blocks"]), (2, 2, 2), (2, 4, 2), (4, 1, 4)):
+                                   T["score_cuda_min_blocks"]), (3, 4, 3), (3, 2, 3), (2, 2, 2)):
             P = max(1, min(-(-per_sm * nsm // B), -(-L // cuda_score.step_tokens(HKV, lpt))))
             for name, extra in VARIANTS.items():
                 hist = name != "no-hist"

@@ -414,7 +414,7 @@ def test_cuda_graph_capture_and_replay(mode):
 
 # ---------------------------------------------------------------- the CUDA kernels (kernels/cuda)
 _SCORE_DEFINES = [  # score.cu's compile-time values: Llama-3.1-8B r16/r32, fp8, SmolLM2 per head, MHA
-    dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LPT=2, MINB=2),
+    dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LPT=4, MINB=2),
     dict(HKV=8, G=4, R=32, MODE=1, LABEL=0, QTYPE=0, CH64=1, DO_HIST=1, LPT=1, MINB=2),
     dict(HKV=8, G=4, R=16, MODE=2, LABEL=2, QTYPE=1, CH64=0, DO_HIST=1, LPT=2, MINB=2),
     dict(HKV=3, G=3, R=8, MODE=0, LABEL=1, QTYPE=2, CH64=0, DO_HIST=1, LPT=2, MINB=2),

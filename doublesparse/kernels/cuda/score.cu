@@ -119,45 +119,59 @@ __device__ __forceinline__ void load_row(const label_t* row, bool valid, uint4 v
         v[i] = valid ? reinterpret_cast<const uint4*>(row)[i] : make_uint4(0, 0, 0, 0);
 }
 
-// Scores one (token, head) pair from its label row (32-bit words) and writes its score row(s).
-__device__ __forceinline__ void score_pair(const unsigned* w, const float* qh, int pos, int h,
-                                           int seq_len, int num_sink, int num_recent,
-                                           unsigned short* srow, int stride_sr, int* sh) {
-    float acc[G];
+// The G products of each of this thread's LPT label rows (one KV head, LPT tokens) with the
+// head's query block: each 4-channel piece of the query is read from shared memory once for all
+// LPT rows (shared-memory bandwidth, not the FMAs, bounds this loop: results/h200-s16).
+__device__ __forceinline__ void products(const uint4 (&rows)[LPT][NVEC], const float* qh, float (&acc)[LPT][G]) {
 #pragma unroll
-    for (int g = 0; g < G; ++g) acc[g] = 0.0f;
+    for (int u = 0; u < LPT; ++u)
+#pragma unroll
+        for (int g = 0; g < G; ++g) acc[u][g] = 0.0f;
 #pragma unroll
     for (int j = 0; j < R; j += 4) {
-        const float x0 = label_at(w, j), x1 = label_at(w, j + 1), x2 = label_at(w, j + 2), x3 = label_at(w, j + 3);
+        float x[LPT][4];
+#pragma unroll
+        for (int u = 0; u < LPT; ++u) {
+            const unsigned* w = reinterpret_cast<const unsigned*>(rows[u]);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) x[u][c] = label_at(w, j + c);
+        }
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             const float4 qv = lds4(qh + g * R + j);
-            acc[g] = fmaf(qv.x, x0, fmaf(qv.y, x1, fmaf(qv.z, x2, fmaf(qv.w, x3, acc[g]))));
+#pragma unroll
+            for (int u = 0; u < LPT; ++u)
+                acc[u][g] = fmaf(qv.x, x[u][0], fmaf(qv.y, x[u][1], fmaf(qv.z, x[u][2], fmaf(qv.w, x[u][3], acc[u][g]))));
         }
     }
+}
+
+// One fp16 score (its key's high byte into the block histogram); PROBE variants store nothing.
+__device__ __forceinline__ void emit(float v, bool keep, unsigned short* dst, int* bin_row) {
+    const unsigned short s16 = f32_to_f16(keep ? FP16_MAX : fminf(fmaxf(v, -FP16_MAX), FP16_MAX));
+#if PROBE
+    if (s16 == 0x7C01u) *dst = s16;  // never: keeps the products
+#else
+    *dst = s16;
+#if DO_HIST
+    atomicAdd(&bin_row[key16(s16) >> 8], 1);
+#endif
+#endif
+}
+
+// Writes the score row(s) of one (token, head) pair from its G products.
+__device__ __forceinline__ void emit_pair(const float (&acc)[G], int pos, int h, int seq_len, int num_sink,
+                                          int num_recent, unsigned short* srow, int stride_sr, int* sh) {
     const bool keep = pos < num_sink || pos >= seq_len - num_recent;
 #if MODE == 0
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const unsigned short s16 = f32_to_f16(keep ? FP16_MAX : fminf(fmaxf(acc[g], -FP16_MAX), FP16_MAX));
-        srow[(long long)(h * G + g) * stride_sr + pos] = s16;
-#if DO_HIST
-        atomicAdd(&sh[(h * G + g) * 256 + (key16(s16) >> 8)], 1);
-#endif
-    }
+    for (int g = 0; g < G; ++g)
+        emit(acc[g], keep, srow + (long long)(h * G + g) * stride_sr + pos, sh + (h * G + g) * 256);
 #else
     float s = acc[0];
 #pragma unroll
     for (int g = 1; g < G; ++g) s = MODE == 2 ? fmaxf(s, acc[g]) : s + acc[g];
-    const unsigned short s16 = f32_to_f16(keep ? FP16_MAX : fminf(fmaxf(s, -FP16_MAX), FP16_MAX));
-#if PROBE
-    if (s16 == 0x7C01u) srow[0] = s16;  // never: keeps the products
-#else
-    srow[(long long)h * stride_sr + pos] = s16;
-#if DO_HIST
-    atomicAdd(&sh[h * 256 + (key16(s16) >> 8)], 1);
-#endif
-#endif
+    emit(s, keep, srow + (long long)h * stride_sr + pos, sh + h * 256);
 #endif
 }
 
@@ -233,12 +247,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
             const int pos = t + u * TOK + tk;
 #if PROBE == 1
             if (active && pos < end) sink ^= cur[u][0].x ^ cur[u][NVEC - 1].w;
-#else
-            if (active && pos < end)
-                score_pair(reinterpret_cast<const unsigned*>(cur[u]), qh, pos, h, seq_len, num_sink,
-                           num_recent, srow, stride_sr, sh);
 #endif
         }
+#if PROBE != 1
+        float acc[LPT][G];
+        products(cur, qh, acc);
+#pragma unroll
+        for (int u = 0; u < LPT; ++u) {
+            const int pos = t + u * TOK + tk;
+            if (active && pos < end) emit_pair(acc[u], pos, h, seq_len, num_sink, num_recent, srow, stride_sr, sh);
+        }
+#endif
     }
 #if PROBE == 1
     if (sink == 0x9E3779B9u) srow[0] = 1;  // almost never: keeps the loads

@@ -178,7 +178,7 @@ TUNING = {
     # (score_cuda_hist); "auto" takes it where it can run (dtypes, alignment, G * r <= 128).
     "score_impl": "auto", "mma_max_channels": 256,
     "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4,
-    "score_cuda_programs_per_sm": 3, "score_cuda_rows_per_thread": 2, "score_cuda_min_blocks": 3, "score_cuda_hist": True,
+    "score_cuda_programs_per_sm": 2, "score_cuda_rows_per_thread": 4, "score_cuda_min_blocks": 2, "score_cuda_hist": True,
     # Programmatic dependent launch on Hopper and later (pdl.py) for the small per-row kernels and
     # the GEMV, whose programs start, and load their weights, while the kernel ahead runs.
     # Off: no GEMV either.
