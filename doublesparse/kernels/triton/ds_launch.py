@@ -64,9 +64,14 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         _fail(f"score_impl must be one of {SCORE_IMPLS}, got {impl!r}")
     lpt, minb = TUNING["score_cuda_rows_per_thread"], TUNING["score_cuda_min_blocks"]
     cuda_hist = bool(TUNING["score_cuda_hist"]) and cuda_score.hist_fits(Hq, Hkv, r, mode)
-    if impl in ("auto", "cuda"):
+    few_channels = Hkv * r <= TUNING["mma_max_channels"]
+    # "auto" takes the CUDA score where it replaces mma (measured faster there); with many KV
+    # heads (LongChat-7B's 32 x 16) "rows" stays faster (results/h200-s16).
+    if impl == "cuda" or (impl == "auto" and few_channels):
         cuda = _take_cuda("score_impl", lambda: cuda_score.why_not(q, label_cache, channels, mode, cuda_hist, lpt, minb))
-        impl = "cuda" if cuda else "mma" if Hkv * r <= TUNING["mma_max_channels"] else "rows"
+        impl = "cuda" if cuda else "mma" if few_channels else "rows"
+    elif impl == "auto":
+        impl = "rows"
     # Whether the score launch made hist[0] (the select's first phase)
     score_hist = cuda_hist if impl == "cuda" else impl == "rows" and bool(TUNING["score_hist"])
     if stage not in ("attend", "rest"):
