@@ -7,10 +7,11 @@
 // head for the whole kernel; a label row (R channels of one head of one token) is one or a few
 // 16-byte loads, and consecutive threads read consecutive rows, so a block streams whole label
 // rows of consecutive slots. Each thread keeps LPT rows of the next step in flight in registers.
-// The scaled query values stay in shared memory (read 4 channels at a time; each head's block
-// padded by 16 bytes, so the heads of a warp hit different banks), which leaves the registers to
-// the rows in flight (results/h200-s16: query values in registers left room for 64 bytes in
-// flight per thread, slower than Triton's tensor-core kernel; cp.async stages, slower still).
+// The scaled query values stay in shared memory (each head's block padded by 16 bytes, so the
+// heads of a warp hit different banks), and each 4-channel piece is read once for all LPT rows.
+// Measured on an H200 (results/h200-s16): the query in registers left room for only 64 bytes in
+// flight per thread; cp.async stages were slower still; re-reading the query for every row made
+// the shared-memory reads the limit.
 //
 // Compiled at run time by NVRTC (score.py) with these compile-time values:
 //   HKV, G, R    KV heads, query heads per KV head, heavy channels
