@@ -187,6 +187,10 @@ PIPELINES = [
     {"score_impl": "mma", "mma_block_n": 16},
     {"score_impl": "mma", "select_atomic_hist": False, "compact_loop_stages": 2,  # block histograms
      "select_prefetch": "2"},
+    # the CUDA score (GPU only): histogram in the score launch, or the select's phase 1
+    {"score_impl": "cuda"},
+    {"score_impl": "cuda", "score_cuda_hist": False, "select_impl": "triton"},
+    {"score_impl": "cuda", "score_cuda_rows_per_thread": 1, "score_cuda_programs_per_sm": 5},
 ]
 
 
@@ -195,6 +199,8 @@ PIPELINES = [
 def test_ds_select_pipelines(tuning, mode, monkeypatch):
     """Every launch.TUNING choice of how the top-k is computed gives the same exact selection,
     over repeated calls on one workspace (the histograms are left clean)."""
+    if tuning.get("score_impl") == "cuda" and DEVICE == "cpu":
+        pytest.skip("the CUDA score needs a GPU")
     for key, val in tuning.items():
         monkeypatch.setitem(launch.TUNING, key, val)
     ws = None
@@ -546,3 +552,27 @@ def test_cuda_score_launch_protocol(monkeypatch):
         P, do_hist, lpt, minb = calls[0][1]
         assert do_hist == hist and calls[1][1] == hist and P >= 1
         assert (lpt, minb) == (launch.TUNING["score_cuda_rows_per_thread"], launch.TUNING["score_cuda_min_blocks"])
+
+
+def test_score_impl_choice(monkeypatch):
+    """score_impl: an unknown value is a clear error; "cuda" where the CUDA score cannot run warns
+    once and scores with Triton (the interpreter stands in for a GPU here)."""
+    import warnings
+    from doublesparse.kernels.triton import ds_launch
+    c = make_case([70, 20, 301], 9, 3, 64, seed=6, device=DEVICE)
+    ws = make_ws(c, max_heavy_tokens=16)
+    monkeypatch.setitem(launch.TUNING, "score_impl", "fast")
+    with pytest.raises(ValueError, match="score_impl"):
+        ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="score")
+    monkeypatch.setitem(launch.TUNING, "score_impl", "cuda")
+    monkeypatch.setattr(ds_launch, "_INTERPRET", False)
+    monkeypatch.setattr(ds_launch, "_WARNED", set())
+    monkeypatch.setattr(ds_launch.cuda_score, "why_not", lambda *a: "a test reason")
+    used = []
+    monkeypatch.setattr(ds_launch, "_score_mma", lambda *a, **kw: used.append("mma"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="score")
+    msgs = [str(w.message) for w in caught if "score_impl" in str(w.message)]
+    assert len(msgs) == 1 and "a test reason" in msgs[0] and used == ["mma", "mma"]
