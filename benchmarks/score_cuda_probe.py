@@ -3,8 +3,9 @@ shapes (8 KV heads, G 4, r 16, bf16 labels, group_max), against the Triton score
 
     python benchmarks/score_cuda_probe.py [--cases 3x65536,16x32768] [--json OUT.json]
 
-Variants of score.cu (its PROBE define): "loads" (label rows and slots only), "products" (also the
-dot products, no stores), "full" (stores and the fused histogram), "no-hist". Each is timed alone
+Variants of score.cu (its PROBE define): "loads" (label rows and slots only), "loads-coalesced"
+(the same bytes, each warp load over 512 contiguous bytes: the pools' slots are consecutive),
+"products" (also the dot products, no stores), "full" (stores and the fused histogram), "no-hist". Each is timed alone
 in a CUDA graph (median of replays, as bench.attention times DS) with the default geometry and
 with one block per SM slot (programs per SM = min blocks). Label bytes / time gives the fraction
 of the copy bandwidth measured in the same run.
@@ -23,7 +24,8 @@ from doublesparse.kernels.triton import launch
 from doublesparse.kernels.workspace import DecodeWorkspace
 from probe_lib import write_json
 
-VARIANTS = {"loads": (("PROBE", 1),), "products": (("PROBE", 2),), "full": (), "no-hist": ()}
+VARIANTS = {"loads": (("PROBE", 1),), "loads-coalesced": (("PROBE", 3),), "products": (("PROBE", 2),),
+            "full": (), "no-hist": ()}
 
 
 def main(argv=None):

@@ -23,7 +23,8 @@
 //   LPT          label rows per thread per step (default 2)
 //   MINB         blocks per SM the registers must allow (default 2)
 //   PROBE        measurement variants (benchmarks/score_cuda_probe.py): 1 = label and slot loads
-//                only, 2 = also the products, no score stores or histogram; default 0
+//                only, 2 = also the products, no score stores or histogram, 3 = as 1 with each
+//                warp load over contiguous bytes (valid for consecutive slots only); default 0
 // Grid (B, P): P blocks per request, each one slice of its positions. Same output as the Triton
 // score kernels (ds_score.py): fp16 scores clamped to +-65504, sink and recent positions at 65504,
 // positions written only for requests that decode sparsely.
@@ -38,6 +39,7 @@
 #ifndef PROBE
 #define PROBE 0
 #endif
+#define LOADS_ONLY (PROBE == 1 || PROBE == 3)
 #define QS (G * R + 4)           // floats per KV head of the query block in shared memory
 #define TOK (THREADS / HKV)      // tokens per block per row of a step
 #define STEP (TOK * LPT)           // tokens per block per step
@@ -115,9 +117,18 @@ __device__ __forceinline__ unsigned key16(unsigned bits) {
 }
 
 __device__ __forceinline__ void load_row(const label_t* row, bool valid, uint4 v[NVEC]) {
+#if PROBE == 3
+    // The same bytes if slots are consecutive (the benchmarks' pools), but each load instruction
+    // of a warp covers 512 contiguous bytes: the load pattern's cost, measured.
+    const char* base = reinterpret_cast<const char*>(row) - threadIdx.x * LBYTES;
+#pragma unroll
+    for (int i = 0; i < NVEC; ++i)
+        v[i] = valid ? *reinterpret_cast<const uint4*>(base + (i * THREADS + threadIdx.x) * 16) : make_uint4(0, 0, 0, 0);
+#else
 #pragma unroll
     for (int i = 0; i < NVEC; ++i)
         v[i] = valid ? reinterpret_cast<const uint4*>(row)[i] : make_uint4(0, 0, 0, 0);
+#endif
 }
 
 // The G products of each of this thread's LPT label rows (one KV head, LPT tokens) with the
@@ -246,11 +257,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
 #pragma unroll
         for (int u = 0; u < LPT; ++u) {
             const int pos = t + u * TOK + tk;
-#if PROBE == 1
+#if LOADS_ONLY
             if (active && pos < end) sink ^= cur[u][0].x ^ cur[u][NVEC - 1].w;
 #endif
         }
-#if PROBE != 1
+#if !LOADS_ONLY
         float acc[LPT][G];
         products(cur, qh, acc);
 #pragma unroll
@@ -260,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
         }
 #endif
     }
-#if PROBE == 1
+#if LOADS_ONLY
     if (sink == 0x9E3779B9u) srow[0] = 1;  // almost never: keeps the loads
 #endif
 #if DO_HIST
