@@ -14,7 +14,6 @@ import torch
 from . import nvrtc
 
 NAME = "score.cu"
-SOURCE = nvrtc.source(NAME)
 KERNELS = ("ds_score",)
 THREADS = 256  # score.cu's THREADS
 _LABEL = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}
@@ -28,11 +27,16 @@ def step_tokens(hkv: int, rows_per_thread: int) -> int:
     return (THREADS // hkv) * rows_per_thread
 
 
+def _query_smem(hq: int, hkv: int, r: int) -> int:
+    """Bytes of score.cu's query block: each KV head's G * r floats, padded by 4."""
+    return (hq * r + 4 * hkv) * 4
+
+
 def hist_fits(hq: int, hkv: int, r: int, mode: str) -> bool:
     """Whether the fused histogram's shared memory (256 ints per score row) fits a block beside
-    the query block."""
+    the query block (callers pass ``do_hist`` only where it does)."""
     rows = hq if mode == "per_head" else hkv
-    return rows * 1024 + (hq * r + 4 * hkv) * 4 <= _SMEM
+    return rows * 1024 + _query_smem(hq, hkv, r) <= _SMEM
 
 
 def _defines(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks):
@@ -43,7 +47,8 @@ def _defines(q, label_cache, channels, mode, do_hist, rows_per_thread, min_block
 
 
 def why_not(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks) -> str | None:
-    """None if ``score`` can run these arguments, else why not (compiles on the first call)."""
+    """None if ``score`` can run these arguments, else why not (compiles on the first call).
+    ``do_hist`` only where ``hist_fits``."""
     if q.device.type != "cuda":
         return f"device {q.device} is not a CUDA device"
     if label_cache.dtype not in _LABEL or q.dtype not in _QTYPE:
@@ -55,9 +60,7 @@ def why_not(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks
         return "label rows are not whole 16-byte vectors"
     if Hkv > THREADS:
         return f"Hkv = {Hkv} > {THREADS} KV heads"
-    if do_hist and not hist_fits(Hq, Hkv, r, mode):
-        return "the histogram does not fit shared memory"
-    if (Hq * r + 4 * Hkv) * 4 > _SMEM:
+    if _query_smem(Hq, Hkv, r) > _SMEM:
         return "the query block does not fit shared memory"
     return nvrtc.unavailable(q.device, NAME, KERNELS,
                              _defines(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks))

@@ -13,7 +13,6 @@ import torch
 from . import nvrtc
 
 NAME = "select.cu"
-SOURCE = nvrtc.source(NAME)
 THREADS = 256  # select.cu's THREADS
 CHUNK = 2048  # select.cu's CHUNK: keys per block per step; slices are whole chunks
 KERNELS = ("ds_select_hist_high", "ds_select_hist_low", "ds_select_compact")

@@ -59,35 +59,22 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage not in STAGES:
         _fail(f"stage must be one of {STAGES}, got {stage!r}")
-    impl = TUNING["score_impl"]
-    if impl not in SCORE_IMPLS:
-        _fail(f"score_impl must be one of {SCORE_IMPLS}, got {impl!r}")
-    lpt, minb = TUNING["score_cuda_rows_per_thread"], TUNING["score_cuda_min_blocks"]
-    cuda_hist = bool(TUNING["score_cuda_hist"]) and cuda_score.hist_fits(Hq, Hkv, r, mode)
-    few_channels = Hkv * r <= TUNING["mma_max_channels"]
-    # "auto" takes the CUDA score where it replaces mma (measured faster there); with many KV
-    # heads (LongChat-7B's 32 x 16) "rows" stays faster (results/h200-s16).
-    if impl == "cuda" or (impl == "auto" and few_channels):
-        cuda = _take_cuda("score_impl", lambda: cuda_score.why_not(q, label_cache, channels, mode, cuda_hist, lpt, minb))
-        impl = "cuda" if cuda else "mma" if few_channels else "rows"
-    elif impl == "auto":
-        impl = "rows"
-    # Whether the score launch made hist[0] (the select's first phase)
-    score_hist = cuda_hist if impl == "cuda" else impl == "rows" and bool(TUNING["score_hist"])
+    impl, score_hist = _score_impl(q, label_cache, channels, mode)
     if stage not in ("attend", "rest"):
         nsm = _num_sms(dev)
-        P_score = num_progs or max(1, min(triton.cdiv(TUNING["score_programs_per_sm"] * nsm, B * Hkv),
-                                          triton.cdiv(ws.max_ctx, TUNING["score_block_n"])))
-        is_fp8 = label_cache.dtype == torch.float8_e4m3fn
         if impl == "cuda":
+            lpt, minb = TUNING["score_cuda_rows_per_thread"], TUNING["score_cuda_min_blocks"]
             P = num_progs or max(1, min(triton.cdiv(TUNING["score_cuda_programs_per_sm"] * nsm, B),
                                         triton.cdiv(ws.max_ctx, cuda_score.step_tokens(Hkv, lpt))))
             cuda_score.score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist,
-                             sm_scale, k, threshold, num_sink, num_recent, mode, P, cuda_hist, lpt, minb)
+                             sm_scale, k, threshold, num_sink, num_recent, mode, P, score_hist, lpt, minb)
         elif impl == "mma":
             _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
                        float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, num_progs)
         else:
+            P_score = num_progs or max(1, min(triton.cdiv(TUNING["score_programs_per_sm"] * nsm, B * Hkv),
+                                              triton.cdiv(ws.max_ctx, TUNING["score_block_n"])))
+            is_fp8 = label_cache.dtype == torch.float8_e4m3fn
             score_kernel[(B, Hkv, P_score)](
                 q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
                 scores, hist, float(sm_scale), k, int(threshold), int(num_sink), int(num_recent),
@@ -115,6 +102,27 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                    sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"])
     return (o, sel) if return_sel else o
+
+
+def _score_impl(q, label_cache, channels, mode):
+    """Stage 1's kernel ("cuda", "mma" or "rows") under TUNING["score_impl"], and whether its
+    launch makes hist[0] (the select's first phase). "auto" takes the CUDA score where it replaces
+    mma (measured faster there); with many KV heads (LongChat-7B's 32 x 16) "rows" stays faster
+    (results/h200-s16)."""
+    impl = TUNING["score_impl"]
+    if impl not in SCORE_IMPLS:
+        _fail(f"score_impl must be one of {SCORE_IMPLS}, got {impl!r}")
+    Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
+    few_channels = Hkv * r <= TUNING["mma_max_channels"]
+    if impl == "cuda" or (impl == "auto" and few_channels):
+        hist = bool(TUNING["score_cuda_hist"]) and cuda_score.hist_fits(Hq, Hkv, r, mode)
+        if _take_cuda("score_impl", lambda: cuda_score.why_not(
+                q, label_cache, channels, mode, hist, TUNING["score_cuda_rows_per_thread"],
+                TUNING["score_cuda_min_blocks"])):
+            return "cuda", hist
+    if impl in ("cuda", "auto"):
+        impl = "mma" if few_channels else "rows"
+    return impl, impl == "rows" and bool(TUNING["score_hist"])
 
 
 def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage):
