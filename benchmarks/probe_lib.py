@@ -1,6 +1,7 @@
-"""Shared by the GPU probes in benchmarks/ (l2_prefetch_probe.py, skinny_gemm_probe.py): a streaming
-read of a tensor with a chosen L2 eviction policy (to flush L2, or to load a tensor into it), and the
-result file every probe writes (its command, date, device and rows)."""
+"""Shared by the GPU probes in benchmarks/ (l2_prefetch_probe.py, skinny_gemm_probe.py,
+select_impl_probe.py, score_cuda_probe.py): a streaming read of a tensor with a chosen L2 eviction
+policy (to flush L2, or to load a tensor into it), the one-layer DS cases of the select and score
+probes, and the result file every probe writes (its command, date, device and rows)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,17 @@ def read(t: torch.Tensor, sink: torch.Tensor, policy: str = "", programs: int = 
     """Read ``t`` (bf16) once on the current stream; policy "", "evict_first" or "evict_last".
     sink: float32, at least ``programs`` entries. 528 programs = 4 per SM of an H200."""
     _read_kernel[(programs,)](t, sink, t.numel(), BLOCK=4096, POLICY=policy, num_warps=8)
+
+
+def layer_cases(spec: str, dev):
+    """The probes' one-layer DS cases: for each "BxL" of ``spec`` (comma-separated), Llama-3.1-8B
+    layer pools with bf16 labels of r 16 and a workspace for k = L / 16; yields (B, L, k, pools, ws)."""
+    from doublesparse.bench.attention import HKV, HQ, D, Pools
+    from doublesparse.kernels.workspace import DecodeWorkspace
+    for case in spec.split(","):
+        B, L = (int(x) for x in case.split("x"))
+        k = L // 16
+        yield B, L, k, Pools(B, L, 1, 16, torch.bfloat16, dev), DecodeWorkspace(B, HQ, HKV, D, L, k, device=dev)
 
 
 def write_json(path: str | None, script: str, rows: list) -> None:

@@ -18,11 +18,10 @@ import math
 
 import torch
 
-from doublesparse.bench.attention import HKV, HQ, D, Pools, copy_bandwidth, time_fn
+from doublesparse.bench.attention import HKV, D, copy_bandwidth, time_fn
 from doublesparse.kernels.cuda import score as cuda_score
 from doublesparse.kernels.triton import launch
-from doublesparse.kernels.workspace import DecodeWorkspace
-from probe_lib import write_json
+from probe_lib import layer_cases, write_json
 
 VARIANTS = {"loads": (("PROBE", 1),), "loads-coalesced": (("PROBE", 3),), "products": (("PROBE", 2),),
             "full": (), "no-hist": ()}
@@ -37,19 +36,16 @@ def main(argv=None):
     bw = copy_bandwidth(dev)
     print(f"# {torch.cuda.get_device_name(dev)} copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     T = launch.TUNING
+    default_impl = T["score_impl"]
     rows = []
-    for case in args.cases.split(","):
-        B, L = (int(x) for x in case.split("x"))
-        k = L // 16
-        p = Pools(B, L, 1, 16, torch.bfloat16, dev)
-        ws = DecodeWorkspace(B, HQ, HKV, D, L, k, device=dev)
+    for B, L, k, p, ws in layer_cases(args.cases, dev):
         sm = 1 / math.sqrt(D)
         lab_bytes = B * L * HKV * 16 * 2
         T["score_impl"] = "mma"
         t = time_fn(lambda: launch.ds_decode(p.q, p.k, p.v, p.labels, p.scale, p.channels, p.req_to_token,
                                              p.req_idx[0], p.seq_lens, sm, k, "group_max", ws=ws, stage="score"), 1)
         res = {"triton-mma": t * 1e6}
-        T["score_impl"] = "auto"
+        T["score_impl"] = default_impl
         nsm = torch.cuda.get_device_properties(dev).multi_processor_count
         for per_sm, lpt, minb in ((T["score_cuda_programs_per_sm"], T["score_cuda_rows_per_thread"],
                                    T["score_cuda_min_blocks"]), (3, 4, 3), (3, 2, 3), (2, 2, 2)):
@@ -66,8 +62,6 @@ def main(argv=None):
         for n, us in res.items():
             print(f"  {n:34s} {us:7.1f} us  bw {lab_bytes / (us / 1e6) / bw:.2f}", flush=True)
         rows.append(dict(batch=B, ctx=L, label_bytes=lab_bytes, copy_bw=bw, us=res))
-        del p, ws
-        torch.cuda.empty_cache()
     write_json(args.json, "score_cuda_probe.py", rows)
 
 

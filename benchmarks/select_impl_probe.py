@@ -19,10 +19,10 @@ from collections import defaultdict
 
 import torch
 
-from doublesparse.bench.attention import HKV, HQ, D, Pools
+from doublesparse.bench.attention import HKV, D
 from doublesparse.kernels.triton import launch
-from doublesparse.kernels.workspace import DecodeWorkspace
-from probe_lib import write_json
+from probe_lib import layer_cases, write_json
+
 
 def run(p, ws, k, knob, impl, iters=0):
     launch.TUNING[knob] = impl
@@ -56,11 +56,7 @@ def main(argv=None):
     knob, impls = args.knob, args.values.split(",")
     default_impl = launch.TUNING[knob]
     rows = []
-    for case in args.cases.split(","):
-        B, L = (int(x) for x in case.split("x"))
-        k = L // 16
-        p = Pools(B, L, 1, 16, torch.bfloat16, dev)
-        ws = DecodeWorkspace(B, HQ, HKV, D, L, k, device=dev)
+    for B, L, k, p, ws in layer_cases(args.cases, dev):
         sels = {}
         for impl in impls:
             ws.sel.fill_(-7)
@@ -77,8 +73,6 @@ def main(argv=None):
                 f"{n[:28]} {t:.1f}" for n, t in sorted(us.items(), key=lambda x: -x[1])), flush=True)
             rows.append(dict(batch=B, ctx=L, k=k, knob=knob, impl=impl, selections_equal=same, kernel_us=us,
                              total_us=total))
-        del p, ws
-        torch.cuda.empty_cache()
     launch.TUNING[knob] = default_impl
     write_json(args.json, "select_impl_probe.py", rows)
 
