@@ -1,6 +1,7 @@
 """Experiment: one layer's Double Sparsity decode with the batch cut into parts on several streams.
 
     python benchmarks/ds_streams.py [--cases 16x32768,3x65536,8x16384] [--json OUT.json]
+    python benchmarks/ds_streams.py --summarize OUT.json   # rounds and mean per case, variant, tuning
 
 The DS stages are a chain (score -> three select passes -> attend) whose select passes are
 latency-bound, not byte-bound (results/attention-h200-notes.md). Independent requests of the
@@ -36,7 +37,11 @@ def main(argv=None):
     ap.add_argument("--tunings", default="[{}]",
                     help="JSON list of launch.TUNING overrides; each is timed with every variant")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--summarize", default=None, metavar="FILE",
+                    help="print a result file's times per case, variant and tuning (every round and the mean)")
     args = ap.parse_args(argv)
+    if args.summarize:
+        return summarize(args.summarize)
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"# {torch.cuda.get_device_name(dev)} copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -116,6 +121,20 @@ def main(argv=None):
             json.dump(dict(command="python benchmarks/ds_streams.py " + " ".join(sys.argv[1:]),
                            date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(),
                            copy_bw=bw, tuning=launch.TUNING, rows=out), f, indent=1)
+
+
+def summarize(path):
+    """Rows of one result file grouped by (case, parts, streams, skew, tuning): the time of every
+    round (tunings listed more than once alternate) and their mean, in µs."""
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    groups = {}
+    for r in rows:
+        key = (r["batch"], r["ctx"], r["parts"], r["streams"], r["skew"], json.dumps(r["tuning"], sort_keys=True))
+        groups.setdefault(key, []).append(r["us"])
+    for (B, L, parts, nstr, skew, tun), us in groups.items():
+        print(f"{B} x {L} parts {parts} streams {nstr}{' skewed' if skew else ''} {tun}: "
+              f"{' / '.join(f'{u:.1f}' for u in us)} -> mean {sum(us) / len(us):.1f} us")
 
 
 if __name__ == "__main__":
