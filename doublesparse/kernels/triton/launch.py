@@ -175,8 +175,9 @@ TUNING = {
     # H200: Llama-3.1-8B (8 x 16) mma 20.6 vs rows 26.9 us per layer at 64K x 3; LongChat-7B
     # (32 x 16) rows 6.78 vs mma 7.60 ms per decode step at 20K x 3 (results/).
     # "cuda" = kernels/cuda/score.cu through NVRTC, which also makes the select's first phase
-    # (score_cuda_hist); "auto" takes it where it can run (NVIDIA GPU, bf16/fp16/fp8 labels whose
-    # rows are whole 16-byte vectors), else mma/rows as above. Measured on an H200 against mma
+    # (score_cuda_hist); "auto" takes it in mma's place (Hkv * r <= mma_max_channels) where it can
+    # run (NVIDIA GPU, bf16/fp16/fp8 labels whose rows are whole 16-byte vectors), else mma/rows as
+    # above (LongChat-7B's rows score was faster than it). Measured on an H200 against mma
     # (results/h200-s16): whole DS call in graphs 3 x 64K 56.1 vs 56.8, 3 x 128K 90.7 vs 93.7,
     # 16 x 32K (two parts) 111.4 vs 114.0 us; DS decode step at 60K x 3 6.00 vs 6.11 ms.
     "score_impl": "auto", "mma_max_channels": 256,
