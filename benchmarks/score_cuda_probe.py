@@ -1,14 +1,16 @@
-"""Probe: where the CUDA label score's time goes (kernels/cuda/score.cu), one layer, Llama-3.1-8B
-shapes (8 KV heads, G 4, r 16, bf16 labels, group_max), against the Triton score (score_impl mma).
+"""Probe: where the CUDA label scores' time goes (kernels/cuda/score.cu on CUDA cores, score_tc.cu
+on tensor cores), one layer, Llama-3.1-8B shapes (8 KV heads, G 4, r 16, bf16 labels, group_max),
+against the Triton score (score_impl mma).
 
     python benchmarks/score_cuda_probe.py [--cases 3x65536,16x32768] [--json OUT.json]
 
-Variants of score.cu (its PROBE define): "loads" (label rows and slots only), "loads-coalesced"
-(the same bytes, each warp load over 512 contiguous bytes: the pools' slots are consecutive),
-"products" (also the dot products, no stores), "full" (stores and the fused histogram), "no-hist". Each is timed alone
-in a CUDA graph (median of replays, as bench.attention times DS) with the default geometry and
-with one block per SM slot (programs per SM = min blocks). Label bytes / time gives the fraction
-of the copy bandwidth measured in the same run.
+Variants (the sources' PROBE, MAP and AGG defines): "loads" (label rows and slots only),
+"products" (also the dot products, no stores), "full" (stores and the fused histogram), "no-hist";
+"map0" with score.cu's session-16 thread mapping (a warp's threads on the heads of 4 tokens), "agg"
+with the histogram adds aggregated per warp. Each is timed alone in a CUDA graph (median of
+replays, as bench.attention times DS) for several geometries (programs per SM, rows per thread or
+tiles per warp, min blocks). Label bytes / time gives the fraction of the copy bandwidth measured
+in the same run.
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ from doublesparse.kernels.cuda import score as cuda_score
 from doublesparse.kernels.triton import launch
 from probe_lib import layer_cases, write_json
 
-VARIANTS = {"loads": (("PROBE", 1),), "loads-coalesced": (("PROBE", 3),), "products": (("PROBE", 2),),
-            "full": (), "no-hist": ()}
+VARIANTS = {False: {"loads": (("PROBE", 1),), "products": (("PROBE", 2),), "full": (), "no-hist": (),
+                    "full map0": (("MAP", 0),), "full agg": (("AGG", 1),)},
+            True: {"loads": (("PROBE", 1),), "products": (("PROBE", 2),), "full": (), "no-hist": (),
+                   "full agg": (("AGG", 1),)}}
+# (tc, programs per SM, rows per thread / tiles per warp, min blocks)
+GEOMETRIES = ((False, 2, 4, 2), (True, 2, 4, 2), (True, 2, 8, 2), (True, 3, 4, 3), (True, 4, 2, 4))
 
 
 def main(argv=None):
@@ -47,20 +53,19 @@ def main(argv=None):
         res = {"triton-mma": t * 1e6}
         T["score_impl"] = default_impl
         nsm = torch.cuda.get_device_properties(dev).multi_processor_count
-        for per_sm, lpt, minb in ((T["score_cuda_programs_per_sm"], T["score_cuda_rows_per_thread"],
-                                   T["score_cuda_min_blocks"]), (3, 4, 3), (3, 2, 3), (2, 2, 2)):
-            P = max(1, min(-(-per_sm * nsm // B), -(-L // cuda_score.step_tokens(HKV, lpt))))
-            for name, extra in VARIANTS.items():
-                hist = name != "no-hist"
+        for tc, per_sm, per, minb in GEOMETRIES:
+            P = max(1, min(-(-per_sm * nsm // B), -(-L // cuda_score.step_tokens(HKV, per, tc))))
+            for name, extra in VARIANTS[tc].items():
+                hist = not name.startswith("no-hist")
 
                 def call():
                     cuda_score.score(p.q, p.labels, p.scale, p.channels, p.req_to_token, p.req_idx[0], p.seq_lens,
-                                     ws.scores, ws.hist, sm, k, 0, 0, 0, "group_max", P, hist, lpt, minb, extra)
-                res[f"{name} P/SM {per_sm} lpt {lpt} minb {minb}"] = time_fn(call, 1) * 1e6
+                                     ws.scores, ws.hist, sm, k, 0, 0, 0, "group_max", P, hist, per, minb, tc, extra)
+                res[f"{'tc' if tc else 'cc'} {name} P/SM {per_sm} per {per} minb {minb}"] = time_fn(call, 1) * 1e6
                 ws.hist.zero_()
         print(f"bs{B} L={L}: label bytes {lab_bytes / 1e6:.1f} MB, floor {lab_bytes / bw * 1e6:.1f} us", flush=True)
         for n, us in res.items():
-            print(f"  {n:34s} {us:7.1f} us  bw {lab_bytes / (us / 1e6) / bw:.2f}", flush=True)
+            print(f"  {n:38s} {us:7.1f} us  bw {lab_bytes / (us / 1e6) / bw:.2f}", flush=True)
         rows.append(dict(batch=B, ctx=L, label_bytes=lab_bytes, copy_bw=bw, us=res))
     write_json(args.json, "score_cuda_probe.py", rows)
 

@@ -201,11 +201,29 @@ def test_ds_select_pipelines(tuning, mode, monkeypatch):
     over repeated calls on one workspace (the histograms are left clean)."""
     if tuning.get("score_impl") == "cuda" and DEVICE == "cpu":
         pytest.skip("the CUDA score needs a GPU")
+    _check_pipeline(tuning, mode, 9, 3, monkeypatch)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="CUDA kernels need a GPU")
+@pytest.mark.parametrize("tuning", [{"score_cuda_tc_tiles": 1}, {"score_cuda_tc_tiles": 4, "score_cuda_hist": False},
+                                    {"score_cuda_tc_tiles": 8, "score_cuda_programs_per_sm": 5}], ids=str)
+@pytest.mark.parametrize("heads", [(32, 8), (28, 4), (8, 8)], ids=str)
+@pytest.mark.parametrize("mode", ["per_head", "group_sum", "group_max"])
+def test_ds_select_tensor_core_score(tuning, heads, mode, monkeypatch):
+    """The tensor-core score (score_tc.cu: Llama-3's 32/8 heads, Qwen2.5-7B's 28/4, MHA with 8
+    heads) in the whole DS decode: the exact top-k of its scores, and the output over them."""
+    from doublesparse.kernels.cuda import score as cuda_score
+    c = make_case([20], heads[0], heads[1], 64, r=16, device=DEVICE, seed=1)
+    assert cuda_score.tc_fits(c.q, c.label_cache)
+    _check_pipeline({"score_impl": "cuda", "score_cuda_tc": True, **tuning}, mode, *heads, monkeypatch)
+
+
+def _check_pipeline(tuning, mode, hq, hkv, monkeypatch):
     for key, val in tuning.items():
         monkeypatch.setitem(launch.TUNING, key, val)
     ws = None
     for i, (seq_lens, k) in enumerate([([300, 41, 517], 40), ([129, 260], 64)]):
-        c = make_case(seq_lens, 9, 3, 64, r=16, device=DEVICE, seed=_seed(i, mode, str(tuning)), max_ctx=520)
+        c = make_case(seq_lens, hq, hkv, 64, r=16, device=DEVICE, seed=_seed(i, mode, str(tuning)), max_ctx=520)
         ws = ws or make_ws(c, max_heavy_tokens=64)
         out = torch.full_like(c.q, float("nan"))
         _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, out=out, num_progs=2,
@@ -419,16 +437,27 @@ def test_cuda_graph_capture_and_replay(mode):
 
 
 # ---------------------------------------------------------------- the CUDA kernels (kernels/cuda)
-_SCORE_DEFINES = [  # score.cu's compile-time values: Llama-3.1-8B r16/r32, fp8, SmolLM2 per head, MHA
+_SCORE_DEFINES = [  # score.cu's compile-time values: Llama-3.1-8B r16 (and AGG)/r32, fp8, SmolLM2 per head (and MAP 0), MHA
     dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LPT=4, MINB=2),
+    dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LPT=4, MINB=2, AGG=1),
     dict(HKV=8, G=4, R=32, MODE=1, LABEL=0, QTYPE=0, CH64=1, DO_HIST=1, LPT=1, MINB=2),
     dict(HKV=8, G=4, R=16, MODE=2, LABEL=2, QTYPE=1, CH64=0, DO_HIST=1, LPT=2, MINB=2),
     dict(HKV=3, G=3, R=8, MODE=0, LABEL=1, QTYPE=2, CH64=0, DO_HIST=1, LPT=2, MINB=2),
+    dict(HKV=3, G=3, R=8, MODE=0, LABEL=1, QTYPE=2, CH64=0, DO_HIST=1, LPT=2, MINB=2, MAP=0),
     dict(HKV=32, G=1, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=0, LPT=2, MINB=2),
 ]
 
 
-@pytest.mark.parametrize("source,defines", [("select.cu", {})] + [("score.cu", d) for d in _SCORE_DEFINES])
+_SCORE_TC_DEFINES = [  # score_tc.cu's: Llama-3.1-8B r16 (tiles 4 and 8), Qwen2.5-7B r32 per head, MHA 8
+    dict(HKV=8, G=4, R=16, MODE=2, QTYPE=0, CH64=0, DO_HIST=1, LT=4, MINB=2),
+    dict(HKV=8, G=4, R=16, MODE=1, QTYPE=0, CH64=1, DO_HIST=1, LT=8, MINB=2, AGG=1),
+    dict(HKV=4, G=7, R=32, MODE=0, QTYPE=1, CH64=0, DO_HIST=1, LT=4, MINB=2),
+    dict(HKV=8, G=1, R=16, MODE=2, QTYPE=2, CH64=0, DO_HIST=0, LT=4, MINB=3, LABEL=0),
+]
+
+
+@pytest.mark.parametrize("source,defines", [("select.cu", {})] + [("score.cu", d) for d in _SCORE_DEFINES]
+                         + [("score_tc.cu", d) for d in _SCORE_TC_DEFINES])
 def test_cuda_source_compiles(tmp_path, source, defines):
     """The CUDA C++ sources compile for sm_90 without spilling registers (nvcc where the machine
     has it; on a GPU, NVRTC compiles them at run time and the tests below run them)."""
@@ -492,21 +521,27 @@ def test_cuda_select_launch_protocol(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA kernels need a GPU")
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + [([77, 300, 325], 28, 4, 128, 16, 64)])  # G = 7 (Qwen2.5-7B)
 @pytest.mark.parametrize("mode", ["per_head", "group_sum", "group_max"])
 @pytest.mark.parametrize("label_dtype", [torch.bfloat16, FP8])
-def test_cuda_score_equals_triton(case, mode, label_dtype, monkeypatch):
-    """score.cu's fp16 scores equal the Triton score's within one fp16 rounding step, on the
-    sparse requests' positions only, and its fused histogram is that of its own scores' keys."""
+@pytest.mark.parametrize("tc", [False, True], ids=["score.cu", "score_tc.cu"])
+def test_cuda_score_equals_triton(case, mode, label_dtype, tc, monkeypatch):
+    """score.cu's (or score_tc.cu's) fp16 scores equal the Triton score's within one fp16 rounding
+    step, on the sparse requests' positions only, and its fused histogram is that of its own
+    scores' keys."""
     from doublesparse.kernels.cuda import score as cuda_score
     seq_lens, hq, hkv, d, r, k = case
     c = make_case(seq_lens, hq, hkv, d, r=r, label_dtype=label_dtype, device=DEVICE,
                   seed=_seed(tuple(seq_lens), mode, str(label_dtype), "score"))
-    lpt, minb = launch.TUNING["score_cuda_rows_per_thread"], launch.TUNING["score_cuda_min_blocks"]
+    if tc and not cuda_score.tc_fits(c.q, c.label_cache):
+        pytest.skip("score_tc.cu does not take these shapes")
+    per = launch.TUNING["score_cuda_tc_tiles" if tc else "score_cuda_rows_per_thread"]
+    minb = launch.TUNING["score_cuda_min_blocks"]
     hist = cuda_score.hist_fits(hq, hkv, r, mode)
-    why = cuda_score.why_not(c.q, c.label_cache, c.channels, mode, hist, lpt, minb)
+    why = cuda_score.why_not(c.q, c.label_cache, c.channels, mode, hist, per, minb, tc)
     if why is not None:
         pytest.skip(why)
+    monkeypatch.setitem(launch.TUNING, "score_cuda_tc", tc)
     rows = rows_of(mode, hq, hkv)
     got = {}
     for impl in ("mma", "cuda"):
@@ -539,7 +574,7 @@ def test_cuda_score_launch_protocol(monkeypatch):
     not otherwise."""
     from doublesparse.kernels.triton import ds_launch
     calls = []
-    monkeypatch.setattr(ds_launch.cuda_score, "score", lambda *a: calls.append(("score", a[-4:])))
+    monkeypatch.setattr(ds_launch.cuda_score, "score", lambda *a: calls.append(("score", a[-5:])))
     monkeypatch.setattr(ds_launch, "_select", lambda ws, sl, rt, ri, k, thr, B, rows, skip, np, stage:
                         calls.append(("select", skip)))
     monkeypatch.setattr(ds_launch, "_take_cuda", lambda knob, why_not: knob == "score_impl")
@@ -551,9 +586,11 @@ def test_cuda_score_launch_protocol(monkeypatch):
         ws = make_ws(c, max_heavy_tokens=16)
         ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="select")
         assert [n for n, _ in calls] == ["score", "select"]
-        P, do_hist, lpt, minb = calls[0][1]
+        P, do_hist, per, minb, tc = calls[0][1]
         assert do_hist == hist and calls[1][1] == hist and P >= 1
-        assert (lpt, minb) == (launch.TUNING["score_cuda_rows_per_thread"], launch.TUNING["score_cuda_min_blocks"])
+        # 3 KV heads do not divide a block's 8 warps: score.cu, not score_tc.cu
+        assert (per, minb, tc) == (launch.TUNING["score_cuda_rows_per_thread"], launch.TUNING["score_cuda_min_blocks"],
+                                   False)
 
 
 def test_score_impl_choice(monkeypatch):

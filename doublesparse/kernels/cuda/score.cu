@@ -22,9 +22,12 @@
 //   DO_HIST      add the keys' high-byte histogram to hist[0] (else the select's phase 1 runs)
 //   LPT          label rows per thread per step (default 2)
 //   MINB         blocks per SM the registers must allow (default 2)
+//   MAP          thread -> (token, head): 1 = consecutive threads take consecutive tokens of one
+//                head, so a warp's score stores are contiguous; 0 = consecutive threads take the
+//                heads of one token (session 16's mapping, kept for the probe)
+//   AGG          1 = the lanes of a warp that hit the same histogram bin add once (match_any)
 //   PROBE        measurement variants (benchmarks/score_cuda_probe.py): 1 = label and slot loads
-//                only, 2 = also the products, no score stores or histogram, 3 = as 1 with each
-//                warp load over contiguous bytes (valid for consecutive slots only); default 0
+//                only, 2 = also the products, no score stores or histogram; default 0
 // Grid (B, P): P blocks per request, each one slice of its positions. Same output as the Triton
 // score kernels (ds_score.py): fp16 scores clamped to +-65504, sink and recent positions at 65504,
 // positions written only for requests that decode sparsely.
@@ -36,10 +39,10 @@
 #ifndef MINB
 #define MINB 2
 #endif
-#ifndef PROBE
-#define PROBE 0
+#ifndef MAP
+#define MAP 1
 #endif
-#define LOADS_ONLY (PROBE == 1 || PROBE == 3)
+#define LOADS_ONLY (PROBE == 1)
 #define QS (G * R + 4)           // floats per KV head of the query block in shared memory
 #define TOK (THREADS / HKV)      // tokens per block per row of a step
 #define STEP (TOK * LPT)           // tokens per block per step
@@ -47,46 +50,7 @@
 #define ROWS (MODE == 0 ? HKV * G : HKV)
 #define LBYTES (LABEL == 2 ? R : 2 * R)
 #define NVEC (LBYTES / 16)       // 16-byte loads per label row (the launcher checks LBYTES % 16)
-#define FP16_MAX 65504.0f
-
-#if LABEL == 2
-typedef unsigned char label_t;
-#else
-typedef unsigned short label_t;
-#endif
-#if QTYPE == 2
-typedef float q_t;
-#else
-typedef unsigned short q_t;
-#endif
-#if CH64
-typedef long long ch_t;
-#else
-typedef int ch_t;
-#endif
-
-__device__ __forceinline__ float f16_to_f32(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ unsigned short f32_to_f16(float f) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
-__device__ __forceinline__ float q_to_f32(q_t x) {
-#if QTYPE == 0
-    return __uint_as_float((unsigned)x << 16);
-#elif QTYPE == 1
-    return f16_to_f32(x);
-#else
-    return x;
-#endif
-}
-
+#include "score_common.cuh"
 // Label channel j of a row held in 32-bit words. fp8 e4m3 is placed into fp16's bits (sign, then
 // exponent and mantissa shifted into place): exact, and 2^8 too small, a factor the query's scale
 // carries (score.py).
@@ -111,24 +75,10 @@ __device__ __forceinline__ float4 lds4(const float* p) {
     return v;
 }
 
-// Order-preserving map of fp16 bits to [0, 65535] (select.cu's key16).
-__device__ __forceinline__ unsigned key16(unsigned bits) {
-    return (bits & 0x8000u) ? (~bits & 0xFFFFu) : (bits | 0x8000u);
-}
-
 __device__ __forceinline__ void load_row(const label_t* row, bool valid, uint4 v[NVEC]) {
-#if PROBE == 3
-    // The same bytes if slots are consecutive (the benchmarks' pools), but each load instruction
-    // of a warp covers 512 contiguous bytes: the load pattern's cost, measured.
-    const char* base = reinterpret_cast<const char*>(row) - threadIdx.x * LBYTES;
-#pragma unroll
-    for (int i = 0; i < NVEC; ++i)
-        v[i] = valid ? *reinterpret_cast<const uint4*>(base + (i * THREADS + threadIdx.x) * 16) : make_uint4(0, 0, 0, 0);
-#else
 #pragma unroll
     for (int i = 0; i < NVEC; ++i)
         v[i] = valid ? reinterpret_cast<const uint4*>(row)[i] : make_uint4(0, 0, 0, 0);
-#endif
 }
 
 // The G products of each of this thread's LPT label rows (one KV head, LPT tokens) with the
@@ -158,23 +108,10 @@ __device__ __forceinline__ void products(const uint4 (&rows)[LPT][NVEC], const f
     }
 }
 
-// One fp16 score (its key's high byte into the block histogram); PROBE variants store nothing.
-__device__ __forceinline__ void emit(float v, bool keep, unsigned short* dst, int* bin_row) {
-    const unsigned short s16 = f32_to_f16(keep ? FP16_MAX : fminf(fmaxf(v, -FP16_MAX), FP16_MAX));
-#if PROBE
-    if (s16 == 0x7C01u) *dst = s16;  // never: keeps the products
-#else
-    *dst = s16;
-#if DO_HIST
-    atomicAdd(&bin_row[key16(s16) >> 8], 1);
-#endif
-#endif
-}
-
 // Writes the score row(s) of one (token, head) pair from its G products.
 __device__ __forceinline__ void emit_pair(const float (&acc)[G], int pos, int h, int seq_len, int num_sink,
                                           int num_recent, unsigned short* srow, int stride_sr, int* sh) {
-    const bool keep = pos < num_sink || pos >= seq_len - num_recent;
+    const bool keep = kept(pos, seq_len, num_sink, num_recent);
 #if MODE == 0
 #pragma unroll
     for (int g = 0; g < G; ++g)
@@ -223,7 +160,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
 #endif
     __syncthreads();
 
+#if MAP
+    const int h = min(tid / TOK, HKV - 1), tk = tid % TOK;  // threads past ACTIVE: a valid head, no rows
+#else
     const int h = tid % HKV, tk = tid / HKV;
+#endif
     const bool active = tid < ACTIVE;
     const float* qh = sq + h * QS;
 
@@ -275,9 +216,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
     if (sink == 0x9E3779B9u) srow[0] = 1;  // almost never: keeps the loads
 #endif
 #if DO_HIST
-    __syncthreads();
-    int* h0 = hist + (long long)b * stride_hb;
-    for (int i = tid; i < ROWS * 256; i += THREADS)
-        if (sh[i]) atomicAdd(h0 + (long long)(i >> 8) * stride_hr + (i & 255), sh[i]);
+    flush_hist(sh, hist, b, stride_hb, stride_hr);
 #endif
 }

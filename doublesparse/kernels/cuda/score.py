@@ -1,4 +1,5 @@
-"""Host launcher of the CUDA C++ label score (score.cu), compiled at run time by NVRTC (nvrtc.py).
+"""Host launcher of the CUDA C++ label scores, compiled at run time by NVRTC (nvrtc.py): score.cu
+(CUDA cores, any shape) and score_tc.cu (tensor cores: bf16 labels, ``tc_fits``).
 
 Writes the same fp16 score rows as the Triton score kernels (ds_score.py, ds_select.py) and, with
 ``do_hist``, also the select's first phase (hist[0] += the keys' high-byte histogram), so the
@@ -13,18 +14,28 @@ import torch
 
 from . import nvrtc
 
-NAME = "score.cu"
-KERNELS = ("ds_score",)
-THREADS = 256  # score.cu's THREADS
+SOURCES = {False: ("score.cu", ("ds_score",)), True: ("score_tc.cu", ("ds_score_tc",))}  # by tc
+THREADS = 256  # both sources' THREADS
 _LABEL = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}
 _QTYPE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _MODE = {"per_head": 0, "group_sum": 1, "group_max": 2}
 _SMEM = 48 * 1024  # static shared memory a block may use
 
 
-def step_tokens(hkv: int, rows_per_thread: int) -> int:
-    """Tokens a block scores per step (score.cu's STEP): slices are whole steps."""
-    return (THREADS // hkv) * rows_per_thread
+def step_tokens(hkv: int, per_thread: int, tc: bool = False) -> int:
+    """Tokens a block scores per step (the sources' STEP): slices are whole steps. ``per_thread``:
+    label rows per thread (score.cu) or 16-token tiles per warp (score_tc.cu)."""
+    if tc:
+        return (THREADS // 32 // hkv) * 16 * per_thread
+    return (THREADS // hkv) * per_thread
+
+
+def tc_fits(q, label_cache) -> bool:
+    """Whether score_tc.cu takes these shapes: bf16 labels of 16-channel pieces, KV heads that
+    divide a block's 8 warps, at most 8 query heads per KV head (one mma's columns)."""
+    Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
+    return (label_cache.dtype == torch.bfloat16 and (THREADS // 32) % Hkv == 0 and Hq // Hkv <= 8
+            and r % 16 == 0)
 
 
 def _query_smem(hq: int, hkv: int, r: int) -> int:
@@ -39,16 +50,16 @@ def hist_fits(hq: int, hkv: int, r: int, mode: str) -> bool:
     return rows * 1024 + _query_smem(hq, hkv, r) <= _SMEM
 
 
-def _defines(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks):
+def _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc):
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
     return (("HKV", Hkv), ("G", Hq // Hkv), ("R", r), ("MODE", _MODE[mode]), ("LABEL", _LABEL[label_cache.dtype]),
             ("QTYPE", _QTYPE[q.dtype]), ("CH64", int(channels.dtype == torch.int64)), ("DO_HIST", int(do_hist)),
-            ("LPT", rows_per_thread), ("MINB", min_blocks))
+            ("LT" if tc else "LPT", per_thread), ("MINB", min_blocks))
 
 
-def why_not(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks) -> str | None:
+def why_not(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc=False) -> str | None:
     """None if ``score`` can run these arguments, else why not (compiles on the first call).
-    ``do_hist`` only where ``hist_fits``."""
+    ``do_hist`` only where ``hist_fits``; ``tc`` only where ``tc_fits``."""
     if q.device.type != "cuda":
         return f"device {q.device} is not a CUDA device"
     if label_cache.dtype not in _LABEL or q.dtype not in _QTYPE:
@@ -62,21 +73,24 @@ def why_not(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks
         return f"Hkv = {Hkv} > {THREADS} KV heads"
     if _query_smem(Hq, Hkv, r) > _SMEM:
         return "the query block does not fit shared memory"
-    return nvrtc.unavailable(q.device, NAME, KERNELS,
-                             _defines(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks))
+    if tc and not tc_fits(q, label_cache):
+        return "score_tc.cu does not take these shapes"
+    return nvrtc.unavailable(q.device, *SOURCES[tc],
+                             _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc))
 
 
 def score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist, sm_scale,
-          k, threshold, num_sink, num_recent, mode, P, do_hist, rows_per_thread, min_blocks, extra=()):
-    """Stage 1 (and, with ``do_hist``, the select's phase 1). Grid (B, P).
+          k, threshold, num_sink, num_recent, mode, P, do_hist, per_thread, min_blocks, tc=False, extra=()):
+    """Stage 1 (and, with ``do_hist``, the select's phase 1). Grid (B, P); score_tc.cu with ``tc``.
 
     q: [B, Hq, D]; label_cache: [slots, Hkv, r] bf16/fp16/fp8 (label_scale: [1] fp32 for fp8);
     channels: [Hkv, r] int32/int64; scores: [B, rows, L] fp16; hist: [1 + progs, B, rows, 256] int32.
     ``extra``: more (name, value) defines (score.cu's PROBE variants, for benchmarks).
     """
     B = q.shape[0]
-    defines = _defines(q, label_cache, channels, mode, do_hist, rows_per_thread, min_blocks) + tuple(extra)
-    kern = nvrtc.kernel(q.device, NAME, KERNELS, "ds_score", defines)
+    defines = _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc) + tuple(extra)
+    name, kernels = SOURCES[tc]
+    kern = nvrtc.kernel(q.device, name, kernels, kernels[0], defines)
     kern(grid=(B, P, 1), block=(THREADS, 1, 1),
          args=[q, label_cache, channels, label_scale if label_scale is not None else q, req_to_token, req_idx,
                int(req_idx.dtype == torch.int64), seq_lens, scores, hist, float(sm_scale),

@@ -185,6 +185,9 @@ TUNING = {
     # The CUDA score's geometry: programs per SM, label rows in flight per thread, and the blocks
     # per SM its registers must allow (2: 128 registers).
     "score_cuda_programs_per_sm": 2, "score_cuda_rows_per_thread": 4, "score_cuda_min_blocks": 2, "score_cuda_hist": True,
+    # The CUDA score on tensor cores (kernels/cuda/score_tc.cu) where its shapes allow (bf16 labels,
+    # Hkv dividing 8, G <= 8, r % 16 == 0), with this many 16-token tiles per warp in flight.
+    "score_cuda_tc": True, "score_cuda_tc_tiles": 4,
     # Programmatic dependent launch on Hopper and later (pdl.py) for the small per-row kernels and
     # the GEMV, whose programs start, and load their weights, while the kernel ahead runs.
     # Off: no GEMV either.

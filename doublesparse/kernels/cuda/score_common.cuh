@@ -1,0 +1,89 @@
+// Shared by the CUDA label scores (score.cu: CUDA cores, score_tc.cu: tensor cores): types by
+// dtype, conversions, and the store of one score with its key's high byte into the block's
+// histogram. nvrtc.py inlines it; both sources define THREADS, ROWS and the compile-time values
+// they document before the include.
+#pragma once
+
+#ifndef PROBE
+#define PROBE 0
+#endif
+#ifndef AGG
+#define AGG 0
+#endif
+#define FP16_MAX 65504.0f
+
+#if LABEL == 2
+typedef unsigned char label_t;
+#else
+typedef unsigned short label_t;
+#endif
+#if QTYPE == 2
+typedef float q_t;
+#else
+typedef unsigned short q_t;
+#endif
+#if CH64
+typedef long long ch_t;
+#else
+typedef int ch_t;
+#endif
+
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float q_to_f32(q_t x) {
+#if QTYPE == 0
+    return __uint_as_float((unsigned)x << 16);
+#elif QTYPE == 1
+    return f16_to_f32(x);
+#else
+    return x;
+#endif
+}
+
+// Order-preserving map of fp16 bits to [0, 65535] (select.cu's key16).
+__device__ __forceinline__ unsigned key16(unsigned bits) {
+    return (bits & 0x8000u) ? (~bits & 0xFFFFu) : (bits | 0x8000u);
+}
+
+// One fp16 score (its key's high byte into the block histogram); PROBE variants store nothing.
+// With AGG the lanes of a warp that hit the same bin add once.
+__device__ __forceinline__ void emit(float v, bool keep, unsigned short* dst, int* bin_row) {
+    const unsigned short s16 = f32_to_f16(keep ? FP16_MAX : fminf(fmaxf(v, -FP16_MAX), FP16_MAX));
+#if PROBE
+    if (s16 == 0x7C01u) *dst = s16;  // never: keeps the products
+#else
+    *dst = s16;
+#if DO_HIST
+    const unsigned bin = key16(s16) >> 8;
+#if AGG
+    const unsigned same = __match_any_sync(__activemask(), bin);
+    if ((__ffs(same) - 1) == (threadIdx.x & 31)) atomicAdd(&bin_row[bin], __popc(same));
+#else
+    atomicAdd(&bin_row[bin], 1);
+#endif
+#endif
+#endif
+}
+
+// Whether position pos is a sink or recent position (always selected: score FP16_MAX).
+__device__ __forceinline__ bool kept(int pos, int seq_len, int num_sink, int num_recent) {
+    return pos < num_sink || pos >= seq_len - num_recent;
+}
+
+// The block's histogram (sh: [ROWS, 256]) added to hist[0] of request b.
+__device__ __forceinline__ void flush_hist(const int* sh, int* hist, int b, int stride_hb, int stride_hr) {
+    __syncthreads();
+    int* h0 = hist + (long long)b * stride_hb;
+    for (int i = threadIdx.x; i < ROWS * 256; i += THREADS)
+        if (sh[i]) atomicAdd(h0 + (long long)(i >> 8) * stride_hr + (i & 255), sh[i]);
+}

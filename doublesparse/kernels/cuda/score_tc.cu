@@ -1,0 +1,205 @@
+// Double Sparsity stage 1 on tensor cores: label scoring (the output of score.cu, with the select's
+// first phase fused in the same way), for bf16 labels of 16-channel pieces.
+//
+// Why: score.cu's products are fp32 FMAs, G * R per label row, and its issue slots, not the label
+// bytes, set its time (results/h200-s17: its loads alone take 15 us at 3 x 64K, with the
+// products 19, with the stores 22). Here one mma.sync m16n8k16 scores 16 tokens of one KV head
+// against its G <= 8 query heads. A warp owns one KV head. Lane (m, c) = (lane / 4, lane % 4)
+// loads 8 bytes, channels 4c..4c+3 of each 16-channel piece, of the label rows of tokens m and
+// m + 8 of a tile: a warp's load covers 8 rows x 32 bytes, whole 32-byte sectors. The channels'
+// order within a piece is permuted (the sum over channels does not depend on it): k-slots 2c,
+// 2c+1 of the A fragment are channels 4c, 4c+1, and k-slots 2c+8, 2c+9 channels 4c+2, 4c+3; the
+// query's B fragment (column n = query head n of the group) follows the same order. The scaled
+// query is split into bf16 hi + lo parts (two mmas) so that the products keep fp32's precision
+// to about 2^-16, as the fp32 scores of score.cu and the Triton kernels do.
+//
+// Compiled at run time by NVRTC (score.py) with score.cu's HKV, G, R, MODE, QTYPE, CH64, DO_HIST,
+// MINB, AGG and PROBE (LABEL is bf16), and
+//   LT           16-token tiles per warp per step (loads in flight; default 4)
+// The launcher checks: bf16 labels, HKV divides 8, G <= 8, R % 16 == 0. Grid (B, P) as score.cu.
+
+#define THREADS 256
+#define NW (THREADS / 32)
+#ifndef LT
+#define LT 4
+#endif
+#ifndef MINB
+#define MINB 2
+#endif
+#define WPH (NW / HKV)             // warps per KV head
+#define STEP (WPH * 16 * LT)       // tokens per block per step
+#define KC (R / 16)                // 16-channel pieces of a label row
+#define ROWS (MODE == 0 ? HKV * G : HKV)
+#define LOADS_ONLY (PROBE == 1)
+#if defined(LABEL) && LABEL != 0
+#error "score_tc.cu takes bf16 labels only"
+#endif
+#ifndef LABEL
+#define LABEL 0
+#endif
+#include "score_common.cuh"
+
+// Two fp32 values as bf16x2 (lo in the low half: the lower k-slot).
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint2 row_m, uint2 row_m8, unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(row_m.x), "r"(row_m8.x), "r"(row_m.y), "r"(row_m8.y), "r"(b0), "r"(b1));
+}
+
+// The G-head combination of one token's products in the group modes: lane c holds heads 2c and
+// 2c+1 (v0, v1); after this every lane of the quad holds the whole group's. All lanes call it.
+__device__ __forceinline__ float group(float v0, float v1, int c) {
+    const float id = MODE == 2 ? __int_as_float(0xff800000) : 0.0f;  // -inf for the max
+    v0 = 2 * c < G ? v0 : id;
+    v1 = 2 * c + 1 < G ? v1 : id;
+    float s = MODE == 2 ? fmaxf(v0, v1) : v0 + v1;
+#pragma unroll
+    for (int x = 1; x < 4; x <<= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, s, x);
+        s = MODE == 2 ? fmaxf(s, o) : s + o;
+    }
+    return s;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
+    const q_t* __restrict__ q, const label_t* __restrict__ labels, const ch_t* __restrict__ channels,
+    const float* __restrict__ label_scale, const int* __restrict__ req_to_token,
+    const void* __restrict__ req_idx, int req_idx_64, const int* __restrict__ seq_lens,
+    unsigned short* __restrict__ scores, int* __restrict__ hist, double sm_scale,
+    int heavy_k, int threshold, int num_sink, int num_recent,
+    int stride_qb, int stride_qh, int stride_ls, int stride_lh, int stride_ch, int stride_rt,
+    int stride_sb, int stride_sr, int stride_hb, int stride_hr, int P)
+{
+#if DO_HIST
+    __shared__ int sh[ROWS * 256];
+#else
+    int* sh = nullptr;
+#endif
+    const int b = blockIdx.x, p = blockIdx.y, tid = threadIdx.x;
+    const int seq_len = seq_lens[b];
+    const int n = (seq_len > heavy_k && seq_len >= threshold) ? seq_len : 0;  // sparse rows only
+    const int per = ((n + P - 1) / P + STEP - 1) / STEP * STEP;
+    const int start = p * per, end = min(start + per, n);
+    if (start >= end) return;
+#if DO_HIST
+    for (int i = tid; i < ROWS * 256; i += THREADS) sh[i] = 0;
+#endif
+
+    const int warp = tid >> 5, lane = tid & 31, m = lane >> 2, c = lane & 3;
+    const int h = warp % HKV, j = warp / HKV;
+
+    // B fragments: query head m of the group (zero past G), channels 4c..4c+3 of each piece.
+    unsigned bhi[KC][2], blo[KC][2];
+    const float scale = (float)sm_scale;
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc) {
+        float x[4], lo[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const long long ch = channels[h * stride_ch + kc * 16 + 4 * c + i];
+            x[i] = m < G ? q_to_f32(q[(long long)b * stride_qb + (long long)(h * G + m) * stride_qh + ch]) * scale : 0.0f;
+        }
+        bhi[kc][0] = pack_bf16(x[0], x[1]);
+        bhi[kc][1] = pack_bf16(x[2], x[3]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned hb = (i & 1) ? bhi[kc][i >> 1] & 0xFFFF0000u : bhi[kc][i >> 1] << 16;
+            lo[i] = x[i] - __uint_as_float(hb);
+        }
+        blo[kc][0] = pack_bf16(lo[0], lo[1]);
+        blo[kc][1] = pack_bf16(lo[2], lo[3]);
+    }
+#if DO_HIST
+    __syncthreads();
+#endif
+
+    const long long req = req_idx_64 ? ((const long long*)req_idx)[b] : ((const int*)req_idx)[b];
+    const int* rt_row = req_to_token + req * stride_rt;
+    const label_t* lab = labels + (long long)h * stride_lh + 4 * c;
+    unsigned short* srow = scores + (long long)b * stride_sb;
+
+    // Software-pipelined as score.cu: the rows of the next step and the slots of the one after
+    // are in flight while a step is scored. Tile u of step t starts at t + (u * WPH + j) * 16;
+    // this lane reads its rows m and m + 8 (r = 0, 1).
+    uint2 ahead[LT][2][KC];
+    int slot_after[LT][2];
+#pragma unroll
+    for (int u = 0; u < LT; ++u)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int pos = start + (u * WPH + j) * 16 + m + 8 * r;
+            const bool ok = pos < end;
+            const label_t* row = lab + (long long)(ok ? rt_row[pos] : 0) * stride_ls;
+#pragma unroll
+            for (int kc = 0; kc < KC; ++kc)
+                ahead[u][r][kc] = ok ? *reinterpret_cast<const uint2*>(row + kc * 16) : make_uint2(0, 0);
+            slot_after[u][r] = pos + STEP < end ? rt_row[pos + STEP] : 0;
+        }
+    unsigned sink = 0;
+    for (int t = start; t < end; t += STEP) {
+        uint2 cur[LT][2][KC];
+#pragma unroll
+        for (int u = 0; u < LT; ++u)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int pos = t + (u * WPH + j) * 16 + m + 8 * r;
+                const label_t* row = lab + (long long)slot_after[u][r] * stride_ls;
+                const bool ok = pos + STEP < end;
+#pragma unroll
+                for (int kc = 0; kc < KC; ++kc) {
+                    cur[u][r][kc] = ahead[u][r][kc];
+                    ahead[u][r][kc] = ok ? *reinterpret_cast<const uint2*>(row + kc * 16) : make_uint2(0, 0);
+                }
+                slot_after[u][r] = pos + 2 * STEP < end ? rt_row[pos + 2 * STEP] : 0;
+            }
+#pragma unroll
+        for (int u = 0; u < LT; ++u) {
+            const int pos0 = t + (u * WPH + j) * 16 + m;
+#if LOADS_ONLY
+            sink ^= cur[u][0][0].x ^ cur[u][1][KC - 1].y;
+#else
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int kc = 0; kc < KC; ++kc) {
+                mma_bf16(d, cur[u][0][kc], cur[u][1][kc], bhi[kc][0], bhi[kc][1]);
+                mma_bf16(d, cur[u][0][kc], cur[u][1][kc], blo[kc][0], blo[kc][1]);
+            }
+            // d[0], d[1]: token m, query heads 2c, 2c+1; d[2], d[3]: token m + 8.
+#if MODE == 0
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int pos = pos0 + 8 * r;
+                if (pos < end) {
+                    const bool keep = kept(pos, seq_len, num_sink, num_recent);
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int g = 2 * c + e;
+                        if (g < G)
+                            emit(d[2 * r + e], keep, srow + (long long)(h * G + g) * stride_sr + pos, sh + (h * G + g) * 256);
+                    }
+                }
+            }
+#else
+            const float s0 = group(d[0], d[1], c), s1 = group(d[2], d[3], c);
+            // Lanes c = 0 store token m, lanes c = 1 token m + 8: 16 consecutive scores.
+            const int pos = pos0 + 8 * c;
+            if (c < 2 && pos < end)
+                emit(c ? s1 : s0, kept(pos, seq_len, num_sink, num_recent), srow + (long long)h * stride_sr + pos, sh + h * 256);
+#endif
+#endif
+        }
+    }
+#if LOADS_ONLY
+    if (sink == 0x9E3779B9u) srow[0] = 1;  // almost never: keeps the loads
+#endif
+#if DO_HIST
+    flush_hist(sh, hist, b, stride_hb, stride_hr);
+#endif
+}
