@@ -2,12 +2,10 @@
 on tensor cores), one layer, Llama-3.1-8B shapes (8 KV heads, G 4, r 16, bf16 labels, group_max),
 against the Triton score (score_impl mma).
 
-    python benchmarks/score_cuda_probe.py [--cases 3x65536,16x32768] [--json OUT.json]
+    python benchmarks/score_cuda_probe.py [--cases 3x65536,16x32768] [--rounds N] [--json OUT.json]
 
-Variants (the sources' PROBE, MAP and AGG defines): "loads" (label rows and slots only),
-"products" (also the dot products, no stores), "full" (stores and the fused histogram), "no-hist";
-"map0" with score.cu's session-16 thread mapping (a warp's threads on the heads of 4 tokens), "agg"
-with the histogram adds aggregated per warp. Each is timed alone in a CUDA graph (median of
+Variants (the sources' PROBE define): "loads" (label rows and slots only), "products" (also the
+dot products, no stores), "full" (stores and the fused histogram), "no-hist". Each is timed alone in a CUDA graph (median of
 replays, as bench.attention times DS) for several geometries (programs per SM, rows per thread or
 tiles per warp, min blocks). Label bytes / time gives the fraction of the copy bandwidth measured
 in the same run.
@@ -25,18 +23,16 @@ from doublesparse.kernels.cuda import score as cuda_score
 from doublesparse.kernels.triton import launch
 from probe_lib import layer_cases, write_json
 
-VARIANTS = {False: {"loads": (("PROBE", 1),), "products": (("PROBE", 2),), "full": (), "no-hist": (),
-                    "full map0": (("MAP", 0),), "full agg": (("AGG", 1),)},
-            True: {"loads": (("PROBE", 1),), "products": (("PROBE", 2),), "full": (), "no-hist": (),
-                   "full agg": (("AGG", 1),)}}
+VARIANTS = {"loads": (("PROBE", 1),), "products": (("PROBE", 2),), "full": (), "no-hist": ()}
 # (tc, programs per SM, rows per thread / tiles per warp, min blocks)
-GEOMETRIES = ((False, 2, 4, 2), (True, 2, 4, 2), (True, 2, 8, 2), (True, 3, 4, 3), (True, 4, 2, 4))
+GEOMETRIES = ((False, 2, 4, 2), (True, 2, 4, 2), (True, 2, 2, 2), (True, 3, 2, 3), (True, 4, 1, 4))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="3x65536,16x32768")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rounds", type=int, default=1, help="time every variant this many times, in turn")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
@@ -53,15 +49,16 @@ def main(argv=None):
         res = {"triton-mma": t * 1e6}
         T["score_impl"] = default_impl
         nsm = torch.cuda.get_device_properties(dev).multi_processor_count
-        for tc, per_sm, per, minb in GEOMETRIES:
-            P = max(1, min(-(-per_sm * nsm // B), -(-L // cuda_score.step_tokens(HKV, per, tc))))
-            for name, extra in VARIANTS[tc].items():
+        for rnd, (tc, per_sm, per, minb) in ((r, g) for r in range(args.rounds) for g in GEOMETRIES):
+            P = max(1, min(-(-per_sm * nsm // B), -(-L // cuda_score.step_tokens(p.q, p.labels, per, tc))))
+            for name, extra in VARIANTS.items():
                 hist = not name.startswith("no-hist")
 
                 def call():
                     cuda_score.score(p.q, p.labels, p.scale, p.channels, p.req_to_token, p.req_idx[0], p.seq_lens,
                                      ws.scores, ws.hist, sm, k, 0, 0, 0, "group_max", P, hist, per, minb, tc, extra)
-                res[f"{'tc' if tc else 'cc'} {name} P/SM {per_sm} per {per} minb {minb}"] = time_fn(call, 1) * 1e6
+                key = f"{'tc' if tc else 'cc'} {name} P/SM {per_sm} per {per} minb {minb}" + (f" r{rnd}" if rnd else "")
+                res[key] = time_fn(call, 1) * 1e6
                 ws.hist.zero_()
         print(f"bs{B} L={L}: label bytes {lab_bytes / 1e6:.1f} MB, floor {lab_bytes / bw * 1e6:.1f} us", flush=True)
         for n, us in res.items():

@@ -437,20 +437,20 @@ def test_cuda_graph_capture_and_replay(mode):
 
 
 # ---------------------------------------------------------------- the CUDA kernels (kernels/cuda)
-_SCORE_DEFINES = [  # score.cu's compile-time values: Llama-3.1-8B r16 (and AGG)/r32, fp8, SmolLM2 per head (and MAP 0), MHA
+_SCORE_DEFINES = [  # score.cu's compile-time values: Llama-3.1-8B r16/r32, fp8, SmolLM2 per head, MHA
     dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LPT=4, MINB=2),
-    dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LPT=4, MINB=2, AGG=1),
     dict(HKV=8, G=4, R=32, MODE=1, LABEL=0, QTYPE=0, CH64=1, DO_HIST=1, LPT=1, MINB=2),
     dict(HKV=8, G=4, R=16, MODE=2, LABEL=2, QTYPE=1, CH64=0, DO_HIST=1, LPT=2, MINB=2),
     dict(HKV=3, G=3, R=8, MODE=0, LABEL=1, QTYPE=2, CH64=0, DO_HIST=1, LPT=2, MINB=2),
-    dict(HKV=3, G=3, R=8, MODE=0, LABEL=1, QTYPE=2, CH64=0, DO_HIST=1, LPT=2, MINB=2, MAP=0),
     dict(HKV=32, G=1, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=0, LPT=2, MINB=2),
 ]
 
 
-_SCORE_TC_DEFINES = [  # score_tc.cu's: Llama-3.1-8B r16 (tiles 4 and 8), Qwen2.5-7B r32 per head, MHA 8
-    dict(HKV=8, G=4, R=16, MODE=2, QTYPE=0, CH64=0, DO_HIST=1, LT=4, MINB=2),
-    dict(HKV=8, G=4, R=16, MODE=1, QTYPE=0, CH64=1, DO_HIST=1, LT=8, MINB=2, AGG=1),
+_SCORE_TC_DEFINES = [  # score_tc.cu's: Llama-3.1-8B r16 / r32 (two heads per warp), Qwen2.5-7B r32
+    # per head, MHA with 8 heads
+    dict(HKV=8, G=4, R=16, MODE=2, QTYPE=0, CH64=0, DO_HIST=1, LT=4, MINB=2, HPW=2),
+    dict(HKV=8, G=4, R=32, MODE=1, QTYPE=0, CH64=1, DO_HIST=1, LT=2, MINB=2, HPW=2),
+    dict(HKV=8, G=4, R=16, MODE=0, QTYPE=0, CH64=0, DO_HIST=1, LT=2, MINB=3, HPW=2),
     dict(HKV=4, G=7, R=32, MODE=0, QTYPE=1, CH64=0, DO_HIST=1, LT=4, MINB=2),
     dict(HKV=8, G=1, R=16, MODE=2, QTYPE=2, CH64=0, DO_HIST=0, LT=4, MINB=3, LABEL=0),
 ]

@@ -22,10 +22,6 @@
 //   DO_HIST      add the keys' high-byte histogram to hist[0] (else the select's phase 1 runs)
 //   LPT          label rows per thread per step (default 2)
 //   MINB         blocks per SM the registers must allow (default 2)
-//   MAP          thread -> (token, head): 1 = consecutive threads take consecutive tokens of one
-//                head, so a warp's score stores are contiguous; 0 = consecutive threads take the
-//                heads of one token (session 16's mapping, kept for the probe)
-//   AGG          1 = the lanes of a warp that hit the same histogram bin add once (match_any)
 //   PROBE        measurement variants (benchmarks/score_cuda_probe.py): 1 = label and slot loads
 //                only, 2 = also the products, no score stores or histogram; default 0
 // Grid (B, P): P blocks per request, each one slice of its positions. Same output as the Triton
@@ -38,9 +34,6 @@
 #endif
 #ifndef MINB
 #define MINB 2
-#endif
-#ifndef MAP
-#define MAP 1
 #endif
 #define LOADS_ONLY (PROBE == 1)
 #define QS (G * R + 4)           // floats per KV head of the query block in shared memory
@@ -160,11 +153,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
 #endif
     __syncthreads();
 
-#if MAP
-    const int h = min(tid / TOK, HKV - 1), tk = tid % TOK;  // threads past ACTIVE: a valid head, no rows
-#else
     const int h = tid % HKV, tk = tid / HKV;
-#endif
     const bool active = tid < ACTIVE;
     const float* qh = sq + h * QS;
 

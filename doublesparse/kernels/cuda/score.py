@@ -22,20 +22,37 @@ _MODE = {"per_head": 0, "group_sum": 1, "group_max": 2}
 _SMEM = 48 * 1024  # static shared memory a block may use
 
 
-def step_tokens(hkv: int, per_thread: int, tc: bool = False) -> int:
+def _heads_per_warp(q, label_cache) -> int:
+    """score_tc.cu's HPW: two adjacent KV heads per warp where G = 4 (their 8 query heads fill
+    the mma's columns and each lane loads 16-byte pieces) and the pool keeps heads contiguous."""
+    Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
+    return 2 if Hq // Hkv == 4 and Hkv % 2 == 0 and label_cache.stride(1) == r else 1
+
+
+def _tc_geometry(q, label_cache, tiles: int) -> tuple[int, int]:
+    """(HPW, LT) of score_tc.cu: tiles in flight capped at 8 16-channel pieces per lane and row
+    (the registers of two steps' rows)."""
+    hpw = _heads_per_warp(q, label_cache)
+    pieces = hpw * label_cache.shape[2] // 16
+    return hpw, max(1, min(tiles, 8 // pieces))
+
+
+def step_tokens(q, label_cache, per_thread: int, tc: bool = False) -> int:
     """Tokens a block scores per step (the sources' STEP): slices are whole steps. ``per_thread``:
     label rows per thread (score.cu) or 16-token tiles per warp (score_tc.cu)."""
+    hkv = label_cache.shape[1]
     if tc:
-        return (THREADS // 32 // hkv) * 16 * per_thread
+        hpw, lt = _tc_geometry(q, label_cache, per_thread)
+        return (THREADS // 32 // (hkv // hpw)) * 16 * lt
     return (THREADS // hkv) * per_thread
 
 
 def tc_fits(q, label_cache) -> bool:
-    """Whether score_tc.cu takes these shapes: bf16 labels of 16-channel pieces, KV heads that
-    divide a block's 8 warps, at most 8 query heads per KV head (one mma's columns)."""
+    """Whether score_tc.cu takes these shapes: bf16 labels of 16-channel pieces, at most 8 query
+    heads per KV head (one mma's columns), and warps that divide evenly among the KV heads."""
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
-    return (label_cache.dtype == torch.bfloat16 and (THREADS // 32) % Hkv == 0 and Hq // Hkv <= 8
-            and r % 16 == 0)
+    return (label_cache.dtype == torch.bfloat16 and Hq // Hkv <= 8 and r % 16 == 0
+            and (THREADS // 32) % (Hkv // _heads_per_warp(q, label_cache)) == 0)
 
 
 def _query_smem(hq: int, hkv: int, r: int) -> int:
@@ -52,9 +69,13 @@ def hist_fits(hq: int, hkv: int, r: int, mode: str) -> bool:
 
 def _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc):
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
-    return (("HKV", Hkv), ("G", Hq // Hkv), ("R", r), ("MODE", _MODE[mode]), ("LABEL", _LABEL[label_cache.dtype]),
-            ("QTYPE", _QTYPE[q.dtype]), ("CH64", int(channels.dtype == torch.int64)), ("DO_HIST", int(do_hist)),
-            ("LT" if tc else "LPT", per_thread), ("MINB", min_blocks))
+    common = (("HKV", Hkv), ("G", Hq // Hkv), ("R", r), ("MODE", _MODE[mode]), ("LABEL", _LABEL[label_cache.dtype]),
+              ("QTYPE", _QTYPE[q.dtype]), ("CH64", int(channels.dtype == torch.int64)), ("DO_HIST", int(do_hist)),
+              ("MINB", min_blocks))
+    if tc:
+        hpw, lt = _tc_geometry(q, label_cache, per_thread)
+        return common + (("HPW", hpw), ("LT", lt))
+    return common + (("LPT", per_thread),)
 
 
 def why_not(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc=False) -> str | None:

@@ -7,9 +7,6 @@
 #ifndef PROBE
 #define PROBE 0
 #endif
-#ifndef AGG
-#define AGG 0
-#endif
 #define FP16_MAX 65504.0f
 
 #if LABEL == 2
@@ -56,7 +53,6 @@ __device__ __forceinline__ unsigned key16(unsigned bits) {
 }
 
 // One fp16 score (its key's high byte into the block histogram); PROBE variants store nothing.
-// With AGG the lanes of a warp that hit the same bin add once.
 __device__ __forceinline__ void emit(float v, bool keep, unsigned short* dst, int* bin_row) {
     const unsigned short s16 = f32_to_f16(keep ? FP16_MAX : fminf(fmaxf(v, -FP16_MAX), FP16_MAX));
 #if PROBE
@@ -64,13 +60,7 @@ __device__ __forceinline__ void emit(float v, bool keep, unsigned short* dst, in
 #else
     *dst = s16;
 #if DO_HIST
-    const unsigned bin = key16(s16) >> 8;
-#if AGG
-    const unsigned same = __match_any_sync(__activemask(), bin);
-    if ((__ffs(same) - 1) == (threadIdx.x & 31)) atomicAdd(&bin_row[bin], __popc(same));
-#else
-    atomicAdd(&bin_row[bin], 1);
-#endif
+    atomicAdd(&bin_row[key16(s16) >> 8], 1);
 #endif
 #endif
 }

@@ -2,21 +2,25 @@
 // first phase fused in the same way), for bf16 labels of 16-channel pieces.
 //
 // Why: score.cu's products are fp32 FMAs, G * R per label row, and its issue slots, not the label
-// bytes, set its time (results/h200-s17: its loads alone take 15 us at 3 x 64K, with the
-// products 19, with the stores 22). Here one mma.sync m16n8k16 scores 16 tokens of one KV head
-// against its G <= 8 query heads. A warp owns one KV head. Lane (m, c) = (lane / 4, lane % 4)
-// loads 8 bytes, channels 4c..4c+3 of each 16-channel piece, of the label rows of tokens m and
-// m + 8 of a tile: a warp's load covers 8 rows x 32 bytes, whole 32-byte sectors. The channels'
-// order within a piece is permuted (the sum over channels does not depend on it): k-slots 2c,
-// 2c+1 of the A fragment are channels 4c, 4c+1, and k-slots 2c+8, 2c+9 channels 4c+2, 4c+3; the
-// query's B fragment (column n = query head n of the group) follows the same order. The scaled
-// query is split into bf16 hi + lo parts (two mmas) so that the products keep fp32's precision
-// to about 2^-16, as the fp32 scores of score.cu and the Triton kernels do.
+// bytes, set its time (results/h200-s17). Here mma.sync m16n8k16 scores 16 tokens of a warp's
+// HPW adjacent KV heads (a "unit": HPW = 2 where G = 4, so that the unit's 8 query heads fill
+// the mma's 8 columns; else 1) against their query heads. The unit's label row (HPW * R
+// channels, contiguous in the pool) is KC pieces of 16 channels. Lane (m, c) = (lane / 4,
+// lane % 4) loads channels [4 KC c, 4 KC (c + 1)) of the rows of tokens m and m + 8 of a tile:
+// 16 bytes per row where KC = 2 (a warp's load: 8 rows x 64 contiguous bytes), 8 where KC = 1.
+// The channels' order is permuted (the sum over channels does not depend on it): in piece kc,
+// k-slots 2c, 2c+1 of the A fragment are channels 4 KC c + 4 kc + (0, 1), k-slots 2c+8, 2c+9
+// the next two; the query's B fragment (column n = query head n of the unit, zero where the
+// channel is another head's) follows the same order. The scaled query is split into bf16 hi +
+// lo parts (two mmas) so that the products keep fp32's precision to about 2^-16, as the fp32
+// scores of score.cu and the Triton kernels do.
 //
 // Compiled at run time by NVRTC (score.py) with score.cu's HKV, G, R, MODE, QTYPE, CH64, DO_HIST,
-// MINB, AGG and PROBE (LABEL is bf16), and
+// MINB and PROBE (LABEL is bf16), and
 //   LT           16-token tiles per warp per step (loads in flight; default 4)
-// The launcher checks: bf16 labels, HKV divides 8, G <= 8, R % 16 == 0. Grid (B, P) as score.cu.
+//   HPW          KV heads per warp: 1, or 2 where G = 4 and HKV is even (default 1)
+// The launcher checks: bf16 labels, HKV / HPW divides 8, G <= 8, R % 16 == 0, heads contiguous
+// in the label pool where HPW = 2. Grid (B, P) as score.cu.
 
 #define THREADS 256
 #define NW (THREADS / 32)
@@ -26,9 +30,13 @@
 #ifndef MINB
 #define MINB 2
 #endif
-#define WPH (NW / HKV)             // warps per KV head
-#define STEP (WPH * 16 * LT)       // tokens per block per step
-#define KC (R / 16)                // 16-channel pieces of a label row
+#ifndef HPW
+#define HPW 1
+#endif
+#define UNITS (HKV / HPW)          // units (HPW adjacent KV heads) per token
+#define WPU (NW / UNITS)           // warps per unit
+#define STEP (WPU * 16 * LT)       // tokens per block per step
+#define KC (HPW * R / 16)          // 16-channel pieces of a unit's label row
 #define ROWS (MODE == 0 ? HKV * G : HKV)
 #define LOADS_ONLY (PROBE == 1)
 #if defined(LABEL) && LABEL != 0
@@ -53,9 +61,15 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint2 row_m, uint2 row_m
         : "r"(row_m.x), "r"(row_m8.x), "r"(row_m.y), "r"(row_m8.y), "r"(b0), "r"(b1));
 }
 
-// The G-head combination of one token's products in the group modes: lane c holds heads 2c and
-// 2c+1 (v0, v1); after this every lane of the quad holds the whole group's. All lanes call it.
+// The G-head combination of one token's products in the group modes: lane c holds columns 2c and
+// 2c+1 (v0, v1); after this every lane holds its head's. All lanes call it.
 __device__ __forceinline__ float group(float v0, float v1, int c) {
+#if HPW == 2
+    // G = 4: lanes 0, 1 hold the unit's first head, lanes 2, 3 its second.
+    const float s = MODE == 2 ? fmaxf(v0, v1) : v0 + v1;
+    const float o = __shfl_xor_sync(0xffffffffu, s, 1);
+    return MODE == 2 ? fmaxf(s, o) : s + o;
+#else
     const float id = MODE == 2 ? __int_as_float(0xff800000) : 0.0f;  // -inf for the max
     v0 = 2 * c < G ? v0 : id;
     v1 = 2 * c + 1 < G ? v1 : id;
@@ -66,6 +80,22 @@ __device__ __forceinline__ float group(float v0, float v1, int c) {
         s = MODE == 2 ? fmaxf(s, o) : s + o;
     }
     return s;
+#endif
+}
+
+// This lane's 4 * KC channels of one unit label row: 16-byte loads where KC is even.
+__device__ __forceinline__ void load_row(const label_t* row, bool valid, uint2 (&v)[KC]) {
+#if KC % 2 == 0
+#pragma unroll
+    for (int i = 0; i < KC / 2; ++i) {
+        const uint4 w = valid ? reinterpret_cast<const uint4*>(row)[i] : make_uint4(0, 0, 0, 0);
+        v[2 * i] = make_uint2(w.x, w.y);
+        v[2 * i + 1] = make_uint2(w.z, w.w);
+    }
+#else
+#pragma unroll
+    for (int i = 0; i < KC; ++i) v[i] = valid ? reinterpret_cast<const uint2*>(row)[i] : make_uint2(0, 0);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
@@ -93,9 +123,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
 #endif
 
     const int warp = tid >> 5, lane = tid & 31, m = lane >> 2, c = lane & 3;
-    const int h = warp % HKV, j = warp / HKV;
+    const int h0 = (warp % UNITS) * HPW, j = warp / UNITS;  // the unit's first KV head
 
-    // B fragments: query head m of the group (zero past G), channels 4c..4c+3 of each piece.
+    // B fragments: column m = query head m % G of the unit's head m / G (zero past the unit's
+    // HPW * G heads, and where the channel is another head's), this lane's channels of each piece.
     unsigned bhi[KC][2], blo[KC][2];
     const float scale = (float)sm_scale;
 #pragma unroll
@@ -103,8 +134,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
         float x[4], lo[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const long long ch = channels[h * stride_ch + kc * 16 + 4 * c + i];
-            x[i] = m < G ? q_to_f32(q[(long long)b * stride_qb + (long long)(h * G + m) * stride_qh + ch]) * scale : 0.0f;
+            const int cu = 4 * KC * c + 4 * kc + i, hc = cu / R;  // channel of the unit's row, its head
+            const long long ch = channels[(h0 + hc) * stride_ch + cu % R];
+            const bool mine = m < HPW * G && m / G == hc;
+            x[i] = mine ? q_to_f32(q[(long long)b * stride_qb + (long long)(h0 * G + m) * stride_qh + ch]) * scale : 0.0f;
         }
         bhi[kc][0] = pack_bf16(x[0], x[1]);
         bhi[kc][1] = pack_bf16(x[2], x[3]);
@@ -122,11 +155,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
 
     const long long req = req_idx_64 ? ((const long long*)req_idx)[b] : ((const int*)req_idx)[b];
     const int* rt_row = req_to_token + req * stride_rt;
-    const label_t* lab = labels + (long long)h * stride_lh + 4 * c;
+    const label_t* lab = labels + (long long)h0 * stride_lh + 4 * KC * c;
     unsigned short* srow = scores + (long long)b * stride_sb;
 
     // Software-pipelined as score.cu: the rows of the next step and the slots of the one after
-    // are in flight while a step is scored. Tile u of step t starts at t + (u * WPH + j) * 16;
+    // are in flight while a step is scored. Tile u of step t starts at t + (u * WPU + j) * 16;
     // this lane reads its rows m and m + 8 (r = 0, 1).
     uint2 ahead[LT][2][KC];
     int slot_after[LT][2];
@@ -134,12 +167,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
     for (int u = 0; u < LT; ++u)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int pos = start + (u * WPH + j) * 16 + m + 8 * r;
+            const int pos = start + (u * WPU + j) * 16 + m + 8 * r;
             const bool ok = pos < end;
-            const label_t* row = lab + (long long)(ok ? rt_row[pos] : 0) * stride_ls;
-#pragma unroll
-            for (int kc = 0; kc < KC; ++kc)
-                ahead[u][r][kc] = ok ? *reinterpret_cast<const uint2*>(row + kc * 16) : make_uint2(0, 0);
+            load_row(lab + (long long)(ok ? rt_row[pos] : 0) * stride_ls, ok, ahead[u][r]);
             slot_after[u][r] = pos + STEP < end ? rt_row[pos + STEP] : 0;
         }
     unsigned sink = 0;
@@ -149,19 +179,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
         for (int u = 0; u < LT; ++u)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int pos = t + (u * WPH + j) * 16 + m + 8 * r;
-                const label_t* row = lab + (long long)slot_after[u][r] * stride_ls;
-                const bool ok = pos + STEP < end;
+                const int pos = t + (u * WPU + j) * 16 + m + 8 * r;
 #pragma unroll
-                for (int kc = 0; kc < KC; ++kc) {
-                    cur[u][r][kc] = ahead[u][r][kc];
-                    ahead[u][r][kc] = ok ? *reinterpret_cast<const uint2*>(row + kc * 16) : make_uint2(0, 0);
-                }
+                for (int kc = 0; kc < KC; ++kc) cur[u][r][kc] = ahead[u][r][kc];
+                load_row(lab + (long long)slot_after[u][r] * stride_ls, pos + STEP < end, ahead[u][r]);
                 slot_after[u][r] = pos + 2 * STEP < end ? rt_row[pos + 2 * STEP] : 0;
             }
 #pragma unroll
         for (int u = 0; u < LT; ++u) {
-            const int pos0 = t + (u * WPH + j) * 16 + m;
+            const int pos0 = t + (u * WPU + j) * 16 + m;
 #if LOADS_ONLY
             sink ^= cur[u][0][0].x ^ cur[u][1][KC - 1].y;
 #else
@@ -171,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
                 mma_bf16(d, cur[u][0][kc], cur[u][1][kc], bhi[kc][0], bhi[kc][1]);
                 mma_bf16(d, cur[u][0][kc], cur[u][1][kc], blo[kc][0], blo[kc][1]);
             }
-            // d[0], d[1]: token m, query heads 2c, 2c+1; d[2], d[3]: token m + 8.
+            // d[0], d[1]: token m, the unit's query heads 2c, 2c+1; d[2], d[3]: token m + 8.
 #if MODE == 0
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -180,18 +206,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
                     const bool keep = kept(pos, seq_len, num_sink, num_recent);
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int g = 2 * c + e;
-                        if (g < G)
-                            emit(d[2 * r + e], keep, srow + (long long)(h * G + g) * stride_sr + pos, sh + (h * G + g) * 256);
+                        const int qh = h0 * G + 2 * c + e;  // query head
+                        if (2 * c + e < HPW * G)
+                            emit(d[2 * r + e], keep, srow + (long long)qh * stride_sr + pos, sh + qh * 256);
                     }
                 }
             }
 #else
             const float s0 = group(d[0], d[1], c), s1 = group(d[2], d[3], c);
-            // Lanes c = 0 store token m, lanes c = 1 token m + 8: 16 consecutive scores.
-            const int pos = pos0 + 8 * c;
-            if (c < 2 && pos < end)
-                emit(c ? s1 : s0, kept(pos, seq_len, num_sink, num_recent), srow + (long long)h * stride_sr + pos, sh + h * 256);
+            // Of each head's lanes, the first stores token m, the second token m + 8 (with HPW 1,
+            // lanes 0 and 1 of the quad).
+            const int hd = HPW == 2 ? h0 + (c >> 1) : h0, odd = HPW == 2 ? c & 1 : c;
+            const int pos = pos0 + 8 * odd;
+            if (odd < 2 && pos < end)
+                emit(odd ? s1 : s0, kept(pos, seq_len, num_sink, num_recent), srow + (long long)hd * stride_sr + pos, sh + hd * 256);
 #endif
 #endif
         }

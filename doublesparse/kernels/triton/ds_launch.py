@@ -65,7 +65,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         if impl == "cuda":
             tc, per_thread, minb = _cuda_score_geometry(q, label_cache)
             P = num_progs or max(1, min(triton.cdiv(TUNING["score_cuda_programs_per_sm"] * nsm, B),
-                                        triton.cdiv(ws.max_ctx, cuda_score.step_tokens(Hkv, per_thread, tc))))
+                                        triton.cdiv(ws.max_ctx, cuda_score.step_tokens(q, label_cache, per_thread, tc))))
             cuda_score.score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist,
                              sm_scale, k, threshold, num_sink, num_recent, mode, P, score_hist, per_thread, minb, tc)
         elif impl == "mma":
