@@ -7,7 +7,8 @@ source benchmarks/runbook_lib.sh; runbook_start
 echo "== tests"; timeout 300 python3 -m pytest -q -x tests/test_kernels.py tests/test_ds_batch_parts.py -k "cuda or ds_ or pipelines or graph or parts" 2>&1 | tail -4
 echo "== eager kernels"; timeout 100 python3 benchmarks/select_impl_probe.py --knob attn_impl --values triton,cuda --cases 3x65536,16x32768 --json $OUT/attn-impl-probe.json 2>&1 | tail -30
 T='[{"attn_impl": "triton"}, {"attn_impl": "cuda"}, {"attn_cuda_tokens": 2}, {"attn_cuda_tokens": 8, "attn_cuda_min_blocks": 2}, {"attn_cuda_warps": 8, "attn_cuda_min_blocks": 2}, {"attn_cuda_programs_per_sm": 8}, {"attn_cuda_programs_per_sm": 2}]'
-echo "== graphs"; timeout 200 python3 benchmarks/ds_streams.py --cases 3x65536,3x131072,16x32768 --variants 1/1,2/2 --tunings "$T" --json $OUT/streams-attn.json 2>&1 | tail -3
+T="${T%]}, ${T#[}"  # every tuning twice, alternating: two rounds
+echo "== graphs"; timeout 240 python3 benchmarks/ds_streams.py --cases 3x65536,3x131072,16x32768 --variants 1/1,2/2 --tunings "$T" --json $OUT/streams-attn.json 2>&1 | tail -3
 python3 benchmarks/ds_streams.py --summarize $OUT/streams-attn.json 2>&1 | tail -50
 echo "== quick grid"; timeout 100 python3 -m doublesparse.bench.attention --quick --json $OUT/quick.json 2>&1 | tail -8
 echo "== end"
