@@ -456,11 +456,11 @@ _SCORE_TC_DEFINES = [  # score_tc.cu's: Llama-3.1-8B r16 / r32 (two heads per wa
 ]
 
 
-_ATTN_DEFINES = [  # attn.cu's: Llama-3.1-8B (NT 4 and 2), SmolLM2 per head fp16, G 8 at two blocks per SM
-    dict(D=128, G=4, PER_HEAD=0, KTYPE=0, NT=4, NWA=4, MINB=4),
-    dict(D=128, G=4, PER_HEAD=0, KTYPE=0, NT=2, NWA=8, MINB=2),
-    dict(D=64, G=3, PER_HEAD=1, KTYPE=1, NT=4, NWA=4, MINB=4),
-    dict(D=128, G=8, PER_HEAD=0, KTYPE=0, NT=4, NWA=4, MINB=2),
+_ATTN_DEFINES = [  # attn.cu's: Llama-3.1-8B (two geometries), SmolLM2 per head fp16, G 8 at two blocks per SM
+    dict(D=128, G=4, PER_HEAD=0, KTYPE=0, NT=4, NS=3, NWA=4, MINB=4),
+    dict(D=128, G=4, PER_HEAD=0, KTYPE=0, NT=2, NS=3, NWA=8, MINB=2),
+    dict(D=64, G=3, PER_HEAD=1, KTYPE=1, NT=4, NS=3, NWA=4, MINB=4),
+    dict(D=128, G=8, PER_HEAD=0, KTYPE=0, NT=4, NS=3, NWA=4, MINB=2),
 ]
 
 
@@ -579,9 +579,9 @@ def test_cuda_score_equals_triton(case, mode, label_dtype, tc, monkeypatch):
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA kernels need a GPU")
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("mode", ["per_head", "group_max"])
-@pytest.mark.parametrize("geometry", [(4, 4, 4), (1, 2, 2), (3, 8, 1)], ids=str)
+@pytest.mark.parametrize("geometry", [(4, 3, 4, 4), (1, 5, 2, 2), (3, 2, 8, 1)], ids=str)
 def test_cuda_attention(case, mode, geometry, monkeypatch):
-    """attn.cu's DS output (tokens per lane, warps, min blocks as given) is the reference attention
+    """attn.cu's DS output (tokens per lane, stages, warps, min blocks as given) is the reference attention
     over the same selection (requests below k decode densely in the same batch), and the Triton
     kernel's within bf16 rounding."""
     from doublesparse.kernels.cuda import attn as cuda_attn
@@ -590,7 +590,7 @@ def test_cuda_attention(case, mode, geometry, monkeypatch):
     why = cuda_attn.why_not(c.q, c.k_cache, c.v_cache, mode == "per_head", *geometry)
     if why is not None:
         pytest.skip(why)
-    for key, val in zip(("attn_cuda_tokens", "attn_cuda_warps", "attn_cuda_min_blocks"), geometry):
+    for key, val in zip(("attn_cuda_tokens", "attn_cuda_stages", "attn_cuda_warps", "attn_cuda_min_blocks"), geometry):
         monkeypatch.setitem(launch.TUNING, key, val)
     got = {}
     for impl in ("triton", "cuda"):

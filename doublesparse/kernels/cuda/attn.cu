@@ -6,8 +6,11 @@
 // Why a second implementation: the Triton kernel's gathered K/V tiles arrive behind a chain of
 // dependent loads (slot, then rows) with one tile in flight per program; at 3 x 64K it reads its
 // 50 MB at about 0.6 of the copy bandwidth (results/attention-h200-notes.md). Here each lane
-// loads 16 bytes (8 channels) of a K row and of a V row for NT tokens at once, the slots of the
-// next step are loaded a step ahead, and the many warps per SM keep the loads in flight.
+// copies 16 bytes (8 channels) of a K row and of a V row for NT tokens per step into shared
+// memory by cp.async, NS - 1 steps ahead of the step it computes, with the slots loaded one step
+// ahead of their copies; a lane reads back only what it copied, so no barrier is needed.
+// (Loads straight into registers, one step at a time, were slower than the Triton kernel:
+// results/h200-s17.)
 //
 // Layout: a K/V row (D channels) is LPR = D / 8 lanes; a warp covers TPI = 32 / LPR rows per
 // load. Each (warp, row-in-instruction) keeps its own online softmax over its tokens; the block
@@ -19,7 +22,7 @@
 //   G            query heads per KV head
 //   PER_HEAD     1 = a program is one query head (per-head selection), 0 = a KV head's group
 //   KTYPE        0 = bf16, 1 = fp16 (q and the caches)
-//   NT           tokens per lane per step (loads in flight)
+//   NT, NS       tokens per lane per step, steps in the shared-memory ring (NS - 1 in flight)
 //   NWA, MINB    warps per block, blocks per SM the registers must allow
 // Grid (B, rows, S): rows = Hq (PER_HEAD) or Hkv; S splits of each row's token list.
 
@@ -30,6 +33,18 @@
 #define GP (PER_HEAD ? 1 : G)       // query heads per program
 #define STATES (NWA * TPI)          // online-softmax states per block
 #define NEG (-1e30f)                // running max before any token (finite: no inf - inf)
+#define RING (NS * NT * 2 * THREADS)  // 16-byte pieces in the ring: [step][token][K, V][thread]
+#define COMBINE_BYTES (STATES * GP * (D + 2) * 4)
+#define SMEM_BYTES (RING * 16 > COMBINE_BYTES ? RING * 16 : COMBINE_BYTES)
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes global -> shared, zero-filled where !ok (src then only has to be a valid address).
+__device__ __forceinline__ void copy16(void* dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(smem_addr(dst)), "l"(src), "r"(ok ? 16 : 0));
+}
 
 __device__ __forceinline__ float lo_f(unsigned w) {
 #if KTYPE == 0
@@ -61,13 +76,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_attn(
     const unsigned short* __restrict__ v_cache, const int* __restrict__ req_to_token,
     const void* __restrict__ req_idx, int req_idx_64, const int* __restrict__ seq_lens,
     const int* __restrict__ sel, float* __restrict__ part_o, float* __restrict__ part_lse,
-    float qk_scale, int heavy_k, int threshold, int has_sel,
+    double qk_scale_d, int heavy_k, int threshold, int has_sel,  // Python floats arrive as doubles
     int stride_qb, int stride_qh, int stride_ks, int stride_kh, int stride_vs, int stride_vh,
     int stride_rt, int stride_selb, int stride_selr,
     int stride_pob, int stride_poh, int stride_pos, int stride_plb, int stride_plh, int S)
 {
-    __shared__ float sm_m[STATES][GP], sm_l[STATES][GP];
-    __shared__ __align__(16) float sm_acc[STATES][GP][D];
+    __shared__ __align__(16) unsigned char smem[SMEM_BYTES];
+    uint4* ring = reinterpret_cast<uint4*>(smem);
 
     const int b = blockIdx.x, row = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
     const int seq_len = seq_lens[b];
@@ -79,6 +94,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_attn(
     const int kvh = PER_HEAD ? row / G : row, head0 = PER_HEAD ? row : row * G;
     const int warp = tid >> 5, lane = tid & 31, sub = lane / LPR, cl = lane % LPR;
 
+    const float qk_scale = (float)qk_scale_d;
     float qf[GP][8];
 #pragma unroll
     for (int g = 0; g < GP; ++g) {
@@ -101,32 +117,42 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_attn(
 #pragma unroll
         for (int c = 0; c < 8; ++c) acc[g][c] = 0.0f;
     }
-    // Token u of the step at t: t + (u * NWA + warp) * TPI + sub. Slots one step ahead.
+    // Token u of step i: start + i * STEP + (u * NWA + warp) * TPI + sub. Slots one step ahead of
+    // their copies, copies NS - 1 steps ahead of their use.
+    const int nsteps = start < end ? (end - start + STEP - 1) / STEP : 0;
     int slot[NT];
 #pragma unroll
     for (int u = 0; u < NT; ++u) {
         const int pos = start + (u * NWA + warp) * TPI + sub;
         slot[u] = pos < end ? src[pos] : 0;
     }
-    for (int t = start; t < end; t += STEP) {
-        uint4 kr[NT], vr[NT];
+    auto issue = [&](int i) {  // copies of step i (slots in slot[]), then the slots of step i + 1
+        uint4* st = ring + (i % NS) * NT * 2 * THREADS;
 #pragma unroll
         for (int u = 0; u < NT; ++u) {
-            const int pos = t + (u * NWA + warp) * TPI + sub;
+            const int pos = start + i * STEP + (u * NWA + warp) * TPI + sub;
             const bool ok = pos < end;
-            kr[u] = ok ? *reinterpret_cast<const uint4*>(kb + (long long)slot[u] * stride_ks) : make_uint4(0, 0, 0, 0);
-            vr[u] = ok ? *reinterpret_cast<const uint4*>(vb + (long long)slot[u] * stride_vs) : make_uint4(0, 0, 0, 0);
+            copy16(st + (2 * u) * THREADS + tid, kb + (long long)slot[u] * stride_ks, ok);
+            copy16(st + (2 * u + 1) * THREADS + tid, vb + (long long)slot[u] * stride_vs, ok);
+            slot[u] = pos + STEP < end ? src[pos + STEP] : 0;
         }
+    };
 #pragma unroll
-        for (int u = 0; u < NT; ++u) {
-            const int pos = t + STEP + (u * NWA + warp) * TPI + sub;
-            slot[u] = pos < end ? src[pos] : 0;
-        }
+    for (int i = 0; i < NS - 1; ++i) {
+        if (i < nsteps) issue(i);
+        asm volatile("cp.async.commit_group;");
+    }
+    for (int i = 0; i < nsteps; ++i) {
+        if (i + NS - 1 < nsteps) issue(i + NS - 1);
+        asm volatile("cp.async.commit_group;");
+        asm volatile("cp.async.wait_group %0;" :: "n"(NS - 1));
+        const uint4* st = ring + (i % NS) * NT * 2 * THREADS;
+        const int t = start + i * STEP;
         float s[NT][GP];
 #pragma unroll
         for (int u = 0; u < NT; ++u) {
             float x[8];
-            unpack8(kr[u], x);
+            unpack8(st[(2 * u) * THREADS + tid], x);
 #pragma unroll
             for (int g = 0; g < GP; ++g) {
                 float d = 0.0f;
@@ -152,7 +178,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_attn(
 #pragma unroll
         for (int u = 0; u < NT; ++u) {
             float x[8];
-            unpack8(vr[u], x);
+            unpack8(st[(2 * u + 1) * THREADS + tid], x);
 #pragma unroll
             for (int g = 0; g < GP; ++g) {
                 const float p = exp2f(s[u][g] - m[g]);
@@ -162,8 +188,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_attn(
             }
         }
     }
+    asm volatile("cp.async.wait_all;");
+    __syncthreads();  // the ring's memory is the combine's below
 
     // Combine the block's STATES softmax states per query head.
+    float (*sm_acc)[GP][D] = reinterpret_cast<float (*)[GP][D]>(smem);
+    float (*sm_m)[GP] = reinterpret_cast<float (*)[GP]>(smem + STATES * GP * D * 4);
+    float (*sm_l)[GP] = reinterpret_cast<float (*)[GP]>(smem + STATES * GP * (D + 1) * 4);
     const int id = warp * TPI + sub;
 #pragma unroll
     for (int g = 0; g < GP; ++g) {

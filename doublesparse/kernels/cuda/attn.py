@@ -19,16 +19,24 @@ KERNELS = ("ds_attn",)
 _KTYPE = {torch.bfloat16: 0, torch.float16: 1}
 
 
-def _defines(q, k_cache, per_head, tokens, warps, min_blocks):
+_SMEM = 48 * 1024  # static shared memory a block may use
+
+
+def _ring_bytes(tokens, stages, warps) -> int:
+    """attn.cu's cp.async ring: per thread and step, a K and a V piece of 16 bytes per token."""
+    return stages * tokens * 2 * 32 * warps * 16
+
+
+def _defines(q, k_cache, per_head, tokens, stages, warps, min_blocks):
     Hq, Hkv, D = q.shape[1], k_cache.shape[1], q.shape[2]
     G = Hq // Hkv
     # A program's G query heads' state takes ~32 G registers per lane: fewer blocks past G = 4.
     minb = min_blocks if per_head or G <= 4 else min(min_blocks, 2)
     return (("D", D), ("G", G), ("PER_HEAD", int(per_head)), ("KTYPE", _KTYPE[q.dtype]), ("NT", tokens),
-            ("NWA", warps), ("MINB", minb))
+            ("NS", stages), ("NWA", warps), ("MINB", minb))
 
 
-def why_not(q, k_cache, v_cache, per_head, tokens, warps, min_blocks) -> str | None:
+def why_not(q, k_cache, v_cache, per_head, tokens, stages, warps, min_blocks) -> str | None:
     """None if ``attend`` can run these arguments, else why not (compiles on the first call)."""
     if q.device.type != "cuda":
         return f"device {q.device} is not a CUDA device"
@@ -43,11 +51,14 @@ def why_not(q, k_cache, v_cache, per_head, tokens, warps, min_blocks) -> str | N
     for t in (q, k_cache, v_cache):
         if t.stride(2) != 1 or t.stride(0) % 8 or t.stride(1) % 8 or t.data_ptr() % 16:
             return "q / K / V rows are not whole 16-byte vectors"
-    return nvrtc.unavailable(q.device, NAME, KERNELS, _defines(q, k_cache, per_head, tokens, warps, min_blocks))
+    if stages < 2 or _ring_bytes(tokens, stages, warps) > _SMEM:
+        return f"{stages} stages of {tokens} tokens x {warps} warps do not fit {_SMEM} bytes of shared memory"
+    return nvrtc.unavailable(q.device, NAME, KERNELS, _defines(q, k_cache, per_head, tokens, stages, warps,
+                                                               min_blocks))
 
 
 def attend(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sel, part_o, part_lse, sm_scale, heavy_k,
-           threshold, per_head, rows, S, tokens, warps, min_blocks):
+           threshold, per_head, rows, S, tokens, stages, warps, min_blocks):
     """Partials of the attention over each row's selected slots (``sel``: [B, rows, >= k] int32),
     or over all positions for requests that decode densely. Grid (B, rows, S).
 
@@ -55,7 +66,8 @@ def attend(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sel, part_o, pa
     part_lse: [B, Hq, >= S] fp32 (log2 units).
     """
     B = q.shape[0]
-    kern = nvrtc.kernel(q.device, NAME, KERNELS, "ds_attn", _defines(q, k_cache, per_head, tokens, warps, min_blocks))
+    kern = nvrtc.kernel(q.device, NAME, KERNELS, "ds_attn", _defines(q, k_cache, per_head, tokens, stages, warps,
+                                                                     min_blocks))
     kern(grid=(B, rows, S), block=(32 * warps, 1, 1),
          args=[q, k_cache, v_cache, req_to_token, req_idx, int(req_idx.dtype == torch.int64), seq_lens, sel,
                part_o, part_lse, float(sm_scale) * math.log2(math.e),

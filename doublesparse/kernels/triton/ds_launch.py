@@ -116,7 +116,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
 
 
 def _cuda_attn_geometry():
-    return TUNING["attn_cuda_tokens"], TUNING["attn_cuda_warps"], TUNING["attn_cuda_min_blocks"]
+    return (TUNING["attn_cuda_tokens"], TUNING["attn_cuda_stages"], TUNING["attn_cuda_warps"],
+            TUNING["attn_cuda_min_blocks"])
 
 
 def _use_cuda_attention(q, k_cache, v_cache, per_head) -> bool:

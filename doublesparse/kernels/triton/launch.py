@@ -172,9 +172,10 @@ TUNING = {
     # The attention over the selected tokens: "triton" (decode_attn.py), "cuda" (kernels/cuda/attn.cu
     # through NVRTC, then the same merge), or "auto" = "cuda" where it can run (bf16/fp16, head_dim
     # a power of 2 <= 256, G <= 8), else "triton". Its geometry: programs per SM (splits), tokens
-    # per lane in flight, warps per program, blocks per SM its registers must allow.
-    "attn_impl": "auto", "attn_cuda_programs_per_sm": 4, "attn_cuda_tokens": 4, "attn_cuda_warps": 4,
-    "attn_cuda_min_blocks": 4,
+    # per lane per step, steps in its shared-memory ring, warps per program, blocks per SM its
+    # registers must allow.
+    "attn_impl": "auto", "attn_cuda_programs_per_sm": 4, "attn_cuda_tokens": 4, "attn_cuda_stages": 3,
+    "attn_cuda_warps": 4, "attn_cuda_min_blocks": 4,
     # Scoring: "mma" = all KV heads per program, one tensor-core product (ds_score.py);
     # "rows" = one KV head per program (ds_select.score_kernel); "auto" = mma while Hkv * r <= 256
     # (its product is block-diagonal over KV heads, so its waste grows with Hkv). Measured on an
