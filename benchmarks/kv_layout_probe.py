@@ -6,9 +6,10 @@ Llama-3.1-8B shapes (8 KV heads, d 128, bf16), r 16, k = L / 16, group_max.
 Layouts: "split", K and V pools apart ([slots, Hkv, D] each, as the engine allocates them); and
 "interleaved", one [slots, Hkv, 2, D] tensor whose K and V halves are passed as strided views, so
 a selected (token, head) is 512 contiguous bytes instead of two 256-byte rows in different pools.
-Per layout and attention kernel (TUNING["attn_impl"]): the attention stage alone (stage "attend",
-on the selection of a whole call made first), the whole DS call, and the dense decode, each timed
-as bench.attention times them (CUDA graph over rotating pool copies, median of replays).
+Per layout: the attention stage alone (stage "attend", on the selection of a whole call made first,
+one graph call on the same copy: partly L2-warm), the whole DS call and the dense decode (CUDA graph
+over rotating pool copies, as bench.attention times them); medians of replays. Session 17 ran it
+(commit 175f35a) also with a CUDA attention kernel since removed (results/h200-s17/README.md).
 """
 
 from __future__ import annotations
@@ -47,20 +48,16 @@ def main(argv=None):
         print(f"bs{B} L={L} k={k}: selected K/V {sel_bytes / 1e6:.1f} MB, floor {sel_bytes / bw * 1e6:.1f} us", flush=True)
         res = {}
         for rnd in range(args.rounds):
-            for impl in ("triton", "cuda"):
-                launch.TUNING["attn_impl"] = impl
-                for name, (kc, vc) in layouts.items():
-                    def ds(i=0, stage="all"):
-                        launch.ds_decode(p.q, kc, vc, p.labels, p.scale, p.channels, p.req_to_token, p.req_idx[i],
-                                         p.seq_lens, sm, k, "group_max", ws=ws, out=p.out, stage=stage)
-                    ds(0)  # the selection the attend stage reads
-                    tag = f"{impl} {name}" + (f" r{rnd}" if rnd else "")
-                    res[f"attend {tag}"] = time_fn(lambda i=0: ds(0, "attend"), 1) * 1e6
-                    res[f"all {tag}"] = time_fn(ds, copies) * 1e6
-                    if impl == "triton":
-                        res[f"dense {name}" + (f" r{rnd}" if rnd else "")] = time_fn(
-                            lambda i=0: launch.dense_decode(p.q, kc, vc, p.req_to_token, p.req_idx[i], p.seq_lens,
-                                                            sm, ws, out=p.out), copies) * 1e6
+            for name, (kc, vc) in layouts.items():
+                def ds(i=0, stage="all"):
+                    launch.ds_decode(p.q, kc, vc, p.labels, p.scale, p.channels, p.req_to_token, p.req_idx[i],
+                                     p.seq_lens, sm, k, "group_max", ws=ws, out=p.out, stage=stage)
+                ds(0)  # the selection the attend stage reads
+                tag = name + (f" r{rnd}" if rnd else "")
+                res[f"attend {tag}"] = time_fn(lambda i=0: ds(0, "attend"), 1) * 1e6
+                res[f"all {tag}"] = time_fn(ds, copies) * 1e6
+                res[f"dense {tag}"] = time_fn(lambda i=0: launch.dense_decode(
+                    p.q, kc, vc, p.req_to_token, p.req_idx[i], p.seq_lens, sm, ws, out=p.out), copies) * 1e6
         for n, us in res.items():
             frac = f"  sel bw {sel_bytes / (us / 1e6) / bw:.2f}" if n.startswith("attend") else ""
             print(f"  {n:30s} {us:7.1f} us{frac}", flush=True)

@@ -33,14 +33,17 @@ def read(t: torch.Tensor, sink: torch.Tensor, policy: str = "", programs: int = 
 
 
 def layer_cases(spec: str, dev):
-    """The probes' one-layer DS cases: for each "BxL" of ``spec`` (comma-separated), Llama-3.1-8B
-    layer pools with bf16 labels of r 16 and a workspace for k = L / 16; yields (B, L, k, pools, ws)."""
-    from doublesparse.bench.attention import HKV, HQ, D, Pools
+    """The probes' one-layer DS cases: for each "BxL" of ``spec`` (comma-separated; "BxLfp8" for fp8
+    labels), Llama-3.1-8B layer pools with bf16 labels of r 16 and a workspace for k = L / 16;
+    yields (B, L, k, pools, ws)."""
+    from doublesparse.bench.attention import FP8, HKV, HQ, D, Pools
     from doublesparse.kernels.workspace import DecodeWorkspace
     for case in spec.split(","):
-        B, L = (int(x) for x in case.split("x"))
+        fp8 = case.endswith("fp8")
+        B, L = (int(x) for x in case.removesuffix("fp8").split("x"))
         k = L // 16
-        yield B, L, k, Pools(B, L, 1, 16, torch.bfloat16, dev), DecodeWorkspace(B, HQ, HKV, D, L, k, device=dev)
+        pools = Pools(B, L, 1, 16, FP8 if fp8 else torch.bfloat16, dev)
+        yield B, L, k, pools, DecodeWorkspace(B, HQ, HKV, D, L, k, device=dev)
 
 
 def write_json(path: str | None, script: str, rows: list) -> None:

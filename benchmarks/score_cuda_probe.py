@@ -1,5 +1,6 @@
 """Probe: where the CUDA label scores' time goes (kernels/cuda/score.cu on CUDA cores, score_tc.cu
-on tensor cores), one layer, Llama-3.1-8B shapes (8 KV heads, G 4, r 16, bf16 labels, group_max),
+on tensor cores), one layer, Llama-3.1-8B shapes (8 KV heads, G 4, r 16, bf16 labels or, for a
+case "BxLfp8", fp8; group_max),
 against the Triton score (score_impl mma).
 
     python benchmarks/score_cuda_probe.py [--cases 3x65536,16x32768] [--rounds N] [--json OUT.json]
@@ -25,7 +26,7 @@ from probe_lib import layer_cases, write_json
 
 VARIANTS = {"loads": (("PROBE", 1),), "products": (("PROBE", 2),), "full": (), "no-hist": ()}
 # (tc, programs per SM, rows per thread / tiles per warp, min blocks)
-GEOMETRIES = ((False, 2, 4, 2), (True, 2, 4, 2), (True, 2, 2, 2), (True, 3, 2, 3), (True, 4, 1, 4))
+GEOMETRIES = ((False, 2, 4, 2), (True, 2, 4, 2), (True, 2, 8, 2), (True, 3, 2, 3), (True, 4, 1, 4))
 
 
 def main(argv=None):
@@ -42,7 +43,7 @@ def main(argv=None):
     rows = []
     for B, L, k, p, ws in layer_cases(args.cases, dev):
         sm = 1 / math.sqrt(D)
-        lab_bytes = B * L * HKV * 16 * 2
+        lab_bytes = B * L * HKV * 16 * p.labels.element_size()
         T["score_impl"] = "mma"
         t = time_fn(lambda: launch.ds_decode(p.q, p.k, p.v, p.labels, p.scale, p.channels, p.req_to_token,
                                              p.req_idx[0], p.seq_lens, sm, k, "group_max", ws=ws, stage="score"), 1)
@@ -60,10 +61,10 @@ def main(argv=None):
                 key = f"{'tc' if tc else 'cc'} {name} P/SM {per_sm} per {per} minb {minb}" + (f" r{rnd}" if rnd else "")
                 res[key] = time_fn(call, 1) * 1e6
                 ws.hist.zero_()
-        print(f"bs{B} L={L}: label bytes {lab_bytes / 1e6:.1f} MB, floor {lab_bytes / bw * 1e6:.1f} us", flush=True)
+        print(f"bs{B} L={L} {p.labels.dtype}: label bytes {lab_bytes / 1e6:.1f} MB, floor {lab_bytes / bw * 1e6:.1f} us", flush=True)
         for n, us in res.items():
             print(f"  {n:38s} {us:7.1f} us  bw {lab_bytes / (us / 1e6) / bw:.2f}", flush=True)
-        rows.append(dict(batch=B, ctx=L, label_bytes=lab_bytes, copy_bw=bw, us=res))
+        rows.append(dict(batch=B, ctx=L, label=str(p.labels.dtype), label_bytes=lab_bytes, copy_bw=bw, us=res))
     write_json(args.json, "score_cuda_probe.py", rows)
 
 

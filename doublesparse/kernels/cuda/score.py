@@ -1,5 +1,5 @@
 """Host launcher of the CUDA C++ label scores, compiled at run time by NVRTC (nvrtc.py): score.cu
-(CUDA cores, any shape) and score_tc.cu (tensor cores: bf16 labels, ``tc_fits``).
+(CUDA cores, any shape) and score_tc.cu (tensor cores, ``tc_fits``).
 
 Writes the same fp16 score rows as the Triton score kernels (ds_score.py, ds_select.py) and, with
 ``do_hist``, also the select's first phase (hist[0] += the keys' high-byte histogram), so the
@@ -30,11 +30,11 @@ def _heads_per_warp(q, label_cache) -> int:
 
 
 def _tc_geometry(q, label_cache, tiles: int) -> tuple[int, int]:
-    """(HPW, LT) of score_tc.cu: tiles in flight capped at 8 16-channel pieces per lane and row
-    (the registers of two steps' rows)."""
+    """(HPW, LT) of score_tc.cu: tiles in flight capped at 16 label words per lane and row (the
+    registers of two steps' rows: a 16-channel piece is 4 channels, 2 words, per lane; 1 in fp8)."""
     hpw = _heads_per_warp(q, label_cache)
-    pieces = hpw * label_cache.shape[2] // 16
-    return hpw, max(1, min(tiles, 8 // pieces))
+    words = hpw * label_cache.shape[2] // 16 * (1 if label_cache.dtype == torch.float8_e4m3fn else 2)
+    return hpw, max(1, min(tiles, 16 // words))
 
 
 def step_tokens(q, label_cache, per_thread: int, tc: bool = False) -> int:
@@ -48,10 +48,10 @@ def step_tokens(q, label_cache, per_thread: int, tc: bool = False) -> int:
 
 
 def tc_fits(q, label_cache) -> bool:
-    """Whether score_tc.cu takes these shapes: bf16 labels of 16-channel pieces, at most 8 query
-    heads per KV head (one mma's columns), and warps that divide evenly among the KV heads."""
+    """Whether score_tc.cu takes these shapes: labels of 16-channel pieces, at most 8 query heads
+    per KV head (one mma's columns), and warps that divide evenly among the KV heads."""
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
-    return (label_cache.dtype == torch.bfloat16 and Hq // Hkv <= 8 and r % 16 == 0
+    return (label_cache.dtype in _LABEL and Hq // Hkv <= 8 and r % 16 == 0
             and (THREADS // 32) % (Hkv // _heads_per_warp(q, label_cache)) == 0)
 
 

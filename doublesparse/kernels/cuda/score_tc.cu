@@ -1,5 +1,6 @@
 // Double Sparsity stage 1 on tensor cores: label scoring (the output of score.cu, with the select's
-// first phase fused in the same way), for bf16 labels of 16-channel pieces.
+// first phase fused in the same way), for labels of 16-channel pieces: bf16 (bf16 mma), fp16 or
+// fp8 e4m3 (fp16 mma; e4m3 converts to fp16 exactly).
 //
 // Why: score.cu's products are fp32 FMAs, G * R per label row, and its issue slots, not the label
 // bytes, set its time (results/h200-s17). Here mma.sync m16n8k16 scores 16 tokens of a warp's
@@ -11,16 +12,16 @@
 // The channels' order is permuted (the sum over channels does not depend on it): in piece kc,
 // k-slots 2c, 2c+1 of the A fragment are channels 4 KC c + 4 kc + (0, 1), k-slots 2c+8, 2c+9
 // the next two; the query's B fragment (column n = query head n of the unit, zero where the
-// channel is another head's) follows the same order. The scaled query is split into bf16 hi +
-// lo parts (two mmas) so that the products keep fp32's precision to about 2^-16, as the fp32
-// scores of score.cu and the Triton kernels do.
+// channel is another head's) follows the same order. The scaled query is split into hi + lo
+// parts of the mma's type (two mmas) so that the products keep about fp32's precision (2^-16 or
+// better), as the fp32 scores of score.cu and the Triton kernels do.
 //
-// Compiled at run time by NVRTC (score.py) with score.cu's HKV, G, R, MODE, QTYPE, CH64, DO_HIST,
-// MINB and PROBE (LABEL is bf16), and
+// Compiled at run time by NVRTC (score.py) with score.cu's HKV, G, R, MODE, LABEL, QTYPE, CH64,
+// DO_HIST, MINB and PROBE, and
 //   LT           16-token tiles per warp per step (loads in flight; default 4)
 //   HPW          KV heads per warp: 1, or 2 where G = 4 and HKV is even (default 1)
-// The launcher checks: bf16 labels, HKV / HPW divides 8, G <= 8, R % 16 == 0, heads contiguous
-// in the label pool where HPW = 2. Grid (B, P) as score.cu.
+// The launcher checks: HKV / HPW divides 8, G <= 8, R % 16 == 0, heads contiguous in the label
+// pool where HPW = 2. Grid (B, P) as score.cu.
 
 #define THREADS 256
 #define NW (THREADS / 32)
@@ -37,26 +38,51 @@
 #define WPU (NW / UNITS)           // warps per unit
 #define STEP (WPU * 16 * LT)       // tokens per block per step
 #define KC (HPW * R / 16)          // 16-channel pieces of a unit's label row
+#define RW (LABEL == 2 ? KC : 2 * KC)  // 32-bit label words per lane and row (4 channels per piece)
 #define ROWS (MODE == 0 ? HKV * G : HKV)
 #define LOADS_ONLY (PROBE == 1)
-#if defined(LABEL) && LABEL != 0
-#error "score_tc.cu takes bf16 labels only"
-#endif
-#ifndef LABEL
-#define LABEL 0
-#endif
 #include "score_common.cuh"
+#if LABEL == 0
+#define MMA_TYPE "bf16"
+#else
+#define MMA_TYPE "f16"
+#endif
 
-// Two fp32 values as bf16x2 (lo in the low half: the lower k-slot).
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+// Two fp32 values as the mma's 16-bit pair (lo in the low half: the lower k-slot).
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
     unsigned r;
+#if LABEL == 0
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
     return r;
 }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint2 row_m, uint2 row_m8, unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
+// Element e (0 = low half) of a packed pair, as fp32.
+__device__ __forceinline__ float half_at(unsigned w, int e) {
+#if LABEL == 0
+    return __uint_as_float(e ? w & 0xFFFF0000u : w << 16);
+#else
+    return f16_to_f32((unsigned short)(e ? w >> 16 : w & 0xFFFFu));
+#endif
+}
+
+// The A-fragment words (channels 0, 1 and 2, 3 of this lane's piece kc) of one label row.
+__device__ __forceinline__ uint2 piece(const unsigned (&raw)[RW], int kc) {
+#if LABEL == 2
+    unsigned w0, w1;  // four e4m3 channels -> two fp16 pairs, exactly
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.rn.f16x2.e4m3x2 %0, lo; cvt.rn.f16x2.e4m3x2 %1, hi; }"
+        : "=r"(w0), "=r"(w1) : "r"(raw[kc]));
+    return make_uint2(w0, w1);
+#else
+    return make_uint2(raw[2 * kc], raw[2 * kc + 1]);
+#endif
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], uint2 row_m, uint2 row_m8, unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(row_m.x), "r"(row_m8.x), "r"(row_m.y), "r"(row_m8.y), "r"(b0), "r"(b1));
 }
@@ -83,18 +109,22 @@ __device__ __forceinline__ float group(float v0, float v1, int c) {
 #endif
 }
 
-// This lane's 4 * KC channels of one unit label row: 16-byte loads where KC is even.
-__device__ __forceinline__ void load_row(const label_t* row, bool valid, uint2 (&v)[KC]) {
-#if KC % 2 == 0
+// This lane's 4 * KC channels of one unit label row (RW words), in the widest loads they allow.
+__device__ __forceinline__ void load_row(const label_t* row, bool valid, unsigned (&v)[RW]) {
+#if RW % 4 == 0
 #pragma unroll
-    for (int i = 0; i < KC / 2; ++i) {
+    for (int i = 0; i < RW / 4; ++i) {
         const uint4 w = valid ? reinterpret_cast<const uint4*>(row)[i] : make_uint4(0, 0, 0, 0);
-        v[2 * i] = make_uint2(w.x, w.y);
-        v[2 * i + 1] = make_uint2(w.z, w.w);
+        v[4 * i] = w.x; v[4 * i + 1] = w.y; v[4 * i + 2] = w.z; v[4 * i + 3] = w.w;
+    }
+#elif RW % 2 == 0
+#pragma unroll
+    for (int i = 0; i < RW / 2; ++i) {
+        const uint2 w = valid ? reinterpret_cast<const uint2*>(row)[i] : make_uint2(0, 0);
+        v[2 * i] = w.x; v[2 * i + 1] = w.y;
     }
 #else
-#pragma unroll
-    for (int i = 0; i < KC; ++i) v[i] = valid ? reinterpret_cast<const uint2*>(row)[i] : make_uint2(0, 0);
+    v[0] = valid ? *reinterpret_cast<const unsigned*>(row) : 0u;
 #endif
 }
 
@@ -128,7 +158,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
     // B fragments: column m = query head m % G of the unit's head m / G (zero past the unit's
     // HPW * G heads, and where the channel is another head's), this lane's channels of each piece.
     unsigned bhi[KC][2], blo[KC][2];
-    const float scale = (float)sm_scale;
+    float scale = (float)sm_scale;
+#if LABEL == 2
+    scale *= label_scale[0];
+#endif
 #pragma unroll
     for (int kc = 0; kc < KC; ++kc) {
         float x[4], lo[4];
@@ -139,15 +172,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
             const bool mine = m < HPW * G && m / G == hc;
             x[i] = mine ? q_to_f32(q[(long long)b * stride_qb + (long long)(h0 * G + m) * stride_qh + ch]) * scale : 0.0f;
         }
-        bhi[kc][0] = pack_bf16(x[0], x[1]);
-        bhi[kc][1] = pack_bf16(x[2], x[3]);
+        bhi[kc][0] = pack2(x[0], x[1]);
+        bhi[kc][1] = pack2(x[2], x[3]);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const unsigned hb = (i & 1) ? bhi[kc][i >> 1] & 0xFFFF0000u : bhi[kc][i >> 1] << 16;
-            lo[i] = x[i] - __uint_as_float(hb);
-        }
-        blo[kc][0] = pack_bf16(lo[0], lo[1]);
-        blo[kc][1] = pack_bf16(lo[2], lo[3]);
+        for (int i = 0; i < 4; ++i) lo[i] = x[i] - half_at(bhi[kc][i >> 1], i & 1);
+        blo[kc][0] = pack2(lo[0], lo[1]);
+        blo[kc][1] = pack2(lo[2], lo[3]);
     }
 #if DO_HIST
     __syncthreads();
@@ -161,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
     // Software-pipelined as score.cu: the rows of the next step and the slots of the one after
     // are in flight while a step is scored. Tile u of step t starts at t + (u * WPU + j) * 16;
     // this lane reads its rows m and m + 8 (r = 0, 1).
-    uint2 ahead[LT][2][KC];
+    unsigned ahead[LT][2][RW];
     int slot_after[LT][2];
 #pragma unroll
     for (int u = 0; u < LT; ++u)
@@ -174,14 +204,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
         }
     unsigned sink = 0;
     for (int t = start; t < end; t += STEP) {
-        uint2 cur[LT][2][KC];
+        unsigned cur[LT][2][RW];
 #pragma unroll
         for (int u = 0; u < LT; ++u)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int pos = t + (u * WPU + j) * 16 + m + 8 * r;
 #pragma unroll
-                for (int kc = 0; kc < KC; ++kc) cur[u][r][kc] = ahead[u][r][kc];
+                for (int w = 0; w < RW; ++w) cur[u][r][w] = ahead[u][r][w];
                 load_row(lab + (long long)slot_after[u][r] * stride_ls, pos + STEP < end, ahead[u][r]);
                 slot_after[u][r] = pos + 2 * STEP < end ? rt_row[pos + 2 * STEP] : 0;
             }
@@ -189,13 +219,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
         for (int u = 0; u < LT; ++u) {
             const int pos0 = t + (u * WPU + j) * 16 + m;
 #if LOADS_ONLY
-            sink ^= cur[u][0][0].x ^ cur[u][1][KC - 1].y;
+#pragma unroll
+            for (int w = 0; w < RW; ++w) sink ^= cur[u][0][w] ^ cur[u][1][w];
 #else
             float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int kc = 0; kc < KC; ++kc) {
-                mma_bf16(d, cur[u][0][kc], cur[u][1][kc], bhi[kc][0], bhi[kc][1]);
-                mma_bf16(d, cur[u][0][kc], cur[u][1][kc], blo[kc][0], blo[kc][1]);
+                const uint2 am = piece(cur[u][0], kc), am8 = piece(cur[u][1], kc);
+                mma(d, am, am8, bhi[kc][0], bhi[kc][1]);
+                mma(d, am, am8, blo[kc][0], blo[kc][1]);
             }
             // d[0], d[1]: token m, the unit's query heads 2c, 2c+1; d[2], d[3]: token m + 8.
 #if MODE == 0

@@ -12,7 +12,6 @@ import warnings
 import torch
 import triton
 
-from ..cuda import attn as cuda_attn
 from ..cuda import score as cuda_score
 from ..cuda import select as cuda_select
 from ..reference import MODES
@@ -21,7 +20,7 @@ from .ds_score import score_mma_kernel
 from .ds_select import score_kernel
 from .ds_topk import select_kernel
 from .launch import (_INTERPRET, TUNING, _attention, _attn_block_n, _check_decode, _check_labels, _fail,
-                     _num_sms, dense_splits, merge)
+                     _num_sms, dense_splits)
 
 
 STAGES = ("score", "hist", "select", "attend", "rest", "all")
@@ -65,8 +64,9 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         nsm = _num_sms(dev)
         if impl == "cuda":
             tc, per_thread, minb = _cuda_score_geometry(q, label_cache)
+            step = cuda_score.step_tokens(q, label_cache, per_thread, tc)
             P = num_progs or max(1, min(triton.cdiv(TUNING["score_cuda_programs_per_sm"] * nsm, B),
-                                        triton.cdiv(ws.max_ctx, cuda_score.step_tokens(q, label_cache, per_thread, tc))))
+                                        triton.cdiv(ws.max_ctx, step)))
             cuda_score.score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist,
                              sm_scale, k, threshold, num_sink, num_recent, mode, P, score_hist, per_thread, minb, tc)
         elif impl == "mma":
@@ -96,36 +96,13 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             return None
         if stage == "select":
             return sel
-    cuda = _use_cuda_attention(q, k_cache, v_cache, per_head)
     if num_splits is None:
-        per_sm = TUNING["attn_cuda_programs_per_sm" if cuda else "sparse_attn_programs_per_sm"]
-        want = triton.cdiv(per_sm * _num_sms(dev), B * rows)
+        want = triton.cdiv(TUNING["sparse_attn_programs_per_sm"] * _num_sms(dev), B * rows)
         cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev)), dense_splits(B, Hkv, ws, dev))
         num_splits = max(1, min(ws.max_splits, want, cap))
-    if cuda:
-        if not 1 <= num_splits <= ws.max_splits:
-            _fail(f"num_splits={num_splits} must be in [1, {ws.max_splits}]")
-        o = out if out is not None else torch.empty_like(q)
-        cuda_attn.attend(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sel_slot, ws.part_o, ws.part_lse,
-                         sm_scale, k, threshold, per_head, rows, num_splits, *_cuda_attn_geometry())
-        merge(q, ws, o, num_splits)
-    else:
-        o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                       sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"])
+    o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
+                   sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"])
     return (o, sel) if return_sel else o
-
-
-def _cuda_attn_geometry():
-    return (TUNING["attn_cuda_tokens"], TUNING["attn_cuda_stages"], TUNING["attn_cuda_warps"],
-            TUNING["attn_cuda_min_blocks"])
-
-
-def _use_cuda_attention(q, k_cache, v_cache, per_head) -> bool:
-    """Whether the attention over the selected tokens runs attn.cu (TUNING["attn_impl"]:
-    "triton", "cuda" or "auto" = cuda where it can run); "cuda" where it cannot warns once."""
-    if TUNING["attn_impl"] not in ("triton", "cuda", "auto"):
-        _fail(f"attn_impl must be 'triton', 'cuda' or 'auto', got {TUNING['attn_impl']!r}")
-    return _take_cuda("attn_impl", lambda: cuda_attn.why_not(q, k_cache, v_cache, per_head, *_cuda_attn_geometry()))
 
 
 def _score_impl(q, label_cache, channels, mode):

@@ -169,13 +169,6 @@ TUNING = {
     "select_impl": "auto",
     # Merge the split-K partials in the attention kernel's last split instead of a merge launch.
     "fuse_merge": False,
-    # The attention over the selected tokens: "triton" (decode_attn.py), "cuda" (kernels/cuda/attn.cu
-    # through NVRTC, then the same merge), or "auto" = "cuda" where it can run (bf16/fp16, head_dim
-    # a power of 2 <= 256, G <= 8), else "triton". Its geometry: programs per SM (splits), tokens
-    # per lane per step, steps in its shared-memory ring, warps per program, blocks per SM its
-    # registers must allow.
-    "attn_impl": "auto", "attn_cuda_programs_per_sm": 4, "attn_cuda_tokens": 4, "attn_cuda_stages": 3,
-    "attn_cuda_warps": 4, "attn_cuda_min_blocks": 4,
     # Scoring: "mma" = all KV heads per program, one tensor-core product (ds_score.py);
     # "rows" = one KV head per program (ds_select.score_kernel); "auto" = mma while Hkv * r <= 256
     # (its product is block-diagonal over KV heads, so its waste grows with Hkv). Measured on an
@@ -192,8 +185,9 @@ TUNING = {
     # The CUDA score's geometry: programs per SM, label rows in flight per thread, and the blocks
     # per SM its registers must allow (2: 128 registers).
     "score_cuda_programs_per_sm": 2, "score_cuda_rows_per_thread": 4, "score_cuda_min_blocks": 2, "score_cuda_hist": True,
-    # The CUDA score on tensor cores (kernels/cuda/score_tc.cu) where its shapes allow (bf16 labels,
-    # Hkv dividing 8, G <= 8, r % 16 == 0), with this many 16-token tiles per warp in flight.
+    # The CUDA score on tensor cores (kernels/cuda/score_tc.cu) where its shapes allow (G <= 8,
+    # r % 16 == 0, warps dividing among the KV heads), with this many 16-token tiles per warp in
+    # flight (capped by registers).
     "score_cuda_tc": True, "score_cuda_tc_tiles": 4,
     # Programmatic dependent launch on Hopper and later (pdl.py) for the small per-row kernels and
     # the GEMV, whose programs start, and load their weights, while the kernel ahead runs.
@@ -272,20 +266,12 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
         num_warps=TUNING["attn_warps"], num_stages=stages or TUNING["attn_stages"],
     )
     if not fuse:
-        merge(q, ws, out, S)
-    return out
-
-
-def merge(q, ws, out, S):
-    """out[b, h] = the merge of ws.part_o[b, h, :S] by ws.part_lse (log2 units); grid (B, Hq)."""
-    B, Hq, D = q.shape
-    po, pl = ws.part_o, ws.part_lse
-    merge_kernel[(B, Hq)](
-        po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        out.stride(0), out.stride(1),
-        D=D, NUM_SPLITS=S, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4, **pdl_kwargs(q.device),
-    )
+        merge_kernel[(B, Hq)](
+            po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+            out.stride(0), out.stride(1),
+            D=D, NUM_SPLITS=S, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
+            num_warps=4, **pdl_kwargs(q.device),
+        )
     return out
 
 
