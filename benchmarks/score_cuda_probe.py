@@ -25,9 +25,8 @@ from doublesparse.kernels.triton import launch
 from probe_lib import layer_cases, write_json
 
 VARIANTS = {"loads": (("PROBE", 1),), "products": (("PROBE", 2),), "full": (), "no-hist": ()}
-# (tc, programs per SM, rows per thread / tiles per warp, min blocks, all units per warp)
-GEOMETRIES = ((False, 2, 4, 2, False), (True, 2, 4, 2, False), (True, 3, 2, 3, False), (True, 2, 1, 2, True),
-              (True, 2, 2, 2, True))
+# (tc, programs per SM, rows per thread / tiles per warp, min blocks)
+GEOMETRIES = ((False, 2, 4, 2), (True, 2, 4, 2), (True, 2, 8, 2), (True, 3, 2, 3), (True, 4, 1, 4))
 
 
 def main(argv=None):
@@ -51,17 +50,15 @@ def main(argv=None):
         res = {"triton-mma": t * 1e6}
         T["score_impl"] = default_impl
         nsm = torch.cuda.get_device_properties(dev).multi_processor_count
-        for rnd, (tc, per_sm, per, minb, all_units) in ((r, g) for r in range(args.rounds) for g in GEOMETRIES):
-            P = max(1, min(-(-per_sm * nsm // B), -(-L // cuda_score.step_tokens(p.q, p.labels, per, tc, all_units))))
+        for rnd, (tc, per_sm, per, minb) in ((r, g) for r in range(args.rounds) for g in GEOMETRIES):
+            P = max(1, min(-(-per_sm * nsm // B), -(-L // cuda_score.step_tokens(p.q, p.labels, per, tc))))
             for name, extra in VARIANTS.items():
                 hist = not name.startswith("no-hist")
 
                 def call():
                     cuda_score.score(p.q, p.labels, p.scale, p.channels, p.req_to_token, p.req_idx[0], p.seq_lens,
-                                     ws.scores, ws.hist, sm, k, 0, 0, 0, "group_max", P, hist, per, minb, tc, extra,
-                                     all_units)
-                key = (f"{'tc' if tc else 'cc'}{' all' if all_units else ''} {name} P/SM {per_sm} per {per} minb {minb}"
-                       + (f" r{rnd}" if rnd else ""))
+                                     ws.scores, ws.hist, sm, k, 0, 0, 0, "group_max", P, hist, per, minb, tc, extra)
+                key = f"{'tc' if tc else 'cc'} {name} P/SM {per_sm} per {per} minb {minb}" + (f" r{rnd}" if rnd else "")
                 res[key] = time_fn(call, 1) * 1e6
                 ws.hist.zero_()
         print(f"bs{B} L={L} {p.labels.dtype}: label bytes {lab_bytes / 1e6:.1f} MB, floor {lab_bytes / bw * 1e6:.1f} us", flush=True)

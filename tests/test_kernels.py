@@ -206,8 +206,7 @@ def test_ds_select_pipelines(tuning, mode, monkeypatch):
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA kernels need a GPU")
 @pytest.mark.parametrize("tuning", [{"score_cuda_tc_tiles": 1}, {"score_cuda_tc_tiles": 4, "score_cuda_hist": False},
-                                    {"score_cuda_tc_tiles": 8, "score_cuda_programs_per_sm": 5},
-                                    {"score_cuda_tc_all_units": True}], ids=str)
+                                    {"score_cuda_tc_tiles": 8, "score_cuda_programs_per_sm": 5}], ids=str)
 @pytest.mark.parametrize("heads", [(32, 8), (28, 4), (8, 8)], ids=str)
 @pytest.mark.parametrize("mode", ["per_head", "group_sum", "group_max"])
 def test_ds_select_tensor_core_score(tuning, heads, mode, monkeypatch):
@@ -455,8 +454,6 @@ _SCORE_TC_DEFINES = [  # score_tc.cu's: Llama-3.1-8B r16 / r32 (two heads per wa
     dict(HKV=8, G=4, R=16, MODE=2, LABEL=2, QTYPE=0, CH64=0, DO_HIST=1, LT=8, MINB=2, HPW=2),
     dict(HKV=4, G=7, R=32, MODE=0, LABEL=2, QTYPE=1, CH64=0, DO_HIST=1, LT=4, MINB=2),
     dict(HKV=8, G=1, R=16, MODE=2, LABEL=0, QTYPE=2, CH64=0, DO_HIST=0, LT=4, MINB=3),
-    dict(HKV=8, G=4, R=16, MODE=0, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LT=1, MINB=2, HPW=2, UPW=4),  # all units
-    dict(HKV=8, G=4, R=16, MODE=2, LABEL=2, QTYPE=0, CH64=0, DO_HIST=1, LT=2, MINB=2, HPW=2, UPW=4),
 ]
 
 
@@ -528,9 +525,8 @@ def test_cuda_select_launch_protocol(monkeypatch):
 @pytest.mark.parametrize("case", CASES + [([77, 300, 325], 28, 4, 128, 16, 64)])  # G = 7 (Qwen2.5-7B)
 @pytest.mark.parametrize("mode", ["per_head", "group_sum", "group_max"])
 @pytest.mark.parametrize("label_dtype", [torch.bfloat16, FP8])
-@pytest.mark.parametrize("tc,all_units", [(False, False), (True, False), (True, True)],
-                         ids=["score.cu", "score_tc.cu", "score_tc.cu-all-units"])
-def test_cuda_score_equals_triton(case, mode, label_dtype, tc, all_units, monkeypatch):
+@pytest.mark.parametrize("tc", [False, True], ids=["score.cu", "score_tc.cu"])
+def test_cuda_score_equals_triton(case, mode, label_dtype, tc, monkeypatch):
     """score.cu's (or score_tc.cu's) fp16 scores equal the Triton score's within one fp16 rounding
     step, on the sparse requests' positions only, and its fused histogram is that of its own
     scores' keys."""
@@ -543,11 +539,10 @@ def test_cuda_score_equals_triton(case, mode, label_dtype, tc, all_units, monkey
     per = launch.TUNING["score_cuda_tc_tiles" if tc else "score_cuda_rows_per_thread"]
     minb = launch.TUNING["score_cuda_min_blocks"]
     hist = cuda_score.hist_fits(hq, hkv, r, mode)
-    why = cuda_score.why_not(c.q, c.label_cache, c.channels, mode, hist, per, minb, tc, all_units)
+    why = cuda_score.why_not(c.q, c.label_cache, c.channels, mode, hist, per, minb, tc)
     if why is not None:
         pytest.skip(why)
     monkeypatch.setitem(launch.TUNING, "score_cuda_tc", tc)
-    monkeypatch.setitem(launch.TUNING, "score_cuda_tc_all_units", all_units)
     rows = rows_of(mode, hq, hkv)
     got = {}
     for impl in ("mma", "cuda"):
@@ -580,7 +575,7 @@ def test_cuda_score_launch_protocol(monkeypatch):
     not otherwise."""
     from doublesparse.kernels.triton import ds_launch
     calls = []
-    monkeypatch.setattr(ds_launch.cuda_score, "score", lambda *a, **kw: calls.append(("score", a[-5:])))
+    monkeypatch.setattr(ds_launch.cuda_score, "score", lambda *a: calls.append(("score", a[-5:])))
     monkeypatch.setattr(ds_launch, "_select", lambda ws, sl, rt, ri, k, thr, B, rows, skip, np, stage:
                         calls.append(("select", skip)))
     monkeypatch.setattr(ds_launch, "_take_cuda", lambda knob, why_not: knob == "score_impl")
@@ -592,7 +587,7 @@ def test_cuda_score_launch_protocol(monkeypatch):
         ws = make_ws(c, max_heavy_tokens=16)
         ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="select")
         assert [n for n, _ in calls] == ["score", "select"]
-        P, do_hist, per, minb, tc = calls[0][1]  # (all_units is a keyword)
+        P, do_hist, per, minb, tc = calls[0][1]
         assert do_hist == hist and calls[1][1] == hist and P >= 1
         # 3 KV heads do not divide a block's 8 warps: score.cu, not score_tc.cu
         assert (per, minb, tc) == (launch.TUNING["score_cuda_rows_per_thread"], launch.TUNING["score_cuda_min_blocks"],

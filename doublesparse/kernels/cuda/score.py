@@ -29,23 +29,21 @@ def _heads_per_warp(q, label_cache) -> int:
     return 2 if Hq // Hkv == 4 and Hkv % 2 == 0 and label_cache.stride(1) == r else 1
 
 
-def _tc_geometry(q, label_cache, tiles: int, all_units: bool) -> tuple[int, int, int]:
-    """(HPW, UPW, LT) of score_tc.cu: units per warp (all of a token's with ``all_units``), tiles
-    in flight capped at 16 label words per lane and row (the registers of two steps' rows: a
-    16-channel piece is 4 channels, 2 words, per lane; 1 in fp8)."""
+def _tc_geometry(q, label_cache, tiles: int) -> tuple[int, int]:
+    """(HPW, LT) of score_tc.cu: tiles in flight capped at 16 label words per lane and row (the
+    registers of two steps' rows: a 16-channel piece is 4 channels, 2 words, per lane; 1 in fp8)."""
     hpw = _heads_per_warp(q, label_cache)
-    upw = label_cache.shape[1] // hpw if all_units else 1
-    words = upw * hpw * label_cache.shape[2] // 16 * (1 if label_cache.dtype == torch.float8_e4m3fn else 2)
-    return hpw, upw, max(1, min(tiles, 16 // words))
+    words = hpw * label_cache.shape[2] // 16 * (1 if label_cache.dtype == torch.float8_e4m3fn else 2)
+    return hpw, max(1, min(tiles, 16 // words))
 
 
-def step_tokens(q, label_cache, per_thread: int, tc: bool = False, all_units: bool = False) -> int:
+def step_tokens(q, label_cache, per_thread: int, tc: bool = False) -> int:
     """Tokens a block scores per step (the sources' STEP): slices are whole steps. ``per_thread``:
     label rows per thread (score.cu) or 16-token tiles per warp (score_tc.cu)."""
     hkv = label_cache.shape[1]
     if tc:
-        hpw, upw, lt = _tc_geometry(q, label_cache, per_thread, all_units)
-        return (THREADS // 32 * upw * hpw // hkv) * 16 * lt
+        hpw, lt = _tc_geometry(q, label_cache, per_thread)
+        return (THREADS // 32 // (hkv // hpw)) * 16 * lt
     return (THREADS // hkv) * per_thread
 
 
@@ -69,19 +67,18 @@ def hist_fits(hq: int, hkv: int, r: int, mode: str) -> bool:
     return rows * 1024 + _query_smem(hq, hkv, r) <= _SMEM
 
 
-def _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc, all_units):
+def _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc):
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
     common = (("HKV", Hkv), ("G", Hq // Hkv), ("R", r), ("MODE", _MODE[mode]), ("LABEL", _LABEL[label_cache.dtype]),
               ("QTYPE", _QTYPE[q.dtype]), ("CH64", int(channels.dtype == torch.int64)), ("DO_HIST", int(do_hist)),
               ("MINB", min_blocks))
     if tc:
-        hpw, upw, lt = _tc_geometry(q, label_cache, per_thread, all_units)
-        return common + (("HPW", hpw), ("UPW", upw), ("LT", lt))
+        hpw, lt = _tc_geometry(q, label_cache, per_thread)
+        return common + (("HPW", hpw), ("LT", lt))
     return common + (("LPT", per_thread),)
 
 
-def why_not(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc=False,
-            all_units=False) -> str | None:
+def why_not(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc=False) -> str | None:
     """None if ``score`` can run these arguments, else why not (compiles on the first call).
     ``do_hist`` only where ``hist_fits``; ``tc`` only where ``tc_fits``."""
     if q.device.type != "cuda":
@@ -100,22 +97,19 @@ def why_not(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc=
     if tc and not tc_fits(q, label_cache):
         return "score_tc.cu does not take these shapes"
     return nvrtc.unavailable(q.device, *SOURCES[tc],
-                             _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc,
-                                      all_units))
+                             _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc))
 
 
 def score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist, sm_scale,
-          k, threshold, num_sink, num_recent, mode, P, do_hist, per_thread, min_blocks, tc=False, extra=(),
-          all_units=False):
-    """Stage 1 (and, with ``do_hist``, the select's phase 1). Grid (B, P); score_tc.cu with ``tc``
-    (a warp takes all KV heads of its tokens with ``all_units``).
+          k, threshold, num_sink, num_recent, mode, P, do_hist, per_thread, min_blocks, tc=False, extra=()):
+    """Stage 1 (and, with ``do_hist``, the select's phase 1). Grid (B, P); score_tc.cu with ``tc``.
 
     q: [B, Hq, D]; label_cache: [slots, Hkv, r] bf16/fp16/fp8 (label_scale: [1] fp32 for fp8);
     channels: [Hkv, r] int32/int64; scores: [B, rows, L] fp16; hist: [1 + progs, B, rows, 256] int32.
     ``extra``: more (name, value) defines (score.cu's PROBE variants, for benchmarks).
     """
     B = q.shape[0]
-    defines = _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc, all_units) + tuple(extra)
+    defines = _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc) + tuple(extra)
     name, kernels = SOURCES[tc]
     kern = nvrtc.kernel(q.device, name, kernels, kernels[0], defines)
     kern(grid=(B, P, 1), block=(THREADS, 1, 1),

@@ -19,11 +19,9 @@
 // Compiled at run time by NVRTC (score.py) with score.cu's HKV, G, R, MODE, LABEL, QTYPE, CH64,
 // DO_HIST, MINB and PROBE, and
 //   LT           16-token tiles per warp per step (loads in flight; default 4)
-//   HPW          KV heads per unit: 1, or 2 where G = 4 and HKV is even (default 1)
-//   UPW          units per warp (default 1): with all of a token's units (UPW = HKV / HPW) one warp
-//                reads whole label rows of its tokens, all heads together
-// The launcher checks: HKV / (HPW * UPW) divides 8, G <= 8, R % 16 == 0, heads contiguous in the
-// label pool where HPW = 2. Grid (B, P) as score.cu.
+//   HPW          KV heads per warp: 1, or 2 where G = 4 and HKV is even (default 1)
+// The launcher checks: HKV / HPW divides 8, G <= 8, R % 16 == 0, heads contiguous in the label
+// pool where HPW = 2. Grid (B, P) as score.cu.
 
 #define THREADS 256
 #define NW (THREADS / 32)
@@ -36,11 +34,8 @@
 #ifndef HPW
 #define HPW 1
 #endif
-#ifndef UPW
-#define UPW 1
-#endif
 #define UNITS (HKV / HPW)          // units (HPW adjacent KV heads) per token
-#define WPU (NW * UPW / UNITS)     // warps per group of UPW units
+#define WPU (NW / UNITS)           // warps per unit
 #define STEP (WPU * 16 * LT)       // tokens per block per step
 #define KC (HPW * R / 16)          // 16-channel pieces of a unit's label row
 #define RW (LABEL == 2 ? KC : 2 * KC)  // 32-bit label words per lane and row (4 channels per piece)
@@ -133,37 +128,6 @@ __device__ __forceinline__ void load_row(const label_t* row, bool valid, unsigne
 #endif
 }
 
-// Stores one tile's scores of a unit (first KV head h0): d[0], d[1] are token pos0's products
-// with the unit's query heads 2c, 2c+1, d[2], d[3] token pos0 + 8's.
-__device__ __forceinline__ void emit_tile(const float (&d)[4], int h0, int pos0, int end, int c, int seq_len,
-                                          int num_sink, int num_recent, unsigned short* srow, int stride_sr,
-                                          int* sh) {
-#if MODE == 0
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int pos = pos0 + 8 * r;
-        if (pos < end) {
-            const bool keep = kept(pos, seq_len, num_sink, num_recent);
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int qh = h0 * G + 2 * c + e;  // query head
-                if (2 * c + e < HPW * G)
-                    emit(d[2 * r + e], keep, srow + (long long)qh * stride_sr + pos, sh + qh * 256);
-            }
-        }
-    }
-#else
-    const float s0 = group(d[0], d[1], c), s1 = group(d[2], d[3], c);
-    // Of each head's lanes, the first stores token m, the second token m + 8 (with HPW 1, lanes 0
-    // and 1 of the quad).
-    const int hd = HPW == 2 ? h0 + (c >> 1) : h0, odd = HPW == 2 ? c & 1 : c;
-    const int pos = pos0 + 8 * odd;
-    if (odd < 2 && pos < end)
-        emit(odd ? s1 : s0, kept(pos, seq_len, num_sink, num_recent), srow + (long long)hd * stride_sr + pos,
-             sh + hd * 256);
-#endif
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
     const q_t* __restrict__ q, const label_t* __restrict__ labels, const ch_t* __restrict__ channels,
     const float* __restrict__ label_scale, const int* __restrict__ req_to_token,
@@ -189,21 +153,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
 #endif
 
     const int warp = tid >> 5, lane = tid & 31, m = lane >> 2, c = lane & 3;
-    const int hw = (warp % (UNITS / UPW)) * UPW * HPW, j = warp / (UNITS / UPW);  // the warp's first KV head
+    const int h0 = (warp % UNITS) * HPW, j = warp / UNITS;  // the unit's first KV head
 
-    // B fragments of each unit uu (first KV head h0): column m = query head m % G of the unit's
-    // head m / G (zero past the unit's HPW * G heads, and where the channel is another head's),
-    // this lane's channels of each piece.
-    unsigned bhi[UPW][KC][2], blo[UPW][KC][2];
+    // B fragments: column m = query head m % G of the unit's head m / G (zero past the unit's
+    // HPW * G heads, and where the channel is another head's), this lane's channels of each piece.
+    unsigned bhi[KC][2], blo[KC][2];
     float scale = (float)sm_scale;
 #if LABEL == 2
     scale *= label_scale[0];
 #endif
 #pragma unroll
-    for (int uu = 0; uu < UPW; ++uu)
-#pragma unroll
     for (int kc = 0; kc < KC; ++kc) {
-        const int h0 = hw + uu * HPW;
         float x[4], lo[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -212,12 +172,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
             const bool mine = m < HPW * G && m / G == hc;
             x[i] = mine ? q_to_f32(q[(long long)b * stride_qb + (long long)(h0 * G + m) * stride_qh + ch]) * scale : 0.0f;
         }
-        bhi[uu][kc][0] = pack2(x[0], x[1]);
-        bhi[uu][kc][1] = pack2(x[2], x[3]);
+        bhi[kc][0] = pack2(x[0], x[1]);
+        bhi[kc][1] = pack2(x[2], x[3]);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) lo[i] = x[i] - half_at(bhi[uu][kc][i >> 1], i & 1);
-        blo[uu][kc][0] = pack2(lo[0], lo[1]);
-        blo[uu][kc][1] = pack2(lo[2], lo[3]);
+        for (int i = 0; i < 4; ++i) lo[i] = x[i] - half_at(bhi[kc][i >> 1], i & 1);
+        blo[kc][0] = pack2(lo[0], lo[1]);
+        blo[kc][1] = pack2(lo[2], lo[3]);
     }
 #if DO_HIST
     __syncthreads();
@@ -225,13 +185,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
 
     const long long req = req_idx_64 ? ((const long long*)req_idx)[b] : ((const int*)req_idx)[b];
     const int* rt_row = req_to_token + req * stride_rt;
-    const label_t* lab = labels + (long long)hw * stride_lh + 4 * KC * c;  // unit uu: + uu * HPW heads
+    const label_t* lab = labels + (long long)h0 * stride_lh + 4 * KC * c;
     unsigned short* srow = scores + (long long)b * stride_sb;
 
     // Software-pipelined as score.cu: the rows of the next step and the slots of the one after
     // are in flight while a step is scored. Tile u of step t starts at t + (u * WPU + j) * 16;
     // this lane reads its rows m and m + 8 (r = 0, 1).
-    unsigned ahead[LT][2][UPW][RW];
+    unsigned ahead[LT][2][RW];
     int slot_after[LT][2];
 #pragma unroll
     for (int u = 0; u < LT; ++u)
@@ -239,26 +199,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
         for (int r = 0; r < 2; ++r) {
             const int pos = start + (u * WPU + j) * 16 + m + 8 * r;
             const bool ok = pos < end;
-            const label_t* row = lab + (long long)(ok ? rt_row[pos] : 0) * stride_ls;
-#pragma unroll
-            for (int uu = 0; uu < UPW; ++uu) load_row(row + uu * HPW * stride_lh, ok, ahead[u][r][uu]);
+            load_row(lab + (long long)(ok ? rt_row[pos] : 0) * stride_ls, ok, ahead[u][r]);
             slot_after[u][r] = pos + STEP < end ? rt_row[pos + STEP] : 0;
         }
     unsigned sink = 0;
     for (int t = start; t < end; t += STEP) {
-        unsigned cur[LT][2][UPW][RW];
+        unsigned cur[LT][2][RW];
 #pragma unroll
         for (int u = 0; u < LT; ++u)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int pos = t + (u * WPU + j) * 16 + m + 8 * r;
-                const label_t* row = lab + (long long)slot_after[u][r] * stride_ls;
 #pragma unroll
-                for (int uu = 0; uu < UPW; ++uu) {
-#pragma unroll
-                    for (int w = 0; w < RW; ++w) cur[u][r][uu][w] = ahead[u][r][uu][w];
-                    load_row(row + uu * HPW * stride_lh, pos + STEP < end, ahead[u][r][uu]);
-                }
+                for (int w = 0; w < RW; ++w) cur[u][r][w] = ahead[u][r][w];
+                load_row(lab + (long long)slot_after[u][r] * stride_ls, pos + STEP < end, ahead[u][r]);
                 slot_after[u][r] = pos + 2 * STEP < end ? rt_row[pos + 2 * STEP] : 0;
             }
 #pragma unroll
@@ -266,22 +220,39 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
             const int pos0 = t + (u * WPU + j) * 16 + m;
 #if LOADS_ONLY
 #pragma unroll
-            for (int uu = 0; uu < UPW; ++uu)
-#pragma unroll
-                for (int w = 0; w < RW; ++w) sink ^= cur[u][0][uu][w] ^ cur[u][1][uu][w];
+            for (int w = 0; w < RW; ++w) sink ^= cur[u][0][w] ^ cur[u][1][w];
 #else
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int uu = 0; uu < UPW; ++uu) {
-                const int h0 = hw + uu * HPW;  // the unit's first KV head
-                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (int kc = 0; kc < KC; ++kc) {
-                    const uint2 am = piece(cur[u][0][uu], kc), am8 = piece(cur[u][1][uu], kc);
-                    mma(d, am, am8, bhi[uu][kc][0], bhi[uu][kc][1]);
-                    mma(d, am, am8, blo[uu][kc][0], blo[uu][kc][1]);
-                }
-                emit_tile(d, h0, pos0, end, c, seq_len, num_sink, num_recent, srow, stride_sr, sh);
+            for (int kc = 0; kc < KC; ++kc) {
+                const uint2 am = piece(cur[u][0], kc), am8 = piece(cur[u][1], kc);
+                mma(d, am, am8, bhi[kc][0], bhi[kc][1]);
+                mma(d, am, am8, blo[kc][0], blo[kc][1]);
             }
+            // d[0], d[1]: token m, the unit's query heads 2c, 2c+1; d[2], d[3]: token m + 8.
+#if MODE == 0
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int pos = pos0 + 8 * r;
+                if (pos < end) {
+                    const bool keep = kept(pos, seq_len, num_sink, num_recent);
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int qh = h0 * G + 2 * c + e;  // query head
+                        if (2 * c + e < HPW * G)
+                            emit(d[2 * r + e], keep, srow + (long long)qh * stride_sr + pos, sh + qh * 256);
+                    }
+                }
+            }
+#else
+            const float s0 = group(d[0], d[1], c), s1 = group(d[2], d[3], c);
+            // Of each head's lanes, the first stores token m, the second token m + 8 (with HPW 1,
+            // lanes 0 and 1 of the quad).
+            const int hd = HPW == 2 ? h0 + (c >> 1) : h0, odd = HPW == 2 ? c & 1 : c;
+            const int pos = pos0 + 8 * odd;
+            if (odd < 2 && pos < end)
+                emit(odd ? s1 : s0, kept(pos, seq_len, num_sink, num_recent), srow + (long long)hd * stride_sr + pos, sh + hd * 256);
+#endif
 #endif
         }
     }

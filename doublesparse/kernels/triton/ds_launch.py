@@ -63,13 +63,12 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     if stage not in ("attend", "rest"):
         nsm = _num_sms(dev)
         if impl == "cuda":
-            tc, per_thread, minb, all_units = _cuda_score_geometry(q, label_cache)
-            step = cuda_score.step_tokens(q, label_cache, per_thread, tc, all_units)
+            tc, per_thread, minb = _cuda_score_geometry(q, label_cache)
+            step = cuda_score.step_tokens(q, label_cache, per_thread, tc)
             P = num_progs or max(1, min(triton.cdiv(TUNING["score_cuda_programs_per_sm"] * nsm, B),
                                         triton.cdiv(ws.max_ctx, step)))
             cuda_score.score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist,
-                             sm_scale, k, threshold, num_sink, num_recent, mode, P, score_hist, per_thread, minb, tc,
-                             all_units=all_units)
+                             sm_scale, k, threshold, num_sink, num_recent, mode, P, score_hist, per_thread, minb, tc)
         elif impl == "mma":
             _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
                        float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, num_progs)
@@ -118,9 +117,9 @@ def _score_impl(q, label_cache, channels, mode):
     few_channels = Hkv * r <= TUNING["mma_max_channels"]
     if impl == "cuda" or (impl == "auto" and few_channels):
         hist = bool(TUNING["score_cuda_hist"]) and cuda_score.hist_fits(Hq, Hkv, r, mode)
-        tc, per_thread, minb, all_units = _cuda_score_geometry(q, label_cache)
+        tc, per_thread, minb = _cuda_score_geometry(q, label_cache)
         if _take_cuda("score_impl", lambda: cuda_score.why_not(q, label_cache, channels, mode, hist, per_thread,
-                                                               minb, tc, all_units)):
+                                                               minb, tc)):
             return "cuda", hist
     if impl in ("cuda", "auto"):
         impl = "mma" if few_channels else "rows"
@@ -128,13 +127,12 @@ def _score_impl(q, label_cache, channels, mode):
 
 
 def _cuda_score_geometry(q, label_cache):
-    """(tc, per_thread, min_blocks, all_units) of the CUDA score: score_tc.cu (tensor cores) where
+    """(tc, per_thread, min_blocks) of the CUDA score: score_tc.cu (tensor cores) where
     TUNING["score_cuda_tc"] and its shapes allow, with score_cuda_tc_tiles 16-token tiles per warp
-    in flight (and all KV heads of a token in one warp with score_cuda_tc_all_units); else score.cu
-    with score_cuda_rows_per_thread label rows per thread."""
+    in flight; else score.cu with score_cuda_rows_per_thread label rows per thread."""
     tc = bool(TUNING["score_cuda_tc"]) and cuda_score.tc_fits(q, label_cache)
     per_thread = TUNING["score_cuda_tc_tiles"] if tc else TUNING["score_cuda_rows_per_thread"]
-    return tc, per_thread, TUNING["score_cuda_min_blocks"], tc and bool(TUNING["score_cuda_tc_all_units"])
+    return tc, per_thread, TUNING["score_cuda_min_blocks"]
 
 
 def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage):

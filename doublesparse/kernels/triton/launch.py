@@ -187,9 +187,8 @@ TUNING = {
     "score_cuda_programs_per_sm": 2, "score_cuda_rows_per_thread": 4, "score_cuda_min_blocks": 2, "score_cuda_hist": True,
     # The CUDA score on tensor cores (kernels/cuda/score_tc.cu) where its shapes allow (G <= 8,
     # r % 16 == 0, warps dividing among the KV heads), with this many 16-token tiles per warp in
-    # flight (capped by registers); all_units: one warp scores all KV heads of its tokens (whole
-    # label rows) instead of one or two heads.
-    "score_cuda_tc": True, "score_cuda_tc_tiles": 4, "score_cuda_tc_all_units": False,
+    # flight (capped by registers).
+    "score_cuda_tc": True, "score_cuda_tc_tiles": 4,
     # Programmatic dependent launch on Hopper and later (pdl.py) for the small per-row kernels and
     # the GEMV, whose programs start, and load their weights, while the kernel ahead runs.
     # Off: no GEMV either.
