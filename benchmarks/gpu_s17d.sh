@@ -3,6 +3,8 @@
 # (kernels/cuda/attn.cu): its GPU tests with the other DS and graph tests, per-kernel eager times
 # against the Triton attention, whole DS calls in CUDA graphs for several geometries (three
 # rounds), and the quick grid with it as the default.
+# Ran at 7b16992; attn.cu and its TUNING knobs were removed after call e (b860024), so this
+# runbook does not run at later trees.
 source benchmarks/runbook_lib.sh; runbook_start
 echo "== tests"; timeout 300 python3 -m pytest -q -x tests/test_kernels.py tests/test_ds_batch_parts.py -k "cuda or ds_ or pipelines or graph or parts" 2>&1 | tail -4
 echo "== eager kernels"; timeout 100 python3 benchmarks/select_impl_probe.py --knob attn_impl --values triton,cuda --cases 3x65536,16x32768 --json $OUT/attn-impl-probe.json 2>&1 | tail -30

@@ -118,13 +118,7 @@ __device__ __forceinline__ void emit_pair(const float (&acc)[G], int pos, int h,
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
-    const q_t* __restrict__ q, const label_t* __restrict__ labels, const ch_t* __restrict__ channels,
-    const float* __restrict__ label_scale, const int* __restrict__ req_to_token,
-    const void* __restrict__ req_idx, int req_idx_64, const int* __restrict__ seq_lens,
-    unsigned short* __restrict__ scores, int* __restrict__ hist, double sm_scale,
-    int heavy_k, int threshold, int num_sink, int num_recent,
-    int stride_qb, int stride_qh, int stride_ls, int stride_lh, int stride_ch, int stride_rt,
-    int stride_sb, int stride_sr, int stride_hb, int stride_hr, int P)
+    SCORE_PARAMS)
 {
     __shared__ __align__(16) float sq[HKV * QS];
 #if DO_HIST
@@ -132,11 +126,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
 #else
     int* sh = nullptr;
 #endif
-    const int b = blockIdx.x, p = blockIdx.y, tid = threadIdx.x;
+    const int b = blockIdx.x, tid = threadIdx.x;
     const int seq_len = seq_lens[b];
-    const int n = (seq_len > heavy_k && seq_len >= threshold) ? seq_len : 0;  // sparse rows only
-    const int per = ((n + P - 1) / P + STEP - 1) / STEP * STEP;
-    const int start = p * per, end = min(start + per, n);
+    int start, end;
+    block_slice(seq_len, heavy_k, threshold, P, STEP, start, end);
     if (start >= end) return;
 
     float scale = (float)sm_scale;

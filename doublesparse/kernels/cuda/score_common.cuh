@@ -1,6 +1,6 @@
-// Shared by the CUDA label scores (score.cu: CUDA cores, score_tc.cu: tensor cores): types by
-// dtype, conversions, and the store of one score with its key's high byte into the block's
-// histogram. nvrtc.py inlines it; both sources define THREADS, ROWS and the compile-time values
+// Shared by the CUDA label scores (score.cu: CUDA cores, score_tc.cu: tensor cores): their
+// parameters, types by dtype, conversions, a block's slice of positions, and the store of one
+// score with its key's high byte into the block's histogram. nvrtc.py inlines it; both sources define THREADS, ROWS and the compile-time values
 // they document before the include.
 #pragma once
 
@@ -8,6 +8,16 @@
 #define PROBE 0
 #endif
 #define FP16_MAX 65504.0f
+
+// Both kernels' parameters (score.py passes the same arguments to either).
+#define SCORE_PARAMS \
+    const q_t* __restrict__ q, const label_t* __restrict__ labels, const ch_t* __restrict__ channels, \
+    const float* __restrict__ label_scale, const int* __restrict__ req_to_token, \
+    const void* __restrict__ req_idx, int req_idx_64, const int* __restrict__ seq_lens, \
+    unsigned short* __restrict__ scores, int* __restrict__ hist, double sm_scale, \
+    int heavy_k, int threshold, int num_sink, int num_recent, \
+    int stride_qb, int stride_qh, int stride_ls, int stride_lh, int stride_ch, int stride_rt, \
+    int stride_sb, int stride_sr, int stride_hb, int stride_hr, int P
 
 #if LABEL == 2
 typedef unsigned char label_t;
@@ -76,4 +86,14 @@ __device__ __forceinline__ void flush_hist(const int* sh, int* hist, int b, int 
     int* h0 = hist + (long long)b * stride_hb;
     for (int i = threadIdx.x; i < ROWS * 256; i += THREADS)
         if (sh[i]) atomicAdd(h0 + (long long)(i >> 8) * stride_hr + (i & 255), sh[i]);
+}
+
+// This block's positions [start, end) of request b's row: one of P slices of whole steps, empty
+// for a request that decodes densely.
+__device__ __forceinline__ void block_slice(int seq_len, int heavy_k, int threshold, int P, int step, int& start,
+                                            int& end) {
+    const int n = (seq_len > heavy_k && seq_len >= threshold) ? seq_len : 0;  // sparse rows only
+    const int per = ((n + P - 1) / P + step - 1) / step * step;
+    start = blockIdx.y * per;
+    end = min(start + per, n);
 }
