@@ -207,11 +207,12 @@ def test_ds_select_pipelines(tuning, mode, monkeypatch):
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA kernels need a GPU")
 @pytest.mark.parametrize("tuning", [{"score_cuda_tc_tiles": 1}, {"score_cuda_tc_tiles": 4, "score_cuda_hist": False},
                                     {"score_cuda_tc_tiles": 8, "score_cuda_programs_per_sm": 5}], ids=str)
-@pytest.mark.parametrize("heads", [(32, 8), (28, 4), (8, 8)], ids=str)
+@pytest.mark.parametrize("heads", [(32, 8), (28, 4), (8, 8), (16, 8), (32, 32)], ids=str)
 @pytest.mark.parametrize("mode", ["per_head", "group_sum", "group_max"])
 def test_ds_select_tensor_core_score(tuning, heads, mode, monkeypatch):
-    """The tensor-core score (score_tc.cu: Llama-3's 32/8 heads, Qwen2.5-7B's 28/4, MHA with 8
-    heads) in the whole DS decode: the exact top-k of its scores, and the output over them."""
+    """The tensor-core score (score_tc.cu: Llama-3's 32/8 heads, Qwen2.5-7B's 28/4, MHA with 8 and
+    32 heads, G = 2) in the whole DS decode: the exact top-k of its scores, and the output over
+    them."""
     from doublesparse.kernels.cuda import score as cuda_score
     c = make_case([20], heads[0], heads[1], 64, r=16, device=DEVICE, seed=1)
     assert cuda_score.tc_fits(c.q, c.label_cache)
@@ -447,13 +448,15 @@ _SCORE_DEFINES = [  # score.cu's compile-time values: Llama-3.1-8B r16/r32, fp8,
 
 
 _SCORE_TC_DEFINES = [  # score_tc.cu's: Llama-3.1-8B r16 / r32 (two heads per warp) in bf16, fp16 and fp8,
-    # Qwen2.5-7B r32 per head, MHA with 8 heads
+    # Qwen2.5-7B r32 per head, MHA with 8 heads per warp or 1, G = 2 with 4 heads per warp
     dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LT=4, MINB=2, HPW=2),
     dict(HKV=8, G=4, R=32, MODE=1, LABEL=0, QTYPE=0, CH64=1, DO_HIST=1, LT=2, MINB=2, HPW=2),
     dict(HKV=8, G=4, R=16, MODE=0, LABEL=1, QTYPE=0, CH64=0, DO_HIST=1, LT=2, MINB=3, HPW=2),
     dict(HKV=8, G=4, R=16, MODE=2, LABEL=2, QTYPE=0, CH64=0, DO_HIST=1, LT=8, MINB=2, HPW=2),
     dict(HKV=4, G=7, R=32, MODE=0, LABEL=2, QTYPE=1, CH64=0, DO_HIST=1, LT=4, MINB=2),
     dict(HKV=8, G=1, R=16, MODE=2, LABEL=0, QTYPE=2, CH64=0, DO_HIST=0, LT=4, MINB=3),
+    dict(HKV=32, G=1, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LT=1, MINB=2, HPW=8),
+    dict(HKV=8, G=2, R=16, MODE=1, LABEL=2, QTYPE=0, CH64=0, DO_HIST=1, LT=4, MINB=2, HPW=4),
 ]
 
 

@@ -22,19 +22,32 @@ _MODE = {"per_head": 0, "group_sum": 1, "group_max": 2}
 _SMEM = 48 * 1024  # static shared memory a block may use
 
 
+def _row_words(label_cache, hpw: int) -> int:
+    """32-bit label words per lane and row of a unit of ``hpw`` KV heads (4 channels per
+    16-channel piece: 2 words, 1 in fp8)."""
+    return hpw * label_cache.shape[2] // 16 * (1 if label_cache.dtype == torch.float8_e4m3fn else 2)
+
+
 def _heads_per_warp(q, label_cache) -> int:
-    """score_tc.cu's HPW: two adjacent KV heads per warp where G = 4 (their 8 query heads fill
-    the mma's columns and each lane loads 16-byte pieces) and the pool keeps heads contiguous."""
+    """score_tc.cu's HPW: the most adjacent KV heads (up to 8 / G, G being 1, 2 or 4) whose query
+    heads fill the mma's 8 columns, that divide Hkv and keep a lane's row within 16 words (its
+    registers); 1 where the pool's heads are not contiguous. With G = 4 it is 2: each lane then
+    loads 16-byte pieces (results/h200-s17)."""
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
-    return 2 if Hq // Hkv == 4 and Hkv % 2 == 0 and label_cache.stride(1) == r else 1
+    G = Hq // Hkv
+    if G not in (1, 2, 4) or label_cache.stride(1) != r:
+        return 1
+    hpw = 8 // G
+    while hpw > 1 and (Hkv % hpw or _row_words(label_cache, hpw) > 16):
+        hpw //= 2
+    return hpw
 
 
 def _tc_geometry(q, label_cache, tiles: int) -> tuple[int, int]:
     """(HPW, LT) of score_tc.cu: tiles in flight capped at 16 label words per lane and row (the
-    registers of two steps' rows: a 16-channel piece is 4 channels, 2 words, per lane; 1 in fp8)."""
+    registers of two steps' rows)."""
     hpw = _heads_per_warp(q, label_cache)
-    words = hpw * label_cache.shape[2] // 16 * (1 if label_cache.dtype == torch.float8_e4m3fn else 2)
-    return hpw, max(1, min(tiles, 16 // words))
+    return hpw, max(1, min(tiles, 16 // _row_words(label_cache, hpw)))
 
 
 def step_tokens(q, label_cache, per_thread: int, tc: bool = False) -> int:

@@ -4,8 +4,8 @@
 //
 // Why: score.cu's products are fp32 FMAs, G * R per label row, and its issue slots, not the label
 // bytes, set its time (results/h200-s17). Here mma.sync m16n8k16 scores 16 tokens of a warp's
-// HPW adjacent KV heads (a "unit": HPW = 2 where G = 4, so that the unit's 8 query heads fill
-// the mma's 8 columns; else 1) against their query heads. The unit's label row (HPW * R
+// HPW adjacent KV heads (a "unit": HPW = 8 / G where G is 1, 2 or 4, so that the unit's query
+// heads fill the mma's 8 columns; else 1) against their query heads. The unit's label row (HPW * R
 // channels, contiguous in the pool) is KC pieces of 16 channels. Lane (m, c) = (lane / 4,
 // lane % 4) loads channels [4 KC c, 4 KC (c + 1)) of the rows of tokens m and m + 8 of a tile:
 // 16 bytes per row where KC = 2 (a warp's load: 8 rows x 64 contiguous bytes), 8 where KC = 1.
@@ -19,9 +19,9 @@
 // Compiled at run time by NVRTC (score.py) with score.cu's HKV, G, R, MODE, LABEL, QTYPE, CH64,
 // DO_HIST, MINB and PROBE, and
 //   LT           16-token tiles per warp per step (loads in flight; default 4)
-//   HPW          KV heads per warp: 1, or 2 where G = 4 and HKV is even (default 1)
-// The launcher checks: HKV / HPW divides 8, G <= 8, R % 16 == 0, heads contiguous in the label
-// pool where HPW = 2. Grid (B, P) as score.cu.
+//   HPW          KV heads per unit: 1, or up to 8 / G where G is 1, 2 or 4 (default 1)
+// The launcher checks: HKV / HPW divides 8, HPW * G <= 8, R % 16 == 0, heads contiguous in the
+// label pool where HPW > 1. Grid (B, P) as score.cu.
 
 #define THREADS 256
 #define NW (THREADS / 32)
@@ -90,8 +90,8 @@ __device__ __forceinline__ void mma(float (&d)[4], uint2 row_m, uint2 row_m8, un
 // The G-head combination of one token's products in the group modes: lane c holds columns 2c and
 // 2c+1 (v0, v1); after this every lane holds its head's. All lanes call it.
 __device__ __forceinline__ float group(float v0, float v1, int c) {
-#if HPW == 2
-    // G = 4: lanes 0, 1 hold the unit's first head, lanes 2, 3 its second.
+#if HPW > 1
+    // G = 4, HPW = 2: lanes 0, 1 hold the unit's first head, lanes 2, 3 its second.
     const float s = MODE == 2 ? fmaxf(v0, v1) : v0 + v1;
     const float o = __shfl_xor_sync(0xffffffffu, s, 1);
     return MODE == 2 ? fmaxf(s, o) : s + o;
@@ -223,7 +223,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
                 mma(d, am, am8, blo[kc][0], blo[kc][1]);
             }
             // d[0], d[1]: token m, the unit's query heads 2c, 2c+1; d[2], d[3]: token m + 8.
-#if MODE == 0
+#if MODE == 0 || G == 1
+            // Every column its own score row (with G = 1 the KV heads' rows in every mode).
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int pos = pos0 + 8 * r;
@@ -235,6 +236,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
                         if (2 * c + e < HPW * G)
                             emit(d[2 * r + e], keep, srow + (long long)qh * stride_sr + pos, sh + qh * 256);
                     }
+                }
+            }
+#elif G == 2 && HPW > 1
+            // Lane c's two columns are head h0 + c's group: it stores both tokens.
+            if (c < HPW) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int pos = pos0 + 8 * r;
+                    const float v = MODE == 2 ? fmaxf(d[2 * r], d[2 * r + 1]) : d[2 * r] + d[2 * r + 1];
+                    if (pos < end)
+                        emit(v, kept(pos, seq_len, num_sink, num_recent), srow + (long long)(h0 + c) * stride_sr + pos,
+                             sh + (h0 + c) * 256);
                 }
             }
 #else

@@ -108,14 +108,15 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
 def _score_impl(q, label_cache, channels, mode):
     """Stage 1's kernel ("cuda", "mma" or "rows") under TUNING["score_impl"], and whether its
     launch makes hist[0] (the select's first phase). "auto" takes the CUDA score where it replaces
-    mma (measured faster there); with many KV heads (LongChat-7B's 32 x 16) "rows" stays faster
-    (results/h200-s16)."""
+    mma (measured faster there) and wherever its tensor-core kernel fits; score.cu with many KV
+    heads (LongChat-7B's 32 x 16) was slower than "rows" (results/h200-s16)."""
     impl = TUNING["score_impl"]
     if impl not in SCORE_IMPLS:
         _fail(f"score_impl must be one of {SCORE_IMPLS}, got {impl!r}")
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
     few_channels = Hkv * r <= TUNING["mma_max_channels"]
-    if impl == "cuda" or (impl == "auto" and few_channels):
+    tc = bool(TUNING["score_cuda_tc"]) and cuda_score.tc_fits(q, label_cache)
+    if impl == "cuda" or (impl == "auto" and (few_channels or tc)):
         hist = bool(TUNING["score_cuda_hist"]) and cuda_score.hist_fits(Hq, Hkv, r, mode)
         tc, per_thread, minb = _cuda_score_geometry(q, label_cache)
         if _take_cuda("score_impl", lambda: cuda_score.why_not(q, label_cache, channels, mode, hist, per_thread,
