@@ -3,7 +3,7 @@
 # 8 heads), taken by score_impl "auto" wherever it fits: its tests for G = 1 and 2, then the
 # LongChat-7B DS row (its dense row is call i's: the dense path did not change).
 source benchmarks/runbook_lib.sh; runbook_start
-timeout 100 python3 -m pytest -q -x tests/test_kernels.py -k "tensor_core or (cuda_score and score_tc and 32)" 2>&1 | tail -2
+timeout 100 python3 -m pytest -q -x tests/test_kernels.py -k "tensor_core or score_tc" 2>&1 | tail -2
 mkdir -p $OUT/one-batch; cd $OUT/one-batch
 B="python -m doublesparse.bench_one_batch --profile --load-format dummy --warmup-input-len 1024 --batch-size 3 --output-len 200"
 C="$B --model-path longchat-7b-v1.5-32k --input-len 20000 --max-total-tokens 70000"
