@@ -180,6 +180,8 @@ TUNING = {
     # above (LongChat-7B's rows score was faster than it). Measured on an H200 against mma
     # (results/h200-s16): whole DS call in graphs 3 x 64K 56.1 vs 56.8, 3 x 128K 90.7 vs 93.7,
     # 16 x 32K (two parts) 111.4 vs 114.0 us; DS decode step at 60K x 3 6.00 vs 6.11 ms.
+    # "auto" also takes the CUDA score wherever its tensor-core kernel fits (score_cuda_tc below),
+    # LongChat-7B included: DS attention 62.7 vs 63.5 us per layer with rows (results/h200-s17).
     "score_impl": "auto", "mma_max_channels": 256,
     "mma_block_n": 64, "mma_programs_per_sm": 4, "mma_warps": 4,
     # The CUDA score's geometry: programs per SM, label rows in flight per thread, and the blocks
