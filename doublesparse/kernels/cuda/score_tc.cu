@@ -7,8 +7,9 @@
 // HPW adjacent KV heads (a "unit": HPW = 8 / G where G is 1, 2 or 4, so that the unit's query
 // heads fill the mma's 8 columns; else 1) against their query heads. The unit's label row (HPW * R
 // channels, contiguous in the pool) is KC pieces of 16 channels. Lane (m, c) = (lane / 4,
-// lane % 4) loads channels [4 KC c, 4 KC (c + 1)) of the rows of tokens m and m + 8 of a tile:
-// 16 bytes per row where KC = 2 (a warp's load: 8 rows x 64 contiguous bytes), 8 where KC = 1.
+// lane % 4) loads channels [4 KC c, 4 KC (c + 1)) of the rows of tokens m and m + 8 of a tile,
+// 8 KC bytes of bf16 (with KC = 2, as for Llama-3's 8 x 16 labels, a warp's load is 8 rows x 64
+// contiguous bytes).
 // The channels' order is permuted (the sum over channels does not depend on it): in piece kc,
 // k-slots 2c, 2c+1 of the A fragment are channels 4 KC c + 4 kc + (0, 1), k-slots 2c+8, 2c+9
 // the next two; the query's B fragment (column n = query head n of the unit, zero where the
@@ -91,7 +92,8 @@ __device__ __forceinline__ void mma(float (&d)[4], uint2 row_m, uint2 row_m8, un
 // 2c+1 (v0, v1); after this every lane holds its head's. All lanes call it.
 __device__ __forceinline__ float group(float v0, float v1, int c) {
 #if HPW > 1
-    // G = 4, HPW = 2: lanes 0, 1 hold the unit's first head, lanes 2, 3 its second.
+    // Reached with G = 4 only (G = 1 and 2 store per lane): HPW = 2, lanes 0, 1 hold the unit's
+    // first head, lanes 2, 3 its second.
     const float s = MODE == 2 ? fmaxf(v0, v1) : v0 + v1;
     const float o = __shfl_xor_sync(0xffffffffu, s, 1);
     return MODE == 2 ? fmaxf(s, o) : s + o;
