@@ -159,7 +159,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
     // flight while a step is scored. Thread (tk, h) takes tokens t + u * TOK + tk of step t.
     uint4 ahead[LPT][NVEC];
     int slot_after[LPT];
+#if LOADS_ONLY
     unsigned sink = 0;
+#endif
 #pragma unroll
     for (int u = 0; u < LPT; ++u) {
         const int pos = start + u * TOK + tk;
@@ -177,14 +179,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
             load_row(lab_h + (long long)slot_after[u] * stride_ls, active && pos + STEP < end, ahead[u]);
             slot_after[u] = (active && pos + 2 * STEP < end) ? rt_row[pos + 2 * STEP] : 0;
         }
+#if LOADS_ONLY
 #pragma unroll
         for (int u = 0; u < LPT; ++u) {
             const int pos = t + u * TOK + tk;
-#if LOADS_ONLY
             if (active && pos < end) sink ^= cur[u][0].x ^ cur[u][NVEC - 1].w;
-#endif
         }
-#if !LOADS_ONLY
+#else
         float acc[LPT][G];
         products(cur, qh, acc);
 #pragma unroll

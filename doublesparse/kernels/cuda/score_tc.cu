@@ -197,7 +197,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
             load_row(lab + (long long)(ok ? rt_row[pos] : 0) * stride_ls, ok, ahead[u][r]);
             slot_after[u][r] = pos + STEP < end ? rt_row[pos + STEP] : 0;
         }
+#if LOADS_ONLY
     unsigned sink = 0;
+#endif
     for (int t = start; t < end; t += STEP) {
         unsigned cur[LT][2][RW];
 #pragma unroll
