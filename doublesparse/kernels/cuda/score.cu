@@ -121,11 +121,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
     SCORE_PARAMS)
 {
     __shared__ __align__(16) float sq[HKV * QS];
-#if DO_HIST
-    __shared__ int sh[ROWS * 256];
-#else
-    int* sh = nullptr;
-#endif
+    HIST_SMEM;
     const int b = blockIdx.x, tid = threadIdx.x;
     const int seq_len = seq_lens[b];
     int start, end;
@@ -141,17 +137,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
         const long long ch = channels[h * stride_ch + j];
         sq[h * QS + g * R + j] = q_to_f32(q[(long long)b * stride_qb + (long long)(h * G + g) * stride_qh + ch]) * scale;
     }
-#if DO_HIST
-    for (int i = tid; i < ROWS * 256; i += THREADS) sh[i] = 0;
-#endif
+    zero_hist(sh);
     __syncthreads();
 
     const int h = tid % HKV, tk = tid / HKV;
     const bool active = tid < ACTIVE;
     const float* qh = sq + h * QS;
 
-    const long long req = req_idx_64 ? ((const long long*)req_idx)[b] : ((const int*)req_idx)[b];
-    const int* rt_row = req_to_token + req * stride_rt;
+    const int* rt_row = request_row(req_to_token, req_idx, req_idx_64, b, stride_rt);
     const label_t* lab_h = labels + (long long)h * stride_lh;
     unsigned short* srow = scores + (long long)b * stride_sb;
 

@@ -9,6 +9,14 @@
 #endif
 #define FP16_MAX 65504.0f
 
+// The block's histogram of the keys' high bytes in shared memory ([ROWS, 256]; none without
+// DO_HIST), declared at the top of each kernel.
+#if DO_HIST
+#define HIST_SMEM __shared__ int sh[ROWS * 256]
+#else
+#define HIST_SMEM int* sh = nullptr
+#endif
+
 // Both kernels' parameters (score.py passes the same arguments to either).
 #define SCORE_PARAMS \
     const q_t* __restrict__ q, const label_t* __restrict__ labels, const ch_t* __restrict__ channels, \
@@ -96,4 +104,18 @@ __device__ __forceinline__ void block_slice(int seq_len, int heavy_k, int thresh
     const int per = ((n + P - 1) / P + step - 1) / step * step;
     start = blockIdx.y * per;
     end = min(start + per, n);
+}
+
+// Request b's row of req_to_token (req_idx is int32 or int64).
+__device__ __forceinline__ const int* request_row(const int* req_to_token, const void* req_idx, int req_idx_64,
+                                                  int b, int stride_rt) {
+    const long long req = req_idx_64 ? ((const long long*)req_idx)[b] : ((const int*)req_idx)[b];
+    return req_to_token + req * stride_rt;
+}
+
+// Clears the block's histogram (callers sync before its first use).
+__device__ __forceinline__ void zero_hist(int* sh) {
+#if DO_HIST
+    for (int i = threadIdx.x; i < ROWS * 256; i += THREADS) sh[i] = 0;
+#endif
 }

@@ -133,19 +133,13 @@ __device__ __forceinline__ void load_row(const label_t* row, bool valid, unsigne
 extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
     SCORE_PARAMS)
 {
-#if DO_HIST
-    __shared__ int sh[ROWS * 256];
-#else
-    int* sh = nullptr;
-#endif
+    HIST_SMEM;
     const int b = blockIdx.x, tid = threadIdx.x;
     const int seq_len = seq_lens[b];
     int start, end;
     block_slice(seq_len, heavy_k, threshold, P, STEP, start, end);
     if (start >= end) return;
-#if DO_HIST
-    for (int i = tid; i < ROWS * 256; i += THREADS) sh[i] = 0;
-#endif
+    zero_hist(sh);
 
     const int warp = tid >> 5, lane = tid & 31, m = lane >> 2, c = lane & 3;
     const int h0 = (warp % UNITS) * HPW, j = warp / UNITS;  // the unit's first KV head
@@ -178,8 +172,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
     __syncthreads();
 #endif
 
-    const long long req = req_idx_64 ? ((const long long*)req_idx)[b] : ((const int*)req_idx)[b];
-    const int* rt_row = req_to_token + req * stride_rt;
+    const int* rt_row = request_row(req_to_token, req_idx, req_idx_64, b, stride_rt);
     const label_t* lab = labels + (long long)h0 * stride_lh + 4 * KC * c;
     unsigned short* srow = scores + (long long)b * stride_sb;
 

@@ -59,16 +59,16 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage not in STAGES:
         _fail(f"stage must be one of {STAGES}, got {stage!r}")
-    impl, score_hist = _score_impl(q, label_cache, channels, mode)
+    impl, score_hist, geometry = _score_impl(q, label_cache, channels, mode)
     if stage not in ("attend", "rest"):
         nsm = _num_sms(dev)
         if impl == "cuda":
-            tc, per_thread, minb = _cuda_score_geometry(q, label_cache)
+            per_thread, _, tc = geometry
             step = cuda_score.step_tokens(q, label_cache, per_thread, tc)
             P = num_progs or max(1, min(triton.cdiv(TUNING["score_cuda_programs_per_sm"] * nsm, B),
                                         triton.cdiv(ws.max_ctx, step)))
             cuda_score.score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist,
-                             sm_scale, k, threshold, num_sink, num_recent, mode, P, score_hist, per_thread, minb, tc)
+                             sm_scale, k, threshold, num_sink, num_recent, mode, P, score_hist, *geometry)
         elif impl == "mma":
             _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
                        float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, num_progs)
@@ -106,34 +106,29 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
 
 
 def _score_impl(q, label_cache, channels, mode):
-    """Stage 1's kernel ("cuda", "mma" or "rows") under TUNING["score_impl"], and whether its
-    launch makes hist[0] (the select's first phase). "auto" takes the CUDA score where it replaces
-    mma (measured faster there) and wherever its tensor-core kernel fits; score.cu with many KV
-    heads (LongChat-7B's 32 x 16) was slower than "rows" (results/h200-s16)."""
+    """Stage 1's kernel ("cuda", "mma" or "rows") under TUNING["score_impl"], whether its launch
+    makes hist[0] (the select's first phase), and the CUDA score's (per_thread, min_blocks, tc)
+    (None for the Triton kernels). "auto" takes the CUDA score where it replaces mma (measured
+    faster there) and wherever its tensor-core kernel fits; score.cu with many KV heads
+    (LongChat-7B's 32 x 16) was slower than "rows" (results/h200-s16)."""
     impl = TUNING["score_impl"]
     if impl not in SCORE_IMPLS:
         _fail(f"score_impl must be one of {SCORE_IMPLS}, got {impl!r}")
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
     few_channels = Hkv * r <= TUNING["mma_max_channels"]
+    # score_tc.cu (tensor cores) where TUNING["score_cuda_tc"] and its shapes allow, with
+    # score_cuda_tc_tiles 16-token tiles per warp in flight; else score.cu with
+    # score_cuda_rows_per_thread label rows per thread.
     tc = bool(TUNING["score_cuda_tc"]) and cuda_score.tc_fits(q, label_cache)
     if impl == "cuda" or (impl == "auto" and (few_channels or tc)):
         hist = bool(TUNING["score_cuda_hist"]) and cuda_score.hist_fits(Hq, Hkv, r, mode)
-        tc, per_thread, minb = _cuda_score_geometry(q, label_cache)
-        if _take_cuda("score_impl", lambda: cuda_score.why_not(q, label_cache, channels, mode, hist, per_thread,
-                                                               minb, tc)):
-            return "cuda", hist
+        geometry = (TUNING["score_cuda_tc_tiles" if tc else "score_cuda_rows_per_thread"],
+                    TUNING["score_cuda_min_blocks"], tc)
+        if _take_cuda("score_impl", lambda: cuda_score.why_not(q, label_cache, channels, mode, hist, *geometry)):
+            return "cuda", hist, geometry
     if impl in ("cuda", "auto"):
         impl = "mma" if few_channels else "rows"
-    return impl, impl == "rows" and bool(TUNING["score_hist"])
-
-
-def _cuda_score_geometry(q, label_cache):
-    """(tc, per_thread, min_blocks) of the CUDA score: score_tc.cu (tensor cores) where
-    TUNING["score_cuda_tc"] and its shapes allow, with score_cuda_tc_tiles 16-token tiles per warp
-    in flight; else score.cu with score_cuda_rows_per_thread label rows per thread."""
-    tc = bool(TUNING["score_cuda_tc"]) and cuda_score.tc_fits(q, label_cache)
-    per_thread = TUNING["score_cuda_tc_tiles"] if tc else TUNING["score_cuda_rows_per_thread"]
-    return tc, per_thread, TUNING["score_cuda_min_blocks"]
+    return impl, impl == "rows" and bool(TUNING["score_hist"]), None
 
 
 def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage):
