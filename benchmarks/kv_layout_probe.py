@@ -3,9 +3,13 @@ Llama-3.1-8B shapes (8 KV heads, d 128, bf16), r 16, k = L / 16, group_max.
 
     python benchmarks/kv_layout_probe.py [--cases 3x65536,3x131072,16x32768] [--rounds 2] [--json OUT.json]
 
-Layouts: "split", K and V pools apart ([slots, Hkv, D] each, as the engine allocates them); and
+Layouts: "split", K and V pools apart ([slots, Hkv, D] each, as the engine allocates them);
 "interleaved", one [slots, Hkv, 2, D] tensor whose K and V halves are passed as strided views, so
-a selected (token, head) is 512 contiguous bytes instead of two 256-byte rows in different pools.
+a selected (token, head) is 512 contiguous bytes instead of two 256-byte rows in different pools;
+and "headmajor", K and V pools stored [Hkv, slots, D] and passed as [slots, Hkv, D] views, so that
+one head's rows of nearby tokens are near each other in memory (a selected row's neighbours in
+the gather are 16 tokens apart on average at k = L / 16: 4 KB in head-major order, 32 KB in
+slot-major).
 Per layout: the attention stage alone (stage "attend", on the selection of a whole call made first,
 one graph call on the same copy: partly L2-warm), the whole DS call and the dense decode (CUDA graph
 over rotating pool copies, as bench.attention times them); medians of replays. Session 17 ran it
@@ -41,7 +45,8 @@ def main(argv=None):
         copies = max(1, math.ceil(MIN_BYTES_PER_GRAPH / (B * L * HKV * D * 4)))
         p = Pools(B, L, copies, 16, torch.bfloat16, dev)
         kv = torch.stack([p.k, p.v], dim=2)  # [slots, Hkv, 2, D]
-        layouts = {"split": (p.k, p.v), "interleaved": (kv[:, :, 0], kv[:, :, 1])}
+        hm = [t.permute(1, 0, 2).contiguous().permute(1, 0, 2) for t in (p.k, p.v)]
+        layouts = {"split": (p.k, p.v), "interleaved": (kv[:, :, 0], kv[:, :, 1]), "headmajor": tuple(hm)}
         ws = DecodeWorkspace(B, HQ, HKV, D, L, k, device=dev)
         sm = 1 / math.sqrt(D)
         sel_bytes = B * HKV * k * D * 4
@@ -62,7 +67,7 @@ def main(argv=None):
             frac = f"  sel bw {sel_bytes / (us / 1e6) / bw:.2f}" if n.startswith("attend") else ""
             print(f"  {n:30s} {us:7.1f} us{frac}", flush=True)
         rows.append(dict(batch=B, ctx=L, k=k, sel_bytes=sel_bytes, copy_bw=bw, us=res))
-        del p, kv, layouts
+        del p, kv, hm, layouts
         torch.cuda.empty_cache()
     write_json(args.json, "kv_layout_probe.py", rows)
 
