@@ -14,6 +14,7 @@ parts: benchmarks/ds_streams.py --tunings '[{}, {"select_impl": "cuda"}]'.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections import defaultdict
 
@@ -53,7 +54,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
-    knob, impls = args.knob, args.values.split(",")
+    knob = args.knob
+    impls = [v if v.isalpha() and v not in ("true", "false") else json.loads(v) for v in args.values.split(",")]
     default_impl = launch.TUNING[knob]
     rows = []
     for B, L, k, p, ws in layer_cases(args.cases, dev):
@@ -69,7 +71,7 @@ def main(argv=None):
         for impl in impls:
             us = run(p, ws, k, knob, impl, args.iters)
             total = sum(us.values())
-            print(f"  {impl:6s} total {total:7.1f} us: " + ", ".join(
+            print(f"  {str(impl):6s} total {total:7.1f} us: " + ", ".join(
                 f"{n[:28]} {t:.1f}" for n, t in sorted(us.items(), key=lambda x: -x[1])), flush=True)
             rows.append(dict(batch=B, ctx=L, k=k, knob=knob, impl=impl, selections_equal=same, kernel_us=us,
                              total_us=total))
