@@ -3,6 +3,8 @@
 # with a per-row barrier (select.cu ds_select_fused, TUNING select_fused): its tests, its kernel
 # times against the two launches (eager), the whole DS call in graphs (ds_streams.py, alternating
 # rounds), and issue 3's DS decode step at 60K x 3 with and without it.
+# Ran at ce20724; the fused kernel was no faster and was removed after this call (see
+# results/h200-s18/README.md), so the knob select_fused no longer exists.
 source benchmarks/runbook_lib.sh; runbook_start
 echo "== tests"; timeout 200 python3 -m pytest -q -x tests/test_kernels.py -k "fused or cuda_select or pipelines" 2>&1 | tail -3
 echo "== kernels"; timeout 100 python3 benchmarks/select_impl_probe.py --knob select_fused --values false,true --cases 3x65536,3x131072,16x32768 --json $OUT/select-fused-probe.json 2>&1 | grep -v -i warn

@@ -191,7 +191,6 @@ PIPELINES = [
     {"score_impl": "cuda"},
     {"score_impl": "cuda", "score_cuda_hist": False, "select_impl": "triton"},
     {"score_impl": "cuda", "score_cuda_rows_per_thread": 1, "score_cuda_programs_per_sm": 5},
-    {"score_impl": "cuda", "select_impl": "cuda", "select_fused": True},  # phases 2 and 3 in one launch
 ]
 
 
@@ -233,7 +232,6 @@ def _check_pipeline(tuning, mode, hq, hkv, monkeypatch):
         _check_selection(c, ws, sel, k, mode)
         assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
     assert int(ws.hist[0].abs().sum()) == 0  # phase 3 clears it; phase 2 overwrites hist[1:]
-    assert int(ws.select_sync.abs().sum()) == 0  # the fused select's barriers and ticket
 
 
 def test_ds_select_all_ties():
@@ -483,16 +481,14 @@ def test_cuda_source_compiles(tmp_path, source, defines):
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA kernels need a GPU")
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("mode", ["per_head", "group_max"])
-@pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "fused"])
-def test_cuda_select_equals_triton(case, mode, fused, monkeypatch):
+def test_cuda_select_equals_triton(case, mode, monkeypatch):
     """The CUDA and the Triton select write the same selection, position for position, and the
-    CUDA one the ordered top-k of the reference scores (phases 2 and 3 in two launches or one)."""
+    CUDA one the ordered top-k of the reference scores."""
     from doublesparse.kernels.cuda import select as cuda_select
     assert cuda_select.unavailable(torch.device(DEVICE)) is None
     seq_lens, hq, hkv, d, r, k = case
     c = make_case(seq_lens, hq, hkv, d, r=r, device=DEVICE, seed=_seed(tuple(seq_lens), mode, "cuda"))
     got = {}
-    monkeypatch.setitem(launch.TUNING, "select_fused", fused)
     for impl in ("triton", "cuda"):
         monkeypatch.setitem(launch.TUNING, "select_impl", impl)
         ws = make_ws(c, max_heavy_tokens=k + 3)
@@ -501,48 +497,16 @@ def test_cuda_select_equals_triton(case, mode, fused, monkeypatch):
             _check_selection(c, ws, sel, k, mode)
         got[impl] = (sel.clone(), ws.sel_slot.clone())
     assert torch.equal(got["triton"][0], got["cuda"][0]) and torch.equal(got["triton"][1], got["cuda"][1])
-    assert int(ws.select_sync.abs().sum()) == 0
-
-
-@pytest.mark.skipif(DEVICE == "cpu", reason="CUDA kernels need a GPU")
-def test_cuda_fused_select_more_programs_than_the_gpu_holds(monkeypatch):
-    """The fused select with far more programs than can run at once (64 x 8 rows x 16 programs),
-    then two batch parts on two streams at once: every row's barrier is passed (no hang), the
-    selections are the Triton select's, and the barriers and tickets are left at zero."""
-    monkeypatch.setitem(launch.TUNING, "select_fused", True)
-    c = make_case([300, 257, 190, 41] * 16, 32, 8, 64, r=16, device=DEVICE, seed=77)
-    k = 40
-    got = {}
-    for impl in ("triton", "cuda"):
-        monkeypatch.setitem(launch.TUNING, "select_impl", impl)
-        ws = make_ws(c, max_heavy_tokens=k)
-        _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, num_progs=16, return_sel=True)
-        got[impl] = sel.clone()
-    assert torch.equal(got["triton"], got["cuda"])
-    assert int(ws.select_sync.abs().sum()) == 0
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    sels = []
-    torch.cuda.synchronize()
-    for (a, b), st in zip(((0, 30), (30, 64)), streams):
-        with torch.cuda.stream(st):
-            args = list(c.args())
-            args[0], args[7], args[8] = c.q[a:b], c.req_idx[a:b], c.seq_lens[a:b]
-            sels.append(launch.ds_decode(*args, c.sm_scale, k, "group_max", ws=ws.rows(a, b), num_progs=16,
-                                         return_sel=True)[1])
-    torch.cuda.synchronize()
-    assert torch.equal(torch.cat(sels), got["triton"])
-    assert int(ws.select_sync.abs().sum()) == 0
 
 
 def test_cuda_select_launch_protocol(monkeypatch):
     """ds_decode's select stage, when it takes the CUDA kernels (launches recorded here, so this
-    runs on the CPU): phases 2 and 3 on one grid (or in one fused launch), at most SELECT_MAX_PROGS
-    programs per row, phase 1 only for stage "hist", and none when the score launch made the
-    histogram."""
+    runs on the CPU): phases 2 and 3 on one grid, at most SELECT_MAX_PROGS programs per row,
+    phase 1 only for stage "hist", and none when the score launch made the histogram."""
     from doublesparse.kernels.triton import ds_launch
     from doublesparse.kernels.workspace import SELECT_MAX_PROGS, DecodeWorkspace
     calls = []
-    for name in ("hist_high", "hist_low", "compact", "fused"):
+    for name in ("hist_high", "hist_low", "compact"):
         monkeypatch.setattr(ds_launch.cuda_select, name, lambda *a, name=name: calls.append((name, a[-3:])))
     monkeypatch.setattr(ds_launch, "_use_cuda_select", lambda scores: True)
     monkeypatch.setattr(ds_launch, "_num_sms", lambda dev: 132)
@@ -558,11 +522,6 @@ def test_cuda_select_launch_protocol(monkeypatch):
         assert all(g[:2] == (17, 3) for g in grids.values())
         if "compact" in grids:
             assert grids["hist_low"] == grids["compact"] and 1 <= grids["compact"][2] <= SELECT_MAX_PROGS
-    monkeypatch.setitem(launch.TUNING, "select_fused", True)
-    calls.clear()
-    ds_launch._select(ws, sl, rt, sl, 64, 0, 17, 3, True, None, "all")
-    assert [c[0] for c in calls] == ["fused"] and calls[0][1][:2] == (17, 3)
-    assert 1 <= calls[0][1][2] <= SELECT_MAX_PROGS
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA kernels need a GPU")

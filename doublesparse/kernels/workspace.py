@@ -66,9 +66,6 @@ class DecodeWorkspace:
             self.buffers["rowinfo"] = torch.zeros(B, Hq, 2, **i32)
             # Per row and select program: keys of its slice whose high byte is above the chosen one.
             self.buffers["counts"] = torch.zeros(B, Hq, SELECT_MAX_PROGS, **i32)
-            # The fused CUDA select's row barriers ([..., 0]) and its ticket ([0, 0, 1] of each
-            # batch part's rows); zero between calls.
-            self.buffers["select_sync"] = torch.zeros(B, Hq, 2, **i32)
             self.buffers["sel"] = torch.empty(B, Hq, self.max_heavy_tokens, **i32)
             # The cache slots of sel's positions; zero (the padding slot) until written, so a
             # stale entry can never address outside the pool.

@@ -126,31 +126,41 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_hist_high(
         if (sh[i]) atomicAdd(h0 + i, sh[i]);
 }
 
-// Phase 2 body, one program's slice [start, end) of its row: the row's high digit d0 and the
-// rank left inside it (every program finds them from h0 = the row's hist[0]; returned in *d0,
-// *need0, and stored in info where given), the low-byte histogram of the slice's keys whose high
-// byte is d0 -> h1, and the count of its keys above d0 -> *cnt. Writes both also for an empty
-// slice, because phase 3 sums them over all the row's programs.
-__device__ __forceinline__ void low_pass(const unsigned short* srow, int start, int end, const int* h0,
-                                         int* h1, int* cnt, int* info, int heavy_k, int* d0, int* need0)
+// Phase 2: the high byte d0 of the k-th largest key (program 0 stores it, with the rank left
+// inside it, in rowinfo); per program, the low-byte histogram of its keys whose high byte is d0
+// -> hist[1 + p], and the count of its keys above d0 -> counts[p]. Every program writes both,
+// also with an empty slice, because phase 3 sums them over all P programs.
+extern "C" __global__ void __launch_bounds__(THREADS) ds_select_hist_low(
+    const unsigned short* __restrict__ scores, int* __restrict__ hist, int* __restrict__ rowinfo,
+    int* __restrict__ counts, const int* __restrict__ seq_lens, int heavy_k, int threshold,
+    int stride_sb, int stride_sr, int stride_hp, int stride_hb, int stride_hr,
+    int stride_rib, int stride_rir, int stride_cb, int stride_cr, int P)
 {
     __shared__ int sh[256];
-    __shared__ int s_digit, s_need, s_count;
+    __shared__ int s_digit, s_count;
+    const int b = blockIdx.x, row = blockIdx.y, p = blockIdx.z;
+    int start, end;
+    split_range(sparse_len(seq_lens[b], heavy_k, threshold), p, P, &start, &end);
+    const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
     uint4 ahead = load_ahead(srow, start, end);
-    for (int i = threadIdx.x; i < 256; i += THREADS) sh[i] = h0[i];
+    const long long hrow = (long long)b * stride_hb + (long long)row * stride_hr;
+    for (int i = threadIdx.x; i < 256; i += THREADS) sh[i] = hist[hrow + i];
     __syncthreads();
     if (threadIdx.x < 32) {
         int above;
         int d = threshold_digit(sh, heavy_k, &above);
         if (threadIdx.x == 0) {
             s_digit = d;
-            s_need = heavy_k - above;
             s_count = 0;
+            if (p == 0) {
+                int* info = rowinfo + (long long)b * stride_rib + (long long)row * stride_rir;
+                info[0] = d;
+                info[1] = heavy_k - above;
+            }
         }
     }
     __syncthreads();
-    *d0 = s_digit;
-    *need0 = s_need;
+    const int d0 = s_digit;
     for (int i = threadIdx.x; i < 256; i += THREADS) sh[i] = 0;
     __syncthreads();
     int above = 0;
@@ -162,53 +172,53 @@ __device__ __forceinline__ void low_pass(const unsigned short* srow, int start, 
         for (int j = 0; j < VEC; ++j) {
             if (pos + j >= end) continue;
             const int hi = (int)(key[j] >> 8);
-            above += hi > *d0;
-            if (hi == *d0) atomicAdd(&sh[key[j] & 255], 1);
+            above += hi > d0;
+            if (hi == d0) atomicAdd(&sh[key[j] & 255], 1);
         }
     }
     above = warp_sum(above);
     if ((threadIdx.x & 31) == 0) atomicAdd(&s_count, above);
     __syncthreads();
+    int* h1 = hist + (long long)(1 + p) * stride_hp + hrow;
     for (int i = threadIdx.x; i < 256; i += THREADS) h1[i] = sh[i];
-    if (threadIdx.x == 0) {
-        *cnt = s_count;
-        if (info) {
-            info[0] = *d0;
-            info[1] = *need0;
-        }
-    }
+    if (threadIdx.x == 0) counts[(long long)b * stride_cb + (long long)row * stride_cr + p] = s_count;
 }
 
-// Phase 3 body, program p of P on its row: the exact 16-bit threshold from the programs'
-// low-byte histograms (hist1: program q's at hist1 + q * stride_hp); writes the slice's positions
-// above it, then as many keys equal to it as the rank allows, with their cache slots, at offsets
-// summed from the programs before it. Program 0 clears h0. The histograms and counts are read
-// through L2 (__ldcg): in the fused launch other programs wrote them during this kernel.
-__device__ __forceinline__ void compact_pass(const unsigned short* srow, int start, int end, int* h0,
-                                             const int* hist1, long long stride_hp, const int* cnt_row,
-                                             int p, int P, int d0, int need0, int heavy_k,
-                                             const int* rt_row, int* out, int* out_slot)
+// Phase 3: the exact 16-bit threshold from the programs' low-byte histograms; each program writes
+// its slice's positions above it, then as many keys equal to it as the rank allows, with their
+// cache slots, at offsets summed from the programs before it. Program 0 clears hist[0].
+extern "C" __global__ void __launch_bounds__(THREADS) ds_select_compact(
+    const unsigned short* __restrict__ scores, int* __restrict__ hist, const int* __restrict__ rowinfo,
+    const int* __restrict__ counts, const int* __restrict__ seq_lens, int* __restrict__ sel,
+    int* __restrict__ sel_slot, const int* __restrict__ req_to_token, const void* __restrict__ req_idx,
+    int req_idx_64, int heavy_k, int threshold,
+    int stride_sb, int stride_sr, int stride_hp, int stride_hb, int stride_hr, int stride_rib,
+    int stride_rir, int stride_cb, int stride_cr, int stride_selb, int stride_selr, int stride_rt, int P)
 {
     __shared__ int s_total[256], s_before[256];
     __shared__ int s_warp[2][NWARPS];  // per step, alternating: one barrier per step
     __shared__ int s_thr, s_ngt, s_base, s_base_e;
+    const int b = blockIdx.x, row = blockIdx.y, p = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int start, end;
+    split_range(sparse_len(seq_lens[b], heavy_k, threshold), p, P, &start, &end);
+    const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
     uint4 ahead = load_ahead(srow, start, end);
+    const long long hrow = (long long)b * stride_hb + (long long)row * stride_hr;
+    const int* info = rowinfo + (long long)b * stride_rib + (long long)row * stride_rir;
+    const int d0 = info[0], need0 = info[1];
     // Keys above d0 in each program before this one (warp 0 sums them below).
-    int gt = (warp == 0 && lane < p) ? __ldcg(cnt_row + lane) : 0;
-    if (p == 0)  // h0 has had its last reader (phase 2): leave it zeroed for the next call
-        for (int i = tid; i < 256; i += THREADS) h0[i] = 0;
-    // Per low-byte bin: its count over all programs, and over the programs before this one (all
-    // the loads issued at once: their latency is paid once).
+    int gt = (warp == 0 && lane < p) ? counts[(long long)b * stride_cb + (long long)row * stride_cr + lane] : 0;
+    if (p == 0)  // hist[0] has had its last reader (phase 2): leave it zeroed for the next call
+        for (int i = tid; i < 256; i += THREADS) hist[hrow + i] = 0;
+    // Per low-byte bin: its count over all programs, and over the programs before this one.
     for (int i = tid; i < 256; i += THREADS) {
-        int c[MAX_PROGS];
-#pragma unroll
-        for (int q = 0; q < MAX_PROGS; ++q) c[q] = q < P ? __ldcg(hist1 + q * stride_hp + i) : 0;
         int total = 0, before = 0;
-#pragma unroll
-        for (int q = 0; q < MAX_PROGS; ++q) {
-            total += c[q];
-            before += q < p ? c[q] : 0;
+#pragma unroll 4
+        for (int q = 0; q < P; ++q) {
+            int c = hist[(long long)(1 + q) * stride_hp + hrow + i];
+            total += c;
+            before += q < p ? c : 0;
         }
         s_total[i] = total;
         s_before[i] = before;
@@ -233,6 +243,10 @@ __device__ __forceinline__ void compact_pass(const unsigned short* srow, int sta
     const unsigned thr = (unsigned)s_thr;
     const int n_gt = s_ngt, ties = heavy_k - n_gt;
     int base = s_base, base_e = s_base_e;
+    const long long r = req_idx_64 ? ((const long long*)req_idx)[b] : (long long)((const int*)req_idx)[b];
+    const int* rt_row = req_to_token + r * stride_rt;
+    int* out = sel + (long long)b * stride_selb + (long long)row * stride_selr;
+    int* out_slot = sel_slot + (long long)b * stride_selb + (long long)row * stride_selr;
     int step = 0;
     for (int t = start; t < end; t += CHUNK, step ^= 1) {
         const int pos = t + tid * VEC;
@@ -283,105 +297,4 @@ __device__ __forceinline__ void compact_pass(const unsigned short* srow, int sta
         base += chunk & 0xFFFF;
         base_e += chunk >> 16;
     }
-}
-
-__device__ __forceinline__ const int* request_tokens(const int* req_to_token, const void* req_idx, int req_idx_64,
-                                                     int b, int stride_rt)
-{
-    const long long r = req_idx_64 ? ((const long long*)req_idx)[b] : (long long)((const int*)req_idx)[b];
-    return req_to_token + r * stride_rt;
-}
-
-// Phase 2 alone (grid (B, rows, P)): rowinfo, hist[1 + p] and counts[p] of each row.
-extern "C" __global__ void __launch_bounds__(THREADS) ds_select_hist_low(
-    const unsigned short* __restrict__ scores, int* __restrict__ hist, int* __restrict__ rowinfo,
-    int* __restrict__ counts, const int* __restrict__ seq_lens, int heavy_k, int threshold,
-    int stride_sb, int stride_sr, int stride_hp, int stride_hb, int stride_hr,
-    int stride_rib, int stride_rir, int stride_cb, int stride_cr, int P)
-{
-    const int b = blockIdx.x, row = blockIdx.y, p = blockIdx.z;
-    int start, end, d0, need0;
-    split_range(sparse_len(seq_lens[b], heavy_k, threshold), p, P, &start, &end);
-    const long long hrow = (long long)b * stride_hb + (long long)row * stride_hr;
-    low_pass(scores + (long long)b * stride_sb + (long long)row * stride_sr, start, end, hist + hrow,
-             hist + (long long)(1 + p) * stride_hp + hrow, counts + (long long)b * stride_cb + (long long)row * stride_cr + p,
-             p == 0 ? rowinfo + (long long)b * stride_rib + (long long)row * stride_rir : nullptr, heavy_k, &d0, &need0);
-}
-
-// Phase 3 alone (grid (B, rows, P), P as phase 2's): sel / sel_slot of each row, hist[0] cleared.
-extern "C" __global__ void __launch_bounds__(THREADS) ds_select_compact(
-    const unsigned short* __restrict__ scores, int* __restrict__ hist, const int* __restrict__ rowinfo,
-    const int* __restrict__ counts, const int* __restrict__ seq_lens, int* __restrict__ sel,
-    int* __restrict__ sel_slot, const int* __restrict__ req_to_token, const void* __restrict__ req_idx,
-    int req_idx_64, int heavy_k, int threshold,
-    int stride_sb, int stride_sr, int stride_hp, int stride_hb, int stride_hr, int stride_rib,
-    int stride_rir, int stride_cb, int stride_cr, int stride_selb, int stride_selr, int stride_rt, int P)
-{
-    const int b = blockIdx.x, row = blockIdx.y, p = blockIdx.z;
-    int start, end;
-    split_range(sparse_len(seq_lens[b], heavy_k, threshold), p, P, &start, &end);
-    const long long hrow = (long long)b * stride_hb + (long long)row * stride_hr;
-    const int* info = rowinfo + (long long)b * stride_rib + (long long)row * stride_rir;
-    const long long so = (long long)b * stride_selb + (long long)row * stride_selr;
-    compact_pass(scores + (long long)b * stride_sb + (long long)row * stride_sr, start, end, hist + hrow,
-                 hist + stride_hp + hrow, stride_hp, counts + (long long)b * stride_cb + (long long)row * stride_cr,
-                 p, P, info[0], info[1], heavy_k, request_tokens(req_to_token, req_idx, req_idx_64, b, stride_rt),
-                 sel + so, sel_slot + so);
-}
-
-__device__ __forceinline__ int load_acquire(const int* ptr) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
-    return v;
-}
-
-// Phases 2 and 3 in one launch (grid (B * rows * P)): the row's programs meet at a barrier in
-// between. Programs take their (request, row, slice) from a ticket in the order they start, so a
-// row's programs hold consecutive tickets: every row whose programs have all started passes its
-// barrier, and only the row being started waits on programs not yet running (at most P - 1), so
-// the launch cannot deadlock while the GPU holds P blocks. sync: [B, rows, 2] int32, zero between
-// calls: per row a barrier count (to P on arrival, to 2P on leaving; the last leaver clears it);
-// sync[0, 0, 1] the ticket (the last ticket taken clears it).
-extern "C" __global__ void __launch_bounds__(THREADS) ds_select_fused(
-    const unsigned short* __restrict__ scores, int* __restrict__ hist, int* __restrict__ rowinfo,
-    int* __restrict__ counts, const int* __restrict__ seq_lens, int* __restrict__ sel,
-    int* __restrict__ sel_slot, const int* __restrict__ req_to_token, const void* __restrict__ req_idx,
-    int* __restrict__ sync, int req_idx_64, int heavy_k, int threshold,
-    int stride_sb, int stride_sr, int stride_hp, int stride_hb, int stride_hr, int stride_rib,
-    int stride_rir, int stride_cb, int stride_cr, int stride_selb, int stride_selr, int stride_rt,
-    int stride_yb, int stride_yr, int rows, int P)
-{
-    __shared__ int s_ticket;
-    if (threadIdx.x == 0) {
-        const int t = atomicAdd(sync + 1, 1);
-        if (t == (int)gridDim.x - 1) atomicExch(sync + 1, 0);  // every other ticket is taken
-        s_ticket = t;
-    }
-    __syncthreads();
-    const int p = s_ticket % P, b = s_ticket / P / rows, row = s_ticket / P % rows;
-    const int n = sparse_len(seq_lens[b], heavy_k, threshold);
-    if (n == 0) return;  // so do all of the row's programs: none waits at its barrier
-    int start, end, d0, need0;
-    split_range(n, p, P, &start, &end);
-    const long long hrow = (long long)b * stride_hb + (long long)row * stride_hr;
-    const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
-    const int* cnt_row = counts + (long long)b * stride_cb + (long long)row * stride_cr;
-    low_pass(srow, start, end, hist + hrow, hist + (long long)(1 + p) * stride_hp + hrow, (int*)cnt_row + p,
-             p == 0 ? rowinfo + (long long)b * stride_rib + (long long)row * stride_rir : nullptr, heavy_k, &d0, &need0);
-    int* bar = sync + (long long)b * stride_yb + (long long)row * stride_yr;
-    __threadfence();  // this thread's histogram and count stores, before the arrival below
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        atomicAdd(bar, 1);
-        // Bounded: a corrupted count traps (an error) instead of hanging the GPU.
-        for (unsigned spin = 0; load_acquire(bar) < P; ++spin) {
-            if (spin > (1u << 24)) __trap();
-            __nanosleep(64);
-        }
-    }
-    __syncthreads();
-    const long long so = (long long)b * stride_selb + (long long)row * stride_selr;
-    compact_pass(srow, start, end, hist + hrow, hist + stride_hp + hrow, stride_hp, cnt_row, p, P, d0, need0,
-                 heavy_k, request_tokens(req_to_token, req_idx, req_idx_64, b, stride_rt), sel + so, sel_slot + so);
-    if (threadIdx.x == 0 && atomicAdd(bar, 1) == 2 * P - 1) atomicExch(bar, 0);
 }

@@ -2,8 +2,8 @@
 
 The kernels keep ds_topk.py's workspace protocol and output, so ``ds_launch`` can run either
 (``TUNING["select_impl"]``); ``unavailable(device)`` says why this path cannot run, and callers
-fall back to Triton. Like the Triton launchers, ``hist_high``/``hist_low``/``compact``/``fused`` only
-launch: no host syncs, capturable.
+fall back to Triton. Like the Triton launchers, ``hist_high``/``hist_low``/``compact`` only launch:
+no host syncs, capturable.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from . import nvrtc
 NAME = "select.cu"
 THREADS = 256  # select.cu's THREADS
 CHUNK = 2048  # select.cu's CHUNK: keys per block per step; slices are whole chunks
-KERNELS = ("ds_select_hist_high", "ds_select_hist_low", "ds_select_compact", "ds_select_fused")
+KERNELS = ("ds_select_hist_high", "ds_select_hist_low", "ds_select_compact")
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -64,16 +64,3 @@ def compact(scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, r
                      hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
                      counts.stride(0), counts.stride(1), sel.stride(0), sel.stride(1),
                      req_to_token.stride(0), P)])
-
-
-def fused(scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx, sync, k, threshold,
-          B, rows, P):
-    """Phases 2 and 3 in one launch of B * rows * P programs, which meet per row at a barrier
-    (``sync``: [B, rows, 2] int32, zero between calls; the kernel leaves it zero)."""
-    _kernel("ds_select_fused", scores.device)(
-        grid=(B * rows * P, 1, 1), block=(THREADS, 1, 1),
-        args=[scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx, sync,
-              *_ints(req_idx.dtype == torch.int64, k, threshold, scores.stride(0), scores.stride(1),
-                     hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
-                     counts.stride(0), counts.stride(1), sel.stride(0), sel.stride(1),
-                     req_to_token.stride(0), sync.stride(0), sync.stride(1), rows, P)])

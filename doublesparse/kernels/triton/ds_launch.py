@@ -152,10 +152,6 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
                                   progs(TUNING["hist_programs_per_sm"], cuda_select.CHUNK))
         if stage != "hist":
             P = progs(TUNING["select_programs_per_sm"], cuda_select.CHUNK, SELECT_MAX_PROGS)
-            if TUNING["select_fused"]:
-                cuda_select.fused(scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx,
-                                  ws.select_sync, k, threshold, B, rows, P)
-                return
             cuda_select.hist_low(scores, hist, info, counts, seq_lens, k, threshold, B, rows, P)
             cuda_select.compact(scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx,
                                 k, threshold, B, rows, P)

@@ -167,9 +167,6 @@ TUNING = {
     # the same output), or "auto" = "cuda" where NVRTC and the GPU allow, else "triton". Measured
     # on an H200 (results/h200-s15): the DS decode step at 16 x 32K 8.48 -> 7.99 ms with "cuda".
     "select_impl": "auto",
-    # The CUDA select's phases 2 and 3 in one launch whose programs meet per row at a barrier
-    # (select.cu's ds_select_fused) instead of two launches.
-    "select_fused": False,
     # Merge the split-K partials in the attention kernel's last split instead of a merge launch.
     "fuse_merge": False,
     # Scoring: "mma" = all KV heads per program, one tensor-core product (ds_score.py);
