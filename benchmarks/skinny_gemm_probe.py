@@ -17,7 +17,8 @@ Timed (median of repeats, L2 flushed before each by a 1 GB read, long enough (~0
 host to queue what follows before the GPU gets there, so that launch costs on the host stay out of
 the events): a short PDL kernel that stands for the RMSNorm
 ahead of a projection, then the projection, between two events. Variants: cuBLAS (F.linear), the
-Triton kernel without and with PDL, over a few launch shapes. Each Triton result is first checked
+Triton kernel without and with PDL, over a few launch shapes (``--configs ""``: none), and the
+package's kernel (kernels/triton/skinny.py, which grew out of this one) as the engine launches it. Each Triton result is first checked
 against F.linear in fp32.
 """
 
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from doublesparse.kernels.triton import fused_launch
 from doublesparse.kernels.triton.pdl import enter
 from probe_lib import read, write_json
 
@@ -160,7 +162,9 @@ def main(argv=None):
             y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
             ref = (x.float() @ w.float().T)
             variants = {"cublas": lambda: F.linear(x_in, w)}
-            for c in args.configs.split(","):
+            if fused_launch.pdl_enabled(dev):  # the package's kernel as the engine launches it (PDL)
+                variants["package skinny_gemm pdl"] = lambda: fused_launch.skinny_gemm(x_in, w)
+            for c in filter(None, args.configs.split(",")):
                 bn, bk, sk, st = (int(v) for v in c.split(":"))
                 for pdl in (False, True):
                     g = Skinny(N, K, bn, bk, sk, st, pdl, dev)

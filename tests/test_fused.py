@@ -217,6 +217,46 @@ def test_linear_dispatch():
     torch.testing.assert_close(ops.linear(x, w).float(), want.float(), rtol=1e-2, atol=2e-2)
     assert not fused_launch.gemv_fits(x.cpu(), w.cpu())
     assert not fused_launch.gemv_fits(_rand(g, 5, 64), w)  # more rows than the kernel takes
+    assert not fused_launch.skinny_fits(x.cpu(), w.cpu())
+    if DEVICE == "cuda" and fused_launch.pdl_enabled(x.device):  # larger weights: the split-K GEMM
+        big, x3 = _rand(g, 2048, 4096), _rand(g, 3, 4096)  # 16 MB of weights
+        assert not fused_launch.gemv_fits(x3, big) and fused_launch.skinny_fits(x3, big)
+        torch.testing.assert_close(ops.linear(x3, big).float(), (x3.float() @ big.float().T), rtol=1e-2, atol=5e-2)
+        assert not fused_launch.skinny_fits(_rand(g, 5, 4096), big)  # more rows than skinny_max_rows
+
+
+@pytest.mark.parametrize("m,n,k,split_k,bias", [(3, 200, 300, 2, False), (1, 64, 128, 1, True),
+                                                 (4, 130, 520, 4, True), (16, 70, 129, 3, False),
+                                                 (2, 96, 64, 8, False)])  # more K ranges than K tiles
+def test_skinny_gemm(m, n, k, split_k, bias):
+    """The one-launch split-K GEMM at awkward sizes (N, K not multiples of its tiles; empty K
+    ranges), twice on the same counters (the tiles' last programs leave them at zero)."""
+    from doublesparse.kernels.triton.fused_launch import _SKINNY_COUNTERS, _device_index
+    g = _gen("skinny", m, n, k, split_k, bias)
+    wide = _rand(g, m, k + 8)
+    x = wide[:, :k]                                   # strided rows
+    w = _rand(g, n, k)
+    b = _rand(g, n) if bias else None
+    exp = x.float() @ w.float().T + (b.float() if bias else 0)
+    for _ in range(2):
+        y = fused_launch.skinny_gemm(x, w, b, split_k=split_k)
+        assert y.dtype == BF16 and y.shape == (m, n)
+        torch.testing.assert_close(y.float(), exp, rtol=1e-2, atol=2e-2)
+        assert int(_SKINNY_COUNTERS[_device_index(x.device)].abs().sum()) == 0
+
+
+def test_skinny_gemm_bad_arguments_raise_value_error():
+    x = torch.zeros(2, 64, dtype=BF16, device=DEVICE)
+    with pytest.raises(ValueError, match="does not match"):
+        fused_launch.skinny_gemm(x, torch.zeros(8, 32, dtype=BF16, device=DEVICE))
+    with pytest.raises(ValueError, match="rows"):
+        fused_launch.skinny_gemm(torch.zeros(17, 64, dtype=BF16, device=DEVICE),
+                                 torch.zeros(8, 64, dtype=BF16, device=DEVICE))
+    with pytest.raises(ValueError, match="bias"):
+        fused_launch.skinny_gemm(x, torch.zeros(8, 64, dtype=BF16, device=DEVICE),
+                                 torch.zeros(7, dtype=BF16, device=DEVICE))
+    with pytest.raises(ValueError, match="split_k"):
+        fused_launch.skinny_gemm(x, torch.zeros(8, 64, dtype=BF16, device=DEVICE), split_k=0)
 
 
 def test_gemv_bad_arguments_raise_value_error():

@@ -108,12 +108,15 @@ def rope(positions, q, k, cos, sin, impl: str = "auto"):
 # results the CPU tests pin); the model calls them on CUDA (models/layers.py, models/llama.py).
 
 def linear(x, weight, bias=None):
-    """``F.linear``; on CUDA a decode step's small projections (<= 4 rows, small weights) run
-    through the Triton GEMV instead (kernels/triton/gemv.py). x: [T, K]; weight: [N, K]."""
+    """``F.linear``; on CUDA a decode step's projections of a few rows run through Triton instead:
+    small weights through the GEMV (kernels/triton/gemv.py), larger ones through the one-launch
+    split-K GEMM (kernels/triton/skinny.py). x: [T, K]; weight: [N, K]."""
     if x.is_cuda:
-        from .triton.fused_launch import gemv, gemv_fits
+        from .triton.fused_launch import gemv, gemv_fits, skinny_fits, skinny_gemm
         if gemv_fits(x, weight):
             return gemv(x, weight, bias)
+        if skinny_fits(x, weight):
+            return skinny_gemm(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -11,8 +11,9 @@ import triton
 
 from .fused import lse_merge_kernel, rmsnorm_kernel, rope_store_kernel, silu_mul_kernel
 from .gemv import gemv_kernel
+from .skinny import skinny_gemm_kernel
 from .launch import (TUNING, _FLOAT, _INDEX, _check, _check_caches, _check_labels, _fail, _num_sms,
-                     pdl_enabled, pdl_kwargs)
+                     pdl_enabled, pdl_kwargs, _INTERPRET)
 
 SILU_BLOCK = 1024
 
@@ -197,5 +198,64 @@ def gemv(x, weight, bias=None):
         x.stride(0), weight.stride(0), y.stride(0),
         M=M, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
         **pdl_kwargs(dev),
+    )
+    return y
+
+
+SKINNY_MAX_ROWS = 16  # the kernel pads x to 16 rows
+_SKINNY_COUNTERS: dict = {}  # device index -> int32 arrival counters per N tile, zero between calls
+
+
+def skinny_fits(x, weight) -> bool:
+    """Whether :func:`skinny_gemm` takes ``F.linear(x, weight)``: a CUDA decode projection of at
+    most ``TUNING["skinny_max_rows"]`` rows (0: never) whose weights are too large for the GEMV,
+    where programmatic dependent launch is on, outside a graph capture until the first eager call
+    on the device has made its counters (the engine warms up before it captures)."""
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= min(TUNING["skinny_max_rows"], SKINNY_MAX_ROWS)
+            and pdl_enabled(x.device) and x.dtype in _FLOAT and weight.dtype == x.dtype and weight.dim() == 2
+            and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and weight.numel() * weight.element_size() > TUNING["gemv_max_bytes"]
+            and (_device_index(x.device) in _SKINNY_COUNTERS or not torch.cuda.is_current_stream_capturing()))
+
+
+def _device_index(dev):
+    return dev.index if dev.index is not None else torch.cuda.current_device() if dev.type == "cuda" else -1
+
+
+def skinny_gemm(x, weight, bias=None, split_k=None):
+    """x: [M, K] float (M <= 16); weight: [N, K] (x's dtype); bias: [N] or None -> [M, N] in x's
+    dtype, fp32 accumulation, one launch. ``split_k``: K ranges per N tile (default: about two
+    programs per SM). See :mod:`.skinny`."""
+    dev = x.device
+    _check(x, "x", 2, _FLOAT, dev)
+    _check(weight, "weight", 2, (x.dtype,), dev)
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        _fail(f"skinny_gemm: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+    if not 1 <= M <= SKINNY_MAX_ROWS:
+        _fail(f"skinny_gemm: {M} rows; the kernel takes 1..{SKINNY_MAX_ROWS}")
+    if bias is not None:
+        _check(bias, "bias", 1, (x.dtype,), dev)
+        if bias.shape[0] != N:
+            _fail(f"skinny_gemm: bias has {bias.shape[0]} entries for {N} outputs")
+    block_n, block_k = 64, 128
+    tiles = triton.cdiv(N, block_n)
+    if split_k is None:  # a power of two near two programs per SM (the H200's best, results/h200-s14)
+        per = max(1, 2 * _num_sms(dev) // tiles)
+        split_k = min(8, 1 << (per.bit_length() - 1))
+    if not 1 <= split_k <= 64:
+        _fail(f"skinny_gemm: split_k {split_k} outside 1..64")
+    key = _device_index(dev)
+    cnt = _SKINNY_COUNTERS.get(key)
+    if cnt is None or cnt.numel() < tiles:
+        cnt = _SKINNY_COUNTERS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=dev)
+    part = torch.empty(split_k * 16 * N if split_k > 1 else 1, dtype=torch.float32, device=dev)
+    y = torch.empty((M, N), dtype=x.dtype, device=dev)
+    skinny_gemm_kernel[(tiles, split_k)](
+        x, weight, bias if bias is not None else weight, y, part, cnt, M, N, K,
+        x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, STAGES=3,
+        DOT_F32=_INTERPRET, num_warps=4, **pdl_kwargs(dev),
     )
     return y

@@ -200,6 +200,9 @@ TUNING = {
     # Decode projections of at most this many weight bytes (and <= 4 rows) run through the Triton
     # GEMV (gemv.py), which loads its weights before it waits for the kernel ahead; 0 = never.
     "gemv_max_bytes": 8 << 20,
+    # Decode projections of at most this many rows (<= 16) and larger weights run through the
+    # one-launch split-K GEMM (skinny.py) with PDL instead of cuBLAS; 0 = never.
+    "skinny_max_rows": 4,
 }
 
 
