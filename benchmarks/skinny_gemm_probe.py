@@ -142,7 +142,7 @@ def main(argv=None):
                     help="NxK: o_proj, qkv, down, gate_up of Llama-3.1-8B")
     ap.add_argument("--configs", default="64:128:4:3,64:128:8:3,32:128:4:3,64:256:4:2,128:128:2:3,64:128:1:3",
                     help="BLOCK_N:BLOCK_K:SPLIT_K:STAGES, each timed with and without PDL")
-    ap.add_argument("--package", default="", help="SPLIT_K:PRE_TILES,... of the package's kernel, each timed")
+    ap.add_argument("--package", default="", help="SPLIT_K,... of the package's kernel, each timed")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--summarize", default=None, help="a result file: cuBLAS against the best Triton variant")
@@ -165,9 +165,8 @@ def main(argv=None):
             variants = {"cublas": lambda: F.linear(x_in, w)}
             if fused_launch.pdl_enabled(dev):  # the package's kernel as the engine launches it (PDL)
                 variants["package skinny_gemm pdl"] = lambda: fused_launch.skinny_gemm(x_in, w)
-                for sk, pre in (tuple(int(v) for v in c.split(":")) for c in filter(None, args.package.split(","))):
-                    variants[f"package split {sk} pre {pre} pdl"] = (
-                        lambda sk=sk, pre=pre: fused_launch.skinny_gemm(x_in, w, split_k=sk, pre_tiles=pre))
+                for sk in (int(v) for v in filter(None, args.package.split(","))):
+                    variants[f"package split {sk} pdl"] = lambda sk=sk: fused_launch.skinny_gemm(x_in, w, split_k=sk)
             for c in filter(None, args.configs.split(",")):
                 bn, bk, sk, st = (int(v) for v in c.split(":"))
                 for pdl in (False, True):

@@ -225,10 +225,10 @@ def test_linear_dispatch():
         assert not fused_launch.skinny_fits(_rand(g, 5, 4096), big)  # more rows than skinny_max_rows
 
 
-@pytest.mark.parametrize("m,n,k,split_k,bias,pre", [(3, 200, 300, 2, False, 1), (1, 64, 128, 1, True, 2),
-                                                     (4, 130, 520, 4, True, 2), (16, 70, 129, 3, False, 1),
-                                                     (2, 96, 64, 8, False, 2)])  # more K ranges than K tiles
-def test_skinny_gemm(m, n, k, split_k, bias, pre):
+@pytest.mark.parametrize("m,n,k,split_k,bias", [(3, 200, 300, 2, False), (1, 64, 128, 1, True),
+                                                 (4, 130, 520, 4, True), (16, 70, 129, 3, False),
+                                                 (2, 96, 64, 8, False)])  # more K ranges than K tiles
+def test_skinny_gemm(m, n, k, split_k, bias):
     """The one-launch split-K GEMM at awkward sizes (N, K not multiples of its tiles; empty K
     ranges), twice on the same counters (the tiles' last programs leave them at zero)."""
     from doublesparse.kernels.triton.fused_launch import _SKINNY_COUNTERS, _device_index
@@ -239,7 +239,7 @@ def test_skinny_gemm(m, n, k, split_k, bias, pre):
     b = _rand(g, n) if bias else None
     exp = x.float() @ w.float().T + (b.float() if bias else 0)
     for _ in range(2):
-        y = fused_launch.skinny_gemm(x, w, b, split_k=split_k, pre_tiles=pre)
+        y = fused_launch.skinny_gemm(x, w, b, split_k=split_k)
         assert y.dtype == BF16 and y.shape == (m, n)
         torch.testing.assert_close(y.float(), exp, rtol=1e-2, atol=2e-2)
         assert int(_SKINNY_COUNTERS[_device_index(x.device)].abs().sum()) == 0
@@ -257,8 +257,6 @@ def test_skinny_gemm_bad_arguments_raise_value_error():
                                  torch.zeros(7, dtype=BF16, device=DEVICE))
     with pytest.raises(ValueError, match="split_k"):
         fused_launch.skinny_gemm(x, torch.zeros(8, 64, dtype=BF16, device=DEVICE), split_k=0)
-    with pytest.raises(ValueError, match="pre_tiles"):
-        fused_launch.skinny_gemm(x, torch.zeros(8, 64, dtype=BF16, device=DEVICE), pre_tiles=3)
 
 
 def test_gemv_bad_arguments_raise_value_error():

@@ -222,11 +222,10 @@ def _device_index(dev):
     return dev.index if dev.index is not None else torch.cuda.current_device() if dev.type == "cuda" else -1
 
 
-def skinny_gemm(x, weight, bias=None, split_k=None, pre_tiles=1):
+def skinny_gemm(x, weight, bias=None, split_k=None):
     """x: [M, K] float (M <= 16); weight: [N, K] (x's dtype); bias: [N] or None -> [M, N] in x's
     dtype, fp32 accumulation, one launch. ``split_k``: K ranges per N tile (default: about two
-    programs per SM); ``pre_tiles`` (1 or 2): weight tiles loaded before the PDL wait. See
-    :mod:`.skinny`."""
+    programs per SM). See :mod:`.skinny`."""
     dev = x.device
     _check(x, "x", 2, _FLOAT, dev)
     _check(weight, "weight", 2, (x.dtype,), dev)
@@ -247,8 +246,6 @@ def skinny_gemm(x, weight, bias=None, split_k=None, pre_tiles=1):
         split_k = min(8, 1 << (per.bit_length() - 1))
     if not 1 <= split_k <= 64:
         _fail(f"skinny_gemm: split_k {split_k} outside 1..64")
-    if pre_tiles not in (1, 2):
-        _fail(f"skinny_gemm: pre_tiles {pre_tiles} is not 1 or 2")
     key = _device_index(dev)
     cnt = _SKINNY_COUNTERS.get(key)
     if cnt is None or cnt.numel() < tiles:
@@ -259,6 +256,6 @@ def skinny_gemm(x, weight, bias=None, split_k=None, pre_tiles=1):
         x, weight, bias if bias is not None else weight, y, part, cnt, M, N, K,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, STAGES=3,
-        DOT_F32=_INTERPRET, PRE=pre_tiles, num_warps=4, **pdl_kwargs(dev),
+        DOT_F32=_INTERPRET, num_warps=4, **pdl_kwargs(dev),
     )
     return y

@@ -23,7 +23,7 @@ def skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    STAGES: tl.constexpr, DOT_F32: tl.constexpr, PRE: tl.constexpr = 1, PDL: tl.constexpr = False,
+    STAGES: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -37,23 +37,13 @@ def skinny_gemm_kernel(
     kk = tl.arange(0, BLOCK_K)
     k = k0 + kk
     w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=nmask[:, None] & (k < k1)[None, :], other=0.0)
-    if PRE == 2:  # a second tile in flight before the wait
-        w2 = tl.load(w_ptr + n[:, None] * stride_wn + (k + BLOCK_K)[None, :],
-                     mask=nmask[:, None] & (k + BLOCK_K < k1)[None, :], other=0.0)
-    enter(PDL)  # the first weight tile(s) in flight; from here on, x (the kernel ahead's output)
+    enter(PDL)  # the first weight tile is in flight; from here on, x (the kernel ahead's output)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm[:, None] & (k < k1)[None, :], other=0.0)
     if DOT_F32:  # the interpreter's dot: fp32 operands
         acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
     else:
         acc = tl.dot(x, tl.trans(w))
-    if PRE == 2:
-        k = k + BLOCK_K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm[:, None] & (k < k1)[None, :], other=0.0)
-        if DOT_F32:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w2.to(tl.float32)), acc)
-        else:
-            acc = tl.dot(x, tl.trans(w2), acc)
-    for t in tl.range(k0 + PRE * BLOCK_K, k1, BLOCK_K, num_stages=STAGES):
+    for t in tl.range(k0 + BLOCK_K, k1, BLOCK_K, num_stages=STAGES):
         k = t + kk
         km = k < k1
         w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
