@@ -47,6 +47,9 @@ def main(argv=None):
         floor_ms = meta["weight_bytes"] / meta["copy_bandwidth"] * 1e3
         print(f"{path}: decode median {r['median_decode_latency'] * 1e3:.3f} ms, GPU step "
               f"{p['gpu_step_median_s'] * 1e3:.3f} ms, kernels {sum(cls.values()) / 1e3:.3f} ms; weights floor {floor_ms:.3f} ms")
+        if sum(cls.values()) > p["gpu_step_median_s"] * 1e6:
+            print("  (the kernels overlap: under PDL a kernel launched early counts its wait, e.g. the norms"
+                  " and SiLU-mul behind skinny.py's GEMMs; the classes below are not additive)")
         for kind, us in cls.items():
             per_layer = f" ({us / layers:.1f} us per layer of {layers})" if layers else ""
             print(f"  {kind:12s} {us / 1e3:7.3f} ms{per_layer}")
