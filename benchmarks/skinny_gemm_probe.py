@@ -8,18 +8,19 @@ reduce kernel against a 7.9 us DRAM floor, and reads only 2-3 us faster from L2
 (benchmarks/l2_prefetch_probe.py): launch and first-load latency, not bytes. In a decode step
 every projection follows a kernel that takes part in programmatic dependent launch (RMSNorm,
 SiLU-mul, the attention merge; kernels/triton/pdl.py), so a projection launched with PDL could
-have its first weight tile in flight before that kernel ends. The kernel here: a grid of
-(N / BLOCK_N, SPLIT_K) programs; each loads its first [BLOCK_N, BLOCK_K] weight tile, then waits
-(PDL), then runs its K range on tensor cores (x padded to 16 rows); the partial tiles are summed by
-the last program of each N tile to arrive (a counter, reset by it), so one launch, no reduce kernel.
+have its first weight tile in flight before that kernel ends. The kernel (kernels/triton/skinny.py,
+which session 14 wrote here and session 18 moved into the package): a grid of (N / BLOCK_N,
+SPLIT_K) programs; each loads its first [BLOCK_N, BLOCK_K] weight tile, then waits (PDL), then
+runs its K range on tensor cores (x padded to 16 rows); the partial tiles are summed by the last
+program of each N tile to arrive (a counter, reset by it), so one launch, no reduce kernel.
 
 Timed (median of repeats, L2 flushed before each by a 1 GB read, long enough (~0.25 ms) for the
 host to queue what follows before the GPU gets there, so that launch costs on the host stay out of
 the events): a short PDL kernel that stands for the RMSNorm
 ahead of a projection, then the projection, between two events. Variants: cuBLAS (F.linear), the
-Triton kernel without and with PDL, over a few launch shapes (``--configs ""``: none), and the
-package's kernel (kernels/triton/skinny.py, which grew out of this one) as the engine launches it. Each Triton result is first checked
-against F.linear in fp32.
+kernel without and with PDL over a few launch shapes (``--configs``; ``""``: none), and as the
+engine launches it (``fused_launch.skinny_gemm``: its default split, or each ``--package`` split).
+Each Triton result is first checked against F.linear in fp32.
 """
 
 from __future__ import annotations
@@ -35,55 +36,13 @@ import triton.language as tl
 
 from doublesparse.kernels.triton import fused_launch
 from doublesparse.kernels.triton.pdl import enter
+from doublesparse.kernels.triton.skinny import skinny_gemm_kernel
 from probe_lib import read, write_json
 
 
-@triton.jit
-def skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                  STAGES: tl.constexpr, PDL: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k0 = pid_k * k_len
-    k1 = tl.minimum(k0 + k_len, K)
-    rows = tl.arange(0, 16)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    kk = tl.arange(0, BLOCK_K)
-    # The weights are written by no kernel of the step: the first tile is loaded before the wait.
-    k = k0 + kk
-    w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=nmask[:, None] & (k < k1)[None, :], other=0.0)
-    enter(PDL)
-    xm = rows < M
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm[:, None] & (k < k1)[None, :], other=0.0)
-    acc = tl.dot(x, tl.trans(w))
-    for t in tl.range(k0 + BLOCK_K, k1, BLOCK_K, num_stages=STAGES):
-        k = t + kk
-        km = k < k1
-        w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm[:, None] & km[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    out_mask = xm[:, None] & nmask[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptr + rows[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # part: [SPLIT_K, 16, N] fp32. The last program of this N tile sums the parts (release by
-        # the atomic's acq_rel after the barrier, as in decode_attn's fused merge).
-        tl.store(part_ptr + (pid_k * 16 + rows[:, None]) * N + n[None, :], acc, mask=out_mask)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:
-            tl.store(cnt_ptr + pid_n, 0)
-            tot = tl.zeros([16, BLOCK_N], tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                tot += tl.load(part_ptr + (s * 16 + rows[:, None]) * N + n[None, :], mask=out_mask, other=0.0,
-                               cache_modifier=".cg")
-            tl.store(y_ptr + rows[:, None] * stride_ym + n[None, :], tot.to(y_ptr.dtype.element_ty), mask=out_mask)
-
-
 class Skinny:
-    """y = x @ w.T for x [M <= 16, K]; its workspace (partials, counters) allocated once."""
+    """y = x @ w.T for x [M <= 16, K] by the package's kernel at a given launch shape; its
+    workspace (partials, counters) allocated once."""
 
     def __init__(self, N, K, block_n, block_k, split_k, stages, pdl, device):
         self.N, self.K = N, K
@@ -97,8 +56,8 @@ class Skinny:
         assert M <= 16 and x.shape[1] == self.K and w.shape == (self.N, self.K)
         grid = (triton.cdiv(self.N, self.cfg["BLOCK_N"]), self.cfg["SPLIT_K"])
         kw = dict(launch_pdl=True) if self.pdl else {}
-        skinny_kernel[grid](x, w, y, self.part, self.cnt, M, self.N, self.K, x.stride(0), w.stride(0), y.stride(0),
-                            PDL=self.pdl, num_warps=4, **self.cfg, **kw)
+        skinny_gemm_kernel[grid](x, w, w, y, self.part, self.cnt, M, self.N, self.K, x.stride(0), w.stride(0),
+                                 y.stride(0), HAS_BIAS=False, DOT_F32=False, PDL=self.pdl, num_warps=4, **self.cfg, **kw)
         return y
 
 

@@ -170,24 +170,31 @@ def gemv_fits(x, weight) -> bool:
             and weight.numel() * weight.element_size() <= TUNING["gemv_max_bytes"])
 
 
-def gemv(x, weight, bias=None):
-    """x: [M, K] float (M <= GEMV_MAX_ROWS); weight: [N, K] (x's dtype); bias: [N] or None ->
-    [M, N] in x's dtype, fp32 accumulation. See :mod:`.gemv`."""
+def _check_projection(name, x, weight, bias, max_rows):
+    """(M, N, K) of ``x @ weight.T + bias`` once the operands are checked (ValueError if not)."""
     dev = x.device
     _check(x, "x", 2, _FLOAT, dev)
     _check(weight, "weight", 2, (x.dtype,), dev)
     M, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K:
-        _fail(f"gemv: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
-    if not 1 <= M <= GEMV_MAX_ROWS:
-        _fail(f"gemv: {M} rows; the kernel takes 1..{GEMV_MAX_ROWS}")
-    if K > GEMV_TILE:
-        _fail(f"gemv: K={K} > {GEMV_TILE}")
+        _fail(f"{name}: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+    if not 1 <= M <= max_rows:
+        _fail(f"{name}: {M} rows; the kernel takes 1..{max_rows}")
     if bias is not None:
         _check(bias, "bias", 1, (x.dtype,), dev)
         if bias.shape[0] != N:
-            _fail(f"gemv: bias has {bias.shape[0]} entries for {N} outputs")
+            _fail(f"{name}: bias has {bias.shape[0]} entries for {N} outputs")
+    return M, N, K
+
+
+def gemv(x, weight, bias=None):
+    """x: [M, K] float (M <= GEMV_MAX_ROWS); weight: [N, K] (x's dtype); bias: [N] or None ->
+    [M, N] in x's dtype, fp32 accumulation. See :mod:`.gemv`."""
+    dev = x.device
+    M, N, K = _check_projection("gemv", x, weight, bias, GEMV_MAX_ROWS)
+    if K > GEMV_TILE:
+        _fail(f"gemv: K={K} > {GEMV_TILE}")
     y = torch.empty((M, N), dtype=x.dtype, device=dev)
     block_k = triton.next_power_of_2(K)
     # About one program per SM or more, each a few KB of weights, all resident at once.
@@ -227,18 +234,7 @@ def skinny_gemm(x, weight, bias=None, split_k=None):
     dtype, fp32 accumulation, one launch. ``split_k``: K ranges per N tile (default: about two
     programs per SM). See :mod:`.skinny`."""
     dev = x.device
-    _check(x, "x", 2, _FLOAT, dev)
-    _check(weight, "weight", 2, (x.dtype,), dev)
-    M, K = x.shape
-    N = weight.shape[0]
-    if weight.shape[1] != K:
-        _fail(f"skinny_gemm: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
-    if not 1 <= M <= SKINNY_MAX_ROWS:
-        _fail(f"skinny_gemm: {M} rows; the kernel takes 1..{SKINNY_MAX_ROWS}")
-    if bias is not None:
-        _check(bias, "bias", 1, (x.dtype,), dev)
-        if bias.shape[0] != N:
-            _fail(f"skinny_gemm: bias has {bias.shape[0]} entries for {N} outputs")
+    M, N, K = _check_projection("skinny_gemm", x, weight, bias, SKINNY_MAX_ROWS)
     block_n, block_k = 64, 128
     tiles = triton.cdiv(N, block_n)
     if split_k is None:  # a power of two near two programs per SM (the H200's best, results/h200-s14)
