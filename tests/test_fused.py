@@ -257,6 +257,8 @@ def test_skinny_gemm_bad_arguments_raise_value_error():
                                  torch.zeros(7, dtype=BF16, device=DEVICE))
     with pytest.raises(ValueError, match="split_k"):
         fused_launch.skinny_gemm(x, torch.zeros(8, 64, dtype=BF16, device=DEVICE), split_k=0)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        fused_launch.skinny_gemm(x.float(), torch.zeros(8, 64, device=DEVICE))
 
 
 def test_gemv_bad_arguments_raise_value_error():

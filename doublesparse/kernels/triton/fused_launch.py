@@ -210,16 +210,18 @@ def gemv(x, weight, bias=None):
 
 
 SKINNY_MAX_ROWS = 16  # the kernel pads x to 16 rows
+# bf16 / fp16 only: Triton's dot would run fp32 operands as tf32, less exact than cuBLAS's fp32.
+_HALF = (torch.bfloat16, torch.float16)
 _SKINNY_COUNTERS: dict = {}  # device index -> int32 arrival counters per N tile, zero between calls
 
 
 def skinny_fits(x, weight) -> bool:
-    """Whether :func:`skinny_gemm` takes ``F.linear(x, weight)``: a CUDA decode projection of at
-    most ``TUNING["skinny_max_rows"]`` rows (0: never) whose weights are too large for the GEMV,
-    where programmatic dependent launch is on, outside a graph capture until the first eager call
-    on the device has made its counters (the engine warms up before it captures)."""
+    """Whether :func:`skinny_gemm` takes ``F.linear(x, weight)``: a CUDA decode projection in bf16
+    or fp16 of at most ``TUNING["skinny_max_rows"]`` rows (0: never) whose weights are too large
+    for the GEMV, where programmatic dependent launch is on, outside a graph capture until the
+    first eager call on the device has made its counters (the engine warms up before it captures)."""
     return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= min(TUNING["skinny_max_rows"], SKINNY_MAX_ROWS)
-            and pdl_enabled(x.device) and x.dtype in _FLOAT and weight.dtype == x.dtype and weight.dim() == 2
+            and pdl_enabled(x.device) and x.dtype in _HALF and weight.dtype == x.dtype and weight.dim() == 2
             and x.stride(-1) == 1 and weight.stride(-1) == 1
             and weight.numel() * weight.element_size() > TUNING["gemv_max_bytes"]
             and (_device_index(x.device) in _SKINNY_COUNTERS or not torch.cuda.is_current_stream_capturing()))
@@ -230,11 +232,13 @@ def _device_index(dev):
 
 
 def skinny_gemm(x, weight, bias=None, split_k=None):
-    """x: [M, K] float (M <= 16); weight: [N, K] (x's dtype); bias: [N] or None -> [M, N] in x's
-    dtype, fp32 accumulation, one launch. ``split_k``: K ranges per N tile (default: about two
-    programs per SM). See :mod:`.skinny`."""
+    """x: [M, K] bf16 / fp16 (M <= 16); weight: [N, K] (x's dtype); bias: [N] or None -> [M, N]
+    in x's dtype, fp32 accumulation, one launch. ``split_k``: K ranges per N tile (default: about
+    two programs per SM). See :mod:`.skinny`."""
     dev = x.device
     M, N, K = _check_projection("skinny_gemm", x, weight, bias, SKINNY_MAX_ROWS)
+    if x.dtype not in _HALF:
+        _fail(f"skinny_gemm: x is {x.dtype}; the kernel takes bf16 or fp16")
     block_n, block_k = 64, 128
     tiles = triton.cdiv(N, block_n)
     if split_k is None:  # a power of two near two programs per SM (the H200's best, results/h200-s14)
