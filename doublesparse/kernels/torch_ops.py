@@ -34,6 +34,23 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale)
     return o.reshape(B, Hq, D)
 
 
+def label_scores(q, label_cache, label_scale, channels, req_to_token, req_idx, L, sm_scale, mode):
+    """The approximate scores of positions 0..L-1 of each request ([b, R, L] float32, R = Hq per
+    head, else Hkv; positions past a request's length are not masked) and their cache slots [b, L]."""
+    b, Hq, _ = q.shape
+    Hkv = label_cache.shape[1]
+    G = _group(Hq, Hkv)
+    lab, slots = _gather(label_cache, req_to_token, req_idx, L)              # [b, L, Hkv, r]
+    if label_cache.dtype == torch.float8_e4m3fn:
+        lab = lab * float(label_scale)
+    ch = channels.long().repeat_interleave(G, dim=0)                           # [Hq, r]
+    qh = torch.gather(q.float(), 2, ch[None].expand(b, -1, -1)).view(b, Hkv, G, -1)
+    s = torch.einsum("bhgr,blhr->bhgl", qh, lab) * sm_scale                    # [b, Hkv, G, L]
+    if mode == "per_head":
+        return s.reshape(b, Hq, L), slots
+    return (s.sum(2) if mode == "group_sum" else s.amax(2)), slots
+
+
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
               seq_lens, sm_scale, heavy_token_num, mode="group_max", threshold=0, num_sink=0,
               num_recent=0):
@@ -54,18 +71,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     q, req_idx, lens = q[sparse], req_idx[sparse], lens[sparse]
     b = q.shape[0]
     L = int(lens.max())
-    lab, slots = _gather(label_cache, req_to_token, req_idx, L)              # [b, L, Hkv, r]
-    if label_cache.dtype == torch.float8_e4m3fn:
-        lab = lab * float(label_scale)
-    ch = channels.long().repeat_interleave(G, dim=0)                           # [Hq, r]
-    qh = torch.gather(q.float(), 2, ch[None].expand(b, -1, -1)).view(b, Hkv, G, -1)
-    s = torch.einsum("bhgr,blhr->bhgl", qh, lab) * sm_scale                    # [b, Hkv, G, L]
-    if mode == "per_head":
-        s = s.reshape(b, Hq, L)
-    elif mode == "group_sum":
-        s = s.sum(2)
-    else:
-        s = s.amax(2)
+    s, slots = label_scores(q, label_cache, label_scale, channels, req_to_token, req_idx, L, sm_scale, mode)
     pos = torch.arange(L, device=q.device)[None, None]
     n = lens[:, None, None]
     s = s.masked_fill(pos >= n, float("-inf"))
