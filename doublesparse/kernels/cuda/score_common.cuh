@@ -96,6 +96,18 @@ __device__ __forceinline__ void flush_hist(const int* sh, int* hist, int b, int 
         if (sh[i]) atomicAdd(h0 + (long long)(i >> 8) * stride_hr + (i & 255), sh[i]);
 }
 
+// The end of both score kernels: in the loads-only probe build (LOADS_ONLY) the store that keeps
+// the loads folded into sink (almost never taken); with DO_HIST, the block's histogram flushed.
+__device__ __forceinline__ void score_end(unsigned sink, unsigned short* srow, const int* sh, int* hist, int b,
+                                          int stride_hb, int stride_hr) {
+#if LOADS_ONLY
+    if (sink == 0x9E3779B9u) srow[0] = 1;
+#endif
+#if DO_HIST
+    flush_hist(sh, hist, b, stride_hb, stride_hr);
+#endif
+}
+
 // This block's positions [start, end) of request b's row: one of P slices of whole steps, empty
 // for a request that decodes densely.
 __device__ __forceinline__ void block_slice(int seq_len, int heavy_k, int threshold, int P, int step, int& start,

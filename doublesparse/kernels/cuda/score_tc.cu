@@ -190,9 +190,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
             load_row(lab + (long long)(ok ? rt_row[pos] : 0) * stride_ls, ok, ahead[u][r]);
             slot_after[u][r] = pos + STEP < end ? rt_row[pos + STEP] : 0;
         }
-#if LOADS_ONLY
-    unsigned sink = 0;
-#endif
+    unsigned sink = 0;  // the loads-only probe build's (score_end)
     for (int t = start; t < end; t += STEP) {
         unsigned cur[LT][2][RW];
 #pragma unroll
@@ -259,10 +257,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
 #endif
         }
     }
-#if LOADS_ONLY
-    if (sink == 0x9E3779B9u) srow[0] = 1;  // almost never: keeps the loads
-#endif
-#if DO_HIST
-    flush_hist(sh, hist, b, stride_hb, stride_hr);
-#endif
+    score_end(sink, srow, sh, hist, b, stride_hb, stride_hr);
 }
