@@ -212,7 +212,9 @@ def gemv(x, weight, bias=None):
 SKINNY_MAX_ROWS = 16  # the kernel pads x to 16 rows
 # bf16 / fp16 only: Triton's dot would run fp32 operands as tf32, less exact than cuBLAS's fp32.
 _HALF = (torch.bfloat16, torch.float16)
-_SKINNY_COUNTERS: dict = {}  # device index -> int32 arrival counters per N tile, zero between calls
+# x.device (a tensor's device, so always indexed) -> int32 arrival counters per N tile, zero between
+# calls (each tile's last program resets its own).
+_SKINNY_COUNTERS: dict = {}
 
 
 def skinny_fits(x, weight) -> bool:
@@ -224,11 +226,7 @@ def skinny_fits(x, weight) -> bool:
             and pdl_enabled(x.device) and x.dtype in _HALF and weight.dtype == x.dtype and weight.dim() == 2
             and x.stride(-1) == 1 and weight.stride(-1) == 1
             and weight.numel() * weight.element_size() > TUNING["gemv_max_bytes"]
-            and (_device_index(x.device) in _SKINNY_COUNTERS or not torch.cuda.is_current_stream_capturing()))
-
-
-def _device_index(dev):
-    return dev.index if dev.index is not None else torch.cuda.current_device() if dev.type == "cuda" else -1
+            and (x.device in _SKINNY_COUNTERS or not torch.cuda.is_current_stream_capturing()))
 
 
 def skinny_gemm(x, weight, bias=None, split_k=None):
@@ -246,10 +244,9 @@ def skinny_gemm(x, weight, bias=None, split_k=None):
         split_k = min(8, 1 << (per.bit_length() - 1))
     if not 1 <= split_k <= 64:
         _fail(f"skinny_gemm: split_k {split_k} outside 1..64")
-    key = _device_index(dev)
-    cnt = _SKINNY_COUNTERS.get(key)
+    cnt = _SKINNY_COUNTERS.get(dev)
     if cnt is None or cnt.numel() < tiles:
-        cnt = _SKINNY_COUNTERS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=dev)
+        cnt = _SKINNY_COUNTERS[dev] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=dev)
     part = torch.empty(split_k * 16 * N if split_k > 1 else 1, dtype=torch.float32, device=dev)
     y = torch.empty((M, N), dtype=x.dtype, device=dev)
     skinny_gemm_kernel[(tiles, split_k)](
