@@ -121,12 +121,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
     SCORE_PARAMS)
 {
     __shared__ __align__(16) float sq[HKV * QS];
-    HIST_SMEM;
-    const int b = blockIdx.x, tid = threadIdx.x;
-    const int seq_len = seq_lens[b];
-    int start, end;
-    block_slice(seq_len, heavy_k, threshold, P, STEP, start, end);
-    if (start >= end) return;
+    SCORE_BLOCK_START(STEP);
 
     float scale = (float)sm_scale;
 #if LABEL == 2

@@ -27,6 +27,17 @@
     int stride_qb, int stride_qh, int stride_ls, int stride_lh, int stride_ch, int stride_rt, \
     int stride_sb, int stride_sr, int stride_hb, int stride_hr, int P
 
+// Both kernels' first lines: the block histogram sh (HIST_SMEM), request b, thread tid, and this
+// block's slice [start, end) of b's row in whole steps of STEP_ tokens; a block with no positions
+// (a dense request, or past the row's end) returns.
+#define SCORE_BLOCK_START(STEP_) \
+    HIST_SMEM; \
+    const int b = blockIdx.x, tid = threadIdx.x; \
+    const int seq_len = seq_lens[b]; \
+    int start, end; \
+    block_slice(seq_len, heavy_k, threshold, P, STEP_, start, end); \
+    if (start >= end) return
+
 #if LABEL == 2
 typedef unsigned char label_t;
 #else

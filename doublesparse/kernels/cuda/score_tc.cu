@@ -133,12 +133,7 @@ __device__ __forceinline__ void load_row(const label_t* row, bool valid, unsigne
 extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
     SCORE_PARAMS)
 {
-    HIST_SMEM;
-    const int b = blockIdx.x, tid = threadIdx.x;
-    const int seq_len = seq_lens[b];
-    int start, end;
-    block_slice(seq_len, heavy_k, threshold, P, STEP, start, end);
-    if (start >= end) return;
+    SCORE_BLOCK_START(STEP);
     zero_hist(sh);
 
     const int warp = tid >> 5, lane = tid & 31, m = lane >> 2, c = lane & 3;
