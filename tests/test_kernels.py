@@ -191,11 +191,6 @@ PIPELINES = [
     {"score_impl": "cuda"},
     {"score_impl": "cuda", "score_cuda_hist": False, "select_impl": "triton"},
     {"score_impl": "cuda", "score_cuda_rows_per_thread": 1, "score_cuda_programs_per_sm": 5},
-    # the select's last phase inside the attention launch (ds_compact_attn.py)
-    {"compact_attn": True, "score_impl": "mma"},
-    {"compact_attn": True, "score_impl": "rows", "fuse_merge": True, "select_block_n": 128,
-     "select_prefetch": ""},
-    {"compact_attn": True, "score_impl": "cuda"},
 ]
 
 
@@ -319,30 +314,7 @@ def test_ds_decode_score_then_rest_matches_all():
         launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, stage="scores")
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4]], ids=str)
-@pytest.mark.parametrize("mode", ["per_head", "group_max"])
-def test_ds_compact_attn(case, mode, monkeypatch):
-    """The select's last phase inside the attention launch (TUNING["compact_attn"]): the same
-    selection as the separate phase, and the attention over it; requests that decode densely (the
-    short one of CASES[1]) attend over their own splits; the fused merge too."""
-    seq_lens, hq, hkv, d, r, k = case
-    monkeypatch.setitem(launch.TUNING, "compact_attn", True)
-    c = make_case(seq_lens, hq, hkv, d, r=r, device=DEVICE, seed=_seed(tuple(seq_lens), mode, "compact"))
-    ws = make_ws(c, max_heavy_tokens=k + 3)
-    for fuse in (False, True):
-        monkeypatch.setitem(launch.TUNING, "fuse_merge", fuse)
-        out = torch.full_like(c.q, float("nan"))
-        _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, out=out, num_progs=3,
-                                  return_sel=True)
-        assert not out.isnan().any()
-        _check_selection(c, ws, sel, k, mode)
-        assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
-    assert int(ws.hist[0].abs().sum()) == 0
-
-
-@pytest.mark.parametrize("compact_attn", [False, True])
-def test_ds_threshold_and_sink_recent(compact_attn, monkeypatch):
-    monkeypatch.setitem(launch.TUNING, "compact_attn", compact_attn)
+def test_ds_threshold_and_sink_recent():
     c = make_case([100, 400, 250], 9, 3, 64, device=DEVICE, seed=11)
     k, thr = 48, 260   # the 250-token request is below the threshold: dense
     ws = make_ws(c, max_heavy_tokens=k)
@@ -431,10 +403,8 @@ def test_bad_arguments_raise_value_error():
 # ---------------------------------------------------------------- CUDA graphs
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("mode", ["per_head", "group_max"])
-@pytest.mark.parametrize("compact_attn", [False, True])
-def test_cuda_graph_capture_and_replay(mode, compact_attn, monkeypatch):
+def test_cuda_graph_capture_and_replay(mode):
     """Capture store + dense + DS decode once; replay with new lengths and contents == eager."""
-    monkeypatch.setitem(launch.TUNING, "compact_attn", compact_attn)
     c = make_case([600, 600, 600], 9, 3, 64, device=DEVICE, seed=21)
     ws = make_ws(c, max_heavy_tokens=64, poison=False)
     k_new = torch.randn(3, 3, 64, device=DEVICE).bfloat16()

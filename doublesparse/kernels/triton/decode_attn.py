@@ -101,44 +101,24 @@ def decode_attn_kernel(
         k = _tile_rows(k_cache_ptr, slot, kvh, stride_kcs, stride_kch, nmask, d, dmask, FULL_D)
         # Issued before the softmax so both rows' loads are in flight together.
         v = _tile_rows(v_cache_ptr, slot, kvh, stride_vcs, stride_vch, nmask, d, dmask, FULL_D)
-        m_i, l_i, acc = _attn_tile(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_F32)
+        if DOT_F32:
+            # Triton 3.6's interpreter computes bf16 dots wrongly; upcast there only.
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale                                         # [BLOCK_H, BLOCK_N], log2 units
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_F32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
 
-    _finish_split(acc, m_i, l_i, b, row, split, heads, hmask, d, dmask, part_o_ptr, part_lse_ptr, count_ptr,
-                  out_ptr, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_cb, stride_ob,
-                  stride_oh, G, D, PER_HEAD, NUM_SPLITS, BLOCK_D, FUSE_MERGE, BLOCK_S)
-
-
-@triton.jit
-def _attn_tile(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr):
-    # One tile of the online softmax: q [BLOCK_H, BLOCK_D], k and v [BLOCK_N, BLOCK_D] (rows off
-    # nmask are zeros and get no weight); returns the updated max (log2 units), sum and output.
-    if DOT_F32:
-        # Triton 3.6's interpreter computes bf16 dots wrongly; upcast there only.
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale                                         # [BLOCK_H, BLOCK_N], log2 units
-    s = tl.where(nmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if DOT_F32:
-        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _finish_split(acc, m_i, l_i, b, row, split, heads, hmask, d, dmask, part_o_ptr, part_lse_ptr, count_ptr,
-                  out_ptr, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_cb, stride_ob,
-                  stride_oh, G: tl.constexpr, D: tl.constexpr, PER_HEAD: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_MERGE: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
-    # Stores split's partial output and log-sum-exp (an empty split: lse -inf); with FUSE_MERGE the
-    # row's last split to arrive merges the partials.
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))

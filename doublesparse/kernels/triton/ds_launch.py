@@ -16,12 +16,11 @@ from ..cuda import score as cuda_score
 from ..cuda import select as cuda_select
 from ..reference import MODES
 from ..workspace import SCORE_PAD, SELECT_MAX_PROGS
-from .ds_compact_attn import ds_compact_attn_kernel
 from .ds_score import score_mma_kernel
 from .ds_select import score_kernel
 from .ds_topk import select_kernel
 from .launch import (_INTERPRET, TUNING, _attention, _attn_block_n, _check_decode, _check_labels, _fail,
-                     _merge, _num_sms, dense_splits)
+                     _num_sms, dense_splits)
 
 
 STAGES = ("score", "hist", "select", "attend", "rest", "all")
@@ -90,19 +89,13 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             )
         if stage == "score":
             return None
-    # With compact_attn, "all" and "rest" run the select's last phase inside the attention launch.
-    fused = bool(TUNING["compact_attn"]) and stage in ("all", "rest")
     if stage != "attend":
-        geom = _select(ws, seq_lens, req_to_token, req_idx, k, int(threshold), B, rows, score_hist,
-                       num_progs, stage, phase3=not fused)
+        _select(ws, seq_lens, req_to_token, req_idx, k, int(threshold), B, rows, score_hist,
+                num_progs, stage)
         if stage == "hist":
             return None
         if stage == "select":
             return sel
-    if fused:
-        o = _compact_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                               rows, k, int(threshold), per_head, *geom)
-        return (o, sel) if return_sel else o
     if num_splits is None:
         want = triton.cdiv(TUNING["sparse_attn_programs_per_sm"] * _num_sms(dev), B * rows)
         cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev)), dense_splits(B, Hkv, ws, dev))
@@ -138,12 +131,10 @@ def _score_impl(q, label_cache, channels, mode):
     return impl, impl == "rows" and bool(TUNING["score_hist"]), None
 
 
-def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage,
-            phase3=True):
+def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage):
     """Stage 2: the top-k select's three phases, one launch each (phase 1 skipped when the
-    score launch made the histogram; stage "hist" runs phase 1 only, for the stage benchmark; phase
-    3 skipped unless ``phase3``), by ds_topk.py's Triton kernel or select.cu's CUDA kernels
-    (``_use_cuda_select``). Returns phases 2 and 3's (programs per row, slice alignment)."""
+    score launch made the histogram; stage "hist" runs phase 1 only, for the stage benchmark), by
+    ds_topk.py's Triton kernel or select.cu's CUDA kernels (``_use_cuda_select``)."""
     scores, hist, info, counts, sel, sel_slot = (ws.scores, ws.hist, ws.rowinfo, ws.counts, ws.sel,
                                                  ws.sel_slot)
     nsm = _num_sms(scores.device)
@@ -159,13 +150,12 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
         if not skip_phase1:
             cuda_select.hist_high(scores, hist, seq_lens, k, threshold, B, rows,
                                   progs(TUNING["hist_programs_per_sm"], cuda_select.CHUNK))
-        P = progs(TUNING["select_programs_per_sm"], cuda_select.CHUNK, SELECT_MAX_PROGS)
         if stage != "hist":
+            P = progs(TUNING["select_programs_per_sm"], cuda_select.CHUNK, SELECT_MAX_PROGS)
             cuda_select.hist_low(scores, hist, info, counts, seq_lens, k, threshold, B, rows, P)
-            if phase3:
-                cuda_select.compact(scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token,
-                                    req_idx, k, threshold, B, rows, P)
-        return P, cuda_select.CHUNK
+            cuda_select.compact(scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx,
+                                k, threshold, B, rows, P)
+        return
     args = (scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx, k, threshold,
             scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
             info.stride(0), info.stride(1), counts.stride(0), counts.stride(1),
@@ -184,47 +174,8 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
         launch(1, TUNING["hist_block_n"], TUNING["hist_programs_per_sm"], TUNING["select_loop_stages"])
     if stage != "hist":
         for phase, stages in ((2, TUNING["select_loop_stages"]), (3, TUNING["compact_loop_stages"])):
-            if phase == 2 or phase3:
-                launch(phase, TUNING["select_block_n"], TUNING["select_programs_per_sm"], stages,
-                       SELECT_MAX_PROGS)
-    block = TUNING["select_block_n"]
-    return progs(TUNING["select_programs_per_sm"], block, SELECT_MAX_PROGS), block
-
-
-def _compact_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out, rows, k,
-                       threshold, per_head, P, slice_block):
-    """The select's phase 3 and the attention in one launch (ds_compact_attn.py), on phase 2's P
-    programs per row and slicing; then the merge of the P partials (unless fuse_merge)."""
-    B, Hq, D = q.shape
-    G = Hq // k_cache.shape[1]
-    if P > ws.max_splits:
-        _fail(f"compact_attn needs {P} splits per row, the workspace has {ws.max_splits}")
-    if out is None:
-        out = torch.empty_like(q)
-    po, pl, cnt = ws.part_o, ws.part_lse, ws.split_count
-    scores, hist, info, counts, sel, sel_slot = (ws.scores, ws.hist, ws.rowinfo, ws.counts, ws.sel,
-                                                 ws.sel_slot)
-    fuse = bool(TUNING["fuse_merge"])
-    prefetch = TUNING["select_prefetch"]
-    prefetch = {True: "23", False: ""}.get(prefetch, str(prefetch))
-    ds_compact_attn_kernel[(B, rows, P)](
-        q, k_cache, v_cache, req_to_token, req_idx, seq_lens, scores, hist, info, counts, sel, sel_slot,
-        po, pl, cnt, out, float(sm_scale), k, threshold,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        req_to_token.stride(0), scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1),
-        hist.stride(2), info.stride(0), info.stride(1), counts.stride(0), counts.stride(1),
-        sel.stride(0), sel.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        cnt.stride(0), out.stride(0), out.stride(1),
-        G=G, D=D, PER_HEAD=per_head, NUM_PROGS=P, SLICE_BLOCK=slice_block,
-        BLOCK_C=min(TUNING["select_block_n"], slice_block), MAX_PROGS=SELECT_MAX_PROGS,
-        PREFETCH="3" in prefetch, BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)),
-        BLOCK_N=_attn_block_n(B * rows, q.device), BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET,
-        FUSE_MERGE=fuse, BLOCK_S=triton.next_power_of_2(P),
-        num_warps=TUNING["attn_warps"], num_stages=TUNING["sparse_attn_stages"],
-    )
-    if not fuse:
-        _merge(ws, out, P)
-    return out
+            launch(phase, TUNING["select_block_n"], TUNING["select_programs_per_sm"], stages,
+                   SELECT_MAX_PROGS)
 
 
 _WARNED: set = set()  # (knob, reason) a CUDA path could not run, each warned about once

@@ -56,29 +56,6 @@ def _emit(key, offs, nmask, thr, n_gt, ties, base, base_e, out, out_slot, rt_row
 
 
 @triton.jit
-def _compact_setup(hp, stride_hp, cnt, info, heavy_k, p, NUM_PROGS: tl.constexpr, MAX_PROGS: tl.constexpr):
-    # Phase 3's prologue, from phase 2's outputs of one row (hp: hist[1], cnt: counts, info:
-    # rowinfo): the 16-bit threshold; the keys above it (n_gt) and tied ones (ties) that a row
-    # selects; the output offsets of program p's first key above it and first tied key.
-    # Every program's low-byte histogram [MAX_PROGS, 256]: their sum gives the low byte of the
-    # threshold; per program, the keys above it and equal to it, whose sums over the programs
-    # before this one are its output offsets (no atomics, so no dependence on program order).
-    digit0 = tl.load(info)
-    need0 = tl.load(info + 1)
-    bins = tl.arange(0, 256)
-    pp = tl.arange(0, MAX_PROGS)
-    used = pp < NUM_PROGS
-    h = tl.load(hp + pp[:, None] * stride_hp + bins[None, :], mask=used[:, None], other=0)
-    digit1, above1 = _threshold_digit(tl.sum(h, 0), need0)
-    n_gt = heavy_k - need0 + above1
-    c_gt = tl.load(cnt + pp, mask=used, other=0) + tl.sum(tl.where(bins[None, :] > digit1, h, 0), 1)
-    c_eq = tl.sum(tl.where(bins[None, :] == digit1, h, 0), 1)
-    base = tl.sum(tl.where(pp < p, c_gt, 0), 0)
-    base_e = tl.sum(tl.where(pp < p, c_eq, 0), 0)
-    return digit0 * 256 + digit1, n_gt, heavy_k - n_gt, base, base_e
-
-
-@triton.jit
 def _keys_ahead(srow, t, end, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
     # With PREFETCH, the fp16 scores of the block at t, loaded ahead of their use (past the
     # program's range, those of block 0: an address always valid, never used); else nothing to
@@ -174,8 +151,22 @@ def select_kernel(
         if p == 0:
             # hist[0] has had its last reader (phase 2): leave it zeroed for the next call.
             tl.store(h0 + bins, tl.zeros([256], tl.int32))
-        thr, n_gt, ties, base, base_e = _compact_setup(hp, stride_hp, cnt, info, heavy_k, p,
-                                                       NUM_PROGS, MAX_PROGS)
+        digit0 = tl.load(info)
+        need0 = tl.load(info + 1)
+        # Every program's low-byte histogram [MAX_PROGS, 256]: their sum gives the low byte of the
+        # threshold; per program, the keys above it and equal to it, whose sums over the programs
+        # before this one are its output offsets (no atomics, so no dependence on program order).
+        pp = tl.arange(0, MAX_PROGS)
+        used = pp < NUM_PROGS
+        h = tl.load(hp + pp[:, None] * stride_hp + bins[None, :], mask=used[:, None], other=0)
+        digit1, above1 = _threshold_digit(tl.sum(h, 0), need0)
+        thr = digit0 * 256 + digit1
+        n_gt = heavy_k - need0 + above1
+        ties = heavy_k - n_gt
+        c_gt = tl.load(cnt + pp, mask=used, other=0) + tl.sum(tl.where(bins[None, :] > digit1, h, 0), 1)
+        c_eq = tl.sum(tl.where(bins[None, :] == digit1, h, 0), 1)
+        base = tl.sum(tl.where(pp < p, c_gt, 0), 0)
+        base_e = tl.sum(tl.where(pp < p, c_eq, 0), 0)
         out = sel_ptr + b * stride_selb + row * stride_selr
         out_slot = sel_slot_ptr + b * stride_selb + row * stride_selr
         rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt

@@ -163,9 +163,6 @@ TUNING = {
     "hist_block_n": 4096, "hist_programs_per_sm": 8,
     # The attention over the selected tokens (the dense kernel's knobs otherwise).
     "sparse_attn_programs_per_sm": 4, "sparse_attn_stages": 2,
-    # The select's last phase and the attention in one launch (ds_compact_attn.py): each phase-3
-    # program attends over the tokens it selected. False = two launches.
-    "compact_attn": False,
     # The select's kernels: "triton" (ds_topk.py), "cuda" (kernels/cuda/select.cu through NVRTC;
     # the same output), or "auto" = "cuda" where NVRTC and the GPU allow, else "triton". Measured
     # on an H200 (results/h200-s15): the DS decode step at 16 x 32K 8.48 -> 7.99 ms with "cuda".
@@ -278,20 +275,13 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
         num_warps=TUNING["attn_warps"], num_stages=stages or TUNING["attn_stages"],
     )
     if not fuse:
-        _merge(ws, out, S)
+        merge_kernel[(B, Hq)](
+            po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+            out.stride(0), out.stride(1),
+            D=D, NUM_SPLITS=S, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
+            num_warps=4, **pdl_kwargs(q.device),
+        )
     return out
-
-
-def _merge(ws, out, S):
-    """The split-K merge of the S partials in ``ws`` into ``out [B, Hq, D]``."""
-    B, Hq, D = out.shape
-    po, pl = ws.part_o, ws.part_lse
-    merge_kernel[(B, Hq)](
-        po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        out.stride(0), out.stride(1),
-        D=D, NUM_SPLITS=S, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4, **pdl_kwargs(out.device),
-    )
 
 
 def dense_splits(B: int, Hkv: int, ws: DecodeWorkspace, device) -> int:
