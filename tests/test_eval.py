@@ -1,7 +1,9 @@
 """Eval: the decode driver equals sequential decoding on the real ops; eval --small end to end."""
 
 import json
+from dataclasses import replace
 
+import pytest
 import torch
 
 from doublesparse.calibrate.stats import make_batch, plain_backend
@@ -62,6 +64,38 @@ def test_bytes_per_step():
     d2 = Setting("ds", "qk", "group_sum", 16, 1 / 16, dense_layers=2)
     assert d2.bytes_per_step(4096, *dims) == 2 * dense // 30 + 28 * (4096 * 3 * 16 * 2 + 256 * 3 * 64 * 4)
     assert len(set(preset("full"))) == len(preset("full")) > 80
+
+
+def test_fp8_label_setting():
+    """fp8 labels: their own pool, half the label bytes, a name of their own; the decode equals
+    the bf16 one where k keeps every token and stays close to it where it does not; the
+    fidelity observer reads the fp8 pool."""
+    dims = (30, 9, 3, 64)
+    s = Setting("ds", "qk", "group_max", 16, 1 / 16, label="fp8")
+    assert s.name == "qk/group_max/r16/k1:16/fp8" and s.line.endswith("+fp8")
+    assert s.bytes_per_step(4096, *dims) == 30 * (4096 * 3 * 16 * 1 + 256 * 3 * 64 * 2 * 2)
+    m, ids, full, p = _setup()
+    ch = default_channels(m, 8)
+    p.relabel(ch, "fp8")
+    assert p.label_pool(8, "fp8")[0].dtype == torch.float8_e4m3fn and (8, "bf16") not in p.labels
+    dense = torch.cat([f[40:] for f in full])
+    whole = driver.decode_tokens(m, p, Setting("ds", "qk", "group_max", 8, 1.0, label="fp8"), ch,
+                                 [x[40:] for x in ids], 64)
+    torch.testing.assert_close(whole, dense, atol=1e-4, rtol=1e-4)
+    p.relabel(ch)
+    sparse = Setting("ds", "qk", "group_max", 8, 1 / 4)
+    recall = {}
+
+    def obs(layer_id, q, out, view):
+        recall.setdefault(view.s.label, []).append(driver.selection_recall(q, view, layer_id).mean())
+
+    bf = driver.decode_tokens(m, p, sparse, ch, [x[40:] for x in ids], 16, observer=obs)
+    f8 = driver.decode_tokens(m, p, replace(sparse, label="fp8"), ch, [x[40:] for x in ids], 16, observer=obs)
+    assert (bf - dense).abs().max() > 1e-3  # it is sparse
+    assert (f8 - bf).abs().max() < 0.5 * (bf - dense).abs().max() + 1e-2
+    assert len(recall["fp8"]) == len(recall["bf16"]) == 2 and all(0 < r <= 1.0001 for r in recall["fp8"])
+    with pytest.raises(ValueError):
+        Setting(label="fp16")
 
 
 def test_retrieval_prompt():

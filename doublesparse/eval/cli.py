@@ -178,7 +178,8 @@ def run_notes(name, source, device, L: dict, bytes_ctx: int, text: bool, ret: bo
     if ret:
         notes.append(f"retrieval: context lengths {L['lens']}, depths {L['depths']}, {L['trials']} trial(s) "
                      f"per cell, pass-key seed {seed}; k = k_frac x context")
-    notes.append(f"bytes per step at context {bytes_ctx}, K/V/labels as bf16; sink/recent capped at "
+    notes.append(f"bytes per step at context {bytes_ctx}, K/V and labels as bf16 (labels of '/fp8' settings "
+                 f"as fp8, 1 byte); sink/recent capped at "
                  f"k/8 and k/4 (as the engine's default)")
     return notes
 

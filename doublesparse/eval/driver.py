@@ -36,7 +36,8 @@ def _causal():
 class Pools:
     """KV and label pools in the kernels' layout for ``num_reqs`` requests of up to ``max_ctx``.
 
-    k[l], v[l]: ``[S, Hkv, D]``; labels[r][l]: ``[S, Hkv, r]`` bf16 (one pool per r in use);
+    k[l], v[l]: ``[S, Hkv, D]``; labels[(r, label)][l]: ``[S, Hkv, r]`` bf16 or fp8 e4m3 (one pool
+    per r and label dtype in use; fp8 with scale 1, as the engine stores them);
     req_to_token: ``[num_reqs + 1, max_ctx]`` int32. Slot 0 and row 0 are padding; request i owns
     row i + 1 and slots ``1 + i * max_ctx + position``.
     """
@@ -50,38 +51,40 @@ class Pools:
         S = 1 + num_reqs * max_ctx
         self.k = [torch.zeros(S, self.hkv, self.D, dtype=dtype, device=device) for _ in range(self.L)]
         self.v = [torch.zeros_like(self.k[0]) for _ in range(self.L)]
-        self.labels: dict[int, list[torch.Tensor]] = {}
+        self.labels: dict[tuple, list[torch.Tensor]] = {}
         self.label_scale = torch.ones(1, dtype=torch.float32, device=device)
         base = 1 + torch.arange(num_reqs, device=device)[:, None] * max_ctx
         r2t = base + torch.arange(max_ctx, device=device)[None]
         self.req_to_token = torch.cat([torch.zeros(1, max_ctx, dtype=torch.long, device=device), r2t]).int()
         self.prefix_len = [0] * num_reqs
         self._ws: dict = {}
-        self._labelled: dict[int, tuple] = {}  # r -> (channels, prefix_len) the prefix labels hold
+        self._labelled: dict[tuple, tuple] = {}  # (r, label) -> (channels, prefix_len) the prefix labels hold
 
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.req_to_token[rows.long(), positions.long()]
 
-    def label_pool(self, r: int) -> list[torch.Tensor]:
-        if r not in self.labels:
+    def label_pool(self, r: int, label: str = "bf16") -> list[torch.Tensor]:
+        """Per layer, the ``[S, Hkv, r]`` label pool of dtype ``label`` ("bf16" or "fp8")."""
+        key = (r, label)
+        if key not in self.labels:
             S = self.k[0].shape[0]
-            self.labels[r] = [torch.zeros(S, self.hkv, r, dtype=torch.bfloat16, device=self.device)
-                              for _ in range(self.L)]
-        return self.labels[r]
+            dt = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[label]
+            self.labels[key] = [torch.zeros(S, self.hkv, r, dtype=dt, device=self.device) for _ in range(self.L)]
+        return self.labels[key]
 
-    def relabel(self, channels: torch.Tensor) -> None:
+    def relabel(self, channels: torch.Tensor, label: str = "bf16") -> None:
         """Labels of every request's prefix from its stored K, through the real store kernel.
 
         channels: ``[L, Hkv, r]``. Skipped when the r-pool's prefix already holds labels of the
         same channels: decoding only ever rewrites slots after the prefix, and each decode forward
         stores its own tokens' labels before it reads them."""
-        r = channels.shape[-1]
-        pool = self.label_pool(r)
-        done = self._labelled.get(r)
+        key = (channels.shape[-1], label)
+        pool = self.label_pool(*key)
+        done = self._labelled.get(key)
         if (done is not None and done[1] == tuple(self.prefix_len) and done[0].shape == channels.shape
                 and torch.equal(done[0], channels.cpu())):
             return
-        self._labelled[r] = (channels.cpu().clone(), tuple(self.prefix_len))
+        self._labelled[key] = (channels.cpu().clone(), tuple(self.prefix_len))
         slots = torch.cat([self.req_to_token[i + 1, :n] for i, n in enumerate(self.prefix_len) if n])
         for l in range(self.L):
             ops.store_kv(self.k[l], self.v[l], self.k[l][slots.long()], self.v[l][slots.long()], slots,
@@ -133,7 +136,7 @@ class DecodeAttention:
         p, s = self.p, self.s
         slots = p.slots(self.rows, self.positions)
         if self.channels is not None:
-            lab = p.label_pool(self.channels.shape[-1])[layer_id]
+            lab = p.label_pool(self.channels.shape[-1], s.label)[layer_id]
             ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, lab, p.label_scale, self.channels[layer_id],
                          impl=p.impl)
         else:
@@ -221,7 +224,7 @@ def selection_recall(q, view: DecodeAttention, layer_id: int, chunk: int = 64,
     gather is ``chunk x ctx x Hkv x D x 4`` bytes) so it also runs at GPU scale.
     """
     p, s = view.p, view.s
-    lab_pool = p.label_pool(view.channels.shape[-1])[layer_id]
+    lab_pool = p.label_pool(view.channels.shape[-1], s.label)[layer_id]
     ch = view.channels[layer_id].long()                                   # [Hkv, r]
     B, Hq, D = q.shape
     rows = torch.arange(B, device=q.device) if rows is None else rows.to(q.device).long()

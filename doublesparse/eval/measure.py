@@ -120,7 +120,7 @@ class TextRunner:
         for g in self.groups:
             pools, inputs, targets, ref = g
             if ch is not None:
-                pools.relabel(ch)
+                pools.relabel(ch, s.label)
             logits = driver.decode_tokens(self.model, pools, s, ch, inputs, s.heavy_tokens(self.wl),
                                           observer=fidelity if s.kind == "ds" else None)
             logp = logits.log_softmax(-1)

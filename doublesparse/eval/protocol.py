@@ -9,6 +9,7 @@ still fits before the deadline, and ``results.json`` + ``table.md`` are rewritte
 (``plot.png`` after every part), so a kill loses at most the unit in flight:
 
   a. text (ppl, KL(dense||DS), top-1): dense, the engine default, plain group_sum (the baseline)
+     (with ``--label-dtypes bf16 fp8`` also the default and its k = ctx/8 with fp8 labels)
   b. retrieval, the same three settings, ``--retrieval-trials`` per (length, depth)
   c. text for the rest: improvement variants, the default's line over r and k, the r/k/type/mode
      grid; then retrieval for the improvement variants
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--modes", nargs="+", default=["group_max", "group_sum", "per_head"])
     a("--rs", type=int, nargs="+", default=[16, 8, 32])
     a("--k-fracs", type=float, nargs="+", default=[1 / 16, 1 / 32, 1 / 8])
+    a("--label-dtypes", nargs="+", default=["bf16"], choices=["bf16", "fp8"],
+      help="with fp8: parts a and b also run the default and its k = ctx/8 with fp8 labels (and the "
+           "latter in bf16), right after the first three settings")
     a("--fidelity-stride", type=int, default=1, help="fidelity on every n-th decoded token")
     a("--impl", default="auto", choices=["auto", "triton", "torch"],
       help="kernels (auto: Triton on CUDA; triton on CPU needs TRITON_INTERPRET=1)")
@@ -133,6 +137,9 @@ def plan_settings(args, head_dim: int) -> dict:
     """The setting lists of each part, most important first."""
     default = default_setting(head_dim)
     first = [DENSE, default, BASELINE]
+    if "fp8" in args.label_dtypes:
+        wide = replace(default, k_frac=1 / 8)
+        first += [replace(default, label="fp8"), wide, replace(wide, label="fp8")]
     variants = improvements(BASELINE) + [replace(BASELINE, mode="per_head")]
     line = [replace(default, r=r, k_frac=f) for r in args.rs for f in args.k_fracs]
     text_rest = unique(variants + line + grid(args.types, args.modes, args.rs, args.k_fracs))

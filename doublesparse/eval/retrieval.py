@@ -136,7 +136,7 @@ class RetrievalRunner:
         ch = channels_for(s) if s.kind == "ds" else None
         for n, ts, pools in self.groups:
             if ch is not None:
-                pools.relabel(ch)
+                pools.relabel(ch, s.label)
             new = driver.greedy(self.model, pools, s, ch, [t.ids[-1] for t in ts], ANSWER_TOKENS,
                                 s.heavy_tokens(n))
             for t, toks in zip(ts, new):

@@ -1,7 +1,7 @@
 """What one evaluated decode configuration is, the grids we sweep, and what a step reads.
 
-Bytes per decode step (per request, summed over layers; K/V and labels counted at 2 bytes, as
-stored in bf16 on the GPU, whatever dtype a CPU run uses):
+Bytes per decode step (per request, summed over layers; K/V and bf16 labels counted at 2 bytes,
+fp8 labels at 1, as stored on the GPU, whatever dtype a CPU run uses):
 
     dense layer          : n * Hkv * D * 2 (K and V) * 2
     double-sparse layer  : labels n * Hkv * r * label_bytes
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 KV_BYTES = 2
-LABEL_BYTES = 2
+LABEL_BYTES = {"bf16": 2, "fp8": 1}
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Setting:
     num_sink / num_recent: always-kept first / last tokens (counted inside k); like the engine's
     default they are capped at k/8 and k/4 for small k (:meth:`sink_recent`).
     dense_layers: the first layers decode densely.
+    label: the label cache's dtype, "bf16" or "fp8" (e4m3, the engine's ``--ds-label-dtype``).
     """
 
     kind: str = "ds"
@@ -41,12 +42,15 @@ class Setting:
     num_sink: int = 0
     num_recent: int = 0
     dense_layers: int = 0
+    label: str = "bf16"
 
     def __post_init__(self):
         if self.kind not in ("dense", "ds"):
             raise ValueError(f"kind must be 'dense' or 'ds', got {self.kind!r}")
         if self.kind == "ds" and not 0 < self.k_frac <= 1:
             raise ValueError(f"k_frac must be in (0, 1], got {self.k_frac}")
+        if self.label not in LABEL_BYTES:
+            raise ValueError(f"label must be one of {sorted(LABEL_BYTES)}, got {self.label!r}")
 
     @property
     def name(self) -> str:
@@ -57,6 +61,8 @@ class Setting:
             s += f"/s{self.num_sink}w{self.num_recent}"
         if self.dense_layers:
             s += f"/d{self.dense_layers}"
+        if self.label != "bf16":
+            s += f"/{self.label}"
         return s
 
     @property
@@ -69,6 +75,8 @@ class Setting:
             s += f"+sink{self.num_sink}/recent{self.num_recent}"
         if self.dense_layers:
             s += f"+dense{self.dense_layers}"
+        if self.label != "bf16":
+            s += f"+{self.label}"
         return s
 
     def heavy_tokens(self, ctx: int) -> int:
@@ -90,7 +98,7 @@ class Setting:
             return dense * num_layers
         k = min(self.heavy_tokens(ctx), ctx)
         rows = num_q_heads if self.mode == "per_head" else num_kv_heads
-        sparse = ctx * num_kv_heads * self.r * LABEL_BYTES + k * rows * head_dim * 2 * KV_BYTES
+        sparse = ctx * num_kv_heads * self.r * LABEL_BYTES[self.label] + k * rows * head_dim * 2 * KV_BYTES
         if k >= ctx:  # ops.ds_decode falls back to dense when the context is short
             sparse = dense
         nd = min(self.dense_layers, num_layers)
