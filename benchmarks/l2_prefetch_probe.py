@@ -6,7 +6,8 @@ Idea (not in the engine): the DS select passes are latency-bound and leave DRAM 
 µs per layer, while the o_proj that follows reads its 33.5 MB of weights (Llama-3.1-8B) from DRAM.
 If those weights were loaded into L2 during the select (evict_last) and the attention's gathered
 K/V (~134 MB per layer at 16 x 32K) were read with evict_first, the o_proj would read L2. This
-times the o_proj GEMM (cuBLAS, F.linear, [rows, 4096] x [4096, 4096] bf16) alone after each
+times the o_proj GEMM (``--gemm cublas``: F.linear; ``--gemm skinny``: the engine's split-K Triton
+GEMM for <= 4 rows, kernels/triton/skinny.py; [rows, 4096] x [4096, 4096] bf16) alone after each
 preparation (events right before and after it), median of repeats:
 
   cold        L2 flushed (a 256 MB read), then the GEMM
@@ -32,6 +33,7 @@ def main(argv=None):
     ap.add_argument("--stream-mb", default="67,134")
     ap.add_argument("--shapes", default="4096x4096,6144x4096")
     ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--gemm", choices=["cublas", "skinny"], default="cublas")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -39,6 +41,10 @@ def main(argv=None):
     flush = torch.randn(128 << 20, device=dev, dtype=torch.bfloat16)  # 256 MB
     streams = {mb: torch.randn(mb << 19, device=dev, dtype=torch.bfloat16) for mb in
                (int(x) for x in args.stream_mb.split(","))}
+    if args.gemm == "skinny":
+        from doublesparse.kernels.triton.fused_launch import skinny_gemm as gemm
+    else:
+        gemm = F.linear
     rows = []
     for shape in args.shapes.split(","):
         N, K = (int(x) for x in shape.split("x"))
@@ -54,7 +60,7 @@ def main(argv=None):
         for _ in range(3):  # compile and warm up
             for prep in preps.values():
                 prep()
-            F.linear(x, w)
+            gemm(x, w)
         torch.cuda.synchronize()
         times = {k: [] for k in preps}
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,16 +68,16 @@ def main(argv=None):
             for name, prep in preps.items():  # interleaved, so that drift hits every case alike
                 prep()  # not synchronised: the GPU is still busy with it when the GEMM is queued,
                 a.record()  # so the events time the GEMM, not its launch from the host
-                F.linear(x, w)
+                gemm(x, w)
                 b.record()
                 torch.cuda.synchronize()
                 times[name].append(a.elapsed_time(b) * 1e3)
         floor_us = w.numel() * 2 / 4.26e12 * 1e6
         for name, ts in times.items():
             med = statistics.median(ts)
-            rows.append(dict(shape=shape, rows=args.rows, case=name, us=med, weight_mb=w.numel() * 2 / 1e6,
+            rows.append(dict(shape=shape, rows=args.rows, gemm=args.gemm, case=name, us=med, weight_mb=w.numel() * 2 / 1e6,
                              dram_floor_us=floor_us))
-            print(f"{shape} rows {args.rows} {name:12s} {med:7.2f} us  (DRAM floor {floor_us:.2f} us)", flush=True)
+            print(f"{shape} rows {args.rows} {args.gemm} {name:12s} {med:7.2f} us  (DRAM floor {floor_us:.2f} us)", flush=True)
     write_json(args.json, "l2_prefetch_probe.py", rows)
 
 if __name__ == "__main__":
