@@ -6,6 +6,6 @@ source benchmarks/runbook_lib.sh; runbook_start
 cd benchmarks
 for g in skinny cublas; do
   timeout 120 python l2_prefetch_probe.py --gemm $g --rows 3 --stream-mb 46 --shapes 4096x4096,6144x4096 \
-    --json $OUT/l2-prefetch-$g.json
+    --repeats 20 --json $OUT/l2-prefetch-$g.json
 done
 echo "== end"

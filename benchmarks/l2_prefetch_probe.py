@@ -8,7 +8,8 @@ If those weights were loaded into L2 during the select (evict_last) and the atte
 K/V (~134 MB per layer at 16 x 32K) were read with evict_first, the o_proj would read L2. This
 times the o_proj GEMM (``--gemm cublas``: F.linear; ``--gemm skinny``: the engine's split-K Triton
 GEMM for <= 4 rows, kernels/triton/skinny.py; [rows, 4096] x [4096, 4096] bf16) alone after each
-preparation (events right before and after it), median of repeats:
+preparation, in CUDA graphs (a graph of preparation + GEMM against one of the preparation alone,
+replayed back to back; the difference per replay), median of repeats:
 
   cold        L2 flushed (a 256 MB read), then the GEMM
   warm        the weights just read (evict_last), then the GEMM: the bound of the idea
@@ -62,16 +63,31 @@ def main(argv=None):
                 prep()
             gemm(x, w)
         torch.cuda.synchronize()
+        # In CUDA graphs: the host's launch time (Triton's is tens of µs) must not fall between
+        # the preparation and the GEMM. GEMM time = (prep + GEMM) - prep, per replay.
+        graphs = {}
+        for name, prep in preps.items():
+            for with_gemm in (False, True):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    prep()
+                    if with_gemm:
+                        gemm(x, w)
+                graphs[name, with_gemm] = g
         times = {k: [] for k in preps}
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reps = 10
         for _ in range(args.repeats):
-            for name, prep in preps.items():  # interleaved, so that drift hits every case alike
-                prep()  # not synchronised: the GPU is still busy with it when the GEMM is queued,
-                a.record()  # so the events time the GEMM, not its launch from the host
-                gemm(x, w)
-                b.record()
-                torch.cuda.synchronize()
-                times[name].append(a.elapsed_time(b) * 1e3)
+            for name in preps:  # interleaved, so that drift hits every case alike
+                t = {}
+                for with_gemm in (False, True):
+                    a.record()
+                    for _ in range(reps):
+                        graphs[name, with_gemm].replay()
+                    b.record()
+                    torch.cuda.synchronize()
+                    t[with_gemm] = a.elapsed_time(b) * 1e3 / reps
+                times[name].append(t[True] - t[False])
         floor_us = w.numel() * 2 / 4.26e12 * 1e6
         for name, ts in times.items():
             med = statistics.median(ts)
