@@ -28,6 +28,7 @@ def main(argv=None):
     ap.add_argument("--cases", default="3x65536,3x131072")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--programs", default="528", help="comma-separated TUNING ds_prefetch_programs to try")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -53,8 +54,12 @@ def main(argv=None):
             outs[pf] = p.out.clone()
         assert torch.equal(outs[False], outs[True]), "the prefetch changed the attention output"
         graphs = {}
-        for name, fn in (("flush", lambda: read(flush, sink, "")), ("plain", lambda: step(False)),
-                         ("prefetch", lambda: step(True))):
+        variants = [("flush", lambda: read(flush, sink, "")), ("plain", lambda: step(False))]
+        variants += [(f"prefetch{n}", lambda: step(True), int(n)) for n in args.programs.split(",")]
+        for name, fn, *progs in variants:
+            if progs:
+                launch.TUNING["ds_prefetch_programs"] = progs[0]
+                fn()  # compile outside the capture
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 fn()
@@ -70,7 +75,7 @@ def main(argv=None):
                 torch.cuda.synchronize()
                 times[name].append(a.elapsed_time(b) * 1e3 / args.replays)
         fl = statistics.median(times["flush"])
-        for name in ("plain", "prefetch"):
+        for name in [n for n in graphs if n != "flush"]:
             us = statistics.median(times[name]) - fl
             rows.append(dict(batch=B, ctx=L, k=k, case=name, us=us, rounds=[t - fl for t in times[name]]))
             print(f"{B}x{L} k{k} {name:9s} DS + o_proj {us:7.2f} us (rounds {[round(t - fl, 1) for t in times[name]]})",

@@ -124,11 +124,12 @@ def _prefetch_l2(t):
         _fail(f"prefetch must be a contiguous 2-byte tensor, got {t.dtype} {tuple(t.shape)}")
     dev = t.device
     if dev not in _SIDE:
-        _SIDE[dev] = (torch.cuda.Stream(dev), torch.zeros(4 * _num_sms(dev), device=dev))
+        _SIDE[dev] = (torch.cuda.Stream(dev), torch.zeros(4096, device=dev))
     side, sink = _SIDE[dev]
     side.wait_stream(torch.cuda.current_stream(dev))
+    P = max(1, min(TUNING["ds_prefetch_programs"], sink.numel()))
     with torch.cuda.stream(side):
-        l2_prefetch_kernel[(sink.numel(),)](t, sink, t.numel(), BLOCK=4096, num_warps=8)
+        l2_prefetch_kernel[(P,)](t, sink, t.numel(), BLOCK=4096, num_warps=8)
     return side
 
 

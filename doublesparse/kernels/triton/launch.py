@@ -166,7 +166,7 @@ TUNING = {
     # ds_decode(prefetch=W): while the select runs, a side stream reads W (the o_proj weights)
     # into L2 (kernels/triton/l2.py) and the attention reads its K/V evict_first, so W stays there.
     # False: the argument is ignored.
-    "ds_prefetch": False,
+    "ds_prefetch": False, "ds_prefetch_programs": 528,
     # The select's kernels: "triton" (ds_topk.py), "cuda" (kernels/cuda/select.cu through NVRTC;
     # the same output), or "auto" = "cuda" where NVRTC and the GPU allow, else "triton". Measured
     # on an H200 (results/h200-s15): the DS decode step at 16 x 32K 8.48 -> 7.99 ms with "cuda".
