@@ -437,28 +437,6 @@ def test_cuda_graph_capture_and_replay(mode):
         assert rel_err(got_dense, exp) < TOL[torch.bfloat16]
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the L2 prefetch side stream needs a GPU")
-def test_ds_prefetch_leaves_output_unchanged(monkeypatch):
-    """ds_decode(prefetch=W) with TUNING["ds_prefetch"]: W read on a side stream during the select,
-    K/V read evict_first; the output is the same as without, eagerly and replayed in a graph."""
-    monkeypatch.setitem(launch.TUNING, "ds_prefetch", True)
-    c = make_case([600, 31, 450], 32, 8, 128, device=DEVICE, seed=77)
-    ws = make_ws(c, max_heavy_tokens=64, poison=False)
-    w = torch.randn(512, 4096, device=DEVICE, dtype=torch.bfloat16)
-    plain = launch.ds_decode(*c.args(), c.sm_scale, 64, "group_max", ws=ws).clone()
-    out = torch.empty_like(c.q)
-    launch.ds_decode(*c.args(), c.sm_scale, 64, "group_max", ws=ws, out=out, prefetch=w)
-    torch.testing.assert_close(out, plain, rtol=0, atol=0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch.ds_decode(*c.args(), c.sm_scale, 64, "group_max", ws=ws, out=out, prefetch=w)
-    out.zero_()
-    graph.replay()
-    torch.testing.assert_close(out, plain, rtol=0, atol=0)
-    with pytest.raises(ValueError):
-        launch.ds_decode(*c.args(), c.sm_scale, 64, "group_max", ws=ws, prefetch=w.float())
-
-
 # ---------------------------------------------------------------- the CUDA kernels (kernels/cuda)
 _SCORE_DEFINES = [  # score.cu's compile-time values: Llama-3.1-8B r16/r32, fp8, SmolLM2 per head, MHA
     dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LPT=4, MINB=2),

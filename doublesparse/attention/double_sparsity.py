@@ -57,15 +57,11 @@ class DoubleSparsityBackend(AttentionBackend):
         self.ds = ds
         self._streams: list = []   # side streams for batch parts 1.. (created on first use)
         self._parts: dict = {}     # batch size -> [(a, b, workspace views over rows a:b)]
-        # Per layer, the weights to load into L2 during the select (ops.ds_decode's prefetch):
-        # the o_proj that follows; set by the engine's setup, used with TUNING["ds_prefetch"].
-        self.prefetch: list | None = None
 
     def decode_attention(self, layer_id, q, batch):
         parts = self._batch_parts(q.shape[0])
         if len(parts) == 1:
-            return self._decode(layer_id, q, batch.req_idx, batch.seq_lens, self.workspace,
-                                prefetch=self.prefetch[layer_id] if self.prefetch else None)
+            return self._decode(layer_id, q, batch.req_idx, batch.seq_lens, self.workspace)
         out = torch.empty_like(q)
         main = torch.cuda.current_stream(q.device) if q.is_cuda else None
         side = self._side_streams(len(parts) - 1, q.device) if main is not None else []
@@ -88,12 +84,12 @@ class DoubleSparsityBackend(AttentionBackend):
                 self._parts[B] = [(a, b, self.workspace.rows(a, b)) for a, b in cut_batch(B, n)]
         return self._parts[B]
 
-    def _decode(self, layer_id, q, req_idx, seq_lens, ws, out=None, prefetch=None):
+    def _decode(self, layer_id, q, req_idx, seq_lens, ws, out=None):
         m, d = self.memory, self.ds
         return ops.ds_decode(q, m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id],
                              self.channels[layer_id], m.req_to_token, req_idx, seq_lens,
                              self.sm_scale, d.heavy_token_num, d.mode, d.threshold, d.num_sink,
-                             d.num_recent, ws=ws, out=out, impl=self.impl, prefetch=prefetch)
+                             d.num_recent, ws=ws, out=out, impl=self.impl)
 
     def _side_streams(self, n, device):
         while len(self._streams) < n:

@@ -141,9 +141,6 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
     backend = create_backend(cfg.resolved_attention_backend, use_double_sparsity=ds is not None, ds=ds,
                              memory=memory, num_q_heads=mc.num_q_heads, head_dim=mc.head_dim,
                              impl=cfg.kernel_impl, workspace=ws, channels=channels)
-    if ds is not None and device.type == "cuda" and _model_dtype(model).itemsize == 2:
-        # Weights the DS decode may load into L2 during its select (TUNING["ds_prefetch"]).
-        backend.prefetch = [layer.attn.o_proj.weight for layer in model.layers]
     if device.type == "cuda" and max_ctx > prefill.SPLIT_MIN_TOKENS:
         with torch.inference_mode():
             prefill.warmup(device, _model_dtype(model), mc.num_q_heads, mc.num_kv_heads, mc.head_dim)

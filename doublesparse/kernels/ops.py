@@ -66,19 +66,16 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale:
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
               seq_lens, sm_scale: float, heavy_token_num: int, mode: str = "group_max",
               threshold: int = 0, num_sink: int = 0, num_recent: int = 0,
-              ws: DecodeWorkspace | None = None, out=None, impl: str = "auto", prefetch=None):
+              ws: DecodeWorkspace | None = None, out=None, impl: str = "auto"):
     """Double Sparsity decode: label scores -> top-k on device -> exact attention on those tokens.
 
     Requests with ``seq_len <= heavy_token_num`` or ``seq_len < threshold`` decode densely in the
     same launches (decided on the device, no host sync). Returns [B, Hq, D] in q's dtype.
-    ``prefetch``: weights to load into L2 during the select (GPU, TUNING["ds_prefetch"]; see
-    ds_launch.ds_decode); ignored otherwise.
     """
     if _use_triton(q, impl):
         from .triton.launch import ds_decode as _ds
         return _ds(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-                   seq_lens, sm_scale, heavy_token_num, mode, threshold, num_sink, num_recent, ws, out,
-                   prefetch=prefetch)
+                   seq_lens, sm_scale, heavy_token_num, mode, threshold, num_sink, num_recent, ws, out)
     o = torch_ops.ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token,
                             req_idx, seq_lens, sm_scale, heavy_token_num, mode, threshold,
                             num_sink, num_recent).to(q.dtype)

@@ -30,15 +30,13 @@ def _tile_slots(sel_row, rt_row, offs, end, sparse, HAS_SEL: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(cache_ptr, slot, kvh, stride_s, stride_h, rmask, d, dmask, FULL_D: tl.constexpr,
-               EVICT: tl.constexpr = ""):
+def _tile_rows(cache_ptr, slot, kvh, stride_s, stride_h, rmask, d, dmask, FULL_D: tl.constexpr):
     # [BLOCK_N, BLOCK_D] rows of one KV head; masked rows fetch nothing and read as zero. No
     # channel mask when the head fills the block: even an all-true one blocks vector loads.
-    # EVICT: the L2 eviction policy of the loads ("evict_first": read once, keep L2 for others).
     ptrs = cache_ptr + slot[:, None] * stride_s + kvh * stride_h + d[None, :]
     if FULL_D:
-        return tl.load(ptrs, mask=rmask[:, None], other=0.0, eviction_policy=EVICT)
-    return tl.load(ptrs, mask=rmask[:, None] & dmask[None, :], other=0.0, eviction_policy=EVICT)
+        return tl.load(ptrs, mask=rmask[:, None], other=0.0)
+    return tl.load(ptrs, mask=rmask[:, None] & dmask[None, :], other=0.0)
 
 
 @triton.jit
@@ -54,7 +52,7 @@ def decode_attn_kernel(
     G: tl.constexpr, D: tl.constexpr,
     PER_HEAD: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, EVICT: tl.constexpr = "",
+    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
@@ -100,9 +98,9 @@ def decode_attn_kernel(
         offs = t + ar
         nmask = offs < end
         slot = _tile_slots(sel_row, rt_row, offs, end, sparse, HAS_SEL)
-        k = _tile_rows(k_cache_ptr, slot, kvh, stride_kcs, stride_kch, nmask, d, dmask, FULL_D, EVICT)
+        k = _tile_rows(k_cache_ptr, slot, kvh, stride_kcs, stride_kch, nmask, d, dmask, FULL_D)
         # Issued before the softmax so both rows' loads are in flight together.
-        v = _tile_rows(v_cache_ptr, slot, kvh, stride_vcs, stride_vch, nmask, d, dmask, FULL_D, EVICT)
+        v = _tile_rows(v_cache_ptr, slot, kvh, stride_vcs, stride_vch, nmask, d, dmask, FULL_D)
         if DOT_F32:
             # Triton 3.6's interpreter computes bf16 dots wrongly; upcast there only.
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))

@@ -17,7 +17,6 @@ from ..cuda import select as cuda_select
 from ..reference import MODES
 from ..workspace import SCORE_PAD, SELECT_MAX_PROGS
 from .ds_score import score_mma_kernel
-from .l2 import l2_prefetch_kernel
 from .ds_select import score_kernel
 from .ds_topk import select_kernel
 from .launch import (_INTERPRET, TUNING, _attention, _attn_block_n, _check_decode, _check_labels, _fail,
@@ -31,13 +30,11 @@ SCORE_IMPLS = ("auto", "cuda", "mma", "rows")
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
               seq_lens, sm_scale, heavy_token_num, mode="group_max", threshold=0, num_sink=0,
               num_recent=0, ws=None, out=None, num_splits=None, num_progs=None, return_sel=False,
-              stage="all", prefetch=None):
+              stage="all"):
     """See ops.ds_decode. ``stage`` ("score", "hist", "select", "attend", "all") runs a prefix or
     the last part only, for the stage-by-stage benchmark; "rest" runs everything after the score
     (select and attend), so that callers can order batch parts' stages across streams;
-    ``return_sel`` also returns the selection. ``prefetch``: a 2-byte tensor to load into L2
-    during the select, on a side stream joined before returning (with TUNING["ds_prefetch"]; with
-    stage "all" only)."""
+    ``return_sel`` also returns the selection."""
     B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
     dev = q.device
     r = _check_labels(label_cache, label_scale, channels, k_cache, dev)
@@ -92,9 +89,6 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             )
         if stage == "score":
             return None
-    side = None
-    if prefetch is not None and stage == "all" and TUNING["ds_prefetch"] and not _INTERPRET:
-        side = _prefetch_l2(prefetch)
     if stage != "attend":
         _select(ws, seq_lens, req_to_token, req_idx, k, int(threshold), B, rows, score_hist,
                 num_progs, stage)
@@ -107,30 +101,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev)), dense_splits(B, Hkv, ws, dev))
         num_splits = max(1, min(ws.max_splits, want, cap))
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                   sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"],
-                   "evict_first" if side is not None else "")
-    if side is not None:
-        torch.cuda.current_stream(dev).wait_stream(side)
+                   sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"])
     return (o, sel) if return_sel else o
-
-
-_SIDE: dict = {}  # device -> (side stream, sink) of the L2 prefetch
-
-
-def _prefetch_l2(t):
-    """Starts reading ``t`` (2-byte elements) into L2 on a side stream forked from the current
-    one (capturable); returns the side stream, which the caller must join."""
-    if t.element_size() != 2 or not t.is_contiguous():
-        _fail(f"prefetch must be a contiguous 2-byte tensor, got {t.dtype} {tuple(t.shape)}")
-    dev = t.device
-    if dev not in _SIDE:
-        _SIDE[dev] = (torch.cuda.Stream(dev), torch.zeros(4096, device=dev))
-    side, sink = _SIDE[dev]
-    side.wait_stream(torch.cuda.current_stream(dev))
-    P = max(1, min(TUNING["ds_prefetch_programs"], sink.numel()))
-    with torch.cuda.stream(side):
-        l2_prefetch_kernel[(P,)](t, sink, t.numel(), BLOCK=4096, num_warps=8)
-    return side
 
 
 def _score_impl(q, label_cache, channels, mode):

@@ -163,10 +163,6 @@ TUNING = {
     "hist_block_n": 4096, "hist_programs_per_sm": 8,
     # The attention over the selected tokens (the dense kernel's knobs otherwise).
     "sparse_attn_programs_per_sm": 4, "sparse_attn_stages": 2,
-    # ds_decode(prefetch=W): while the select runs, a side stream reads W (the o_proj weights)
-    # into L2 (kernels/triton/l2.py) and the attention reads its K/V evict_first, so W stays there.
-    # False: the argument is ignored.
-    "ds_prefetch": False, "ds_prefetch_programs": 528,
     # The select's kernels: "triton" (ds_topk.py), "cuda" (kernels/cuda/select.cu through NVRTC;
     # the same output), or "auto" = "cuda" where NVRTC and the GPU allow, else "triton". Measured
     # on an H200 (results/h200-s15): the DS decode step at 16 x 32K 8.48 -> 7.99 ms with "cuda".
@@ -251,7 +247,7 @@ def _attn_block_n(programs_rows: int, device) -> int:
 
 
 def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-               sel, rows, heavy_k, threshold, per_head, num_splits, stages=None, evict=""):
+               sel, rows, heavy_k, threshold, per_head, num_splits, stages=None):
     B, Hq, D = q.shape
     block_n = _attn_block_n(B * rows, q.device)
     G = Hq // k_cache.shape[1]
@@ -275,7 +271,7 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
         cnt.stride(0), out.stride(0), out.stride(1),
         G=G, D=D, PER_HEAD=per_head, HAS_SEL=has_sel, NUM_SPLITS=S,
         BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET, FUSE_MERGE=fuse, BLOCK_S=block_s, EVICT=evict,
+        BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET, FUSE_MERGE=fuse, BLOCK_S=block_s,
         num_warps=TUNING["attn_warps"], num_stages=stages or TUNING["attn_stages"],
     )
     if not fuse:
