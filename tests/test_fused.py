@@ -245,47 +245,6 @@ def test_skinny_gemm(m, n, k, split_k, bias):
         assert int(_SKINNY_COUNTERS[x.device].abs().sum()) == 0
 
 
-@pytest.mark.parametrize("m,n,k,split_k", [(3, 130, 300, 2), (1, 64, 136, 4)])
-def test_skinny_gemm_gated(m, n, k, split_k):
-    """gated=True: the product of silu_mul(x) (x = gate | up, the SiLU-mul done as tiles load) equals
-    silu_mul, then the same GEMM: bit for bit on the GPU (both round fp32 to bf16 to nearest; the
-    interpreter truncates inside kernels, so there only close); a gated x of odd width is refused."""
-    g = _gen("skinny-gated", m, n, k, split_k)
-    x = _rand(g, m, 2 * k)
-    w = _rand(g, n, k)
-    got = fused_launch.skinny_gemm(x, w, split_k=split_k, gated=True)
-    two_steps = fused_launch.skinny_gemm(ref.silu_mul_ref(x), w, split_k=split_k)
-    if DEVICE == "cuda":
-        assert torch.equal(got, two_steps)
-    gate, up = x.float().chunk(2, dim=-1)
-    exp = (torch.nn.functional.silu(gate) * up) @ w.float().T
-    torch.testing.assert_close(got.float(), exp, rtol=2e-2, atol=0.1 * exp.abs().mean().item())
-    with pytest.raises(ValueError, match="gated"):
-        fused_launch.skinny_gemm(x[:, :-1], w, gated=True)
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the split-K GEMM takes CUDA decode projections only")
-def test_gated_mlp_one_launch_equals_two(monkeypatch):
-    """GatedMLP at decode (3 rows, a 16 MB down projection) with TUNING["skinny_gated"]: the down
-    GEMM does the SiLU-mul itself, and the output is the two-launch path's, bit for bit."""
-    from doublesparse.kernels.triton import launch
-    from doublesparse.models.layers import GatedMLP
-    g = _gen("gated-mlp")
-    mlp = GatedMLP(2048, 4096, device=DEVICE, dtype=BF16)
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.copy_(_rand(g, *p.shape) * 0.05)
-        x = _rand(g, 3, 2048)
-        if not fused_launch.skinny_fits(x, mlp.down_proj.weight):
-            pytest.skip("the split-K GEMM is off here (no PDL)")
-        monkeypatch.setitem(launch.TUNING, "skinny_gated", False)
-        two = mlp(x)
-        monkeypatch.setitem(launch.TUNING, "skinny_gated", True)
-        assert ops.silu_mul_linear(mlp.gate_up_proj(x), mlp.down_proj.weight) is not None
-        one = mlp(x)
-    assert torch.equal(one, two)
-
-
 def test_skinny_gemm_bad_arguments_raise_value_error():
     x = torch.zeros(2, 64, dtype=BF16, device=DEVICE)
     with pytest.raises(ValueError, match="does not match"):

@@ -120,18 +120,6 @@ def linear(x, weight, bias=None):
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def silu_mul_linear(gate_up, weight, bias=None):
-    """``linear(silu_mul(gate_up), weight, bias)`` in one launch where the split-K GEMM takes the
-    projection (a CUDA decode step of a few rows, TUNING["skinny_gated"]); None elsewhere, for the
-    caller to run the two steps. gate_up: [T, 2I] (gate | up); weight: [N, I]."""
-    if gate_up.is_cuda and gate_up.dim() == 2:
-        from .triton.fused_launch import skinny_fits, skinny_gemm
-        from .triton.launch import TUNING
-        if TUNING["skinny_gated"] and skinny_fits(gate_up, weight) and 2 * weight.shape[1] == gate_up.shape[1]:
-            return skinny_gemm(gate_up, weight, bias, gated=True)
-    return None
-
-
 def rms_norm(x, weight, eps: float, impl: str = "auto"):
     """x: [T, N]; weight: [N] -> ``x / rms(x) * weight`` [T, N] in x's dtype (fp32 statistics)."""
     if _use_triton(x, impl):

@@ -93,10 +93,6 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                       # [T, 2I]
-        d = self.down_proj
-        y = ops.silu_mul_linear(gate_up, d.weight, d.bias)   # one launch at decode, where it applies
-        if y is not None:
-            return y
         impl = fused_impl(FUSED_SILU_MUL, gate_up) if gate_up.dim() == 2 else None
         if impl is not None:
             return self.down_proj(ops.silu_mul(gate_up, impl=impl))

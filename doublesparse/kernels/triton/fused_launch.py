@@ -229,16 +229,12 @@ def skinny_fits(x, weight) -> bool:
             and (x.device in _SKINNY_COUNTERS or not torch.cuda.is_current_stream_capturing()))
 
 
-def skinny_gemm(x, weight, bias=None, split_k=None, gated=False):
+def skinny_gemm(x, weight, bias=None, split_k=None):
     """x: [M, K] bf16 / fp16 (M <= 16); weight: [N, K] (x's dtype); bias: [N] or None -> [M, N]
     in x's dtype, fp32 accumulation, one launch. ``split_k``: K ranges per N tile (default: about
-    two programs per SM). ``gated``: x is [M, 2K] = gate | up and the product is
-    ``silu_mul(x) @ weight.T``, the SiLU-mul done as the tiles load. See :mod:`.skinny`."""
+    two programs per SM). See :mod:`.skinny`."""
     dev = x.device
-    if gated and (x.dim() != 2 or x.shape[-1] % 2):
-        _fail(f"skinny_gemm: gated x must be [M, 2K], got {tuple(x.shape)}")
-    xv = x[:, : x.shape[1] // 2] if gated else x
-    M, N, K = _check_projection("skinny_gemm", xv, weight, bias, SKINNY_MAX_ROWS)
+    M, N, K = _check_projection("skinny_gemm", x, weight, bias, SKINNY_MAX_ROWS)
     if x.dtype not in _HALF:
         _fail(f"skinny_gemm: x is {x.dtype}; the kernel takes bf16 or fp16")
     block_n, block_k = 64, 128
@@ -257,6 +253,6 @@ def skinny_gemm(x, weight, bias=None, split_k=None, gated=False):
         x, weight, bias if bias is not None else weight, y, part, cnt, M, N, K,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, STAGES=3,
-        DOT_F32=_INTERPRET, GATED=gated, num_warps=4, **pdl_kwargs(dev),
+        DOT_F32=_INTERPRET, num_warps=4, **pdl_kwargs(dev),
     )
     return y

@@ -205,9 +205,6 @@ TUNING = {
     # H200 (results/h200-s18): Llama-3.1-8B's decode step at 60K x 3 9.86 -> 9.65 ms dense,
     # 6.06 -> 5.83 ms DS. At 16 rows it was about even with cuBLAS (results/h200-s14).
     "skinny_max_rows": 4,
-    # The MLP's down projection through that GEMM takes gate | up and does the SiLU-mul as it loads
-    # (no silu_mul launch); False = silu_mul, then the GEMM.
-    "skinny_gated": False,
 }
 
 

@@ -10,10 +10,6 @@ at 3 rows (benchmarks/skinny_gemm_probe.py, results/h200-s14): o_proj 15.6 vs 17
 vs 35.7, gate_up 60.5 vs 65.0, qkv 20.6 vs 20.8.
 
 Grid: (cdiv(N, BLOCK_N), SPLIT_K). x's rows are padded to 16 for the tensor-core product.
-
-With GATED, x is an MLP's merged gate | up output [M, 2K] and the product takes
-``silu(gate) * up`` (fp32, rounded once to x's dtype, as silu_mul does) as it loads each tile: the
-down projection without the SiLU-mul launch ahead of it.
 """
 
 import triton
@@ -23,22 +19,11 @@ from .pdl import enter
 
 
 @triton.jit
-def _x_tile(x_ptr, rows, k, mask, stride_xm, K, GATED: tl.constexpr):
-    # x[rows, k] ([16, BLOCK_K]), or with GATED silu(gate) * up from x = [gate | up] (up at +K).
-    ptrs = x_ptr + rows[:, None] * stride_xm + k[None, :]
-    if GATED:
-        g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        return (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty)
-    return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
 def skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    STAGES: tl.constexpr, DOT_F32: tl.constexpr, GATED: tl.constexpr = False, PDL: tl.constexpr = False,
+    STAGES: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -53,7 +38,7 @@ def skinny_gemm_kernel(
     k = k0 + kk
     w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=nmask[:, None] & (k < k1)[None, :], other=0.0)
     enter(PDL)  # the first weight tile is in flight; from here on, x (the kernel ahead's output)
-    x = _x_tile(x_ptr, rows, k, xm[:, None] & (k < k1)[None, :], stride_xm, K, GATED)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm[:, None] & (k < k1)[None, :], other=0.0)
     if DOT_F32:  # the interpreter's dot: fp32 operands
         acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
     else:
@@ -62,7 +47,7 @@ def skinny_gemm_kernel(
         k = t + kk
         km = k < k1
         w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
-        x = _x_tile(x_ptr, rows, k, xm[:, None] & km[None, :], stride_xm, K, GATED)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm[:, None] & km[None, :], other=0.0)
         if DOT_F32:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
         else:
