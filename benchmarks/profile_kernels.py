@@ -1,7 +1,7 @@
 """Drive the decode kernels for a profiler (ncu) at one shape, eagerly, a few times each.
 
     ncu --clock-control none -k regex:'score|hist|compact|select|decode_attn|merge' --launch-skip 5 \
-        --launch-count 5 --set full python benchmarks/profile_kernels.py [--batch 3 --ctx 65536]
+        --launch-count 5 --set full python benchmarks/profile_kernels.py [--batch 3 --ctx 65536] [--fp8]
 
 ``--dump DIR`` also writes the compiled score/select kernels (TTGIR, PTX, cubin) there.
 """
@@ -29,6 +29,7 @@ def main():
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--dump", default=None)
     ap.add_argument("--tuning", default=None, help="JSON dict overriding launch.TUNING")
+    ap.add_argument("--fp8", action="store_true", help="fp8 (e4m3) labels instead of bf16")
     args = ap.parse_args()
     if args.tuning:
         import json
@@ -36,7 +37,8 @@ def main():
     dev = torch.device("cuda")
     B, L = args.batch, args.ctx
     k = args.k or L // 16
-    p = Pools(B, L, 1, args.r, torch.bfloat16, dev)
+    from doublesparse.bench.attention import FP8
+    p = Pools(B, L, 1, args.r, FP8 if args.fp8 else torch.bfloat16, dev)
     ws = DecodeWorkspace(B, HQ, HKV, D, L, k, device=dev)
     sm = 1 / math.sqrt(D)
     for _ in range(args.iters):
