@@ -75,8 +75,8 @@ class Pools:
     def relabel(self, channels: torch.Tensor, label: str = "bf16") -> None:
         """Labels of every request's prefix from its stored K, through the real store kernel.
 
-        channels: ``[L, Hkv, r]``. Skipped when the r-pool's prefix already holds labels of the
-        same channels: decoding only ever rewrites slots after the prefix, and each decode forward
+        channels: ``[L, Hkv, r]``; label: the pool's dtype ("bf16" or "fp8"). Skipped when that
+        (r, label) pool's prefix already holds labels of the same channels: decoding only ever rewrites slots after the prefix, and each decode forward
         stores its own tokens' labels before it reads them."""
         key = (channels.shape[-1], label)
         pool = self.label_pool(*key)
