@@ -32,17 +32,18 @@ def read(t: torch.Tensor, sink: torch.Tensor, policy: str = "", programs: int = 
     _read_kernel[(programs,)](t, sink, t.numel(), BLOCK=4096, POLICY=policy, num_warps=8)
 
 
-def layer_cases(spec: str, dev):
+def layer_cases(spec: str, dev, copies: int = 1):
     """The probes' one-layer DS cases: for each "BxL" of ``spec`` (comma-separated; "BxLfp8" for fp8
     labels), Llama-3.1-8B layer pools with bf16 labels of r 16 and a workspace for k = L / 16;
-    yields (B, L, k, pools, ws)."""
+    yields (B, L, k, pools, ws). ``copies``: independent batches in the pools (``pools.req_idx[i]``),
+    so that a timing loop can rotate over more labels than L2 holds."""
     from doublesparse.bench.attention import FP8, HKV, HQ, D, Pools
     from doublesparse.kernels.workspace import DecodeWorkspace
     for case in spec.split(","):
         fp8 = case.endswith("fp8")
         B, L = (int(x) for x in case.removesuffix("fp8").split("x"))
         k = L // 16
-        pools = Pools(B, L, 1, 16, FP8 if fp8 else torch.bfloat16, dev)
+        pools = Pools(B, L, copies, 16, FP8 if fp8 else torch.bfloat16, dev)
         yield B, L, k, pools, DecodeWorkspace(B, HQ, HKV, D, L, k, device=dev)
 
 

@@ -3,13 +3,15 @@ on tensor cores), one layer, Llama-3.1-8B shapes (8 KV heads, G 4, r 16, bf16 la
 case "BxLfp8", fp8; group_max),
 against the Triton score (score_impl mma).
 
-    python benchmarks/score_cuda_probe.py [--cases 3x65536,16x32768] [--rounds N] [--json OUT.json]
+    python benchmarks/score_cuda_probe.py [--cases 3x65536,16x32768] [--rounds N] [--copies C] [--json OUT.json]
 
 Variants (the sources' PROBE define): "loads" (label rows and slots only), "products" (also the
 dot products, no stores), "full" (stores and the fused histogram), "no-hist". Each is timed alone in a CUDA graph (median of
 replays, as bench.attention times DS) for several geometries (programs per SM, rows per thread or
 tiles per warp, min blocks). Label bytes / time gives the fraction of the copy bandwidth measured
-in the same run.
+in the same run. Each graph rotates over ``--copies`` independent batches (default 4), so that the
+labels it reads do not stay in L2 between calls (session 19's call g, with one copy, measured fp8
+labels partly from L2).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main(argv=None):
     ap.add_argument("--cases", default="3x65536,16x32768")
     ap.add_argument("--json", default=None)
     ap.add_argument("--rounds", type=int, default=1, help="time every variant this many times, in turn")
+    ap.add_argument("--copies", type=int, default=4, help="independent batches each graph rotates over")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
@@ -41,12 +44,14 @@ def main(argv=None):
     T = launch.TUNING
     default_impl = T["score_impl"]
     rows = []
-    for B, L, k, p, ws in layer_cases(args.cases, dev):
+    C = args.copies
+    for B, L, k, p, ws in layer_cases(args.cases, dev, C):
         sm = 1 / math.sqrt(D)
         lab_bytes = B * L * HKV * 16 * p.labels.element_size()
         T["score_impl"] = "mma"
-        t = time_fn(lambda: launch.ds_decode(p.q, p.k, p.v, p.labels, p.scale, p.channels, p.req_to_token,
-                                             p.req_idx[0], p.seq_lens, sm, k, "group_max", ws=ws, stage="score"), 1)
+        t = time_fn(lambda i=0: launch.ds_decode(p.q, p.k, p.v, p.labels, p.scale, p.channels, p.req_to_token,
+                                                 p.req_idx[i], p.seq_lens, sm, k, "group_max", ws=ws, stage="score"),
+                    C)
         res = {"triton-mma": t * 1e6}
         T["score_impl"] = default_impl
         nsm = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -55,11 +60,11 @@ def main(argv=None):
             for name, extra in VARIANTS.items():
                 hist = not name.startswith("no-hist")
 
-                def call():
-                    cuda_score.score(p.q, p.labels, p.scale, p.channels, p.req_to_token, p.req_idx[0], p.seq_lens,
+                def call(i=0):
+                    cuda_score.score(p.q, p.labels, p.scale, p.channels, p.req_to_token, p.req_idx[i], p.seq_lens,
                                      ws.scores, ws.hist, sm, k, 0, 0, 0, "group_max", P, hist, per, minb, tc, extra)
                 key = f"{'tc' if tc else 'cc'} {name} P/SM {per_sm} per {per} minb {minb}" + (f" r{rnd}" if rnd else "")
-                res[key] = time_fn(call, 1) * 1e6
+                res[key] = time_fn(call, C) * 1e6
                 ws.hist.zero_()
         print(f"bs{B} L={L} {p.labels.dtype}: label bytes {lab_bytes / 1e6:.1f} MB, floor {lab_bytes / bw * 1e6:.1f} us", flush=True)
         for n, us in res.items():
