@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from doublesparse.engine.memory import LABEL_TORCH_DTYPES
 from doublesparse.kernels import ops
 from doublesparse.kernels.workspace import DecodeWorkspace
 
@@ -68,16 +69,17 @@ class Pools:
         key = (r, label)
         if key not in self.labels:
             S = self.k[0].shape[0]
-            dt = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[label]
-            self.labels[key] = [torch.zeros(S, self.hkv, r, dtype=dt, device=self.device) for _ in range(self.L)]
+            self.labels[key] = [torch.zeros(S, self.hkv, r, dtype=LABEL_TORCH_DTYPES[label], device=self.device)
+                                for _ in range(self.L)]
         return self.labels[key]
 
     def relabel(self, channels: torch.Tensor, label: str = "bf16") -> None:
         """Labels of every request's prefix from its stored K, through the real store kernel.
 
         channels: ``[L, Hkv, r]``; label: the pool's dtype ("bf16" or "fp8"). Skipped when that
-        (r, label) pool's prefix already holds labels of the same channels: decoding only ever rewrites slots after the prefix, and each decode forward
-        stores its own tokens' labels before it reads them."""
+        (r, label) pool's prefix already holds labels of the same channels: decoding only ever
+        rewrites slots after the prefix, and each decode forward stores its own tokens' labels
+        before it reads them."""
         key = (channels.shape[-1], label)
         pool = self.label_pool(*key)
         done = self._labelled.get(key)

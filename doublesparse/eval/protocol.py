@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import doublesparse
+from doublesparse.config import LABEL_DTYPES
 
 from . import measure, report, retrieval
 from .cli import _load, channel_source, eval_windows, run_notes
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--modes", nargs="+", default=["group_max", "group_sum", "per_head"])
     a("--rs", type=int, nargs="+", default=[16, 8, 32])
     a("--k-fracs", type=float, nargs="+", default=[1 / 16, 1 / 32, 1 / 8])
-    a("--label-dtypes", nargs="+", default=["bf16"], choices=["bf16", "fp8"],
+    a("--label-dtypes", nargs="+", default=["bf16"], choices=LABEL_DTYPES,
       help="with fp8: parts a and b also run the default and its k = ctx/8 with fp8 labels (and the "
            "latter in bf16), right after the first three settings")
     a("--fidelity-stride", type=int, default=1, help="fidelity on every n-th decoded token")

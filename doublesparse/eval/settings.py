@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from doublesparse.config import LABEL_DTYPES
+from doublesparse.engine.memory import LABEL_TORCH_DTYPES
+
 KV_BYTES = 2
-LABEL_BYTES = {"bf16": 2, "fp8": 1}
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,8 @@ class Setting:
             raise ValueError(f"kind must be 'dense' or 'ds', got {self.kind!r}")
         if self.kind == "ds" and not 0 < self.k_frac <= 1:
             raise ValueError(f"k_frac must be in (0, 1], got {self.k_frac}")
-        if self.label not in LABEL_BYTES:
-            raise ValueError(f"label must be one of {sorted(LABEL_BYTES)}, got {self.label!r}")
+        if self.label not in LABEL_DTYPES:
+            raise ValueError(f"label must be one of {LABEL_DTYPES}, got {self.label!r}")
 
     @property
     def name(self) -> str:
@@ -98,7 +100,7 @@ class Setting:
             return dense * num_layers
         k = min(self.heavy_tokens(ctx), ctx)
         rows = num_q_heads if self.mode == "per_head" else num_kv_heads
-        sparse = ctx * num_kv_heads * self.r * LABEL_BYTES[self.label] + k * rows * head_dim * 2 * KV_BYTES
+        sparse = ctx * num_kv_heads * self.r * LABEL_TORCH_DTYPES[self.label].itemsize + k * rows * head_dim * 2 * KV_BYTES
         if k >= ctx:  # ops.ds_decode falls back to dense when the context is short
             sparse = dense
         nd = min(self.dense_layers, num_layers)
