@@ -3,7 +3,8 @@ on tensor cores), one layer, Llama-3.1-8B shapes (8 KV heads, G 4, r 16, bf16 la
 case "BxLfp8", fp8; group_max),
 against the Triton score (score_impl mma).
 
-    python benchmarks/score_cuda_probe.py [--cases 3x65536,16x32768] [--rounds N] [--copies C] [--json OUT.json]
+    python benchmarks/score_cuda_probe.py [--cases 3x65536,16x32768] [--rounds N] [--copies C]
+        [--geometries all|depth] [--variants loads,products,full,no-hist] [--json OUT.json]
 
 Variants (the sources' PROBE define): "loads" (label rows and slots only), "products" (also the
 dot products, no stores), "full" (stores and the fused histogram), "no-hist". Each is timed alone in a CUDA graph (median of
@@ -27,8 +28,13 @@ from doublesparse.kernels.triton import launch
 from probe_lib import layer_cases, write_json
 
 VARIANTS = {"loads": (("PROBE", 1),), "products": (("PROBE", 2),), "full": (), "no-hist": ()}
-# (tc, programs per SM, rows per thread / tiles per warp, min blocks)
-GEOMETRIES = ((False, 2, 4, 2), (True, 2, 4, 2), (True, 2, 8, 2), (True, 3, 2, 3), (True, 4, 1, 4))
+# (tc, programs per SM, rows per thread / tiles per warp, min blocks, ring depth of score_tc.cu)
+GEOMETRIES = {
+    "all": ((False, 2, 4, 2, 2), (True, 2, 4, 2, 2), (True, 2, 8, 2, 2), (True, 3, 2, 3, 2), (True, 4, 1, 4, 2)),
+    # session 20: score_tc.cu's ring of label rows, deeper (tiles capped by score.py's RING_WORDS)
+    "depth": ((True, 2, 4, 2, 2), (True, 2, 2, 2, 3), (True, 2, 2, 2, 4), (True, 2, 1, 2, 8), (True, 2, 4, 2, 3),
+              (True, 2, 4, 2, 4)),
+}
 
 
 def main(argv=None):
@@ -37,6 +43,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--rounds", type=int, default=1, help="time every variant this many times, in turn")
     ap.add_argument("--copies", type=int, default=4, help="independent batches each graph rotates over")
+    ap.add_argument("--geometries", choices=sorted(GEOMETRIES), default="all")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
@@ -55,15 +63,20 @@ def main(argv=None):
         res = {"triton-mma": t * 1e6}
         T["score_impl"] = default_impl
         nsm = torch.cuda.get_device_properties(dev).multi_processor_count
-        for rnd, (tc, per_sm, per, minb) in ((r, g) for r in range(args.rounds) for g in GEOMETRIES):
-            P = max(1, min(-(-per_sm * nsm // B), -(-L // cuda_score.step_tokens(p.q, p.labels, per, tc))))
-            for name, extra in VARIANTS.items():
+        geoms = GEOMETRIES[args.geometries]
+        for rnd, (tc, per_sm, per, minb, depth) in ((r, g) for r in range(args.rounds) for g in geoms):
+            P = max(1, min(-(-per_sm * nsm // B), -(-L // cuda_score.step_tokens(p.q, p.labels, per, tc, depth))))
+            for name in args.variants.split(","):
+                extra = VARIANTS[name]
                 hist = not name.startswith("no-hist")
 
                 def call(i=0):
                     cuda_score.score(p.q, p.labels, p.scale, p.channels, p.req_to_token, p.req_idx[i], p.seq_lens,
-                                     ws.scores, ws.hist, sm, k, 0, 0, 0, "group_max", P, hist, per, minb, tc, extra)
-                key = f"{'tc' if tc else 'cc'} {name} P/SM {per_sm} per {per} minb {minb}" + (f" r{rnd}" if rnd else "")
+                                     ws.scores, ws.hist, sm, k, 0, 0, 0, "group_max", P, hist, per, minb, tc, depth,
+                                     extra)
+                lt = cuda_score._tc_geometry(p.q, p.labels, per, depth)[1] if tc else per
+                key = (f"{'tc' if tc else 'cc'} {name} P/SM {per_sm} per {lt} minb {minb} depth {depth}"
+                       + (f" r{rnd}" if rnd else ""))
                 res[key] = time_fn(call, C) * 1e6
                 ws.hist.zero_()
         print(f"bs{B} L={L} {p.labels.dtype}: label bytes {lab_bytes / 1e6:.1f} MB, floor {lab_bytes / bw * 1e6:.1f} us", flush=True)

@@ -447,12 +447,16 @@ _SCORE_DEFINES = [  # score.cu's compile-time values: Llama-3.1-8B r16/r32, fp8,
 ]
 
 
-_SCORE_TC_DEFINES = [  # score_tc.cu's: Llama-3.1-8B r16 / r32 (two heads per warp) in bf16, fp16 and fp8,
+_SCORE_TC_DEFINES = [  # score_tc.cu's: Llama-3.1-8B r16 / r32 (two heads per warp) in bf16, fp16 and fp8
+    # (rings of 2, 4 and 8 steps),
     # Qwen2.5-7B r32 per head, MHA with 8 heads per warp or 1, G = 2 with 4 heads per warp
     dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LT=4, MINB=2, HPW=2),
+    dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LT=2, MINB=2, HPW=2, DEPTH=4),
+    dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LT=1, MINB=2, HPW=2, DEPTH=8),
+    dict(HKV=8, G=4, R=16, MODE=2, LABEL=2, QTYPE=0, CH64=0, DO_HIST=1, LT=4, MINB=2, HPW=2, DEPTH=3),
     dict(HKV=8, G=4, R=32, MODE=1, LABEL=0, QTYPE=0, CH64=1, DO_HIST=1, LT=2, MINB=2, HPW=2),
     dict(HKV=8, G=4, R=16, MODE=0, LABEL=1, QTYPE=0, CH64=0, DO_HIST=1, LT=2, MINB=3, HPW=2),
-    dict(HKV=8, G=4, R=16, MODE=2, LABEL=2, QTYPE=0, CH64=0, DO_HIST=1, LT=8, MINB=2, HPW=2),
+    dict(HKV=8, G=4, R=16, MODE=2, LABEL=2, QTYPE=0, CH64=0, DO_HIST=1, LT=6, MINB=2, HPW=2),
     dict(HKV=4, G=7, R=32, MODE=0, LABEL=2, QTYPE=1, CH64=0, DO_HIST=1, LT=4, MINB=2),
     dict(HKV=8, G=1, R=16, MODE=2, LABEL=0, QTYPE=2, CH64=0, DO_HIST=0, LT=4, MINB=3),
     dict(HKV=32, G=1, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LT=1, MINB=2, HPW=8),
@@ -528,11 +532,12 @@ def test_cuda_select_launch_protocol(monkeypatch):
 @pytest.mark.parametrize("case", CASES + [([77, 300, 325], 28, 4, 128, 16, 64)])  # G = 7 (Qwen2.5-7B)
 @pytest.mark.parametrize("mode", ["per_head", "group_sum", "group_max"])
 @pytest.mark.parametrize("label_dtype", [torch.bfloat16, FP8])
-@pytest.mark.parametrize("tc", [False, True], ids=["score.cu", "score_tc.cu"])
-def test_cuda_score_equals_triton(case, mode, label_dtype, tc, monkeypatch):
-    """score.cu's (or score_tc.cu's) fp16 scores equal the Triton score's within one fp16 rounding
-    step, on the sparse requests' positions only, and its fused histogram is that of its own
-    scores' keys."""
+@pytest.mark.parametrize("tc,depth", [(False, 2), (True, 2), (True, 3), (True, 8)],
+                         ids=["score.cu", "score_tc.cu", "score_tc.cu-depth3", "score_tc.cu-depth8"])
+def test_cuda_score_equals_triton(case, mode, label_dtype, tc, depth, monkeypatch):
+    """score.cu's (or score_tc.cu's, with a ring of ``depth`` steps) fp16 scores equal the Triton
+    score's within one fp16 rounding step, on the sparse requests' positions only, and its fused
+    histogram is that of its own scores' keys."""
     from doublesparse.kernels.cuda import score as cuda_score
     seq_lens, hq, hkv, d, r, k = case
     c = make_case(seq_lens, hq, hkv, d, r=r, label_dtype=label_dtype, device=DEVICE,
@@ -542,10 +547,11 @@ def test_cuda_score_equals_triton(case, mode, label_dtype, tc, monkeypatch):
     per = launch.TUNING["score_cuda_tc_tiles" if tc else "score_cuda_rows_per_thread"]
     minb = launch.TUNING["score_cuda_min_blocks"]
     hist = cuda_score.hist_fits(hq, hkv, r, mode)
-    why = cuda_score.why_not(c.q, c.label_cache, c.channels, mode, hist, per, minb, tc)
+    why = cuda_score.why_not(c.q, c.label_cache, c.channels, mode, hist, per, minb, tc, depth)
     if why is not None:
         pytest.skip(why)
     monkeypatch.setitem(launch.TUNING, "score_cuda_tc", tc)
+    monkeypatch.setitem(launch.TUNING, "score_cuda_tc_depth", depth)
     rows = rows_of(mode, hq, hkv)
     got = {}
     for impl in ("mma", "cuda"):

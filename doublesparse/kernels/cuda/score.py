@@ -43,19 +43,23 @@ def _heads_per_warp(q, label_cache) -> int:
     return hpw
 
 
-def _tc_geometry(q, label_cache, tiles: int) -> tuple[int, int]:
-    """(HPW, LT) of score_tc.cu: tiles in flight capped at 16 label words per lane and row (the
-    registers of two steps' rows)."""
+RING_WORDS = 64  # score_tc.cu's registers for label rows per lane: DEPTH * LT * 2 rows * row words
+
+
+def _tc_geometry(q, label_cache, tiles: int, depth: int = 2) -> tuple[int, int]:
+    """(HPW, LT) of score_tc.cu for a ring of ``depth`` steps: tiles per step capped so that the
+    ring's label rows fit RING_WORDS registers per lane."""
     hpw = _heads_per_warp(q, label_cache)
-    return hpw, max(1, min(tiles, 16 // _row_words(label_cache, hpw)))
+    return hpw, max(1, min(tiles, RING_WORDS // (2 * depth * _row_words(label_cache, hpw))))
 
 
-def step_tokens(q, label_cache, per_thread: int, tc: bool = False) -> int:
+def step_tokens(q, label_cache, per_thread: int, tc: bool = False, depth: int = 2) -> int:
     """Tokens a block scores per step (the sources' STEP): slices are whole steps. ``per_thread``:
-    label rows per thread (score.cu) or 16-token tiles per warp (score_tc.cu)."""
+    label rows per thread (score.cu) or 16-token tiles per warp (score_tc.cu, with a ring of
+    ``depth`` steps)."""
     hkv = label_cache.shape[1]
     if tc:
-        hpw, lt = _tc_geometry(q, label_cache, per_thread)
+        hpw, lt = _tc_geometry(q, label_cache, per_thread, depth)
         return (THREADS // 32 // (hkv // hpw)) * 16 * lt
     return (THREADS // hkv) * per_thread
 
@@ -80,20 +84,21 @@ def hist_fits(hq: int, hkv: int, r: int, mode: str) -> bool:
     return rows * 1024 + _query_smem(hq, hkv, r) <= _SMEM
 
 
-def _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc):
+def _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc, depth):
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
     common = (("HKV", Hkv), ("G", Hq // Hkv), ("R", r), ("MODE", _MODE[mode]), ("LABEL", _LABEL[label_cache.dtype]),
               ("QTYPE", _QTYPE[q.dtype]), ("CH64", int(channels.dtype == torch.int64)), ("DO_HIST", int(do_hist)),
               ("MINB", min_blocks))
     if tc:
-        hpw, lt = _tc_geometry(q, label_cache, per_thread)
-        return common + (("HPW", hpw), ("LT", lt))
+        hpw, lt = _tc_geometry(q, label_cache, per_thread, depth)
+        return common + (("HPW", hpw), ("LT", lt), ("DEPTH", depth))
     return common + (("LPT", per_thread),)
 
 
-def why_not(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc=False) -> str | None:
+def why_not(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc=False, depth=2) -> str | None:
     """None if ``score`` can run these arguments, else why not (compiles on the first call).
-    ``do_hist`` only where ``hist_fits``; ``tc`` only where ``tc_fits``."""
+    ``do_hist`` only where ``hist_fits``; ``tc`` only where ``tc_fits``; ``depth`` >= 2 (score_tc.cu's
+    ring of steps)."""
     if q.device.type != "cuda":
         return f"device {q.device} is not a CUDA device"
     if label_cache.dtype not in _LABEL or q.dtype not in _QTYPE:
@@ -109,12 +114,14 @@ def why_not(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc=
         return "the query block does not fit shared memory"
     if tc and not tc_fits(q, label_cache):
         return "score_tc.cu does not take these shapes"
+    if tc and depth < 2:
+        return f"score_tc.cu's ring needs depth >= 2, got {depth}"
     return nvrtc.unavailable(q.device, *SOURCES[tc],
-                             _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc))
+                             _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc, depth))
 
 
 def score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist, sm_scale,
-          k, threshold, num_sink, num_recent, mode, P, do_hist, per_thread, min_blocks, tc=False, extra=()):
+          k, threshold, num_sink, num_recent, mode, P, do_hist, per_thread, min_blocks, tc=False, depth=2, extra=()):
     """Stage 1 (and, with ``do_hist``, the select's phase 1). Grid (B, P); score_tc.cu with ``tc``.
 
     q: [B, Hq, D]; label_cache: [slots, Hkv, r] bf16/fp16/fp8 (label_scale: [1] fp32 for fp8);
@@ -122,7 +129,7 @@ def score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens
     ``extra``: more (name, value) defines (score.cu's PROBE variants, for benchmarks).
     """
     B = q.shape[0]
-    defines = _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc) + tuple(extra)
+    defines = _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc, depth) + tuple(extra)
     name, kernels = SOURCES[tc]
     kern = nvrtc.kernel(q.device, name, kernels, kernels[0], defines)
     kern(grid=(B, P, 1), block=(THREADS, 1, 1),

@@ -19,7 +19,9 @@
 //
 // Compiled at run time by NVRTC (score.py) with score.cu's HKV, G, R, MODE, LABEL, QTYPE, CH64,
 // DO_HIST, MINB and PROBE, and
-//   LT           16-token tiles per warp per step (loads in flight; default 4)
+//   LT           16-token tiles per warp per step (default 4)
+//   DEPTH        steps of label rows held in registers (default 2): DEPTH - 1 steps' loads are in
+//                flight while one step is scored
 //   HPW          KV heads per unit: 1, or up to 8 / G where G is 1, 2 or 4 (default 1)
 // The launcher checks: HKV / HPW divides 8, HPW * G <= 8, R % 16 == 0, heads contiguous in the
 // label pool where HPW > 1. Grid (B, P) as score.cu.
@@ -35,9 +37,13 @@
 #ifndef HPW
 #define HPW 1
 #endif
+#ifndef DEPTH
+#define DEPTH 2
+#endif
 #define UNITS (HKV / HPW)          // units (HPW adjacent KV heads) per token
 #define WPU (NW / UNITS)           // warps per unit
 #define STEP (WPU * 16 * LT)       // tokens per block per step
+#define SPL ((LT * 16 + 31) / 32)  // slots per lane per step (load_slots)
 #define KC (HPW * R / 16)          // 16-channel pieces of a unit's label row
 #define RW (LABEL == 2 ? KC : 2 * KC)  // 32-bit label words per lane and row (4 channels per piece)
 #define ROWS (MODE == 0 ? HKV * G : HKV)
@@ -111,6 +117,65 @@ __device__ __forceinline__ float group(float v0, float v1, int c) {
 #endif
 }
 
+// The scores of one tile: d[0], d[1] are token pos0 (= tile start + m) for the unit's query
+// heads 2c, 2c+1, d[2], d[3] token pos0 + 8; stored (with their keys' histogram) per the mode.
+__device__ __forceinline__ void emit_tile(const float (&d)[4], int pos0, int end, int seq_len, int num_sink,
+                                          int num_recent, int c, int h0, unsigned short* srow, int stride_sr,
+                                          int* sh) {
+#if MODE == 0 || G == 1
+    // Every column its own score row (with G = 1 the KV heads' rows in every mode).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int pos = pos0 + 8 * r;
+        if (pos < end) {
+            const bool keep = kept(pos, seq_len, num_sink, num_recent);
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int qh = h0 * G + 2 * c + e;  // query head
+                if (2 * c + e < HPW * G)
+                    emit(d[2 * r + e], keep, srow + (long long)qh * stride_sr + pos, sh + qh * 256);
+            }
+        }
+    }
+#elif G == 2 && HPW > 1
+    // Lane c's two columns are head h0 + c's group: it stores both tokens.
+    if (c < HPW) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int pos = pos0 + 8 * r;
+            const float v = MODE == 2 ? fmaxf(d[2 * r], d[2 * r + 1]) : d[2 * r] + d[2 * r + 1];
+            if (pos < end)
+                emit(v, kept(pos, seq_len, num_sink, num_recent), srow + (long long)(h0 + c) * stride_sr + pos,
+                     sh + (h0 + c) * 256);
+        }
+    }
+#else
+    const float s0 = group(d[0], d[1], c), s1 = group(d[2], d[3], c);
+    // Of each head's lanes, the first stores token m, the second token m + 8 (with HPW 1,
+    // lanes 0 and 1 of the quad).
+    const int hd = HPW == 2 ? h0 + (c >> 1) : h0, odd = HPW == 2 ? c & 1 : c;
+    const int pos = pos0 + 8 * odd;
+    if (odd < 2 && pos < end)
+        emit(odd ? s1 : s0, kept(pos, seq_len, num_sink, num_recent), srow + (long long)hd * stride_sr + pos,
+             sh + hd * 256);
+#endif
+}
+
+// The slots of a warp's LT * 16 positions of the step at t (tile u: t + (u * WPU + j) * 16 + i,
+// i < 16), position p = 16 u + i of them on lane p % 32, entry p / 32 (0 past the row's end).
+__device__ __forceinline__ void load_slots(const int* rt_row, int t, int end, int j, int lane, int (&s)[SPL]) {
+#pragma unroll
+    for (int e = 0; e < SPL; ++e) {
+        const int p = 32 * e + lane, u = p >> 4, pos = t + (u * WPU + j) * 16 + (p & 15);
+        s[e] = u < LT && pos < end ? rt_row[pos] : 0;
+    }
+}
+
+// The slot of row m + 8 r of tile u, from the lanes that load_slots gave it to. All lanes call it.
+__device__ __forceinline__ int slot_of(const int (&s)[SPL], int u, int r, int m) {
+    return __shfl_sync(0xffffffffu, s[(16 * u + 8 * r) / 32], (16 * u + 8 * r + m) & 31);
+}
+
 // This lane's 4 * KC channels of one unit label row (RW words), in the widest loads they allow.
 __device__ __forceinline__ void load_row(const label_t* row, bool valid, unsigned (&v)[RW]) {
 #if RW % 4 == 0
@@ -171,85 +236,60 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
     const label_t* lab = labels + (long long)h0 * stride_lh + 4 * KC * c;
     unsigned short* srow = scores + (long long)b * stride_sb;
 
-    // Software-pipelined as score.cu: the rows of the next step and the slots of the one after
-    // are in flight while a step is scored. Tile u of step t starts at t + (u * WPU + j) * 16;
-    // this lane reads its rows m and m + 8 (r = 0, 1).
-    unsigned ahead[LT][2][RW];
-    int slot_after[LT][2];
+    // Software-pipelined through a ring of DEPTH steps' label rows: while one step is scored,
+    // the loads of the next DEPTH - 1 steps are in flight (registers are the only buffer, so no
+    // copy between them: the loop is unrolled DEPTH times). Tile u of step t starts at
+    // t + (u * WPU + j) * 16; this lane reads its rows m and m + 8 (r = 0, 1). The slots of a
+    // ring entry's next step are read one ring turn ahead of its label rows, spread over the
+    // warp's lanes (load_slots / slot_of) to keep registers for the rows.
+    unsigned ring[DEPTH][LT][2][RW];
+    int slot_next[DEPTH][SPL];
 #pragma unroll
-    for (int u = 0; u < LT; ++u)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int pos = start + (u * WPU + j) * 16 + m + 8 * r;
-            const bool ok = pos < end;
-            load_row(lab + (long long)(ok ? rt_row[pos] : 0) * stride_ls, ok, ahead[u][r]);
-            slot_after[u][r] = pos + STEP < end ? rt_row[pos + STEP] : 0;
-        }
-    unsigned sink = 0;  // the loads-only probe build's (score_end)
-    for (int t = start; t < end; t += STEP) {
-        unsigned cur[LT][2][RW];
+    for (int d = 0; d < DEPTH; ++d) {
+        int now[SPL];
+        load_slots(rt_row, start + d * STEP, end, j, lane, now);
 #pragma unroll
         for (int u = 0; u < LT; ++u)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int pos = t + (u * WPU + j) * 16 + m + 8 * r;
-#pragma unroll
-                for (int w = 0; w < RW; ++w) cur[u][r][w] = ahead[u][r][w];
-                load_row(lab + (long long)slot_after[u][r] * stride_ls, pos + STEP < end, ahead[u][r]);
-                slot_after[u][r] = pos + 2 * STEP < end ? rt_row[pos + 2 * STEP] : 0;
+                const int pos = start + d * STEP + (u * WPU + j) * 16 + m + 8 * r;
+                load_row(lab + (long long)slot_of(now, u, r, m) * stride_ls, pos < end, ring[d][u][r]);
             }
+        load_slots(rt_row, start + (d + DEPTH) * STEP, end, j, lane, slot_next[d]);
+    }
+    unsigned sink = 0;  // the loads-only probe build's (score_end)
+    for (int t0 = start; t0 < end; t0 += DEPTH * STEP) {
 #pragma unroll
-        for (int u = 0; u < LT; ++u) {
-            const int pos0 = t + (u * WPU + j) * 16 + m;
+        for (int d = 0; d < DEPTH; ++d) {
+            const int t = t0 + d * STEP;
+            if (t >= end) break;  // block-uniform
+#pragma unroll
+            for (int u = 0; u < LT; ++u) {
+                const int pos0 = t + (u * WPU + j) * 16 + m;
+                const unsigned (&cur)[2][RW] = ring[d][u];
 #if LOADS_ONLY
 #pragma unroll
-            for (int w = 0; w < RW; ++w) sink ^= cur[u][0][w] ^ cur[u][1][w];
+                for (int w = 0; w < RW; ++w) sink ^= cur[0][w] ^ cur[1][w];
 #else
-            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                float dd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int kc = 0; kc < KC; ++kc) {
-                const uint2 am = piece(cur[u][0], kc), am8 = piece(cur[u][1], kc);
-                mma(d, am, am8, bhi[kc][0], bhi[kc][1]);
-                mma(d, am, am8, blo[kc][0], blo[kc][1]);
-            }
-            // d[0], d[1]: token m, the unit's query heads 2c, 2c+1; d[2], d[3]: token m + 8.
-#if MODE == 0 || G == 1
-            // Every column its own score row (with G = 1 the KV heads' rows in every mode).
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int pos = pos0 + 8 * r;
-                if (pos < end) {
-                    const bool keep = kept(pos, seq_len, num_sink, num_recent);
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int qh = h0 * G + 2 * c + e;  // query head
-                        if (2 * c + e < HPW * G)
-                            emit(d[2 * r + e], keep, srow + (long long)qh * stride_sr + pos, sh + qh * 256);
-                    }
+                for (int kc = 0; kc < KC; ++kc) {
+                    const uint2 am = piece(cur[0], kc), am8 = piece(cur[1], kc);
+                    mma(dd, am, am8, bhi[kc][0], bhi[kc][1]);
+                    mma(dd, am, am8, blo[kc][0], blo[kc][1]);
                 }
+                emit_tile(dd, pos0, end, seq_len, num_sink, num_recent, c, h0, srow, stride_sr, sh);
+#endif
             }
-#elif G == 2 && HPW > 1
-            // Lane c's two columns are head h0 + c's group: it stores both tokens.
-            if (c < HPW) {
+            // This entry's rows are consumed: refill it with step t + DEPTH * STEP.
+#pragma unroll
+            for (int u = 0; u < LT; ++u)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    const int pos = pos0 + 8 * r;
-                    const float v = MODE == 2 ? fmaxf(d[2 * r], d[2 * r + 1]) : d[2 * r] + d[2 * r + 1];
-                    if (pos < end)
-                        emit(v, kept(pos, seq_len, num_sink, num_recent), srow + (long long)(h0 + c) * stride_sr + pos,
-                             sh + (h0 + c) * 256);
+                    const int pos = t + DEPTH * STEP + (u * WPU + j) * 16 + m + 8 * r;
+                    load_row(lab + (long long)slot_of(slot_next[d], u, r, m) * stride_ls, pos < end, ring[d][u][r]);
                 }
-            }
-#else
-            const float s0 = group(d[0], d[1], c), s1 = group(d[2], d[3], c);
-            // Of each head's lanes, the first stores token m, the second token m + 8 (with HPW 1,
-            // lanes 0 and 1 of the quad).
-            const int hd = HPW == 2 ? h0 + (c >> 1) : h0, odd = HPW == 2 ? c & 1 : c;
-            const int pos = pos0 + 8 * odd;
-            if (odd < 2 && pos < end)
-                emit(odd ? s1 : s0, kept(pos, seq_len, num_sink, num_recent), srow + (long long)hd * stride_sr + pos, sh + hd * 256);
-#endif
-#endif
+            load_slots(rt_row, t + 2 * DEPTH * STEP, end, j, lane, slot_next[d]);
         }
     }
     score_end(sink, srow, sh, hist, b, stride_hb, stride_hr);

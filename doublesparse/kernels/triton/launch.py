@@ -188,11 +188,12 @@ TUNING = {
     # per SM its registers must allow (2: 128 registers).
     "score_cuda_programs_per_sm": 2, "score_cuda_rows_per_thread": 4, "score_cuda_min_blocks": 2, "score_cuda_hist": True,
     # The CUDA score on tensor cores (kernels/cuda/score_tc.cu) where its shapes allow (G <= 8,
-    # r % 16 == 0, warps dividing among the KV heads), with this many 16-token tiles per warp in
-    # flight (capped by registers). Measured on an H200 against score.cu, the score alone in one
+    # r % 16 == 0, warps dividing among the KV heads), with this many 16-token tiles per warp per
+    # step and a ring of score_cuda_tc_depth steps in registers (depth - 1 steps' loads in flight
+    # while one is scored; tiles capped by registers, score.py's RING_WORDS). Measured on an H200 against score.cu, the score alone in one
     # call each (results/h200-s17, score_cuda_probe.py): 3 x 64K bf16 20.4 / 19.9 vs 21.9 / 21.5 us,
     # 16 x 32K 45.9 / 45.6 vs 49.6 / 50.5 us (call c); 3 x 128K fp8 27.8 vs 38.9 us (call g).
-    "score_cuda_tc": True, "score_cuda_tc_tiles": 4,
+    "score_cuda_tc": True, "score_cuda_tc_tiles": 4, "score_cuda_tc_depth": 2,
     # Programmatic dependent launch on Hopper and later (pdl.py) for the small per-row kernels and
     # the GEMV, whose programs start, and load their weights, while the kernel ahead runs.
     # Off: no GEMV either.
