@@ -74,8 +74,8 @@ def main(argv=None):
                     cuda_score.score(p.q, p.labels, p.scale, p.channels, p.req_to_token, p.req_idx[i], p.seq_lens,
                                      ws.scores, ws.hist, sm, k, 0, 0, 0, "group_max", P, hist, per, minb, tc, depth,
                                      extra)
-                lt = cuda_score._tc_geometry(p.q, p.labels, per, depth)[1] if tc else per
-                key = (f"{'tc' if tc else 'cc'} {name} P/SM {per_sm} per {lt} minb {minb} depth {depth}"
+                _, lt, dep = cuda_score._tc_geometry(p.q, p.labels, per, depth) if tc else (0, per, 0)
+                key = (f"{'tc' if tc else 'cc'} {name} P/SM {per_sm} per {lt} minb {minb} depth {dep}"
                        + (f" r{rnd}" if rnd else ""))
                 res[key] = time_fn(call, C) * 1e6
                 ws.hist.zero_()

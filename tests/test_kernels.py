@@ -584,7 +584,7 @@ def test_cuda_score_launch_protocol(monkeypatch):
     not otherwise."""
     from doublesparse.kernels.triton import ds_launch
     calls = []
-    monkeypatch.setattr(ds_launch.cuda_score, "score", lambda *a: calls.append(("score", a[-5:])))
+    monkeypatch.setattr(ds_launch.cuda_score, "score", lambda *a: calls.append(("score", a[-6:])))
     monkeypatch.setattr(ds_launch, "_select", lambda ws, sl, rt, ri, k, thr, B, rows, skip, np, stage:
                         calls.append(("select", skip)))
     monkeypatch.setattr(ds_launch, "_take_cuda", lambda knob, why_not: knob == "score_impl")
@@ -596,7 +596,7 @@ def test_cuda_score_launch_protocol(monkeypatch):
         ws = make_ws(c, max_heavy_tokens=16)
         ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="select")
         assert [n for n, _ in calls] == ["score", "select"]
-        P, do_hist, per, minb, tc = calls[0][1]
+        P, do_hist, per, minb, tc, _depth = calls[0][1]
         assert do_hist == hist and calls[1][1] == hist and P >= 1
         # 3 KV heads do not divide a block's 8 warps: score.cu, not score_tc.cu
         assert (per, minb, tc) == (launch.TUNING["score_cuda_rows_per_thread"], launch.TUNING["score_cuda_min_blocks"],

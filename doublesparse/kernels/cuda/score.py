@@ -46,11 +46,13 @@ def _heads_per_warp(q, label_cache) -> int:
 RING_WORDS = 64  # score_tc.cu's registers for label rows per lane: DEPTH * LT * 2 rows * row words
 
 
-def _tc_geometry(q, label_cache, tiles: int, depth: int = 2) -> tuple[int, int]:
-    """(HPW, LT) of score_tc.cu for a ring of ``depth`` steps: tiles per step capped so that the
-    ring's label rows fit RING_WORDS registers per lane."""
+def _tc_geometry(q, label_cache, tiles: int, depth: int = 2) -> tuple[int, int, int]:
+    """(HPW, LT, DEPTH) of score_tc.cu: tiles per step and then the ring's depth (at least 2)
+    capped so that the ring's label rows fit RING_WORDS registers per lane."""
     hpw = _heads_per_warp(q, label_cache)
-    return hpw, max(1, min(tiles, RING_WORDS // (2 * depth * _row_words(label_cache, hpw))))
+    row = 2 * _row_words(label_cache, hpw)  # a tile's two rows
+    lt = max(1, min(tiles, RING_WORDS // (depth * row)))
+    return hpw, lt, max(2, min(depth, RING_WORDS // (lt * row)))
 
 
 def step_tokens(q, label_cache, per_thread: int, tc: bool = False, depth: int = 2) -> int:
@@ -59,7 +61,7 @@ def step_tokens(q, label_cache, per_thread: int, tc: bool = False, depth: int = 
     ``depth`` steps)."""
     hkv = label_cache.shape[1]
     if tc:
-        hpw, lt = _tc_geometry(q, label_cache, per_thread, depth)
+        hpw, lt, _ = _tc_geometry(q, label_cache, per_thread, depth)
         return (THREADS // 32 // (hkv // hpw)) * 16 * lt
     return (THREADS // hkv) * per_thread
 
@@ -90,8 +92,7 @@ def _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc
               ("QTYPE", _QTYPE[q.dtype]), ("CH64", int(channels.dtype == torch.int64)), ("DO_HIST", int(do_hist)),
               ("MINB", min_blocks))
     if tc:
-        hpw, lt = _tc_geometry(q, label_cache, per_thread, depth)
-        return common + (("HPW", hpw), ("LT", lt), ("DEPTH", depth))
+        return common + tuple(zip(("HPW", "LT", "DEPTH"), _tc_geometry(q, label_cache, per_thread, depth)))
     return common + (("LPT", per_thread),)
 
 
