@@ -190,10 +190,14 @@ TUNING = {
     # The CUDA score on tensor cores (kernels/cuda/score_tc.cu) where its shapes allow (G <= 8,
     # r % 16 == 0, warps dividing among the KV heads), with this many 16-token tiles per warp per
     # step and a ring of score_cuda_tc_depth steps in registers (depth - 1 steps' loads in flight
-    # while one is scored; tiles capped by registers, score.py's RING_WORDS). Measured on an H200 against score.cu, the score alone in one
-    # call each (results/h200-s17, score_cuda_probe.py): 3 x 64K bf16 20.4 / 19.9 vs 21.9 / 21.5 us,
-    # 16 x 32K 45.9 / 45.6 vs 49.6 / 50.5 us (call c); 3 x 128K fp8 27.8 vs 38.9 us (call g).
-    "score_cuda_tc": True, "score_cuda_tc_tiles": 4, "score_cuda_tc_depth": 2,
+    # while one is scored; tiles, then depth, capped by registers: score.py's RING_WORDS).
+    # Measured on an H200 against score.cu, the score alone in one call each (results/h200-s17,
+    # score_cuda_probe.py): 3 x 64K bf16 20.4 / 19.9 vs 21.9 / 21.5 us, 16 x 32K 45.9 / 45.6 vs
+    # 49.6 / 50.5 us (call c); 3 x 128K fp8 27.8 vs 38.9 us (call g). 2 tiles and a ring of 3
+    # against 4 tiles and a ring of 2 (results/h200-s20, calls a, b): 3 x 64K 21.7 vs 22.4 us,
+    # 16 x 32K 47.3 vs 48.6, fp8 3 x 61440 15.8 vs 16.9; Llama-3.1-8B's DS step at 60K x 3 5.767
+    # vs 5.812 ms (score 17.5 vs 18.8 us per layer).
+    "score_cuda_tc": True, "score_cuda_tc_tiles": 2, "score_cuda_tc_depth": 3,
     # Programmatic dependent launch on Hopper and later (pdl.py) for the small per-row kernels and
     # the GEMV, whose programs start, and load their weights, while the kernel ahead runs.
     # Off: no GEMV either.
