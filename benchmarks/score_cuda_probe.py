@@ -27,13 +27,16 @@ from doublesparse.kernels.cuda import score as cuda_score
 from doublesparse.kernels.triton import launch
 from probe_lib import layer_cases, write_json
 
-VARIANTS = {"loads": (("PROBE", 1),), "products": (("PROBE", 2),), "full": (), "no-hist": ()}
+VARIANTS = {"loads": (("PROBE", 1),), "products": (("PROBE", 2),), "full": (), "no-hist": (),
+            # score_tc.cu only: the first label rows requested after the B fragments (before session 20)
+            "full-late": (("EARLY_ROWS", 0),)}
 # (tc, programs per SM, rows per thread / tiles per warp, min blocks, ring depth of score_tc.cu)
 GEOMETRIES = {
     "all": ((False, 2, 4, 2, 2), (True, 2, 4, 2, 2), (True, 2, 8, 2, 2), (True, 3, 2, 3, 2), (True, 4, 1, 4, 2)),
     # session 20: score_tc.cu's ring of label rows, deeper (tiles capped by score.py's RING_WORDS)
     "depth": ((True, 2, 4, 2, 2), (True, 2, 2, 2, 3), (True, 2, 2, 2, 4), (True, 2, 1, 2, 8), (True, 2, 4, 2, 3),
               (True, 2, 4, 2, 4)),
+    "s20": ((True, 2, 2, 2, 3), (True, 2, 4, 2, 2)),
 }
 
 
