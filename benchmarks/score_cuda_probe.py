@@ -27,9 +27,9 @@ from doublesparse.kernels.cuda import score as cuda_score
 from doublesparse.kernels.triton import launch
 from probe_lib import layer_cases, write_json
 
-VARIANTS = {"loads": (("PROBE", 1),), "products": (("PROBE", 2),), "full": (), "no-hist": (),
-            # score_tc.cu only: the first label rows requested after the B fragments (before session 20)
-            "full-late": (("EARLY_ROWS", 0),)}
+VARIANTS = {"loads": (("PROBE", 1),), "products": (("PROBE", 2),), "full": (), "no-hist": ()}
+# Session 20's call e also had "full-late" (("EARLY_ROWS", 0),), the first label rows requested
+# after the query's B fragments against "full" before them (score_tc.cu in 9ba6f09); removed.
 # (tc, programs per SM, rows per thread / tiles per warp, min blocks, ring depth of score_tc.cu)
 GEOMETRIES = {
     "all": ((False, 2, 4, 2, 2), (True, 2, 4, 2, 2), (True, 2, 8, 2, 2), (True, 3, 2, 3, 2), (True, 4, 1, 4, 2)),

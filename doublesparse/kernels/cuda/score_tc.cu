@@ -48,11 +48,6 @@
 #define RW (LABEL == 2 ? KC : 2 * KC)  // 32-bit label words per lane and row (4 channels per piece)
 #define ROWS (MODE == 0 ? HKV * G : HKV)
 #define LOADS_ONLY (PROBE == 1)
-// The ring's rows and the B fragments both live from the first rows' loads on (LongChat-7B's
-// 8 heads per warp would spill).
-#ifndef EARLY_ROWS
-#define EARLY_ROWS (DEPTH * LT * 2 * RW + 4 * KC <= 72)
-#endif
 #include "score_common.cuh"
 #if LABEL == 0
 #define MMA_TYPE "bf16"
@@ -211,9 +206,38 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
     const label_t* lab = labels + (long long)h0 * stride_lh + 4 * KC * c;
     unsigned short* srow = scores + (long long)b * stride_sb;
 
-    // Where registers allow (EARLY_ROWS), the first label rows are requested before the query's
-    // B fragments are made (their loads are a chain of their own: channels, then q), so that the
-    // two chains overlap.
+    // B fragments: column m = query head m % G of the unit's head m / G (zero past the unit's
+    // HPW * G heads, and where the channel is another head's), this lane's channels of each piece.
+    unsigned bhi[KC][2], blo[KC][2];
+    float scale = (float)sm_scale;
+#if LABEL == 2
+    scale *= label_scale[0];
+#endif
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc) {
+        float x[4], lo[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int cu = 4 * KC * c + 4 * kc + i, hc = cu / R;  // channel of the unit's row, its head
+            const long long ch = channels[(h0 + hc) * stride_ch + cu % R];
+            const bool mine = m < HPW * G && m / G == hc;
+            x[i] = mine ? q_to_f32(q[(long long)b * stride_qb + (long long)(h0 * G + m) * stride_qh + ch]) * scale : 0.0f;
+        }
+        bhi[kc][0] = pack2(x[0], x[1]);
+        bhi[kc][1] = pack2(x[2], x[3]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) lo[i] = x[i] - half_at(bhi[kc][i >> 1], i & 1);
+        blo[kc][0] = pack2(lo[0], lo[1]);
+        blo[kc][1] = pack2(lo[2], lo[3]);
+    }
+    zero_hist(sh);
+#if DO_HIST
+    __syncthreads();
+#endif
+
+    // (Requesting the first rows before the B fragments, so that the slot -> row and the
+    // channel -> q load chains overlap, was no faster at 3 x 64K and 2 us slower at 16 x 32K:
+    // results/h200-s20, call e.)
     // Software-pipelined through a ring of DEPTH steps' label rows: while one step is scored,
     // the loads of the next DEPTH - 1 steps are in flight (registers are the only buffer, so no
     // copy between them: the loop is unrolled DEPTH times). Tile u of step t starts at
@@ -222,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
     // warp's lanes (load_slots / slot_of) to keep registers for the rows.
     unsigned ring[DEPTH][LT][2][RW];
     int slot_next[DEPTH][SPL];
-    auto first_rows = [&]() {
+    {
         int now[DEPTH][SPL];  // all slot loads first: one round trip before the rows, not DEPTH
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) load_slots(rt_row, start + d * STEP, end, j, lane, now[d]);
@@ -237,45 +261,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
                     const int pos = start + d * STEP + (u * WPU + j) * 16 + m + 8 * r;
                     load_row(lab + (long long)slot_of(now[d], u, r, m) * stride_ls, pos < end, ring[d][u][r]);
                 }
-    };
-
-    // B fragments: column m = query head m % G of the unit's head m / G (zero past the unit's
-    // HPW * G heads, and where the channel is another head's), this lane's channels of each piece.
-    unsigned bhi[KC][2], blo[KC][2];
-    auto b_fragments = [&]() {
-        float scale = (float)sm_scale;
-#if LABEL == 2
-        scale *= label_scale[0];
-#endif
-#pragma unroll
-        for (int kc = 0; kc < KC; ++kc) {
-            float x[4], lo[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int cu = 4 * KC * c + 4 * kc + i, hc = cu / R;  // channel of the unit's row, its head
-                const long long ch = channels[(h0 + hc) * stride_ch + cu % R];
-                const bool mine = m < HPW * G && m / G == hc;
-                x[i] = mine ? q_to_f32(q[(long long)b * stride_qb + (long long)(h0 * G + m) * stride_qh + ch]) * scale : 0.0f;
-            }
-            bhi[kc][0] = pack2(x[0], x[1]);
-            bhi[kc][1] = pack2(x[2], x[3]);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) lo[i] = x[i] - half_at(bhi[kc][i >> 1], i & 1);
-            blo[kc][0] = pack2(lo[0], lo[1]);
-            blo[kc][1] = pack2(lo[2], lo[3]);
-        }
-    };
-#if EARLY_ROWS
-    first_rows();
-#endif
-    zero_hist(sh);
-    b_fragments();
-#if DO_HIST
-    __syncthreads();
-#endif
-#if !EARLY_ROWS
-    first_rows();
-#endif
+    }
 
     unsigned sink = 0;  // the loads-only probe build's (score_end)
     for (int t0 = start; t0 < end; t0 += DEPTH * STEP) {
