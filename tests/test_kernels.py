@@ -460,6 +460,7 @@ _SCORE_TC_DEFINES = [  # score_tc.cu's: Llama-3.1-8B r16 / r32 (two heads per wa
     dict(HKV=4, G=7, R=32, MODE=0, LABEL=2, QTYPE=1, CH64=0, DO_HIST=1, LT=4, MINB=2),
     dict(HKV=8, G=1, R=16, MODE=2, LABEL=0, QTYPE=2, CH64=0, DO_HIST=0, LT=4, MINB=3),
     dict(HKV=32, G=1, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LT=1, MINB=2, HPW=8),
+    dict(HKV=32, G=1, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LT=1, MINB=2, HPW=4, DEPTH=4),
     dict(HKV=8, G=2, R=16, MODE=1, LABEL=2, QTYPE=0, CH64=0, DO_HIST=1, LT=4, MINB=2, HPW=4),
 ]
 
@@ -532,26 +533,28 @@ def test_cuda_select_launch_protocol(monkeypatch):
 @pytest.mark.parametrize("case", CASES + [([77, 300, 325], 28, 4, 128, 16, 64)])  # G = 7 (Qwen2.5-7B)
 @pytest.mark.parametrize("mode", ["per_head", "group_sum", "group_max"])
 @pytest.mark.parametrize("label_dtype", [torch.bfloat16, FP8])
-@pytest.mark.parametrize("tc,depth", [(False, 2), (True, 2), (True, 3), (True, 8)],
-                         ids=["score.cu", "score_tc.cu", "score_tc.cu-depth3", "score_tc.cu-depth8"])
-def test_cuda_score_equals_triton(case, mode, label_dtype, tc, depth, monkeypatch):
-    """score.cu's (or score_tc.cu's, with a ring of ``depth`` steps) fp16 scores equal the Triton
-    score's within one fp16 rounding step, on the sparse requests' positions only, and its fused
-    histogram is that of its own scores' keys."""
+@pytest.mark.parametrize("tc,depth,max_hpw", [(False, 2, 8), (True, 2, 8), (True, 3, 8), (True, 8, 8), (True, 3, 4)],
+                         ids=["score.cu", "score_tc.cu", "score_tc.cu-depth3", "score_tc.cu-depth8",
+                              "score_tc.cu-depth3-hpw4"])
+def test_cuda_score_equals_triton(case, mode, label_dtype, tc, depth, max_hpw, monkeypatch):
+    """score.cu's (or score_tc.cu's, with a ring of ``depth`` steps and at most ``max_hpw`` KV
+    heads per warp) fp16 scores equal the Triton score's within one fp16 rounding step, on the
+    sparse requests' positions only, and its fused histogram is that of its own scores' keys."""
     from doublesparse.kernels.cuda import score as cuda_score
     seq_lens, hq, hkv, d, r, k = case
     c = make_case(seq_lens, hq, hkv, d, r=r, label_dtype=label_dtype, device=DEVICE,
                   seed=_seed(tuple(seq_lens), mode, str(label_dtype), "score"))
-    if tc and not cuda_score.tc_fits(c.q, c.label_cache):
+    if tc and not cuda_score.tc_fits(c.q, c.label_cache, max_hpw):
         pytest.skip("score_tc.cu does not take these shapes")
     per = launch.TUNING["score_cuda_tc_tiles" if tc else "score_cuda_rows_per_thread"]
     minb = launch.TUNING["score_cuda_min_blocks"]
     hist = cuda_score.hist_fits(hq, hkv, r, mode)
-    why = cuda_score.why_not(c.q, c.label_cache, c.channels, mode, hist, per, minb, tc, depth)
+    why = cuda_score.why_not(c.q, c.label_cache, c.channels, mode, hist, per, minb, tc, depth, max_hpw)
     if why is not None:
         pytest.skip(why)
     monkeypatch.setitem(launch.TUNING, "score_cuda_tc", tc)
     monkeypatch.setitem(launch.TUNING, "score_cuda_tc_depth", depth)
+    monkeypatch.setitem(launch.TUNING, "score_cuda_tc_max_heads_per_warp", max_hpw)
     rows = rows_of(mode, hq, hkv)
     got = {}
     for impl in ("mma", "cuda"):
@@ -584,7 +587,7 @@ def test_cuda_score_launch_protocol(monkeypatch):
     not otherwise."""
     from doublesparse.kernels.triton import ds_launch
     calls = []
-    monkeypatch.setattr(ds_launch.cuda_score, "score", lambda *a: calls.append(("score", a[-6:])))
+    monkeypatch.setattr(ds_launch.cuda_score, "score", lambda *a: calls.append(("score", a[-7:])))
     monkeypatch.setattr(ds_launch, "_select", lambda ws, sl, rt, ri, k, thr, B, rows, skip, np, stage:
                         calls.append(("select", skip)))
     monkeypatch.setattr(ds_launch, "_take_cuda", lambda knob, why_not: knob == "score_impl")
@@ -596,7 +599,7 @@ def test_cuda_score_launch_protocol(monkeypatch):
         ws = make_ws(c, max_heavy_tokens=16)
         ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="select")
         assert [n for n, _ in calls] == ["score", "select"]
-        P, do_hist, per, minb, tc, _depth = calls[0][1]
+        P, do_hist, per, minb, tc, _depth, _max_hpw = calls[0][1]
         assert do_hist == hist and calls[1][1] == hist and P >= 1
         # 3 KV heads do not divide a block's 8 warps: score.cu, not score_tc.cu
         assert (per, minb, tc) == (launch.TUNING["score_cuda_rows_per_thread"], launch.TUNING["score_cuda_min_blocks"],

@@ -28,17 +28,17 @@ def _row_words(label_cache, hpw: int) -> int:
     return hpw * label_cache.shape[2] // 16 * (1 if label_cache.dtype == torch.float8_e4m3fn else 2)
 
 
-def _heads_per_warp(q, label_cache) -> int:
-    """score_tc.cu's HPW: the most adjacent KV heads (up to 8 / G, G being 1, 2 or 4) whose query
-    heads fill the mma's 8 columns, that divide Hkv and keep a lane's row within 16 words (its
-    registers); 1 where the pool's heads are not contiguous. With G = 4 it is 2: each lane then
-    loads 16-byte pieces (results/h200-s17)."""
+def _heads_per_warp(q, label_cache, max_hpw: int = 8) -> int:
+    """score_tc.cu's HPW: the most adjacent KV heads (up to 8 / G, G being 1, 2 or 4, and up to
+    ``max_hpw``) whose query heads fill the mma's 8 columns, that divide Hkv and keep a lane's row
+    within 16 words (its registers); 1 where the pool's heads are not contiguous. With G = 4 it is
+    2: each lane then loads 16-byte pieces (results/h200-s17)."""
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
     G = Hq // Hkv
     if G not in (1, 2, 4) or label_cache.stride(1) != r:
         return 1
     hpw = 8 // G
-    while hpw > 1 and (Hkv % hpw or _row_words(label_cache, hpw) > 16):
+    while hpw > 1 and (hpw > max_hpw or Hkv % hpw or _row_words(label_cache, hpw) > 16):
         hpw //= 2
     return hpw
 
@@ -46,32 +46,32 @@ def _heads_per_warp(q, label_cache) -> int:
 RING_WORDS = 64  # score_tc.cu's registers for label rows per lane: DEPTH * LT * 2 rows * row words
 
 
-def _tc_geometry(q, label_cache, tiles: int, depth: int = 2) -> tuple[int, int, int]:
+def _tc_geometry(q, label_cache, tiles: int, depth: int = 2, max_hpw: int = 8) -> tuple[int, int, int]:
     """(HPW, LT, DEPTH) of score_tc.cu: tiles per step and then the ring's depth (at least 2)
     capped so that the ring's label rows fit RING_WORDS registers per lane."""
-    hpw = _heads_per_warp(q, label_cache)
+    hpw = _heads_per_warp(q, label_cache, max_hpw)
     row = 2 * _row_words(label_cache, hpw)  # a tile's two rows
     lt = max(1, min(tiles, RING_WORDS // (depth * row)))
     return hpw, lt, max(2, min(depth, RING_WORDS // (lt * row)))
 
 
-def step_tokens(q, label_cache, per_thread: int, tc: bool = False, depth: int = 2) -> int:
+def step_tokens(q, label_cache, per_thread: int, tc: bool = False, depth: int = 2, max_hpw: int = 8) -> int:
     """Tokens a block scores per step (the sources' STEP): slices are whole steps. ``per_thread``:
     label rows per thread (score.cu) or 16-token tiles per warp (score_tc.cu, with a ring of
-    ``depth`` steps)."""
+    ``depth`` steps and at most ``max_hpw`` KV heads per warp)."""
     hkv = label_cache.shape[1]
     if tc:
-        hpw, lt, _ = _tc_geometry(q, label_cache, per_thread, depth)
+        hpw, lt, _ = _tc_geometry(q, label_cache, per_thread, depth, max_hpw)
         return (THREADS // 32 // (hkv // hpw)) * 16 * lt
     return (THREADS // hkv) * per_thread
 
 
-def tc_fits(q, label_cache) -> bool:
+def tc_fits(q, label_cache, max_hpw: int = 8) -> bool:
     """Whether score_tc.cu takes these shapes: labels of 16-channel pieces, at most 8 query heads
     per KV head (one mma's columns), and warps that divide evenly among the KV heads."""
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
     return (label_cache.dtype in _LABEL and Hq // Hkv <= 8 and r % 16 == 0
-            and (THREADS // 32) % (Hkv // _heads_per_warp(q, label_cache)) == 0)
+            and (THREADS // 32) % (Hkv // _heads_per_warp(q, label_cache, max_hpw)) == 0)
 
 
 def _query_smem(hq: int, hkv: int, r: int) -> int:
@@ -86,20 +86,21 @@ def hist_fits(hq: int, hkv: int, r: int, mode: str) -> bool:
     return rows * 1024 + _query_smem(hq, hkv, r) <= _SMEM
 
 
-def _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc, depth):
+def _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc, depth, max_hpw):
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
     common = (("HKV", Hkv), ("G", Hq // Hkv), ("R", r), ("MODE", _MODE[mode]), ("LABEL", _LABEL[label_cache.dtype]),
               ("QTYPE", _QTYPE[q.dtype]), ("CH64", int(channels.dtype == torch.int64)), ("DO_HIST", int(do_hist)),
               ("MINB", min_blocks))
     if tc:
-        return common + tuple(zip(("HPW", "LT", "DEPTH"), _tc_geometry(q, label_cache, per_thread, depth)))
+        return common + tuple(zip(("HPW", "LT", "DEPTH"), _tc_geometry(q, label_cache, per_thread, depth, max_hpw)))
     return common + (("LPT", per_thread),)
 
 
-def why_not(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc=False, depth=2) -> str | None:
+def why_not(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc=False, depth=2,
+            max_hpw=8) -> str | None:
     """None if ``score`` can run these arguments, else why not (compiles on the first call).
     ``do_hist`` only where ``hist_fits``; ``tc`` only where ``tc_fits``; ``depth`` >= 2 (score_tc.cu's
-    ring of steps)."""
+    ring of steps); ``max_hpw`` >= 1 (its KV heads per warp at most)."""
     if q.device.type != "cuda":
         return f"device {q.device} is not a CUDA device"
     if label_cache.dtype not in _LABEL or q.dtype not in _QTYPE:
@@ -113,16 +114,18 @@ def why_not(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc=
         return f"Hkv = {Hkv} > {THREADS} KV heads"
     if _query_smem(Hq, Hkv, r) > _SMEM:
         return "the query block does not fit shared memory"
-    if tc and not tc_fits(q, label_cache):
+    if tc and (depth < 2 or max_hpw < 1):
+        return f"score_tc.cu needs a ring depth >= 2 and >= 1 KV head per warp, got {depth} and {max_hpw}"
+    if tc and not tc_fits(q, label_cache, max_hpw):
         return "score_tc.cu does not take these shapes"
-    if tc and depth < 2:
-        return f"score_tc.cu's ring needs depth >= 2, got {depth}"
     return nvrtc.unavailable(q.device, *SOURCES[tc],
-                             _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc, depth))
+                             _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc, depth,
+                                      max_hpw))
 
 
 def score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist, sm_scale,
-          k, threshold, num_sink, num_recent, mode, P, do_hist, per_thread, min_blocks, tc=False, depth=2, extra=()):
+          k, threshold, num_sink, num_recent, mode, P, do_hist, per_thread, min_blocks, tc=False, depth=2, max_hpw=8,
+          extra=()):
     """Stage 1 (and, with ``do_hist``, the select's phase 1). Grid (B, P); score_tc.cu with ``tc``.
 
     q: [B, Hq, D]; label_cache: [slots, Hkv, r] bf16/fp16/fp8 (label_scale: [1] fp32 for fp8);
@@ -130,7 +133,7 @@ def score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens
     ``extra``: more (name, value) defines (score.cu's PROBE variants, for benchmarks).
     """
     B = q.shape[0]
-    defines = _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc, depth) + tuple(extra)
+    defines = _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc, depth, max_hpw) + tuple(extra)
     name, kernels = SOURCES[tc]
     kern = nvrtc.kernel(q.device, name, kernels, kernels[0], defines)
     kern(grid=(B, P, 1), block=(THREADS, 1, 1),

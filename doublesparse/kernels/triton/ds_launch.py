@@ -63,8 +63,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     if stage not in ("attend", "rest"):
         nsm = _num_sms(dev)
         if impl == "cuda":
-            per_thread, _, tc, depth = geometry
-            step = cuda_score.step_tokens(q, label_cache, per_thread, tc, depth)
+            per_thread, _, tc, depth, max_hpw = geometry
+            step = cuda_score.step_tokens(q, label_cache, per_thread, tc, depth, max_hpw)
             P = num_progs or max(1, min(triton.cdiv(TUNING["score_cuda_programs_per_sm"] * nsm, B),
                                         triton.cdiv(ws.max_ctx, step)))
             cuda_score.score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist,
@@ -108,7 +108,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
 def _score_impl(q, label_cache, channels, mode):
     """Stage 1's kernel ("cuda", "mma" or "rows") under TUNING["score_impl"], whether its launch
     makes hist[0] (the select's first phase), and the CUDA score's (per_thread, min_blocks, tc,
-    depth) (None for the Triton kernels). "auto" takes the CUDA score where it replaces mma (measured
+    depth, max_hpw) (None for the Triton kernels). "auto" takes the CUDA score where it replaces mma (measured
     faster there) and wherever its tensor-core kernel fits; score.cu with many KV heads
     (LongChat-7B's 32 x 16) was slower than "rows" (results/h200-s16)."""
     impl = TUNING["score_impl"]
@@ -120,11 +120,12 @@ def _score_impl(q, label_cache, channels, mode):
     # score_cuda_tc_tiles 16-token tiles per warp per step and a ring of score_cuda_tc_depth steps;
     # else score.cu with
     # score_cuda_rows_per_thread label rows per thread.
-    tc = bool(TUNING["score_cuda_tc"]) and cuda_score.tc_fits(q, label_cache)
+    max_hpw = TUNING["score_cuda_tc_max_heads_per_warp"]
+    tc = bool(TUNING["score_cuda_tc"]) and cuda_score.tc_fits(q, label_cache, max_hpw)
     if impl == "cuda" or (impl == "auto" and (few_channels or tc)):
         hist = bool(TUNING["score_cuda_hist"]) and cuda_score.hist_fits(Hq, Hkv, r, mode)
         geometry = (TUNING["score_cuda_tc_tiles" if tc else "score_cuda_rows_per_thread"],
-                    TUNING["score_cuda_min_blocks"], tc, TUNING["score_cuda_tc_depth"])
+                    TUNING["score_cuda_min_blocks"], tc, TUNING["score_cuda_tc_depth"], max_hpw)
         if _take_cuda("score_impl", lambda: cuda_score.why_not(q, label_cache, channels, mode, hist, *geometry)):
             return "cuda", hist, geometry
     if impl in ("cuda", "auto"):

@@ -198,6 +198,10 @@ TUNING = {
     # 16 x 32K 47.3 vs 48.6, fp8 3 x 61440 15.8 vs 16.9; Llama-3.1-8B's DS step at 60K x 3 5.767
     # vs 5.812 ms (score 17.5 vs 18.8 us per layer).
     "score_cuda_tc": True, "score_cuda_tc_tiles": 2, "score_cuda_tc_depth": 3,
+    # At most this many KV heads per warp in score_tc.cu (up to 8 / G fill the mma's columns;
+    # fewer leave registers for a deeper ring, e.g. for MHA models' 8 heads per warp). Not yet
+    # measured below 8 (benchmarks/gpu_s20g.sh).
+    "score_cuda_tc_max_heads_per_warp": 8,
     # Programmatic dependent launch on Hopper and later (pdl.py) for the small per-row kernels and
     # the GEMV, whose programs start, and load their weights, while the kernel ahead runs.
     # Off: no GEMV either.
