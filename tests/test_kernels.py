@@ -448,8 +448,8 @@ _SCORE_DEFINES = [  # score.cu's compile-time values: Llama-3.1-8B r16/r32, fp8,
 
 
 _SCORE_TC_DEFINES = [  # score_tc.cu's: Llama-3.1-8B r16 / r32 (two heads per warp) in bf16, fp16 and fp8
-    # (rings of 2, 4 and 8 steps),
-    # Qwen2.5-7B r32 per head, MHA with 8 heads per warp or 1, G = 2 with 4 heads per warp
+    # (rings of 2, 3, 4 and 8 steps), Qwen2.5-7B r32 per head, MHA with 8, 4 (a ring of 4) or 1
+    # heads per warp, G = 2 with 4 heads per warp
     dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LT=4, MINB=2, HPW=2),
     dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LT=2, MINB=2, HPW=2, DEPTH=4),
     dict(HKV=8, G=4, R=16, MODE=2, LABEL=0, QTYPE=0, CH64=0, DO_HIST=1, LT=1, MINB=2, HPW=2, DEPTH=8),
