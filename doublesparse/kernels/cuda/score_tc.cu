@@ -195,6 +195,19 @@ __device__ __forceinline__ void load_row(const label_t* row, bool valid, unsigne
 #endif
 }
 
+// This lane's rows (m and m + 8 of each tile u) of the step at t, into one ring entry; slots from
+// load_slots (rows past the row's end read as zeros). All lanes call it.
+__device__ __forceinline__ void load_step(const label_t* lab, int stride_ls, const int (&slots)[SPL], int t, int end,
+                                          int j, int m, unsigned (&entry)[LT][2][RW]) {
+#pragma unroll
+    for (int u = 0; u < LT; ++u)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int pos = t + (u * WPU + j) * 16 + m + 8 * r;
+            load_row(lab + (long long)slot_of(slots, u, r, m) * stride_ls, pos < end, entry[u][r]);
+        }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
     SCORE_PARAMS)
 {
@@ -253,14 +266,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) load_slots(rt_row, start + (d + DEPTH) * STEP, end, j, lane, slot_next[d]);
 #pragma unroll
-        for (int d = 0; d < DEPTH; ++d)
-#pragma unroll
-            for (int u = 0; u < LT; ++u)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int pos = start + d * STEP + (u * WPU + j) * 16 + m + 8 * r;
-                    load_row(lab + (long long)slot_of(now[d], u, r, m) * stride_ls, pos < end, ring[d][u][r]);
-                }
+        for (int d = 0; d < DEPTH; ++d) load_step(lab, stride_ls, now[d], start + d * STEP, end, j, m, ring[d]);
     }
 
     unsigned sink = 0;  // the loads-only probe build's (score_end)
@@ -288,13 +294,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
 #endif
             }
             // This entry's rows are consumed: refill it with step t + DEPTH * STEP.
-#pragma unroll
-            for (int u = 0; u < LT; ++u)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int pos = t + DEPTH * STEP + (u * WPU + j) * 16 + m + 8 * r;
-                    load_row(lab + (long long)slot_of(slot_next[d], u, r, m) * stride_ls, pos < end, ring[d][u][r]);
-                }
+            load_step(lab, stride_ls, slot_next[d], t + DEPTH * STEP, end, j, m, ring[d]);
             load_slots(rt_row, t + 2 * DEPTH * STEP, end, j, lane, slot_next[d]);
         }
     }
