@@ -19,6 +19,14 @@ from .pdl import enter
 
 
 @triton.jit
+def _dot(x, w, acc, DOT_F32: tl.constexpr):
+    """acc + x @ w.T; with DOT_F32 (the interpreter's dot) on fp32 operands."""
+    if DOT_F32:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+    return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit
 def skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
     stride_xm, stride_wn, stride_ym,
@@ -39,19 +47,13 @@ def skinny_gemm_kernel(
     w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=nmask[:, None] & (k < k1)[None, :], other=0.0)
     enter(PDL)  # the first weight tile is in flight; from here on, x (the kernel ahead's output)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm[:, None] & (k < k1)[None, :], other=0.0)
-    if DOT_F32:  # the interpreter's dot: fp32 operands
-        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
-    else:
-        acc = tl.dot(x, tl.trans(w))
+    acc = _dot(x, w, tl.zeros([16, BLOCK_N], tl.float32), DOT_F32)
     for t in tl.range(k0 + BLOCK_K, k1, BLOCK_K, num_stages=STAGES):
         k = t + kk
         km = k < k1
         w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm[:, None] & km[None, :], other=0.0)
-        if DOT_F32:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+        acc = _dot(x, w, acc, DOT_F32)
     out_mask = xm[:, None] & nmask[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_ym + n[None, :]
     if SPLIT_K == 1:
