@@ -3,7 +3,8 @@
 # heads; score_tc.cu puts 8 heads in a warp, which leaves registers for 1 tile in a ring of 2) with
 # at most 4 heads per warp, so that a deeper ring fits (score_cuda_tc_max_heads_per_warp). Its
 # score moved 61 MB at ~0.49 of the copy bandwidth in session 18, where one launch reading 61 MB
-# can reach ~0.85 (session 20's read_ceiling.py). The CUDA score tests first, then LongChat's DS
+# can reach about 0.83 (interpolated between session 20's read_ceiling.py rows: 0.81 at 50 MB,
+# 0.93 at 100 MB, contiguous). The CUDA score tests first, then LongChat's DS
 # row under each override, the default first and last.
 source benchmarks/runbook_lib.sh; runbook_start
 timeout 150 python -m pytest -q tests/test_kernels.py -k "cuda_score" 2>&1 | tail -2
