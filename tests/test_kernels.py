@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from kernel_utils import TOL, make_case, make_ws, ref, rel_err, rows_of
+from kernel_utils import (TOL, check_selection as _check_selection, expected_output as _expected_output,
+                          make_case, make_ws, ref, rel_err, rows_of)
 from doublesparse.kernels import ops
 from doublesparse.kernels.triton import launch
 
@@ -103,52 +104,6 @@ def test_dense_decode_fp16_fp32():
 
 
 # ---------------------------------------------------------------- double sparsity
-def _check_selection(c, ws, sel, k, mode, threshold=0):
-    """The selected set is the top-k of the kernel's fp16 scores; scores match the reference."""
-    hq, hkv = c.q.shape[1], c.k_cache.shape[1]
-    rows = rows_of(mode, hq, hkv)
-    exp_scores = ref.label_scores_ref(c.q, c.label_cache, c.label_scale, c.channels,
-                                      c.req_to_token, c.req_idx, c.seq_lens, mode, c.sm_scale)
-    sparse = ref.is_sparse(c.seq_lens.cpu(), k, threshold)
-    for b in range(c.q.shape[0]):
-        n = int(c.seq_lens[b])
-        if not sparse[b]:
-            continue
-        got = ws.scores[b, :rows, :n].float()
-        assert rel_err(got, exp_scores[b, :, :n]) < 2e-3
-        s = sel[b, :rows, :k].long()
-        assert bool(((s >= 0) & (s < n)).all()), "selected position out of range"
-        assert all(len(set(row.tolist())) == k for row in s.cpu()), "duplicate selection"
-        picked = torch.gather(got, 1, s).sort(-1).values
-        best = got.topk(k, -1).values.sort(-1).values
-        assert torch.equal(picked, best), "selection is not the top-k (beyond ties)"
-        assert s.cpu().tolist() == _ordered_top_k(ws.scores[b, :rows, :n], k), \
-            "selection order differs from the kernel's contract"
-
-
-def _ordered_top_k(scores16, k):
-    """The select's contract per row: positions whose 16-bit key is above the k-th largest key,
-    in increasing order, then those equal to it, in increasing order, k in all."""
-    bits = scores16.cpu().view(torch.int16).to(torch.int32)
-    keys = torch.where(bits < 0, ~bits, bits | 0x8000) & 0xFFFF
-    rows = []
-    for row in keys:
-        thr = int(row.topk(k).values[-1])
-        above = (row > thr).nonzero().flatten().tolist()
-        rows.append(above + (row == thr).nonzero().flatten().tolist()[: k - len(above)])
-    return rows
-
-
-def _expected_output(c, sel, k, mode, threshold=0):
-    rows = rows_of(mode, c.q.shape[1], c.k_cache.shape[1])
-    dense = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx,
-                                 c.seq_lens, c.sm_scale)
-    sparse_rows = ref.is_sparse(c.seq_lens, k, threshold)
-    pos = sel[:, :rows, :k].long().clamp(0, c.req_to_token.shape[1] - 1)
-    sp = ref.sparse_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, pos, c.sm_scale)
-    return torch.where(sparse_rows[:, None, None], sp, dense)
-
-
 CASES = [
     # seq_lens, hq, hkv, d, r, k
     ([300], 9, 3, 64, 16, 32),

@@ -54,10 +54,32 @@ def decode_attn_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
     FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    row = tl.program_id(1)
-    split = tl.program_id(2)
+    attn_split(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_cache_ptr, v_cache_ptr,
+        req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr, part_o_ptr, part_lse_ptr, count_ptr, out_ptr,
+        sm_scale, heavy_k, threshold, stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
+        stride_rt, stride_selb, stride_selr,
+        stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_cb, stride_ob, stride_oh,
+        G, D, PER_HEAD, HAS_SEL, NUM_SPLITS, BLOCK_H, BLOCK_N, BLOCK_D, DOT_F32, FUSE_MERGE, BLOCK_S)
 
+
+@triton.jit
+def attn_split(
+    b, row, split, q_ptr, k_cache_ptr, v_cache_ptr,
+    req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr,
+    part_o_ptr, part_lse_ptr, count_ptr, out_ptr,
+    sm_scale, heavy_k, threshold,
+    stride_qb, stride_qh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    stride_rt, stride_selb, stride_selr,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_cb, stride_ob, stride_oh,
+    G: tl.constexpr, D: tl.constexpr,
+    PER_HEAD: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # Split `split` of row (b, row) (decode_attn_kernel's body; also a work item of the one-launch
+    # pipeline, ds_persistent.py).
     seq_len = tl.load(seq_lens_ptr + b)
     req = tl.load(req_idx_ptr + b).to(tl.int64)
     if HAS_SEL:

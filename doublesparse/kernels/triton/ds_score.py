@@ -53,8 +53,27 @@ def score_mma_kernel(
     # One program: (batch entry, slice of positions), all KV heads. MODE 0 = per query head (one
     # score row per query head), 1 = group sum, 2 = group max (one row per KV head).
     # LABEL_KIND: 0 = bf16 or fp8 labels (bf16 products), 1 = fp16 (fp16 products), 2 = fp32.
-    b = tl.program_id(0)
-    p = tl.program_id(1)
+    score_mma_slice(
+        tl.program_id(0), tl.program_id(1), q_ptr, label_ptr, channels_ptr, scale_ptr,
+        req_to_token_ptr, req_idx_ptr, seq_lens_ptr, scores_ptr,
+        sm_scale, heavy_k, threshold, num_sink, num_recent,
+        stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt, stride_sb, stride_sr,
+        HKV, G, R, MODE, LABEL_FP8, LABEL_KIND, NUM_PROGS, BLOCK_N, BLOCK_C, HKV_P, G_P, DOT_F32)
+
+
+@triton.jit
+def score_mma_slice(
+    b, p, q_ptr, label_ptr, channels_ptr, scale_ptr,
+    req_to_token_ptr, req_idx_ptr, seq_lens_ptr, scores_ptr,
+    sm_scale, heavy_k, threshold, num_sink, num_recent,
+    stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt, stride_sb, stride_sr,
+    HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr,
+    LABEL_FP8: tl.constexpr, LABEL_KIND: tl.constexpr, NUM_PROGS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HKV_P: tl.constexpr, G_P: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    # Slice p of NUM_PROGS of batch entry b's positions, every KV head (score_mma_kernel's body;
+    # also a work item of the persistent DS decode, ds_persistent.py).
     seq_len = tl.load(seq_lens_ptr + b)
     n = _sparse_len(seq_len, heavy_k, threshold)
 
@@ -98,7 +117,8 @@ def score_mma_kernel(
     slot_after = _slots(rt_row, start + BLOCK_N + ar, end)
     lab_next = _labels(label_ptr, _slots(rt_row, start + ar, end), start + ar < end, lab_off, cmask,
                        stride_ls, FULL)
-    for t in range(start, end, BLOCK_N):
+    # num_stages=1: pipelined by hand, also inside a kernel launched with more stages (ds_persistent.py).
+    for t in tl.range(start, end, BLOCK_N, num_stages=1):
         offs = t + ar
         nmask = offs < end
         lab = lab_next

@@ -95,9 +95,27 @@ def select_kernel(
     ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, MAX_PROGS: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    row = tl.program_id(1)
-    p = tl.program_id(2)
+    select_phase(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
+        req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
+        stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+        stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
+        PHASE, NUM_PROGS, BLOCK_N, ATOMIC_HIST, LOOP_STAGES, MAX_PROGS, PREFETCH)
+
+
+@triton.jit
+def select_phase(
+    b, row, p, scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
+    req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
+    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+    stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
+    PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, MAX_PROGS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    # Phase PHASE for slice p of score row (b, row) (select_kernel's body; also a work item of the
+    # persistent DS decode, ds_persistent.py).
     n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k, threshold)
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
     srow = scores_ptr + b * stride_sb + row * stride_sr
