@@ -3,6 +3,7 @@
     python benchmarks/kernel_resources.py [--block-n 64]
     python benchmarks/kernel_resources.py --select [--consts '{"PREFETCH": false}']
     python benchmarks/kernel_resources.py --histogram
+    python benchmarks/kernel_resources.py --persistent [--consts '{"MODE": 0}']
 
 Uses Triton's own compiler and the cuobjdump its NVIDIA backend ships (no GPU needed). The shapes
 are Llama-3.1-8B's (32 q / 8 KV heads, d 128, r 16, group_max); pointer and stride arguments are
@@ -102,13 +103,31 @@ def histogram_cost():
               f"{len(ins) / (block // (32 * warps)):.1f} per 32 keys of a thread")
 
 
+def persistent(consts: dict):
+    """The persistent DS decode (ds_persistent.py) at Llama-3.1-8B's shapes, 3 x 64K, k 4096."""
+    from doublesparse.kernels.triton import ds_persistent
+    c = dict(HKV=8, G=4, R=16, MODE=2, LABEL_FP8=False, LABEL_KIND=0, SCORE_ITEMS=32, SCORE_BLOCK_N=64,
+             BLOCK_C=128, HKV_P=8, G_P=4, HIST_ITEMS=4, HIST_BLOCK_N=4096, SEL_ITEMS=4, SEL_BLOCK_N=1024,
+             ATOMIC_HIST=True, SEL_LOOP_STAGES=1, COMPACT_LOOP_STAGES=1, MAX_PROGS=16, PREFETCH2=True,
+             PREFETCH3=True, D=128, NUM_SPLITS=22, BLOCK_H=16, ATTN_BLOCK_N=64, BLOCK_D=128, BLOCK_S=32,
+             ROWS_MAX=32, SYNC_BLOCK=128, DOT_F32=False)
+    c.update(consts)
+    k = compile_sm90(ds_persistent.ds_persistent_kernel, c, num_warps=4, num_stages=2)
+    print(f"ds_persistent_kernel {json.dumps(consts)}: {resources(k)}, "
+          f"cp.async in PTX: {len(re.findall(r'cp[.]async', k.asm['ptx']))}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--select", action="store_true")
     ap.add_argument("--consts", default="{}", help="JSON constexprs for --select")
     ap.add_argument("--histogram", action="store_true")
+    ap.add_argument("--persistent", action="store_true", help="the persistent DS decode (--consts: its constexprs)")
     a = ap.parse_args()
+    if a.persistent:
+        persistent(json.loads(a.consts))
+        return
     if a.select or a.histogram:
         if a.select:
             select_phases(json.loads(a.consts))

@@ -16,6 +16,7 @@ from ..cuda import score as cuda_score
 from ..cuda import select as cuda_select
 from ..reference import MODES
 from ..workspace import SCORE_PAD, SELECT_MAX_PROGS
+from . import ds_persistent_launch
 from .ds_score import score_mma_kernel
 from .ds_select import score_kernel
 from .ds_topk import select_kernel
@@ -59,6 +60,12 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage not in STAGES:
         _fail(f"stage must be one of {STAGES}, got {stage!r}")
+    if stage == "all" and TUNING["ds_persistent"]:
+        o = ds_persistent_launch.run(
+            q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens,
+            float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, ws, out,
+            _mma_geometry(q, label_cache), num_splits or _sparse_splits(B, rows, Hkv, k, ws, dev))
+        return (o, sel) if return_sel else o
     impl, score_hist, geometry = _score_impl(q, label_cache, channels, mode)
     if stage not in ("attend", "rest"):
         nsm = _num_sms(dev)
@@ -97,12 +104,31 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         if stage == "select":
             return sel
     if num_splits is None:
-        want = triton.cdiv(TUNING["sparse_attn_programs_per_sm"] * _num_sms(dev), B * rows)
-        cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev)), dense_splits(B, Hkv, ws, dev))
-        num_splits = max(1, min(ws.max_splits, want, cap))
+        num_splits = _sparse_splits(B, rows, Hkv, k, ws, dev)
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                    sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"])
     return (o, sel) if return_sel else o
+
+
+def _sparse_splits(B, rows, Hkv, k, ws, dev) -> int:
+    """Split-K partitions of a row of the attention over the selection (a request that decodes
+    densely reads its whole cache in as many splits)."""
+    want = triton.cdiv(TUNING["sparse_attn_programs_per_sm"] * _num_sms(dev), B * rows)
+    cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev)), dense_splits(B, Hkv, ws, dev))
+    return max(1, min(ws.max_splits, want, cap))
+
+
+def _mma_geometry(q, label_cache) -> dict:
+    """ds_score.score_mma_slice's constexprs for these shapes (tile: about 16-32 KB of labels,
+    whatever Hkv * r is)."""
+    Hkv, r = label_cache.shape[1], label_cache.shape[2]
+    G = q.shape[1] // Hkv
+    g_p = triton.next_power_of_2(G)
+    block_c = max(16, triton.next_power_of_2(Hkv * r))
+    return dict(HKV=Hkv, G=G, R=r, LABEL_FP8=label_cache.dtype == torch.float8_e4m3fn,
+                LABEL_KIND={torch.float16: 1, torch.float32: 2}.get(label_cache.dtype, 0),
+                BLOCK_N=max(16, min(TUNING["mma_block_n"], 16384 // block_c)), BLOCK_C=block_c,
+                HKV_P=max(triton.next_power_of_2(Hkv), triton.cdiv(16, g_p)), G_P=g_p)
 
 
 def _score_impl(q, label_cache, channels, mode):
@@ -217,26 +243,16 @@ def _use_cuda_select(scores) -> bool:
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
                k, threshold, num_sink, num_recent, mode, num_progs=None):
     """Stage 1 with ds_score.score_mma_kernel: grid (B, P), every KV head per program."""
-    B, Hq, _ = q.shape
-    Hkv, r = label_cache.shape[1], label_cache.shape[2]
-    G = Hq // Hkv
-    g_p = triton.next_power_of_2(G)
-    hkv_p = max(triton.next_power_of_2(Hkv), triton.cdiv(16, g_p))
-    block_c = max(16, triton.next_power_of_2(Hkv * r))
-    # About 16-32 KB of labels per tile, whatever Hkv * r is.
-    block_n = max(16, min(TUNING["mma_block_n"], 16384 // block_c))
+    B = q.shape[0]
+    geo = _mma_geometry(q, label_cache)
     P = num_progs or max(1, min(triton.cdiv(TUNING["mma_programs_per_sm"] * _num_sms(q.device), B),
-                                triton.cdiv(ws.max_ctx, block_n)))
-    is_fp8 = label_cache.dtype == torch.float8_e4m3fn
-    kind = {torch.float16: 1, torch.float32: 2}.get(label_cache.dtype, 0)
+                                triton.cdiv(ws.max_ctx, geo["BLOCK_N"])))
     scores = ws.scores
     score_mma_kernel[(B, P)](
-        q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
+        q, label_cache, channels, label_scale if geo["LABEL_FP8"] else q, req_to_token, req_idx, seq_lens,
         scores, sm_scale, k, threshold, num_sink, num_recent,
         q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
         req_to_token.stride(0), scores.stride(0), scores.stride(1),
-        HKV=Hkv, G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, LABEL_KIND=kind, NUM_PROGS=P,
-        BLOCK_N=block_n, BLOCK_C=block_c, HKV_P=hkv_p, G_P=g_p,
-        DOT_F32=_INTERPRET, num_warps=TUNING["mma_warps"],
+        MODE=MODES.index(mode), NUM_PROGS=P, DOT_F32=_INTERPRET, num_warps=TUNING["mma_warps"], **geo,
         num_stages=1,  # the loop is pipelined by hand; Triton's pipeliner would only serialize it
     )

@@ -1,0 +1,111 @@
+"""Host side of the persistent Double Sparsity decode (ds_persistent.py): the work-item table and
+the launch.
+
+``ds_launch.ds_decode`` calls ``run`` when ``TUNING["ds_persistent"]`` is on (stage "all"), after
+its checks. The table depends on static sizes only (batch, rows, item counts, lags), is built once
+per such key (outside graph capture: the engine and benchmarks warm up first) and cached on the
+device, so the launch stays capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..reference import MODES
+from ..workspace import SELECT_MAX_PROGS
+from .ds_persistent import ATTN, COMPACT, HIST1, HIST2, ITEM_FIELDS, SCORE, ds_persistent_kernel
+from .launch import _INTERPRET, TUNING, _attn_block_n, _fail, _num_sms
+
+_TABLES: dict = {}  # (device, sizes...) -> int32 [num_items, ITEM_FIELDS] on that device
+
+
+def work_items(B: int, rows: int, n_score: int, n_hist: int, n_sel: int, n_splits: int,
+               select_lag: int, attn_lag: int) -> list[tuple[int, int, int, int]]:
+    """The work items (kind, b, row, p) in queue order. Wave w queues entry w's score slices,
+    then entry (w - select_lag)'s select (its three phases, row by row), then entry
+    (w - attn_lag)'s attention splits; so every item comes after the items it waits for
+    (``0 <= select_lag <= attn_lag``)."""
+    if not 0 <= select_lag <= attn_lag:
+        _fail(f"need 0 <= persistent_select_lag <= persistent_attn_lag, got {select_lag}, {attn_lag}")
+    items = []
+    for w in range(B + attn_lag):
+        if w < B:
+            items += [(SCORE, w, 0, p) for p in range(n_score)]
+        b = w - select_lag
+        if 0 <= b < B:
+            for kind, n in ((HIST1, n_hist), (HIST2, n_sel), (COMPACT, n_sel)):
+                items += [(kind, b, r, p) for r in range(rows) for p in range(n)]
+        b = w - attn_lag
+        if 0 <= b < B:
+            items += [(ATTN, b, r, s) for r in range(rows) for s in range(n_splits)]
+    return items
+
+
+def _table(device, *sizes) -> torch.Tensor:
+    key = (device, *sizes)
+    if key not in _TABLES:
+        items = work_items(*sizes)
+        _TABLES[key] = torch.tensor(items, dtype=torch.int32).reshape(len(items), int(ITEM_FIELDS)).to(device)
+    return _TABLES[key]
+
+
+def run(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens,
+        sm_scale, k, threshold, num_sink, num_recent, mode, ws, out, score_geo, num_splits):
+    """The DS decode in one persistent launch. Arguments as ``ds_launch.ds_decode`` after its checks;
+    ``score_geo``: ds_score.score_mma_slice's constexprs (``ds_launch._mma_geometry``);
+    ``num_splits``: attention splits per row. Returns ``out`` [B, Hq, D]."""
+    B, Hq, D = q.shape
+    dev = q.device
+    per_head = mode == "per_head"
+    rows = Hq if per_head else k_cache.shape[1]
+    G = Hq // k_cache.shape[1]
+    n_score = max(1, triton.cdiv(ws.max_ctx, TUNING["persistent_score_tokens"]))
+    n_hist = TUNING["persistent_hist_items"]
+    n_sel = TUNING["persistent_select_items"]
+    if not (1 <= n_hist and 1 <= n_sel <= SELECT_MAX_PROGS):
+        _fail(f"need persistent_hist_items >= 1 and 1 <= persistent_select_items <= {SELECT_MAX_PROGS}")
+    if not 1 <= num_splits <= ws.max_splits:
+        _fail(f"num_splits={num_splits} must be in [1, {ws.max_splits}]")
+    items = _table(dev, B, rows, n_score, n_hist, n_sel, num_splits, TUNING["persistent_select_lag"],
+                   TUNING["persistent_attn_lag"])
+    progs = max(1, min(items.shape[0], TUNING["persistent_programs_per_sm"] * _num_sms(dev)))
+    if out is None:
+        out = torch.empty_like(q)
+    sync, hist, info, counts = ws.persistent_sync, ws.hist, ws.rowinfo, ws.counts
+    sel_slot, po, pl, cnt = ws.sel_slot, ws.part_o, ws.part_lse, ws.split_count
+    prefetch = {True: "23", False: ""}.get(TUNING["select_prefetch"], str(TUNING["select_prefetch"]))
+    geo = dict(score_geo)
+    score_block_n = geo.pop("BLOCK_N")
+    ds_persistent_kernel[(progs,)](
+        items, items.shape[0], sync,
+        q, label_cache, channels, label_scale if geo["LABEL_FP8"] else q, k_cache, v_cache,
+        req_to_token, req_idx, seq_lens,
+        ws.scores, hist, info, counts, ws.sel, sel_slot, po, pl, cnt, out,
+        sm_scale, k, threshold, num_sink, num_recent, B,
+        sync.stride(0),
+        q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
+        req_to_token.stride(0),
+        ws.scores.stride(0), ws.scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
+        info.stride(0), info.stride(1), counts.stride(0), counts.stride(1),
+        sel_slot.stride(0), sel_slot.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), cnt.stride(0),
+        out.stride(0), out.stride(1),
+        MODE=MODES.index(mode), SCORE_ITEMS=n_score, SCORE_BLOCK_N=score_block_n,
+        HIST_ITEMS=n_hist, HIST_BLOCK_N=TUNING["hist_block_n"], SEL_ITEMS=n_sel,
+        SEL_BLOCK_N=TUNING["select_block_n"], ATOMIC_HIST=TUNING["select_atomic_hist"],
+        SEL_LOOP_STAGES=TUNING["select_loop_stages"], COMPACT_LOOP_STAGES=TUNING["compact_loop_stages"],
+        MAX_PROGS=SELECT_MAX_PROGS, PREFETCH2="2" in prefetch, PREFETCH3="3" in prefetch,
+        D=D, NUM_SPLITS=num_splits, BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)),
+        ATTN_BLOCK_N=_attn_block_n(B * rows, dev), BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_S=triton.next_power_of_2(num_splits), ROWS_MAX=sync_rows(ws),
+        SYNC_BLOCK=triton.next_power_of_2(3 * sync_rows(ws) + 3), DOT_F32=_INTERPRET,
+        num_warps=TUNING["persistent_warps"], num_stages=TUNING["sparse_attn_stages"], **geo,
+    )
+    return out
+
+
+def sync_rows(ws) -> int:
+    """Rows per batch entry that the workspace's ``persistent_sync`` counters hold (its query heads)."""
+    return (ws.persistent_sync.shape[1] - 3) // 3
