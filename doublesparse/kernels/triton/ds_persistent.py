@@ -5,9 +5,10 @@ the whole batch, so the select's latency-bound phases leave the memory system id
 stage of every batch entry is a *work item* (kind, b, row, p) in one table (ds_persistent_launch.py
 builds it, in an order that staggers the batch entries: entry b's select is queued after entry
 b + 1's score, its attention after entry b + 2's). Each program takes the next item by an atomic
-ticket (the next one taken while it works on this one), waits until the items it depends on have finished (per-entry and per-row arrival
-counters), runs it with the same code as the separate kernels, then signals its arrival. So one
-entry's select runs while the next entries' labels and K/V stream.
+ticket (the next ticket, and its item, read while it works on this one), waits until the items
+it depends on have finished (per-entry and per-row arrival counters), runs it with the same code
+as the separate kernels, then signals its arrival. So one entry's select runs while the next
+entries' labels and K/V stream.
 
     kind 0 SCORE   (b, -, slice)   score_mma_slice: all score rows of entry b over one slice
     kind 1 HIST1   (b, row, slice) select phase 1 (high-byte histogram), after all SCOREs of b
@@ -57,6 +58,15 @@ def _wait(cnt_ptr, need):
 
 
 @triton.jit
+def _item(items_ptr, t, num_items):
+    # Fields (kind, b, row, p) of item t; zeros past the table.
+    ok = t < num_items
+    item = items_ptr + t * ITEM_FIELDS
+    return (tl.load(item, mask=ok, other=0), tl.load(item + 1, mask=ok, other=0),
+            tl.load(item + 2, mask=ok, other=0), tl.load(item + 3, mask=ok, other=0))
+
+
+@triton.jit
 def _signal(cnt_ptr):
     # Every thread's stores of the item, then one release increment.
     tl.debug_barrier()
@@ -65,7 +75,7 @@ def _signal(cnt_ptr):
 
 # Each kind's code is a separate (noinline) function: inlined into the item loop, LLVM hoists the
 # kinds' loop-invariant tiles out of it and keeps them all live (sm_90, Llama-3.1-8B's shapes: 255
-# registers and 112 bytes of stack, against 151 registers so; benchmarks/kernel_resources.py
+# registers and 184 bytes of stack, against 160 registers so; benchmarks/kernel_resources.py
 # --persistent).
 @triton.jit(noinline=True)
 def _score_item(
@@ -149,15 +159,13 @@ def ds_persistent_kernel(
     PER_HEAD: tl.constexpr = MODE == 0
     ticket_ptr = sync_ptr + 1 + 3 * ROWS_MAX
     t = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+    kind, b, row, p = _item(items_ptr, t, num_items)
     while t < num_items:
-        item = items_ptr + t * ITEM_FIELDS
-        kind = tl.load(item)
-        b = tl.load(item + 1)
-        row = tl.load(item + 2)
-        p = tl.load(item + 3)
-        # The next ticket now, so its latency overlaps this item (still deadlock-free: the item it
-        # names waits only for earlier ones, and this program takes it up after this one).
+        # The next ticket and its item now, so their latency overlaps this item (still
+        # deadlock-free: that item waits only for earlier ones, and this program takes it up
+        # after this one).
         t_next = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+        kind_next, b_next, row_next, p_next = _item(items_ptr, t_next, num_items)
         sb = sync_ptr + b * stride_sync  # [score, hist1[ROWS_MAX], hist2[ROWS_MAX], compact[ROWS_MAX]]
         if kind == 0:
             _score_item(
@@ -202,7 +210,7 @@ def ds_persistent_kernel(
                     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
                     3, SEL_ITEMS, SEL_BLOCK_N, ATOMIC_HIST, COMPACT_LOOP_STAGES, MAX_PROGS, PREFETCH3)
             _signal(sb + 1 + (kind - 1) * ROWS_MAX + row)
-        t = t_next
+        t, kind, b, row, p = t_next, kind_next, b_next, row_next, p_next
 
     # The last program out zeroes every counter (the ticket and this count too) for the next call.
     done = tl.atomic_add(ticket_ptr + 1, 1, sem="acq_rel", scope="gpu")
