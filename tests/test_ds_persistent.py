@@ -166,3 +166,16 @@ def test_persistent_decode_in_cuda_graph(tuning, monkeypatch):
         assert torch.equal(got, out)
         assert rel_err(out, expected_output(c, sel, 64, "group_max")) < TOL[torch.bfloat16]
     _assert_clean(ws)
+
+
+def test_persistent_geometry_out_of_range_is_refused(monkeypatch):
+    from doublesparse.kernels.workspace import SELECT_MAX_PROGS
+    monkeypatch.setitem(launch.TUNING, "ds_persistent", True)
+    c = make_case([50], 9, 3, 64, device=DEVICE, seed=2)
+    ws = make_ws(c, max_heavy_tokens=8)
+    for key, val in (("persistent_select_items", SELECT_MAX_PROGS + 1), ("persistent_hist_items", 0),
+                     ("persistent_attn_lag", 0)):
+        with monkeypatch.context() as m:
+            m.setitem(launch.TUNING, key, val)
+            with pytest.raises(ValueError):
+                launch.ds_decode(*c.args(), c.sm_scale, 8, "group_max", ws=ws)

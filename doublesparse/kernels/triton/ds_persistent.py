@@ -210,6 +210,9 @@ def ds_persistent_kernel(
                     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
                     3, SEL_ITEMS, SEL_BLOCK_N, ATOMIC_HIST, COMPACT_LOOP_STAGES, MAX_PROGS, PREFETCH3)
             _signal(sb + 1 + (kind - 1) * ROWS_MAX + row)
+        # The kinds' shared-memory scratch overlaps (one item at a time per program): no warp
+        # starts the next item while another may still use this one's.
+        tl.debug_barrier()
         t, kind, b, row, p = t_next, kind_next, b_next, row_next, p_next
 
     # The last program out zeroes every counter (the ticket and this count too) for the next call.
