@@ -25,7 +25,8 @@ def _waits_for(kind, b, row, n):
             dp.COMPACT: (dp.HIST2, b, row, n_sel), dp.ATTN: (dp.COMPACT, b, row, n_sel)}.get(kind)
 
 
-@pytest.mark.parametrize("B,rows,lags", [(1, 3, (1, 2)), (3, 8, (1, 2)), (5, 9, (0, 0)), (4, 2, (2, 3)), (2, 4, (0, 3))])
+@pytest.mark.parametrize("B,rows,lags", [(1, 3, (1, 2)), (3, 8, (1, 2)), (5, 9, (0, 0)), (4, 2, (2, 3)),
+                                         (2, 4, (0, 3))])
 def test_work_items_come_after_what_they_wait_for(B, rows, lags):
     n = (5, 2, 3)
     splits = 4

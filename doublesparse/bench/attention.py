@@ -280,8 +280,8 @@ def sweep(dev, bw, variants, cases, json_path=None):
                                                      "floor_us", "speedup")})
                 out.append(rec)
                 _dump_sweep(json_path, bw, base, out)
-                parts = (f"[score {ds['score_us']:.1f} select {ds['select_us']:.1f} (hist {ds['hist_us']:.1f}) "
-                         f"attend {ds['attend_us']:.1f}] " if "score_us" in ds else "")
+                parts = (f"[score {ds['score_us']:.1f} select {ds['select_us']:.1f} "
+                         f"(hist {ds['hist_us']:.1f}) attend {ds['attend_us']:.1f}] " if "score_us" in ds else "")
                 print(f"sweep {json.dumps(var):<90} bs{B} L={L} {ds['label'][:5]}: dense {dense_us:7.1f} "
                       f"ds {ds['us']:6.1f} x{ds['speedup']:.2f} {parts}floor {ds['floor_us']:.1f}",
                       flush=True)

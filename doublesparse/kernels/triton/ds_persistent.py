@@ -166,8 +166,9 @@ def ds_persistent_kernel(
         # after this one).
         t_next = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
         kind_next, b_next, row_next, p_next = _item(items_ptr, t_next, num_items)
-        sb = sync_ptr + b * stride_sync  # [score, hist1[ROWS_MAX], hist2[ROWS_MAX], compact[ROWS_MAX]]
-        if kind == 0:
+        # Entry b's counters: [score, hist1[ROWS_MAX], hist2[ROWS_MAX], compact[ROWS_MAX]]
+        sb = sync_ptr + b * stride_sync
+        if kind == 0:  # SCORE
             _score_item(
                 b, p, q_ptr, label_ptr, channels_ptr, scale_ptr, req_to_token_ptr, req_idx_ptr,
                 seq_lens_ptr, scores_ptr, sm_scale, heavy_k, threshold, num_sink, num_recent,
@@ -175,7 +176,7 @@ def ds_persistent_kernel(
                 HKV, G, R, MODE, LABEL_FP8, LABEL_KIND, SCORE_ITEMS, SCORE_BLOCK_N, BLOCK_C, HKV_P,
                 G_P, DOT_F32)
             _signal(sb)
-        elif kind == 4:
+        elif kind == 4:  # ATTN, after the row's COMPACTs
             _wait(sb + 1 + 2 * ROWS_MAX + row, SEL_ITEMS)
             _attn_item(
                 b, row, p, q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_idx_ptr,
@@ -185,7 +186,7 @@ def ds_persistent_kernel(
                 stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_scb, stride_ob,
                 stride_oh, G, D, PER_HEAD, NUM_SPLITS, BLOCK_H, ATTN_BLOCK_N, BLOCK_D, DOT_F32, BLOCK_S)
         else:
-            if kind == 1:
+            if kind == 1:  # HIST1, after the entry's SCOREs
                 _wait(sb, SCORE_ITEMS)
                 _select_item(
                     b, row, p, scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr,
@@ -193,7 +194,7 @@ def ds_persistent_kernel(
                     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
                     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
                     1, HIST_ITEMS, HIST_BLOCK_N, ATOMIC_HIST, SEL_LOOP_STAGES, MAX_PROGS, False)
-            elif kind == 2:
+            elif kind == 2:  # HIST2, after the row's HIST1s
                 _wait(sb + 1 + row, HIST_ITEMS)
                 _select_item(
                     b, row, p, scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr,
@@ -201,7 +202,7 @@ def ds_persistent_kernel(
                     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
                     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
                     2, SEL_ITEMS, SEL_BLOCK_N, ATOMIC_HIST, SEL_LOOP_STAGES, MAX_PROGS, PREFETCH2)
-            else:
+            else:  # COMPACT, after the row's HIST2s
                 _wait(sb + 1 + ROWS_MAX + row, SEL_ITEMS)
                 _select_item(
                     b, row, p, scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr,
