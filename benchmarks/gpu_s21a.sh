@@ -8,9 +8,9 @@
 # as the persistent kernel, and persistent variants (programs per SM, score item size, lags,
 # select slices, attention splits, warps).
 source benchmarks/runbook_lib.sh; runbook_start
-if timeout 150 python -m pytest -q -x tests/test_ds_persistent.py tests/test_engine.py -k "persistent" 2>&1 | tail -8; [ "${PIPESTATUS[0]}" = 0 ]; then
+if timeout 240 python -m pytest -q -x tests/test_ds_persistent.py tests/test_engine.py -k "persistent" 2>&1 | tail -8; [ "${PIPESTATUS[0]}" = 0 ]; then
   cd $OUT
-  timeout 400 python -m doublesparse.bench.attention --sweep-file $OLDPWD/benchmarks/sweep-s21.json \
+  timeout 320 python -m doublesparse.bench.attention --sweep-file $OLDPWD/benchmarks/sweep-s21.json \
     --sweep-cases 3x65536,3x131072fp8,16x32768 --json sweep-s21.json 2>&1 | grep -v "^#" | cut -c1-220
 fi
 echo "== end"
