@@ -180,3 +180,46 @@ def test_persistent_geometry_out_of_range_is_refused(monkeypatch):
             m.setitem(launch.TUNING, key, val)
             with pytest.raises(ValueError):
                 launch.ds_decode(*c.args(), c.sm_scale, 8, "group_max", ws=ws)
+
+
+def _random_valid_order(seed):
+    """work_items, shuffled into a random order that still puts every item after what it waits
+    for: the kernel must rely on nothing else (e.g. on the order of a row's slices)."""
+    import random
+
+    def order(B, rows, n_score, n_hist, n_sel, n_splits, select_lag, attn_lag):
+        rng = random.Random(seed)
+        n = (n_score, n_hist, n_sel)
+        todo = work_items(B, rows, n_score, n_hist, n_sel, n_splits, select_lag, attn_lag)
+        rng.shuffle(todo)
+        done, out = {}, []
+        while todo:
+            for i, (kind, b, row, p) in enumerate(todo):
+                dep = _waits_for(kind, b, row, n)
+                if dep is None or done.get(dep[:3], 0) == dep[3]:
+                    break
+            kind, b, row, p = todo.pop(i)
+            out.append((kind, b, row, p))
+            key = (kind, b, None if kind == dp.SCORE else row)
+            done[key] = done.get(key, 0) + 1
+        return out
+    return order
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_persistent_decode_in_any_valid_item_order(seed, monkeypatch):
+    from doublesparse.kernels.triton import ds_persistent_launch
+    monkeypatch.setitem(launch.TUNING, "ds_persistent", True)
+    monkeypatch.setitem(launch.TUNING, "persistent_score_tokens", 64)
+    monkeypatch.setitem(launch.TUNING, "select_block_n", 64)
+    monkeypatch.setitem(launch.TUNING, "hist_block_n", 64)
+    monkeypatch.setattr(ds_persistent_launch, "work_items", _random_valid_order(seed))
+    monkeypatch.setattr(ds_persistent_launch, "_TABLES", {})
+    c = make_case([300, 41, 257], 9, 3, 64, device=DEVICE, seed=40 + seed)
+    k = 40
+    ws = make_ws(c, max_heavy_tokens=k)
+    out = torch.full_like(c.q, float("nan"))
+    _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, out=out, return_sel=True)
+    check_selection(c, ws, sel, k, "group_max")
+    assert rel_err(out, expected_output(c, sel, k, "group_max")) < TOL[torch.bfloat16]
+    _assert_clean(ws)
