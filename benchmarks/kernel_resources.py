@@ -4,6 +4,7 @@
     python benchmarks/kernel_resources.py --select [--consts '{"PREFETCH": false}']
     python benchmarks/kernel_resources.py --histogram
     python benchmarks/kernel_resources.py --persistent [--consts '{"MODE": 0}']
+    python benchmarks/kernel_resources.py --sass DIR
 
 Uses Triton's own compiler and the cuobjdump its NVIDIA backend ships (no GPU needed). The shapes
 are Llama-3.1-8B's (32 q / 8 KV heads, d 128, r 16, group_max); pointer and stride arguments are
@@ -63,7 +64,7 @@ def resources(kernel) -> str:
 def sass(kernel) -> list[str]:
     """The kernel's sm_90 SASS instructions (opcode and operands), in order."""
     out = cuobjdump(kernel, "-sass")
-    return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+([^;]*);", out)]
+    return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", out)]
 
 
 def select_phases(consts: dict):
@@ -117,6 +118,29 @@ def persistent(consts: dict):
           f"cp.async in PTX: {len(re.findall(r'cp[.]async', k.asm['ptx']))}")
 
 
+def dump_sass(out_dir: str):
+    """The sm_90 SASS of the separate DS kernels (score_mma_kernel, decode_attn_kernel with and
+    without its fused merge, the three select phases), one file each, so that two trees can be
+    compared: run it with each tree first on PYTHONPATH, then diff the directories."""
+    from doublesparse.kernels.triton import ds_topk
+    os.makedirs(out_dir, exist_ok=True)
+    kernels = {"score_mma": compile_sm90(ds_score.score_mma_kernel, dict(
+        HKV=8, G=4, R=16, MODE=2, LABEL_FP8=False, LABEL_KIND=0, NUM_PROGS=176, BLOCK_N=64, BLOCK_C=128,
+        HKV_P=8, G_P=4, DOT_F32=False), num_warps=4, num_stages=1)}
+    for fuse in (False, True):
+        kernels[f"decode_attn_fuse{int(fuse)}"] = compile_sm90(decode_attn.decode_attn_kernel, dict(
+            G=4, D=128, PER_HEAD=False, HAS_SEL=True, NUM_SPLITS=22, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128,
+            DOT_F32=False, FUSE_MERGE=fuse, BLOCK_S=32), num_warps=4, num_stages=2)
+    for phase in (1, 2, 3):
+        kernels[f"select_phase{phase}"] = compile_sm90(ds_topk.select_kernel, dict(
+            PHASE=phase, NUM_PROGS=5, BLOCK_N=4096 if phase == 1 else 1024, ATOMIC_HIST=True, LOOP_STAGES=1,
+            MAX_PROGS=16, PREFETCH=phase > 1), num_warps=4, num_stages=3)
+    for name, k in kernels.items():
+        with open(os.path.join(out_dir, name + ".sass"), "w") as f:
+            f.write("\n".join(sass(k)) + "\n")
+        print(f"{name}: {len(sass(k))} SASS instructions -> {out_dir}/{name}.sass")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--block-n", type=int, default=64)
@@ -124,7 +148,11 @@ def main():
     ap.add_argument("--consts", default="{}", help="JSON constexprs for --select")
     ap.add_argument("--histogram", action="store_true")
     ap.add_argument("--persistent", action="store_true", help="the persistent DS decode (--consts: its constexprs)")
+    ap.add_argument("--sass", metavar="DIR", help="write the separate DS kernels' SASS to DIR (to diff two trees)")
     a = ap.parse_args()
+    if a.sass:
+        dump_sass(a.sass)
+        return
     if a.persistent:
         persistent(json.loads(a.consts))
         return
