@@ -5,8 +5,8 @@
 # synchronisation is checked. Then, if they pass, a sweep at 3 x 64K, 3 x 128K (bf16 and fp8
 # labels: case "3x131072fp8" times both) and 16 x 32K (benchmarks/sweep-s21.json): the default
 # separate launches (CUDA score and select), the separate Triton launches that run the same code
-# as the persistent kernel, and persistent variants (programs per SM, score item size, lags,
-# select slices, attention splits, warps).
+# as the persistent kernel, and persistent variants (fused histogram, programs per SM, score
+# item size, lags, select slices, attention splits, warps).
 source benchmarks/runbook_lib.sh; runbook_start
 if timeout 240 python -m pytest -q -x tests/test_ds_persistent.py tests/test_engine.py -k "persistent" 2>&1 | tail -8; [ "${PIPESTATUS[0]}" = 0 ]; then
   cd $OUT

@@ -108,7 +108,7 @@ def persistent(consts: dict):
     """The persistent DS decode (ds_persistent.py) at Llama-3.1-8B's shapes, 3 x 64K, k 4096."""
     from doublesparse.kernels.triton import ds_persistent
     c = dict(HKV=8, G=4, R=16, MODE=2, LABEL_FP8=False, LABEL_KIND=0, SCORE_ITEMS=32, SCORE_BLOCK_N=64,
-             BLOCK_C=128, HKV_P=8, G_P=4, HIST_ITEMS=4, HIST_BLOCK_N=4096, SEL_ITEMS=4, SEL_BLOCK_N=1024,
+             BLOCK_C=128, HKV_P=8, G_P=4, SCORE_HIST=False, HIST_ITEMS=4, HIST_BLOCK_N=4096, SEL_ITEMS=4, SEL_BLOCK_N=1024,
              ATOMIC_HIST=True, SEL_LOOP_STAGES=1, COMPACT_LOOP_STAGES=1, MAX_PROGS=16, PREFETCH2=True,
              PREFETCH3=True, D=128, NUM_SPLITS=22, BLOCK_H=16, ATTN_BLOCK_N=64, BLOCK_D=128, BLOCK_S=32,
              ROWS_MAX=32, SYNC_BLOCK=128, DOT_F32=False)

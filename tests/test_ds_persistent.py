@@ -19,16 +19,19 @@ FP8 = torch.float8_e4m3fn
 
 
 def _waits_for(kind, b, row, n):
-    """The items that (kind, b, row, .) waits for, as (kind, b, row-or-None, count)."""
+    """The items that (kind, b, row, .) waits for, as (kind, b, row-or-None, count); with no
+    HIST1 items (n_hist 0: the scores make the histogram) HIST2 waits for the entry's SCOREs."""
     n_score, n_hist, n_sel = n
-    return {dp.HIST1: (dp.SCORE, b, None, n_score), dp.HIST2: (dp.HIST1, b, row, n_hist),
+    hist2 = (dp.HIST1, b, row, n_hist) if n_hist else (dp.SCORE, b, None, n_score)
+    return {dp.HIST1: (dp.SCORE, b, None, n_score), dp.HIST2: hist2,
             dp.COMPACT: (dp.HIST2, b, row, n_sel), dp.ATTN: (dp.COMPACT, b, row, n_sel)}.get(kind)
 
 
 @pytest.mark.parametrize("B,rows,lags", [(1, 3, (1, 2)), (3, 8, (1, 2)), (5, 9, (0, 0)), (4, 2, (2, 3)),
                                          (2, 4, (0, 3))])
-def test_work_items_come_after_what_they_wait_for(B, rows, lags):
-    n = (5, 2, 3)
+@pytest.mark.parametrize("n_hist", [2, 0])
+def test_work_items_come_after_what_they_wait_for(B, rows, lags, n_hist):
+    n = (5, n_hist, 3)
     splits = 4
     items = work_items(B, rows, *n, splits, *lags)
     assert len(items) == len(set(items)) == B * (n[0] + rows * (n[1] + 2 * n[2] + splits))
@@ -89,6 +92,7 @@ GEOMETRIES = [  # TUNING overrides: item sizes, lags, programs
     {"persistent_score_tokens": 100, "persistent_select_lag": 2, "persistent_attn_lag": 2,
      "persistent_programs_per_sm": 1, "select_prefetch": "", "select_atomic_hist": False},
     {"persistent_programs_per_sm": 64, "persistent_select_items": 16, "persistent_hist_items": 1},
+    {"persistent_score_hist": True, "persistent_score_tokens": 128},  # no HIST1 items (group modes)
 ]
 
 
@@ -206,10 +210,11 @@ def _random_valid_order(seed):
     return order
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_persistent_decode_in_any_valid_item_order(seed, monkeypatch):
+@pytest.mark.parametrize("seed,score_hist", [(0, False), (1, False), (2, True)])
+def test_persistent_decode_in_any_valid_item_order(seed, score_hist, monkeypatch):
     from doublesparse.kernels.triton import ds_persistent_launch
     monkeypatch.setitem(launch.TUNING, "ds_persistent", True)
+    monkeypatch.setitem(launch.TUNING, "persistent_score_hist", score_hist)
     monkeypatch.setitem(launch.TUNING, "persistent_score_tokens", 64)
     monkeypatch.setitem(launch.TUNING, "select_block_n", 64)
     monkeypatch.setitem(launch.TUNING, "hist_block_n", 64)

@@ -12,7 +12,9 @@ entries' labels and K/V stream.
 
     kind 0 SCORE   (b, -, slice)   score_mma_slice: all score rows of entry b over one slice
     kind 1 HIST1   (b, row, slice) select phase 1 (high-byte histogram), after all SCOREs of b
-    kind 2 HIST2   (b, row, slice) select phase 2, after all HIST1s of (b, row)
+                                   (none with SCORE_HIST: the SCOREs make the histogram)
+    kind 2 HIST2   (b, row, slice) select phase 2, after all HIST1s of (b, row) (SCORE_HIST:
+                                   after all SCOREs of b)
     kind 3 COMPACT (b, row, slice) select phase 3, after all HIST2s of (b, row)
     kind 4 ATTN    (b, row, split) attention split over the selection (dense rows: their whole
                                    cache), after all COMPACTs of (b, row); the row's last split
@@ -82,15 +84,17 @@ def _score_item(
     b, p, q_ptr, label_ptr, channels_ptr, scale_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
     scores_ptr, sm_scale, heavy_k, threshold, num_sink, num_recent,
     stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt, stride_sb, stride_sr,
+    hist_ptr, stride_hb, stride_hr,
     HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LABEL_FP8: tl.constexpr,
     LABEL_KIND: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    HKV_P: tl.constexpr, G_P: tl.constexpr, DOT_F32: tl.constexpr,
+    HKV_P: tl.constexpr, G_P: tl.constexpr, DOT_F32: tl.constexpr, DO_HIST: tl.constexpr,
 ):
     score_mma_slice(
         b, p, q_ptr, label_ptr, channels_ptr, scale_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
         scores_ptr, sm_scale, heavy_k, threshold, num_sink, num_recent,
         stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt, stride_sb, stride_sr,
-        HKV, G, R, MODE, LABEL_FP8, LABEL_KIND, NUM_PROGS, BLOCK_N, BLOCK_C, HKV_P, G_P, DOT_F32)
+        hist_ptr, stride_hb, stride_hr,
+        HKV, G, R, MODE, LABEL_FP8, LABEL_KIND, NUM_PROGS, BLOCK_N, BLOCK_C, HKV_P, G_P, DOT_F32, DO_HIST)
 
 
 @triton.jit(noinline=True)
@@ -146,6 +150,7 @@ def ds_persistent_kernel(
     HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr,
     LABEL_FP8: tl.constexpr, LABEL_KIND: tl.constexpr, SCORE_ITEMS: tl.constexpr,
     SCORE_BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HKV_P: tl.constexpr, G_P: tl.constexpr,
+    SCORE_HIST: tl.constexpr,
     # select (ds_topk.select_phase)
     HIST_ITEMS: tl.constexpr, HIST_BLOCK_N: tl.constexpr, SEL_ITEMS: tl.constexpr,
     SEL_BLOCK_N: tl.constexpr, ATOMIC_HIST: tl.constexpr, SEL_LOOP_STAGES: tl.constexpr,
@@ -173,8 +178,9 @@ def ds_persistent_kernel(
                 b, p, q_ptr, label_ptr, channels_ptr, scale_ptr, req_to_token_ptr, req_idx_ptr,
                 seq_lens_ptr, scores_ptr, sm_scale, heavy_k, threshold, num_sink, num_recent,
                 stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt, stride_sb, stride_sr,
+                hist_ptr, stride_hb, stride_hr,
                 HKV, G, R, MODE, LABEL_FP8, LABEL_KIND, SCORE_ITEMS, SCORE_BLOCK_N, BLOCK_C, HKV_P,
-                G_P, DOT_F32)
+                G_P, DOT_F32, SCORE_HIST)
             _signal(sb)
         elif kind == 4:  # ATTN, after the row's COMPACTs
             _wait(sb + 1 + 2 * ROWS_MAX + row, SEL_ITEMS)
@@ -194,8 +200,11 @@ def ds_persistent_kernel(
                     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
                     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
                     1, HIST_ITEMS, HIST_BLOCK_N, ATOMIC_HIST, SEL_LOOP_STAGES, MAX_PROGS, False)
-            elif kind == 2:  # HIST2, after the row's HIST1s
-                _wait(sb + 1 + row, HIST_ITEMS)
+            elif kind == 2:  # HIST2, after the row's HIST1s (or the entry's SCOREs, which made hist[0])
+                if SCORE_HIST:
+                    _wait(sb, SCORE_ITEMS)
+                else:
+                    _wait(sb + 1 + row, HIST_ITEMS)
                 _select_item(
                     b, row, p, scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr,
                     sel_slot_ptr, req_to_token_ptr, req_idx_ptr, heavy_k, threshold,

@@ -23,8 +23,9 @@ _TABLES: dict = {}  # (device, sizes...) -> int32 [num_items, ITEM_FIELDS] on th
 def work_items(B: int, rows: int, n_score: int, n_hist: int, n_sel: int, n_splits: int,
                select_lag: int, attn_lag: int) -> list[tuple[int, int, int, int]]:
     """The work items (kind, b, row, p) in queue order. Wave w queues entry w's score slices,
-    then entry (w - select_lag)'s select (its three phases, row by row), then entry
-    (w - attn_lag)'s attention splits; so every item comes after the items it waits for
+    then entry (w - select_lag)'s select (its three phases, row by row; no first phase when
+    ``n_hist`` is 0, the score items making its histogram), then entry (w - attn_lag)'s
+    attention splits; so every item comes after the items it waits for
     (``0 <= select_lag <= attn_lag``)."""
     if not 0 <= select_lag <= attn_lag:
         _fail(f"need 0 <= persistent_select_lag <= persistent_attn_lag, got {select_lag}, {attn_lag}")
@@ -61,9 +62,11 @@ def run(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, r
     rows = Hq if per_head else k_cache.shape[1]
     G = Hq // k_cache.shape[1]
     n_score = max(1, triton.cdiv(ws.max_ctx, TUNING["persistent_score_tokens"]))
-    n_hist = TUNING["persistent_hist_items"]
+    # The score items make the select's high-byte histogram themselves (group modes only).
+    score_hist = bool(TUNING["persistent_score_hist"]) and not per_head
+    n_hist = 0 if score_hist else TUNING["persistent_hist_items"]
     n_sel = TUNING["persistent_select_items"]
-    if not (1 <= n_hist and 1 <= n_sel <= SELECT_MAX_PROGS):
+    if not ((score_hist or 1 <= n_hist) and 1 <= n_sel <= SELECT_MAX_PROGS):
         _fail(f"need persistent_hist_items >= 1 and 1 <= persistent_select_items <= {SELECT_MAX_PROGS}")
     if not 1 <= num_splits <= ws.max_splits:
         _fail(f"num_splits={num_splits} must be in [1, {ws.max_splits}]")
@@ -92,8 +95,8 @@ def run(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, r
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), cnt.stride(0),
         out.stride(0), out.stride(1),
-        MODE=MODES.index(mode), SCORE_ITEMS=n_score, SCORE_BLOCK_N=score_block_n,
-        HIST_ITEMS=n_hist, HIST_BLOCK_N=TUNING["hist_block_n"], SEL_ITEMS=n_sel,
+        MODE=MODES.index(mode), SCORE_ITEMS=n_score, SCORE_BLOCK_N=score_block_n, SCORE_HIST=score_hist,
+        HIST_ITEMS=max(n_hist, 1), HIST_BLOCK_N=TUNING["hist_block_n"], SEL_ITEMS=n_sel,
         SEL_BLOCK_N=TUNING["select_block_n"], ATOMIC_HIST=TUNING["select_atomic_hist"],
         SEL_LOOP_STAGES=TUNING["select_loop_stages"], COMPACT_LOOP_STAGES=TUNING["compact_loop_stages"],
         MAX_PROGS=SELECT_MAX_PROGS, PREFETCH2="2" in prefetch, PREFETCH3="3" in prefetch,

@@ -19,7 +19,7 @@ head's G_P columns (sum, or max with the padding columns at -inf).
 import triton
 import triton.language as tl
 
-from .ds_select import FP16_MAX, _sparse_len, _split_range
+from .ds_select import FP16_MAX, _key16, _sparse_len, _split_range
 
 
 @triton.jit
@@ -58,7 +58,8 @@ def score_mma_kernel(
         req_to_token_ptr, req_idx_ptr, seq_lens_ptr, scores_ptr,
         sm_scale, heavy_k, threshold, num_sink, num_recent,
         stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt, stride_sb, stride_sr,
-        HKV, G, R, MODE, LABEL_FP8, LABEL_KIND, NUM_PROGS, BLOCK_N, BLOCK_C, HKV_P, G_P, DOT_F32)
+        scores_ptr, 0, 0,
+        HKV, G, R, MODE, LABEL_FP8, LABEL_KIND, NUM_PROGS, BLOCK_N, BLOCK_C, HKV_P, G_P, DOT_F32, False)
 
 
 @triton.jit
@@ -67,13 +68,17 @@ def score_mma_slice(
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr, scores_ptr,
     sm_scale, heavy_k, threshold, num_sink, num_recent,
     stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt, stride_sb, stride_sr,
+    hist_ptr, stride_hb, stride_hr,
     HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr,
     LABEL_FP8: tl.constexpr, LABEL_KIND: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HKV_P: tl.constexpr, G_P: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, DO_HIST: tl.constexpr,
 ):
     # Slice p of NUM_PROGS of batch entry b's positions, every KV head (score_mma_kernel's body;
-    # also a work item of the persistent DS decode, ds_persistent.py).
+    # also a work item of the persistent DS decode, ds_persistent.py). With DO_HIST (group modes
+    # only) it also adds the high-byte histogram of its keys per KV head to hist_ptr
+    # ([B, rows, 256] with strides stride_hb, stride_hr: the select's first phase).
+    tl.static_assert(not DO_HIST or MODE != 0, "the fused histogram is for the group modes")
     seq_len = tl.load(seq_lens_ptr + b)
     n = _sparse_len(seq_len, heavy_k, threshold)
 
@@ -145,5 +150,15 @@ def score_mma_slice(
             else:
                 red = tl.sum(s3, 2)  # padding columns of Q are zero
             v = tl.where(keep[:, None], FP16_MAX, tl.minimum(tl.maximum(red, -FP16_MAX), FP16_MAX))
-            tl.store(srow + kv[None, :] * stride_sr + offs[:, None], v.to(tl.float16),
-                     mask=nmask[:, None] & (kv < HKV)[None, :])
+            v16 = v.to(tl.float16)
+            ok = nmask[:, None] & (kv < HKV)[None, :]
+            tl.store(srow + kv[None, :] * stride_sr + offs[:, None], v16, mask=ok)
+            if DO_HIST:
+                # Per KV head, the high bytes of the tile's keys, added at once (one histogram
+                # of HKV_P * 256 bins, or one carried across the loop, spilled on sm_90).
+                hb = _key16(v16) >> 8
+                bins = tl.arange(0, 256)
+                for j in tl.static_range(HKV):
+                    hj = tl.histogram(tl.sum(tl.where(kv[None, :] == j, hb, 0), 1), 256, mask=nmask)
+                    tl.atomic_add(hist_ptr + b * stride_hb + j * stride_hr + bins, hj, mask=hj > 0,
+                                  sem="relaxed")
