@@ -201,8 +201,14 @@ def test_sampling_seeded_reproducible(model):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("ds,parts", [(False, None), (True, None), (True, 2)])
-def test_cuda_graph_equals_eager(ds, parts):
+@pytest.mark.parametrize("ds,parts,persistent", [(False, None, False), (True, None, False), (True, 2, False),
+                                                 (True, None, True)],
+                         ids=["dense", "ds", "ds-parts2", "ds-persistent"])
+def test_cuda_graph_equals_eager(ds, parts, persistent, monkeypatch):
+    """Decode graphs give eager's tokens: dense, DS, DS in batch parts, and DS in one persistent
+    launch (TUNING ds_persistent)."""
+    from doublesparse.kernels.triton import launch
+    monkeypatch.setitem(launch.TUNING, "ds_persistent", persistent)
     m = tiny_llama(seed=0, dtype=torch.bfloat16, device="cuda", max_position_embeddings=MAX_POS)
     kw = dict(device="cuda", enable_double_sparsity=ds, ds_heavy_token_num=16, ds_batch_parts=parts)
     ps = prompts(5, seed=7, lo=20, hi=80)
@@ -212,24 +218,6 @@ def test_cuda_graph_equals_eager(ds, parts):
     assert e.parts.runner.graphs
     graph = e.generate(ps, sp)
     assert [r["token_ids"] for r in graph] == [r["token_ids"] for r in eager]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_persistent_ds_decode_graph_equals_eager(monkeypatch):
-    """The DS decode in one persistent launch (TUNING ds_persistent) inside the engine's decode
-    graphs: the same tokens as eager, with requests of mixed lengths (some decode densely)."""
-    from doublesparse.kernels.triton import launch
-    monkeypatch.setitem(launch.TUNING, "ds_persistent", True)
-    m = tiny_llama(seed=0, dtype=torch.bfloat16, device="cuda", max_position_embeddings=MAX_POS)
-    kw = dict(device="cuda", enable_double_sparsity=True, ds_heavy_token_num=16)
-    ps = prompts(5, seed=8, lo=10, hi=80)
-    sp = {**GREEDY, "max_new_tokens": 12}
-    eager = engine(m, disable_cuda_graph=True, **kw).generate(ps, sp)
-    e = engine(m, cuda_graph_max_bs=8, **kw)
-    assert e.parts.runner.graphs
-    graph = e.generate(ps, sp)
-    assert [r["token_ids"] for r in graph] == [r["token_ids"] for r in eager]
-    assert any(r["meta"]["sparse_decode_steps"] for r in graph)
 
 
 # ------------------------------------------------------------------------- embedded SmolLM2
