@@ -105,6 +105,7 @@ def run(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, r
         BLOCK_S=triton.next_power_of_2(num_splits), ROWS_MAX=sync_rows(ws),
         SYNC_BLOCK=triton.next_power_of_2(3 * sync_rows(ws) + 3), DOT_F32=_INTERPRET,
         num_warps=TUNING["persistent_warps"], num_stages=TUNING["sparse_attn_stages"], **geo,
+        **({"maxnreg": TUNING["persistent_maxnreg"]} if TUNING["persistent_maxnreg"] else {}),
     )
     return out
 
