@@ -21,7 +21,7 @@ from .ds_score import score_mma_kernel
 from .ds_select import score_kernel
 from .ds_topk import select_kernel
 from .launch import (_INTERPRET, TUNING, _attention, _attn_block_n, _check_decode, _check_labels, _fail,
-                     _num_sms, dense_splits)
+                     _num_sms, dense_splits, select_prefetches)
 
 
 STAGES = ("score", "hist", "select", "attend", "rest", "all")
@@ -188,14 +188,11 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
             scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
             info.stride(0), info.stride(1), counts.stride(0), counts.stride(1),
             sel.stride(0), sel.stride(1), req_to_token.stride(0))
-    prefetch = TUNING["select_prefetch"]
-    prefetch = {True: "23", False: ""}.get(prefetch, str(prefetch))  # phases, as digits
-
     def launch(phase, block, per_sm, loop_stages, max_progs=None):
         P = progs(per_sm, block, max_progs)
         select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
                                     ATOMIC_HIST=TUNING["select_atomic_hist"], LOOP_STAGES=loop_stages,
-                                    MAX_PROGS=SELECT_MAX_PROGS, PREFETCH=str(phase) in prefetch,
+                                    MAX_PROGS=SELECT_MAX_PROGS, PREFETCH=select_prefetches(phase),
                                     num_warps=TUNING["select_warps"], num_stages=TUNING["select_stages"])
 
     if not skip_phase1:

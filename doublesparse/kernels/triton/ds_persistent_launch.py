@@ -15,7 +15,7 @@ import triton
 from ..reference import MODES
 from ..workspace import SELECT_MAX_PROGS
 from .ds_persistent import ATTN, COMPACT, HIST1, HIST2, ITEM_FIELDS, SCORE, ds_persistent_kernel
-from .launch import _INTERPRET, TUNING, _attn_block_n, _fail, _num_sms
+from .launch import _INTERPRET, TUNING, _attn_block_n, _fail, _num_sms, select_prefetches
 
 _TABLES: dict = {}  # (device, sizes...) -> int32 [num_items, ITEM_FIELDS] on that device
 
@@ -62,22 +62,22 @@ def run(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, r
     rows = Hq if per_head else k_cache.shape[1]
     G = Hq // k_cache.shape[1]
     n_score = max(1, triton.cdiv(ws.max_ctx, TUNING["persistent_score_tokens"]))
-    # The score items make the select's high-byte histogram themselves (group modes only).
+    # The score items make the select's high-byte histogram themselves (group modes only): then
+    # the table has no HIST1 items.
     score_hist = bool(TUNING["persistent_score_hist"]) and not per_head
-    n_hist = 0 if score_hist else TUNING["persistent_hist_items"]
+    n_hist = TUNING["persistent_hist_items"]
     n_sel = TUNING["persistent_select_items"]
-    if not ((score_hist or 1 <= n_hist) and 1 <= n_sel <= SELECT_MAX_PROGS):
+    if not (1 <= n_hist and 1 <= n_sel <= SELECT_MAX_PROGS):
         _fail(f"need persistent_hist_items >= 1 and 1 <= persistent_select_items <= {SELECT_MAX_PROGS}")
     if not 1 <= num_splits <= ws.max_splits:
         _fail(f"num_splits={num_splits} must be in [1, {ws.max_splits}]")
-    items = _table(dev, B, rows, n_score, n_hist, n_sel, num_splits, TUNING["persistent_select_lag"],
-                   TUNING["persistent_attn_lag"])
+    items = _table(dev, B, rows, n_score, 0 if score_hist else n_hist, n_sel, num_splits,
+                   TUNING["persistent_select_lag"], TUNING["persistent_attn_lag"])
     progs = max(1, min(items.shape[0], TUNING["persistent_programs_per_sm"] * _num_sms(dev)))
     if out is None:
         out = torch.empty_like(q)
     sync, hist, info, counts = ws.persistent_sync, ws.hist, ws.rowinfo, ws.counts
     sel_slot, po, pl, cnt = ws.sel_slot, ws.part_o, ws.part_lse, ws.split_count
-    prefetch = {True: "23", False: ""}.get(TUNING["select_prefetch"], str(TUNING["select_prefetch"]))
     geo = dict(score_geo)
     score_block_n = geo.pop("BLOCK_N")
     ds_persistent_kernel[(progs,)](
@@ -96,20 +96,16 @@ def run(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, r
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), cnt.stride(0),
         out.stride(0), out.stride(1),
         MODE=MODES.index(mode), SCORE_ITEMS=n_score, SCORE_BLOCK_N=score_block_n, SCORE_HIST=score_hist,
-        HIST_ITEMS=max(n_hist, 1), HIST_BLOCK_N=TUNING["hist_block_n"], SEL_ITEMS=n_sel,
+        HIST_ITEMS=n_hist, HIST_BLOCK_N=TUNING["hist_block_n"], SEL_ITEMS=n_sel,
         SEL_BLOCK_N=TUNING["select_block_n"], ATOMIC_HIST=TUNING["select_atomic_hist"],
         SEL_LOOP_STAGES=TUNING["select_loop_stages"], COMPACT_LOOP_STAGES=TUNING["compact_loop_stages"],
-        MAX_PROGS=SELECT_MAX_PROGS, PREFETCH2="2" in prefetch, PREFETCH3="3" in prefetch,
+        MAX_PROGS=SELECT_MAX_PROGS, PREFETCH2=select_prefetches(2), PREFETCH3=select_prefetches(3),
         D=D, NUM_SPLITS=num_splits, BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)),
         ATTN_BLOCK_N=_attn_block_n(B * rows, dev), BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_S=triton.next_power_of_2(num_splits), ROWS_MAX=sync_rows(ws),
-        SYNC_BLOCK=triton.next_power_of_2(3 * sync_rows(ws) + 3), DOT_F32=_INTERPRET,
+        BLOCK_S=triton.next_power_of_2(num_splits), ROWS_MAX=Hq,
+        SYNC_BLOCK=triton.next_power_of_2(3 * Hq + 3), DOT_F32=_INTERPRET,
         num_warps=TUNING["persistent_warps"], num_stages=TUNING["sparse_attn_stages"], **geo,
         **({"maxnreg": TUNING["persistent_maxnreg"]} if TUNING["persistent_maxnreg"] else {}),
     )
     return out
 
-
-def sync_rows(ws) -> int:
-    """Rows per batch entry that the workspace's ``persistent_sync`` counters hold (its query heads)."""
-    return (ws.persistent_sync.shape[1] - 3) // 3

@@ -231,6 +231,13 @@ TUNING = {
 }
 
 
+def select_prefetches(phase: int) -> bool:
+    """Whether the select's phase (2 or 3) loads its keys one block ahead
+    (TUNING["select_prefetch"]: phases as digits, or true = "23", false = none)."""
+    knob = TUNING["select_prefetch"]
+    return str(phase) in {True: "23", False: ""}.get(knob, str(knob))
+
+
 def tuning_overrides(overrides: dict) -> dict:
     """``overrides`` checked against TUNING's keys (a removed or misspelt knob must not time the
     defaults under its name); returns it."""
