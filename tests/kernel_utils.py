@@ -135,5 +135,21 @@ def expected_output(c, sel, k, mode, threshold=0):
     return torch.where(sparse_rows[:, None, None], sp, dense)
 
 
+# Lengths the graph tests replay with (the graphs are captured at 600 x 3): long and short
+# requests, a request of one token, and one at the pool's end.
+GRAPH_REPLAY_LENS = ([600, 65, 1], [64, 599, 300], [2, 3, 600])
+
+
+def capture_graph(step):
+    """A CUDA graph of ``step()``, run once first outside the capture (compiles kernels, builds
+    lazy state such as cached tables)."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 __all__ = ["Case", "make_case", "make_ws", "rel_err", "TOL", "rows_of", "ref", "check_selection",
-           "ordered_top_k", "expected_output"]
+           "ordered_top_k", "expected_output", "capture_graph", "GRAPH_REPLAY_LENS"]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from kernel_utils import TOL, check_selection, expected_output, make_case, make_ws, rel_err, rows_of
+from kernel_utils import (GRAPH_REPLAY_LENS, TOL, capture_graph, check_selection, expected_output, make_case,
+                          make_ws, rel_err, rows_of)
 from doublesparse.kernels.triton import ds_persistent as dp
 from doublesparse.kernels.triton import launch
 from doublesparse.kernels.triton.ds_persistent_launch import work_items
@@ -156,12 +157,8 @@ def test_persistent_decode_in_cuda_graph(tuning, monkeypatch):
     def step():
         launch.ds_decode(*c.args(), c.sm_scale, 64, "group_max", ws=ws, out=out)
 
-    step()  # compile and build the item table outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for lens in ([600, 65, 1], [64, 599, 300], [2, 3, 600]):
+    graph = capture_graph(step)  # the item table is built outside the capture
+    for lens in GRAPH_REPLAY_LENS:
         c.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         c.q.normal_()
         for _ in range(3):  # replays back to back: the counters reset themselves

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from kernel_utils import (TOL, check_selection as _check_selection, expected_output as _expected_output,
-                          make_case, make_ws, ref, rel_err, rows_of)
+from kernel_utils import (GRAPH_REPLAY_LENS, TOL, capture_graph, check_selection as _check_selection,
+                          expected_output as _expected_output, make_case, make_ws, ref, rel_err, rows_of)
 from doublesparse.kernels import ops
 from doublesparse.kernels.triton import launch
 
@@ -373,12 +373,8 @@ def test_cuda_graph_capture_and_replay(mode):
                          c.sm_scale, ws, out=out_dense)
 
     c.seq_lens.copy_(torch.tensor([500, 30, 64], dtype=torch.int32))
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for lens in ([600, 65, 1], [64, 599, 300], [2, 3, 600]):
+    graph = capture_graph(step)
+    for lens in GRAPH_REPLAY_LENS:
         c.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         c.q.normal_()
         k_new.normal_()
