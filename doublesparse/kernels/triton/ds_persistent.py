@@ -77,8 +77,8 @@ def _signal(cnt_ptr):
 
 # Each kind's code is a separate (noinline) function: inlined into the item loop, LLVM hoists the
 # kinds' loop-invariant tiles out of it and keeps them all live (sm_90, Llama-3.1-8B's shapes: 255
-# registers and 184 bytes of stack, against 160 registers so; benchmarks/kernel_resources.py
-# --persistent).
+# registers and 184 bytes of stack, against 160 registers so: benchmarks/kernel_resources.py
+# --persistent [--inline], compiled on a CPU machine).
 @triton.jit(noinline=True)
 def _score_item(
     b, p, q_ptr, label_ptr, channels_ptr, scale_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr,

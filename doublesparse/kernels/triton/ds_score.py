@@ -154,8 +154,9 @@ def score_mma_slice(
             ok = nmask[:, None] & (kv < HKV)[None, :]
             tl.store(srow + kv[None, :] * stride_sr + offs[:, None], v16, mask=ok)
             if DO_HIST:
-                # Per KV head, the high bytes of the tile's keys, added at once (one histogram
-                # of HKV_P * 256 bins, or one carried across the loop, spilled on sm_90).
+                # Per KV head, the high bytes of the tile's keys, added at once (versions with
+                # one histogram of HKV_P * 256 bins, per tile or carried across the loop, needed
+                # far more registers on sm_90; not kept).
                 hb = _key16(v16) >> 8
                 bins = tl.arange(0, 256)
                 for j in tl.static_range(HKV):

@@ -177,8 +177,8 @@ TUNING = {
     # attention are queued; persistent_score_hist: the score items make the select's high-byte
     # histogram (tl.histogram, group modes), so an entry's select has no first phase;
     # persistent_maxnreg: a register cap for the launch (0 = none; it takes 160 at Llama-3.1-8B's
-    # shapes, 3 programs of 4 warps per SM; 128 allows 4 but spills). Not yet measured on a GPU
-    # (benchmarks/gpu_s21a.sh), so off.
+    # shapes, 3 programs of 4 warps per SM; 128 allows 4 but spills: kernel_resources.py
+    # --persistent [--maxnreg 128]). Not yet measured on a GPU (benchmarks/gpu_s21a.sh), so off.
     "ds_persistent": False, "persistent_score_tokens": 1024, "persistent_hist_items": 8,
     "persistent_select_items": 8, "persistent_programs_per_sm": 3, "persistent_select_lag": 1,
     "persistent_attn_lag": 2, "persistent_warps": 4, "persistent_score_hist": False,
