@@ -80,7 +80,8 @@ class DoubleSparsityBackend(AttentionBackend):
     def _batch_parts(self, B):
         """[(a, b, workspace rows a:b)] of a decode batch of B; one entry: run it whole."""
         if B not in self._parts:
-            n = self.ds.batch_parts or (2 if B >= AUTO_PARTS_MIN_BATCH and not TUNING["ds_persistent"] else 1)
+            auto = 2 if B >= AUTO_PARTS_MIN_BATCH and not TUNING["ds_persistent"] else 1
+            n = self.ds.batch_parts or auto
             if self.workspace is None or n == 1:
                 self._parts[B] = [(0, B, self.workspace)]
             else:

@@ -134,8 +134,8 @@ def _mma_geometry(q, label_cache) -> dict:
 def _score_impl(q, label_cache, channels, mode):
     """Stage 1's kernel ("cuda", "mma" or "rows") under TUNING["score_impl"], whether its launch
     makes hist[0] (the select's first phase), and the CUDA score's (per_thread, min_blocks, tc,
-    depth, max_hpw) (None for the Triton kernels). "auto" takes the CUDA score where it replaces mma (measured
-    faster there) and wherever its tensor-core kernel fits; score.cu with many KV heads
+    depth, max_hpw) (None for the Triton kernels). "auto" takes the CUDA score where it replaces
+    mma (measured faster there) and wherever its tensor-core kernel fits; score.cu with many KV heads
     (LongChat-7B's 32 x 16) was slower than "rows" (results/h200-s16)."""
     impl = TUNING["score_impl"]
     if impl not in SCORE_IMPLS:
@@ -144,8 +144,7 @@ def _score_impl(q, label_cache, channels, mode):
     few_channels = Hkv * r <= TUNING["mma_max_channels"]
     # score_tc.cu (tensor cores) where TUNING["score_cuda_tc"] and its shapes allow, with
     # score_cuda_tc_tiles 16-token tiles per warp per step and a ring of score_cuda_tc_depth steps;
-    # else score.cu with
-    # score_cuda_rows_per_thread label rows per thread.
+    # else score.cu with score_cuda_rows_per_thread label rows per thread.
     max_hpw = TUNING["score_cuda_tc_max_heads_per_warp"]
     tc = bool(TUNING["score_cuda_tc"]) and cuda_score.tc_fits(q, label_cache, max_hpw)
     if impl == "cuda" or (impl == "auto" and (few_channels or tc)):
@@ -188,6 +187,7 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
             scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
             info.stride(0), info.stride(1), counts.stride(0), counts.stride(1),
             sel.stride(0), sel.stride(1), req_to_token.stride(0))
+
     def launch(phase, block, per_sm, loop_stages, max_progs=None):
         P = progs(per_sm, block, max_progs)
         select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,

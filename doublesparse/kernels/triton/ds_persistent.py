@@ -3,8 +3,8 @@
 The separate launches (score -> select's three phases -> attention) run one after another for
 the whole batch, so the select's latency-bound phases leave the memory system idle. Here every
 stage of every batch entry is a *work item* (kind, b, row, p) in one table (ds_persistent_launch.py
-builds it, in an order that staggers the batch entries: entry b's select is queued after entry
-b + 1's score, its attention after entry b + 2's). Each program takes the next item by an atomic
+builds it, in an order that staggers the batch entries: with the default lags entry b's select is
+queued after entry b + 1's score, its attention after entry b + 2's). Each program takes the next item by an atomic
 ticket (the next ticket, and its item, read while it works on this one), waits until the items
 it depends on have finished (per-entry and per-row arrival counters), runs it with the same code
 as the separate kernels, then signals its arrival. So one entry's select runs while the next
@@ -27,8 +27,8 @@ dependencies finish and so does whatever its program works on before it. (Under 
 interpreter the first program runs every item in order.)
 
 Memory ordering: an item's stores, then a barrier, then one gpu-scope release increment of its
-counter; a waiting program polls with acquire loads (atomics) and passes a barrier before it
-reads. The counters (``sync``, per batch entry: [score, hist1[rows], hist2[rows], compact[rows]],
+counter; a waiting program polls with volatile loads, then reads the counter once with acquire
+semantics (``_wait``) and passes a barrier before it reads the item's inputs. The counters (``sync``, per batch entry: [score, hist1[rows], hist2[rows], compact[rows]],
 then the ticket and the exit count in entry 0's row) are zeroed by the last program to exit.
 """
 

@@ -122,7 +122,8 @@ def score_mma_slice(
     slot_after = _slots(rt_row, start + BLOCK_N + ar, end)
     lab_next = _labels(label_ptr, _slots(rt_row, start + ar, end), start + ar < end, lab_off, cmask,
                        stride_ls, FULL)
-    # num_stages=1: pipelined by hand, also inside a kernel launched with more stages (ds_persistent.py).
+    # num_stages=1: pipelined by hand, also inside a kernel launched with more stages
+    # (ds_persistent.py).
     for t in tl.range(start, end, BLOCK_N, num_stages=1):
         offs = t + ar
         nmask = offs < end
