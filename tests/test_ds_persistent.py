@@ -124,26 +124,6 @@ def test_persistent_decode_equals_separate_launches(tuning, mode, monkeypatch):
         _assert_clean(ws)
 
 
-def test_persistent_decode_on_workspace_rows(monkeypatch):
-    """Batch parts on disjoint workspace rows (``ws.rows``, as the engine's batch parts): each
-    part's counters, ticket included, live in its own rows."""
-    monkeypatch.setitem(launch.TUNING, "ds_persistent", True)
-    c = make_case([300, 90, 257], 9, 3, 64, device=DEVICE, seed=21)
-    k = 40
-    ws = make_ws(c, max_heavy_tokens=k)
-    whole, sel = launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, return_sel=True)
-    whole, sel = whole.clone(), sel.clone()
-    out = torch.full_like(c.q, float("nan"))
-    for a, b in ((0, 1), (1, 3)):
-        args = list(c.args())
-        args[0], args[7], args[8] = c.q[a:b], c.req_idx[a:b], c.seq_lens[a:b]
-        _, part_sel = launch.ds_decode(*args, c.sm_scale, k, "group_max", ws=ws.rows(a, b),
-                                       out=out[a:b], return_sel=True)
-        assert torch.equal(part_sel[:, :, :k], sel[a:b, :, :k])
-    assert rel_err(out, whole) < TOL[torch.bfloat16]
-    _assert_clean(ws)
-
-
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("tuning", GEOMETRIES[:3], ids=str)
 def test_persistent_decode_in_cuda_graph(tuning, monkeypatch):
