@@ -129,7 +129,7 @@ def persistent(consts: dict, inline: bool = False, maxnreg: int = 0):
              BLOCK_C=128, HKV_P=8, G_P=4, SCORE_HIST=False, HIST_ITEMS=4, HIST_BLOCK_N=4096, SEL_ITEMS=4, SEL_BLOCK_N=1024,
              ATOMIC_HIST=True, SEL_LOOP_STAGES=1, COMPACT_LOOP_STAGES=1, MAX_PROGS=16, PREFETCH2=True,
              PREFETCH3=True, D=128, NUM_SPLITS=22, BLOCK_H=16, ATTN_BLOCK_N=64, BLOCK_D=128, BLOCK_S=32,
-             ROWS_MAX=32, SYNC_BLOCK=128, DOT_F32=False)
+             ROWS_MAX=32, SYNC_BLOCK=128, DOT_F32=False, SPIN_LIMIT=0)
     c.update(consts)
     opts = dict(num_warps=4, num_stages=2, **({"maxnreg": maxnreg} if maxnreg else {}))
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,7 +3,9 @@ work-item order, and its output against the reference and the separate launches.
 
 On CPU the kernel runs under the interpreter, where the first program runs every item in table
 order; on a GPU the programs run concurrently and wait on each other's counters, so the GPU run
-of these tests is what checks the synchronisation.
+of these tests is what checks the synchronisation. There they run with a spin limit, so that a
+synchronisation bug fails with the stalled item instead of hanging the GPU (the engine's
+persistent tests in test_engine.py run without it).
 """
 
 import pytest
@@ -17,6 +19,13 @@ from doublesparse.kernels.triton import launch
 from doublesparse.kernels.triton.ds_persistent_launch import work_items
 
 FP8 = torch.float8_e4m3fn
+GPU_SPIN_LIMIT = 1 << 20  # polls of ~0.5-1 µs: about a second, where a healthy wait takes microseconds
+
+
+@pytest.fixture(autouse=True)
+def _spin_limit_on_gpu(monkeypatch):
+    if DEVICE == "cuda":
+        monkeypatch.setitem(launch.TUNING, "persistent_spin_limit", GPU_SPIN_LIMIT)
 
 
 def _waits_for(kind, b, row, n):
@@ -161,6 +170,27 @@ def test_persistent_geometry_out_of_range_is_refused(monkeypatch):
             m.setitem(launch.TUNING, key, val)
             with pytest.raises(ValueError):
                 launch.ds_decode(*c.args(), c.sm_scale, 8, "group_max", ws=ws)
+
+
+def test_persistent_decode_reports_a_stalled_wait(monkeypatch):
+    """With a spin limit, a wait whose items never arrive (here: entry 0's score counter poisoned)
+    gives up and the call names the item, instead of hanging; the next call is clean and right."""
+    monkeypatch.setitem(launch.TUNING, "ds_persistent", True)
+    limit = 50 if DEVICE == "cpu" else 1 << 14  # on a GPU, long enough for every healthy wait
+    monkeypatch.setitem(launch.TUNING, "persistent_spin_limit", limit)
+    c = make_case([300, 41], 9, 3, 64, device=DEVICE, seed=12)
+    ws = make_ws(c, max_heavy_tokens=40)
+    ws.persistent_sync[0, 0] = -1000
+    # The first wait to give up: on a GPU any of entry 0's HIST1 items (they run concurrently).
+    with pytest.raises(RuntimeError, match=rf"\(HIST1, entry 0, row \d+, slice \d+\) gave up after {limit} polls"):
+        launch.ds_decode(*c.args(), c.sm_scale, 40, "group_max", ws=ws)
+    _assert_clean(ws)
+    out = torch.full_like(c.q, float("nan"))
+    _, sel = launch.ds_decode(*c.args(), c.sm_scale, 40, "group_max", ws=ws, out=out, return_sel=True)
+    assert rel_err(out, expected_output(c, sel, 40, "group_max")) < TOL[torch.bfloat16]
+    monkeypatch.setitem(launch.TUNING, "persistent_spin_limit", -1)
+    with pytest.raises(ValueError, match="persistent_spin_limit"):
+        launch.ds_decode(*c.args(), c.sm_scale, 40, "group_max", ws=ws)
 
 
 def _random_valid_order(seed):

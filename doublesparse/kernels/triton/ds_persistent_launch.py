@@ -17,6 +17,8 @@ from ..workspace import SELECT_MAX_PROGS
 from .ds_persistent import ATTN, COMPACT, HIST1, HIST2, ITEM_FIELDS, SCORE, ds_persistent_kernel
 from .launch import _INTERPRET, TUNING, _attn_block_n, _fail, _num_sms, select_prefetches
 
+KIND_NAMES = {SCORE: "SCORE", HIST1: "HIST1", HIST2: "HIST2", COMPACT: "COMPACT", ATTN: "ATTN"}
+
 _TABLES: dict = {}  # (device, sizes...) -> int32 [num_items, ITEM_FIELDS] on that device
 
 
@@ -71,6 +73,9 @@ def run(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, r
         _fail(f"need persistent_hist_items >= 1 and 1 <= persistent_select_items <= {SELECT_MAX_PROGS}")
     if not 1 <= num_splits <= ws.max_splits:
         _fail(f"num_splits={num_splits} must be in [1, {ws.max_splits}]")
+    spin_limit = int(TUNING["persistent_spin_limit"])
+    if spin_limit < 0:
+        _fail(f"persistent_spin_limit must be >= 0 (0 = wait forever), got {spin_limit}")
     items = _table(dev, B, rows, n_score, 0 if score_hist else n_hist, n_sel, num_splits,
                    TUNING["persistent_select_lag"], TUNING["persistent_attn_lag"])
     progs = max(1, min(items.shape[0], TUNING["persistent_programs_per_sm"] * _num_sms(dev)))
@@ -103,9 +108,28 @@ def run(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, r
         D=D, NUM_SPLITS=num_splits, BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)),
         ATTN_BLOCK_N=_attn_block_n(B * rows, dev), BLOCK_D=triton.next_power_of_2(D),
         BLOCK_S=triton.next_power_of_2(num_splits), ROWS_MAX=Hq,
-        SYNC_BLOCK=triton.next_power_of_2(3 * Hq + 3), DOT_F32=_INTERPRET,
+        SYNC_BLOCK=triton.next_power_of_2(3 * Hq + 3), DOT_F32=_INTERPRET, SPIN_LIMIT=spin_limit,
         num_warps=TUNING["persistent_warps"], num_stages=TUNING["sparse_attn_stages"], **geo,
         **({"maxnreg": TUNING["persistent_maxnreg"]} if TUNING["persistent_maxnreg"] else {}),
     )
+    if spin_limit and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _check_stall(sync, items, Hq, spin_limit)
     return out
 
+
+def _check_stall(sync: torch.Tensor, items: torch.Tensor, Hq: int, spin_limit: int) -> None:
+    """Raise RuntimeError naming the first wait that gave up (``persistent_spin_limit``), and clear
+    its record (sync [B, 3 * Hq + 5]: the two columns after the first row's ticket and exit count);
+    the launch's last program zeroed the counters as usual."""
+    stall = sync[0, 3 * Hq + 3:]
+    ticket, seen = stall.tolist()  # the one host sync, in this debugging mode only
+    if not ticket:
+        return
+    stall.zero_()
+    kind, b, row, p = items[ticket - 1].tolist()
+    waits_on = {HIST1: "score slices", HIST2: "phase-1 slices (or score slices)",
+                COMPACT: "phase-2 slices", ATTN: "phase-3 slices"}[kind]
+    raise RuntimeError(
+        f"persistent DS decode: item {ticket - 1} ({KIND_NAMES[kind]}, entry {b}, row {row}, slice {p}) "
+        f"gave up after {spin_limit} polls, with {seen} of its entry's or row's {waits_on} arrived: "
+        f"the items it waits for never arrived (the table, the counts or the synchronisation is wrong)")

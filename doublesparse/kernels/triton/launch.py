@@ -178,11 +178,14 @@ TUNING = {
     # histogram (tl.histogram, group modes), so an entry's select has no first phase;
     # persistent_maxnreg: a register cap for the launch (0 = none; it takes 160 at Llama-3.1-8B's
     # shapes, 3 programs of 4 warps per SM; 128 allows 4 but spills: kernel_resources.py
-    # --persistent [--maxnreg 128]). Not yet measured on a GPU (benchmarks/gpu_s21a.sh), so off.
+    # --persistent [--maxnreg 128]); persistent_spin_limit: a debugging aid, 0 = wait forever,
+    # else a wait gives up after that many polls and the call raises RuntimeError naming the
+    # stalled item (it reads the result back: eager calls only). Not yet measured on a GPU
+    # (benchmarks/gpu_s21a.sh), so off.
     "ds_persistent": False, "persistent_score_tokens": 1024, "persistent_hist_items": 8,
     "persistent_select_items": 8, "persistent_programs_per_sm": 3, "persistent_select_lag": 1,
     "persistent_attn_lag": 2, "persistent_warps": 4, "persistent_score_hist": False,
-    "persistent_maxnreg": 0,
+    "persistent_maxnreg": 0, "persistent_spin_limit": 0,
     # Scoring: "mma" = all KV heads per program, one tensor-core product (ds_score.py);
     # "rows" = one KV head per program (ds_select.score_kernel); "auto" = mma while Hkv * r <= 256
     # (its product is block-diagonal over KV heads, so its waste grows with Hkv). Measured on an
