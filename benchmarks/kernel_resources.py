@@ -3,7 +3,7 @@
     python benchmarks/kernel_resources.py [--block-n 64]
     python benchmarks/kernel_resources.py --select [--consts '{"PREFETCH": false}']
     python benchmarks/kernel_resources.py --histogram
-    python benchmarks/kernel_resources.py --persistent [--consts '{"MODE": 0}'] [--inline] [--maxnreg 128]
+    python benchmarks/kernel_resources.py --persistent [--consts '{"MODE": 0}'] [--inline] [--maxnreg 128] [--memory-ops]
     python benchmarks/kernel_resources.py --sass DIR
 
 Uses Triton's own compiler and the cuobjdump its NVIDIA backend ships (no GPU needed). The shapes
@@ -24,6 +24,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 
 import triton
 import triton.language as tl
@@ -121,9 +122,11 @@ def _inlined_persistent(tmp: str):
     return mod
 
 
-def persistent(consts: dict, inline: bool = False, maxnreg: int = 0):
+def persistent(consts: dict, inline: bool = False, maxnreg: int = 0, memory_ops: bool = False):
     """The persistent DS decode (ds_persistent.py) at Llama-3.1-8B's shapes, 3 x 64K, k 4096;
-    ``inline``: with its item functions inlined; ``maxnreg``: under that register cap."""
+    ``inline``: with its item functions inlined; ``maxnreg``: under that register cap;
+    ``memory_ops``: also count its PTX memory operations by kind (no ``ld.global.nc`` may read
+    what another program wrote in the launch) and list its SASS fences and L1 invalidations."""
     from doublesparse.kernels.triton import ds_persistent
     c = dict(HKV=8, G=4, R=16, MODE=2, LABEL_FP8=False, LABEL_KIND=0, SCORE_ITEMS=32, SCORE_BLOCK_N=64,
              BLOCK_C=128, HKV_P=8, G_P=4, SCORE_HIST=False, HIST_ITEMS=4, HIST_BLOCK_N=4096, SEL_ITEMS=4, SEL_BLOCK_N=1024,
@@ -138,6 +141,13 @@ def persistent(consts: dict, inline: bool = False, maxnreg: int = 0):
     print(f"ds_persistent_kernel {json.dumps(consts)}{' inlined' if inline else ''}"
           f"{f' maxnreg {maxnreg}' if maxnreg else ''}: {resources(k)}, "
           f"cp.async in PTX: {len(re.findall(r'cp[.]async', k.asm['ptx']))}")
+    if memory_ops:
+        ops = re.findall(r"\b((?:ld|st|atom|red|cp\.async|fence|membar)\.[\w.:]+)", k.asm["ptx"])
+        for op, n in sorted(Counter(o for o in ops if ".global" in o or o.startswith(("fence", "membar"))).items()):
+            print(f"  PTX {n:4d} {op}")
+        sync = Counter(ins.split()[-1] if ins.startswith("@") else ins.split()[0] for ins in sass(k)
+                       if re.search(r"MEMBAR|CCTL|ERRBAR|FENCE", ins))
+        print("  SASS " + ", ".join(f"{op} x{n}" for op, n in sorted(sync.items())))
 
 
 def dump_sass(out_dir: str):
@@ -172,13 +182,15 @@ def main():
     ap.add_argument("--persistent", action="store_true", help="the persistent DS decode (--consts: its constexprs)")
     ap.add_argument("--inline", action="store_true", help="--persistent with its item functions inlined")
     ap.add_argument("--maxnreg", type=int, default=0, help="--persistent under this register cap")
+    ap.add_argument("--memory-ops", action="store_true",
+                    help="--persistent: its PTX memory operations by kind, its SASS fences and L1 invalidations")
     ap.add_argument("--sass", metavar="DIR", help="write the separate DS kernels' SASS to DIR (to diff two trees)")
     a = ap.parse_args()
     if a.sass:
         dump_sass(a.sass)
         return
     if a.persistent:
-        persistent(json.loads(a.consts), a.inline, a.maxnreg)
+        persistent(json.loads(a.consts), a.inline, a.maxnreg, a.memory_ops)
         return
     if a.select or a.histogram:
         if a.select:
