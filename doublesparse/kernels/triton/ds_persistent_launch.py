@@ -121,7 +121,7 @@ def _check_stall(sync: torch.Tensor, items: torch.Tensor, Hq: int, spin_limit: i
     """Raise RuntimeError naming the first wait that gave up (``persistent_spin_limit``), and clear
     its record (sync [B, 3 * Hq + 5]: the two columns after the first row's ticket and exit count);
     the launch's last program zeroed the counters as usual."""
-    stall = sync[0, 3 * Hq + 3:]
+    stall = sync[0, 3 * Hq + 3:3 * Hq + 5]
     ticket, seen = stall.tolist()  # the one host sync, in this debugging mode only
     if not ticket:
         return
