@@ -4,8 +4,8 @@ work-item order, and its output against the reference and the separate launches.
 On CPU the kernel runs under the interpreter, where the first program runs every item in table
 order; on a GPU the programs run concurrently and wait on each other's counters, so the GPU run
 of these tests is what checks the synchronisation. There they run with a spin limit, so that a
-synchronisation bug fails with the stalled item instead of hanging the GPU (the engine's
-persistent tests in test_engine.py run without it).
+synchronisation bug fails with the stalled item instead of hanging the GPU; then one test runs
+the default build's unbounded waits, as do the engine's persistent tests in test_engine.py.
 """
 
 import pytest
@@ -111,6 +111,10 @@ GEOMETRIES = [  # TUNING overrides: item sizes, lags, programs
 def test_persistent_decode_equals_separate_launches(tuning, mode, monkeypatch):
     """Over repeated calls on one workspace, with any item geometry: the selection of the separate
     Triton launches (the same fp16 scores), and their output up to the merge's rounding."""
+    _compare_with_separate_launches(tuning, mode, monkeypatch)
+
+
+def _compare_with_separate_launches(tuning, mode, monkeypatch):
     for key, val in {"score_impl": "mma", "select_impl": "triton", **tuning}.items():
         monkeypatch.setitem(launch.TUNING, key, val)
     ws = None
@@ -235,3 +239,12 @@ def test_persistent_decode_in_any_valid_item_order(seed, score_hist, monkeypatch
     check_selection(c, ws, sel, k, "group_max")
     assert rel_err(out, expected_output(c, sel, k, "group_max")) < TOL[torch.bfloat16]
     _assert_clean(ws)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CPU runs every test here with unbounded waits")
+@pytest.mark.parametrize("tuning", GEOMETRIES, ids=str)
+def test_persistent_decode_with_unbounded_waits(tuning, monkeypatch):
+    """The same comparison on a GPU with the waits of the default build (no spin limit), last in this
+    file: once the bounded ones have passed (a bug there fails instead of hanging)."""
+    monkeypatch.setitem(launch.TUNING, "persistent_spin_limit", 0)
+    _compare_with_separate_launches(tuning, "group_max", monkeypatch)

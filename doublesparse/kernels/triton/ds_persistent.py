@@ -30,7 +30,7 @@ Memory ordering: an item's stores, then a barrier, then one gpu-scope release in
 counter; a waiting program polls with volatile loads, then reads the counter once with acquire
 semantics (``_wait``) and passes a barrier before it reads the item's inputs. The counters (``sync``, per batch entry: [score, hist1[rows], hist2[rows], compact[rows]],
 then the ticket and the exit count in entry 0's row) are zeroed by the last program to exit.
-With SPIN_LIMIT > 0 a wait gives up after that many polls and records itself in the two columns
+With SPIN_LIMIT > 0 a wait gives up after that many polls and records itself in the six columns
 after the exit count, which the host reports (a debugging aid: a hang becomes an error).
 """
 
@@ -46,15 +46,15 @@ ITEM_FIELDS = tl.constexpr(4)  # kind, b, row, p
 
 
 @triton.jit
-def _wait(cnt_ptr, need, t, stall_ptr, SPIN_LIMIT: tl.constexpr):
+def _wait(cnt_ptr, need, t, kind, b, row, p, stall_ptr, SPIN_LIMIT: tl.constexpr):
     # Spin until *cnt_ptr >= need: volatile loads (served by L2, lighter than atomics on an address
     # that many programs poll), then an acquire read that synchronizes with the releases it saw,
     # then a barrier so every thread reads after it. Triton emits the acquire add of 0 as an
     # acquire load (ld.global.gpu.acquire), and drops it when its result is unused (both seen in
     # the sm_90 PTX), so its value feeds a loop, which never runs: the count only grows.
     # SPIN_LIMIT > 0 (a debugging aid, knob persistent_spin_limit): give up after that many polls
-    # and record the first stalled wait in stall[0:2] = (ticket + 1, count seen) for the host to
-    # report (it knows what the item waits on), instead of hanging the GPU.
+    # and record the first stalled wait in stall[0:6] = (ticket + 1, count seen, kind, b, row, p)
+    # for the host to report, instead of hanging the GPU.
     c = tl.load(cnt_ptr, volatile=True)
     if SPIN_LIMIT == 0:
         while c < need:
@@ -71,6 +71,10 @@ def _wait(cnt_ptr, need, t, stall_ptr, SPIN_LIMIT: tl.constexpr):
         if c < need:
             if tl.atomic_cas(stall_ptr, 0, t + 1, sem="relaxed", scope="gpu") == 0:
                 tl.store(stall_ptr + 1, c)
+                tl.store(stall_ptr + 2, kind)
+                tl.store(stall_ptr + 3, b)
+                tl.store(stall_ptr + 4, row)
+                tl.store(stall_ptr + 5, p)
     tl.debug_barrier()
 
 
@@ -200,7 +204,7 @@ def ds_persistent_kernel(
                 G_P, DOT_F32, SCORE_HIST)
             _signal(sb)
         elif kind == 4:  # ATTN, after the row's COMPACTs
-            _wait(sb + 1 + 2 * ROWS_MAX + row, SEL_ITEMS, t, stall_ptr, SPIN_LIMIT)
+            _wait(sb + 1 + 2 * ROWS_MAX + row, SEL_ITEMS, t, kind, b, row, p, stall_ptr, SPIN_LIMIT)
             _attn_item(
                 b, row, p, q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_idx_ptr,
                 seq_lens_ptr, sel_slot_ptr, part_o_ptr, part_lse_ptr, split_count_ptr, out_ptr,
@@ -210,7 +214,7 @@ def ds_persistent_kernel(
                 stride_oh, G, D, PER_HEAD, NUM_SPLITS, BLOCK_H, ATTN_BLOCK_N, BLOCK_D, DOT_F32, BLOCK_S)
         else:
             if kind == 1:  # HIST1, after the entry's SCOREs
-                _wait(sb, SCORE_ITEMS, t, stall_ptr, SPIN_LIMIT)
+                _wait(sb, SCORE_ITEMS, t, kind, b, row, p, stall_ptr, SPIN_LIMIT)
                 _select_item(
                     b, row, p, scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr,
                     sel_slot_ptr, req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
@@ -219,9 +223,9 @@ def ds_persistent_kernel(
                     1, HIST_ITEMS, HIST_BLOCK_N, ATOMIC_HIST, SEL_LOOP_STAGES, MAX_PROGS, False)
             elif kind == 2:  # HIST2, after the row's HIST1s (or the entry's SCOREs, which made hist[0])
                 if SCORE_HIST:
-                    _wait(sb, SCORE_ITEMS, t, stall_ptr, SPIN_LIMIT)
+                    _wait(sb, SCORE_ITEMS, t, kind, b, row, p, stall_ptr, SPIN_LIMIT)
                 else:
-                    _wait(sb + 1 + row, HIST_ITEMS, t, stall_ptr, SPIN_LIMIT)
+                    _wait(sb + 1 + row, HIST_ITEMS, t, kind, b, row, p, stall_ptr, SPIN_LIMIT)
                 _select_item(
                     b, row, p, scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr,
                     sel_slot_ptr, req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
@@ -229,7 +233,7 @@ def ds_persistent_kernel(
                     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
                     2, SEL_ITEMS, SEL_BLOCK_N, ATOMIC_HIST, SEL_LOOP_STAGES, MAX_PROGS, PREFETCH2)
             else:  # COMPACT, after the row's HIST2s
-                _wait(sb + 1 + ROWS_MAX + row, SEL_ITEMS, t, stall_ptr, SPIN_LIMIT)
+                _wait(sb + 1 + ROWS_MAX + row, SEL_ITEMS, t, kind, b, row, p, stall_ptr, SPIN_LIMIT)
                 _select_item(
                     b, row, p, scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr,
                     sel_slot_ptr, req_to_token_ptr, req_idx_ptr, heavy_k, threshold,

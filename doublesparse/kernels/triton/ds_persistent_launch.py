@@ -113,20 +113,22 @@ def run(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, r
         **({"maxnreg": TUNING["persistent_maxnreg"]} if TUNING["persistent_maxnreg"] else {}),
     )
     if spin_limit and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _check_stall(sync, items, Hq, spin_limit)
+        _check_stall(ws, Hq, spin_limit)
     return out
 
 
-def _check_stall(sync: torch.Tensor, items: torch.Tensor, Hq: int, spin_limit: int) -> None:
-    """Raise RuntimeError naming the first wait that gave up (``persistent_spin_limit``), and clear
-    its record (sync [B, 3 * Hq + 5]: the two columns after the first row's ticket and exit count);
-    the launch's last program zeroed the counters as usual."""
-    stall = sync[0, 3 * Hq + 3:3 * Hq + 5]
-    ticket, seen = stall.tolist()  # the one host sync, in this debugging mode only
+def _check_stall(ws, Hq: int, spin_limit: int) -> None:
+    """Raise RuntimeError naming the first wait that gave up (``persistent_spin_limit``; also one
+    left by a CUDA-graph replay, which cannot be checked), after clearing its record (the six
+    columns after the first row's ticket and exit count in ``persistent_sync [B, 3 Hq + 9]``) and
+    the scratch that a late item may have left dirty (``hist[0]``, ``split_count``)."""
+    stall = ws.persistent_sync[0, 3 * Hq + 3:3 * Hq + 9]
+    ticket, seen, kind, b, row, p = stall.tolist()  # the one host sync, in this debugging mode only
     if not ticket:
         return
     stall.zero_()
-    kind, b, row, p = items[ticket - 1].tolist()
+    ws.hist[0].zero_()
+    ws.split_count.zero_()
     waits_on = {HIST1: "score slices", HIST2: "phase-1 slices (or score slices)",
                 COMPACT: "phase-2 slices", ATTN: "phase-3 slices"}[kind]
     raise RuntimeError(

@@ -180,7 +180,8 @@ TUNING = {
     # shapes, 3 programs of 4 warps per SM; 128 allows 4 but spills: kernel_resources.py
     # --persistent [--maxnreg 128]); persistent_spin_limit: a debugging aid, 0 = wait forever,
     # else a wait gives up after that many polls and the call raises RuntimeError naming the
-    # stalled item (it reads the result back: eager calls only). Not yet measured on a GPU
+    # stalled item (it reads the record back: eager calls only; one left by a graph replay is
+    # raised by the next eager call). Not yet measured on a GPU
     # (benchmarks/gpu_s21a.sh), so off.
     "ds_persistent": False, "persistent_score_tokens": 1024, "persistent_hist_items": 8,
     "persistent_select_items": 8, "persistent_programs_per_sm": 3, "persistent_select_lag": 1,
