@@ -46,7 +46,7 @@ ITEM_FIELDS = tl.constexpr(4)  # kind, b, row, p
 
 
 @triton.jit
-def _wait(cnt_ptr, need, t, kind, b, row, p, stall_ptr, SPIN_LIMIT: tl.constexpr):
+def _wait(cnt_ptr, need, item, stall_ptr, SPIN_LIMIT: tl.constexpr):
     # Spin until *cnt_ptr >= need: volatile loads (served by L2, lighter than atomics on an address
     # that many programs poll), then an acquire read that synchronizes with the releases it saw,
     # then a barrier so every thread reads after it. Triton emits the acquire add of 0 as an
@@ -54,7 +54,7 @@ def _wait(cnt_ptr, need, t, kind, b, row, p, stall_ptr, SPIN_LIMIT: tl.constexpr
     # the sm_90 PTX), so its value feeds a loop, which never runs: the count only grows.
     # SPIN_LIMIT > 0 (a debugging aid, knob persistent_spin_limit): give up after that many polls
     # and record the first stalled wait in stall[0:6] = (ticket + 1, count seen, kind, b, row, p)
-    # for the host to report, instead of hanging the GPU.
+    # for the host to report, instead of hanging the GPU; ``item`` is (ticket, kind, b, row, p).
     c = tl.load(cnt_ptr, volatile=True)
     if SPIN_LIMIT == 0:
         while c < need:
@@ -69,12 +69,10 @@ def _wait(cnt_ptr, need, t, kind, b, row, p, stall_ptr, SPIN_LIMIT: tl.constexpr
             n += 1
         c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
         if c < need:
-            if tl.atomic_cas(stall_ptr, 0, t + 1, sem="relaxed", scope="gpu") == 0:
+            if tl.atomic_cas(stall_ptr, 0, item[0] + 1, sem="relaxed", scope="gpu") == 0:
                 tl.store(stall_ptr + 1, c)
-                tl.store(stall_ptr + 2, kind)
-                tl.store(stall_ptr + 3, b)
-                tl.store(stall_ptr + 4, row)
-                tl.store(stall_ptr + 5, p)
+                for i in tl.static_range(1, 5):
+                    tl.store(stall_ptr + 1 + i, item[i])
     tl.debug_barrier()
 
 
@@ -194,6 +192,7 @@ def ds_persistent_kernel(
         kind_next, b_next, row_next, p_next = _item(items_ptr, t_next, num_items)
         # Entry b's counters: [score, hist1[ROWS_MAX], hist2[ROWS_MAX], compact[ROWS_MAX]]
         sb = sync_ptr + b * stride_sync
+        stall_info = (t, kind, b, row, p)
         if kind == 0:  # SCORE
             _score_item(
                 b, p, q_ptr, label_ptr, channels_ptr, scale_ptr, req_to_token_ptr, req_idx_ptr,
@@ -204,7 +203,7 @@ def ds_persistent_kernel(
                 G_P, DOT_F32, SCORE_HIST)
             _signal(sb)
         elif kind == 4:  # ATTN, after the row's COMPACTs
-            _wait(sb + 1 + 2 * ROWS_MAX + row, SEL_ITEMS, t, kind, b, row, p, stall_ptr, SPIN_LIMIT)
+            _wait(sb + 1 + 2 * ROWS_MAX + row, SEL_ITEMS, stall_info, stall_ptr, SPIN_LIMIT)
             _attn_item(
                 b, row, p, q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_idx_ptr,
                 seq_lens_ptr, sel_slot_ptr, part_o_ptr, part_lse_ptr, split_count_ptr, out_ptr,
@@ -214,7 +213,7 @@ def ds_persistent_kernel(
                 stride_oh, G, D, PER_HEAD, NUM_SPLITS, BLOCK_H, ATTN_BLOCK_N, BLOCK_D, DOT_F32, BLOCK_S)
         else:
             if kind == 1:  # HIST1, after the entry's SCOREs
-                _wait(sb, SCORE_ITEMS, t, kind, b, row, p, stall_ptr, SPIN_LIMIT)
+                _wait(sb, SCORE_ITEMS, stall_info, stall_ptr, SPIN_LIMIT)
                 _select_item(
                     b, row, p, scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr,
                     sel_slot_ptr, req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
@@ -223,9 +222,9 @@ def ds_persistent_kernel(
                     1, HIST_ITEMS, HIST_BLOCK_N, ATOMIC_HIST, SEL_LOOP_STAGES, MAX_PROGS, False)
             elif kind == 2:  # HIST2, after the row's HIST1s (or the entry's SCOREs, which made hist[0])
                 if SCORE_HIST:
-                    _wait(sb, SCORE_ITEMS, t, kind, b, row, p, stall_ptr, SPIN_LIMIT)
+                    _wait(sb, SCORE_ITEMS, stall_info, stall_ptr, SPIN_LIMIT)
                 else:
-                    _wait(sb + 1 + row, HIST_ITEMS, t, kind, b, row, p, stall_ptr, SPIN_LIMIT)
+                    _wait(sb + 1 + row, HIST_ITEMS, stall_info, stall_ptr, SPIN_LIMIT)
                 _select_item(
                     b, row, p, scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr,
                     sel_slot_ptr, req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
@@ -233,7 +232,7 @@ def ds_persistent_kernel(
                     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
                     2, SEL_ITEMS, SEL_BLOCK_N, ATOMIC_HIST, SEL_LOOP_STAGES, MAX_PROGS, PREFETCH2)
             else:  # COMPACT, after the row's HIST2s
-                _wait(sb + 1 + ROWS_MAX + row, SEL_ITEMS, t, kind, b, row, p, stall_ptr, SPIN_LIMIT)
+                _wait(sb + 1 + ROWS_MAX + row, SEL_ITEMS, stall_info, stall_ptr, SPIN_LIMIT)
                 _select_item(
                     b, row, p, scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr,
                     sel_slot_ptr, req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
