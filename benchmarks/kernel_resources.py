@@ -145,7 +145,7 @@ def persistent(consts: dict, inline: bool = False, maxnreg: int = 0, memory_ops:
         ops = re.findall(r"\b((?:ld|st|atom|red|cp\.async|fence|membar)\.[\w.:]+)", k.asm["ptx"])
         for op, n in sorted(Counter(o for o in ops if ".global" in o or o.startswith(("fence", "membar"))).items()):
             print(f"  PTX {n:4d} {op}")
-        sync = Counter(ins.split()[-1] if ins.startswith("@") else ins.split()[0] for ins in sass(k)
+        sync = Counter(ins.split()[1] if ins.startswith("@") else ins.split()[0] for ins in sass(k)
                        if re.search(r"MEMBAR|CCTL|ERRBAR|FENCE", ins))
         print("  SASS " + ", ".join(f"{op} x{n}" for op, n in sorted(sync.items())))
 
