@@ -238,6 +238,18 @@ def _bad_cases(m: str, ctx: int) -> list[tuple[str, object, int, str | None]]:
          413, None),
         ("/generate", {"sampling_params": {"max_new_tokens": 2}}, 400, "text"),
         ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, 400, None),
+        # values the sampler cannot represent (int64 top_k, float32 top_p, NaN), each sent
+        # several times: none may fail the running stream or count towards stopping the engine
+        *[(C, {"prompt": "Hello there, my friend.", "max_tokens": 8, "temperature": 0.8,
+               "top_k": 1180591620717411303424}, 400, "top_k")] * 6,
+        *[(C, {"prompt": "hi", "max_tokens": 8, "temperature": 0.8, "top_p": 1e-300}, 400,
+           "top_p")] * 3,
+        (C, b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+        (C, {"prompt": "hi", "seed": 2 ** 70}, 400, "seed"),
+        (H, b'{"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1e400}', 400,
+         "frequency_penalty"),
+        ("/generate", {"text": "hi", "sampling_params": {"top_k": 2 ** 64}}, 400,
+         "sampling_params.top_k"),
     ]
 
 
@@ -407,6 +419,15 @@ def test_engine_failure_fails_only_that_batch():
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "fine", "max_tokens": 3},
                        headers=AUTH, timeout=30)
         assert r.status_code == 200 and s.health()["status"] == "ok"
+        # failures in a row never leave the engine dead: each ends only its own request
+        for _ in range(7):
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "BOOM", "max_tokens": 3},
+                           headers=AUTH, timeout=30)
+            assert r.status_code == 500
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "fine", "max_tokens": 3},
+                       headers=AUTH, timeout=30)
+        assert r.status_code == 200 and s.health()["status"] == "ok"
+        assert s.metric("doublesparse_engine_step_failures_total") >= 9
     finally:
         s.stop()
 

@@ -63,6 +63,7 @@ class _Req:
     t_first_token: float | None = None
     finish_reason: str | None = None
     launched: int = 0              # output tokens sampled or being sampled on the device
+    error: str | None = None       # set when this request's own sampling failed: it ends "error"
 
 
 @dataclass
@@ -226,7 +227,7 @@ class Engine:
                 r.num_cached = c.end
             done = [r for r, c in zip(reqs, plan.prefill) if c.last]
             if done:
-                t = sample(logits, [r.params for r in done], [r.generator for r in done])
+                t = self._sample(logits, done)
                 self._last_tok[to_device(torch.tensor([r.row for r in done]), p.device)] = t
                 reqs_out += done
                 toks.append(t)
@@ -237,7 +238,7 @@ class Engine:
             positions = [r.num_cached for r in dec]
             rows_dev = to_device(torch.tensor([r.row for r in dec]), p.device)
             logits = p.runner.decode([r.row for r in dec], self._last_tok[rows_dev], positions)
-            t = sample(logits, [r.params for r in dec], [r.generator for r in dec])
+            t = self._sample(logits, dec)
             self._last_tok[rows_dev] = t
             sparse_rows = list(p.sparse_rows([n + 1 for n in positions]))
             for r in dec:
@@ -257,6 +258,36 @@ class Engine:
         sparse = [None] * (len(reqs_out) - len(dec)) + (sparse_rows if dec else [])
         return _Launched(reqs_out, tokens, ready, sparse, t0, bool(plan.prefill))
 
+    def _sample(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+        """Sample the batch; if that fails, sample row by row so that only the requests whose own
+        sampling fails end (with reason "error", at collection) and the rest of the batch goes on.
+        logits [N, V] -> [N] int64."""
+        try:
+            return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        except Exception:
+            pass
+        toks = []
+        for i, r in enumerate(reqs):
+            try:
+                toks.append(sample(logits[i:i + 1], [r.params], [r.generator]))
+            except Exception as e:
+                r.error = f"sampling failed: {type(e).__name__}: {e}"
+                toks.append(torch.zeros(1, dtype=torch.int64, device=logits.device))
+        return torch.cat(toks)
+
+    def fail_running(self, err: BaseException) -> list[StepOutput]:
+        """After ``step`` raised: end every request the step loop holds with reason "error", free
+        their slots and drop the launch in flight, so that the engine can step again. Requests
+        still in the inbox (added since the failed step began) stay queued."""
+        with self._step_lock:
+            self._inflight = None
+            outs, self._pending = self._pending, []
+            for r in list(self._reqs.values()):
+                r.error = r.error or f"engine step failed: {type(err).__name__}: {err}"
+                outs.append(self._finish(r, "error", [], release_all=True))
+            self.counters["failed_steps"] += 1
+            return outs
+
     def _collect(self, launched: _Launched) -> list[StepOutput]:
         """Wait for a launched step's tokens and hand them to their requests."""
         if launched.ready is not None:
@@ -266,6 +297,9 @@ class Engine:
         decoded = sparse_any = 0
         for r, tok, sp in zip(launched.reqs, launched.tokens.tolist(), launched.sparse):
             if r.finish_reason is not None:   # it stopped (or was aborted) after this launch
+                continue
+            if r.error is not None:
+                outs.append(self._finish(r, "error", []))
                 continue
             if sp is not None:  # counted here, not at launch, so a dropped extra token never counts
                 r.decode_steps += 1
@@ -306,17 +340,23 @@ class Engine:
             return self._finish(r, reason, [tok], delta)
         return StepOutput(r.rid, [tok], delta, False, None, len(r.prompt_ids), len(r.output_ids))
 
-    def _finish(self, r: _Req, reason: str, new_ids: list[int], delta: str = "") -> StepOutput:
+    def _finish(self, r: _Req, reason: str, new_ids: list[int], delta: str = "",
+                release_all: bool = False) -> StepOutput:
         r.finish_reason = reason
         self.parts.scheduler.finish(r.rid)
         if r.row is not None:
-            self.parts.memory.release(r.row, r.num_cached)
+            if release_all:
+                self.parts.memory.release_row(r.row)
+            else:
+                self.parts.memory.release(r.row, r.num_cached)
             r.row = None
         del self._reqs[r.rid]
         with self._lock:
             self._known.discard(r.rid)
         self.counters["prompt_tokens"] += len(r.prompt_ids)
         self.counters["finished_requests"] += 1
+        if reason == "error":
+            self.counters["failed_requests"] += 1
         return StepOutput(r.rid, new_ids, delta, True, reason, len(r.prompt_ids), len(r.output_ids),
                           meta=self._meta(r))
 
@@ -327,7 +367,7 @@ class Engine:
                     finish_reason=r.finish_reason, decode_steps=r.decode_steps,
                     sparse_decode_steps=r.sparse_decode_steps, e2e_latency=now - r.t_arrival,
                     ttft=ttft, decode_latency=(now - r.t_first_token) if r.t_first_token else 0.0,
-                    text=r.detok.text)
+                    text=r.detok.text, **({"error": r.error} if r.error else {}))
 
     # --------------------------------------------------------------------------- batch API
     def generate(self, prompts, sampling_params=None) -> list[dict]:
@@ -367,7 +407,8 @@ class Engine:
                     prompt_tokens=c["prompt_tokens"], generation_tokens=c["generation_tokens"],
                     prefill_tokens=c["prefill_tokens"], decode_tokens=c["decode_tokens"],
                     prefill_time=c["prefill_time"], decode_time=c["decode_time"],
-                    finished_requests=c["finished_requests"], attention_backend=p.backend.name,
+                    finished_requests=c["finished_requests"], failed_requests=c["failed_requests"],
+                    failed_steps=c["failed_steps"], attention_backend=p.backend.name,
                     double_sparsity=p.ds is not None, channel_source=p.channel_source,
                     heavy_token_num=p.ds.heavy_token_num if p.ds else None,
                     heavy_channel_num=p.memory.plan.heavy_channel_num or None)

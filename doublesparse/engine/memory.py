@@ -227,6 +227,15 @@ class KVMemory:
             self.req_to_token_host[row, :length] = 0
         self.rows.free(row)
 
+    def release_row(self, row: int) -> None:
+        """Free every slot recorded for ``row`` and the row itself, whatever its length: after a
+        step failed, a request may hold slots past the length the engine had counted."""
+        held = self.req_to_token_host[row].nonzero()[:, 0]
+        if held.numel():
+            self.slots.free(self.req_to_token_host[row, held].to(torch.int64))
+            self.req_to_token_host[row] = 0
+        self.rows.free(row)
+
     @property
     def nbytes(self) -> int:
         t = [*self.k, *self.v, *(x for x in self.label if x is not None), self.req_to_token]

@@ -36,6 +36,8 @@ def filter_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
     # already does (the first token always survives)
     before = probs.cumsum(-1) - probs
     drop |= before >= top_p[:, None]
+    # the most likely token always survives, so no row can be left with zero mass (and NaNs)
+    drop[:, 0] = False
     probs = probs.masked_fill(drop, 0.0)
     probs = probs / probs.sum(-1, keepdim=True)
     return probs, order

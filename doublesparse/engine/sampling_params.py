@@ -1,9 +1,24 @@
-"""Per-request sampling parameters (validated at construction)."""
+"""Per-request sampling parameters (validated at construction).
+
+Validation checks what the sampler can represent, not only what makes sense: the sampler works in
+float32 and int64, so a top_p that rounds to 0 in float32 or a top_k past int64 would otherwise
+pass here and fail inside a batched step, taking the other requests of the batch with it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+
+import numpy as np
+
+# Largest top_k kept as given; no vocabulary comes near it, so a larger one means "off".
+TOP_K_MAX = 2**31 - 1
+# Smallest top_p whose float32 value is not 0 (the sampler's arithmetic is float32).
+TOP_P_MIN = float(np.finfo(np.float32).tiny)
+# Seeds are reduced to 48 bits for torch.Generator; beyond int64 they are refused.
+_INT64_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -39,28 +54,31 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         ids = () if self.stop_token_ids is None else tuple(int(i) for i in self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", ids)
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) \
-                or self.max_new_tokens <= 0:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        try:
-            t = float(self.temperature)
-        except (TypeError, ValueError):
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}") from None
-        if not t >= 0.0:
+        if self.max_new_tokens > _INT64_MAX:
+            raise ValueError(f"max_new_tokens must be at most {_INT64_MAX}, got {self.max_new_tokens!r}")
+        t = _finite(self.temperature, "temperature", "a finite number >= 0")
+        if t < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        try:
-            p = float(self.top_p)
-        except (TypeError, ValueError):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}") from None
+        p = _finite(self.top_p, "top_p", "a finite number in (0, 1]")
         if not 0.0 < p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)):
-            raise ValueError(f"top_k must be an integer (<= 0 disables it), got {self.top_k!r}")
+        if p < TOP_P_MIN:
+            raise ValueError(f"top_p must be at least {TOP_P_MIN:.3g} (it rounds to 0 in float32), "
+                             f"got {self.top_p!r}")
+        if self.top_k is not None:
+            if not _is_int(self.top_k):
+                raise ValueError(f"top_k must be an integer (<= 0 disables it), got {self.top_k!r}")
+            if not -_INT64_MAX <= self.top_k <= TOP_K_MAX:
+                raise ValueError(f"top_k must be at most {TOP_K_MAX} (<= 0 disables it), got {self.top_k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.ds_heavy_token_num is not None and (not isinstance(self.ds_heavy_token_num, int)
+        if self.seed is not None and (not _is_int(self.seed) or abs(self.seed) > _INT64_MAX):
+            raise ValueError(f"seed must be an integer within int64, got {self.seed!r}")
+        if any(abs(i) > _INT64_MAX for i in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be within int64, got {self.stop_token_ids!r}")
+        if self.ds_heavy_token_num is not None and (not _is_int(self.ds_heavy_token_num)
                                                     or self.ds_heavy_token_num <= 0):
             raise ValueError(f"ds_heavy_token_num must be an integer >= 1, got {self.ds_heavy_token_num!r}")
 
@@ -83,4 +101,18 @@ class SamplingParams:
         raise ValueError(f"sampling_params must be a SamplingParams or a dict, got {type(x).__name__}")
 
 
-__all__ = ["SamplingParams"]
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _finite(x, name: str, what: str) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name} must be {what}, got {x!r}") from None
+    if isinstance(x, bool) or not math.isfinite(v):
+        raise ValueError(f"{name} must be {what}, got {x!r}")
+    return v
+
+
+__all__ = ["SamplingParams", "TOP_K_MAX", "TOP_P_MIN"]

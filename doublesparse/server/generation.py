@@ -53,7 +53,15 @@ class Generation:
             if first.rejected and isinstance(e, (ValueError, TypeError)):
                 raise APIError(f"engine rejected the request: {e}")
             raise APIError(f"engine error: {e}", status=500, type="server_error")
+        if getattr(first, "finish_reason", None) == "error":  # ended by its own failed step
+            self._absorb(first)
+            raise self._step_error(first)
         self._pending.append(first)
+
+    @staticmethod
+    def _step_error(ev: Any) -> APIError:
+        msg = (getattr(ev, "meta", None) or {}).get("error") or "the engine failed this request"
+        return APIError(f"engine error: {msg}", status=500, type="server_error")
 
     async def events(self) -> AsyncIterator[tuple[str, list[int]]]:
         """Yield ``(text_delta, new_token_ids)`` until the request finishes.
@@ -68,16 +76,21 @@ class Generation:
                 while not self._handle.events.empty():
                     batch.append(self._handle.events.get_nowait())
                 delta, ids, ended = "", [], None
+                failed = None
                 for ev in batch:
                     if isinstance(ev, Finished):
                         ended = ev
                         break
+                    if getattr(ev, "finish_reason", None) == "error":
+                        failed = ev
                     d, new = self._absorb(ev)
                     delta, ids = delta + d, ids + new
                     if self._done:
                         break
-                if delta or ids or (self._done and ended is None):
+                if delta or ids or (self._done and ended is None and failed is None):
                     yield delta, ids
+                if failed is not None:
+                    raise self._step_error(failed)
                 if ended is not None and not self._done:
                     self._finish(ended.finish_reason)
                     if ended.finish_reason == "error":

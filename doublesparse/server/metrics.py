@@ -64,7 +64,10 @@ class _EngineCollector:
             g.add_metric([], v)
             yield g
         for name, doc, v in (("decode_steps", "Decode steps run by the engine", steps),
-                             ("sparse_decode_steps", "Decode steps run with sparse attention", sparse)):
+                             ("sparse_decode_steps", "Decode steps run with sparse attention", sparse),
+                             ("engine_step_failures", "Engine steps that raised; the requests they "
+                              "held ended with an error and serving went on",
+                              float(self.worker.step_errors))):
             c = CounterMetricFamily(P + name, doc)
             c.add_metric([], v)
             yield c

@@ -8,10 +8,20 @@ clients that send e.g. ``user`` keep working.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from doublesparse.engine.sampling_params import TOP_K_MAX, TOP_P_MIN
+
+# Bounds are what the engine can represent (float32 sampling, int64 ids and counts), so nothing
+# that passes here can fail later inside a batched step. Floats refuse NaN and infinities.
+_I64 = 2**63 - 1
+_TEMPERATURE = dict(ge=0.0, le=2.0, allow_inf_nan=False)
+_TOP_P = dict(gt=0.0, le=1.0, allow_inf_nan=False)
+_TOP_K = dict(ge=-1, le=TOP_K_MAX)
+_PENALTY = dict(ge=-2.0, le=2.0, allow_inf_nan=False)
 
 
 class APIError(Exception):
@@ -62,6 +72,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+def _top_p_float32(v: float) -> float:
+    if v < TOP_P_MIN:
+        raise ValueError(f"must be at least {TOP_P_MIN:.3g}: smaller values round to 0 in float32")
+    return v
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -70,22 +86,24 @@ class _SamplingFields(_Strict):
     """Sampling fields shared by both OpenAI endpoints (OpenAI names plus SGLang/vLLM extensions)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    n: int = Field(1, ge=1)
-    seed: int | None = None
+    max_tokens: int | None = Field(None, le=_I64)
+    temperature: float = Field(1.0, **_TEMPERATURE)
+    top_p: float = Field(1.0, **_TOP_P)
+    top_k: int = Field(-1, **_TOP_K)
+    n: int = Field(1, ge=1, le=_I64)
+    seed: int | None = Field(None, ge=-_I64, le=_I64)
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, **_PENALTY)
+    frequency_penalty: float = Field(0.0, **_PENALTY)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=_I64)]] | None = None
     # Per-request Double Sparsity overrides (honoured only if the engine supports them).
     enable_double_sparsity: bool | None = None
-    ds_heavy_token_num: int | None = Field(None, gt=0)
+    ds_heavy_token_num: int | None = Field(None, gt=0, le=_I64)
+
+    _check_top_p = field_validator("top_p")(_top_p_float32)
 
 
 class CompletionRequest(_SamplingFields):
@@ -125,17 +143,19 @@ class ChatCompletionRequest(_SamplingFields):
 class NativeSamplingParams(_Strict):
     """SGLang's ``sampling_params`` object of ``/generate``."""
 
-    max_new_tokens: int = 128
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    seed: int | None = None
+    max_new_tokens: int = Field(128, le=_I64)
+    temperature: float = Field(1.0, **_TEMPERATURE)
+    top_p: float = Field(1.0, **_TOP_P)
+    top_k: int = Field(-1, **_TOP_K)
+    seed: int | None = Field(None, ge=-_I64, le=_I64)
     stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=_I64)]] | None = None
     ignore_eos: bool = False
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=_I64)
     enable_double_sparsity: bool | None = None
-    ds_heavy_token_num: int | None = Field(None, gt=0)
+    ds_heavy_token_num: int | None = Field(None, gt=0, le=_I64)
+
+    _check_top_p = field_validator("top_p")(_top_p_float32)
 
 
 class GenerateRequest(_Strict):

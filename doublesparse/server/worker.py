@@ -43,10 +43,15 @@ class RequestHandle:
 
 
 class EngineWorker:
-    """Owns the engine; runs ``step()`` whenever any request is unfinished."""
+    """Owns the engine; runs ``step()`` whenever any request is unfinished.
+
+    A failed step never stops the server: the requests it held end with an error (the engine
+    already ends a request whose own sampling fails and lets the rest of its batch go on), the
+    failure is counted, and the loop goes on with the requests that arrive next. Only an engine
+    that cannot even be reset after a failure is marked dead.
+    """
 
     STATS_INTERVAL = 0.05  # refresh the stats snapshot at most 20x/s while decoding
-    MAX_CONSECUTIVE_FAILURES = 5
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -105,12 +110,10 @@ class EngineWorker:
                 except Exception as e:  # keep serving: fail the batch, not the process
                     self.step_errors += 1
                     failures += 1
-                    log.exception("engine.step() failed; aborting %d requests", len(self._handles))
-                    self._fail_all(e)
-                    outs = []
-                    if failures >= self.MAX_CONSECUTIVE_FAILURES:
-                        self.fatal = e  # /health turns 503 and new requests are refused
-                    time.sleep(0.05 * failures)  # back off instead of spinning on a broken engine
+                    log.exception("engine.step() failed; ending the %d requests it held",
+                                  len(self._handles))
+                    outs = self._recover(e)
+                    time.sleep(min(0.05 * failures, 1.0))  # no busy spin on a broken device
                 self._dispatch(outs)
             now = time.perf_counter()
             if now - last_stats >= self.STATS_INTERVAL or not self._handles:
@@ -170,6 +173,21 @@ class EngineWorker:
             if any(o.finished for o in items):
                 del self._handles[rid]
             handle.loop.call_soon_threadsafe(handle.push, items)
+
+    def _recover(self, err: BaseException) -> list:
+        """The engine's own reset when it has one (it frees the failed step's slots); otherwise
+        abort every request. Requests the reset did not end keep running."""
+        reset = getattr(self.engine, "fail_running", None)
+        if reset is None:
+            self._fail_all(err)
+            return []
+        try:
+            return reset(err)
+        except Exception as e2:
+            log.exception("engine reset after a failed step failed; the engine is dead")
+            self.fatal = e2  # /health turns 503 and new requests are refused
+            self._fail_all(err)
+            return []
 
     def _fail_all(self, err: BaseException) -> None:
         for rid, handle in list(self._handles.items()):
