@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from doublesparse.calibrate import channels as ch
-from doublesparse.calibrate.weights import default_channels, rope_pairs
+from doublesparse.engine.weight_channels import default_channels, rope_pairs
 from doublesparse.testing import tiny_llama
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from doublesparse.calibrate.stats import make_batch, plain_backend
-from doublesparse.calibrate.weights import default_channels
+from doublesparse.engine.weight_channels import default_channels
 from doublesparse.eval import cli, driver, retrieval
 from doublesparse.eval.settings import DENSE, Setting, preset
 from doublesparse.testing import ByteTokenizer, tiny_llama

@@ -17,7 +17,9 @@ from ..config import EngineConfig
 from ..kernels.workspace import DecodeWorkspace
 from .memory import KVMemory, MemoryPlan, plan_memory
 from .model_runner import ModelRunner
+from .channel_config import load_channels, packaged_config_path
 from .scheduler import Scheduler
+from .weight_channels import default_channels
 
 log = logging.getLogger("doublesparse.engine")
 _UNSET = object()
@@ -63,12 +65,7 @@ def load(cfg: EngineConfig, device: torch.device, progress: bool):
 def resolve_channels(cfg: EngineConfig, model, mc, r: int) -> tuple[torch.Tensor, str]:
     """Heavy channels ``[num_layers, Hkv, r]`` long and a description of where they came from:
     ``--ds-channel-config-path``, else the packaged config for the model, else the documented
-    weight-based default, else (calibrate package missing) the first r channels."""
-    try:
-        from ..calibrate.channels import default_channels, load_channels, packaged_config_path
-    except ImportError as e:
-        warnings.warn(f"doublesparse.calibrate unavailable ({e}); using the first {r} channels")
-        return _first_channels(mc, r), f"first {r} channels (calibrate package missing)"
+    weight-based default."""
     path = cfg.ds_channel_config_path
     if path is None and cfg.load_format != "dummy":
         path = packaged_config_path(getattr(mc, "name", None))

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 import doublesparse
-from doublesparse.calibrate.channels import load_channels, packaged_config_path
+from doublesparse.engine.channel_config import load_channels, packaged_config_path
 from doublesparse.calibrate.texts import EVAL_PLAYS, encode, read_texts
-from doublesparse.calibrate.weights import default_channels
+from doublesparse.engine.weight_channels import default_channels
 
 from . import measure, report, retrieval
 from .settings import BASELINE, DENSE, Setting, default_setting, grid, improvements, preset, unique

@@ -1,32 +1,12 @@
-"""Model definitions and loaders.
-
-The registry below is the one place that maps an architecture key (``ModelConfig.architecture``)
-to the class implementing it; loaders and the engine go through :func:`model_class`.
-"""
+"""Model definitions and loaders (architecture -> class: :mod:`doublesparse.models.registry`)."""
 
 from __future__ import annotations
 
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .llama import LlamaModel
-
-MODEL_REGISTRY: dict[str, type] = {
-    "llama": LlamaModel,
-    "mistral": LlamaModel,
-    "qwen2": LlamaModel,
-    "qwen3": LlamaModel,
-}
-
-
-def model_class(architecture: str) -> type:
-    try:
-        return MODEL_REGISTRY[architecture]
-    except KeyError:
-        raise ValueError(f"unsupported model architecture {architecture!r}; "
-                         f"supported: {', '.join(sorted(MODEL_REGISTRY))}") from None
-
-
-from .loader import load_config, load_model, load_tokenizer, read_chat_template, shipped_configs  # noqa: E402
-from .simple_attention import (  # noqa: E402
+from .loader import load_config, load_model, load_tokenizer, read_chat_template, shipped_configs
+from .registry import MODEL_REGISTRY, model_class
+from .simple_attention import (
     CachedCausalAttention, CausalAttention, SimpleBatch, forward_sequence, greedy_generate,
 )
 

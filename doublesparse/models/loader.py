@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
+from .registry import model_class
 from .weights import (check_gguf_magic, gguf_config, init_dummy_weights, load_gguf_weights,
                       load_safetensors_weights, open_gguf)
 
@@ -118,7 +119,6 @@ def load_model(model_path: str | Path | None, load_format: str = "auto", dtype=N
     ``max_position_embeddings``). Returns the architecture's model class from the registry, in eval
     mode. Raises ``FileNotFoundError`` / ``ValueError`` naming the offending path or tensor.
     """
-    from . import model_class  # the registry lives in the package __init__
 
     fmt, path = resolve_model_path(model_path, load_format)
     reader = None

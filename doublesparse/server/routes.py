@@ -14,11 +14,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from doublesparse.server import protocol as P
-from doublesparse.server.app import ServerState, make_generation, new_id, read_body, sse, \
-    stream_response
 from doublesparse.server.generation import Generation, usage
+from doublesparse.server.http import new_id, read_body, sse, stream_response
 from doublesparse.server.metrics import stat
 from doublesparse.server.protocol import APIError
+from doublesparse.server.state import ServerState
 
 
 async def _begin(st: ServerState, request: Request, schema):
@@ -209,3 +209,8 @@ async def _run_openai(st: ServerState, request: Request, req: Any, ids: list[int
         return {**base, "object": "chat.completion", "choices": [choice], "usage": usage(g)}
     choice = {"index": 0, "text": g.text, "logprobs": None, "finish_reason": g.finish_reason}
     return {**base, "choices": [choice], "usage": usage(g)}
+
+
+def make_generation(st: ServerState, endpoint: str, rid: str, ids: list[int], sp: dict,
+                    request: Request) -> Generation:
+    return Generation(st.worker, st.metrics, endpoint, rid, ids, sp, request)
