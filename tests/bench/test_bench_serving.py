@@ -8,7 +8,7 @@ import pytest
 
 from doublesparse import bench_serving as B
 from doublesparse.bench import serving_workload as W
-from test_server import KEY, Server, backend_args
+from server_utils import KEY, Server, backend_args
 
 
 @pytest.fixture(scope="module")

@@ -92,8 +92,7 @@ def test_refusals_are_clear():
         s.add("x", 0, 4)
     with pytest.raises(RequestRefused, match="max_new_tokens"):
         s.add("x", 4, 0)
-    assert isinstance(RequestRefused("m"), ValueError)
-    assert not s.has_unfinished()
+    assert not s.has_unfinished()  # a refusal leaves nothing queued
 
 
 def test_abort_waiting_and_running():

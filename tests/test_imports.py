@@ -1,0 +1,71 @@
+"""The package has no import cycles: every module imports only modules that do not import it back
+(imports inside functions count too, since they are cycles hidden until run time)."""
+
+import ast
+from pathlib import Path
+
+import doublesparse
+
+ROOT = Path(doublesparse.__file__).resolve().parent
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for f in ROOT.rglob("*.py"):
+        parts = ("doublesparse",) + f.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = f
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                if path.name != "__init__.py":
+                    base = base[:-1]
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            subs = {f"{mod}.{a.name}" for a in node.names} & set(mods)
+            # "from pkg import submodule" depends on the submodule, not on the package's body
+            out |= subs if subs and len(subs) == len(node.names) else {mod} | subs
+    return {m for m in out if m in mods and m != name}
+
+
+def test_no_import_cycles():
+    mods = _modules()
+    graph = {m: _imports(m, p, mods) for m, p in mods.items()}
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
