@@ -12,7 +12,7 @@ def make(cap=1000, ctx=512, chunk=64, max_run=8):
 
 
 def test_no_torch_import():
-    src = Path(__file__).resolve().parents[1] / "doublesparse" / "engine" / "scheduler.py"
+    src = Path(__file__).resolve().parents[2] / "doublesparse" / "engine" / "scheduler.py"
     mods = {a.name for n in ast.walk(ast.parse(src.read_text())) if isinstance(n, ast.Import) for a in n.names}
     mods |= {n.module for n in ast.walk(ast.parse(src.read_text())) if isinstance(n, ast.ImportFrom) and n.module}
     assert not any(m and m.split(".")[0] == "torch" for m in mods)
