@@ -55,6 +55,11 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
         body = {"status": "ok", "model": st.model_name, "running": stat(s, "running"),
                 "waiting": stat(s, "waiting"), "kv_used_tokens": stat(s, "kv_used"),
                 "kv_total_tokens": stat(s, "kv_total"), "in_flight": st.worker.in_flight}
+        if "double_sparsity" in s:
+            body["decode"] = {"double_sparsity": bool(s["double_sparsity"]),
+                              "heavy_token_num": s.get("heavy_token_num"),
+                              "heavy_channel_num": s.get("heavy_channel_num"),
+                              "channel_source": s.get("channel_source")}
         if not st.worker.alive:
             body["status"] = "engine_dead"
         elif st.draining:

@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_kwargs(ns: argparse.Namespace) -> dict:
     cfgmod = _engine_config_module()
     if cfgmod is not None and hasattr(cfgmod, "from_cli_args"):
-        ecfg = cfgmod.from_cli_args(ns)
+        # Double Sparsity on by default, as in ``generate``; --no-enable-double-sparsity turns it off
+        ecfg = cfgmod.from_cli_args(ns, enable_double_sparsity=True)
         if dataclasses.is_dataclass(ecfg):
             return {f.name: getattr(ecfg, f.name) for f in dataclasses.fields(ecfg)}
         return dict(ecfg)
@@ -102,8 +103,18 @@ def serve(engine: Any, cfg: ServerConfig) -> None:
     ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                           timeout_graceful_shutdown=cfg.graceful_shutdown_timeout,
                           timeout_keep_alive=5, access_log=False)
-    log.info("serving %s on http://%s:%d", state.model_name, cfg.host, cfg.port)
+    log.info("serving %s on http://%s:%d; %s", state.model_name, cfg.host, cfg.port,
+             decode_mode_line(state.worker.snapshot))
     _Server(ucfg).run()
+
+
+def decode_mode_line(stats: dict) -> str:
+    """One line saying how decode runs: the mode, the budget and where the channels came from."""
+    if not stats.get("double_sparsity"):
+        return "decode: dense (Double Sparsity off)"
+    k = stats.get("heavy_token_num")
+    return (f"decode: Double Sparsity, top-{k} tokens per step for requests longer than {k}, "
+            f"r={stats.get('heavy_channel_num')} label channels from {stats.get('channel_source')}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,15 @@ class _EngineCollector:
             g = GaugeMetricFamily(P + name, doc)
             g.add_metric([], v)
             yield g
+        if "double_sparsity" in s:
+            info = GaugeMetricFamily(P + "decode_mode", "How decode runs (1 on the series whose "
+                                     "labels describe it)", labels=["double_sparsity",
+                                                                    "heavy_token_num",
+                                                                    "heavy_channel_num",
+                                                                    "channel_source"])
+            info.add_metric([str(bool(s["double_sparsity"])).lower(), str(s.get("heavy_token_num")),
+                             str(s.get("heavy_channel_num")), str(s.get("channel_source"))], 1.0)
+            yield info
         for name, doc, v in (("decode_steps", "Decode steps run by the engine", steps),
                              ("sparse_decode_steps", "Decode steps run with sparse attention", sparse),
                              ("engine_step_failures", "Engine steps that raised; the requests they "

@@ -35,7 +35,7 @@ def reference_engine(srv):
     if srv.kind == "fake":
         from doublesparse.server.fake_engine import FakeEngine
         return FakeEngine(**FAKE_KW)
-    return RealEngine(**REAL_KW, progress=False)
+    return RealEngine(**REAL_KW, enable_double_sparsity=True, progress=False)  # as the server
 
 
 def offline_greedy(engine, prompts: list[str], max_new: int) -> list[str]:
@@ -296,11 +296,15 @@ def test_per_request_double_sparsity(srv):
                           json={"prompt": "hi", "max_tokens": 2, **extra})
     if srv.kind == "fake":
         assert post(ds_heavy_token_num=64, enable_double_sparsity=True).status_code == 200
-    else:  # the real test server decodes densely
-        assert post(enable_double_sparsity=False).status_code == 200
-        for extra in ({"ds_heavy_token_num": 64}, {"enable_double_sparsity": True}):
+    else:  # the real server decodes with Double Sparsity, its default, and says so
+        d = srv.health()["decode"]
+        assert d["double_sparsity"] and d["heavy_token_num"] and "channel config" in d["channel_source"]
+        k = d["heavy_token_num"]
+        assert post(enable_double_sparsity=True, ds_heavy_token_num=k).status_code == 200
+        for extra in ({"ds_heavy_token_num": k + 1}, {"enable_double_sparsity": False}):
             r = post(**extra)
             assert r.status_code == 400 and "not supported" in r.json()["error"]["message"], r.text
+        assert srv.metric("doublesparse_decode_mode", 'double_sparsity="true"') == 1
     r = post(ds_heavy_token_num=0)
     assert r.status_code == 400 and r.json()["error"]["param"] == "ds_heavy_token_num"
 
