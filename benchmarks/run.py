@@ -301,7 +301,14 @@ def summarize(area: str, rows: dict) -> dict:
                     "malformed_run_valid_lost": sum(m["valid_requests"] - m["completed"] for m in mixes),
                     "malformed_unexpected": sum(m["malformed_unexpected"] for m in mixes)}
         if area == "accuracy":
-            return next(iter(rows.values())).get("summary", {})
+            res = next(iter(rows.values()))
+            if "summary" in res:  # the protocol writes its own
+                return res["summary"]
+            dense, default = res["rows"][0], res["rows"][1]  # `doublesparse eval`: dense, the engine's default, ...
+            return {"default_setting": default["setting"], "dense_ppl": dense["ppl"], "default_ppl": default["ppl"],
+                    "default_ppl_increase_pct": 100 * (default["ppl"] / dense["ppl"] - 1),
+                    "kl_default": default["kl"], "top1_default": default["top1"],
+                    "retrieval_dense": dense.get("retrieval_acc"), "retrieval_default": default.get("retrieval_acc")}
     except (KeyError, TypeError, IndexError, ZeroDivisionError) as e:
         return {"error": f"no summary: {e!r}"}
     return {}
@@ -342,8 +349,9 @@ def markdown(doc: dict) -> str:
     area, rows = doc["area"], doc["rows"]
     L = [f"# {doc['suite']} on {doc['machine']}", "",
          f"Date: {doc['date']}. Commit: `{doc['commit']}`. Machine: {doc['machine']}. "
-         f"Written by `python benchmarks/run.py {doc['suite']}`.", ""]
-    L += [f"{p}" for p in doc.get("notes", [])] + ([""] if doc.get("notes") else [])
+         f"Rerun: `python benchmarks/run.py {doc['suite']}`.", ""]
+    for note in doc.get("notes", []):
+        L += [note, ""]
     if area == "bench-one-batch":
         L += _table_one_batch(rows) + [""]
     elif area == "serving":
