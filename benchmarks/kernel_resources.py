@@ -3,7 +3,6 @@
     python benchmarks/kernel_resources.py [--block-n 64]
     python benchmarks/kernel_resources.py --select [--consts '{"PREFETCH": false}']
     python benchmarks/kernel_resources.py --histogram
-    python benchmarks/kernel_resources.py --persistent [--consts '{"MODE": 0}'] [--inline] [--maxnreg 128] [--memory-ops]
     python benchmarks/kernel_resources.py --sass DIR
 
 Uses Triton's own compiler and the cuobjdump its NVIDIA backend ships (no GPU needed). The shapes
@@ -24,7 +23,6 @@ import os
 import re
 import subprocess
 import tempfile
-from collections import Counter
 
 import triton
 import triton.language as tl
@@ -105,51 +103,6 @@ def histogram_cost():
               f"{len(ins) / (block // (32 * warps)):.1f} per 32 keys of a thread")
 
 
-def _inlined_persistent(tmp: str):
-    """A copy of ds_persistent.py whose item functions are inlined (``noinline`` dropped), imported
-    from ``tmp``: what the module's comment on noinline compares against."""
-    import importlib.util
-    from doublesparse.kernels.triton import ds_persistent
-    with open(ds_persistent.__file__) as f:
-        src = f.read().replace("@triton.jit(noinline=True)", "@triton.jit")
-    src = src.replace("from .", "from doublesparse.kernels.triton.")
-    path = os.path.join(tmp, "ds_persistent_inlined.py")
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location("ds_persistent_inlined", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def persistent(consts: dict, inline: bool = False, maxnreg: int = 0, memory_ops: bool = False):
-    """The persistent DS decode (ds_persistent.py) at Llama-3.1-8B's shapes, 3 x 64K, k 4096;
-    ``inline``: with its item functions inlined; ``maxnreg``: under that register cap;
-    ``memory_ops``: also count its PTX memory operations by kind (no ``ld.global.nc`` may read
-    what another program wrote in the launch) and list its SASS fences and L1 invalidations."""
-    from doublesparse.kernels.triton import ds_persistent
-    c = dict(HKV=8, G=4, R=16, MODE=2, LABEL_FP8=False, LABEL_KIND=0, SCORE_ITEMS=32, SCORE_BLOCK_N=64,
-             BLOCK_C=128, HKV_P=8, G_P=4, SCORE_HIST=False, HIST_ITEMS=4, HIST_BLOCK_N=4096, SEL_ITEMS=4, SEL_BLOCK_N=1024,
-             ATOMIC_HIST=True, SEL_LOOP_STAGES=1, COMPACT_LOOP_STAGES=1, MAX_PROGS=16, PREFETCH2=True,
-             PREFETCH3=True, D=128, NUM_SPLITS=22, BLOCK_H=16, ATTN_BLOCK_N=64, BLOCK_D=128, BLOCK_S=32,
-             ROWS_MAX=32, SYNC_BLOCK=128, DOT_F32=False, SPIN_LIMIT=0)
-    c.update(consts)
-    opts = dict(num_warps=4, num_stages=2, **({"maxnreg": maxnreg} if maxnreg else {}))
-    with tempfile.TemporaryDirectory() as tmp:
-        mod = _inlined_persistent(tmp) if inline else ds_persistent
-        k = compile_sm90(mod.ds_persistent_kernel, c, **opts)
-    print(f"ds_persistent_kernel {json.dumps(consts)}{' inlined' if inline else ''}"
-          f"{f' maxnreg {maxnreg}' if maxnreg else ''}: {resources(k)}, "
-          f"cp.async in PTX: {len(re.findall(r'cp[.]async', k.asm['ptx']))}")
-    if memory_ops:
-        ops = re.findall(r"\b((?:ld|st|atom|red|cp\.async|fence|membar)\.[\w.:]+)", k.asm["ptx"])
-        for op, n in sorted(Counter(o for o in ops if ".global" in o or o.startswith(("fence", "membar"))).items()):
-            print(f"  PTX {n:4d} {op}")
-        sync = Counter(ins.split()[1] if ins.startswith("@") else ins.split()[0] for ins in sass(k)
-                       if re.search(r"MEMBAR|CCTL|ERRBAR|FENCE", ins))
-        print("  SASS " + ", ".join(f"{op} x{n}" for op, n in sorted(sync.items())))
-
-
 def dump_sass(out_dir: str):
     """The sm_90 SASS of the separate DS kernels (score_mma_kernel, decode_attn_kernel with and
     without its fused merge, the three select phases), one file each, so that two trees can be
@@ -179,18 +132,10 @@ def main():
     ap.add_argument("--select", action="store_true")
     ap.add_argument("--consts", default="{}", help="JSON constexprs for --select")
     ap.add_argument("--histogram", action="store_true")
-    ap.add_argument("--persistent", action="store_true", help="the persistent DS decode (--consts: its constexprs)")
-    ap.add_argument("--inline", action="store_true", help="--persistent with its item functions inlined")
-    ap.add_argument("--maxnreg", type=int, default=0, help="--persistent under this register cap")
-    ap.add_argument("--memory-ops", action="store_true",
-                    help="--persistent: its PTX memory operations by kind, its SASS fences and L1 invalidations")
     ap.add_argument("--sass", metavar="DIR", help="write the separate DS kernels' SASS to DIR (to diff two trees)")
     a = ap.parse_args()
     if a.sass:
         dump_sass(a.sass)
-        return
-    if a.persistent:
-        persistent(json.loads(a.consts), a.inline, a.maxnreg, a.memory_ops)
         return
     if a.select or a.histogram:
         if a.select:

@@ -1,12 +1,13 @@
-"""Merge the output folders of benchmarks/serving_h200.sh into results/serving-h200.{json,md}.
+"""Merge the files of a serving run made outside benchmarks/run.py into a serving result file.
 
     python3 benchmarks/merge_serving.py DIR [DIR ...] [--out-json results/serving-h200.json]
-        [--out-md results/serving-h200.md] [--raw-dir results/serving-h200]
+        [--out-md results/serving-h200.md] [--raw-dir DIR]
 
-Each DIR (or a folder below it) holds what one call wrote: ``dense.json`` / ``ds.json`` (the
-measured runs), ``malformed-*.json`` (the mix), ``env-*.json`` (commands, versions, date) and
-``console-*.log``. The summary carries issue 5's keys plus the decode-only view (ITL), whether each
-target was met, and every way the run differs from the issue's workload.
+Each DIR (or a folder below it) holds ``dense.json`` / ``ds.json`` (bench_serving ``--result-json``
+of the measured runs), ``malformed-*.json`` (the malformed-request mix), ``env-*.json`` (the
+server and bench commands, versions, date) and ``console-*.log``. The summary carries the serving
+targets' keys plus the decode-only view (ITL), whether each target was met, and every way the run
+differs from the reference workload (100 requests of 32768 + 1024 tokens, 16 in flight).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-ISSUE = {"num_prompts": 100, "input_len": 32768, "output_len": 1024, "max_concurrency": 16}
+WORKLOAD = {"num_prompts": 100, "input_len": 32768, "output_len": 1024, "max_concurrency": 16}
 MIXES = ("malformed-generate", "malformed-completions")
 CHUNK = 4096  # the engine's default --chunked-prefill-size (a run may pass its own: see _chunk)
 
@@ -124,10 +125,10 @@ def _met(v, test) -> dict:
 def deviations(dense: dict, ds: dict, mixes: dict) -> list[str]:
     out = []
     for name, m in (("dense", dense), ("ds", ds)):
-        for k, want in ISSUE.items():
+        for k, want in WORKLOAD.items():
             got = m.get(k) if k != "num_prompts" else m.get("num_requests")
             if got != want:
-                out.append(f"{name}: {k} = {got} (issue 5: {want})")
+                out.append(f"{name}: {k} = {got} (the workload: {want})")
         cut = m["cancelled_in_flight"] + m["not_sent"]
         if cut:
             out.append(f"{name}: {cut} requests cut by the --deadline ({m['cancelled_in_flight']} in "
@@ -138,16 +139,16 @@ def deviations(dense: dict, ds: dict, mixes: dict) -> list[str]:
 
 
 def commands(envs: dict, mixes: dict) -> list[str]:
-    """Each call's runbook line, then the server and bench_serving commands it ran."""
+    """Each server's command, then the bench_serving commands run against it."""
     cmds = []
     for k in ("dense", "ds", "malformed"):
         e = envs[k]
         if not e:
             continue
-        cmds += [e["runbook"], e["server_cmd"]]
+        cmds.append(e["server_cmd"])
         if k != "malformed":
             cmds.append(e["bench_cmd"])
-        if mixes and (k == "malformed" or " MIX=1 " in f" {e['runbook']} "):
+        if mixes and k in ("ds", "malformed"):
             cmds += [e["mix_generate_cmd"], e["mix_completions_cmd"]]
     return cmds
 
@@ -190,13 +191,13 @@ def markdown(doc: dict) -> str:
     model = f"`{d['model']}`" + (" with dummy weights (`--load-format dummy`)" if "dummy" in server else "")
     chunk = _chunk(s["commands"])
     C, chunks = d["max_concurrency"], -(-d["input_len"] // chunk)
-    L = [f"# Serving benchmark (issue 5) on {s['device']}", "",
+    L = [f"# Serving benchmark on {s['device']}", "",
          f"Date: {s['date']}. Workload: bench_serving `--endpoint generate` (token ids, streamed), "
          f"{d['num_requests']} requests of {d['input_len']} prompt + {d['output_len']} output tokens "
          f"(ignore_eos), all sent at once, at most {C} in flight; model {model}. "
          "DS: r=16 heavy channels, k = prompt/16 tokens.", ""]
     if s["deviations"]:
-        L += ["**Deviations from issue 5's workload:**", ""] + [f"- {v}" for v in s["deviations"]] + [""]
+        L += ["**Deviations from the reference workload:**", ""] + [f"- {v}" for v in s["deviations"]] + [""]
     L += ["| | dense | Double Sparsity | DS / dense |", "|---|---|---|---|"]
     for label, keys in ROWS:
         r = ""

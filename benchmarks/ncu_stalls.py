@@ -1,9 +1,9 @@
-"""Summarize an ncu per-instruction source export (``--page source --print-source sass --csv``,
-as benchmarks/gpu_s13d.sh writes): warp stall reasons as shares of all samples, the instructions
+"""Summarize an ncu per-instruction source export (``ncu --page source --print-source sass --csv``
+of a run of benchmarks/profile_kernels.py): warp stall reasons as shares of all samples, the instructions
 with the most samples, and samples and executed warp instructions inside the kernel's last loop
 (the span up to its last backward branch) against before it.
 
-    python benchmarks/ncu_stalls.py results/h200-s13/ncu_compact_src.csv [--keys 4194304]
+    python benchmarks/ncu_stalls.py NCU_SOURCE.csv [--keys 4194304]
 
 ``--keys``: the keys the profiled launch processed, to print warp instructions per 32 keys.
 """

@@ -1,4 +1,4 @@
-"""Probe: how fast can one kernel read N bytes on this GPU, as a whole run of memory or as rows
+"""How fast can one kernel read N bytes on this GPU, as a whole run of memory or as rows
 gathered at random? The ceiling the DS stages' byte floors assume (copy bandwidth) is measured on
 GB-sized copies; a DS stage moves 25-134 MB (labels, or the selected K/V rows) in one launch.
 
@@ -14,13 +14,23 @@ median of replays; fraction = bytes / time / the copy bandwidth measured in the 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
 
 import torch
 import triton
 import triton.language as tl
 
 from doublesparse.bench.attention import copy_bandwidth, time_fn
-from probe_lib import write_json
+
+
+def write_json(path: str | None, rows: list) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(command="python benchmarks/read_ceiling.py " + " ".join(sys.argv[1:]),
+                           date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), rows=rows), f,
+                      indent=1)
 
 TILE = 16384  # bytes per program
 
@@ -78,7 +88,7 @@ def main(argv=None):
             if name != "mb":
                 print(f"   {name:16s} {t * 1e6:8.1f} us  {n / t / bw:5.2f} of copy bw", flush=True)
         res.append(dict(bytes=n, copy_bw=bw, us={k: v * 1e6 for k, v in row.items() if k != "mb"}))
-    write_json(args.json, "read_ceiling.py", res)
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

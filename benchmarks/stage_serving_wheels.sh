@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
-# Download the server's Python packages that the H200 image lacks into .stage/whl (run here, on a
-# machine that reaches PyPI; the GPU machine has no network). serving_h200.sh installs them there
-# with `pip install --no-index --no-deps --target /tmp/site` when fastapi/uvicorn are missing;
-# name `.stage` in the device tool's carry.
-#
-# Which packages: the H200 image (/work/.library/device/KINDS.md, "Python packages already
-# there") has httpx, h11, anyio, click, prometheus-client, tqdm, uvloop, but no fastapi, starlette,
-# pydantic(-core), uvicorn. The versions are the ones this repo's tests pass with here; their
-# dependencies are listed explicitly (--no-deps), and checked below.
-# anyio and typing_extensions are carried too: fastapi/pydantic need recent ones and the image's
-# versions are not known (newer ones only add to what httpx/torch use).
+# Download the server's Python packages that a GPU image without network may lack (fastapi,
+# starlette, pydantic(-core), uvicorn) into .stage/whl, on a machine that reaches PyPI. On the GPU
+# machine, before `python benchmarks/run.py serving`:
+#   python3 -m pip install --no-index --no-deps --target /tmp/site .stage/whl/*.whl
+#   export PYTHONPATH=/tmp/site
+# The versions are the ones this repo's tests pass with; their dependencies are listed explicitly
+# (--no-deps) and checked below against the wheels here and the packages the image already has
+# (httpx, h11, click, idna, httpcore, certifi). anyio and typing_extensions are carried too:
+# fastapi/pydantic need recent ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=.stage/whl
@@ -18,7 +16,7 @@ PKGS=(
     pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
     typing_extensions==4.16.0 anyio==4.16.0 uvicorn==0.55.0
 )
-# Python 3.12 / x86-64 wheels (the GPU machine's python3); pure-Python ones (py3-none-any) match
+# Python 3.12 / x86-64 wheels (the GPU image's python3); pure-Python ones (py3-none-any) match
 # these flags too.
 rm -rf "$DEST" && mkdir -p "$DEST"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -30,7 +28,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 python3 - "$DEST" <<'PYEOF'
 import pathlib, re, sys, zipfile
 from packaging.requirements import Requirement
-IMAGE = {"idna", "h11", "click", "httpx", "httpcore", "certifi"}  # in the image (KINDS.md)
+IMAGE = {"idna", "h11", "click", "httpx", "httpcore", "certifi"}  # in the GPU image
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731
 wheels = {norm(w.name.split("-")[0]): w for w in pathlib.Path(sys.argv[1]).glob("*.whl")}
 missing = []

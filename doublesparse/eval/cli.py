@@ -6,7 +6,7 @@
 
 Writes ``results.json``, ``table.md`` and ``plot.png`` into the output directory. Every setting
 listed runs on every part; for the issue's full protocol in one time-budgeted run, ordered by
-importance, use :mod:`doublesparse.eval.protocol` (``benchmarks/gpu_eval.sh`` on a GPU).
+importance, use :mod:`doublesparse.eval.protocol` (``python benchmarks/run.py accuracy`` on a GPU).
 """
 
 from __future__ import annotations

@@ -1,0 +1,449 @@
+"""Run a named benchmark suite and write its result files.
+
+    python benchmarks/run.py SUITE [--out results/] [--machine NAME] [--dry-run] [--only ROW ...]
+    python benchmarks/run.py --list
+
+Each suite (``SUITES`` below) is a list of rows; a row is one command of the package, run as a
+subprocess from the repository root. ``{out}`` in a command is replaced by a path under the raw
+folder (``--raw``, default ``<out>/raw/<area>-<machine>/``, git-ignored), where the command writes
+its own JSON; the driver reads that file back. A row with a ``server`` command runs against that
+server: the driver starts it, waits for ``/health``, runs the row and stops the server when the
+next row needs another one (or none).
+
+Writes ``<out>/<area>-<machine>.json`` (``suite``, ``commands``, ``commit`` (git rev-parse HEAD),
+``machine`` (the GPU's name from torch, else the CPU), ``date``, ``summary`` and ``rows``: each
+row's JSON output under its name) and ``<out>/<area>-<machine>.md`` (the same, as tables).
+``--dry-run`` prints the commands and runs nothing. ``--render FILE.json`` rewrites the markdown
+of an existing result file.
+
+To add a suite, add an entry to ``SUITES``: ``area`` (the result files' name), optional
+``machine`` (a fixed machine label, e.g. ``cpu`` for a run that never uses the GPU) and ``rows``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# --- suites ----------------------------------------------------------------------------------
+
+_ONE_BATCH = ("python -m doublesparse.bench_one_batch --profile --load-format dummy --warmup-input-len 1024 "
+              "--batch-size 3 --output-len 200")
+_LLAMA = f"{_ONE_BATCH} --model-path llama-3.1-8b --input-len 60000 --max-total-tokens 190000"
+_LONGCHAT = f"{_ONE_BATCH} --model-path longchat-7b-v1.5-32k --input-len 20000 --max-total-tokens 70000"
+# SmolLM2's rows read the embedded model's GGUF, staged on the machine (benchmarks/README.md)
+_SMOL = ("python -m doublesparse.bench_one_batch --profile --model-path /root/m/smollm2.gguf --batch-size 1 "
+         "--input-len 8000 --output-len 128")
+_DS = "--enable-double-sparsity --ds-heavy-channel-num"
+
+
+def _one_batch_row(name: str, cmd: str) -> dict:
+    return {"name": name, "cmd": f"{cmd} --result-json {{out}}.json", "result": "{out}.json", "timeout": 300}
+
+
+# The serving workload: 100 requests of 32768 + 1024 tokens, 16 in flight, dummy Llama-3.1-8B, on a
+# server whose KV pool holds exactly 16 full windows; DS with r = 16, k = prompt / 16.
+_PORT = 30000
+_SERVER = (f"python -m doublesparse.launch_server --model-path llama-3.1-8b --load-format dummy "
+           f"--context-length 33792 --max-total-tokens 540672 --max-running-requests 16 --port {_PORT} "
+           "--log-level info --graceful-shutdown-timeout 10 --chunked-prefill-size 32768 --prefill-schedule cohort")
+_SERVER_DS = f"{_SERVER} {_DS} 16 --ds-heavy-token-num 2048"
+_CLIENT = (f"python -m doublesparse.bench_serving --base-url http://127.0.0.1:{_PORT} --endpoint generate "
+           "--dataset random --request-rate inf --max-concurrency 16 --disable-tqdm --progress-interval 20")
+_LOAD = (f"{_CLIENT} --num-prompts 100 --input-len 32768 --output-len 1024 --warmup-requests 2 "
+         "--warmup-input-len 512 --warmup-output-len 4 --result-json {out}.json")
+# 10 % malformed requests on the DS server: every valid one must complete, every malformed one get a 4xx
+_MIX = f"{_CLIENT} --input-len 4096 --output-len 128 --malformed-fraction 0.1"
+
+
+def _serving_row(name: str, server: str, cmd: str, timeout: int = 600) -> dict:
+    return {"name": name, "server": server, "cmd": cmd, "result": "{out}.json", "timeout": timeout}
+
+
+SUITES: dict[str, dict] = {
+    # One decode step of one layer (Llama-3.1-8B heads): SDPA, the dense kernel and Double Sparsity,
+    # stage by stage, at batch 1/3/8/32 x 4K..256K (what fits). GPU only.
+    "attention": {
+        "area": "attention",
+        "rows": [{"name": "grid", "cmd": "python -m doublesparse.bench.attention --json {out}.json --md {out}.md",
+                  "result": "{out}.json", "timeout": 600}],
+    },
+    # End to end, one static batch (SGLang's bench_one_batch): Llama-3.1-8B 60K x 3 and LongChat-7B
+    # 20K x 3 with dummy weights, dense and DS; SmolLM2-135M 8K x 1 from its GGUF.
+    "one-batch": {
+        "area": "bench-one-batch",
+        "rows": [
+            _one_batch_row("llama31-8b-60k-bs3-dense", _LLAMA),
+            _one_batch_row("llama31-8b-60k-bs3-ds-r16-k3750", f"{_LLAMA} {_DS} 16 --ds-heavy-token-num 3750"),
+            _one_batch_row("llama31-8b-60k-bs3-ds-r32-k3000", f"{_LLAMA} {_DS} 32 --ds-heavy-token-num 3000"),
+            _one_batch_row("longchat-7b-20k-bs3-dense", _LONGCHAT),
+            _one_batch_row("longchat-7b-20k-bs3-ds-r16-k1024", f"{_LONGCHAT} {_DS} 16 --ds-heavy-token-num 1024"),
+            _one_batch_row("smollm2-8k-bs1-dense", _SMOL),
+            _one_batch_row("smollm2-8k-bs1-ds", f"{_SMOL} --enable-double-sparsity"),
+        ],
+    },
+    # The OpenAI-compatible server under load, dense and DS, then the malformed-request mix.
+    "serving": {
+        "area": "serving",
+        "rows": [
+            _serving_row("dense", _SERVER, _LOAD),
+            _serving_row("ds", _SERVER_DS, _LOAD),
+            _serving_row("malformed-generate", _SERVER_DS, f"{_MIX} --num-prompts 40 --result-json {{out}}.json", 120),
+            _serving_row("malformed-completions", _SERVER_DS,
+                         f"{_MIX.replace('--endpoint generate', '--endpoint completions')} --num-prompts 20 "
+                         "--result-json {out}.json", 120),
+        ],
+    },
+    # Accuracy of DS settings against dense on the embedded SmolLM2-135M: the full protocol in one
+    # time-budgeted run (8 x 8K text windows, retrieval at 2K/4K/8K, attention fidelity; GPU).
+    "accuracy": {
+        "area": "accuracy",
+        "rows": [{"name": "protocol", "cmd": "python -m doublesparse.eval.protocol --output-dir {out} --budget-s 480",
+                  "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600}],
+    },
+    # The CPU preset of the same (few settings, 1K contexts): `doublesparse eval --small`.
+    "accuracy-small": {
+        "area": "accuracy",
+        "machine": "cpu",
+        "rows": [{"name": "small", "cmd": "doublesparse eval --small --output-dir {out}",
+                  "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 3600}],
+    },
+}
+
+
+# --- environment -----------------------------------------------------------------------------
+
+def cpu_name() -> str:
+    model = ""
+    try:
+        model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"CPU ({model or platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def machine_name() -> str:
+    """The GPU's name from torch, else the CPU's."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:  # no torch: a CPU
+        pass
+    return cpu_name()
+
+
+def _from_root(path: Path) -> Path:
+    """``path`` relative to the repository root where it lies inside it (commands run from there)."""
+    path = path.resolve()
+    try:
+        return path.relative_to(ROOT)
+    except ValueError:
+        return path
+
+
+def machine_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'h200'; any CPU -> 'cpu'."""
+    if name.lower().startswith("cpu"):
+        return "cpu"
+    words = [w for w in re.split(r"[\s_]+", name) if w.lower() not in ("nvidia", "amd", "geforce", "tesla")]
+    return re.sub(r"[^a-z0-9.-]", "", (words[0] if words else name).lower()) or "gpu"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# --- commands --------------------------------------------------------------------------------
+
+def expand(suite: dict, raw: Path) -> list[dict]:
+    """The suite's rows with ``{out}`` filled in: argv lists and the paths to read back."""
+    rows = []
+    for row in suite["rows"]:
+        out = str(raw / row["name"])
+        r = dict(row, cmd=row["cmd"].replace("{out}", out), result=row["result"].replace("{out}", out),
+                 server=row.get("server"))
+        if "md" in row:
+            r["md"] = row["md"].replace("{out}", out)
+        r["argv"] = shlex.split(r["cmd"])
+        r["server_argv"] = shlex.split(r["server"]) if r.get("server") else None
+        rows.append(r)
+    return rows
+
+
+def _python_argv(argv: list[str]) -> list[str]:
+    """`python -m ...` runs under this interpreter; `doublesparse ...` through its CLI module."""
+    if argv[0] == "python":
+        return [sys.executable, *argv[1:]]
+    if argv[0] == "doublesparse":
+        return [sys.executable, "-m", "doublesparse.cli", *argv[1:]]
+    return argv
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+class Server:
+    """A `doublesparse.launch_server` process, up until stop()."""
+
+    def __init__(self, argv: list[str], log: Path, startup_s: float = 300.0):
+        self.argv = argv
+        port = argv[argv.index("--port") + 1] if "--port" in argv else "30000"
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log, "w")
+        print(f"[run] server: {shlex.join(argv)}", flush=True)
+        self.proc = subprocess.Popen(_python_argv(argv), cwd=ROOT, env=_env(), stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        t0 = time.time()
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=5).read()
+                break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.time() - t0 > startup_s:
+                self.stop()
+                raise RuntimeError(f"server did not become healthy (see {log})")
+            time.sleep(2)
+        print(f"[run] server healthy after {time.time() - t0:.0f} s", flush=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # drains: in-flight requests finish or are aborted
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def run_rows(rows: list[dict], raw: Path) -> dict:
+    results: dict = {}
+    server = None
+    try:
+        for r in rows:
+            if server and server.argv != r["server_argv"]:
+                server.stop()
+                server = None
+            if r["server_argv"] and server is None:
+                server = Server(r["server_argv"], raw / f"server-{r['name']}.log")
+            print(f"[run] {r['name']}: {r['cmd']}", flush=True)
+            t0 = time.time()
+            try:
+                rc = subprocess.run(_python_argv(r["argv"]), cwd=ROOT, env=_env(), timeout=r.get("timeout")).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            path = Path(r["result"])
+            entry = json.loads(path.read_text()) if path.is_file() else {}
+            if not isinstance(entry, dict):
+                entry = {"output": entry}
+            if rc != 0:
+                entry["error"] = f"exit {rc}"
+            if r.get("md") and Path(r["md"]).is_file():
+                entry["table_md"] = Path(r["md"]).read_text()
+            print(f"[run] {r['name']}: exit {rc} after {time.time() - t0:.0f} s", flush=True)
+            results[r["name"]] = entry
+    finally:
+        if server:
+            server.stop()
+    return results
+
+
+# --- summaries and markdown ------------------------------------------------------------------
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def summarize(area: str, rows: dict) -> dict:
+    try:
+        if area == "attention":
+            return rows["grid"]["summary"]
+        if area == "bench-one-batch":
+            med = {n: r["results"][0]["median_decode_latency"] for n, r in rows.items() if r.get("results")}
+            s = {"ds_decode_speedup": _ratio(med.get("llama31-8b-60k-bs3-dense"), med.get("llama31-8b-60k-bs3-ds-r16-k3750")),
+                 "ds_decode_speedup_r32_k3000": _ratio(med.get("llama31-8b-60k-bs3-dense"),
+                                                       med.get("llama31-8b-60k-bs3-ds-r32-k3000")),
+                 "longchat_ds_decode_speedup": _ratio(med.get("longchat-7b-20k-bs3-dense"),
+                                                      med.get("longchat-7b-20k-bs3-ds-r16-k1024"))}
+            d = rows.get("llama31-8b-60k-bs3-dense", {})
+            if d.get("results"):
+                r = d["results"][0]
+                s["dense_decode_over_floor"] = r["median_decode_latency"] / (r["median_step_bytes"] / d["copy_bandwidth"])
+            return s
+        if area == "serving":
+            d, x = rows["dense"]["metrics"], rows["ds"]["metrics"]
+            mixes = [rows[k]["metrics"] for k in ("malformed-generate", "malformed-completions") if k in rows]
+            return {"ds_over_dense_output_tok_s": _ratio(x["output_throughput"], d["output_throughput"]),
+                    "ds_over_dense_tpot_p50": _ratio(x["tpot_ms_p50"], d["tpot_ms_p50"]),
+                    "ds_over_dense_itl_p50": _ratio(x["itl_ms_p50"], d["itl_ms_p50"]),
+                    "failed_requests": d["errors"] + x["errors"],
+                    "malformed_run_valid_lost": sum(m["valid_requests"] - m["completed"] for m in mixes),
+                    "malformed_unexpected": sum(m["malformed_unexpected"] for m in mixes)}
+        if area == "accuracy":
+            res = next(iter(rows.values()))
+            if "summary" in res:  # the protocol writes its own
+                return res["summary"]
+            dense, default = res["rows"][0], res["rows"][1]  # `doublesparse eval`: dense, the engine's default, ...
+            return {"default_setting": default["setting"], "dense_ppl": dense["ppl"], "default_ppl": default["ppl"],
+                    "default_ppl_increase_pct": 100 * (default["ppl"] / dense["ppl"] - 1),
+                    "kl_default": default["kl"], "top1_default": default["top1"],
+                    "retrieval_dense": dense.get("retrieval_acc"), "retrieval_default": default.get("retrieval_acc")}
+    except (KeyError, TypeError, IndexError, ZeroDivisionError) as e:
+        return {"error": f"no summary: {e!r}"}
+    return {}
+
+
+def _table_one_batch(rows: dict) -> list[str]:
+    L = ["| case | prefill tok/s | decode median ms | decode tok/s | step bytes (MB) | floor ms | over floor |"
+         " sparse steps | GPU-only step ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for n, d in rows.items():
+        if not d.get("results"):
+            L.append(f"| {n} | {d.get('error', 'no result')} |||||||| ")
+            continue
+        r = d["results"][0]
+        fl = r["median_step_bytes"] / d["copy_bandwidth"]
+        gpu = r.get("profile", {}).get("gpu_step_median_s")
+        L.append(f"| {n} | {r['prefill_throughput']:.0f} | {r['median_decode_latency'] * 1e3:.2f} | "
+                 f"{r['median_decode_throughput']:.1f} | {r['median_step_bytes'] / 1e6:.0f} | {fl * 1e3:.2f} | "
+                 f"{r['median_decode_latency'] / fl:.2f} | {r['sparse_steps']}/{r['decode_steps']} | "
+                 f"{'' if gpu is None else f'{gpu * 1e3:.3f}'} |")
+    return L
+
+
+_SERVING_COLS = [("output tok/s", "output_throughput", 1), ("TTFT p50 ms", "ttft_ms_p50", 0),
+                 ("TPOT p50 ms", "tpot_ms_p50", 2), ("TPOT p99 ms", "tpot_ms_p99", 2),
+                 ("ITL p50 ms", "itl_ms_p50", 2), ("ITL p99 ms", "itl_ms_p99", 2), ("errors", "errors", 0)]
+
+
+def _table_serving(rows: dict) -> list[str]:
+    L = ["| run | " + " | ".join(c for c, _, _ in _SERVING_COLS) + " |", "|---|" + "---|" * len(_SERVING_COLS)]
+    for n, d in rows.items():
+        m = d.get("metrics", {})
+        L.append(f"| {n} | " + " | ".join("" if m.get(k) is None else f"{m[k]:.{nd}f}" for _, k, nd in _SERVING_COLS)
+                 + " |")
+    return L
+
+
+def markdown(doc: dict) -> str:
+    area, rows = doc["area"], doc["rows"]
+    L = [f"# {doc['suite']} on {doc['machine']}", "",
+         f"Date: {doc['date']}. Commit: `{doc['commit']}`. Machine: {doc['machine']}. "
+         f"Rerun: `python benchmarks/run.py {doc['suite']}`.", ""]
+    for note in doc.get("notes", []):
+        L += [note, ""]
+    if area == "bench-one-batch":
+        L += _table_one_batch(rows) + [""]
+    elif area == "serving":
+        L += _table_serving(rows) + [""]
+    for n, d in rows.items():
+        if d.get("table_md"):
+            L += [f"## {n}", "", d["table_md"].strip(), ""]
+        elif area == "attention" and d.get("rows"):
+            L += ["| batch | ctx | variant | us | speedup over best dense |", "|---|---|---|---|---|"]
+            for r in d["rows"]:
+                v = r["variant"] + (f"/r{r['r']}/k{r['k']}" if "r" in r else "")
+                v += f"/{r['label']}" if r.get("label") not in (None, "bfloat16") else ""
+                sp = f"{r['speedup']:.2f}" if "speedup" in r else ""
+                L.append(f"| {r['batch']} | {r['ctx']} | {v} | {r['us']:.1f} | {sp} |")
+            L.append("")
+        if d.get("error"):
+            L += [f"`{n}`: {d['error']}", ""]
+    L += ["## Summary", "", "```json", json.dumps(doc["summary"], indent=1), "```", "", "## Commands", ""]
+    L += [f"- `{c}`" for c in doc["commands"]]
+    return "\n".join(L) + "\n"
+
+
+# --- main ------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python benchmarks/run.py", description=__doc__.splitlines()[0])
+    p.add_argument("suite", nargs="?", choices=sorted(SUITES))
+    p.add_argument("--out", type=Path, default=ROOT / "results", help="where the result files go")
+    p.add_argument("--raw", type=Path, default=None, help="the commands' own files (default <out>/raw/<area>-<machine>)")
+    p.add_argument("--machine", default=None, help="machine label of the file names (default: from the GPU's name)")
+    p.add_argument("--only", nargs="+", default=None, metavar="ROW", help="run only these rows")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--list", action="store_true", help="list the suites and their rows")
+    p.add_argument("--render", type=Path, default=None, metavar="JSON", help="rewrite the markdown of a result file")
+    return p
+
+
+def suite_commands(name: str, raw: Path | None = None) -> list[dict]:
+    """The expanded rows of suite ``name`` (raw files under ``raw``, default a placeholder)."""
+    return expand(SUITES[name], raw or Path("RAW"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.render:
+        doc = json.loads(a.render.read_text())
+        a.render.with_suffix(".md").write_text(markdown(doc))
+        return 0
+    if a.list:
+        for name, s in SUITES.items():
+            print(f"{name} -> {s['area']}-*: " + ", ".join(r["name"] for r in s["rows"]))
+        return 0
+    if not a.suite:
+        p.error("a suite is required (see --list)")
+    suite = SUITES[a.suite]
+    if a.only:
+        unknown = set(a.only) - {r["name"] for r in suite["rows"]}
+        if unknown:
+            p.error(f"no rows {sorted(unknown)} in suite {a.suite}")
+        suite = dict(suite, rows=[r for r in suite["rows"] if r["name"] in a.only])
+    machine = cpu_name() if suite.get("machine") == "cpu" else machine_name()
+    slug = a.machine or suite.get("machine") or machine_slug(machine)
+    stem = f"{suite['area']}-{slug}"
+    raw = _from_root(a.raw or (a.out / "raw" / stem))
+    rows = expand(suite, raw)
+    if a.dry_run:
+        server = None
+        for r in rows:
+            if r["server"] and r["server"] != server:
+                print(f"# server (up while the rows below run): {r['server']}")
+            server = r.get("server")
+            print(r["cmd"])
+        print(f"# writes {a.out / stem}.json and .md")
+        return 0
+    raw.mkdir(parents=True, exist_ok=True)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    commit = git_commit()
+    results = run_rows(rows, raw)
+    commands = []
+    for r in rows:
+        if r["server"] and r["server"] not in commands:
+            commands.append(r["server"])
+        commands.append(r["cmd"])
+    doc = {"suite": a.suite, "area": suite["area"], "commands": commands, "commit": commit, "machine": machine,
+           "date": date, "summary": summarize(suite["area"], results), "rows": results}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (a.out / f"{stem}.md").write_text(markdown(doc))
+    print(f"[run] wrote {a.out / stem}.json and .md")
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

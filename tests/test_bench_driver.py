@@ -1,0 +1,89 @@
+"""benchmarks/run.py: every suite's --dry-run works on a CPU and its commands parse with the real
+argument parsers of the modules they run."""
+
+import argparse
+import importlib
+import importlib.util
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("bench_run", ROOT / "benchmarks" / "run.py")
+bench_run = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_run)
+
+
+class _Parsed(Exception):
+    pass
+
+
+def _parse_with_main(module: str, args: list[str]) -> argparse.Namespace:
+    """Parse ``args`` with the parser a module's main() builds, stopping right after parsing."""
+    real = argparse.ArgumentParser.parse_args
+    got = {}
+
+    def parse_args(self, a=None, namespace=None):
+        got["ns"] = real(self, a, namespace)
+        raise _Parsed
+
+    argparse.ArgumentParser.parse_args = parse_args
+    try:
+        with pytest.raises(_Parsed):
+            importlib.import_module(module).main(args)
+    finally:
+        argparse.ArgumentParser.parse_args = real
+    return got["ns"]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    if argv[0] == "doublesparse":
+        assert argv[1] == "eval", argv
+        return importlib.import_module("doublesparse.eval.cli").build_parser().parse_args(argv[2:])
+    assert argv[:2] == ["python", "-m"], argv
+    module, args = argv[2], argv[3:]
+    if module == "doublesparse.bench_one_batch":
+        return importlib.import_module(module).build_parser().parse_args(args)
+    if module == "doublesparse.bench_serving":
+        return importlib.import_module(module).parse_args(args)
+    if module == "doublesparse.eval.protocol":
+        return importlib.import_module(module).build_parser().parse_args(args)
+    if module == "doublesparse.launch_server":
+        return importlib.import_module("doublesparse.server.cli").build_parser().parse_args(args)
+    if module == "doublesparse.bench.attention":
+        return _parse_with_main(module, args)
+    raise AssertionError(f"no parser known for {module}")
+
+
+@pytest.mark.parametrize("suite", sorted(bench_run.SUITES))
+def test_dry_run_prints_the_commands(suite, tmp_path):
+    raw = tmp_path.resolve() / "raw"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), suite, "--dry-run",
+                          "--out", str(tmp_path), "--raw", str(raw)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = bench_run.suite_commands(suite, raw)
+    for r in rows:
+        assert r["cmd"] in out.stdout
+    assert not list(tmp_path.iterdir()), "a dry run writes nothing"
+
+
+@pytest.mark.parametrize("suite", sorted(bench_run.SUITES))
+def test_commands_parse(suite):
+    for r in bench_run.suite_commands(suite):
+        ns = parse(r["argv"])
+        assert "{" not in r["cmd"], r["cmd"]
+        if r["server_argv"]:
+            parse(r["server_argv"])
+        assert ns is not None
+
+
+def test_result_file_names():
+    assert bench_run.machine_slug("NVIDIA H200") == "h200"
+    assert bench_run.machine_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert bench_run.machine_slug("CPU (x86_64, 2 cores)") == "cpu"
+    assert {s["area"] for s in bench_run.SUITES.values()} >= {"attention", "bench-one-batch", "serving", "accuracy"}
+    one_batch = bench_run.suite_commands("one-batch")
+    assert shlex.join(one_batch[0]["argv"]).startswith("python -m doublesparse.bench_one_batch")
