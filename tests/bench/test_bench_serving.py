@@ -144,37 +144,26 @@ def test_summary_of_cut_and_pending_requests():
     assert B.counter_deltas(None, {}) is None
 
 
-def test_merge_serving_summary(srv, tmp_path):
-    """benchmarks/merge_serving.py turns runbook output folders into the results files with issue
-    5's summary keys (runs here against the fake server, at toy sizes)."""
+def test_serving_suite_summary(srv, tmp_path):
+    """The benchmark driver's serving summary from real bench_serving output (against the fake
+    server, at toy sizes): DS over dense, failures, and the malformed mix's lost valid requests."""
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "merge_serving.py"
-    spec = importlib.util.spec_from_file_location("merge_serving", path)
-    merge = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(merge)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
+    spec = importlib.util.spec_from_file_location("bench_run", path)
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
     common = ["--base-url", srv.url, "--api-key", KEY, "--endpoint", "generate", "--input-len", "16",
               "--max-concurrency", "2", "--disable-tqdm"]
+    rows = {}
     for name, extra in (("dense", ["--num-prompts", "4", "--output-len", "8"]),
                         ("ds", ["--num-prompts", "4", "--output-len", "8"]),
                         ("malformed-generate", ["--num-prompts", "10", "--output-len", "2",
                                                 "--malformed-fraction", "0.1"])):
-        assert B.main(common + extra + ["--result-json", str(tmp_path / f"{name}.json")]) == 0
-    for mode in ("dense", "ds"):
-        (tmp_path / f"env-{mode}.json").write_text(json.dumps({
-            "mode": mode, "runbook": f"MIX={int(mode == 'ds')} bash benchmarks/serving_h200.sh {mode} OUTDIR",
-            "server_cmd": "srv", "bench_cmd": "bench", "mix_generate_cmd": "mixg",
-            "mix_completions_cmd": "mixc", "date": "2026-12-02", "gpu": "GPU X", "torch": "t",
-            "triton": "tr", "python": "3.12"}))
-    out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
-    assert merge.main([str(tmp_path), "--out-json", str(out_json), "--out-md", str(out_md)]) == 0
-    s = json.loads(out_json.read_text())["summary"]
-    for k in ("ds_over_dense_output_tok_s", "ds_over_dense_tpot_p50", "ds_tpot_p99_ms",
-              "dense_tpot_p99_ms", "failed_requests", "malformed_run_valid_lost", "commands",
-              "date", "device"):
-        assert k in s, k
+        out = tmp_path / f"{name}.json"
+        assert B.main(common + extra + ["--result-json", str(out)]) == 0
+        rows[name] = json.loads(out.read_text())
+    s = run.summarize("serving", rows)
+    assert "error" not in s, s
     assert s["failed_requests"] == 0 and s["malformed_run_valid_lost"] == 0
-    assert s["ds_over_dense_output_tok_s"] > 0 and s["date"] == "2026-12-02"
-    assert s["device"].startswith("GPU X") and "mixg" in s["commands"]
-    assert any("num_prompts = 4" in d for d in s["deviations"])
-    assert "| `failed_requests == 0` | 0 | yes |" in out_md.read_text()
+    assert s["ds_over_dense_output_tok_s"] > 0 and s["ds_over_dense_tpot_p50"] > 0

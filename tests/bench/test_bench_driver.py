@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bench_run", ROOT / "benchmarks" / "run.py")
 bench_run = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench_run)
