@@ -1,4 +1,4 @@
-"""Summarize bench_one_batch result files (``--result-json``) into the issue's markdown and JSON.
+"""Summarize bench_one_batch result files (``--result-json``) into a markdown table and a JSON summary.
 
     python -m doublesparse.bench.report_one_batch DIR --md OUT.md --json OUT.json --device "..."
         [--commands DIR/commands.json] [--note TEXT]

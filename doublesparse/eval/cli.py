@@ -5,7 +5,7 @@
         [--retrieval-lens 1024 2048 ...] [--retrieval-depths 0 0.5 1] [--no-text] [--no-retrieval]
 
 Writes ``results.json``, ``table.md`` and ``plot.png`` into the output directory. Every setting
-listed runs on every part; for the issue's full protocol in one time-budgeted run, ordered by
+listed runs on every part; for the full protocol in one time-budgeted run, ordered by
 importance, use :mod:`doublesparse.eval.protocol` (``python benchmarks/run.py accuracy`` on a GPU).
 """
 
@@ -30,7 +30,7 @@ from .settings import BASELINE, DENSE, Setting, default_setting, grid, improveme
 PRESETS = {
     "small": dict(window_len=1024, decode_len=32, num_windows=1, retrieval_lens=[1024],
                   retrieval_depths=[0.0, 0.5, 1.0], retrieval_trials=1),
-    # the issue's protocol: 8 windows x 255 scored tokens, 20 trials per depth at 2K/4K/8K (GPU)
+    # the full protocol: 8 windows x 255 scored tokens, 20 trials per depth at 2K/4K/8K (GPU)
     "full": dict(window_len=None, decode_len=256, num_windows=8, retrieval_lens=[2048, 4096, 8192],
                  retrieval_depths=[0.0, 0.25, 0.5, 0.75, 1.0], retrieval_trials=20),
 }
