@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the benchmark: time the decode graph replay alone (GPU time, no host "
                         "work) and print a per-kernel table of one decode step (torch.profiler)")
     p.add_argument("--profile-json", default=None, help="with --profile: write the kernel table here")
+    p.add_argument("--fill", choices=("prefill", "random"), default="prefill",
+                   help="how the prompts get into the KV cache: a real prefill, or random K/V and "
+                        "label values written straight into the pools (decode timing only, at a "
+                        "fraction of the time; prefill numbers are then absent)")
+    p.add_argument("--skip-unfit", action="store_true",
+                   help="skip the (batch, input, output) cases that do not fit the KV pool or the "
+                        "context instead of stopping")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch CPU threads (1 is much faster on a busy machine: decode is many tiny ops)")
     add_cli_args(p)
@@ -153,17 +160,44 @@ def _decode_overlapped(runner, rows, nxt, input_len, steps, dev):
         pending = ready
 
 
+def unfit(parts, bs: int, input_len: int, output_len: int) -> str | None:
+    """Why a case cannot run on these pools, or None."""
+    need = bs * (input_len + output_len)
+    if need > parts.memory.slots.num_free:
+        return (f"batch {bs} x ({input_len}+{output_len}) = {need} tokens does not fit the KV pool "
+                f"({parts.memory.slots.num_free} free); raise --max-total-tokens")
+    if input_len + output_len > parts.max_context_len:
+        return (f"input_len + output_len = {input_len + output_len} exceeds the context "
+                f"{parts.max_context_len}; pass --context-length or shorter lengths")
+    if bs > parts.plan.max_reqs:
+        return f"batch {bs} exceeds --max-running-requests {parts.plan.max_reqs}"
+    return None
+
+
+def fill_random(parts, seed: int) -> None:
+    """Random K, V and label values in every slot of the pools (a prompt's cache, for timing)."""
+    g = torch.Generator(device=parts.device).manual_seed(seed)
+    m = parts.memory
+    for pool in (*m.k, *m.v, *(x for x in m.label if x is not None)):
+        for chunk in pool.split(1 << 20):  # bounded temporaries
+            chunk.copy_(torch.randn(chunk.shape, generator=g, device=parts.device, dtype=torch.float32)
+                        .clamp_(-4, 4))
+
+
+def assign_prompts(parts, rows: list[int], input_len: int) -> None:
+    """Give each row ``input_len`` slots (whatever they hold) as if its prompt had been prefilled."""
+    for r in rows:
+        parts.memory.assign(torch.full((input_len,), r, dtype=torch.int64),
+                            torch.arange(input_len, dtype=torch.int64), input_len)
+
+
 def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_every: int,
              bw: float | None, wbytes: int, verbose: bool = True, chunk: int = 1 << 30,
-             profile=None, overlap: bool = False) -> dict:
+             profile=None, overlap: bool = False, fill: str = "prefill") -> dict:
     runner, mem, dev = parts.runner, parts.memory, parts.device
-    need = bs * (input_len + output_len)
-    if need > mem.slots.num_free:
-        raise SystemExit(f"batch {bs} x ({input_len}+{output_len}) = {need} tokens does not fit the KV "
-                         f"pool ({mem.slots.num_free} free); raise --max-total-tokens")
-    if input_len + output_len > parts.max_context_len:
-        raise SystemExit(f"input_len + output_len = {input_len + output_len} exceeds the context "
-                         f"{parts.max_context_len}; pass --context-length or shorter lengths")
+    why = unfit(parts, bs, input_len, output_len)
+    if why:
+        raise SystemExit(why)
     g = torch.Generator().manual_seed(seed)
     V = parts.model.config.vocab_size
     ids = torch.randint(0, V, (bs, input_len), generator=g).tolist()
@@ -172,10 +206,15 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
     try:
         _sync(dev)
         t = time.perf_counter()
-        nxt = prefill_chunked(runner, rows, ids, chunk)
+        if fill == "random":
+            assign_prompts(parts, rows, input_len)
+            nxt = [int(x[-1]) for x in ids]
+        else:
+            nxt = prefill_chunked(runner, rows, ids, chunk)
         _sync(dev)
         prefill_lat = time.perf_counter() - t
-        say(f"Prefill. latency: {prefill_lat:6.5f} s, throughput: {bs * input_len / prefill_lat:9.2f} token/s")
+        if fill != "random":
+            say(f"Prefill. latency: {prefill_lat:6.5f} s, throughput: {bs * input_len / prefill_lat:9.2f} token/s")
         lats, step_bytes, sparse = [], [], []
         steps = _decode_overlapped if overlap else _decode_sync
         for i, lat in enumerate(steps(runner, rows, nxt, input_len, output_len - 1, dev)):
@@ -191,9 +230,12 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
     finally:
         for r in rows:
             mem.release(r, mem.req_to_token_host[r].count_nonzero().item())
+    if fill == "random":  # no prefill ran: no prefill numbers
+        prefill_lat = 0.0
     res = dict(batch_size=bs, input_len=input_len, output_len=output_len, decode_overlapped=overlap,
-               prefill_latency=prefill_lat,
-               prefill_throughput=bs * input_len / prefill_lat, decode_latencies=lats,
+               fill=fill, prefill_latency=prefill_lat,
+               prefill_throughput=bs * input_len / prefill_lat if prefill_lat else None,
+               decode_latencies=lats,
                decode_step_bytes=step_bytes, sparse_steps=sum(sparse), decode_steps=len(lats))
     if lats:
         med = statistics.median(lats)
@@ -208,8 +250,9 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
     if profile is not None and lats:
         res["profile"] = prof
     total = prefill_lat + sum(lats)
-    res.update(total_latency=total, total_throughput=bs * (input_len + output_len) / total)
-    say(f"Total. latency: {total:6.5f} s, throughput: {bs * (input_len + output_len) / total:9.2f} token/s")
+    res.update(total_latency=total, total_throughput=bs * (input_len + output_len) / total if total else None)
+    if fill != "random":
+        say(f"Total. latency: {total:6.5f} s, throughput: {bs * (input_len + output_len) / total:9.2f} token/s")
     return res
 
 
@@ -247,19 +290,31 @@ def main(argv: list[str] | None = None) -> int:
     overlap = dev.type == "cuda" and not cfg.disable_overlap_schedule
     print("decode: overlap schedule (--disable-overlap-schedule: one step at a time)" if overlap
           else "decode: one step at a time")
-    if not args.skip_warmup:
+    if args.fill == "random":
+        print("fill: random K/V/label values in the pools instead of a prefill (decode timing only)")
+        fill_random(parts, cfg.seed)
+    warm_len, warm_out = args.warmup_input_len or min(args.input_len), min(4, max(args.output_len))
+    warm_bs = max((b for b in args.batch_size if not unfit(parts, b, warm_len, warm_out)), default=None)
+    if not args.skip_warmup and warm_bs is not None:
         print("Warmup ...")
-        run_case(parts, max_bs, args.warmup_input_len or min(args.input_len), min(4, max(args.output_len)),
-                 cfg.seed + 1, 0, bw, wbytes, verbose=False, chunk=cfg.chunked_prefill_size, overlap=overlap)
+        run_case(parts, warm_bs, warm_len, warm_out,
+                 cfg.seed + 1, 0, bw, wbytes, verbose=False, chunk=cfg.chunked_prefill_size, overlap=overlap,
+                 fill=args.fill)
     results = []
     for bs, il, ol in itertools.product(args.batch_size, args.input_len, args.output_len):
+        why = unfit(parts, bs, il, ol)
+        if why and args.skip_unfit:
+            print(f"Skipped. batch size: {bs}, input len: {il}: {why}")
+            results.append(dict(batch_size=bs, input_len=il, output_len=ol, skipped=why))
+            continue
         print(f"Benchmark. batch size: {bs}, input len: {il}, output len: {ol}")
         profile = None
         if args.profile:
             from .bench.profile_step import profile_decode
             profile = lambda rows, nxt, pos: profile_decode(parts, rows, nxt, pos, args.profile_json)  # noqa: E731
         results.append(run_case(parts, bs, il, ol, cfg.seed, args.log_decode_step, bw, wbytes,
-                                chunk=cfg.chunked_prefill_size, profile=profile, overlap=overlap))
+                                chunk=cfg.chunked_prefill_size, profile=profile, overlap=overlap,
+                                fill=args.fill))
     if args.result_json:
         cmd = "python -m doublesparse.bench_one_batch " + " ".join(sys.argv[1:] if argv is None else argv)
         out = dict(command=cmd, config=dataclasses.asdict(cfg), device=str(dev), copy_bandwidth=bw,
