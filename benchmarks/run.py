@@ -35,6 +35,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is loaded
+import speedup_map  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # --- suites ----------------------------------------------------------------------------------
@@ -68,6 +71,16 @@ _LOAD = (f"{_CLIENT} --num-prompts 100 --input-len 32768 --output-len 1024 --war
 _MIX = f"{_CLIENT} --input-len 4096 --output-len 128 --malformed-fraction 0.1"
 
 
+# The speedup map: Llama-3.1-8B (dummy weights), every batch x prompt cell that fits the pools, dense
+# and Double Sparsity with default flags, the pools filled with random values instead of a prefill;
+# the 3 x 60K cell again with a real prefill.
+_MAP = ("python -m doublesparse.bench_one_batch --load-format dummy --model-path llama-3.1-8b "
+        "--batch-size 1 4 8 16 32 64 --input-len 4096 8192 16384 32768 65536 120000 --output-len 24 "
+        "--fill random --skip-unfit --warmup-input-len 1024 --max-running-requests 64 --cuda-graph-max-bs 64")
+_MAP_60K = ("python -m doublesparse.bench_one_batch --load-format dummy --model-path llama-3.1-8b "
+            "--warmup-input-len 1024 --batch-size 3 --input-len 60000 --output-len 200 --max-total-tokens 190000")
+
+
 def _serving_row(name: str, server: str, cmd: str, timeout: int = 600) -> dict:
     return {"name": name, "server": server, "cmd": cmd, "result": "{out}.json", "timeout": timeout}
 
@@ -92,6 +105,16 @@ SUITES: dict[str, dict] = {
             _one_batch_row("longchat-7b-20k-bs3-ds-r16-k1024", f"{_LONGCHAT} {_DS} 16 --ds-heavy-token-num 1024"),
             _one_batch_row("smollm2-8k-bs1-dense", _SMOL),
             _one_batch_row("smollm2-8k-bs1-ds", f"{_SMOL} --enable-double-sparsity"),
+        ],
+    },
+    # Where DS pays: dense vs DS (default flags) over batch x prompt; table, JSON and heatmap.
+    "speedup-map": {
+        "area": "speedup-map",
+        "rows": [
+            _one_batch_row("map-dense", _MAP),
+            _one_batch_row("map-ds", f"{_MAP} --enable-double-sparsity"),
+            _one_batch_row("prefill-60k-bs3-dense", _MAP_60K),
+            _one_batch_row("prefill-60k-bs3-ds", f"{_MAP_60K} --enable-double-sparsity"),
         ],
     },
     # The OpenAI-compatible server under load, dense and DS, then the malformed-request mix.
@@ -300,6 +323,14 @@ def summarize(area: str, rows: dict) -> dict:
                     "failed_requests": d["errors"] + x["errors"],
                     "malformed_run_valid_lost": sum(m["valid_requests"] - m["completed"] for m in mixes),
                     "malformed_unexpected": sum(m["malformed_unexpected"] for m in mixes)}
+        if area == "speedup-map":
+            cs = speedup_map.cells(rows["map-dense"], rows["map-ds"])
+            med = {n: r["results"][0]["median_decode_latency"] for n, r in rows.items()
+                   if n.startswith("prefill-") and r.get("results")}
+            return {"min_ratio": min((c["ratio"] for c in cs), default=None),
+                    "bs32_16k": speedup_map.at(cs, 32, 16384), "bs8_32k": speedup_map.at(cs, 8, 32768),
+                    "bs3_60k": _ratio(med.get("prefill-60k-bs3-dense"), med.get("prefill-60k-bs3-ds")),
+                    "bs1_120k": speedup_map.at(cs, 1, 120000), "cells": cs}
         if area == "accuracy":
             res = next(iter(rows.values()))
             if "summary" in res:  # the protocol writes its own
@@ -354,6 +385,13 @@ def markdown(doc: dict) -> str:
         L += [note, ""]
     if area == "bench-one-batch":
         L += _table_one_batch(rows) + [""]
+    elif area == "speedup-map" and doc["summary"].get("cells"):
+        L += ["Decode-step speedup of Double Sparsity over dense (dense ms / DS ms), the byte-floor "
+              "speedup in brackets; 'dense': the automatic choice decoded that cell densely. The map's "
+              "cells start from random K/V/label values instead of a prefill; the 3 x 60K rows prefill.",
+              "", *speedup_map.table(doc["summary"]["cells"]), "",
+              f"![speedup map]({doc.get('png', '')})", ""]
+        L += _table_one_batch({n: d for n, d in rows.items() if n.startswith("prefill-")}) + [""]
     elif area == "serving":
         L += _table_serving(rows) + [""]
     for n, d in rows.items():
@@ -439,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"suite": a.suite, "area": suite["area"], "commands": commands, "commit": commit, "machine": machine,
            "date": date, "summary": summarize(suite["area"], results), "rows": results}
     a.out.mkdir(parents=True, exist_ok=True)
+    if suite["area"] == "speedup-map" and doc["summary"].get("cells"):
+        png = speedup_map.heatmap(doc["summary"]["cells"], a.out / f"{stem}.png",
+                                  f"Double Sparsity vs dense decode, Llama-3.1-8B, {machine}")
+        doc["png"] = png.name
     (a.out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
     (a.out / f"{stem}.md").write_text(markdown(doc))
     print(f"[run] wrote {a.out / stem}.json and .md")

@@ -87,3 +87,27 @@ def test_result_file_names():
     assert {s["area"] for s in bench_run.SUITES.values()} >= {"attention", "bench-one-batch", "serving", "accuracy"}
     one_batch = bench_run.suite_commands("one-batch")
     assert shlex.join(one_batch[0]["argv"]).startswith("python -m doublesparse.bench_one_batch")
+
+
+def test_speedup_map_summary_table_and_heatmap(tmp_path):
+    """The speedup-map suite's summary, table and heatmap from bench_one_batch-shaped results."""
+    def run(scale, sparse):
+        res = [{"batch_size": b, "input_len": n, "median_decode_latency": scale * (1 + b * n / 1e6),
+                "median_step_bytes": scale * 1e9 * (1 + b * n / 1e6), "sparse_steps": sparse,
+                "decode_steps": 23} for b in (1, 8, 32) for n in (16384, 32768, 120000) if b * n < 2e6]
+        return {"results": res + [{"batch_size": 64, "input_len": 120000, "skipped": "does not fit"}]}
+    rows = {"map-dense": run(1.0, 0), "map-ds": run(0.5, 23),
+            **{f"prefill-60k-bs3-{m}": {"copy_bandwidth": 4e12, "results": [{
+                "median_decode_latency": t, "prefill_throughput": 1.7e4, "median_decode_throughput": 3 / t,
+                "median_step_bytes": 4e12 * t / 1.1, "sparse_steps": n, "decode_steps": 199}]}
+               for m, t, n in (("dense", 9.7, 0), ("ds", 5.0, 199))}}
+    s = bench_run.summarize("speedup-map", rows)
+    assert s["min_ratio"] == pytest.approx(2.0) and s["bs32_16k"] == pytest.approx(2.0)
+    assert s["bs1_120k"] == pytest.approx(2.0) and s["bs3_60k"] == pytest.approx(1.94)
+    assert len(s["cells"]) == 8
+    doc = {"suite": "speedup-map", "area": "speedup-map", "machine": "GPU X", "date": "d", "commit": "c",
+           "summary": s, "rows": rows, "commands": ["x"], "png": "m.png"}
+    md = bench_run.markdown(doc)
+    assert "| 32 | 2.00 (2.00) |" in md and "![speedup map](m.png)" in md
+    png = bench_run.speedup_map.heatmap(s["cells"], tmp_path / "m.png", "t")
+    assert png.stat().st_size > 1000
