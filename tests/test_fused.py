@@ -388,21 +388,6 @@ for (phase, name), atomic, pre in itertools.product(ds_topk.PHASE_NAMES.items(),
              MAX_PROGS=16, PREFETCH=pre),
              i32, num_warps=4)
     assert k.name == name, (k.name, name)  # each phase is its own kernel in a profile
-from doublesparse.kernels.triton import ds_persistent
-for mode, label, score_hist, spin in ((2, "*bf16", False, 0), (0, "*fp8e4nv", False, 0), (1, "*bf16", True, 1 << 20)):
-    k = comp(ds_persistent.ds_persistent_kernel, dict(
-         HKV=8, G=4, R=16, MODE=mode, LABEL_FP8=label != "*bf16", LABEL_KIND=0, SCORE_ITEMS=32, SCORE_BLOCK_N=64,
-         BLOCK_C=128, HKV_P=8, G_P=4, SCORE_HIST=score_hist, HIST_ITEMS=4, HIST_BLOCK_N=4096, SEL_ITEMS=4, SEL_BLOCK_N=1024,
-         ATOMIC_HIST=True, SEL_LOOP_STAGES=1, COMPACT_LOOP_STAGES=1, MAX_PROGS=16, PREFETCH2=True, PREFETCH3=True,
-         D=128, NUM_SPLITS=22, BLOCK_H=16, ATTN_BLOCK_N=64, BLOCK_D=128, BLOCK_S=32, ROWS_MAX=32, SYNC_BLOCK=128,
-         DOT_F32=False, SPIN_LIMIT=spin),
-         dict(i32, items_ptr="*i32", sync_ptr="*i32", split_count_ptr="*i32", q_ptr="*bf16", label_ptr=label,
-              part_o_ptr="*fp32", part_lse_ptr="*fp32"),
-         dict(sm_scale="fp32"), num_warps=4, num_stages=2)
-    # Its waits end in acquire loads and its arrivals are release adds (an unused acquire add of 0
-    # would be dropped): four wait sites, two signal sites.
-    ptx = k.asm["ptx"]
-    assert ptx.count("ld.global.gpu.acquire") >= 4 and ptx.count("atom.global.gpu.release.add") >= 2, ptx.count("acquire")
 '''
 
 

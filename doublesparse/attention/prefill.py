@@ -4,7 +4,7 @@
 ``prefix_len ..``, keys/values ``[Hkv, prefix_len + n, D]`` (the cached prefix, then the segment's
 own tokens). Causal: query i sees keys ``0 .. prefix_len + i``.
 
-Backends on CUDA, measured on an H200 (results/h200-s5/gpu_s5b-prefill-sweep.json, Llama-3.1-8B
+Backends on CUDA, measured on an H200 (Llama-3.1-8B
 heads, bf16). Whole prompts (no prefix, top-left causal) run 1.7x faster on cuDNN than on flash
 (595 vs 344 TFLOPS at 32K; 586 vs 310 at 8K). cuDNN builds an execution graph for every new shape
 (its cost not yet measured here; benchmarks/prefill_attn_sweep.py records first-call times), so
@@ -16,7 +16,7 @@ memory-efficient kernel, whatever the backend order. Backends switched off globa
 
 ``SPLIT_PREFIX``: a chunk after a prefix as two calls that return their log-sum-exp, the chunk
 against the prefix (no mask) and the chunk against itself (top-left causal), merged exactly, so that
-both halves run on cuDNN. Measured on the H200 (results/h200-s6/, ``benchmarks/gpu_s6.sh``): a
+both halves run on cuDNN. Measured on the H200: a
 4096-token chunk after 28K cached tokens 6.06 -> 4.67 ms per layer, 8192 after 24K 11.3 -> 7.66 ms;
 bench_one_batch prefill of 3 x 60K tokens 12.8 -> 11.7 s with 4096-token chunks, 12.5 -> 10.3 s
 with 16384. cuDNN builds a graph per new shape (40-80 ms; about 1 s for the first split call of a
@@ -42,7 +42,7 @@ _ORDER = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFF
 SPLIT_MIN_TOKENS = 4096
 # The split's merge as one Triton pass (fused.lse_merge_kernel) instead of ~8 PyTorch elementwise
 # ops: ~15 ms less kernel time per 32K prompt in 16384-token chunks on the H200
-# (results/h200-s11/README.md). False: the PyTorch merge (the CPU path always uses it).
+# (measured on an H200). False: the PyTorch merge (the CPU path always uses it).
 MERGE_TRITON = True
 SPLIT_PREFIX: bool | None = {"1": True, "0": False}.get(os.environ.get("DOUBLESPARSE_PREFILL_SPLIT_PREFIX", ""))
 

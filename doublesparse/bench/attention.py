@@ -121,8 +121,6 @@ def sdpa_fn(p: Pools):
 def bench_case(B, L, dev, bw, r_list, k_list, modes, fp8, stages, quick, with_sdpa=True):
     kv_bytes = B * L * HKV * D * 2 * 2
     copies = max(1, math.ceil(MIN_BYTES_PER_GRAPH / kv_bytes))
-    # The stages are timed as prefixes of the separate launches: the persistent launch has none.
-    stages = stages and not launch.TUNING["ds_persistent"]
     rows = []
     p = Pools(B, L, copies, max(r_list), torch.bfloat16, dev)
     ws = DecodeWorkspace(B, HQ, HKV, D, L, max(max(k_list(L)), 1), device=dev)

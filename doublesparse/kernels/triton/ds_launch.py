@@ -16,7 +16,6 @@ from ..cuda import score as cuda_score
 from ..cuda import select as cuda_select
 from ..reference import MODES
 from ..workspace import SCORE_PAD, SELECT_MAX_PROGS
-from . import ds_persistent_launch
 from .ds_score import score_mma_kernel
 from .ds_select import score_kernel
 from .ds_topk import select_kernel
@@ -60,12 +59,6 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage not in STAGES:
         _fail(f"stage must be one of {STAGES}, got {stage!r}")
-    if stage == "all" and TUNING["ds_persistent"]:
-        o = ds_persistent_launch.run(
-            q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens,
-            float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, ws, out,
-            _mma_geometry(q, label_cache), num_splits or _sparse_splits(B, rows, Hkv, k, ws, dev))
-        return (o, sel) if return_sel else o
     impl, score_hist, geometry = _score_impl(q, label_cache, channels, mode)
     if stage not in ("attend", "rest"):
         nsm = _num_sms(dev)
@@ -136,7 +129,7 @@ def _score_impl(q, label_cache, channels, mode):
     makes hist[0] (the select's first phase), and the CUDA score's (per_thread, min_blocks, tc,
     depth, max_hpw) (None for the Triton kernels). "auto" takes the CUDA score where it replaces
     mma (measured faster there) and wherever its tensor-core kernel fits; score.cu with many KV heads
-    (LongChat-7B's 32 x 16) was slower than "rows" (results/h200-s16)."""
+    (LongChat-7B's 32 x 16) was slower than "rows" on an H200."""
     impl = TUNING["score_impl"]
     if impl not in SCORE_IMPLS:
         _fail(f"score_impl must be one of {SCORE_IMPLS}, got {impl!r}")

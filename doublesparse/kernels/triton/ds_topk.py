@@ -114,8 +114,7 @@ def select_phase(
     ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, MAX_PROGS: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    # Phase PHASE for slice p of score row (b, row) (select_kernel's body; also a work item of the
-    # persistent DS decode, ds_persistent.py).
+    # Phase PHASE for slice p of score row (b, row) (select_kernel's body).
     n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k, threshold)
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
     srow = scores_ptr + b * stride_sb + row * stride_sr

@@ -239,7 +239,7 @@ def skinny_gemm(x, weight, bias=None, split_k=None):
         _fail(f"skinny_gemm: x is {x.dtype}; the kernel takes bf16 or fp16")
     block_n, block_k = 64, 128
     tiles = triton.cdiv(N, block_n)
-    if split_k is None:  # a power of two near two programs per SM (the H200's best, results/h200-s14)
+    if split_k is None:  # a power of two near two programs per SM (the H200's best)
         per = max(1, 2 * _num_sms(dev) // tiles)
         split_k = min(8, 1 << (per.bit_length() - 1))
     if not 1 <= split_k <= 64:

@@ -169,24 +169,6 @@ TUNING = {
     "select_impl": "auto",
     # Merge the split-K partials in the attention kernel's last split instead of a merge launch.
     "fuse_merge": False,
-    # The whole DS decode (stage "all") in one persistent launch whose programs take work items
-    # (score slices, select phases, attention splits) from a table that staggers the batch
-    # entries, so one entry's select overlaps the next entries' reads (ds_persistent.py). Its
-    # geometry: label tokens per score item, slices per row of select phase 1 and of phases 2-3,
-    # programs per SM (and their warps), and how many entries later an entry's select and
-    # attention are queued; persistent_score_hist: the score items make the select's high-byte
-    # histogram (tl.histogram, group modes), so an entry's select has no first phase;
-    # persistent_maxnreg: a register cap for the launch (0 = none; it takes 160 at Llama-3.1-8B's
-    # shapes, 3 programs of 4 warps per SM; 128 allows 4 but spills: kernel_resources.py
-    # --persistent [--maxnreg 128]); persistent_spin_limit: a debugging aid, 0 = wait forever,
-    # else a wait gives up after that many polls and the call raises RuntimeError naming the
-    # stalled item (it reads the record back: eager calls only; one left by a graph replay is
-    # raised by the next eager call). Not yet measured on a GPU
-    # (benchmarks/gpu_s21a.sh), so off.
-    "ds_persistent": False, "persistent_score_tokens": 1024, "persistent_hist_items": 8,
-    "persistent_select_items": 8, "persistent_programs_per_sm": 3, "persistent_select_lag": 1,
-    "persistent_attn_lag": 2, "persistent_warps": 4, "persistent_score_hist": False,
-    "persistent_maxnreg": 0, "persistent_spin_limit": 0,
     # Scoring: "mma" = all KV heads per program, one tensor-core product (ds_score.py);
     # "rows" = one KV head per program (ds_select.score_kernel); "auto" = mma while Hkv * r <= 256
     # (its product is block-diagonal over KV heads, so its waste grows with Hkv). Measured on an

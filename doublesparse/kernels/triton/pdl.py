@@ -9,7 +9,7 @@ Taking part: RMSNorm, SiLU-and-mul, RoPE + store and the attention merge, which 
 (``enter``) and so only hide their launch latency, and the small-projection GEMV (gemv.py), which
 loads its weights, written by no kernel, before it waits. The attention and Double Sparsity
 kernels launch normally: launched this way too, the DS stages measured 2-7 us per layer slower on
-an H200 and the dense attention no faster (results/h200-s7/README.md).
+an H200 and the dense attention no faster.
 """
 
 import triton
