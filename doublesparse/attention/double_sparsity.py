@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import ops
+from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from .base import AttentionBackend
 
 AUTO_PARTS_MIN_BATCH = 16
@@ -50,8 +51,8 @@ class DoubleSparsityBackend(AttentionBackend):
     stores_labels = True
 
     def __init__(self, memory, num_q_heads, head_dim, sm_scale=None, impl="auto", workspace=None,
-                 channels=None, ds: DSParams | None = None):
-        super().__init__(memory, num_q_heads, head_dim, sm_scale, impl, workspace, channels)
+                 channels=None, ds: DSParams | None = None, tuning: KernelTuning = DEFAULT_TUNING):
+        super().__init__(memory, num_q_heads, head_dim, sm_scale, impl, workspace, channels, tuning)
         if ds is None:
             raise ValueError("DoubleSparsityBackend needs DSParams")
         self.ds = ds
@@ -90,7 +91,7 @@ class DoubleSparsityBackend(AttentionBackend):
         return ops.ds_decode(q, m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id],
                              self.channels[layer_id], m.req_to_token, req_idx, seq_lens,
                              self.sm_scale, d.heavy_token_num, d.mode, d.threshold, d.num_sink,
-                             d.num_recent, ws=ws, out=out, impl=self.impl)
+                             d.num_recent, ws=ws, out=out, impl=self.impl, tuning=self.tuning)
 
     def _side_streams(self, n, device):
         while len(self._streams) < n:

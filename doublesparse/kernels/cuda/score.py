@@ -1,7 +1,7 @@
 """Host launcher of the CUDA C++ label scores, compiled at run time by NVRTC (nvrtc.py): score.cu
 (CUDA cores, any shape) and score_tc.cu (tensor cores, ``tc_fits``).
 
-Writes the same fp16 score rows as the Triton score kernels (ds_score.py, ds_select.py) and, with
+Writes the same fp16 score rows as the Triton score kernels (ds_score.py, ds_score_rows.py) and, with
 ``do_hist``, also the select's first phase (hist[0] += the keys' high-byte histogram), so the
 select then starts at its second phase. ``why_not`` says why a call cannot take this path (dtypes,
 alignment, sizes, NVRTC); ``ds_launch`` then uses Triton. ``score`` only launches: no host syncs,

@@ -19,7 +19,7 @@ head's G_P columns (sum, or max with the padding columns at -inf).
 import triton
 import triton.language as tl
 
-from .ds_select import FP16_MAX, _sparse_len, _split_range
+from .ds_common import FP16_MAX, _sparse_len, _split_range
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import triton.language as tl
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     HAVE_GDC = True
-except ImportError:  # Triton before 3.4: no PDL (launch.pdl_enabled is then False)
+except ImportError:  # Triton before 3.4: no PDL (common.pdl_enabled is then False)
     gdc_launch_dependents = gdc_wait = None
     HAVE_GDC = False
 
