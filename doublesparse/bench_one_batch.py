@@ -256,14 +256,6 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
     return res
 
 
-def _kernel_tuning(dev) -> dict | None:
-    """The Triton launch parameters in force (DOUBLESPARSE_TUNING overrides them), for the record."""
-    if dev.type != "cuda":
-        return None
-    from .kernels.triton import launch
-    return dict(launch.TUNING)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cpu_threads:
@@ -321,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                    weight_bytes=wbytes, channel_source=parts.channel_source,
                    heavy_token_num=parts.ds.heavy_token_num if parts.ds else None,
                    heavy_channel_num=parts.plan.heavy_channel_num or None,
-                   cuda_graphs=sorted(parts.runner.graphs), kernel_tuning=_kernel_tuning(dev),
+                   cuda_graphs=sorted(parts.runner.graphs), kernel_tuning=dataclasses.asdict(cfg.kernel_tuning),
                    results=results)
         with open(args.result_json, "w") as f:
             json.dump(out, f, indent=2)

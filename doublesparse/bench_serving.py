@@ -37,11 +37,13 @@ import os
 import random
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 
 import httpx
 
 from .bench.serving_workload import Spec, build_workload
+from .kernels.tuning import KernelTuning
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/generate"}
 
@@ -330,7 +332,8 @@ def print_report(m: dict) -> None:
 def write_json(args, metrics: dict, partial: bool) -> None:
     tmp = args.result_json + ".tmp"  # replace atomically: a reader never sees half a file
     with open(tmp, "w") as f:
-        json.dump({"args": {k: _finite(v) for k, v in vars(args).items() if k != "api_key"},
+        json.dump({"args": {k: _finite(v) for k, v in vars(args).items() if k not in ("api_key", "kernel_tuning")},
+                   "kernel_tuning": dataclasses.asdict(args.kernel_tuning),
                    "partial": partial, "metrics": metrics}, f, indent=2, default=str)
     os.replace(tmp, args.result_json)
 
@@ -366,6 +369,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress-interval", type=float, default=0.0,
                    help="print progress (and write a partial --result-json) every this many s")
     p.add_argument("--result-json", default=None)
+    p.add_argument("--kernel-tuning", type=KernelTuning.from_json, default=KernelTuning(), metavar="FILE.json",
+                   help="the --kernel-tuning file the server runs with, recorded in --result-json "
+                        "(default: the defaults)")
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args(argv)
     if not 0.0 <= args.malformed_fraction <= 1.0:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+
+from .kernels.tuning import KernelTuning
 
 ATTENTION_BACKENDS = ("dense", "double_sparsity", "torch")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -67,6 +69,8 @@ class EngineConfig:
     ``attention_backend`` from ``enable_double_sparsity``, ``ds_heavy_channel_num`` = head_dim // 4,
     ``ds_heavy_token_num`` = max context // 16, ``max_total_tokens`` from ``mem_fraction_static``
     (CUDA) or :data:`CPU_DEFAULT_TOTAL_TOKENS` (CPU), ``max_running_requests`` = 64.
+    ``kernel_tuning``: the kernels' launch parameters and choices (docs/tuning.md), handed to every
+    launch of this engine only.
     """
 
     model_path: str | None = None
@@ -95,6 +99,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 32
     disable_overlap_schedule: bool = False
     seed: int = 0
+    kernel_tuning: KernelTuning = field(default_factory=KernelTuning)
 
     def __post_init__(self):
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
@@ -114,6 +119,8 @@ class EngineConfig:
         _check_pos("chunked_prefill_size", self.chunked_prefill_size, allow_none=False)
         _check_pos("cuda_graph_max_bs", self.cuda_graph_max_bs, allow_none=False)
         _check_pos("ds_batch_parts", self.ds_batch_parts)
+        if not isinstance(self.kernel_tuning, KernelTuning):
+            raise ValueError(f"kernel_tuning must be a KernelTuning, got {type(self.kernel_tuning).__name__}")
         if not 0.0 < float(self.mem_fraction_static) < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.attention_backend == "dense" and self.enable_double_sparsity:
@@ -226,7 +233,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="process each step's tokens before launching the next (default on CUDA: "
                         "launch step n+1, then process step n's tokens while the GPU computes)")
     g.add_argument("--seed", type=int)
+    g.add_argument("--kernel-tuning", dest="kernel_tuning", metavar="FILE.json", type=_kernel_tuning_file,
+                   help="JSON object of kernel launch parameters overriding the defaults "
+                        "(field names of doublesparse.kernels.tuning.KernelTuning; see docs/tuning.md)")
     return parser
+
+
+def _kernel_tuning_file(path: str) -> KernelTuning:
+    try:
+        return KernelTuning.from_json(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"{path}: {e}") from e
 
 
 def from_cli_args(ns: argparse.Namespace, **defaults) -> EngineConfig:

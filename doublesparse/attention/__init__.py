@@ -16,7 +16,8 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 def create_backend(name: str, *, use_double_sparsity: bool, ds: DSParams | None = None, **kwargs) -> AttentionBackend:
     """Build a backend by registry name ("dense" | "double_sparsity" | "torch").
 
-    kwargs go to the backend constructor (memory, num_q_heads, head_dim, sm_scale, workspace, channels).
+    kwargs go to the backend constructor (memory, num_q_heads, head_dim, sm_scale, workspace, channels,
+    tuning).
     """
     if name == "torch":
         kwargs["impl"] = "torch"

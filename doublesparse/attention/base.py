@@ -22,6 +22,7 @@ import torch
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from ..kernels import ops
+from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from .prefill import prefill_sdpa
 
 
@@ -49,14 +50,16 @@ class AttentionBackend:
 
     memory: :class:`~doublesparse.engine.memory.KVMemory`; sm_scale: softmax scale;
     impl: ``ops`` implementation ("auto" | "torch"); workspace: DecodeWorkspace or None (CPU);
-    channels: ``[num_layers, Hkv, r]`` int32 device tensor, or None (no label cache).
+    channels: ``[num_layers, Hkv, r]`` int32 device tensor, or None (no label cache);
+    tuning: the kernels' launch parameters and choices, passed to every launch.
     """
 
     name = "base"
     stores_labels = False
 
     def __init__(self, memory, num_q_heads: int, head_dim: int, sm_scale: float | None = None,
-                 impl: str = "auto", workspace=None, channels: torch.Tensor | None = None):
+                 impl: str = "auto", workspace=None, channels: torch.Tensor | None = None,
+                 tuning: KernelTuning = DEFAULT_TUNING):
         self.memory = memory
         self.num_q_heads = num_q_heads
         self.head_dim = head_dim
@@ -64,6 +67,7 @@ class AttentionBackend:
         self.impl = impl
         self.workspace = workspace
         self.channels = channels
+        self.tuning = tuning
         if self.stores_labels and (channels is None or memory.label[0] is None):
             raise ValueError(f"{self.name} backend needs a label pool and heavy channels")
 
@@ -132,11 +136,11 @@ class AttentionBackend:
                 # same values as the cache when it has the model's dtype; cast otherwise
                 ks = k[s.q_start: s.q_start + s.q_len].to(kp.dtype).to(q.dtype).transpose(0, 1)
                 vs = v[s.q_start: s.q_start + s.q_len].to(vp.dtype).to(q.dtype).transpose(0, 1)
-                o = prefill_sdpa(qs, ks, vs, 0, self.sm_scale)
+                o = prefill_sdpa(qs, ks, vs, 0, self.sm_scale, tuning=self.tuning)
             else:
                 ks = kp[s.kv_slots].to(q.dtype).transpose(0, 1)               # [Hkv, L, D]
                 vs = vp[s.kv_slots].to(q.dtype).transpose(0, 1)
-                o = prefill_sdpa(qs, ks, vs, s.prefix_len, self.sm_scale, s.mask)
+                o = prefill_sdpa(qs, ks, vs, s.prefix_len, self.sm_scale, s.mask, self.tuning)
             out[s.q_start: s.q_start + s.q_len] = o.transpose(0, 1)
         return out
 

@@ -13,4 +13,5 @@ class DenseBackend(AttentionBackend):
         """q [B, Hq, D] -> [B, Hq, D]; lengths from ``batch.seq_lens`` (device, int32)."""
         m = self.memory
         return ops.dense_decode(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx,
-                                batch.seq_lens, self.sm_scale, ws=self.workspace, impl=self.impl)
+                                batch.seq_lens, self.sm_scale, ws=self.workspace, impl=self.impl,
+                                tuning=self.tuning)

@@ -9,12 +9,10 @@ own stream over its own workspace rows and joined before the output is used, so 
 latency-bound passes of one part overlap the byte-bound scoring and attention of another. Inside a
 CUDA graph the streams become parallel branches. ``DSParams.batch_parts``: that many parts, or 0
 for the default: 2 parts from ``AUTO_PARTS_MIN_BATCH`` requests, else 1. Measured on an H200
-(benchmarks/ds_streams.py, results/h200-s10/, one Llama-3.1-8B layer, r 16, k = L/16): 2 parts on
+(benchmarks/ds_streams.py, one Llama-3.1-8B layer, r 16, k = L/16): 2 parts on
 2 streams took bs 16 x 32K from 143-147 to 132-134 us (the engine's decode step 9.15 -> 8.77 ms),
 left bs 3 x 128K unchanged (114-116 us) and made smaller batches slower (bs 3 x 64K 66 -> 72,
-bs 8 x 16K 49 -> 54); 3 or 4 parts were slower than 2. With the persistent DS decode on
-(``launch.TUNING["ds_persistent"]``, which overlaps one request's select with the others' reads
-inside one launch) the default is 1 part.
+bs 8 x 16K 49 -> 54); 3 or 4 parts were slower than 2.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import ops
-from ..kernels.triton.launch import TUNING
+from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from .base import AttentionBackend
 
 AUTO_PARTS_MIN_BATCH = 16
@@ -53,8 +51,8 @@ class DoubleSparsityBackend(AttentionBackend):
     stores_labels = True
 
     def __init__(self, memory, num_q_heads, head_dim, sm_scale=None, impl="auto", workspace=None,
-                 channels=None, ds: DSParams | None = None):
-        super().__init__(memory, num_q_heads, head_dim, sm_scale, impl, workspace, channels)
+                 channels=None, ds: DSParams | None = None, tuning: KernelTuning = DEFAULT_TUNING):
+        super().__init__(memory, num_q_heads, head_dim, sm_scale, impl, workspace, channels, tuning)
         if ds is None:
             raise ValueError("DoubleSparsityBackend needs DSParams")
         self.ds = ds
@@ -80,7 +78,7 @@ class DoubleSparsityBackend(AttentionBackend):
     def _batch_parts(self, B):
         """[(a, b, workspace rows a:b)] of a decode batch of B; one entry: run it whole."""
         if B not in self._parts:
-            auto = 2 if B >= AUTO_PARTS_MIN_BATCH and not TUNING["ds_persistent"] else 1
+            auto = 2 if B >= AUTO_PARTS_MIN_BATCH else 1
             n = self.ds.batch_parts or auto
             if self.workspace is None or n == 1:
                 self._parts[B] = [(0, B, self.workspace)]
@@ -93,7 +91,7 @@ class DoubleSparsityBackend(AttentionBackend):
         return ops.ds_decode(q, m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id],
                              self.channels[layer_id], m.req_to_token, req_idx, seq_lens,
                              self.sm_scale, d.heavy_token_num, d.mode, d.threshold, d.num_sink,
-                             d.num_recent, ws=ws, out=out, impl=self.impl)
+                             d.num_recent, ws=ws, out=out, impl=self.impl, tuning=self.tuning)
 
     def _side_streams(self, n, device):
         while len(self._streams) < n:

@@ -4,7 +4,7 @@
 ``prefix_len ..``, keys/values ``[Hkv, prefix_len + n, D]`` (the cached prefix, then the segment's
 own tokens). Causal: query i sees keys ``0 .. prefix_len + i``.
 
-Backends on CUDA, measured on an H200 (results/h200-s5/gpu_s5b-prefill-sweep.json, Llama-3.1-8B
+Backends on CUDA, measured on an H200 (Llama-3.1-8B
 heads, bf16). Whole prompts (no prefix, top-left causal) run 1.7x faster on cuDNN than on flash
 (595 vs 344 TFLOPS at 32K; 586 vs 310 at 8K). cuDNN builds an execution graph for every new shape
 (its cost not yet measured here; benchmarks/prefill_attn_sweep.py records first-call times), so
@@ -14,44 +14,41 @@ is one lower-right ``CausalBias`` call, which torch dispatches to flash (343 TFL
 memory-efficient kernel, whatever the backend order. Backends switched off globally
 (``torch.backends.cuda.enable_*_sdp(False)``) stay off.
 
-``SPLIT_PREFIX``: a chunk after a prefix as two calls that return their log-sum-exp, the chunk
+``KernelTuning.prefill_split_prefix``: a chunk after a prefix as two calls that return their log-sum-exp, the chunk
 against the prefix (no mask) and the chunk against itself (top-left causal), merged exactly, so that
-both halves run on cuDNN. Measured on the H200 (results/h200-s6/, ``benchmarks/gpu_s6.sh``): a
+both halves run on cuDNN. Measured on the H200: a
 4096-token chunk after 28K cached tokens 6.06 -> 4.67 ms per layer, 8192 after 24K 11.3 -> 7.66 ms;
 bench_one_batch prefill of 3 x 60K tokens 12.8 -> 11.7 s with 4096-token chunks, 12.5 -> 10.3 s
 with 16384. cuDNN builds a graph per new shape (40-80 ms; about 1 s for the first split call of a
 process, which ``warmup`` takes at start-up), so by default (``None``) the split runs on CUDA for
 chunks of at least ``SPLIT_MIN_TOKENS`` tokens: full chunks, whose (chunk, prefix) shapes recur.
-True: wherever the inputs allow (tests; ``DOUBLESPARSE_PREFILL_SPLIT_PREFIX=1``); False: never
-(``=0``). Used only for bf16/fp16 inputs with cuDNN enabled on CUDA.
+True: wherever the inputs allow (CPU included: tests); False: never. On CUDA only for bf16/fp16
+inputs with cuDNN enabled.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
+
 CUDNN_MIN_TOKENS = 16384
 _ORDER = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
           SDPBackend.MATH)
 SPLIT_MIN_TOKENS = 4096
-# The split's merge as one Triton pass (fused.lse_merge_kernel) instead of ~8 PyTorch elementwise
-# ops: ~15 ms less kernel time per 32K prompt in 16384-token chunks on the H200
-# (results/h200-s11/README.md). False: the PyTorch merge (the CPU path always uses it).
-MERGE_TRITON = True
-SPLIT_PREFIX: bool | None = {"1": True, "0": False}.get(os.environ.get("DOUBLESPARSE_PREFILL_SPLIT_PREFIX", ""))
 
 
-def prefill_sdpa(q, k, v, prefix_len: int, scale: float, mask=None) -> torch.Tensor:
+def prefill_sdpa(q, k, v, prefix_len: int, scale: float, mask=None,
+                 tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
     """q: [Hq, n, D]; k, v: [Hkv, prefix_len + n, D]; mask: the segment's lower-right CausalBias when
     it has a prefix (built here if None). Returns [Hq, n, D] in q's dtype."""
     if prefix_len:
-        if _use_split(q):
+        if _use_split(q, tuning.prefill_split_prefix):
             return _split_prefix(q, k, v, prefix_len, scale)
         if mask is None:
             mask = causal_lower_right(q.shape[1], k.shape[1])
@@ -105,25 +102,26 @@ def _backend_order(order):
         return contextlib.nullcontext()
 
 
-def _use_split(q) -> bool:
-    if SPLIT_PREFIX is False:
+def _use_split(q, split_prefix: bool | None) -> bool:
+    if split_prefix is False:
         return False
     if not q.is_cuda:
-        return bool(SPLIT_PREFIX)  # CPU: only when forced (tests); one call is the fast path there
-    if SPLIT_PREFIX is None and q.shape[1] < SPLIT_MIN_TOKENS:
+        return bool(split_prefix)  # CPU: only when forced (tests); one call is the fast path there
+    if split_prefix is None and q.shape[1] < SPLIT_MIN_TOKENS:
         return False
     # The private cuDNN op skips SDPA's input checks: only the inputs cuDNN is known to take.
     return _fused_gqa(q) and torch.backends.cuda.cudnn_sdp_enabled()
 
 
-def warmup(device, dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+def warmup(device, dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
+           tuning: KernelTuning = DEFAULT_TUNING) -> None:
     """Take the split path's one-time start-up cost (about 1 s on the H200) now, not in the first
     long request's time to first token. No-op where the split would not run."""
     q = torch.randn(num_q_heads, SPLIT_MIN_TOKENS, head_dim, device=device, dtype=dtype)
-    if not _use_split(q):
+    if not _use_split(q, tuning.prefill_split_prefix):
         return
     k = torch.randn(num_kv_heads, 2 * SPLIT_MIN_TOKENS, head_dim, device=device, dtype=dtype)
-    prefill_sdpa(q, k, k, SPLIT_MIN_TOKENS, head_dim ** -0.5)
+    prefill_sdpa(q, k, k, SPLIT_MIN_TOKENS, head_dim ** -0.5, tuning=tuning)
 
 
 def _split_prefix(q, k, v, prefix_len, scale):
@@ -141,10 +139,12 @@ def _split_prefix(q, k, v, prefix_len, scale):
     if G > 1:
         k2, v2 = _repeat_kv(q, k2, v2)
     o2, lse2 = _attention_lse(q, k2, v2, True, scale)
-    if q.is_cuda and MERGE_TRITON:
+    if q.is_cuda:
+        # One Triton pass instead of ~8 PyTorch elementwise ops: ~15 ms less kernel time per 32K
+        # prompt in 16384-token chunks, measured on an H200.
         from ..kernels.triton.fused_launch import lse_merge
         return lse_merge(o1, o2, lse1[..., 0].contiguous(), lse2[..., 0].contiguous())
-    # softmax over the union of the two key sets = the two partial softmaxes weighted by their mass
+    # CPU: softmax over the union of the two key sets = the two partial softmaxes weighted by their mass
     m = torch.maximum(lse1, lse2)
     w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
     return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)

@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from ..kernels.triton import launch
+from ..kernels.triton import ds_launch, launch
+from ..kernels.tuning import KernelTuning
 from ..kernels.workspace import DecodeWorkspace
 
 HQ, HKV, D = 32, 8, 128  # Llama-3.1-8B
@@ -118,18 +119,17 @@ def sdpa_fn(p: Pools):
     return best
 
 
-def bench_case(B, L, dev, bw, r_list, k_list, modes, fp8, stages, quick, with_sdpa=True):
+def bench_case(B, L, dev, bw, r_list, k_list, modes, fp8, stages, quick, tuning: KernelTuning,
+               with_sdpa=True):
     kv_bytes = B * L * HKV * D * 2 * 2
     copies = max(1, math.ceil(MIN_BYTES_PER_GRAPH / kv_bytes))
-    # The stages are timed as prefixes of the separate launches: the persistent launch has none.
-    stages = stages and not launch.TUNING["ds_persistent"]
     rows = []
     p = Pools(B, L, copies, max(r_list), torch.bfloat16, dev)
     ws = DecodeWorkspace(B, HQ, HKV, D, L, max(max(k_list(L)), 1), device=dev)
     sm = 1 / math.sqrt(D)
     t_sdpa, backend = (sdpa_fn(p) if with_sdpa else None) or (float("nan"), "none")
     t_dense = time_fn(lambda i=0: launch.dense_decode(p.q, p.k, p.v, p.req_to_token, p.req_idx[i],
-                                                      p.seq_lens, sm, ws, out=p.out), copies)
+                                                      p.seq_lens, sm, ws, out=p.out, tuning=tuning), copies)
     base = dict(batch=B, ctx=L, kv_bytes=kv_bytes)
     rows.append(dict(base, variant=f"sdpa[{backend}]", us=t_sdpa * 1e6, bytes=kv_bytes))
     rows.append(dict(base, variant="ours-dense", us=t_dense * 1e6, bytes=kv_bytes))
@@ -154,9 +154,9 @@ def bench_case(B, L, dev, bw, r_list, k_list, modes, fp8, stages, quick, with_sd
                     floor_bytes = lab_b + kv_sel
 
                     def ds(i=0, stage="all"):
-                        return launch.ds_decode(p.q, p.k, p.v, labels, p.scale, ch, p.req_to_token,
-                                                p.req_idx[i], p.seq_lens, sm, k, mode, ws=ws,
-                                                out=p.out, stage=stage)
+                        return ds_launch.ds_decode(p.q, p.k, p.v, labels, p.scale, ch, p.req_to_token,
+                                                   p.req_idx[i], p.seq_lens, sm, k, mode, ws=ws,
+                                                   out=p.out, stage=stage, tuning=tuning)
                     t = time_fn(ds, copies)
                     row = dict(base, variant=f"ds-{mode}", r=r, k=k, label=str(label_dtype).split(".")[-1],
                                us=t * 1e6, bytes=floor_bytes, label_bytes=lab_b, kv_sel_bytes=kv_sel,
@@ -191,17 +191,16 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="bs 3 at 64K and 128K only")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
-    ap.add_argument("--tuning", default=None, help="JSON dict overriding launch.TUNING")
+    ap.add_argument("--tuning", default=None, help="JSON dict overriding KernelTuning's defaults")
     ap.add_argument("--sweep", action="store_true", help="time launch-parameter variants at bs3 64K")
     ap.add_argument("--sweep-file", default=None,
-                    help="JSON list of TUNING overrides to time instead of the built-in sweep")
+                    help="JSON list of KernelTuning overrides to time instead of the built-in sweep")
     ap.add_argument("--sweep-cases", default="3x65536,8x16384",
                     help="comma-separated BxL cases for the sweep; a trailing 'fp8' uses fp8 labels")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("doublesparse.bench.attention needs a CUDA GPU")
-    if args.tuning:
-        launch.TUNING.update(launch.tuning_overrides(json.loads(args.tuning)))
+    tuning = KernelTuning.from_dict(json.loads(args.tuning)) if args.tuning else KernelTuning()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     warm = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -209,13 +208,13 @@ def main(argv=None):
         warm @ warm
     torch.cuda.synchronize()
     del warm
-    print(f"# {torch.cuda.get_device_name(dev)}  copy bandwidth {bw / 1e12:.2f} TB/s  tuning {launch.TUNING}")
+    print(f"# {torch.cuda.get_device_name(dev)}  copy bandwidth {bw / 1e12:.2f} TB/s  tuning {tuning}")
     if args.sweep or args.sweep_file:
         variants = SWEEP
         if args.sweep_file:
             with open(args.sweep_file) as f:
                 variants = json.load(f)
-        return sweep(dev, bw, variants, args.sweep_cases, args.json)
+        return sweep(dev, bw, tuning, variants, args.sweep_cases, args.json)
     cases = [(3, 65536), (3, 131072)] if args.quick else [(b, l) for l in args.ctx for b in args.batch]
     all_rows = []
     t0 = time.time()
@@ -229,14 +228,14 @@ def main(argv=None):
             r_list=[16, 32] if key else [16],
             k_list=(lambda L: sorted({L // 16, 1024, 4096})) if key else (lambda L: [L // 16]),
             modes=["group_max", "per_head"] if key or L >= 65536 else ["group_max"],
-            fp8=key, stages=key, quick=args.quick)
+            fp8=key, stages=key, quick=args.quick, tuning=tuning)
         for row in rows:
             print(format_row(row), flush=True)
         all_rows += rows
     summary = summarize(all_rows, bw)
     print(json.dumps(summary, indent=1))
     print(f"# {time.time() - t0:.0f} s")
-    result = dict(summary=summary, rows=all_rows, tuning=launch.TUNING, copy_bw=bw)
+    result = dict(summary=summary, rows=all_rows, tuning=tuning.asdict(), copy_bw=bw)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -250,24 +249,21 @@ SWEEP = [{}, {"score_block_n": 128}, {"score_block_n": 512}, {"score_programs_pe
          {"attn_programs_per_sm": 8}, {"attn_stages": 3}, {"attn_block_n": 32}]
 
 
-def sweep(dev, bw, variants, cases, json_path=None):
-    """Time DS (total and per stage) under each TUNING override; dense once per case."""
-    base = dict(launch.TUNING)
+def sweep(dev, bw, base: KernelTuning, variants, cases, json_path=None):
+    """Time DS (total and per stage) under each override of ``base``; dense once per case."""
     out = []
-    for var in variants:
-        launch.tuning_overrides(var)  # fail before any timing on a removed or misspelt knob
+    # Built before any timing: a removed or misspelt knob fails here.
+    tunings = [base.replace(**var) for var in variants]
     parsed = []
     for c in cases.split(","):
         fp8 = c.endswith("fp8")
         B, L = (int(x) for x in c.removesuffix("fp8").split("x"))
         parsed.append((B, L, fp8))
     for B, L, fp8 in parsed:
-        for var in variants:
-            launch.TUNING.clear()
-            launch.TUNING.update(base, **var)
+        for var, tuning in zip(variants, tunings):
             try:
                 rows = bench_case(B, L, dev, bw, [16], lambda L: [L // 16], ["group_max"], fp8, True, True,
-                                  with_sdpa=False)
+                                  tuning, with_sdpa=False)
             except Exception as e:  # a variant that does not compile or launch: report, go on
                 print(f"sweep {json.dumps(var)} bs{B} L={L}: FAILED {type(e).__name__}: {e}"[:400], flush=True)
                 continue
@@ -279,14 +275,12 @@ def sweep(dev, bw, variants, cases, json_path=None):
                            **{k: ds.get(k) for k in ("us", "score_us", "hist_us", "select_us", "attend_us",
                                                      "floor_us", "speedup")})
                 out.append(rec)
-                _dump_sweep(json_path, bw, base, out)
+                _dump_sweep(json_path, bw, base.asdict(), out)
                 parts = (f"[score {ds['score_us']:.1f} select {ds['select_us']:.1f} "
                          f"(hist {ds['hist_us']:.1f}) attend {ds['attend_us']:.1f}] " if "score_us" in ds else "")
                 print(f"sweep {json.dumps(var):<90} bs{B} L={L} {ds['label'][:5]}: dense {dense_us:7.1f} "
                       f"ds {ds['us']:6.1f} x{ds['speedup']:.2f} {parts}floor {ds['floor_us']:.1f}",
                       flush=True)
-    launch.TUNING.clear()
-    launch.TUNING.update(base)
 
 
 def _dump_sweep(json_path, bw, base, rows):

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
+
 
 @dataclass
 class ForwardBatch:
@@ -19,6 +21,7 @@ class ForwardBatch:
     attn: the AttentionBackend (the model calls ``batch.attn.forward``).
     Prefill only (host ints): rows_host, extend_prefix_lens, extend_lens.
     attn_meta: what ``attn.plan(batch)`` computed for this step.
+    tuning: the engine's kernel launch parameters and choices (the model's fused kernels read it).
     """
 
     mode: str
@@ -33,6 +36,7 @@ class ForwardBatch:
     extend_prefix_lens: tuple[int, ...] = ()
     extend_lens: tuple[int, ...] = ()
     attn_meta: Any = field(default=None, repr=False)
+    tuning: KernelTuning = field(default=DEFAULT_TUNING, repr=False)
 
     @property
     def batch_size(self) -> int:

@@ -13,13 +13,9 @@ import contextlib
 import numpy as np
 import torch
 
+from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from .forward_batch import ForwardBatch
 from .transfer import to_device
-
-# Graph replay feeds all five per-step inputs through one pinned host buffer and one H2D copy into
-# a [5, max_bs] int64 device buffer that every bucket's static ForwardBatch views (was: 5 copies
-# + 5 fills + a tensor per step, ~0.5 ms of host time). False: the per-field copies, same views.
-PACKED_GRAPH_INPUTS = True
 
 
 @contextlib.contextmanager
@@ -49,11 +45,13 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 class ModelRunner:
     """model: callable ``model(input_ids [T], positions [T], batch) -> logits [N, V] float32``;
-    memory: KVMemory; backend: AttentionBackend over that memory."""
+    memory: KVMemory; backend: AttentionBackend over that memory; tuning: the kernels' launch
+    parameters, handed to the model on every ForwardBatch."""
 
     def __init__(self, model, memory, backend, device, use_cuda_graph: bool = False,
-                 graph_max_bs: int = 32):
+                 graph_max_bs: int = 32, tuning: KernelTuning = DEFAULT_TUNING):
         self.model = model
+        self.tuning = tuning
         self.memory = memory
         self.backend = backend
         self.device = torch.device(device)
@@ -85,7 +83,7 @@ class ModelRunner:
             req_idx=to_device(torch.tensor(rows, dtype=torch.int32), dev),
             seq_lens=to_device(torch.tensor([p + n for p, n in zip(prefix_lens, lens)], dtype=torch.int32), dev),
             logits_indices=to_device(idx, dev), attn=self.backend, rows_host=tuple(rows),
-            extend_prefix_lens=tuple(prefix_lens), extend_lens=tuple(lens))
+            extend_prefix_lens=tuple(prefix_lens), extend_lens=tuple(lens), tuning=self.tuning)
         self.backend.plan(batch)
         return self.model(batch.input_ids, batch.positions, batch)
 
@@ -102,11 +100,9 @@ class ModelRunner:
         bucket = next((b for b in self.graphs if b >= B), None)
         # a graph replay writes the device req_to_token itself (see _graph_step)
         slots = self.memory.assign(row_t, pos_t, B, write_device=bucket is None)
-        if bucket is not None and PACKED_GRAPH_INPUTS:
+        if bucket is not None:
             return self._replay_packed(bucket, B, tokens, positions, slots.numpy(), rows)
         host = self.host_inputs(tokens, pos_t, slots, row_t)
-        if bucket is not None:
-            return self._replay(bucket, B, host, tokens)
         if self.device.type == "cpu":
             with _cpu_threads(max(1, min(torch.get_num_threads(), B))):
                 return self._decode_eager(B, host, tokens)
@@ -130,7 +126,8 @@ class ModelRunner:
         dev = self._device_inputs(host, tokens)
         batch = ForwardBatch(mode="decode", input_ids=dev[0], positions=dev[1], out_slots=dev[2],
                              req_idx=dev[3].to(torch.int32), seq_lens=dev[4].to(torch.int32),
-                             logits_indices=torch.arange(B, device=self.device), attn=self.backend)
+                             logits_indices=torch.arange(B, device=self.device), attn=self.backend,
+                             tuning=self.tuning)
         self.backend.plan(batch)
         return self.model(batch.input_ids, batch.positions, batch)
 
@@ -153,7 +150,8 @@ class ModelRunner:
         i32 = lambda row: dev[row].view(torch.int32)[:bs]  # noqa: E731
         return ForwardBatch(mode="decode", input_ids=dev[0, :bs], positions=dev[1, :bs],
                             out_slots=dev[2, :bs], req_idx=i32(3), seq_lens=i32(4),
-                            logits_indices=torch.arange(bs, device=self.device), attn=self.backend)
+                            logits_indices=torch.arange(bs, device=self.device), attn=self.backend,
+                            tuning=self.tuning)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
@@ -186,7 +184,8 @@ class ModelRunner:
 
     def _replay_packed(self, bs: int, B: int, tokens, positions, slots: np.ndarray, rows) -> torch.Tensor:
         """One decode step through the graph of bucket ``bs`` (>= B): padding is filled on the host,
-        then one pinned H2D copy of the whole (tiny) input buffer."""
+        then one pinned H2D copy of the whole (tiny) input buffer (separate copies per field cost
+        ~0.5 ms of host time per step)."""
         g, sb, logits = self.graphs[bs]
         dev, host, h64, h32, copied = self._inputs
         copied.synchronize()  # the previous step's copy has read the host buffer (normally long done)
@@ -203,15 +202,5 @@ class ModelRunner:
         copied.record(torch.cuda.current_stream(self.device))
         if on_device:
             dev[0, :B].copy_(tokens)
-        g.replay()
-        return logits[:B].clone()
-
-    def _replay(self, bs: int, B: int, host: torch.Tensor, tokens=None) -> torch.Tensor:
-        g, sb, logits = self.graphs[bs]
-        dev = self._device_inputs(host, tokens)
-        for buf, src, pad in ((sb.input_ids, dev[0], 0), (sb.positions, dev[1], 0),
-                              (sb.out_slots, dev[2], 0), (sb.req_idx, dev[3], 0), (sb.seq_lens, dev[4], 1)):
-            buf[:B].copy_(src)
-            buf[B:].fill_(pad)  # rows a previous, larger batch filled go back to padding
         g.replay()
         return logits[:B].clone()

@@ -137,12 +137,13 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
     log.info("%s", plan.describe())
     backend = create_backend(cfg.resolved_attention_backend, use_double_sparsity=ds is not None, ds=ds,
                              memory=memory, num_q_heads=mc.num_q_heads, head_dim=mc.head_dim,
-                             impl=cfg.kernel_impl, workspace=ws, channels=channels)
+                             impl=cfg.kernel_impl, workspace=ws, channels=channels, tuning=cfg.kernel_tuning)
     if device.type == "cuda" and max_ctx > prefill.SPLIT_MIN_TOKENS:
         with torch.inference_mode():
-            prefill.warmup(device, _model_dtype(model), mc.num_q_heads, mc.num_kv_heads, mc.head_dim)
+            prefill.warmup(device, _model_dtype(model), mc.num_q_heads, mc.num_kv_heads, mc.head_dim,
+                           cfg.kernel_tuning)
     runner = ModelRunner(model, memory, backend, device, use_cuda_graph=cfg.use_cuda_graph,
-                         graph_max_bs=cfg.cuda_graph_max_bs)
+                         graph_max_bs=cfg.cuda_graph_max_bs, tuning=cfg.kernel_tuning)
     scheduler = Scheduler(cfg.scheduler_config(), plan.max_total_tokens, max_ctx)
     return EngineParts(model, tokenizer, device, max_ctx, plan, memory, backend, runner, scheduler,
                        ds, source, ws)

@@ -3,6 +3,8 @@
 (:mod:`.torch_ops`, the engine's pure-PyTorch CPU path, checked against the references).
 
 The data layout is described in docs/design.md and in :mod:`doublesparse.kernels.reference`.
+Launch parameters and kernel choices come in a ``tuning`` argument (:class:`.tuning.KernelTuning`,
+the defaults when omitted); the PyTorch path ignores it.
 Every function here is free of host syncs on the Triton path, so decode can be captured in a
 CUDA graph: lengths are read from device tensors and all buffers come from a :class:`DecodeWorkspace`.
 """
@@ -13,6 +15,7 @@ import torch
 
 from . import reference as ref
 from . import torch_ops
+from .tuning import DEFAULT_TUNING, KernelTuning
 from .workspace import DecodeWorkspace
 
 __all__ = ["DecodeWorkspace", "store_kv", "dense_decode", "ds_decode", "rope", "MODES", "rms_norm",
@@ -48,14 +51,15 @@ def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, 
 
 
 def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale: float,
-                 ws: DecodeWorkspace | None = None, out=None, impl: str = "auto"):
+                 ws: DecodeWorkspace | None = None, out=None, impl: str = "auto",
+                 tuning: KernelTuning = DEFAULT_TUNING):
     """Exact decode attention over each request's whole cache.
 
     q: [B, Hq, D]; returns (or fills ``out``) [B, Hq, D] in q's dtype.
     """
     if _use_triton(q, impl):
         from .triton.launch import dense_decode as _dense
-        return _dense(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out)
+        return _dense(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out, tuning=tuning)
     o = torch_ops.dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale).to(q.dtype)
     if out is not None:
         out.copy_(o)
@@ -66,16 +70,18 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale:
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
               seq_lens, sm_scale: float, heavy_token_num: int, mode: str = "group_max",
               threshold: int = 0, num_sink: int = 0, num_recent: int = 0,
-              ws: DecodeWorkspace | None = None, out=None, impl: str = "auto"):
+              ws: DecodeWorkspace | None = None, out=None, impl: str = "auto",
+              tuning: KernelTuning = DEFAULT_TUNING):
     """Double Sparsity decode: label scores -> top-k on device -> exact attention on those tokens.
 
     Requests with ``seq_len <= heavy_token_num`` or ``seq_len < threshold`` decode densely in the
     same launches (decided on the device, no host sync). Returns [B, Hq, D] in q's dtype.
     """
     if _use_triton(q, impl):
-        from .triton.launch import ds_decode as _ds
+        from .triton.ds_launch import ds_decode as _ds
         return _ds(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-                   seq_lens, sm_scale, heavy_token_num, mode, threshold, num_sink, num_recent, ws, out)
+                   seq_lens, sm_scale, heavy_token_num, mode, threshold, num_sink, num_recent, ws, out,
+                   tuning=tuning)
     o = torch_ops.ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token,
                             req_idx, seq_lens, sm_scale, heavy_token_num, mode, threshold,
                             num_sink, num_recent).to(q.dtype)
@@ -85,17 +91,10 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     return o
 
 
-# The Triton RoPE kernel's tests passed compiled on an H200; set False to make "auto" use the
-# PyTorch form (~20 tiny launches per layer) on CUDA again.
-ROPE_TRITON_BY_DEFAULT = True
-
-
 def rope(positions, q, k, cos, sin, impl: str = "auto"):
     """Rotate-half RoPE. positions: [T] int; q: [T, Hq, D]; k: [T, Hkv, D] (last dim contiguous);
     cos, sin: [max_pos, D/2] float32. Returns new contiguous (q, k) in their dtypes, computed in
     float32 and rounded once."""
-    if impl == "auto" and not ROPE_TRITON_BY_DEFAULT:
-        impl = "torch"
     if _use_triton(q, impl):
         from .triton.launch import rope as _rope
         return _rope(positions, q, k, cos, sin)
@@ -107,46 +106,47 @@ def rope(positions, q, k, cos, sin, impl: str = "auto"):
 # reference. The model's CPU path does not call these (it keeps its own PyTorch ops, whose
 # results the CPU tests pin); the model calls them on CUDA (models/layers.py, models/llama.py).
 
-def linear(x, weight, bias=None):
+def linear(x, weight, bias=None, tuning: KernelTuning = DEFAULT_TUNING):
     """``F.linear``; on CUDA a decode step's projections of a few rows run through Triton instead:
     small weights through the GEMV (kernels/triton/gemv.py), larger ones through the one-launch
     split-K GEMM (kernels/triton/skinny.py). x: [T, K]; weight: [N, K]."""
     if x.is_cuda:
         from .triton.fused_launch import gemv, gemv_fits, skinny_fits, skinny_gemm
-        if gemv_fits(x, weight):
-            return gemv(x, weight, bias)
-        if skinny_fits(x, weight):
-            return skinny_gemm(x, weight, bias)
+        if gemv_fits(x, weight, tuning):
+            return gemv(x, weight, bias, tuning=tuning)
+        if skinny_fits(x, weight, tuning):
+            return skinny_gemm(x, weight, bias, tuning=tuning)
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def rms_norm(x, weight, eps: float, impl: str = "auto"):
+def rms_norm(x, weight, eps: float, impl: str = "auto", tuning: KernelTuning = DEFAULT_TUNING):
     """x: [T, N]; weight: [N] -> ``x / rms(x) * weight`` [T, N] in x's dtype (fp32 statistics)."""
     if _use_triton(x, impl):
         from .triton.fused_launch import rms_norm as _norm
-        return _norm(x, weight, eps)
+        return _norm(x, weight, eps, tuning=tuning)
     return ref.rmsnorm_ref(x, weight, eps)
 
 
-def add_rms_norm(x, residual, weight, eps: float, impl: str = "auto"):
+def add_rms_norm(x, residual, weight, eps: float, impl: str = "auto", tuning: KernelTuning = DEFAULT_TUNING):
     """x, residual: [T, N] -> ``(rmsnorm(x + residual) * weight, x + residual)``, both in x's
     dtype; the sum is rounded before the statistics (= the unfused add, then norm)."""
     if _use_triton(x, impl):
         from .triton.fused_launch import rms_norm as _norm
-        return _norm(x, weight, eps, residual)
+        return _norm(x, weight, eps, residual, tuning=tuning)
     return ref.add_rmsnorm_ref(x, residual, weight, eps)
 
 
-def silu_mul(x, impl: str = "auto"):
+def silu_mul(x, impl: str = "auto", tuning: KernelTuning = DEFAULT_TUNING):
     """x: [T, 2I] (gate | up) -> ``silu(gate) * up`` [T, I] in x's dtype, fp32 math rounded once."""
     if _use_triton(x, impl):
         from .triton.fused_launch import silu_mul as _silu_mul
-        return _silu_mul(x)
+        return _silu_mul(x, tuning=tuning)
     return ref.silu_mul_ref(x)
 
 
 def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache=None,
-               label_scale=None, channels=None, return_k: bool = False, impl: str = "auto"):
+               label_scale=None, channels=None, return_k: bool = False, impl: str = "auto",
+               tuning: KernelTuning = DEFAULT_TUNING):
     """RoPE of q and k fused with :func:`store_kv` of the rotated k (and its label) and v.
 
     positions, slots: [T] int; q: [T, Hq, D]; k, v: [T, Hkv, D] (views of the qkv GEMM output
@@ -157,7 +157,7 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
     if _use_triton(q, impl):
         from .triton.fused_launch import rope_store as _rope_store
         return _rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache,
-                           label_scale, channels, return_k)
+                           label_scale, channels, return_k, tuning=tuning)
     from .triton.launch import check_store_args
     check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels)
     qr, kr = ref.rope_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache,

@@ -70,11 +70,6 @@ class DecodeWorkspace:
             # The cache slots of sel's positions; zero (the padding slot) until written, so a
             # stale entry can never address outside the pool.
             self.buffers["sel_slot"] = torch.zeros(B, Hq, self.max_heavy_tokens, **i32)
-            # The persistent DS decode's counters (ds_persistent.py), zero between calls: per batch
-            # row, arrivals of its score slices, then per score row of its select phases' slices
-            # (3 x Hq); the ticket and exit count live in the launch's first row, then six
-            # columns where a stalled wait is recorded (only with TUNING["persistent_spin_limit"]).
-            self.buffers["persistent_sync"] = torch.zeros(B, 3 * Hq + 9, **i32)
 
     def __getattr__(self, name):
         buffers = self.__dict__.get("buffers", {})

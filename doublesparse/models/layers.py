@@ -1,7 +1,8 @@
 """Building blocks shared by the model families: RMSNorm, a bare linear layer, the SiLU-gated MLP.
 
 On CUDA the norms (with the residual add) and SiLU-and-mul run as single fused Triton launches
-(see the FUSED_* switches); on CPU they are the plain PyTorch ops.
+(``KernelTuning.fused_norm`` / ``fused_silu_mul``); on CPU they are the plain PyTorch ops. Each
+forward takes the engine's ``tuning`` (the defaults when called outside the engine).
 
 Parameters are allocated with ``torch.empty`` on the target device and dtype and are never
 initialised here: a loader always overwrites them (checkpoint or seeded dummy init), and skipping
@@ -15,16 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import ops
-
-# Fused Triton kernels for the layers' elementwise steps (kernels/triton/fused.py): "auto" runs them
-# on CUDA tensors, True also on CPU (the Triton interpreter: tests only), False never (the PyTorch
-# ops below; the switch to flip if a kernel misbehaves on a GPU). The CPU path never changes.
-FUSED_NORM = "auto"        # RMSNorm and residual-add + RMSNorm: one launch each
-FUSED_SILU_MUL = "auto"    # silu(gate) * up: one launch instead of two (plus a strided read)
+from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 
 def fused_impl(flag, x: torch.Tensor) -> str | None:
-    """The ``ops`` impl a fused kernel runs with under ``flag`` for tensor x, or None (PyTorch ops)."""
+    """The ``ops`` impl a fused kernel (kernels/triton/fused.py) runs with under ``flag`` (a
+    ``KernelTuning.fused_*`` value: "auto" = on CUDA tensors, True = also on CPU under the Triton
+    interpreter, False = never) for tensor x, or None (the PyTorch ops; the CPU path never changes)."""
     if flag is True:
         return "triton"
     if flag == "auto" and x.is_cuda:
@@ -44,15 +42,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        impl = fused_impl(FUSED_NORM, x) if x.dim() == 2 else None
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                tuning: KernelTuning = DEFAULT_TUNING):
+        impl = fused_impl(tuning.fused_norm, x) if x.dim() == 2 else None
         if residual is not None:
             if impl is not None:
-                return ops.add_rms_norm(x, residual, self.weight, self.eps, impl=impl)
+                return ops.add_rms_norm(x, residual, self.weight, self.eps, impl=impl, tuning=tuning)
             x = x + residual
             return self._norm(x), x
         if impl is not None:
-            return ops.rms_norm(x, self.weight, self.eps, impl=impl)
+            return ops.rms_norm(x, self.weight, self.eps, impl=impl, tuning=tuning)
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,8 +74,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias, tuning)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -91,10 +90,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, device=device, dtype=dtype)
         self.down_proj = Linear(intermediate, hidden, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)                       # [T, 2I]
-        impl = fused_impl(FUSED_SILU_MUL, gate_up) if gate_up.dim() == 2 else None
+    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, tuning)               # [T, 2I]
+        impl = fused_impl(tuning.fused_silu_mul, gate_up) if gate_up.dim() == 2 else None
         if impl is not None:
-            return self.down_proj(ops.silu_mul(gate_up, impl=impl))
+            return self.down_proj(ops.silu_mul(gate_up, impl=impl, tuning=tuning), tuning)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, tuning)

@@ -14,23 +14,25 @@ import torch
 from torch import nn
 
 from ..attention.base import AttentionBackend
-from . import layers as _layers
+from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from .config import ModelConfig
 from .layers import GatedMLP, Linear, RMSNorm, fused_impl
 from .rope import RotaryEmbedding
 
-# RoPE fused with the KV (+ label) store, one launch per layer on CUDA (kernels/triton/fused.py):
-# "auto" on CUDA, True also on CPU (Triton interpreter, tests), False: RoPE, then backend.forward.
-# Only used with engine backends whose forward is store + attention (see _fused_store).
-FUSED_ROPE_STORE = "auto"
+
+def _tuning(batch) -> KernelTuning:
+    # The engine's ForwardBatch carries its kernel tuning; batches built elsewhere (calibration,
+    # eval) run the defaults.
+    return getattr(batch, "tuning", DEFAULT_TUNING)
 
 
-def _fused_store(attn, x: torch.Tensor) -> str | None:
-    """The ops impl for the fused RoPE + store, or None when the backend must get the rotated k/v
-    itself: wrappers that record q/k (calibration, eval) or backends with their own store."""
+def _fused_store(attn, x: torch.Tensor, tuning: KernelTuning) -> str | None:
+    """The ops impl for RoPE fused with the KV (+ label) store (one launch per layer on CUDA,
+    ``tuning.fused_rope_store``), or None when the backend must get the rotated k/v itself:
+    wrappers that record q/k (calibration, eval) or backends with their own store."""
     if not isinstance(attn, AttentionBackend) or not attn.accepts_stored_kv or attn.impl == "torch":
         return None
-    return fused_impl(FUSED_ROPE_STORE, x)
+    return fused_impl(tuning.fused_rope_store, x)
 
 
 class LlamaAttention(nn.Module):
@@ -54,26 +56,28 @@ class LlamaAttention(nn.Module):
         """x: [T, H] -> [T, H]; the backend sees contiguous q: [T, Hq, D], k/v: [T, Hkv, D] in the weight dtype
         (fused path: v stays a strided view of the qkv output, k is None at decode)."""
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        tuning = _tuning(batch)
+        q, k, v = self.qkv_proj(x, tuning).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_q_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         attn = batch.attn
-        impl = _fused_store(attn, x)
+        impl = _fused_store(attn, x, tuning)
         if impl is not None:
             # One launch: rotated q out, rotated k / v / label into the pools; prefill attention
             # also reads the chunk's own k (decode reads only the cache).
             q, k = rope.rotate_and_store(positions, q, k, v, attn.store_targets(self.layer_id),
-                                         batch.out_slots, return_k=batch.mode == "prefill", impl=impl)
+                                         batch.out_slots, return_k=batch.mode == "prefill", impl=impl,
+                                         tuning=tuning)
             out = attn.attention(self.layer_id, q, k, v, batch)
         else:
             # v is a strided slice of the qkv GEMM output; KV-store kernels want dense rows.
             v = v.contiguous()
             q, k = rope(positions, q, k)
             out = attn.forward(self.layer_id, q, k, v, batch)  # [T, Hq, D]
-        return self.o_proj(out.reshape(T, self.q_size))
+        return self.o_proj(out.reshape(T, self.q_size), tuning)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -88,12 +92,13 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, residual, positions, rope, batch):
         """(x, residual) [T, H] -> (mlp output, residual stream before it), the pre-norm residual
         stream kept apart so each add fuses into the next norm; residual None: x is the input."""
+        tuning = _tuning(batch)
         if residual is None:
-            residual, h = x, self.input_norm(x)
+            residual, h = x, self.input_norm(x, tuning=tuning)
         else:
-            h, residual = self.input_norm(x, residual)
-        h, residual = self.post_attn_norm(self.attn(h, positions, rope, batch), residual)
-        return self.mlp(h), residual
+            h, residual = self.input_norm(x, residual, tuning)
+        h, residual = self.post_attn_norm(self.attn(h, positions, rope, batch), residual, tuning)
+        return self.mlp(h, tuning), residual
 
 
 class LlamaModel(nn.Module):
@@ -146,17 +151,18 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rope, batch)
         idx = getattr(batch, "logits_indices", None)
-        if fused_impl(_layers.FUSED_NORM, x) is not None:
+        tuning = _tuning(batch)
+        if fused_impl(tuning.fused_norm, x) is not None:
             # add + norm in one launch over all T rows, then the row selection (rows are independent)
-            x, _ = self.norm(x, residual)
+            x, _ = self.norm(x, residual, tuning)
             if idx is not None:
                 x = x.index_select(0, idx)
         else:
             x = x + residual
             if idx is not None:
                 x = x.index_select(0, idx)
-            x = self.norm(x)
-        return self.lm_head(x).float()
+            x = self.norm(x, tuning=tuning)
+        return self.lm_head(x, tuning).float()
 
     def extra_repr(self) -> str:
         c = self.config

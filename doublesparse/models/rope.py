@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..kernels import ops
+from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from .config import ModelConfig
 
 
@@ -82,7 +83,7 @@ class RotaryEmbedding(nn.Module):
         return ops.rope(positions, q, k, self.cos, self.sin)
 
     def rotate_and_store(self, positions, q, k, v, targets, slots, return_k: bool = False,
-                         impl: str = "auto"):
+                         impl: str = "auto", tuning: KernelTuning = DEFAULT_TUNING):
         """RoPE fused with the KV store (one launch on CUDA): rotated k, v and k's label go into
         the pools at ``slots`` [T] int64. targets: ``(k_cache, v_cache, label_cache, label_scale,
         channels)`` from ``AttentionBackend.store_targets`` (the last three None: no labels).
@@ -90,4 +91,4 @@ class RotaryEmbedding(nn.Module):
         ``(q [T, Hq, D], k [T, Hkv, D] or None unless return_k)``, contiguous."""
         k_cache, v_cache, label_cache, label_scale, channels = targets
         return ops.rope_store(positions, q, k, v, self.cos, self.sin, k_cache, v_cache, slots,
-                              label_cache, label_scale, channels, return_k=return_k, impl=impl)
+                              label_cache, label_scale, channels, return_k=return_k, impl=impl, tuning=tuning)

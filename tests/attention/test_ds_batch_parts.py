@@ -42,13 +42,9 @@ def test_batch_parts_match_uncut(parts):
     assert rel_err(outs[1], outs[0]) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_auto_parts(persistent, monkeypatch):
-    """Auto (batch_parts=0): 2 parts from AUTO_PARTS_MIN_BATCH requests, but 1 with the persistent
-    DS decode, which overlaps the requests' stages inside one launch."""
+def test_auto_parts():
+    """Auto (batch_parts=0): 2 parts from AUTO_PARTS_MIN_BATCH requests, else 1."""
     from doublesparse.attention.double_sparsity import AUTO_PARTS_MIN_BATCH
-    from doublesparse.kernels.triton import launch
-    monkeypatch.setitem(launch.TUNING, "ds_persistent", persistent)
     c = make_case([20] * AUTO_PARTS_MIN_BATCH, 9, 3, 64, device=DEVICE, seed=1)
     mem = SimpleNamespace(k=[c.k_cache], v=[c.v_cache], label=[c.label_cache], label_scale=[c.label_scale],
                           req_to_token=c.req_to_token)
@@ -56,4 +52,4 @@ def test_auto_parts(persistent, monkeypatch):
                         num_q_heads=9, head_dim=64, impl="triton",
                         workspace=make_ws(c, max_heavy_tokens=8), channels=c.channels[None])
     assert len(be._batch_parts(AUTO_PARTS_MIN_BATCH - 1)) == 1
-    assert len(be._batch_parts(AUTO_PARTS_MIN_BATCH)) == (1 if persistent else 2)
+    assert len(be._batch_parts(AUTO_PARTS_MIN_BATCH)) == 2

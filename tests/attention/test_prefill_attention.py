@@ -8,6 +8,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from conftest import DEVICE
 from doublesparse.attention import prefill
+from doublesparse.kernels.tuning import KernelTuning
 
 
 def _reference(q, k, v, prefix, scale):
@@ -23,8 +24,8 @@ def _reference(q, k, v, prefix, scale):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
 @pytest.mark.parametrize("n,prefix,split", [(37, 0, False), (53, 91, False), (53, 91, True), (53, 91, None), (1, 40, True)])
-def test_sdpa_matches_reference(dtype, hq, hkv, d, n, prefix, split, monkeypatch):
-    monkeypatch.setattr(prefill, "SPLIT_PREFIX", split)
+def test_sdpa_matches_reference(dtype, hq, hkv, d, n, prefix, split):
+    tuning = KernelTuning(prefill_split_prefix=split)
     g = torch.Generator(device="cpu").manual_seed(hq * 1000 + n + prefix)
     L = n + prefix
     q = torch.randn(hq, n, d, generator=g).to(DEVICE, dtype)
@@ -32,10 +33,10 @@ def test_sdpa_matches_reference(dtype, hq, hkv, d, n, prefix, split, monkeypatch
     v = torch.randn(hkv, L, d, generator=g).to(DEVICE, dtype)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     mask = causal_lower_right(n, L) if prefix else None
-    out = prefill.prefill_sdpa(q, k, v, prefix, d ** -0.5, mask)
+    out = prefill.prefill_sdpa(q, k, v, prefix, d ** -0.5, mask, tuning)
     if prefix:  # the engine passes q as a transposed [n, Hq, D] view, and may leave the mask to us
         qt = q.transpose(0, 1).contiguous().transpose(0, 1)
-        got = prefill.prefill_sdpa(qt, k, v, prefix, d ** -0.5)
+        got = prefill.prefill_sdpa(qt, k, v, prefix, d ** -0.5, tuning=tuning)
         assert (got.float() - out.float()).abs().max().item() < tol
     assert out.shape == (hq, n, d) and out.dtype == dtype
     exp = _reference(q, k, v, prefix, d ** -0.5)

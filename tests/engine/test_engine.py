@@ -99,15 +99,15 @@ def test_chunked_prefill_equals_one_shot(model, ds):
     assert [r["token_ids"] for r in chunked] == [r["token_ids"] for r in one]
 
 
-def test_chunked_prefill_split_prefix(model, monkeypatch):
-    """attention.prefill.SPLIT_PREFIX (chunk vs prefix and chunk vs itself, merged by log-sum-exp)
-    generates what one-shot prefill does."""
-    from doublesparse.attention import prefill
+def test_chunked_prefill_split_prefix(model):
+    """KernelTuning.prefill_split_prefix (chunk vs prefix and chunk vs itself, merged by
+    log-sum-exp) generates what one-shot prefill does."""
+    from doublesparse.kernels.tuning import KernelTuning
     ps = prompts(3, seed=5, lo=40, hi=90)
     sp = {**GREEDY, "max_new_tokens": 8}
     one = engine(model, chunked_prefill_size=4096).generate(ps, sp)
-    monkeypatch.setattr(prefill, "SPLIT_PREFIX", True)
-    chunked = engine(model, chunked_prefill_size=7).generate(ps, sp)
+    chunked = engine(model, chunked_prefill_size=7,
+                     kernel_tuning=KernelTuning(prefill_split_prefix=True)).generate(ps, sp)
     assert [r["token_ids"] for r in chunked] == [r["token_ids"] for r in one]
 
 
@@ -201,14 +201,9 @@ def test_sampling_seeded_reproducible(model):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("ds,parts,persistent", [(False, None, False), (True, None, False), (True, 2, False),
-                                                 (True, None, True)],
-                         ids=["dense", "ds", "ds-parts2", "ds-persistent"])
-def test_cuda_graph_equals_eager(ds, parts, persistent, monkeypatch):
-    """Decode graphs give eager's tokens: dense, DS, DS in batch parts, and DS in one persistent
-    launch (TUNING ds_persistent)."""
-    from doublesparse.kernels.triton import launch
-    monkeypatch.setitem(launch.TUNING, "ds_persistent", persistent)
+@pytest.mark.parametrize("ds,parts", [(False, None), (True, None), (True, 2)], ids=["dense", "ds", "ds-parts2"])
+def test_cuda_graph_equals_eager(ds, parts):
+    """Decode graphs give eager's tokens: dense, DS, DS in batch parts."""
     m = tiny_llama(seed=0, dtype=torch.bfloat16, device="cuda", max_position_embeddings=MAX_POS)
     kw = dict(device="cuda", enable_double_sparsity=ds, ds_heavy_token_num=16, ds_batch_parts=parts)
     ps = prompts(5, seed=7, lo=20, hi=80)
@@ -262,6 +257,34 @@ def test_smollm2_sparse_decode_runs(smol):
 
 
 # ---------------------------------------------------------------------------------- config / CLI
+def test_kernel_tuning_file_flag(tmp_path):
+    """--kernel-tuning FILE.json: the file's fields over the defaults, into EngineConfig.kernel_tuning;
+    an unknown field is a clear error; the value is frozen, hashable and records as a dict."""
+    import argparse
+    import dataclasses
+    import json
+
+    from doublesparse.config import EngineConfig, add_cli_args, from_cli_args
+    from doublesparse.kernels.tuning import KernelTuning
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"score_impl": "mma", "select_prefetch": "2"}))
+    p = add_cli_args(argparse.ArgumentParser())
+    c = from_cli_args(p.parse_args(["--kernel-tuning", str(f)]))
+    assert c.kernel_tuning == KernelTuning(score_impl="mma", select_prefetch="2")
+    assert from_cli_args(p.parse_args([])).kernel_tuning == KernelTuning() == EngineConfig().kernel_tuning
+    assert dataclasses.asdict(c)["kernel_tuning"]["score_impl"] == "mma"
+    assert hash(c.kernel_tuning) != hash(KernelTuning())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.kernel_tuning.pdl = False
+    f.write_text(json.dumps({"ds_persistent": True}))
+    with pytest.raises(ValueError, match="unknown kernel tuning keys"):
+        KernelTuning.from_json(f)
+    with pytest.raises(ValueError, match="unknown kernel tuning keys"):
+        KernelTuning().replace(ds_persistent=True)
+    with pytest.raises(ValueError, match="select_impl"):
+        KernelTuning(select_impl="fast")
+
+
 def test_config_cli_roundtrip_and_derivations():
     import argparse
 

@@ -13,6 +13,7 @@ from conftest import DEVICE
 from doublesparse.kernels import ops
 from doublesparse.kernels import reference as ref
 from doublesparse.kernels.triton import fused_launch
+from doublesparse.kernels.tuning import KernelTuning
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -218,7 +219,7 @@ def test_linear_dispatch():
     assert not fused_launch.gemv_fits(x.cpu(), w.cpu())
     assert not fused_launch.gemv_fits(_rand(g, 5, 64), w)  # more rows than the kernel takes
     assert not fused_launch.skinny_fits(x.cpu(), w.cpu())
-    if DEVICE == "cuda" and fused_launch.pdl_enabled(x.device):  # larger weights: the split-K GEMM
+    if DEVICE == "cuda" and fused_launch.pdl_enabled(x.device, KernelTuning()):  # larger weights: the split-K GEMM
         big, x3 = _rand(g, 2048, 4096), _rand(g, 3, 4096)  # 16 MB of weights
         assert not fused_launch.gemv_fits(x3, big) and fused_launch.skinny_fits(x3, big)
         torch.testing.assert_close(ops.linear(x3, big).float(), (x3.float() @ big.float().T), rtol=1e-2, atol=5e-2)
@@ -292,7 +293,7 @@ def _tiny_model(qk_norm: bool):
     return m.eval().requires_grad_(False)
 
 
-def _run(m, ds: bool, graphs: bool = False, heavy: int = 64):
+def _run(m, ds: bool, graphs: bool = False, heavy: int = 64, tuning: KernelTuning = KernelTuning()):
     from doublesparse.engine import Engine
 
     logits = []
@@ -301,7 +302,7 @@ def _run(m, ds: bool, graphs: bool = False, heavy: int = 64):
     try:
         e = Engine(model=m, device=DEVICE, max_total_tokens=512, max_running_requests=4,
                    chunked_prefill_size=7, disable_cuda_graph=not graphs, cuda_graph_max_bs=4,
-                   enable_double_sparsity=ds, ds_heavy_token_num=heavy, progress=False)
+                   enable_double_sparsity=ds, ds_heavy_token_num=heavy, kernel_tuning=tuning, progress=False)
         assert bool(e.parts.runner.graphs) == graphs
         g = torch.Generator().manual_seed(3)
         prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (11, 4)]
@@ -312,18 +313,13 @@ def _run(m, ds: bool, graphs: bool = False, heavy: int = 64):
 
 
 @pytest.mark.parametrize("qk_norm,ds", [(False, False), (False, True), (True, True)])
-def test_model_fused_path_matches_pytorch_path(qk_norm, ds, monkeypatch):
+def test_model_fused_path_matches_pytorch_path(qk_norm, ds):
     """Fused norms / SiLU-mul / RoPE + store (chunked prefill with a cached prefix, then decode)
     give the logits of the PyTorch ops; float32, so only summation order differs."""
-    from doublesparse.models import layers, llama
-
     m = _tiny_model(qk_norm)
-    for mod, name in ((layers, "FUSED_NORM"), (layers, "FUSED_SILU_MUL"), (llama, "FUSED_ROPE_STORE")):
-        monkeypatch.setattr(mod, name, False)
-    plain_tokens, plain = _run(m, ds)
-    for mod, name in ((layers, "FUSED_NORM"), (layers, "FUSED_SILU_MUL"), (llama, "FUSED_ROPE_STORE")):
-        monkeypatch.setattr(mod, name, True)
-    fused_tokens, fused = _run(m, ds)
+    switches = ("fused_norm", "fused_silu_mul", "fused_rope_store")
+    plain_tokens, plain = _run(m, ds, tuning=KernelTuning(**dict.fromkeys(switches, False)))
+    fused_tokens, fused = _run(m, ds, tuning=KernelTuning(**dict.fromkeys(switches, True)))
     assert fused_tokens == plain_tokens
     assert len(fused) == len(plain) > 3
     for a, b in zip(fused, plain):
@@ -374,7 +370,7 @@ from doublesparse.kernels.triton import gemv
 for bias in (False, True):
     comp(gemv.gemv_kernel, dict(M=3, HAS_BIAS=bias, BLOCK_N=8, BLOCK_K=1024, PDL=True), num_warps=4, launch_pdl=True)
 
-from doublesparse.kernels.triton import ds_score, ds_select
+from doublesparse.kernels.triton import ds_score, ds_score_rows
 i32 = dict(channels_ptr="*i32", req_to_token_ptr="*i32", req_idx_ptr="*i32", seq_lens_ptr="*i32",
            hist_ptr="*i32", rowinfo_ptr="*i32", counts_ptr="*i32", sel_ptr="*i32", sel_slot_ptr="*i32",
            scores_ptr="*fp16", scale_ptr="*fp32")
@@ -382,27 +378,12 @@ for mode, label in ((2, "*bf16"), (0, "*fp8e4nv"), (1, "*bf16")):
     comp(ds_score.score_mma_kernel, dict(HKV=8, G=4, R=16, MODE=mode, LABEL_FP8=label != "*bf16", LABEL_KIND=0,
          NUM_PROGS=8, BLOCK_N=64, BLOCK_C=128, HKV_P=8, G_P=4, DOT_F32=False),
          dict(i32, q_ptr="*bf16", label_ptr=label), dict(sm_scale="fp32"), num_warps=4, num_stages=1)
-from doublesparse.kernels.triton import ds_topk
-for (phase, name), atomic, pre in itertools.product(ds_topk.PHASE_NAMES.items(), (True, False), (True, False)):
-    k = comp(ds_topk.select_kernel, dict(PHASE=phase, NUM_PROGS=4, BLOCK_N=1024, ATOMIC_HIST=atomic, LOOP_STAGES=1,
+from doublesparse.kernels.triton import ds_select
+for (phase, name), atomic, pre in itertools.product(ds_select.PHASE_NAMES.items(), (True, False), (True, False)):
+    k = comp(ds_select.select_kernel, dict(PHASE=phase, NUM_PROGS=4, BLOCK_N=1024, ATOMIC_HIST=atomic, LOOP_STAGES=1,
              MAX_PROGS=16, PREFETCH=pre),
              i32, num_warps=4)
     assert k.name == name, (k.name, name)  # each phase is its own kernel in a profile
-from doublesparse.kernels.triton import ds_persistent
-for mode, label, score_hist, spin in ((2, "*bf16", False, 0), (0, "*fp8e4nv", False, 0), (1, "*bf16", True, 1 << 20)):
-    k = comp(ds_persistent.ds_persistent_kernel, dict(
-         HKV=8, G=4, R=16, MODE=mode, LABEL_FP8=label != "*bf16", LABEL_KIND=0, SCORE_ITEMS=32, SCORE_BLOCK_N=64,
-         BLOCK_C=128, HKV_P=8, G_P=4, SCORE_HIST=score_hist, HIST_ITEMS=4, HIST_BLOCK_N=4096, SEL_ITEMS=4, SEL_BLOCK_N=1024,
-         ATOMIC_HIST=True, SEL_LOOP_STAGES=1, COMPACT_LOOP_STAGES=1, MAX_PROGS=16, PREFETCH2=True, PREFETCH3=True,
-         D=128, NUM_SPLITS=22, BLOCK_H=16, ATTN_BLOCK_N=64, BLOCK_D=128, BLOCK_S=32, ROWS_MAX=32, SYNC_BLOCK=128,
-         DOT_F32=False, SPIN_LIMIT=spin),
-         dict(i32, items_ptr="*i32", sync_ptr="*i32", split_count_ptr="*i32", q_ptr="*bf16", label_ptr=label,
-              part_o_ptr="*fp32", part_lse_ptr="*fp32"),
-         dict(sm_scale="fp32"), num_warps=4, num_stages=2)
-    # Its waits end in acquire loads and its arrivals are release adds (an unused acquire add of 0
-    # would be dropped): four wait sites, two signal sites.
-    ptx = k.asm["ptx"]
-    assert ptx.count("ld.global.gpu.acquire") >= 4 and ptx.count("atom.global.gpu.release.add") >= 2, ptx.count("acquire")
 '''
 
 

@@ -11,7 +11,8 @@ from conftest import DEVICE
 from kernel_utils import (GRAPH_REPLAY_LENS, TOL, capture_graph, check_selection as _check_selection,
                           expected_output as _expected_output, make_case, make_ws, ref, rel_err, rows_of)
 from doublesparse.kernels import ops
-from doublesparse.kernels.triton import launch
+from doublesparse.kernels.triton import ds_launch, launch
+from doublesparse.kernels.tuning import KernelTuning
 
 FP8 = torch.float8_e4m3fn
 HEADS = [(9, 3), (32, 8), (32, 32)]
@@ -75,17 +76,17 @@ def test_dense_decode(seq_lens, hq, hkv, d):
         assert rel_err(out, exp) < TOL[torch.bfloat16]
 
 
-def test_dense_decode_fused_merge(monkeypatch):
-    """The last split merges (launch.TUNING["fuse_merge"]): equal to the reference over repeated
+def test_dense_decode_fused_merge():
+    """The last split merges (KernelTuning.fuse_merge): equal to the reference over repeated
     calls with changing split counts, and the arrival counters return to zero."""
-    monkeypatch.setitem(launch.TUNING, "fuse_merge", True)
+    tuning = KernelTuning(fuse_merge=True)
     c = make_case([1, 130, 77], 9, 3, 64, device=DEVICE, seed=31)
     ws = make_ws(c)
     exp = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens, c.sm_scale)
     for splits in (3, 1, 5, 3):
         out = torch.full_like(c.q, float("nan"))
         launch.dense_decode(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens,
-                            c.sm_scale, ws, out=out, num_splits=splits)
+                            c.sm_scale, ws, out=out, num_splits=splits, tuning=tuning)
         assert not out.isnan().any()
         assert rel_err(out, exp) < TOL[torch.bfloat16]
     assert int(ws.split_count.abs().sum()) == 0
@@ -126,7 +127,7 @@ def test_ds_decode(case, mode, label_dtype):
                   seed=_seed(tuple(seq_lens), mode, str(label_dtype)))
     ws = make_ws(c, max_heavy_tokens=k + 3)
     out = torch.full_like(c.q, float("nan"))
-    _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, out=out, num_splits=3,
+    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, out=out, num_splits=3,
                               num_progs=2, return_sel=True)
     assert not out.isnan().any()
     _check_selection(c, ws, sel, k, mode)
@@ -151,12 +152,12 @@ PIPELINES = [
 
 @pytest.mark.parametrize("tuning", PIPELINES, ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()))
 @pytest.mark.parametrize("mode", ["per_head", "group_max"])
-def test_ds_select_pipelines(tuning, mode, monkeypatch):
-    """Every launch.TUNING choice of how the top-k is computed gives the same exact selection,
+def test_ds_select_pipelines(tuning, mode):
+    """Every KernelTuning choice of how the top-k is computed gives the same exact selection,
     over repeated calls on one workspace (the histograms are left clean)."""
     if tuning.get("score_impl") == "cuda" and DEVICE == "cpu":
         pytest.skip("the CUDA score needs a GPU")
-    _check_pipeline(tuning, mode, 9, 3, monkeypatch)
+    _check_pipeline(tuning, mode, 9, 3)
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA kernels need a GPU")
@@ -164,26 +165,25 @@ def test_ds_select_pipelines(tuning, mode, monkeypatch):
                                     {"score_cuda_tc_tiles": 8, "score_cuda_programs_per_sm": 5}], ids=str)
 @pytest.mark.parametrize("heads", [(32, 8), (28, 4), (8, 8), (16, 8), (32, 32)], ids=str)
 @pytest.mark.parametrize("mode", ["per_head", "group_sum", "group_max"])
-def test_ds_select_tensor_core_score(tuning, heads, mode, monkeypatch):
+def test_ds_select_tensor_core_score(tuning, heads, mode):
     """The tensor-core score (score_tc.cu: Llama-3's 32/8 heads, Qwen2.5-7B's 28/4, MHA with 8 and
     32 heads, G = 2) in the whole DS decode: the exact top-k of its scores, and the output over
     them."""
     from doublesparse.kernels.cuda import score as cuda_score
     c = make_case([20], heads[0], heads[1], 64, r=16, device=DEVICE, seed=1)
     assert cuda_score.tc_fits(c.q, c.label_cache)
-    _check_pipeline({"score_impl": "cuda", "score_cuda_tc": True, **tuning}, mode, *heads, monkeypatch)
+    _check_pipeline({"score_impl": "cuda", "score_cuda_tc": True, **tuning}, mode, *heads)
 
 
-def _check_pipeline(tuning, mode, hq, hkv, monkeypatch):
-    for key, val in tuning.items():
-        monkeypatch.setitem(launch.TUNING, key, val)
+def _check_pipeline(overrides, mode, hq, hkv):
+    tuning = KernelTuning.from_dict(overrides)
     ws = None
     for i, (seq_lens, k) in enumerate([([300, 41, 517], 40), ([129, 260], 64)]):
-        c = make_case(seq_lens, hq, hkv, 64, r=16, device=DEVICE, seed=_seed(i, mode, str(tuning)), max_ctx=520)
+        c = make_case(seq_lens, hq, hkv, 64, r=16, device=DEVICE, seed=_seed(i, mode, str(overrides)), max_ctx=520)
         ws = ws or make_ws(c, max_heavy_tokens=64)
         out = torch.full_like(c.q, float("nan"))
-        _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, out=out, num_progs=2,
-                                  return_sel=True)
+        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, out=out, num_progs=2,
+                                     return_sel=True, tuning=tuning)
         _check_selection(c, ws, sel, k, mode)
         assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
     assert int(ws.hist[0].abs().sum()) == 0  # phase 3 clears it; phase 2 overwrites hist[1:]
@@ -195,20 +195,19 @@ def test_ds_select_all_ties():
     c.q.zero_()
     k = 24
     ws = make_ws(c, max_heavy_tokens=k)
-    _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, num_progs=2, return_sel=True)
+    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, num_progs=2, return_sel=True)
     _check_selection(c, ws, sel, k, "group_max")
 
 
-def test_ds_select_more_programs_than_phase_cap(monkeypatch):
+def test_ds_select_more_programs_than_phase_cap():
     """Asked for more programs per row than workspace.SELECT_MAX_PROGS, phases 2 and 3 run with
     that many and the selection is still the ordered top-k."""
     from doublesparse.kernels.workspace import SELECT_MAX_PROGS
-    monkeypatch.setitem(launch.TUNING, "select_block_n", 16)
-    monkeypatch.setitem(launch.TUNING, "hist_block_n", 16)
+    tuning = KernelTuning(select_block_n=16, hist_block_n=16)
     c = make_case([700, 333], 9, 3, 64, device=DEVICE, seed=41)
     ws = make_ws(c, max_heavy_tokens=50)
-    _, sel = launch.ds_decode(*c.args(), c.sm_scale, 50, "group_max", ws=ws,
-                              num_progs=SELECT_MAX_PROGS + 5, return_sel=True)
+    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, 50, "group_max", ws=ws,
+                              num_progs=SELECT_MAX_PROGS + 5, return_sel=True, tuning=tuning)
     _check_selection(c, ws, sel, 50, "group_max")
 
 
@@ -218,39 +217,32 @@ def test_ds_repeated_calls_keep_workspace_clean():
     for i, seq_lens in enumerate([[200, 90], [150, 300], [61, 62]]):
         c = make_case(seq_lens, 9, 3, 64, device=DEVICE, seed=100 + i, max_ctx=300)
         ws = ws or make_ws(c, max_heavy_tokens=60)
-        _, sel = launch.ds_decode(*c.args(), c.sm_scale, 60, "group_max", ws=ws, num_progs=3,
+        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, 60, "group_max", ws=ws, num_progs=3,
                                   return_sel=True)
         _check_selection(c, ws, sel, 60, "group_max")
     assert int(ws.hist[0].abs().sum()) == 0
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_ds_decode_on_workspace_rows_matches_whole_batch(persistent, monkeypatch):
+def test_ds_decode_on_workspace_rows_matches_whole_batch():
     """Parts of a batch on disjoint workspace rows (``ws.rows``) give the whole call's selection
-    and, up to split-K rounding, its output: the parts share no scratch. Also in one persistent
-    launch (ds_persistent.py), whose counters, ticket included, live in each part's own rows."""
-    monkeypatch.setitem(launch.TUNING, "ds_persistent", persistent)
+    and, up to split-K rounding, its output: the parts share no scratch."""
     c = make_case([300, 90, 257], 9, 3, 64, device=DEVICE, seed=21)
     k = 40
     ws = make_ws(c, max_heavy_tokens=k)
-    whole, sel = launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, return_sel=True)
+    whole, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, return_sel=True)
     sel = sel.clone()
     out = torch.full_like(c.q, float("nan"))
     for a, b in ((0, 1), (1, 3)):
         args = list(c.args())
         args[0], args[7], args[8] = c.q[a:b], c.req_idx[a:b], c.seq_lens[a:b]
-        _, part_sel = launch.ds_decode(*args, c.sm_scale, k, "group_max", ws=ws.rows(a, b),
+        _, part_sel = ds_launch.ds_decode(*args, c.sm_scale, k, "group_max", ws=ws.rows(a, b),
                                        out=out[a:b], return_sel=True)
-        if persistent:
-            assert torch.equal(part_sel[:, :, :k], sel[a:b, :, :k])
         for i in range(b - a):
             for h in range(3):
                 n = min(k, int(c.seq_lens[a + i]))
                 assert set(part_sel[i, h, :n].tolist()) == set(sel[a + i, h, :n].tolist())
     assert rel_err(out, whole) < TOL[torch.bfloat16]
     assert int(ws.hist[0].abs().sum()) == 0  # phase 3 clears it; phase 2 overwrites hist[1:]
-    if persistent:  # every counter back at zero (the last program out zeroes them)
-        assert int(ws.persistent_sync.abs().sum()) == 0 and int(ws.split_count.abs().sum()) == 0
     with pytest.raises(ValueError):
         ws.rows(2, 4)
 
@@ -261,11 +253,11 @@ def test_ds_decode_score_then_rest_matches_all():
     c = make_case([300, 33, 257], 9, 3, 64, device=DEVICE, seed=23)
     k = 40
     ws = make_ws(c, max_heavy_tokens=k)
-    whole, sel = launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, return_sel=True)
+    whole, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, return_sel=True)
     whole, sel = whole.clone(), sel.clone()
     out = torch.full_like(c.q, float("nan"))
-    assert launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, stage="score") is None
-    _, sel2 = launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, out=out, stage="rest",
+    assert ds_launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, stage="score") is None
+    _, sel2 = ds_launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, out=out, stage="rest",
                                return_sel=True)
     for b in range(3):
         n = min(k, int(c.seq_lens[b]))
@@ -273,14 +265,14 @@ def test_ds_decode_score_then_rest_matches_all():
             assert set(sel2[b, h, :n].tolist()) == set(sel[b, h, :n].tolist())
     assert rel_err(out, whole) < TOL[torch.bfloat16]
     with pytest.raises(ValueError):
-        launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, stage="scores")
+        ds_launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, stage="scores")
 
 
 def test_ds_threshold_and_sink_recent():
     c = make_case([100, 400, 250], 9, 3, 64, device=DEVICE, seed=11)
     k, thr = 48, 260   # the 250-token request is below the threshold: dense
     ws = make_ws(c, max_heavy_tokens=k)
-    out, sel = launch.ds_decode(*c.args(), c.sm_scale, k, "group_sum", threshold=thr, num_sink=4,
+    out, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, k, "group_sum", threshold=thr, num_sink=4,
                                 num_recent=8, ws=ws, return_sel=True)
     exp = _expected_output(c, sel, k, "group_sum", thr)
     assert rel_err(out, exp) < TOL[torch.bfloat16]
@@ -335,25 +327,25 @@ def test_bad_arguments_raise_value_error():
     ws = make_ws(c, max_heavy_tokens=16)
     a = list(c.args())
     with pytest.raises(ValueError, match="heavy_token_num"):
-        launch.ds_decode(*a, c.sm_scale, 0, ws=ws)
+        ds_launch.ds_decode(*a, c.sm_scale, 0, ws=ws)
     with pytest.raises(ValueError, match="exceeds workspace"):
-        launch.ds_decode(*a, c.sm_scale, 17, ws=ws)
+        ds_launch.ds_decode(*a, c.sm_scale, 17, ws=ws)
     with pytest.raises(ValueError, match="mode"):
-        launch.ds_decode(*a, c.sm_scale, 8, "bogus", ws=ws)
+        ds_launch.ds_decode(*a, c.sm_scale, 8, "bogus", ws=ws)
     with pytest.raises(ValueError, match="seq_lens"):
-        launch.ds_decode(*a[:8], c.seq_lens.long(), c.sm_scale, 8, ws=ws)
+        ds_launch.ds_decode(*a[:8], c.seq_lens.long(), c.sm_scale, 8, ws=ws)
     with pytest.raises(ValueError, match="channels"):
-        launch.ds_decode(*a[:5], c.channels[:, :4], *a[6:], c.sm_scale, 8, ws=ws)
+        ds_launch.ds_decode(*a[:5], c.channels[:, :4], *a[6:], c.sm_scale, 8, ws=ws)
     with pytest.raises(ValueError, match="q"):
         launch.dense_decode(c.q.int(), *a[1:3], *a[6:], c.sm_scale, ws)
     with pytest.raises(ValueError, match="dims"):
         launch.dense_decode(c.q[0], *a[1:3], *a[6:], c.sm_scale, ws)
     wide = torch.zeros(c.k_cache.shape[0], 3, 65, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="r=65"):
-        launch.ds_decode(c.q, c.k_cache, c.v_cache, wide, c.label_scale,
+        ds_launch.ds_decode(c.q, c.k_cache, c.v_cache, wide, c.label_scale,
                          torch.zeros(3, 65, dtype=torch.int32, device=DEVICE), *a[6:], c.sm_scale, 8, ws=ws)
     with pytest.raises(ValueError, match="label_scale"):
-        launch.ds_decode(c.q, c.k_cache, c.v_cache, c.label_cache.to(torch.float8_e4m3fn), None,
+        ds_launch.ds_decode(c.q, c.k_cache, c.v_cache, c.label_cache.to(torch.float8_e4m3fn), None,
                          c.channels, *a[6:], c.sm_scale, 8, ws=ws)
     if DEVICE == "cuda":
         with pytest.raises(ValueError, match="on cpu"):
@@ -444,7 +436,7 @@ def test_cuda_source_compiles(tmp_path, source, defines):
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA kernels need a GPU")
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("mode", ["per_head", "group_max"])
-def test_cuda_select_equals_triton(case, mode, monkeypatch):
+def test_cuda_select_equals_triton(case, mode):
     """The CUDA and the Triton select write the same selection, position for position, and the
     CUDA one the ordered top-k of the reference scores."""
     from doublesparse.kernels.cuda import select as cuda_select
@@ -453,9 +445,9 @@ def test_cuda_select_equals_triton(case, mode, monkeypatch):
     c = make_case(seq_lens, hq, hkv, d, r=r, device=DEVICE, seed=_seed(tuple(seq_lens), mode, "cuda"))
     got = {}
     for impl in ("triton", "cuda"):
-        monkeypatch.setitem(launch.TUNING, "select_impl", impl)
         ws = make_ws(c, max_heavy_tokens=k + 3)
-        _, sel = launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, num_progs=3, return_sel=True)
+        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, num_progs=3, return_sel=True,
+                                     tuning=KernelTuning(select_impl=impl))
         if impl == "cuda":
             _check_selection(c, ws, sel, k, mode)
         got[impl] = (sel.clone(), ws.sel_slot.clone())
@@ -466,12 +458,11 @@ def test_cuda_select_launch_protocol(monkeypatch):
     """ds_decode's select stage, when it takes the CUDA kernels (launches recorded here, so this
     runs on the CPU): phases 2 and 3 on one grid, at most SELECT_MAX_PROGS programs per row,
     phase 1 only for stage "hist", and none when the score launch made the histogram."""
-    from doublesparse.kernels.triton import ds_launch
     from doublesparse.kernels.workspace import SELECT_MAX_PROGS, DecodeWorkspace
     calls = []
     for name in ("hist_high", "hist_low", "compact"):
         monkeypatch.setattr(ds_launch.cuda_select, name, lambda *a, name=name: calls.append((name, a[-3:])))
-    monkeypatch.setattr(ds_launch, "_use_cuda_select", lambda scores: True)
+    monkeypatch.setattr(ds_launch, "_use_cuda_select", lambda scores, tuning: True)
     monkeypatch.setattr(ds_launch, "_num_sms", lambda dev: 132)
     ws = DecodeWorkspace(17, 9, 3, 64, 65536, 64, device="cpu")
     sl = torch.zeros(17, dtype=torch.int32)
@@ -479,7 +470,7 @@ def test_cuda_select_launch_protocol(monkeypatch):
     for skip, stage, want in ((False, "all", ["hist_high", "hist_low", "compact"]), (False, "hist", ["hist_high"]),
                               (True, "all", ["hist_low", "compact"])):
         calls.clear()
-        ds_launch._select(ws, sl, rt, sl, 64, 0, 17, 3, skip, None, stage)
+        ds_launch._select(ws, sl, rt, sl, 64, 0, 17, 3, skip, None, stage, KernelTuning())
         assert [c[0] for c in calls] == want
         grids = {n: g for n, g in calls}
         assert all(g[:2] == (17, 3) for g in grids.values())
@@ -494,7 +485,7 @@ def test_cuda_select_launch_protocol(monkeypatch):
 @pytest.mark.parametrize("tc,depth,max_hpw", [(False, 2, 8), (True, 2, 8), (True, 3, 8), (True, 8, 8), (True, 3, 4)],
                          ids=["score.cu", "score_tc.cu", "score_tc.cu-depth3", "score_tc.cu-depth8",
                               "score_tc.cu-depth3-hpw4"])
-def test_cuda_score_equals_triton(case, mode, label_dtype, tc, depth, max_hpw, monkeypatch):
+def test_cuda_score_equals_triton(case, mode, label_dtype, tc, depth, max_hpw):
     """score.cu's (or score_tc.cu's, with a ring of ``depth`` steps and at most ``max_hpw`` KV
     heads per warp) fp16 scores equal the Triton score's within one fp16 rounding step, on the
     sparse requests' positions only, and its fused histogram is that of its own scores' keys."""
@@ -504,21 +495,19 @@ def test_cuda_score_equals_triton(case, mode, label_dtype, tc, depth, max_hpw, m
                   seed=_seed(tuple(seq_lens), mode, str(label_dtype), "score"))
     if tc and not cuda_score.tc_fits(c.q, c.label_cache, max_hpw):
         pytest.skip("score_tc.cu does not take these shapes")
-    per = launch.TUNING["score_cuda_tc_tiles" if tc else "score_cuda_rows_per_thread"]
-    minb = launch.TUNING["score_cuda_min_blocks"]
+    base = KernelTuning(score_cuda_tc=tc, score_cuda_tc_depth=depth, score_cuda_tc_max_heads_per_warp=max_hpw)
+    per = base.score_cuda_tc_tiles if tc else base.score_cuda_rows_per_thread
+    minb = base.score_cuda_min_blocks
     hist = cuda_score.hist_fits(hq, hkv, r, mode)
     why = cuda_score.why_not(c.q, c.label_cache, c.channels, mode, hist, per, minb, tc, depth, max_hpw)
     if why is not None:
         pytest.skip(why)
-    monkeypatch.setitem(launch.TUNING, "score_cuda_tc", tc)
-    monkeypatch.setitem(launch.TUNING, "score_cuda_tc_depth", depth)
-    monkeypatch.setitem(launch.TUNING, "score_cuda_tc_max_heads_per_warp", max_hpw)
     rows = rows_of(mode, hq, hkv)
     got = {}
     for impl in ("mma", "cuda"):
-        monkeypatch.setitem(launch.TUNING, "score_impl", impl)
         ws = make_ws(c, max_heavy_tokens=k + 3)
-        launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, num_progs=3, stage="score")
+        ds_launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, num_progs=3, stage="score",
+                            tuning=base.replace(score_impl=impl))
         got[impl] = (ws.scores[:, :rows].clone(), ws.hist[0, :, :rows].clone())
     sparse = ref.is_sparse(c.seq_lens.cpu(), k, 0)
     for b in range(c.q.shape[0]):
@@ -543,38 +532,34 @@ def test_cuda_score_launch_protocol(monkeypatch):
     """ds_decode with the CUDA score (launches recorded here, so this runs on the CPU): one launch
     on a (B, P) grid, and the select then skips its first phase if the score made the histogram,
     not otherwise."""
-    from doublesparse.kernels.triton import ds_launch
     calls = []
     monkeypatch.setattr(ds_launch.cuda_score, "score", lambda *a: calls.append(("score", a[-7:])))
-    monkeypatch.setattr(ds_launch, "_select", lambda ws, sl, rt, ri, k, thr, B, rows, skip, np, stage:
+    monkeypatch.setattr(ds_launch, "_select", lambda ws, sl, rt, ri, k, thr, B, rows, skip, np, stage, tuning:
                         calls.append(("select", skip)))
-    monkeypatch.setattr(ds_launch, "_take_cuda", lambda knob, why_not: knob == "score_impl")
+    monkeypatch.setattr(ds_launch, "_take_cuda", lambda knob, impl, why_not: knob == "score_impl")
     monkeypatch.setattr(ds_launch, "_num_sms", lambda dev: 132)
     c = make_case([70, 20, 301], 9, 3, 64, seed=5)
     for hist in (True, False):
-        monkeypatch.setitem(launch.TUNING, "score_cuda_hist", hist)
+        tuning = KernelTuning(score_cuda_hist=hist)
         calls.clear()
         ws = make_ws(c, max_heavy_tokens=16)
-        ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="select")
+        ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="select", tuning=tuning)
         assert [n for n, _ in calls] == ["score", "select"]
         P, do_hist, per, minb, tc, _depth, _max_hpw = calls[0][1]
         assert do_hist == hist and calls[1][1] == hist and P >= 1
         # 3 KV heads do not divide a block's 8 warps: score.cu, not score_tc.cu
-        assert (per, minb, tc) == (launch.TUNING["score_cuda_rows_per_thread"], launch.TUNING["score_cuda_min_blocks"],
-                                   False)
+        assert (per, minb, tc) == (tuning.score_cuda_rows_per_thread, tuning.score_cuda_min_blocks, False)
 
 
 def test_score_impl_choice(monkeypatch):
     """score_impl: an unknown value is a clear error; "cuda" where the CUDA score cannot run warns
     once and scores with Triton (the interpreter stands in for a GPU here)."""
     import warnings
-    from doublesparse.kernels.triton import ds_launch
     c = make_case([70, 20, 301], 9, 3, 64, seed=6, device=DEVICE)
     ws = make_ws(c, max_heavy_tokens=16)
-    monkeypatch.setitem(launch.TUNING, "score_impl", "fast")
     with pytest.raises(ValueError, match="score_impl"):
-        ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="score")
-    monkeypatch.setitem(launch.TUNING, "score_impl", "cuda")
+        KernelTuning(score_impl="fast")
+    tuning = KernelTuning(score_impl="cuda")
     monkeypatch.setattr(ds_launch, "_INTERPRET", False)
     monkeypatch.setattr(ds_launch, "_WARNED", set())
     monkeypatch.setattr(ds_launch.cuda_score, "why_not", lambda *a: "a test reason")
@@ -583,6 +568,6 @@ def test_score_impl_choice(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="score")
+            ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="score", tuning=tuning)
     msgs = [str(w.message) for w in caught if "score_impl" in str(w.message)]
     assert len(msgs) == 1 and "a test reason" in msgs[0] and used == ["mma", "mma"]

@@ -9,7 +9,7 @@
 // rows of consecutive slots. Each thread keeps LPT rows of the next step in flight in registers.
 // The scaled query values stay in shared memory (each head's block padded by 16 bytes, so the
 // heads of a warp hit different banks), and each 4-channel piece is read once for all LPT rows.
-// Measured on an H200 (results/h200-s16): the query in registers left room for only 64 bytes in
+// Measured on an H200: the query in registers left room for only 64 bytes in
 // flight per thread; cp.async stages were slower still; re-reading the query for every row made
 // the shared-memory reads the limit.
 //
@@ -22,8 +22,6 @@
 //   DO_HIST      add the keys' high-byte histogram to hist[0] (else the select's phase 1 runs)
 //   LPT          label rows per thread per step (default 2)
 //   MINB         blocks per SM the registers must allow (default 2)
-//   PROBE        measurement variants (benchmarks/score_cuda_probe.py): 1 = label and slot loads
-//                only, 2 = also the products, no score stores or histogram; default 0
 // Grid (B, P): P blocks per request, each one slice of its positions. Same output as the Triton
 // score kernels (ds_score.py): fp16 scores clamped to +-65504, sink and recent positions at 65504,
 // positions written only for requests that decode sparsely.
@@ -35,7 +33,6 @@
 #ifndef MINB
 #define MINB 2
 #endif
-#define LOADS_ONLY (PROBE == 1)
 #define QS (G * R + 4)           // floats per KV head of the query block in shared memory
 #define TOK (THREADS / HKV)      // tokens per block per row of a step
 #define STEP (TOK * LPT)           // tokens per block per step
@@ -76,7 +73,7 @@ __device__ __forceinline__ void load_row(const label_t* row, bool valid, uint4 v
 
 // The G products of each of this thread's LPT label rows (one KV head, LPT tokens) with the
 // head's query block: each 4-channel piece of the query is read from shared memory once for all
-// LPT rows (shared-memory bandwidth, not the FMAs, bounds this loop: results/h200-s16).
+// LPT rows (shared-memory bandwidth, not the FMAs, bounds this loop, measured on an H200).
 __device__ __forceinline__ void products(const uint4 (&rows)[LPT][NVEC], const float* qh, float (&acc)[LPT][G]) {
 #pragma unroll
     for (int u = 0; u < LPT; ++u)
@@ -147,7 +144,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
     // flight while a step is scored. Thread (tk, h) takes tokens t + u * TOK + tk of step t.
     uint4 ahead[LPT][NVEC];
     int slot_after[LPT];
-    unsigned sink = 0;  // the loads-only probe build's (score_end)
 #pragma unroll
     for (int u = 0; u < LPT; ++u) {
         const int pos = start + u * TOK + tk;
@@ -165,13 +161,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
             load_row(lab_h + (long long)slot_after[u] * stride_ls, active && pos + STEP < end, ahead[u]);
             slot_after[u] = (active && pos + 2 * STEP < end) ? rt_row[pos + 2 * STEP] : 0;
         }
-#if LOADS_ONLY
-#pragma unroll
-        for (int u = 0; u < LPT; ++u) {
-            const int pos = t + u * TOK + tk;
-            if (active && pos < end) sink ^= cur[u][0].x ^ cur[u][NVEC - 1].w;
-        }
-#else
         float acc[LPT][G];
         products(cur, qh, acc);
 #pragma unroll
@@ -179,7 +168,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score(
             const int pos = t + u * TOK + tk;
             if (active && pos < end) emit_pair(acc[u], pos, h, seq_len, num_sink, num_recent, srow, stride_sr, sh);
         }
-#endif
     }
-    score_end(sink, srow, sh, hist, b, stride_hb, stride_hr);
+    score_end(sh, hist, b, stride_hb, stride_hr);
 }

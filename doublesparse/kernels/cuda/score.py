@@ -1,7 +1,7 @@
 """Host launcher of the CUDA C++ label scores, compiled at run time by NVRTC (nvrtc.py): score.cu
 (CUDA cores, any shape) and score_tc.cu (tensor cores, ``tc_fits``).
 
-Writes the same fp16 score rows as the Triton score kernels (ds_score.py, ds_select.py) and, with
+Writes the same fp16 score rows as the Triton score kernels (ds_score.py, ds_score_rows.py) and, with
 ``do_hist``, also the select's first phase (hist[0] += the keys' high-byte histogram), so the
 select then starts at its second phase. ``why_not`` says why a call cannot take this path (dtypes,
 alignment, sizes, NVRTC); ``ds_launch`` then uses Triton. ``score`` only launches: no host syncs,
@@ -32,7 +32,7 @@ def _heads_per_warp(q, label_cache, max_hpw: int = 8) -> int:
     """score_tc.cu's HPW: the most adjacent KV heads (up to 8 / G, G being 1, 2 or 4, and up to
     ``max_hpw``) whose query heads fill the mma's 8 columns, that divide Hkv and keep a lane's row
     within 16 words (its registers); 1 where the pool's heads are not contiguous. With G = 4 it is
-    2: each lane then loads 16-byte pieces (results/h200-s17)."""
+    2: each lane then loads 16-byte pieces."""
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
     G = Hq // Hkv
     if G not in (1, 2, 4) or label_cache.stride(1) != r:
@@ -124,16 +124,14 @@ def why_not(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc=
 
 
 def score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist, sm_scale,
-          k, threshold, num_sink, num_recent, mode, P, do_hist, per_thread, min_blocks, tc=False, depth=2, max_hpw=8,
-          extra=()):
+          k, threshold, num_sink, num_recent, mode, P, do_hist, per_thread, min_blocks, tc=False, depth=2, max_hpw=8):
     """Stage 1 (and, with ``do_hist``, the select's phase 1). Grid (B, P); score_tc.cu with ``tc``.
 
     q: [B, Hq, D]; label_cache: [slots, Hkv, r] bf16/fp16/fp8 (label_scale: [1] fp32 for fp8);
     channels: [Hkv, r] int32/int64; scores: [B, rows, L] fp16; hist: [1 + progs, B, rows, 256] int32.
-    ``extra``: more (name, value) defines (score.cu's PROBE variants, for benchmarks).
     """
     B = q.shape[0]
-    defines = _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc, depth, max_hpw) + tuple(extra)
+    defines = _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc, depth, max_hpw)
     name, kernels = SOURCES[tc]
     kern = nvrtc.kernel(q.device, name, kernels, kernels[0], defines)
     kern(grid=(B, P, 1), block=(THREADS, 1, 1),

@@ -4,9 +4,6 @@
 // they document before the include.
 #pragma once
 
-#ifndef PROBE
-#define PROBE 0
-#endif
 #define FP16_MAX 65504.0f
 
 // The block's histogram of the keys' high bytes in shared memory ([ROWS, 256]; none without
@@ -81,16 +78,12 @@ __device__ __forceinline__ unsigned key16(unsigned bits) {
     return (bits & 0x8000u) ? (~bits & 0xFFFFu) : (bits | 0x8000u);
 }
 
-// One fp16 score (its key's high byte into the block histogram); PROBE variants store nothing.
+// One fp16 score (its key's high byte into the block histogram).
 __device__ __forceinline__ void emit(float v, bool keep, unsigned short* dst, int* bin_row) {
     const unsigned short s16 = f32_to_f16(keep ? FP16_MAX : fminf(fmaxf(v, -FP16_MAX), FP16_MAX));
-#if PROBE
-    if (s16 == 0x7C01u) *dst = s16;  // never: keeps the products
-#else
     *dst = s16;
 #if DO_HIST
     atomicAdd(&bin_row[key16(s16) >> 8], 1);
-#endif
 #endif
 }
 
@@ -107,13 +100,8 @@ __device__ __forceinline__ void flush_hist(const int* sh, int* hist, int b, int 
         if (sh[i]) atomicAdd(h0 + (long long)(i >> 8) * stride_hr + (i & 255), sh[i]);
 }
 
-// The end of both score kernels: in the loads-only probe build (LOADS_ONLY) the store that keeps
-// the loads folded into sink (almost never taken); with DO_HIST, the block's histogram flushed.
-__device__ __forceinline__ void score_end(unsigned sink, unsigned short* srow, const int* sh, int* hist, int b,
-                                          int stride_hb, int stride_hr) {
-#if LOADS_ONLY
-    if (sink == 0x9E3779B9u) srow[0] = 1;
-#endif
+// The end of both score kernels: with DO_HIST, the block's histogram flushed.
+__device__ __forceinline__ void score_end(const int* sh, int* hist, int b, int stride_hb, int stride_hr) {
 #if DO_HIST
     flush_hist(sh, hist, b, stride_hb, stride_hr);
 #endif

@@ -3,7 +3,7 @@
 // fp8 e4m3 (fp16 mma; e4m3 converts to fp16 exactly).
 //
 // Why: score.cu's products are fp32 FMAs, G * R per label row, and its issue slots, not the label
-// bytes, set its time (results/h200-s17). Here mma.sync m16n8k16 scores 16 tokens of a warp's
+// bytes, set its time (measured on an H200). Here mma.sync m16n8k16 scores 16 tokens of a warp's
 // HPW adjacent KV heads (a "unit": HPW = 8 / G where G is 1, 2 or 4, so that the unit's query
 // heads fill the mma's 8 columns; else 1) against their query heads. The unit's label row (HPW * R
 // channels, contiguous in the pool) is KC pieces of 16 channels. Lane (m, c) = (lane / 4,
@@ -18,7 +18,7 @@
 // better), as the fp32 scores of score.cu and the Triton kernels do.
 //
 // Compiled at run time by NVRTC (score.py) with score.cu's HKV, G, R, MODE, LABEL, QTYPE, CH64,
-// DO_HIST, MINB and PROBE, and
+// DO_HIST and MINB, and
 //   LT           16-token tiles per warp per step (default 4)
 //   DEPTH        steps of label rows held in registers (default 2): DEPTH - 1 steps' loads are in
 //                flight while one step is scored
@@ -47,7 +47,6 @@
 #define KC (HPW * R / 16)          // 16-channel pieces of a unit's label row
 #define RW (LABEL == 2 ? KC : 2 * KC)  // 32-bit label words per lane and row (4 channels per piece)
 #define ROWS (MODE == 0 ? HKV * G : HKV)
-#define LOADS_ONLY (PROBE == 1)
 #include "score_common.cuh"
 #if LABEL == 0
 #define MMA_TYPE "bf16"
@@ -250,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
 
     // (Requesting the first rows before the B fragments, so that the slot -> row and the
     // channel -> q load chains overlap, was no faster at 3 x 64K and 2 us slower at 16 x 32K:
-    // results/h200-s20, call e.)
+    // on an H200.)
     // Software-pipelined through a ring of DEPTH steps' label rows: while one step is scored,
     // the loads of the next DEPTH - 1 steps are in flight (registers are the only buffer, so no
     // copy between them: the loop is unrolled DEPTH times). Tile u of step t starts at
@@ -269,7 +268,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
         for (int d = 0; d < DEPTH; ++d) load_step(lab, stride_ls, now[d], start + d * STEP, end, j, m, ring[d]);
     }
 
-    unsigned sink = 0;  // the loads-only probe build's (score_end)
     for (int t0 = start; t0 < end; t0 += DEPTH * STEP) {
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
@@ -279,10 +277,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
             for (int u = 0; u < LT; ++u) {
                 const int pos0 = t + (u * WPU + j) * 16 + m;
                 const unsigned (&cur)[2][RW] = ring[d][u];
-#if LOADS_ONLY
-#pragma unroll
-                for (int w = 0; w < RW; ++w) sink ^= cur[0][w] ^ cur[1][w];
-#else
                 float dd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
                 for (int kc = 0; kc < KC; ++kc) {
@@ -291,12 +285,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) ds_score_tc(
                     mma(dd, am, am8, blo[kc][0], blo[kc][1]);
                 }
                 emit_tile(dd, pos0, end, seq_len, num_sink, num_recent, c, h0, srow, stride_sr, sh);
-#endif
             }
             // This entry's rows are consumed: refill it with step t + DEPTH * STEP.
             load_step(lab, stride_ls, slot_next[d], t + DEPTH * STEP, end, j, m, ring[d]);
             load_slots(rt_row, t + 2 * DEPTH * STEP, end, j, lane, slot_next[d]);
         }
     }
-    score_end(sink, srow, sh, hist, b, stride_hb, stride_hr);
+    score_end(sh, hist, b, stride_hb, stride_hr);
 }

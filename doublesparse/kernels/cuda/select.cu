@@ -20,12 +20,12 @@
 #define MAX_PROGS 16             // workspace.SELECT_MAX_PROGS
 #define FULL 0xffffffffu
 
-// Order-preserving map of fp16 bits to [0, 65535] (ds_select._key16).
+// Order-preserving map of fp16 bits to [0, 65535] (ds_common._key16).
 __device__ __forceinline__ unsigned key16(unsigned bits) {
     return (bits & 0x8000u) ? (~bits & 0xFFFFu) : (bits | 0x8000u);
 }
 
-// Positions a request contributes to selection (ds_select._sparse_len).
+// Positions a request contributes to selection (ds_common._sparse_len).
 __device__ __forceinline__ int sparse_len(int seq_len, int k, int threshold) {
     return (seq_len > k && seq_len >= threshold) ? seq_len : 0;
 }
@@ -71,7 +71,7 @@ __device__ __forceinline__ int warp_sum(int v) {
 }
 
 // Called by one whole warp. h: 256 counts (shared memory). Returns the largest digit d with
-// sum(h[d:]) >= need (-1 if none) and, in *above, sum(h[d+1:]) (ds_select._threshold_digit).
+// sum(h[d:]) >= need (-1 if none) and, in *above, sum(h[d+1:]) (ds_common._threshold_digit).
 __device__ __forceinline__ int threshold_digit(const int* h, int need, int* above) {
     int lane = threadIdx.x & 31;
     int c[8], s = 0;

@@ -1,7 +1,7 @@
 """Host launcher of the CUDA C++ top-k select (select.cu), compiled at run time by NVRTC (nvrtc.py).
 
-The kernels keep ds_topk.py's workspace protocol and output, so ``ds_launch`` can run either
-(``TUNING["select_impl"]``); ``unavailable(device)`` says why this path cannot run, and callers
+The kernels keep ds_select.py's workspace protocol and output, so ``ds_launch`` can run either
+(``KernelTuning.select_impl``); ``unavailable(device)`` says why this path cannot run, and callers
 fall back to Triton. Like the Triton launchers, ``hist_high``/``hist_low``/``compact`` only launch:
 no host syncs, capturable.
 """

@@ -78,8 +78,7 @@ def attn_split(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
     FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    # Split `split` of row (b, row) (decode_attn_kernel's body; also a work item of the persistent
-    # DS decode, ds_persistent.py).
+    # Split `split` of row (b, row) (decode_attn_kernel's body).
     seq_len = tl.load(seq_lens_ptr + b)
     req = tl.load(req_idx_ptr + b).to(tl.int64)
     if HAS_SEL:

@@ -1,8 +1,8 @@
 """Host launcher for the Double Sparsity decode (score -> top-k select -> sparse attention).
 
-Split from launch.py, whose checks, launch parameters (``TUNING``) and attention launcher it
-uses; ``launch.ds_decode`` is this function. The same rules hold: checks read shapes, dtypes and
-devices only, and the geometry depends on static sizes only, so a call is capturable in a CUDA graph.
+It uses launch.py's attention launcher and common.py's checks. The same rules hold: checks read
+shapes, dtypes and devices only, and the geometry depends on static sizes and the
+``KernelTuning`` only, so a call is capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -15,23 +15,22 @@ import triton
 from ..cuda import score as cuda_score
 from ..cuda import select as cuda_select
 from ..reference import MODES
+from ..tuning import DEFAULT_TUNING, KernelTuning
 from ..workspace import SCORE_PAD, SELECT_MAX_PROGS
-from . import ds_persistent_launch
+from .common import _INTERPRET, _check_decode, _check_labels, _fail, _num_sms
 from .ds_score import score_mma_kernel
-from .ds_select import score_kernel
-from .ds_topk import select_kernel
-from .launch import (_INTERPRET, TUNING, _attention, _attn_block_n, _check_decode, _check_labels, _fail,
-                     _num_sms, dense_splits, select_prefetches)
+from .ds_score_rows import score_kernel
+from .ds_select import select_kernel
+from .launch import _attention, _attn_block_n, dense_splits
 
 
 STAGES = ("score", "hist", "select", "attend", "rest", "all")
-SCORE_IMPLS = ("auto", "cuda", "mma", "rows")
 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
               seq_lens, sm_scale, heavy_token_num, mode="group_max", threshold=0, num_sink=0,
               num_recent=0, ws=None, out=None, num_splits=None, num_progs=None, return_sel=False,
-              stage="all"):
+              stage="all", tuning: KernelTuning = DEFAULT_TUNING):
     """See ops.ds_decode. ``stage`` ("score", "hist", "select", "attend", "all") runs a prefix or
     the last part only, for the stage-by-stage benchmark; "rest" runs everything after the score
     (select and attend), so that callers can order batch parts' stages across streams;
@@ -56,32 +55,26 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     per_head = mode == "per_head"
     rows = Hq if per_head else Hkv
     scores, hist, sel, sel_slot = ws.scores, ws.hist, ws.sel, ws.sel_slot
-    if max(TUNING["select_block_n"], TUNING["score_block_n"], TUNING["hist_block_n"]) > SCORE_PAD:
+    if tuning.max_score_block > SCORE_PAD:
         _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage not in STAGES:
         _fail(f"stage must be one of {STAGES}, got {stage!r}")
-    if stage == "all" and TUNING["ds_persistent"]:
-        o = ds_persistent_launch.run(
-            q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens,
-            float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, ws, out,
-            _mma_geometry(q, label_cache), num_splits or _sparse_splits(B, rows, Hkv, k, ws, dev))
-        return (o, sel) if return_sel else o
-    impl, score_hist, geometry = _score_impl(q, label_cache, channels, mode)
+    impl, score_hist, geometry = _score_impl(q, label_cache, channels, mode, tuning)
     if stage not in ("attend", "rest"):
         nsm = _num_sms(dev)
         if impl == "cuda":
             per_thread, _, tc, depth, max_hpw = geometry
             step = cuda_score.step_tokens(q, label_cache, per_thread, tc, depth, max_hpw)
-            P = num_progs or max(1, min(triton.cdiv(TUNING["score_cuda_programs_per_sm"] * nsm, B),
+            P = num_progs or max(1, min(triton.cdiv(tuning.score_cuda_programs_per_sm * nsm, B),
                                         triton.cdiv(ws.max_ctx, step)))
             cuda_score.score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist,
                              sm_scale, k, threshold, num_sink, num_recent, mode, P, score_hist, *geometry)
         elif impl == "mma":
             _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
-                       float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, num_progs)
+                       float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, tuning, num_progs)
         else:
-            P_score = num_progs or max(1, min(triton.cdiv(TUNING["score_programs_per_sm"] * nsm, B * Hkv),
-                                              triton.cdiv(ws.max_ctx, TUNING["score_block_n"])))
+            P_score = num_progs or max(1, min(triton.cdiv(tuning.score_programs_per_sm * nsm, B * Hkv),
+                                              triton.cdiv(ws.max_ctx, tuning.score_block_n)))
             is_fp8 = label_cache.dtype == torch.float8_e4m3fn
             score_kernel[(B, Hkv, P_score)](
                 q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
@@ -89,36 +82,36 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
                 q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
                 req_to_token.stride(0), scores.stride(0), scores.stride(1), hist.stride(1), hist.stride(2),
                 G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P_score,
-                BLOCK_H=triton.next_power_of_2(G), BLOCK_N=TUNING["score_block_n"],
+                BLOCK_H=triton.next_power_of_2(G), BLOCK_N=tuning.score_block_n,
                 BLOCK_R=triton.next_power_of_2(r), DO_HIST=score_hist,
-                LOOP_STAGES=TUNING["score_loop_stages"],
-                num_warps=TUNING["score_warps"], num_stages=TUNING["score_stages"],
+                LOOP_STAGES=tuning.score_loop_stages,
+                num_warps=tuning.score_warps, num_stages=tuning.score_stages,
             )
         if stage == "score":
             return None
     if stage != "attend":
         _select(ws, seq_lens, req_to_token, req_idx, k, int(threshold), B, rows, score_hist,
-                num_progs, stage)
+                num_progs, stage, tuning)
         if stage == "hist":
             return None
         if stage == "select":
             return sel
     if num_splits is None:
-        num_splits = _sparse_splits(B, rows, Hkv, k, ws, dev)
+        num_splits = _sparse_splits(B, rows, Hkv, k, ws, dev, tuning)
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                   sel_slot, rows, k, threshold, per_head, num_splits, TUNING["sparse_attn_stages"])
+                   sel_slot, rows, k, threshold, per_head, num_splits, tuning, tuning.sparse_attn_stages)
     return (o, sel) if return_sel else o
 
 
-def _sparse_splits(B, rows, Hkv, k, ws, dev) -> int:
+def _sparse_splits(B, rows, Hkv, k, ws, dev, tuning: KernelTuning) -> int:
     """Split-K partitions of a row of the attention over the selection (a request that decodes
     densely reads its whole cache in as many splits)."""
-    want = triton.cdiv(TUNING["sparse_attn_programs_per_sm"] * _num_sms(dev), B * rows)
-    cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev)), dense_splits(B, Hkv, ws, dev))
+    want = triton.cdiv(tuning.sparse_attn_programs_per_sm * _num_sms(dev), B * rows)
+    cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev, tuning)), dense_splits(B, Hkv, ws, dev, tuning))
     return max(1, min(ws.max_splits, want, cap))
 
 
-def _mma_geometry(q, label_cache) -> dict:
+def _mma_geometry(q, label_cache, tuning: KernelTuning) -> dict:
     """ds_score.score_mma_slice's constexprs for these shapes (tile: about 16-32 KB of labels,
     whatever Hkv * r is)."""
     Hkv, r = label_cache.shape[1], label_cache.shape[2]
@@ -127,45 +120,44 @@ def _mma_geometry(q, label_cache) -> dict:
     block_c = max(16, triton.next_power_of_2(Hkv * r))
     return dict(HKV=Hkv, G=G, R=r, LABEL_FP8=label_cache.dtype == torch.float8_e4m3fn,
                 LABEL_KIND={torch.float16: 1, torch.float32: 2}.get(label_cache.dtype, 0),
-                BLOCK_N=max(16, min(TUNING["mma_block_n"], 16384 // block_c)), BLOCK_C=block_c,
+                BLOCK_N=max(16, min(tuning.mma_block_n, 16384 // block_c)), BLOCK_C=block_c,
                 HKV_P=max(triton.next_power_of_2(Hkv), triton.cdiv(16, g_p)), G_P=g_p)
 
 
-def _score_impl(q, label_cache, channels, mode):
-    """Stage 1's kernel ("cuda", "mma" or "rows") under TUNING["score_impl"], whether its launch
+def _score_impl(q, label_cache, channels, mode, tuning: KernelTuning):
+    """Stage 1's kernel ("cuda", "mma" or "rows") under ``tuning.score_impl``, whether its launch
     makes hist[0] (the select's first phase), and the CUDA score's (per_thread, min_blocks, tc,
     depth, max_hpw) (None for the Triton kernels). "auto" takes the CUDA score where it replaces
     mma (measured faster there) and wherever its tensor-core kernel fits; score.cu with many KV heads
-    (LongChat-7B's 32 x 16) was slower than "rows" (results/h200-s16)."""
-    impl = TUNING["score_impl"]
-    if impl not in SCORE_IMPLS:
-        _fail(f"score_impl must be one of {SCORE_IMPLS}, got {impl!r}")
+    (LongChat-7B's 32 x 16) was slower than "rows" on an H200."""
+    impl = tuning.score_impl
     Hq, Hkv, r = q.shape[1], label_cache.shape[1], label_cache.shape[2]
-    few_channels = Hkv * r <= TUNING["mma_max_channels"]
-    # score_tc.cu (tensor cores) where TUNING["score_cuda_tc"] and its shapes allow, with
+    few_channels = Hkv * r <= tuning.mma_max_channels
+    # score_tc.cu (tensor cores) where tuning.score_cuda_tc and its shapes allow, with
     # score_cuda_tc_tiles 16-token tiles per warp per step and a ring of score_cuda_tc_depth steps;
     # else score.cu with score_cuda_rows_per_thread label rows per thread.
-    max_hpw = TUNING["score_cuda_tc_max_heads_per_warp"]
-    tc = bool(TUNING["score_cuda_tc"]) and cuda_score.tc_fits(q, label_cache, max_hpw)
+    max_hpw = tuning.score_cuda_tc_max_heads_per_warp
+    tc = tuning.score_cuda_tc and cuda_score.tc_fits(q, label_cache, max_hpw)
     if impl == "cuda" or (impl == "auto" and (few_channels or tc)):
-        hist = bool(TUNING["score_cuda_hist"]) and cuda_score.hist_fits(Hq, Hkv, r, mode)
-        geometry = (TUNING["score_cuda_tc_tiles" if tc else "score_cuda_rows_per_thread"],
-                    TUNING["score_cuda_min_blocks"], tc, TUNING["score_cuda_tc_depth"], max_hpw)
-        if _take_cuda("score_impl", lambda: cuda_score.why_not(q, label_cache, channels, mode, hist, *geometry)):
+        hist = tuning.score_cuda_hist and cuda_score.hist_fits(Hq, Hkv, r, mode)
+        geometry = (tuning.score_cuda_tc_tiles if tc else tuning.score_cuda_rows_per_thread,
+                    tuning.score_cuda_min_blocks, tc, tuning.score_cuda_tc_depth, max_hpw)
+        if _take_cuda("score_impl", impl, lambda: cuda_score.why_not(q, label_cache, channels, mode, hist, *geometry)):
             return "cuda", hist, geometry
     if impl in ("cuda", "auto"):
         impl = "mma" if few_channels else "rows"
-    return impl, impl == "rows" and bool(TUNING["score_hist"]), None
+    return impl, impl == "rows" and tuning.score_hist, None
 
 
-def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage):
+def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage,
+            tuning: KernelTuning):
     """Stage 2: the top-k select's three phases, one launch each (phase 1 skipped when the
     score launch made the histogram; stage "hist" runs phase 1 only, for the stage benchmark), by
-    ds_topk.py's Triton kernel or select.cu's CUDA kernels (``_use_cuda_select``)."""
+    ds_select.py's Triton kernel or select.cu's CUDA kernels (``_use_cuda_select``)."""
     scores, hist, info, counts, sel, sel_slot = (ws.scores, ws.hist, ws.rowinfo, ws.counts, ws.sel,
                                                  ws.sel_slot)
     nsm = _num_sms(scores.device)
-    cuda = _use_cuda_select(scores)
+    cuda = _use_cuda_select(scores, tuning)
 
     def progs(per_sm, block, max_progs=None):
         # Programs per score row: per_sm per SM over the grid's rows, at most one per block of
@@ -176,9 +168,9 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
     if cuda:
         if not skip_phase1:
             cuda_select.hist_high(scores, hist, seq_lens, k, threshold, B, rows,
-                                  progs(TUNING["hist_programs_per_sm"], cuda_select.CHUNK))
+                                  progs(tuning.hist_programs_per_sm, cuda_select.CHUNK))
         if stage != "hist":
-            P = progs(TUNING["select_programs_per_sm"], cuda_select.CHUNK, SELECT_MAX_PROGS)
+            P = progs(tuning.select_programs_per_sm, cuda_select.CHUNK, SELECT_MAX_PROGS)
             cuda_select.hist_low(scores, hist, info, counts, seq_lens, k, threshold, B, rows, P)
             cuda_select.compact(scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx,
                                 k, threshold, B, rows, P)
@@ -191,26 +183,25 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
     def launch(phase, block, per_sm, loop_stages, max_progs=None):
         P = progs(per_sm, block, max_progs)
         select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
-                                    ATOMIC_HIST=TUNING["select_atomic_hist"], LOOP_STAGES=loop_stages,
-                                    MAX_PROGS=SELECT_MAX_PROGS, PREFETCH=select_prefetches(phase),
-                                    num_warps=TUNING["select_warps"], num_stages=TUNING["select_stages"])
+                                    ATOMIC_HIST=tuning.select_atomic_hist, LOOP_STAGES=loop_stages,
+                                    MAX_PROGS=SELECT_MAX_PROGS, PREFETCH=phase in tuning.select_prefetch_phases,
+                                    num_warps=tuning.select_warps, num_stages=tuning.select_stages)
 
     if not skip_phase1:
-        launch(1, TUNING["hist_block_n"], TUNING["hist_programs_per_sm"], TUNING["select_loop_stages"])
+        launch(1, tuning.hist_block_n, tuning.hist_programs_per_sm, tuning.select_loop_stages)
     if stage != "hist":
-        for phase, stages in ((2, TUNING["select_loop_stages"]), (3, TUNING["compact_loop_stages"])):
-            launch(phase, TUNING["select_block_n"], TUNING["select_programs_per_sm"], stages,
+        for phase, stages in ((2, tuning.select_loop_stages), (3, tuning.compact_loop_stages)):
+            launch(phase, tuning.select_block_n, tuning.select_programs_per_sm, stages,
                    SELECT_MAX_PROGS)
 
 
 _WARNED: set = set()  # (knob, reason) a CUDA path could not run, each warned about once
 
 
-def _take_cuda(knob: str, why_not) -> bool:
-    """Whether TUNING[knob] takes its CUDA C++ kernels: "cuda", or "auto" = cuda where they can
-    run (``why_not()`` is None); never under the interpreter. "cuda" where they cannot warns once
-    and the caller runs Triton."""
-    impl = TUNING[knob]
+def _take_cuda(knob: str, impl: str, why_not) -> bool:
+    """Whether ``impl`` (the value of tuning knob ``knob``) takes its CUDA C++ kernels: "cuda", or
+    "auto" = cuda where they can run (``why_not()`` is None); never under the interpreter. "cuda"
+    where they cannot warns once and the caller runs Triton."""
     if impl not in ("cuda", "auto") or _INTERPRET:
         return False
     why = why_not()
@@ -222,11 +213,9 @@ def _take_cuda(knob: str, why_not) -> bool:
     return False
 
 
-def _use_cuda_select(scores) -> bool:
-    """Whether this call's select runs select.cu (TUNING["select_impl"]: "triton", "cuda" or
+def _use_cuda_select(scores, tuning: KernelTuning) -> bool:
+    """Whether this call's select runs select.cu (``tuning.select_impl``: "triton", "cuda" or
     "auto" = cuda where it can run); "cuda" where it cannot warns once and runs Triton."""
-    if TUNING["select_impl"] not in ("triton", "cuda", "auto"):
-        _fail(f"select_impl must be 'triton', 'cuda' or 'auto', got {TUNING['select_impl']!r}")
 
     def why_not():
         why = cuda_select.unavailable(scores.device)
@@ -234,15 +223,15 @@ def _use_cuda_select(scores) -> bool:
             why = "the score rows are not 16-byte aligned"
         return why
 
-    return _take_cuda("select_impl", why_not)
+    return _take_cuda("select_impl", tuning.select_impl, why_not)
 
 
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
-               k, threshold, num_sink, num_recent, mode, num_progs=None):
+               k, threshold, num_sink, num_recent, mode, tuning: KernelTuning, num_progs=None):
     """Stage 1 with ds_score.score_mma_kernel: grid (B, P), every KV head per program."""
     B = q.shape[0]
-    geo = _mma_geometry(q, label_cache)
-    P = num_progs or max(1, min(triton.cdiv(TUNING["mma_programs_per_sm"] * _num_sms(q.device), B),
+    geo = _mma_geometry(q, label_cache, tuning)
+    P = num_progs or max(1, min(triton.cdiv(tuning.mma_programs_per_sm * _num_sms(q.device), B),
                                 triton.cdiv(ws.max_ctx, geo["BLOCK_N"])))
     scores = ws.scores
     score_mma_kernel[(B, P)](
@@ -250,6 +239,6 @@ def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq
         scores, sm_scale, k, threshold, num_sink, num_recent,
         q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
         req_to_token.stride(0), scores.stride(0), scores.stride(1),
-        MODE=MODES.index(mode), NUM_PROGS=P, DOT_F32=_INTERPRET, num_warps=TUNING["mma_warps"], **geo,
+        MODE=MODES.index(mode), NUM_PROGS=P, DOT_F32=_INTERPRET, num_warps=tuning.mma_warps, **geo,
         num_stages=1,  # the loop is pipelined by hand; Triton's pipeliner would only serialize it
     )

@@ -19,7 +19,7 @@ head's G_P columns (sum, or max with the padding columns at -inf).
 import triton
 import triton.language as tl
 
-from .ds_select import FP16_MAX, _key16, _sparse_len, _split_range
+from .ds_common import FP16_MAX, _sparse_len, _split_range
 
 
 @triton.jit
@@ -58,8 +58,7 @@ def score_mma_kernel(
         req_to_token_ptr, req_idx_ptr, seq_lens_ptr, scores_ptr,
         sm_scale, heavy_k, threshold, num_sink, num_recent,
         stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt, stride_sb, stride_sr,
-        scores_ptr, 0, 0,
-        HKV, G, R, MODE, LABEL_FP8, LABEL_KIND, NUM_PROGS, BLOCK_N, BLOCK_C, HKV_P, G_P, DOT_F32, False)
+        HKV, G, R, MODE, LABEL_FP8, LABEL_KIND, NUM_PROGS, BLOCK_N, BLOCK_C, HKV_P, G_P, DOT_F32)
 
 
 @triton.jit
@@ -68,17 +67,12 @@ def score_mma_slice(
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr, scores_ptr,
     sm_scale, heavy_k, threshold, num_sink, num_recent,
     stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt, stride_sb, stride_sr,
-    hist_ptr, stride_hb, stride_hr,
     HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr,
     LABEL_FP8: tl.constexpr, LABEL_KIND: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HKV_P: tl.constexpr, G_P: tl.constexpr,
-    DOT_F32: tl.constexpr, DO_HIST: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
-    # Slice p of NUM_PROGS of batch entry b's positions, every KV head (score_mma_kernel's body;
-    # also a work item of the persistent DS decode, ds_persistent.py). With DO_HIST (group modes
-    # only) it also adds the high-byte histogram of its keys per KV head to hist_ptr
-    # ([B, rows, 256] with strides stride_hb, stride_hr: the select's first phase).
-    tl.static_assert(not DO_HIST or MODE != 0, "the fused histogram is for the group modes")
+    # Slice p of NUM_PROGS of batch entry b's positions, every KV head (score_mma_kernel's body).
     seq_len = tl.load(seq_lens_ptr + b)
     n = _sparse_len(seq_len, heavy_k, threshold)
 
@@ -117,13 +111,12 @@ def score_mma_slice(
     # the one after are in flight. (Triton's pipeliner waits for the index load and the gather it
     # feeds together, which leaves one tile in flight and none overlapping the math.)
     # (Two tiles of labels in flight, for more registers, measured slower on an H200: 75.5 vs
-    # 66.6 us for the whole DS step at 64K x 3, benchmarks/gpu_s5a.sh.)
+    # 66.6 us for the whole DS step at 64K x 3.)
     FULL: tl.constexpr = BLOCK_C == HKV * R
     slot_after = _slots(rt_row, start + BLOCK_N + ar, end)
     lab_next = _labels(label_ptr, _slots(rt_row, start + ar, end), start + ar < end, lab_off, cmask,
                        stride_ls, FULL)
-    # num_stages=1: pipelined by hand, also inside a kernel launched with more stages
-    # (ds_persistent.py).
+    # num_stages=1: pipelined by hand (see above).
     for t in tl.range(start, end, BLOCK_N, num_stages=1):
         offs = t + ar
         nmask = offs < end
@@ -154,13 +147,3 @@ def score_mma_slice(
             v16 = v.to(tl.float16)
             ok = nmask[:, None] & (kv < HKV)[None, :]
             tl.store(srow + kv[None, :] * stride_sr + offs[:, None], v16, mask=ok)
-            if DO_HIST:
-                # Per KV head, the high bytes of the tile's keys, added at once (versions with
-                # one histogram of HKV_P * 256 bins, per tile or carried across the loop, needed
-                # far more registers on sm_90; not kept).
-                hb = _key16(v16) >> 8
-                bins = tl.arange(0, 256)
-                for j in tl.static_range(HKV):
-                    hj = tl.histogram(tl.sum(tl.where(kv[None, :] == j, hb, 0), 1), 256, mask=nmask)
-                    tl.atomic_add(hist_ptr + b * stride_hb + j * stride_hr + bins, hj, mask=hj > 0,
-                                  sem="relaxed")

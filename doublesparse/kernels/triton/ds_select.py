@@ -1,184 +1,194 @@
-"""Triton kernel for Double Sparsity stage 1 with one KV head per program (``score_impl="rows"``),
-and the helpers the score and top-k kernels share.
+"""Triton kernel for Double Sparsity stage 2: exact top-k of the fp16 score rows (a radix select).
 
-Selection (ds_topk.py) is an exact radix select over 16-bit keys of the fp16 scores written here;
-``score_kernel`` can also (TUNING["score_hist"]) make the 256-bin histogram of the keys' high byte,
-accumulated per row with atomics, sparing the select its first phase (measured slower: the
-histogram's barriers and ballots slow the score loop's label stream).
+Keys are the 16-bit order-preserving images of the fp16 scores; the k-th largest key is found one
+byte at a time, in three launches of ``select_kernel`` (PHASE = 1, 2, 3), each on a static grid
+(B, rows, P), P programs per score row, each owning one slice of the row; the kernel boundaries
+order the phases. Each phase compiles to a kernel named for it (PHASE_NAMES), so profiles tell
+them apart:
 
-Loops use ``tl.range(num_stages=...)``: that annotation makes Triton pipeline every load of the
-loop (cp.async), the label gather included; a plain ``range`` pipelines only loads feeding a dot.
+  1. hist_high_kernel: histogram of the keys' high byte -> hist[0] (atomics, one per non-empty bin)
+  2. hist_low_kernel: the high byte d0 holding the k-th largest key; per program, the histogram of
+     the low byte of its slice's keys whose high byte is d0 -> hist[1 + p], and the count of its
+     keys whose high byte is above d0 -> counts[b, row, p]
+  3. compact_kernel: the exact 16-bit threshold (d0, d1) from the sum of the programs' low-byte
+     histograms; each program writes its slice's positions above the threshold, then as many of
+     the keys equal to it as the rank allows, with their cache slots, at offsets summed from the
+     programs before it (their high-byte counts and low-byte histograms). So a row's selection
+     is the same on every run: the positions above the threshold in increasing order, then the
+     first tied positions in increasing order.
+
+Phases 2 and 3 share one geometry (at most workspace.SELECT_MAX_PROGS programs per row). With
+PREFETCH they load each block of keys one loop iteration ahead, the first before their prologue.
+Workspace protocol (no memset launches): phase 3 clears hist[0] after its last reader (phase 2);
+phase 2 programs overwrite their own hist[1 + p] and counts.
 """
 
 import triton
 import triton.language as tl
 
-FP16_MAX = tl.constexpr(65504.0)
+from .ds_common import _key16, _load_block, _sparse_len, _split_range, _threshold_digit
+
+PHASE_NAMES = {1: "hist_high_kernel", 2: "hist_low_kernel", 3: "compact_kernel"}
 
 
 @triton.jit
-def _key16(s16):
-    # Order-preserving map of fp16 bits to [0, 65535]: flip all bits of negatives, set the sign bit
-    # of positives.
-    b = s16.to(tl.int16, bitcast=True).to(tl.int32)
-    return tl.where(b < 0, ~b, b | 0x8000) & 0xFFFF
+def _emit(key, offs, nmask, thr, n_gt, ties, base, base_e, out, out_slot, rt_row):
+    # Writes one block's selected positions; returns the advanced output cursors.
+    gt = (key > thr) & nmask
+    eq = (key == thr) & nmask
+    # One scan for both ranks: the "equal" count rides in the high half (a block holds far fewer
+    # than 2^16 keys), halving the block-wide prefix sums, the loop's costliest step.
+    both = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)
+    idx_gt = base + (both & 0xFFFF) - 1
+    idx = base_e + (both >> 16) - 1
+    # The bounds never bind when the histograms are consistent; they keep a corrupted workspace
+    # from writing outside its row.
+    w_gt = gt & (idx_gt < n_gt)
+    w_eq = eq & (idx < ties) & (idx >= 0)
+    dst = tl.where(w_gt, idx_gt, n_gt + idx)
+    w = w_gt | w_eq
+    slot = tl.load(rt_row + offs, mask=w, other=0)
+    tl.store(out + dst, offs, mask=w)
+    tl.store(out_slot + dst, slot, mask=w)
+    # The scan's last element holds both block totals: one reduction instead of two sums.
+    last = tl.max(both, 0)
+    return base + (last & 0xFFFF), base_e + (last >> 16)
 
 
 @triton.jit
-def _load_block(row_ptr, offs, BLOCK_N: tl.constexpr):
-    # Unmasked, so Triton vectorizes it: score rows are padded by DecodeWorkspace.SCORE_PAD, and
-    # callers mask what lies past their range. offs starts at a multiple of BLOCK_N.
-    return tl.load(row_ptr + tl.max_contiguous(tl.multiple_of(offs, BLOCK_N), BLOCK_N))
-
-
-@triton.jit
-def _sparse_len(seq_len, heavy_k, threshold):
-    # Positions this request contributes to selection: all of them if it decodes sparsely (the
-    # rule of reference.is_sparse), else none.
-    return tl.where((seq_len > heavy_k) & (seq_len >= threshold), seq_len, 0)
-
-
-@triton.jit
-def _split_range(n, p, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr):
-    per = tl.cdiv(tl.cdiv(n, NUM_PROGS), BLOCK_N) * BLOCK_N
-    start = p * per
-    return start, tl.minimum(start + per, n)
-
-
-@triton.jit
-def _threshold_digit(h, need):
-    # h: [256] counts. Largest digit d with count(keys with digit >= d) >= need, and the count of
-    # keys strictly above d.
-    idx = tl.arange(0, 256)
-    total = tl.sum(h, 0)
-    ge = total - tl.cumsum(h, 0) + h
-    digit = tl.max(tl.where(ge >= need, idx, -1), 0)
-    above = tl.sum(tl.where(idx > digit, h, 0), 0)
-    return digit, above
-
-
-@triton.jit
-def _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent, out_ptr, DO_HIST: tl.constexpr):
-    # Store one row of scores as fp16 and return the histogram of the keys' high byte.
-    keep = (offs < num_sink) | (offs >= seq_len - num_recent)
-    s = tl.where(keep, FP16_MAX, tl.minimum(tl.maximum(s, -FP16_MAX), FP16_MAX))
-    s16 = s.to(tl.float16)
-    tl.store(out_ptr + offs, s16, mask=nmask)
-    if DO_HIST:
-        return tl.histogram(_key16(s16) >> 8, 256, mask=nmask)
+def _keys_ahead(srow, t, end, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+    # With PREFETCH, the fp16 scores of the block at t, loaded ahead of their use (past the
+    # program's range, those of block 0: an address always valid, never used); else nothing to
+    # carry (zeros, which the compiler drops).
+    if PREFETCH:
+        t = tl.where(t < end, t, 0)
+        s16 = _load_block(srow, t + tl.arange(0, BLOCK_N), BLOCK_N)
     else:
-        return tl.zeros([256], tl.int32)
+        s16 = tl.zeros([BLOCK_N], tl.float16)
+    return s16
 
 
 @triton.jit
-def _q_at(q_row, i: tl.constexpr, stride_qh, rmask, scale, G: tl.constexpr):
-    # Query head i of the group at the heavy channels, fp32, scaled; zeros past the group.
-    return tl.load(q_row + i * stride_qh, mask=rmask & (i < G), other=0.0).to(tl.float32) * scale
-
-
-@triton.jit
-def _pick(i: tl.constexpr, q_row, stride_qh, rmask, scale, G: tl.constexpr, q0, q1, q2, q3, q4, q5, q6, q7):
-    # Compile-time choice among the hoisted rows (i is a static_range index).
-    if G > 8:
-        out = _q_at(q_row, i, stride_qh, rmask, scale, G)
-    elif i == 0:
-        out = q0
-    elif i == 1:
-        out = q1
-    elif i == 2:
-        out = q2
-    elif i == 3:
-        out = q3
-    elif i == 4:
-        out = q4
-    elif i == 5:
-        out = q5
-    elif i == 6:
-        out = q6
+def _next_keys(srow, ahead, t, end, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+    # The 16-bit keys of the block at t, and the scores to carry into the next iteration: with
+    # PREFETCH block t's were loaded one iteration ahead (ahead) and the next block's load now.
+    if PREFETCH:
+        s16 = ahead
     else:
-        out = q7
-    return out
+        s16 = _load_block(srow, t + tl.arange(0, BLOCK_N), BLOCK_N)
+    return _key16(s16), _keys_ahead(srow, t + BLOCK_N, end, BLOCK_N, PREFETCH)
 
 
-@triton.jit
-def score_kernel(
-    q_ptr, label_ptr, channels_ptr, scale_ptr,
-    req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
-    scores_ptr, hist_ptr,
-    sm_scale, heavy_k, threshold, num_sink, num_recent,
-    stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt,
-    stride_sb, stride_sr, stride_hb, stride_hr,
-    G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LABEL_FP8: tl.constexpr,
-    NUM_PROGS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DO_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr,
+def _phase_name(specialization) -> str:
+    # The compiled kernel's name: Triton names a kernel after its Python function, so one entry for
+    # three phases would show up in profiles as one kernel.
+    return PHASE_NAMES[specialization.constants["PHASE"]]
+
+
+@triton.jit(repr=_phase_name)
+def select_kernel(
+    scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
+    req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
+    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+    stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
+    PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, MAX_PROGS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    # One program: (batch entry, KV head, slice of positions). MODE 0 = per query head (writes the
-    # G score rows of the group), 1 = group sum, 2 = group max (one row per KV head).
-    # Everything stays 2-D [BLOCK_N, BLOCK_R] in one layout: a 3-D head x token x channel product
-    # made Triton shuffle the label tile through shared memory on every iteration.
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    p = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    n = _sparse_len(seq_len, heavy_k, threshold)
-    bins = tl.arange(0, 256)
-    hrow = tl.arange(0, BLOCK_H)
+    select_phase(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
+        req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
+        stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+        stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
+        PHASE, NUM_PROGS, BLOCK_N, ATOMIC_HIST, LOOP_STAGES, MAX_PROGS, PREFETCH)
 
-    r = tl.arange(0, BLOCK_R)
-    rmask = r < R
-    ch = tl.load(channels_ptr + kvh * stride_ch + r, mask=rmask, other=0)
-    scale = sm_scale
-    if LABEL_FP8:
-        scale = scale * tl.load(scale_ptr)
-    q_row = q_ptr + b * stride_qb + kvh * G * stride_qh + ch
 
-    # The group's query rows, loaded (and scaled) once: loads inside the loop are re-issued every
-    # iteration (Triton cannot prove the score stores don't alias them). Groups above 8 reload.
-    q0 = _q_at(q_row, 0, stride_qh, rmask, scale, G)
-    q1 = _q_at(q_row, 1, stride_qh, rmask, scale, G)
-    q2 = _q_at(q_row, 2, stride_qh, rmask, scale, G)
-    q3 = _q_at(q_row, 3, stride_qh, rmask, scale, G)
-    q4 = _q_at(q_row, 4, stride_qh, rmask, scale, G)
-    q5 = _q_at(q_row, 5, stride_qh, rmask, scale, G)
-    q6 = _q_at(q_row, 6, stride_qh, rmask, scale, G)
-    q7 = _q_at(q_row, 7, stride_qh, rmask, scale, G)
-
-    req = tl.load(req_idx_ptr + b).to(tl.int64)
+@triton.jit
+def select_phase(
+    b, row, p, scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
+    req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
+    stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
+    stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
+    PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, MAX_PROGS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    # Phase PHASE for slice p of score row (b, row) (select_kernel's body).
+    n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k, threshold)
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
-    hist = tl.zeros([BLOCK_H if MODE == 0 else 1, 256], tl.int32)
-    for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
-        offs = t + tl.arange(0, BLOCK_N)
-        nmask = offs < end
-        slot = tl.load(req_to_token_ptr + req * stride_rt + offs, mask=nmask, other=0).to(tl.int64)
-        lab_ptrs = label_ptr + slot[:, None] * stride_ls + kvh * stride_lh + r[None, :]
-        if BLOCK_R == R:
-            # A channel mask, even an all-true one, hides the row's contiguity from Triton and
-            # turns each label row into 16 scalar loads (measured on an H200: 2x the instructions).
-            lab = tl.load(lab_ptrs, mask=nmask[:, None], other=0.0).to(tl.float32)
+    srow = scores_ptr + b * stride_sb + row * stride_sr
+    bins = tl.arange(0, 256)
+    h0 = hist_ptr + b * stride_hb + row * stride_hr
+    hp = h0 + stride_hp  # hist[1 + p]: program p's low-byte histogram
+    cnt = counts_ptr + b * stride_cb + row * stride_cr
+    info = rowinfo_ptr + b * stride_rib + row * stride_rir
+
+    if PHASE == 1:  # high-byte histogram
+        hist = tl.zeros([256], tl.int32)
+        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+            offs = t + tl.arange(0, BLOCK_N)
+            hist += tl.histogram(_key16(_load_block(srow, offs, BLOCK_N)) >> 8, 256, mask=offs < end)
+        tl.atomic_add(h0 + bins, hist, mask=hist > 0, sem="relaxed")
+
+    elif PHASE == 2:  # the high byte of the k-th largest key; per program, the keys above and in it
+        # With PREFETCH the loop's keys are loaded one block ahead, the first before the
+        # threshold's loads and reductions, so that each load's latency overlaps other work.
+        ahead = _keys_ahead(srow, start, end, BLOCK_N, PREFETCH)
+        digit0, above0 = _threshold_digit(tl.load(h0 + bins), heavy_k)
+        if p == 0:
+            tl.store(info, digit0)
+            tl.store(info + 1, heavy_k - above0)
+        h1 = hp + p * stride_hp
+        n_hi = tl.zeros([BLOCK_N], tl.int32)
+        if ATOMIC_HIST:
+            # Only the keys of one high-byte bucket count (a few percent): scattered atomics are
+            # cheaper than a full block histogram. This program alone adds to its histogram: clear
+            # it first (the barrier orders the stores before the atomics of the other warps).
+            tl.store(h1 + bins, tl.zeros([256], tl.int32))
+            tl.debug_barrier()
         else:
-            lab = tl.load(lab_ptrs, mask=nmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-        if MODE == 0:
-            for i in tl.static_range(G):
-                qi = _pick(i, q_row, stride_qh, rmask, scale, G, q0, q1, q2, q3, q4, q5, q6, q7)
-                s_i = tl.sum(lab * qi[None, :], 1)
-                h_i = _emit_scores(s_i, offs, nmask, seq_len, num_sink, num_recent,
-                                   scores_ptr + b * stride_sb + (kvh * G + i) * stride_sr, DO_HIST)
-                hist += tl.where(hrow[:, None] == i, h_i[None, :], 0)
-        else:
-            s = tl.full([BLOCK_N], float("-inf"), tl.float32) if MODE == 2 else tl.zeros([BLOCK_N], tl.float32)
-            for i in tl.static_range(G):
-                qi = _pick(i, q_row, stride_qh, rmask, scale, G, q0, q1, q2, q3, q4, q5, q6, q7)
-                s_i = tl.sum(lab * qi[None, :], 1)
-                s = tl.maximum(s, s_i) if MODE == 2 else s + s_i
-            h = _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent,
-                             scores_ptr + b * stride_sb + kvh * stride_sr, DO_HIST)
-            hist += h[None, :]
-    if DO_HIST:
-        if MODE == 0:
-            for i in tl.static_range(G):
-                h_i = tl.sum(tl.where(hrow[:, None] == i, hist, 0), 0)
-                tl.atomic_add(hist_ptr + b * stride_hb + (kvh * G + i) * stride_hr + bins, h_i,
-                              mask=h_i > 0, sem="relaxed")
-        else:
-            h = tl.sum(hist, 0)
-            tl.atomic_add(hist_ptr + b * stride_hb + kvh * stride_hr + bins, h, mask=h > 0, sem="relaxed")
+            hist = tl.zeros([256], tl.int32)
+        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+            offs = t + tl.arange(0, BLOCK_N)
+            key, ahead = _next_keys(srow, ahead, t, end, BLOCK_N, PREFETCH)
+            nmask = offs < end
+            n_hi += (((key >> 8) > digit0) & nmask).to(tl.int32)
+            inside = nmask & ((key >> 8) == digit0)
+            if ATOMIC_HIST:
+                tl.atomic_add(h1 + (key & 255), tl.full([BLOCK_N], 1, tl.int32), mask=inside, sem="relaxed")
+            else:
+                hist += tl.histogram(key & 255, 256, mask=inside)
+        if not ATOMIC_HIST:
+            tl.store(h1 + bins, hist)
+        tl.store(cnt + p, tl.sum(n_hi, 0))
+
+    else:  # the exact threshold; write the selection
+        ahead = _keys_ahead(srow, start, end, BLOCK_N, PREFETCH)
+        if p == 0:
+            # hist[0] has had its last reader (phase 2): leave it zeroed for the next call.
+            tl.store(h0 + bins, tl.zeros([256], tl.int32))
+        digit0 = tl.load(info)
+        need0 = tl.load(info + 1)
+        # Every program's low-byte histogram [MAX_PROGS, 256]: their sum gives the low byte of the
+        # threshold; per program, the keys above it and equal to it, whose sums over the programs
+        # before this one are its output offsets (no atomics, so no dependence on program order).
+        pp = tl.arange(0, MAX_PROGS)
+        used = pp < NUM_PROGS
+        h = tl.load(hp + pp[:, None] * stride_hp + bins[None, :], mask=used[:, None], other=0)
+        digit1, above1 = _threshold_digit(tl.sum(h, 0), need0)
+        thr = digit0 * 256 + digit1
+        n_gt = heavy_k - need0 + above1
+        ties = heavy_k - n_gt
+        c_gt = tl.load(cnt + pp, mask=used, other=0) + tl.sum(tl.where(bins[None, :] > digit1, h, 0), 1)
+        c_eq = tl.sum(tl.where(bins[None, :] == digit1, h, 0), 1)
+        base = tl.sum(tl.where(pp < p, c_gt, 0), 0)
+        base_e = tl.sum(tl.where(pp < p, c_eq, 0), 0)
+        out = sel_ptr + b * stride_selb + row * stride_selr
+        out_slot = sel_slot_ptr + b * stride_selb + row * stride_selr
+        rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
+        for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+            offs = t + tl.arange(0, BLOCK_N)
+            key, ahead = _next_keys(srow, ahead, t, end, BLOCK_N, PREFETCH)
+            base, base_e = _emit(key, offs, offs < end, thr, n_gt, ties, base, base_e, out, out_slot,
+                                 rt_row)

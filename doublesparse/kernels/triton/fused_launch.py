@@ -1,7 +1,8 @@
 """Host launchers for the fused layer kernels (:mod:`.fused`): checks, launch geometry, no syncs.
 
 As in :mod:`.launch`, the checks read only shapes, dtypes, strides and devices, and the grids
-depend only on static sizes, so every launcher is capturable in a CUDA graph.
+depend only on static sizes (and the ``KernelTuning``), so every launcher is capturable in a CUDA
+graph.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import triton
 from .fused import lse_merge_kernel, rmsnorm_kernel, rope_store_kernel, silu_mul_kernel
 from .gemv import gemv_kernel
 from .skinny import skinny_gemm_kernel
-from .launch import (TUNING, _FLOAT, _INDEX, _check, _check_caches, _check_labels, _fail, _num_sms,
-                     pdl_enabled, pdl_kwargs, _INTERPRET)
+from ..tuning import DEFAULT_TUNING, KernelTuning
+from .common import (_FLOAT, _INDEX, _INTERPRET, _check, _check_caches, _check_labels, _fail, _num_sms,
+                     pdl_enabled, pdl_kwargs)
 
 SILU_BLOCK = 1024
 
@@ -23,7 +25,7 @@ def _norm_warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-def rms_norm(x, weight, eps: float, residual=None):
+def rms_norm(x, weight, eps: float, residual=None, tuning: KernelTuning = DEFAULT_TUNING):
     """x: [T, N] float; weight: [N]; residual: [T, N] in x's dtype or None.
 
     Returns ``normed`` [T, N] (x's dtype), or ``(normed, x + residual)`` when residual is given;
@@ -49,12 +51,12 @@ def rms_norm(x, weight, eps: float, residual=None):
         rmsnorm_kernel[(T,)](
             x, residual, weight, out, res_out, float(eps), N,
             x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
-            HAS_RES=has_res, BLOCK_N=block, num_warps=_norm_warps(block), **pdl_kwargs(dev),
+            HAS_RES=has_res, BLOCK_N=block, num_warps=_norm_warps(block), **pdl_kwargs(dev, tuning),
         )
     return (out, res_out) if has_res else out
 
 
-def silu_mul(x):
+def silu_mul(x, tuning: KernelTuning = DEFAULT_TUNING):
     """x: [T, 2I] float (gate | up) -> [T, I] = silu(gate) * up in x's dtype."""
     dev = x.device
     _check(x, "x", 2, _FLOAT, dev)
@@ -66,7 +68,7 @@ def silu_mul(x):
     if T and I:
         silu_mul_kernel[(T, triton.cdiv(I, SILU_BLOCK))](
             x, out, I, x.stride(0), out.stride(0), BLOCK=SILU_BLOCK, num_warps=4,
-            **pdl_kwargs(dev))
+            **pdl_kwargs(dev, tuning))
     return out
 
 
@@ -98,7 +100,7 @@ def lse_merge(o1, o2, lse1, lse2):
 
 
 def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache=None,
-               label_scale=None, channels=None, return_k: bool = False):
+               label_scale=None, channels=None, return_k: bool = False, tuning: KernelTuning = DEFAULT_TUNING):
     """Rotate q and k (rotate-half RoPE, fp32, rounded once to q's dtype), write rotated k, v and
     the label of rotated k into the pools at ``slots``; one launch.
 
@@ -149,7 +151,7 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
         BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HKV=triton.next_power_of_2(Hkv),
         BLOCK_D2=triton.next_power_of_2(D // 2), BLOCK_R=triton.next_power_of_2(r),
         HAS_K_OUT=return_k, HAS_LABEL=has_label, LABEL_FP8=is_fp8,
-        num_warps=4, enable_fp_fusion=False, **pdl_kwargs(dev),
+        num_warps=4, enable_fp_fusion=False, **pdl_kwargs(dev, tuning),
     )
     return qo, ko
 
@@ -160,14 +162,14 @@ GEMV_TILE = 8192
 GEMV_MAX_ROWS = 4
 
 
-def gemv_fits(x, weight) -> bool:
+def gemv_fits(x, weight, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
     """Whether :func:`gemv` takes ``F.linear(x, weight)``: a CUDA decode projection of at most
-    GEMV_MAX_ROWS rows whose weights are at most ``TUNING["gemv_max_bytes"]`` (0: never), where
+    GEMV_MAX_ROWS rows whose weights are at most ``tuning.gemv_max_bytes`` (0: never), where
     programmatic dependent launch is on (without it the kernel only matches cuBLAS)."""
-    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and pdl_enabled(x.device)
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and pdl_enabled(x.device, tuning)
             and x.dtype in _FLOAT and weight.dtype == x.dtype and weight.dim() == 2
             and weight.shape[1] <= GEMV_TILE and x.stride(-1) == 1 and weight.stride(-1) == 1
-            and weight.numel() * weight.element_size() <= TUNING["gemv_max_bytes"])
+            and weight.numel() * weight.element_size() <= tuning.gemv_max_bytes)
 
 
 def _check_projection(name, x, weight, bias, max_rows):
@@ -188,7 +190,7 @@ def _check_projection(name, x, weight, bias, max_rows):
     return M, N, K
 
 
-def gemv(x, weight, bias=None):
+def gemv(x, weight, bias=None, tuning: KernelTuning = DEFAULT_TUNING):
     """x: [M, K] float (M <= GEMV_MAX_ROWS); weight: [N, K] (x's dtype); bias: [N] or None ->
     [M, N] in x's dtype, fp32 accumulation. See :mod:`.gemv`."""
     dev = x.device
@@ -204,7 +206,7 @@ def gemv(x, weight, bias=None):
         x, weight, bias if bias is not None else weight, y, N, K,
         x.stride(0), weight.stride(0), y.stride(0),
         M=M, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-        **pdl_kwargs(dev),
+        **pdl_kwargs(dev, tuning),
     )
     return y
 
@@ -217,19 +219,19 @@ _HALF = (torch.bfloat16, torch.float16)
 _SKINNY_COUNTERS: dict = {}
 
 
-def skinny_fits(x, weight) -> bool:
+def skinny_fits(x, weight, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
     """Whether :func:`skinny_gemm` takes ``F.linear(x, weight)``: a CUDA decode projection in bf16
-    or fp16 of at most ``TUNING["skinny_max_rows"]`` rows (0: never) whose weights are too large
+    or fp16 of at most ``tuning.skinny_max_rows`` rows (0: never) whose weights are too large
     for the GEMV, where programmatic dependent launch is on, outside a graph capture until the
     first eager call on the device has made its counters (the engine warms up before it captures)."""
-    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= min(TUNING["skinny_max_rows"], SKINNY_MAX_ROWS)
-            and pdl_enabled(x.device) and x.dtype in _HALF and weight.dtype == x.dtype and weight.dim() == 2
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= min(tuning.skinny_max_rows, SKINNY_MAX_ROWS)
+            and pdl_enabled(x.device, tuning) and x.dtype in _HALF and weight.dtype == x.dtype and weight.dim() == 2
             and x.stride(-1) == 1 and weight.stride(-1) == 1
-            and weight.numel() * weight.element_size() > TUNING["gemv_max_bytes"]
+            and weight.numel() * weight.element_size() > tuning.gemv_max_bytes
             and (x.device in _SKINNY_COUNTERS or not torch.cuda.is_current_stream_capturing()))
 
 
-def skinny_gemm(x, weight, bias=None, split_k=None):
+def skinny_gemm(x, weight, bias=None, split_k=None, tuning: KernelTuning = DEFAULT_TUNING):
     """x: [M, K] bf16 / fp16 (M <= 16); weight: [N, K] (x's dtype); bias: [N] or None -> [M, N]
     in x's dtype, fp32 accumulation, one launch. ``split_k``: K ranges per N tile (default: about
     two programs per SM). See :mod:`.skinny`."""
@@ -239,7 +241,7 @@ def skinny_gemm(x, weight, bias=None, split_k=None):
         _fail(f"skinny_gemm: x is {x.dtype}; the kernel takes bf16 or fp16")
     block_n, block_k = 64, 128
     tiles = triton.cdiv(N, block_n)
-    if split_k is None:  # a power of two near two programs per SM (the H200's best, results/h200-s14)
+    if split_k is None:  # a power of two near two programs per SM (the H200's best)
         per = max(1, 2 * _num_sms(dev) // tiles)
         split_k = min(8, 1 << (per.bit_length() - 1))
     if not 1 <= split_k <= 64:
@@ -253,6 +255,6 @@ def skinny_gemm(x, weight, bias=None, split_k=None):
         x, weight, bias if bias is not None else weight, y, part, cnt, M, N, K,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, STAGES=3,
-        DOT_F32=_INTERPRET, num_warps=4, **pdl_kwargs(dev),
+        DOT_F32=_INTERPRET, num_warps=4, **pdl_kwargs(dev, tuning),
     )
     return y

@@ -9,7 +9,7 @@ Taking part: RMSNorm, SiLU-and-mul, RoPE + store and the attention merge, which 
 (``enter``) and so only hide their launch latency, and the small-projection GEMV (gemv.py), which
 loads its weights, written by no kernel, before it waits. The attention and Double Sparsity
 kernels launch normally: launched this way too, the DS stages measured 2-7 us per layer slower on
-an H200 and the dense attention no faster (results/h200-s7/README.md).
+an H200 and the dense attention no faster.
 """
 
 import triton
@@ -17,7 +17,7 @@ import triton.language as tl
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     HAVE_GDC = True
-except ImportError:  # Triton before 3.4: no PDL (launch.pdl_enabled is then False)
+except ImportError:  # Triton before 3.4: no PDL (common.pdl_enabled is then False)
     gdc_launch_dependents = gdc_wait = None
     HAVE_GDC = False
 

@@ -6,7 +6,7 @@ projection starts only when the kernel ahead has ended. Here one launch does bot
 program of each N tile to arrive sums the split-K partials; its counter is reset by it), and with
 programmatic dependent launch (pdl.py) each program has its first weight tile in flight before it
 waits for the kernel ahead: the weights are written by no kernel of the step. Measured on an H200
-at 3 rows (benchmarks/skinny_gemm_probe.py, results/h200-s14): o_proj 15.6 vs 17.1 us, down 34.8
+at 3 rows: o_proj 15.6 vs 17.1 us, down 34.8
 vs 35.7, gate_up 60.5 vs 65.0, qkv 20.6 vs 20.8.
 
 Grid: (cdiv(N, BLOCK_N), SPLIT_K). x's rows are padded to 16 for the tensor-core product.
