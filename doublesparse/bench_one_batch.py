@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                    weight_bytes=wbytes, channel_source=parts.channel_source,
                    heavy_token_num=parts.ds.heavy_token_num if parts.ds else None,
                    heavy_channel_num=parts.plan.heavy_channel_num or None,
-                   cuda_graphs=sorted(parts.runner.graphs), kernel_tuning=dataclasses.asdict(cfg.kernel_tuning),
+                   cuda_graphs=[list(k) for k in sorted(parts.runner.graphs)], kernel_tuning=dataclasses.asdict(cfg.kernel_tuning),
                    results=results)
         with open(args.result_json, "w") as f:
             json.dump(out, f, indent=2)

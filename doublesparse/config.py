@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 
+from .attention.budget import TokenBudget
 from .kernels.tuning import KernelTuning
 
 ATTENTION_BACKENDS = ("dense", "double_sparsity", "torch")
@@ -67,7 +69,11 @@ class EngineConfig:
 
     ``None`` means "derive": ``dtype`` from the checkpoint/device, ``device`` = cuda if available,
     ``attention_backend`` from ``enable_double_sparsity``, ``ds_heavy_channel_num`` = head_dim // 4,
-    ``ds_heavy_token_num`` = max context // 16, ``max_total_tokens`` from ``mem_fraction_static``
+    ``ds_heavy_token_num`` = None: a per-request budget ``clamp(ceil(ds_heavy_token_ratio x length),
+    ds_heavy_token_min, ds_heavy_token_max)`` (max: ratio x max context); an int: that fixed k for
+    every request (SGLang's meaning). ``ds_sparse_decode_threshold`` = None: the automatic
+    dense/sparse choice (attention/budget.py); an int: SGLang's meaning (sparse from that length).
+    ``max_total_tokens`` from ``mem_fraction_static``
     (CUDA) or :data:`CPU_DEFAULT_TOTAL_TOKENS` (CPU), ``max_running_requests`` = 64.
     ``kernel_tuning``: the kernels' launch parameters and choices (docs/tuning.md), handed to every
     launch of this engine only.
@@ -84,7 +90,10 @@ class EngineConfig:
     ds_heavy_channel_num: int | None = None
     ds_heavy_token_num: int | None = None
     ds_heavy_channel_type: str = "qk"
-    ds_sparse_decode_threshold: int = 0
+    ds_heavy_token_ratio: float = 1 / 16
+    ds_heavy_token_min: int = 512
+    ds_heavy_token_max: int | None = None
+    ds_sparse_decode_threshold: int | None = None
     ds_selection_mode: str = "group_max"
     ds_label_dtype: str = "bf16"
     ds_num_sink: int | None = None
@@ -112,8 +121,13 @@ class EngineConfig:
         for name in ("ds_heavy_channel_num", "ds_heavy_token_num", "max_total_tokens",
                      "max_running_requests", "context_length"):
             _check_pos(name, getattr(self, name))
-        for name in ("ds_sparse_decode_threshold", "seed"):
-            _check_pos(name, getattr(self, name), allow_none=False, allow_zero=True)
+        _check_pos("ds_sparse_decode_threshold", self.ds_sparse_decode_threshold, allow_zero=True)
+        _check_pos("seed", self.seed, allow_none=False, allow_zero=True)
+        _check_pos("ds_heavy_token_min", self.ds_heavy_token_min, allow_none=False)
+        _check_pos("ds_heavy_token_max", self.ds_heavy_token_max)
+        r = self.ds_heavy_token_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r <= 1.0:
+            raise ValueError(f"ds_heavy_token_ratio must be in (0, 1], got {r!r}")
         for name in ("ds_num_sink", "ds_num_recent"):
             _check_pos(name, getattr(self, name), allow_none=True, allow_zero=True)
         _check_pos("chunked_prefill_size", self.chunked_prefill_size, allow_none=False)
@@ -168,8 +182,17 @@ class EngineConfig:
             raise ValueError(f"ds_heavy_channel_num={r} exceeds head_dim={head_dim}")
         return r
 
+    def token_budget(self, max_context_len: int) -> TokenBudget:
+        """Each request's k: the fixed ``ds_heavy_token_num`` when given, else the ratio of its
+        length clamped to [min, max] (min capped at max: a short-context model gets one k)."""
+        if self.ds_heavy_token_num:
+            return TokenBudget.fixed(self.ds_heavy_token_num)
+        k_max = self.ds_heavy_token_max or max(1, math.ceil(self.ds_heavy_token_ratio * max_context_len))
+        return TokenBudget(min(self.ds_heavy_token_min, k_max), k_max, float(self.ds_heavy_token_ratio))
+
     def heavy_token_num(self, max_context_len: int) -> int:
-        return self.ds_heavy_token_num or max(1, max_context_len // 16)
+        """The largest k any request gets (the decode workspace's size)."""
+        return self.token_budget(max_context_len).k_max
 
     def sink_recent(self, heavy_token_num: int) -> tuple[int, int]:
         """Tokens always selected (first, last), inside k. Default 4 sink + 32 recent, scaled down
@@ -207,10 +230,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Double Sparsity decode (--no-enable-double-sparsity to turn it off)")
     g.add_argument("--ds-channel-config-path", help="channel config JSON (default: packaged or weight-based)")
     g.add_argument("--ds-heavy-channel-num", type=int, help="label channels r (default head_dim // 4)")
-    g.add_argument("--ds-heavy-token-num", type=int, help="top-k tokens (default max context // 16)")
+    g.add_argument("--ds-heavy-token-num", type=int,
+                   help="a fixed top-k for every request (default: per request, see the ratio)")
+    g.add_argument("--ds-heavy-token-ratio", type=float,
+                   help="per-request top-k = ratio x its length, clamped to [min, max] (default 1/16)")
+    g.add_argument("--ds-heavy-token-min", type=int, help="smallest per-request top-k (default 512)")
+    g.add_argument("--ds-heavy-token-max", type=int,
+                   help="largest per-request top-k (default ratio x max context)")
     g.add_argument("--ds-heavy-channel-type", choices=CHANNEL_TYPES)
-    g.add_argument("--ds-sparse-decode-threshold", type=int,
-                   help="decode sparsely only when seq_len >= this (and > k)")
+    g.add_argument("--ds-sparse-decode-threshold", type=_threshold, metavar="{auto,N}",
+                   help="auto (default): decode a step sparsely when a cost model of the bytes and "
+                        "fixed launch time of each path says it wins; N: sparsely for requests of at "
+                        "least N tokens (and more than their k)")
     g.add_argument("--ds-selection-mode", choices=SELECTION_MODES)
     g.add_argument("--ds-label-dtype", choices=LABEL_DTYPES)
     g.add_argument("--ds-num-sink", type=int, help="first tokens always selected (default: 4, at most k/8)")
@@ -246,6 +277,15 @@ def _kernel_tuning_file(path: str) -> KernelTuning:
         raise argparse.ArgumentTypeError(f"{path}: {e}") from e
 
 
+def _threshold(v: str):
+    if v == "auto":
+        return "auto"
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {v!r}") from None
+
+
 def from_cli_args(ns: argparse.Namespace, **defaults) -> EngineConfig:
     """Build an EngineConfig from parsed flags; ``defaults`` apply where a flag was not given."""
     kw = dict(defaults)
@@ -253,4 +293,6 @@ def from_cli_args(ns: argparse.Namespace, **defaults) -> EngineConfig:
         v = getattr(ns, f.name, None)
         if v is not None:
             kw[f.name] = v
+    if kw.get("ds_sparse_decode_threshold") == "auto":
+        kw["ds_sparse_decode_threshold"] = None
     return EngineConfig(**kw)

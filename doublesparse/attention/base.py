@@ -148,6 +148,11 @@ class AttentionBackend:
         raise NotImplementedError
 
     # ---------------------------------------------------------------------------- facts
+    def decode_plan(self, seq_lens_host) -> tuple[list[int] | None, bool]:
+        """Per request of a decode step: its top-k (None: this backend selects nothing), and
+        whether the step decodes sparsely."""
+        return None, False
+
     def sparse_rows(self, seq_lens_host) -> list[bool]:
         """Per request of a decode step (host-known lengths after the step): does it select tokens?"""
         return [False] * len(seq_lens_host)

@@ -1,8 +1,11 @@
 """Double Sparsity: dense prefill that also writes K labels; sparse decode.
 
 Decode per layer: label scores ``q[heavy] . label`` for every cached token -> top-k on the device
--> exact attention over the selected tokens only. Requests with ``seq_len <= k`` (or below the
-threshold) decode densely inside the same launches, decided on the device.
+-> exact attention over the selected tokens only. Each request has its own k (``DSParams.policy``,
+attention/budget.py), planned on the host from lengths it knows and handed to the kernels as a
+device tensor (``ForwardBatch.ds_k``); a request whose k is DENSE decodes densely inside the same
+launches. A step in which no request decodes sparsely (``ForwardBatch.ds_sparse`` False) runs the
+dense decode kernel alone: the score and select launches would only add their fixed time.
 
 Batch parts (CUDA): a decode batch can be cut into parts of whole requests, each launched on its
 own stream over its own workspace rows and joined before the output is used, so that the select's
@@ -25,18 +28,32 @@ import torch
 from ..kernels import ops
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from .base import AttentionBackend
+from .budget import DENSE, DecodePolicy, TokenBudget
 
 AUTO_PARTS_MIN_BATCH = 16
 
 
 @dataclass(frozen=True)
 class DSParams:
+    """heavy_token_num: the largest k of any request (the workspace's size). policy: each
+    request's k and the dense/sparse choice; None: the fixed k = heavy_token_num for requests of
+    at least ``threshold`` tokens (None there too: every request longer than k)."""
+
     heavy_token_num: int
     mode: str = "group_max"
-    threshold: int = 0
+    threshold: int | None = 0
     num_sink: int = 0
     num_recent: int = 0
     batch_parts: int = 0  # 0 = auto (see the module docstring)
+    policy: DecodePolicy | None = None
+
+    def __post_init__(self):
+        if self.policy is None:
+            pol = DecodePolicy(TokenBudget.fixed(self.heavy_token_num), self.threshold or 0)
+            object.__setattr__(self, "policy", pol)
+        if self.policy.budget.k_max > self.heavy_token_num:
+            raise ValueError(f"the policy's largest k {self.policy.budget.k_max} exceeds "
+                             f"heavy_token_num {self.heavy_token_num}")
 
 
 def cut_batch(batch_size: int, parts: int) -> list[tuple[int, int]]:
@@ -59,7 +76,17 @@ class DoubleSparsityBackend(AttentionBackend):
         self._streams: list = []   # side streams for batch parts 1.. (created on first use)
         self._parts: dict = {}     # batch size -> [(a, b, workspace views over rows a:b)]
 
+    def decode_plan(self, seq_lens_host) -> tuple[list[int], bool]:
+        """Per request of a decode step (lengths after it): its k (DENSE: attends to every token),
+        and whether the step runs the sparse launches at all."""
+        return self.ds.policy.plan(list(seq_lens_host))
+
     def decode_attention(self, layer_id, q, batch):
+        if not getattr(batch, "ds_sparse", True):
+            m = self.memory
+            return ops.dense_decode(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx,
+                                    batch.seq_lens, self.sm_scale, ws=self.workspace, impl=self.impl,
+                                    tuning=self.tuning)
         parts = self._batch_parts(q.shape[0])
         if len(parts) == 1:
             return self._decode(layer_id, q, batch.req_idx, batch.seq_lens, self.workspace)
@@ -90,7 +117,7 @@ class DoubleSparsityBackend(AttentionBackend):
         m, d = self.memory, self.ds
         return ops.ds_decode(q, m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id],
                              self.channels[layer_id], m.req_to_token, req_idx, seq_lens,
-                             self.sm_scale, d.heavy_token_num, d.mode, d.threshold, d.num_sink,
+                             self.sm_scale, d.heavy_token_num, d.mode, d.threshold or 0, d.num_sink,
                              d.num_recent, ws=ws, out=out, impl=self.impl, tuning=self.tuning)
 
     def _side_streams(self, n, device):
@@ -99,9 +126,8 @@ class DoubleSparsityBackend(AttentionBackend):
         return self._streams[:n]
 
     def sparse_rows(self, seq_lens_host) -> list[bool]:
-        # same rule as the kernels' device-side choice (reference.is_sparse)
-        d = self.ds
-        return [n > d.heavy_token_num and n >= d.threshold for n in seq_lens_host]
+        ks, _ = self.decode_plan(seq_lens_host)
+        return [k != DENSE for k in ks]
 
     def decode_bytes(self, seq_lens_host) -> int:
         """Labels of every cached token + K/V of the selected ones (dense rows: all K/V)."""
@@ -109,9 +135,9 @@ class DoubleSparsityBackend(AttentionBackend):
         rows_sel = self.num_q_heads if self.ds.mode == "per_head" else p.num_kv_heads
         sel_kv = 2 * p.num_layers * rows_sel * p.head_dim * p.kv_dtype.itemsize
         total = 0
-        for n, sparse in zip(seq_lens_host, self.sparse_rows(seq_lens_host)):
-            if sparse:
-                total += n * p.label_bytes_per_token + self.ds.heavy_token_num * sel_kv
+        for n, k in zip(seq_lens_host, self.decode_plan(seq_lens_host)[0]):
+            if k != DENSE:
+                total += n * p.label_bytes_per_token + k * sel_kv
             else:
                 total += n * p.kv_bytes_per_token
         return total

@@ -19,17 +19,19 @@ def _step_fn(parts, rows, tokens, positions):
     runner, mem = parts.runner, parts.memory
     runner.decode(rows, tokens, positions)
     B = len(rows)
-    bucket = next((b for b in runner.graphs if b >= B), None)
+    ks, sparse = parts.backend.decode_plan([p + 1 for p in positions])
+    bucket = next((b for b, sp in runner.graphs if b >= B and sp == sparse), None)
     if bucket is not None:
-        return runner.graphs[bucket][0].replay, f"graph bs{bucket}"
+        return runner.graphs[(bucket, sparse)][0].replay, f"graph bs{bucket}{' sparse' if sparse else ''}"
     row_t = torch.tensor(rows, dtype=torch.int64)
     pos_t = torch.tensor(positions, dtype=torch.int64)
     slots = mem.req_to_token_host[row_t, pos_t].to(torch.int64)  # assigned by the decode above
     host = runner.host_inputs(tokens, pos_t, slots, row_t)
+    ds_k = None if ks is None else torch.tensor(ks, dtype=torch.int32, device=parts.device)
 
     def eager():
         with torch.inference_mode():
-            runner._decode_eager(B, host)
+            runner._decode_eager(B, host, None, ds_k, sparse)
     return eager, "eager"
 
 

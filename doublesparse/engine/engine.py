@@ -122,10 +122,12 @@ class Engine:
         if sp.enable_double_sparsity is not None and sp.enable_double_sparsity != ds_on:
             raise ValueError(f"per-request enable_double_sparsity={sp.enable_double_sparsity} is not "
                              f"supported: this engine runs with Double Sparsity {'on' if ds_on else 'off'}")
-        if sp.ds_heavy_token_num is not None and (not ds_on or sp.ds_heavy_token_num != self.parts.ds.heavy_token_num):
-            have = self.parts.ds.heavy_token_num if ds_on else None
-            raise ValueError(f"per-request ds_heavy_token_num={sp.ds_heavy_token_num} is not supported: "
-                             f"the engine decodes with ds_heavy_token_num={have} for every request")
+        if sp.ds_heavy_token_num is not None:
+            budget = self.parts.ds.policy.budget if ds_on else None
+            if budget is None or budget.ratio or sp.ds_heavy_token_num != budget.k_max:
+                have = budget.describe() if budget else "dense decode"
+                raise ValueError(f"per-request ds_heavy_token_num={sp.ds_heavy_token_num} is not "
+                                 f"supported: the engine decodes every request with {have}")
 
     def add_request(self, prompt, sampling_params=None, request_id: str | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError (RequestRefused) if it can never run."""
@@ -411,4 +413,5 @@ class Engine:
                     failed_steps=c["failed_steps"], attention_backend=p.backend.name,
                     double_sparsity=p.ds is not None, channel_source=p.channel_source,
                     heavy_token_num=p.ds.heavy_token_num if p.ds else None,
+                    decode_policy=p.ds.policy.describe() if p.ds else None,
                     heavy_channel_num=p.memory.plan.heavy_channel_num or None)

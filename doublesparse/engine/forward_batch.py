@@ -22,6 +22,8 @@ class ForwardBatch:
     Prefill only (host ints): rows_host, extend_prefix_lens, extend_lens.
     attn_meta: what ``attn.plan(batch)`` computed for this step.
     tuning: the engine's kernel launch parameters and choices (the model's fused kernels read it).
+    Decode with Double Sparsity: ds_k [B] int32 (device), each request's top-k (attention/budget.py
+    DENSE: all its tokens); ds_sparse (host): whether the step runs the sparse launches at all.
     """
 
     mode: str
@@ -37,6 +39,8 @@ class ForwardBatch:
     extend_lens: tuple[int, ...] = ()
     attn_meta: Any = field(default=None, repr=False)
     tuning: KernelTuning = field(default=DEFAULT_TUNING, repr=False)
+    ds_k: torch.Tensor | None = None
+    ds_sparse: bool = False
 
     @property
     def batch_size(self) -> int:

@@ -1,7 +1,8 @@
 """Turns scheduler decisions into ForwardBatches, runs the model, replays decode CUDA graphs.
 
-Decode graphs are captured once per batch bucket (1, 2, 4, ... up to ``graph_max_bs``) with static
-input buffers; a smaller batch is padded up to its bucket with rows that read and write only the
+Decode graphs are captured once per batch bucket (1, 2, 4, ... up to ``graph_max_bs``) and, with
+Double Sparsity, once more per bucket for steps that decode densely (the backend's ``decode_plan``
+says which a step is, from lengths the host knows), with static input buffers; a smaller batch is padded up to its bucket with rows that read and write only the
 padding slot 0 through the padding row 0 of req_to_token (seq_len 1), so they cost almost nothing
 and touch no real request's cache. On CPU (or with graphs disabled) everything runs eagerly.
 """
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
+from ..attention.budget import DENSE
 from .forward_batch import ForwardBatch
 from .transfer import to_device
 
@@ -56,7 +58,7 @@ class ModelRunner:
         self.backend = backend
         self.device = torch.device(device)
         self.graph_max_bs = min(graph_max_bs, memory.plan.max_reqs)
-        self.graphs: dict[int, tuple] = {}
+        self.graphs: dict[tuple[int, bool], tuple] = {}  # (bucket, sparse) -> graph
         self._inputs = None  # (device buffer, pinned host buffer, its int64 / int32 numpy views, event)
         if use_cuda_graph and self.device.type == "cuda":
             self.capture_graphs()
@@ -97,16 +99,18 @@ class ModelRunner:
         B = len(rows)
         row_t = torch.tensor(rows, dtype=torch.int64)
         pos_t = torch.tensor(positions, dtype=torch.int64)
-        bucket = next((b for b in self.graphs if b >= B), None)
+        ks, sparse = self.backend.decode_plan([p + 1 for p in positions])
+        bucket = next((b for b, sp in self.graphs if b >= B and sp == sparse), None)
         # a graph replay writes the device req_to_token itself (see _graph_step)
         slots = self.memory.assign(row_t, pos_t, B, write_device=bucket is None)
         if bucket is not None:
-            return self._replay_packed(bucket, B, tokens, positions, slots.numpy(), rows)
+            return self._replay_packed((bucket, sparse), B, tokens, positions, slots.numpy(), rows, ks)
         host = self.host_inputs(tokens, pos_t, slots, row_t)
+        ds_k = to_device(torch.tensor(ks, dtype=torch.int32), self.device) if ks is not None else None
         if self.device.type == "cpu":
             with _cpu_threads(max(1, min(torch.get_num_threads(), B))):
-                return self._decode_eager(B, host, tokens)
-        return self._decode_eager(B, host, tokens)
+                return self._decode_eager(B, host, tokens, ds_k, sparse)
+        return self._decode_eager(B, host, tokens, ds_k, sparse)
 
     @staticmethod
     def host_inputs(tokens, pos_t: torch.Tensor, slots: torch.Tensor, row_t: torch.Tensor) -> torch.Tensor:
@@ -122,12 +126,13 @@ class ModelRunner:
             dev[0] = tokens
         return dev
 
-    def _decode_eager(self, B: int, host: torch.Tensor, tokens=None) -> torch.Tensor:
+    def _decode_eager(self, B: int, host: torch.Tensor, tokens=None, ds_k=None,
+                      sparse: bool = False) -> torch.Tensor:
         dev = self._device_inputs(host, tokens)
         batch = ForwardBatch(mode="decode", input_ids=dev[0], positions=dev[1], out_slots=dev[2],
                              req_idx=dev[3].to(torch.int32), seq_lens=dev[4].to(torch.int32),
                              logits_indices=torch.arange(B, device=self.device), attn=self.backend,
-                             tuning=self.tuning)
+                             tuning=self.tuning, ds_k=ds_k, ds_sparse=sparse)
         self.backend.plan(batch)
         return self.model(batch.input_ids, batch.positions, batch)
 
@@ -135,31 +140,37 @@ class ModelRunner:
     def _make_inputs(self) -> None:
         """The graphs' input buffers: rows 0-2 of a [5, n] int64 buffer hold input_ids, positions,
         out_slots; rows 3 and 4 hold req_idx and seq_lens as int32 in their first n int32 lanes
-        (the kernels want int32), so one contiguous copy moves everything. Padding values:
-        0 everywhere, seq_len 1 (rows that read and write only slot 0)."""
+        (the kernels want int32) and row 3's last n lanes each request's top-k, so one contiguous
+        copy moves everything. Padding values: 0 everywhere, seq_len 1 (rows that read and write
+        only slot 0), top-k DENSE."""
         n = self.graph_max_bs
         host = torch.zeros(5, n, dtype=torch.int64, pin_memory=True)
         h64 = host.numpy()
         h32 = h64[3:].view(np.int32)[:, :n]       # [2, n] int32 views of rows 3, 4
         h32[1] = 1
+        h64[3].view(np.int32)[n:] = DENSE
         dev = host.to(self.device)
         self._inputs = (dev, host, h64, h32, torch.cuda.Event())
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
-        dev = self._inputs[0]
+    def _static_batch(self, bs: int, sparse: bool) -> ForwardBatch:
+        dev, n = self._inputs[0], self.graph_max_bs
         i32 = lambda row: dev[row].view(torch.int32)[:bs]  # noqa: E731
         return ForwardBatch(mode="decode", input_ids=dev[0, :bs], positions=dev[1, :bs],
                             out_slots=dev[2, :bs], req_idx=i32(3), seq_lens=i32(4),
                             logits_indices=torch.arange(bs, device=self.device), attn=self.backend,
-                            tuning=self.tuning)
+                            tuning=self.tuning, ds_k=dev[3].view(torch.int32)[n:n + bs],
+                            ds_sparse=sparse)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """Capture one decode graph per bucket, largest first so smaller ones reuse its pool."""
+        """Capture one decode graph per bucket (and per dense / sparse step with Double Sparsity),
+        largest first so smaller ones reuse its pool."""
         pool = torch.cuda.graph_pool_handle()
         self._make_inputs()
-        for bs in sorted(graph_buckets(self.graph_max_bs), reverse=True):
-            batch = self._static_batch(bs)
+        modes = (True, False) if getattr(self.backend, "stores_labels", False) else (False,)
+        for bs, sparse in sorted(((b, sp) for b in graph_buckets(self.graph_max_bs) for sp in modes),
+                                 reverse=True):
+            batch = self._static_batch(bs, sparse)
             self.backend.plan(batch)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -170,7 +181,7 @@ class ModelRunner:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 logits = self._graph_step(batch)
-            self.graphs[bs] = (g, batch, logits)
+            self.graphs[(bs, sparse)] = (g, batch, logits)
         self.graphs = dict(sorted(self.graphs.items()))
         torch.cuda.synchronize(self.device)
 
@@ -182,11 +193,12 @@ class ModelRunner:
                                             batch.out_slots.to(torch.int32))
         return self.model(batch.input_ids, batch.positions, batch)
 
-    def _replay_packed(self, bs: int, B: int, tokens, positions, slots: np.ndarray, rows) -> torch.Tensor:
-        """One decode step through the graph of bucket ``bs`` (>= B): padding is filled on the host,
-        then one pinned H2D copy of the whole (tiny) input buffer (separate copies per field cost
-        ~0.5 ms of host time per step)."""
-        g, sb, logits = self.graphs[bs]
+    def _replay_packed(self, key: tuple[int, bool], B: int, tokens, positions, slots: np.ndarray,
+                       rows, ks) -> torch.Tensor:
+        """One decode step through the graph ``key`` = (bucket >= B, sparse): padding is filled on
+        the host, then one pinned H2D copy of the whole (tiny) input buffer (separate copies per
+        field cost ~0.5 ms of host time per step)."""
+        g, sb, logits = self.graphs[key]
         dev, host, h64, h32, copied = self._inputs
         copied.synchronize()  # the previous step's copy has read the host buffer (normally long done)
         on_device = isinstance(tokens, torch.Tensor)
@@ -198,6 +210,9 @@ class ModelRunner:
         h32[1, :B] = h64[1, :B] + 1
         h32[0, B:] = 0
         h32[1, B:] = 1  # rows a previous, larger batch filled go back to padding
+        k32 = h64[3].view(np.int32)[self.graph_max_bs:]
+        k32[:B] = DENSE if ks is None else ks
+        k32[B:] = DENSE
         dev.copy_(host, non_blocking=True)
         copied.record(torch.cuda.current_stream(self.device))
         if on_device:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import DSParams, create_backend, prefill
+from ..attention.budget import DecodeCost, DecodePolicy
 from ..config import EngineConfig
 from ..kernels.workspace import DecodeWorkspace
 from .memory import KVMemory, MemoryPlan, plan_memory
@@ -80,6 +81,21 @@ def resolve_channels(cfg: EngineConfig, model, mc, r: int) -> tuple[torch.Tensor
         return _first_channels(mc, r), f"first {r} channels (no usable weights)"
 
 
+def ds_params(cfg: EngineConfig, plan: MemoryPlan, num_q_heads: int, device: torch.device) -> DSParams:
+    """Each request's budget, the dense/sparse choice (its cost model reads what a token costs in
+    these pools and the tuning's figures for this kind of device), and the forced tokens."""
+    budget = cfg.token_budget(plan.max_ctx)
+    rows = num_q_heads if cfg.ds_selection_mode == "per_head" else plan.num_kv_heads
+    bandwidth, per_layer = cfg.kernel_tuning.decode_cost_figures(device.type)
+    cost = DecodeCost(kv_bytes_per_token=plan.kv_bytes_per_token,
+                      label_bytes_per_token=plan.label_bytes_per_token,
+                      selected_bytes_per_token=2 * plan.num_layers * rows * plan.head_dim * plan.kv_dtype.itemsize,
+                      bandwidth=bandwidth, sparse_step_overhead_s=per_layer * plan.num_layers)
+    policy = DecodePolicy(budget, cfg.ds_sparse_decode_threshold, cost)
+    return DSParams(budget.k_max, cfg.ds_selection_mode, cfg.ds_sparse_decode_threshold,
+                    *cfg.sink_recent(budget.k_min), batch_parts=cfg.ds_batch_parts or 0, policy=policy)
+
+
 def _first_channels(mc, r: int) -> torch.Tensor:
     return torch.arange(r).expand(mc.num_layers, mc.num_kv_heads, r).clone()
 
@@ -116,15 +132,13 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
                       f"full context (capping the context at {mc.sliding_window} keeps it exact)")
     ds = channels = None
     source = None
-    r = 0
+    r = cfg.heavy_channel_num(mc.head_dim) if cfg.use_double_sparsity else 0
+    plan = plan_memory(cfg, mc, _model_dtype(model), device, max_ctx, r)
     if cfg.use_double_sparsity:
-        r = cfg.heavy_channel_num(mc.head_dim)
-        k = cfg.heavy_token_num(max_ctx)
-        ds = DSParams(k, cfg.ds_selection_mode, cfg.ds_sparse_decode_threshold, *cfg.sink_recent(k),
-                      batch_parts=cfg.ds_batch_parts or 0)
+        ds = ds_params(cfg, plan, mc.num_q_heads, device)
         ch, source = resolve_channels(cfg, model, mc, r)
         channels = ch.to(device=device, dtype=torch.int32).contiguous()
-        log.info("Double Sparsity: k=%d, r=%d, %s", ds.heavy_token_num, r, source)
+        log.info("Double Sparsity: %s; r=%d, %s", ds.policy.describe(), r, source)
     max_bs = cfg.resolved_max_running_requests
     ws = None
     if device.type == "cuda":
@@ -132,7 +146,6 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
                              num_q_heads=mc.num_q_heads, num_kv_heads=mc.num_kv_heads,
                              head_dim=mc.head_dim, max_ctx=max_ctx,
                              max_heavy_tokens=ds.heavy_token_num if ds else 0, device=device)
-    plan = plan_memory(cfg, mc, _model_dtype(model), device, max_ctx, r)
     memory = KVMemory(plan, device)
     log.info("%s", plan.describe())
     backend = create_backend(cfg.resolved_attention_backend, use_double_sparsity=ds is not None, ds=ds,

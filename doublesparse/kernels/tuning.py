@@ -111,6 +111,15 @@ class KernelTuning:
     # True = wherever the inputs allow (CPU included: tests), False = never.
     prefill_split_prefix: bool | None = None
 
+    # The automatic dense/sparse choice of a decode step (attention/budget.py): the bandwidth the
+    # decode kernels reach, and the fixed time the sparse path's extra launches (score, select)
+    # add to a step per layer; on CUDA (H200: copy bandwidth; the extra time of the DS step over
+    # its byte floor beside dense's, at 1 x 16K) and on the CPU's PyTorch path.
+    decode_bandwidth_gbs: float = 4240.0
+    ds_step_overhead_us_per_layer: float = 15.0
+    cpu_decode_bandwidth_gbs: float = 10.0
+    cpu_ds_step_overhead_us_per_layer: float = 300.0
+
     def __post_init__(self):
         def bad(name, want):
             raise ValueError(f"KernelTuning.{name} must be {want}, got {getattr(self, name)!r}")
@@ -121,6 +130,9 @@ class KernelTuning:
                 bad(f.name, "a non-negative int")
             if f.type == "bool" and not isinstance(v, bool):
                 bad(f.name, "true or false")
+            if f.type == "float" and (not isinstance(v, (int, float)) or isinstance(v, bool)
+                                      or not v > 0 or v == float("inf")):
+                bad(f.name, "a positive number")
         if self.score_impl not in SCORE_IMPLS:
             bad("score_impl", f"one of {SCORE_IMPLS}")
         if self.select_impl not in SELECT_IMPLS:
@@ -150,6 +162,12 @@ class KernelTuning:
     def select_prefetch_phases(self) -> frozenset[int]:
         """The select phases (2, 3) that load their keys one block ahead."""
         return frozenset(int(c) for c in self.select_prefetch)
+
+    def decode_cost_figures(self, device_type: str) -> tuple[float, float]:
+        """(bytes/s, seconds per layer) of the dense/sparse cost model on this kind of device."""
+        if device_type == "cuda":
+            return self.decode_bandwidth_gbs * 1e9, self.ds_step_overhead_us_per_layer * 1e-6
+        return self.cpu_decode_bandwidth_gbs * 1e9, self.cpu_ds_step_overhead_us_per_layer * 1e-6
 
     @property
     def max_score_block(self) -> int:

@@ -57,6 +57,7 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
                 "kv_total_tokens": stat(s, "kv_total"), "in_flight": st.worker.in_flight}
         if "double_sparsity" in s:
             body["decode"] = {"double_sparsity": bool(s["double_sparsity"]),
+                              "policy": s.get("decode_policy"),
                               "heavy_token_num": s.get("heavy_token_num"),
                               "heavy_channel_num": s.get("heavy_channel_num"),
                               "channel_source": s.get("channel_source")}

@@ -112,9 +112,8 @@ def decode_mode_line(stats: dict) -> str:
     """One line saying how decode runs: the mode, the budget and where the channels came from."""
     if not stats.get("double_sparsity"):
         return "decode: dense (Double Sparsity off)"
-    k = stats.get("heavy_token_num")
-    return (f"decode: Double Sparsity, top-{k} tokens per step for requests longer than {k}, "
-            f"r={stats.get('heavy_channel_num')} label channels from {stats.get('channel_source')}")
+    return (f"decode: Double Sparsity, {stats.get('decode_policy')}; r={stats.get('heavy_channel_num')} "
+            f"label channels from {stats.get('channel_source')}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,11 +65,12 @@ class _EngineCollector:
             yield g
         if "double_sparsity" in s:
             info = GaugeMetricFamily(P + "decode_mode", "How decode runs (1 on the series whose "
-                                     "labels describe it)", labels=["double_sparsity",
+                                     "labels describe it)", labels=["double_sparsity", "policy",
                                                                     "heavy_token_num",
                                                                     "heavy_channel_num",
                                                                     "channel_source"])
-            info.add_metric([str(bool(s["double_sparsity"])).lower(), str(s.get("heavy_token_num")),
+            info.add_metric([str(bool(s["double_sparsity"])).lower(), str(s.get("decode_policy")),
+                             str(s.get("heavy_token_num")),
                              str(s.get("heavy_channel_num")), str(s.get("channel_source"))], 1.0)
             yield info
         for name, doc, v in (("decode_steps", "Decode steps run by the engine", steps),

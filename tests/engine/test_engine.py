@@ -25,6 +25,8 @@ def model():
 
 def engine(model, **kw):
     kw.setdefault("max_total_tokens", 4096)
+    # toy models never pay for sparse decode under the cost model: these tests want its kernels
+    kw.setdefault("ds_sparse_decode_threshold", 0)
     kw.setdefault("max_running_requests", 8)
     return Engine(model=model, tokenizer=ByteTokenizer(), progress=False, **kw)
 
@@ -201,11 +203,14 @@ def test_sampling_seeded_reproducible(model):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("ds,parts", [(False, None), (True, None), (True, 2)], ids=["dense", "ds", "ds-parts2"])
-def test_cuda_graph_equals_eager(ds, parts):
-    """Decode graphs give eager's tokens: dense, DS, DS in batch parts."""
+@pytest.mark.parametrize("ds,parts,threshold", [(False, None, 0), (True, None, 0), (True, 2, 0), (True, None, 60)],
+                         ids=["dense", "ds", "ds-parts2", "ds-dense-and-sparse-steps"])
+def test_cuda_graph_equals_eager(ds, parts, threshold):
+    """Decode graphs give eager's tokens: dense, DS, DS in batch parts, and DS whose steps switch
+    between the sparse and the dense graphs as requests pass the threshold."""
     m = tiny_llama(seed=0, dtype=torch.bfloat16, device="cuda", max_position_embeddings=MAX_POS)
-    kw = dict(device="cuda", enable_double_sparsity=ds, ds_heavy_token_num=16, ds_batch_parts=parts)
+    kw = dict(device="cuda", enable_double_sparsity=ds, ds_heavy_token_num=16, ds_batch_parts=parts,
+              ds_sparse_decode_threshold=threshold)
     ps = prompts(5, seed=7, lo=20, hi=80)
     sp = {**GREEDY, "max_new_tokens": 12}
     eager = engine(m, disable_cuda_graph=True, **kw).generate(ps, sp)
@@ -242,14 +247,14 @@ def test_smollm2_answers_and_ds_equals_dense_when_k_large(smol):
     dense = Engine(model=m, tokenizer=tok, max_total_tokens=2048, progress=False).generate(ids, sp)[0]
     assert "paris" in dense["text"].lower()
     ds = Engine(model=m, tokenizer=tok, max_total_tokens=2048, enable_double_sparsity=True,
-                ds_heavy_token_num=1024, progress=False).generate(ids, sp)[0]
+                ds_heavy_token_num=1024, ds_sparse_decode_threshold=0, progress=False).generate(ids, sp)[0]
     assert ds["token_ids"] == dense["token_ids"]
 
 
 def test_smollm2_sparse_decode_runs(smol):
     m, tok = smol
     e = Engine(model=m, tokenizer=tok, max_total_tokens=4096, enable_double_sparsity=True,
-               ds_heavy_token_num=64, progress=False)
+               ds_heavy_token_num=64, ds_sparse_decode_threshold=0, progress=False)
     text = "The cat sat on the mat. " * 40
     r = e.generate(text, {"temperature": 0.0, "max_new_tokens": 6})[0]
     assert r["meta"]["sparse_decode_steps"] == r["meta"]["decode_steps"] > 0
@@ -332,7 +337,8 @@ def test_bench_one_batch_dummy(tmp_path, capsys, warmup):
     out = tmp_path / "r.json"
     rc = bench_one_batch.main(["--model-path", "tiny-llama", "--load-format", "dummy", "--batch-size", "2",
                                "--input-len", "64", "--output-len", "4", "--enable-double-sparsity",
-                               "--ds-heavy-token-num", "16", *warmup, "--copy-bytes", "1000000",
+                               "--ds-heavy-token-num", "16", "--ds-sparse-decode-threshold", "0", *warmup,
+                               "--copy-bytes", "1000000",
                                "--result-json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -478,7 +484,7 @@ def test_smollm2_cohort_equals_interleave(smol):
     m, tok = smol
     ps = ["The capital of France is", "1, 2, 3, 4,", "The cat sat on the mat. " * 10]
     sp = {**GREEDY, "max_new_tokens": 4}
-    for kw in ({}, dict(enable_double_sparsity=True, ds_heavy_token_num=64)):
+    for kw in ({}, dict(enable_double_sparsity=True, ds_heavy_token_num=64, ds_sparse_decode_threshold=0)):
         outs = [Engine(model=m, tokenizer=tok, max_total_tokens=512, chunked_prefill_size=16,
                        prefill_schedule=sched, progress=False, **kw).generate(ps, sp)
                 for sched in ("interleave", "cohort")]

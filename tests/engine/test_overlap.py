@@ -21,6 +21,7 @@ def model():
 def engine(model, overlap, **kw):
     kw.setdefault("max_total_tokens", 2048)
     kw.setdefault("max_running_requests", 3)
+    kw.setdefault("ds_sparse_decode_threshold", 0)  # a toy model: run the sparse kernels anyway
     e = Engine(model=model, tokenizer=ByteTokenizer(), progress=False,
                disable_overlap_schedule=not overlap, **kw)
     assert not e.overlap  # CPU: off by default (every launch runs at once, nothing to overlap)

@@ -302,7 +302,8 @@ def _run(m, ds: bool, graphs: bool = False, heavy: int = 64, tuning: KernelTunin
     try:
         e = Engine(model=m, device=DEVICE, max_total_tokens=512, max_running_requests=4,
                    chunked_prefill_size=7, disable_cuda_graph=not graphs, cuda_graph_max_bs=4,
-                   enable_double_sparsity=ds, ds_heavy_token_num=heavy, kernel_tuning=tuning, progress=False)
+                   enable_double_sparsity=ds, ds_heavy_token_num=heavy, ds_sparse_decode_threshold=0,
+                   kernel_tuning=tuning, progress=False)
         assert bool(e.parts.runner.graphs) == graphs
         g = torch.Generator().manual_seed(3)
         prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (11, 4)]

@@ -299,9 +299,10 @@ def test_per_request_double_sparsity(srv):
     else:  # the real server decodes with Double Sparsity, its default, and says so
         d = srv.health()["decode"]
         assert d["double_sparsity"] and d["heavy_token_num"] and "channel config" in d["channel_source"]
+        assert "length" in d["policy"] and "auto" in d["policy"]  # per-request budgets, auto choice
         k = d["heavy_token_num"]
-        assert post(enable_double_sparsity=True, ds_heavy_token_num=k).status_code == 200
-        for extra in ({"ds_heavy_token_num": k + 1}, {"enable_double_sparsity": False}):
+        assert post(enable_double_sparsity=True).status_code == 200
+        for extra in ({"ds_heavy_token_num": k}, {"enable_double_sparsity": False}):
             r = post(**extra)
             assert r.status_code == 400 and "not supported" in r.json()["error"]["message"], r.text
         assert srv.metric("doublesparse_decode_mode", 'double_sparsity="true"') == 1
