@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", default=None)
     p.add_argument("--rs", type=int, nargs="+", default=None)
     p.add_argument("--k-fracs", type=float, nargs="+", default=None)
+    p.add_argument("--default-only", action="store_true",
+                   help="only dense and the engine's default Double Sparsity setting")
     p.add_argument("--no-text", action="store_true")
     p.add_argument("--no-retrieval", action="store_true")
     p.add_argument("--no-fidelity", action="store_true", help="skip per-layer attention fidelity")
@@ -97,7 +99,7 @@ def channel_source(args, model):
     return channels_for, (str(path) if path else "weight-based default_channels")
 
 
-def settings_for(args, head_dim: int = 64) -> list[Setting]:
+def settings_for(args, head_dim: int = 64, max_context: int | None = None) -> list[Setting]:
     """Dense, the engine's default, then the preset or the ``--types/--modes/--rs/--k-fracs``
     grid with the improvement variants of group_sum; each setting once."""
     if any(x is not None for x in (args.types, args.modes, args.rs, args.k_fracs)):
@@ -106,7 +108,10 @@ def settings_for(args, head_dim: int = 64) -> list[Setting]:
         body = g + [BASELINE] + improvements(BASELINE)
     else:
         body = preset("small" if args.small else "full")
-    return unique([DENSE, default_setting(head_dim)] + body)
+    first = [DENSE, default_setting(head_dim, max_context)]
+    if getattr(args, "default_only", False):
+        return first
+    return unique(first + body)
 
 
 def resolve_lengths(args, ctx: int) -> dict:
@@ -134,7 +139,7 @@ def run(args, model=None, tokenizer=None) -> dict:
     ctx = int(getattr(c, "max_position_embeddings", 4096))
     L = resolve_lengths(args, ctx)
     window_len, decode_len, num_windows, lens = L["window_len"], L["decode_len"], L["num_windows"], L["lens"]
-    settings = settings_for(args, int(c.head_dim))
+    settings = settings_for(args, int(c.head_dim), int(c.max_position_embeddings))
     channels_for, source = channel_source(args, model)
     progress = not args.quiet
     dims = (int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim))

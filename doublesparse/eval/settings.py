@@ -29,7 +29,8 @@ class Setting:
     channel_type: "q" | "k" | "qk" (which calibration statistic picked the channels).
     mode: "per_head" | "group_sum" | "group_max".
     r: heavy channels per KV head. k_frac: heavy tokens as a fraction of the context length
-    (k = max(1, round(k_frac * ctx))), so one setting scales across context lengths.
+    (k = max(1, round(k_frac * ctx))), so one setting scales across context lengths; k_min:
+    at least that many (the engine's ``--ds-heavy-token-min``), capped at k_max when given.
     num_sink / num_recent: always-kept first / last tokens (counted inside k); like the engine's
     default they are capped at k/8 and k/4 for small k (:meth:`sink_recent`).
     dense_layers: the first layers decode densely.
@@ -45,6 +46,8 @@ class Setting:
     num_recent: int = 0
     dense_layers: int = 0
     label: str = "bf16"
+    k_min: int = 0
+    k_max: int = 0
 
     def __post_init__(self):
         if self.kind not in ("dense", "ds"):
@@ -65,6 +68,8 @@ class Setting:
             s += f"/d{self.dense_layers}"
         if self.label != "bf16":
             s += f"/{self.label}"
+        if self.k_min or self.k_max:
+            s += f"/min{self.k_min}" + (f"max{self.k_max}" if self.k_max else "")
         return s
 
     @property
@@ -82,7 +87,8 @@ class Setting:
         return s
 
     def heavy_tokens(self, ctx: int) -> int:
-        return max(1, round(self.k_frac * ctx))
+        k = max(1, self.k_min, round(self.k_frac * ctx))
+        return min(k, self.k_max) if self.k_max else k
 
     def sink_recent(self, heavy_tokens: int) -> tuple[int, int]:
         """(sink, recent) actually forced at top-k ``heavy_tokens``: at most k/8 and k/4, the
@@ -112,15 +118,19 @@ DENSE = Setting(kind="dense")
 BASELINE = Setting("ds", "qk", "group_sum", 16, 1 / 16)
 
 
-def default_setting(head_dim: int = 64) -> Setting:
-    """The engine's default Double Sparsity decode (``EngineConfig`` defaults): its channel type
-    and selection mode, r = head_dim/4, k = ctx/16, 4 sink + 32 recent tokens."""
+def default_setting(head_dim: int = 64, max_context: int | None = None) -> Setting:
+    """The engine's default Double Sparsity decode (``EngineConfig`` defaults) where it decodes
+    sparsely: its channel type and selection mode, r = head_dim/4, each request's k = its length
+    x the ratio, clamped to [min, max] (the max from the model's ``max_context`` when given),
+    4 sink + 32 recent tokens."""
     from doublesparse.config import EngineConfig
 
     cfg = EngineConfig()
     sink, recent = cfg.sink_recent(1 << 20)  # unscaled values; Setting.sink_recent scales them
+    b = cfg.token_budget(max_context or (1 << 30))
     return Setting("ds", cfg.ds_heavy_channel_type, cfg.ds_selection_mode, cfg.heavy_channel_num(head_dim),
-                   1 / 16, num_sink=sink, num_recent=recent)
+                   cfg.ds_heavy_token_ratio, num_sink=sink, num_recent=recent, k_min=b.k_min,
+                   k_max=b.k_max if max_context else 0)
 
 
 def unique(settings) -> list[Setting]:
