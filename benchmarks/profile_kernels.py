@@ -23,7 +23,14 @@ import sys
 import torch
 
 from doublesparse.bench.attention import FP8, HKV, HQ, D, Pools
-from doublesparse.kernels.triton import decode_attn, ds_launch, ds_score, ds_score_rows, ds_select, launch
+from doublesparse.kernels.triton import (
+    decode_attn,
+    ds_launch,
+    ds_score,
+    ds_score_rows,
+    ds_select,
+    launch,
+)
 from doublesparse.kernels.tuning import KernelTuning
 from doublesparse.kernels.workspace import DecodeWorkspace
 
