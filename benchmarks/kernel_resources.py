@@ -1,17 +1,22 @@
-"""Compile DS decode kernels for sm_90 on a machine without a GPU and print their registers.
+"""Compile the Triton DS decode kernels for sm_90 on a machine without a GPU and print their registers.
 
-    python benchmarks/kernel_resources.py [--block-n 64]
+    python benchmarks/kernel_resources.py [--tuning FILE.json] [--block-n 64]
     python benchmarks/kernel_resources.py --select [--consts '{"PREFETCH": false}']
     python benchmarks/kernel_resources.py --histogram
     python benchmarks/kernel_resources.py --sass DIR
 
 Uses Triton's own compiler and the cuobjdump its NVIDIA backend ships (no GPU needed). The shapes
-are Llama-3.1-8B's (32 q / 8 KV heads, d 128, r 16, group_max); pointer and stride arguments are
-marked 16-divisible, as Triton specializes them at run time for these shapes. For the score it
+are Llama-3.1-8B's (32 q / 8 KV heads, d 128, r 16, group_max, bf16 labels); pointer and stride
+arguments are marked 16-divisible, as Triton specializes them at run time for these shapes. The
+constexprs, warps and stages are the ones the launchers (kernels/triton/launch.py, ds_launch.py)
+derive from a ``KernelTuning`` (``--tuning FILE.json``: a JSON object of field: value, as
+``--kernel-tuning``; default: the defaults) on an H200's 132 SMs: the mma score
+(``score_impl`` "mma", ds_score.py) and the sparse attention at 3 x 64K, the select phases
+(``select_impl`` "triton", ds_select.py) at 16 x 32K (one part). On a GPU the defaults run the
+CUDA C++ score and select (kernels/cuda/) instead, which this does not compile. For the score it
 also counts the asynchronous copies (cp.async) in the PTX. ``--select``: the three top-k select
-phases at the launch geometry of 16 x 32K (one part), with their SASS instruction and barrier
-counts; ``--consts`` sets constexprs of select_kernel (also ones of an older package on
-PYTHONPATH). ``--histogram``: SASS instructions of a bare ``tl.histogram`` of 4096 keys per
+phases with their SASS instruction and barrier counts; ``--consts`` overrides constexprs of
+select_kernel. ``--histogram``: SASS instructions of a bare ``tl.histogram`` of 4096 keys per
 program (4 warps) at 256 down to 16 bins, per 32 keys a thread handles.
 """
 
@@ -29,7 +34,12 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from doublesparse.kernels.triton import decode_attn, ds_score
+from doublesparse.kernels.triton import decode_attn, ds_score, ds_select
+from doublesparse.kernels.tuning import KernelTuning
+from doublesparse.kernels.workspace import SELECT_MAX_PROGS
+
+NSM = 132  # an H200's SMs
+HKV, G, R = 8, 4, 16  # Llama-3.1-8B, r = 16
 
 PTRS = dict(q_ptr="*bf16", label_ptr="*bf16", scale_ptr="*fp32", scores_ptr="*fp16", k_cache_ptr="*bf16",
             v_cache_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16")
@@ -66,20 +76,58 @@ def sass(kernel) -> list[str]:
     return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", out)]
 
 
-def select_phases(consts: dict):
-    from doublesparse.kernels.triton import ds_topk
-    names = ds_topk.select_kernel.arg_names
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def score_mma(t: KernelTuning, block_n: int | None = None, B: int = 3, L: int = 65536):
+    """score_mma_kernel as ds_launch._score_mma launches it for B x L (block_n: override the tile)."""
+    block_c = HKV * R
+    bn = block_n or max(16, min(t.mma_block_n, 16384 // block_c))
+    P = max(1, min(_cdiv(t.mma_programs_per_sm * NSM, B), _cdiv(L, bn)))
+    return compile_sm90(ds_score.score_mma_kernel, dict(
+        HKV=HKV, G=G, R=R, MODE=2, LABEL_FP8=False, LABEL_KIND=0, NUM_PROGS=P, BLOCK_N=bn, BLOCK_C=block_c,
+        HKV_P=HKV, G_P=G, DOT_F32=False), num_warps=t.mma_warps, num_stages=1), bn
+
+
+def sparse_attn(t: KernelTuning, fuse: bool | None = None, B: int = 3, L: int = 65536):
+    """decode_attn_kernel over a selection of k = L/16, as ds_launch's attention step launches it."""
+    rows = B * HKV
+    bn = t.attn_block_n_many_rows if rows >= NSM else t.attn_block_n
+    dense = min(64, _cdiv(t.attn_programs_per_sm * NSM, rows), _cdiv(L, bn))
+    splits = max(1, min(64, _cdiv(t.sparse_attn_programs_per_sm * NSM, rows), max(_cdiv(L // 16, bn), dense)))
+    fuse = t.fuse_merge if fuse is None else fuse
+    return compile_sm90(decode_attn.decode_attn_kernel, dict(
+        G=G, D=128, PER_HEAD=False, HAS_SEL=True, NUM_SPLITS=splits, BLOCK_H=16, BLOCK_N=bn, BLOCK_D=128,
+        DOT_F32=False, FUSE_MERGE=fuse, BLOCK_S=1 << (splits - 1).bit_length()),
+        num_warps=t.attn_warps, num_stages=t.sparse_attn_stages), bn, splits
+
+
+def select_phase(t: KernelTuning, phase: int, consts: dict | None = None, B: int = 16, L: int = 32768):
+    """ds_select.select_kernel's phase as ds_launch._select launches it for B x L (Triton select)."""
+    rows = B * HKV
+    if phase == 1:
+        block, per_sm, loop_stages, max_progs = t.hist_block_n, t.hist_programs_per_sm, t.select_loop_stages, None
+    else:
+        block, per_sm, max_progs = t.select_block_n, t.select_programs_per_sm, SELECT_MAX_PROGS
+        loop_stages = t.select_loop_stages if phase == 2 else t.compact_loop_stages
+    P = max(1, min(_cdiv(per_sm * NSM, rows), _cdiv(L, block)))
+    P = min(P, max_progs) if max_progs else P
+    c = dict(PHASE=phase, NUM_PROGS=P, BLOCK_N=block, ATOMIC_HIST=t.select_atomic_hist, LOOP_STAGES=loop_stages,
+             MAX_PROGS=SELECT_MAX_PROGS, PREFETCH=phase in t.select_prefetch_phases)
+    c.update(consts or {})
+    return compile_sm90(ds_select.select_kernel, c, num_warps=t.select_warps, num_stages=t.select_stages)
+
+
+def select_phases(t: KernelTuning, consts: dict):
+    names = ds_select.select_kernel.arg_names
     unknown = sorted(set(consts) - set(names))
     if unknown:
         raise SystemExit(f"select_kernel has no parameters {unknown}")
-    for phase, block, progs in ((1, 4096, 8), (2, 1024, 5), (3, 1024, 5)):
-        # The defaults that the package's select_kernel takes (an older one may lack some).
-        c = dict(PHASE=phase, NUM_PROGS=progs, BLOCK_N=block, ATOMIC_HIST=True, LOOP_STAGES=1, MAX_PROGS=16,
-                 PREFETCH=True)
-        c = {**{k: v for k, v in c.items() if k in names}, **consts}
-        k = compile_sm90(ds_topk.select_kernel, c, num_warps=4, num_stages=3)
+    for phase in (1, 2, 3):
+        k = select_phase(t, phase, consts)
         ins = sass(k)
-        print(f"{ds_topk.PHASE_NAMES[phase]} {json.dumps(consts)}: {resources(k)}, {len(ins)} SASS "
+        print(f"{ds_select.PHASE_NAMES[phase]} {json.dumps(consts)}: {resources(k)}, {len(ins)} SASS "
               f"instructions, {sum(i.startswith('BAR') for i in ins)} barriers")
 
 
@@ -103,23 +151,16 @@ def histogram_cost():
               f"{len(ins) / (block // (32 * warps)):.1f} per 32 keys of a thread")
 
 
-def dump_sass(out_dir: str):
-    """The sm_90 SASS of the separate DS kernels (score_mma_kernel, decode_attn_kernel with and
-    without its fused merge, the three select phases), one file each, so that two trees can be
-    compared: run it with each tree first on PYTHONPATH, then diff the directories."""
-    from doublesparse.kernels.triton import ds_topk
+def dump_sass(t: KernelTuning, out_dir: str):
+    """The sm_90 SASS of the separate Triton DS kernels (score_mma_kernel, decode_attn_kernel with
+    and without its fused merge, the three select phases), one file each, so that two trees (or two
+    tunings) can be compared: run it with each tree first on PYTHONPATH, then diff the directories."""
     os.makedirs(out_dir, exist_ok=True)
-    kernels = {"score_mma": compile_sm90(ds_score.score_mma_kernel, dict(
-        HKV=8, G=4, R=16, MODE=2, LABEL_FP8=False, LABEL_KIND=0, NUM_PROGS=176, BLOCK_N=64, BLOCK_C=128,
-        HKV_P=8, G_P=4, DOT_F32=False), num_warps=4, num_stages=1)}
+    kernels = {"score_mma": score_mma(t)[0]}
     for fuse in (False, True):
-        kernels[f"decode_attn_fuse{int(fuse)}"] = compile_sm90(decode_attn.decode_attn_kernel, dict(
-            G=4, D=128, PER_HEAD=False, HAS_SEL=True, NUM_SPLITS=22, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128,
-            DOT_F32=False, FUSE_MERGE=fuse, BLOCK_S=32), num_warps=4, num_stages=2)
+        kernels[f"decode_attn_fuse{int(fuse)}"] = sparse_attn(t, fuse)[0]
     for phase in (1, 2, 3):
-        kernels[f"select_phase{phase}"] = compile_sm90(ds_topk.select_kernel, dict(
-            PHASE=phase, NUM_PROGS=5, BLOCK_N=4096 if phase == 1 else 1024, ATOMIC_HIST=True, LOOP_STAGES=1,
-            MAX_PROGS=16, PREFETCH=phase > 1), num_warps=4, num_stages=3)
+        kernels[f"select_phase{phase}"] = select_phase(t, phase)
     for name, k in kernels.items():
         with open(os.path.join(out_dir, name + ".sass"), "w") as f:
             f.write("\n".join(sass(k)) + "\n")
@@ -128,30 +169,30 @@ def dump_sass(out_dir: str):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--block-n", type=int, default=64)
+    ap.add_argument("--tuning", metavar="FILE.json", default=None,
+                    help="KernelTuning overrides (JSON object of field: value) the launch geometry follows")
+    ap.add_argument("--block-n", type=int, default=None, help="the mma score's tile (default: from the tuning)")
     ap.add_argument("--select", action="store_true")
-    ap.add_argument("--consts", default="{}", help="JSON constexprs for --select")
+    ap.add_argument("--consts", default="{}", help="JSON constexprs of select_kernel for --select")
     ap.add_argument("--histogram", action="store_true")
     ap.add_argument("--sass", metavar="DIR", help="write the separate DS kernels' SASS to DIR (to diff two trees)")
     a = ap.parse_args()
+    t = KernelTuning.from_json(a.tuning) if a.tuning else KernelTuning()
     if a.sass:
-        dump_sass(a.sass)
+        dump_sass(t, a.sass)
         return
     if a.select or a.histogram:
         if a.select:
-            select_phases(json.loads(a.consts))
+            select_phases(t, json.loads(a.consts))
         if a.histogram:
             histogram_cost()
         return
-    k = compile_sm90(ds_score.score_mma_kernel, dict(
-        HKV=8, G=4, R=16, MODE=2, LABEL_FP8=False, LABEL_KIND=0, NUM_PROGS=176, BLOCK_N=a.block_n,
-        BLOCK_C=128, HKV_P=8, G_P=4, DOT_F32=False), num_warps=4, num_stages=1)
-    print(f"score_mma_kernel block_n={a.block_n}: {resources(k)}, "
+    k, bn = score_mma(t, a.block_n)
+    print(f"score_mma_kernel block_n={bn}, {t.mma_warps} warps: {resources(k)}, "
           f"cp.async in PTX: {len(re.findall(r'cp[.]async', k.asm['ptx']))}")
-    k = compile_sm90(decode_attn.decode_attn_kernel, dict(
-        G=4, D=128, PER_HEAD=False, HAS_SEL=True, NUM_SPLITS=22, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128,
-        DOT_F32=False, FUSE_MERGE=False, BLOCK_S=32), num_warps=4, num_stages=2)
-    print(f"decode_attn_kernel (sparse, block 64, 2 stages): {resources(k)}")
+    k, bn, splits = sparse_attn(t)
+    print(f"decode_attn_kernel (sparse, block {bn}, {splits} splits, {t.sparse_attn_stages} stages, "
+          f"fuse_merge {t.fuse_merge}): {resources(k)}")
 
 
 if __name__ == "__main__":

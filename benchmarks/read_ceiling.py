@@ -51,12 +51,14 @@ def _rows(src, idx, out, ROW_WORDS: tl.constexpr, ROWS: tl.constexpr):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", default="12,25,50,100,200,400")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", default="12,25,50,100,200,400", help="comma-separated sizes read per launch (MB)")
     ap.add_argument("--copies", type=int, default=4)
-    ap.add_argument("--rows", default="512,256,64")
+    ap.add_argument("--rows", default="512,256,64", help="comma-separated row sizes (bytes) of the gathers")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("read_ceiling.py needs a CUDA GPU")
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"# {torch.cuda.get_device_name(dev)} copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

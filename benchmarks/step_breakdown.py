@@ -1,41 +1,66 @@
 """Where a decode step's GPU time goes, by kernel class, from bench_one_batch ``--profile`` results.
 
     python benchmarks/step_breakdown.py RESULT.json [...] [--dense DENSE.json --targets 1.85]
+    python benchmarks/step_breakdown.py results/bench-one-batch-h200.json \
+        --dense results/bench-one-batch-h200.json:llama31-8b-60k-bs3-dense
 
-Per file: the median decode latency, the GPU-only step time, the kernel time per step of the
-attention kernels (dense or Double Sparsity: score, select phases, attention, merge), of the
-projections (cuBLAS / Triton GEMM kernels with their split-K reductions) and of everything else
-(norms, RoPE + store, SiLU-mul, ...), per step and per layer, and the weights' byte floor (weight
-bytes / the run's copy bandwidth). With ``--dense``: each file's decode speedup over that run (median
-decode latencies, as bench-one-batch-h200.json's summary) and the DS step each target needs.
+A RESULT is one ``python -m doublesparse.bench_one_batch --profile --result-json`` file (the
+``one-batch`` suite leaves them in ``results/raw/bench-one-batch-<machine>/``), or a suite result
+(``results/bench-one-batch-<machine>.json``, written by ``benchmarks/run.py``): every row of it
+that has a profile, or one row as ``FILE.json:ROW``. Per result: the median decode latency, the
+GPU-only step time, the kernel time per step of the attention kernels (dense or Double Sparsity:
+score, select phases, attention, merge), of the projections (cuBLAS / Triton GEMM kernels with
+their split-K reductions) and of everything else (norms, RoPE + store, SiLU-mul, ...), per step
+and per layer, and the weights' byte floor (weight bytes / the run's copy bandwidth). With
+``--dense``: each result's decode speedup over that run (median decode latencies, as the suite
+result's summary) and the DS step each target needs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 
 ATTENTION = re.compile(r"score|hist_high|hist_low|compact|select|decode_attn|merge")
 PROJECTION = re.compile(r"nvjet|gemm|gemv|splitKreduce|cutlass|sm90_xmma")
 
 
-def load(path):
+def load(spec: str) -> list[tuple[str, dict, dict]]:
+    """(name, command JSON, its first result) of each bench_one_batch run in ``spec``: a result
+    file, a suite result (all rows with a profile) or ``SUITE.json:ROW``."""
+    path, _, row = spec.partition(":") if not os.path.exists(spec) else (spec, "", "")
     with open(path) as f:
         data = json.load(f)
-    return data, data["results"][0]
+    if "rows" not in data:  # one bench_one_batch result
+        return [(spec, data, data["results"][0])]
+    rows = data["rows"]
+    if row:
+        if row not in rows:
+            raise SystemExit(f"{path} has no row {row!r}; rows: {sorted(rows)}")
+        rows = {row: rows[row]}
+    return [(f"{path}:{name}", d, d["results"][0]) for name, d in rows.items()
+            if d.get("results") and (row or d["results"][0].get("profile"))]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+")
-    ap.add_argument("--dense", default=None)
-    ap.add_argument("--targets", default="")
+    ap.add_argument("--dense", default=None, help="the dense run to compare with (FILE.json or SUITE.json:ROW)")
+    ap.add_argument("--targets", default="", help="comma-separated speedups: the decode step each needs")
     a = ap.parse_args(argv)
-    dense_lat = load(a.dense)[1]["median_decode_latency"] if a.dense else None
-    for path in a.paths:
-        meta, r = load(path)
-        p = r["profile"]
+    if a.dense:
+        dense = load(a.dense)
+        if len(dense) != 1:
+            raise SystemExit(f"--dense {a.dense}: name one run (FILE.json:ROW for a suite result)")
+        dense_lat = dense[0][2]["median_decode_latency"]
+    else:
+        dense_lat = None
+    for path, meta, r in (run for spec in a.paths for run in load(spec)):
+        p = r.get("profile")
+        if not p:
+            raise SystemExit(f"{path}: no profile (run bench_one_batch with --profile)")
         cls = {"attention": 0.0, "projections": 0.0, "other": 0.0}
         layers = 0
         for k in p["kernels"]:

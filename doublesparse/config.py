@@ -197,7 +197,7 @@ class EngineConfig:
     def sink_recent(self, heavy_token_num: int) -> tuple[int, int]:
         """Tokens always selected (first, last), inside k. Default 4 sink + 32 recent, scaled down
         for small k (at most k/8 and k/4): on SmolLM2 at 8K (H200, 8 windows) this cut KL(dense||DS)
-        of group_max 3.7x at equal bytes, perplexity +4.6% -> +1.3% (results/accuracy.md, docs/accuracy.md)."""
+        of group_max 3.7x at equal bytes, perplexity +4.6% -> +1.3% (results/accuracy-h200.md, docs/accuracy.md)."""
         k = heavy_token_num
         sink = min(4, k // 8) if self.ds_num_sink is None else self.ds_num_sink
         recent = min(32, k // 4) if self.ds_num_recent is None else self.ds_num_recent

@@ -12,7 +12,7 @@ own stream over its own workspace rows and joined before the output is used, so 
 latency-bound passes of one part overlap the byte-bound scoring and attention of another. Inside a
 CUDA graph the streams become parallel branches. ``DSParams.batch_parts``: that many parts, or 0
 for the default: 2 parts from ``AUTO_PARTS_MIN_BATCH`` requests, else 1. Measured on an H200
-(benchmarks/ds_streams.py, one Llama-3.1-8B layer, r 16, k = L/16): 2 parts on
+(``git show 2fcf640^:benchmarks/ds_streams.py``, one Llama-3.1-8B layer, r 16, k = L/16): 2 parts on
 2 streams took bs 16 x 32K from 143-147 to 132-134 us (the engine's decode step 9.15 -> 8.77 ms),
 left bs 3 x 128K unchanged (114-116 us) and made smaller batches slower (bs 3 x 64K 66 -> 72,
 bs 8 x 16K 49 -> 54); 3 or 4 parts were slower than 2.

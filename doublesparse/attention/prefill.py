@@ -7,7 +7,8 @@ own tokens). Causal: query i sees keys ``0 .. prefix_len + i``.
 Backends on CUDA, measured on an H200 (Llama-3.1-8B
 heads, bf16). Whole prompts (no prefix, top-left causal) run 1.7x faster on cuDNN than on flash
 (595 vs 344 TFLOPS at 32K; 586 vs 310 at 8K). cuDNN builds an execution graph for every new shape
-(its cost not yet measured here; benchmarks/prefill_attn_sweep.py records first-call times), so
+(its cost not yet measured here; ``git show 2fcf640^:benchmarks/prefill_attn_sweep.py`` recorded
+first-call times), so
 cuDNN goes first only from ``CUDNN_MIN_TOKENS`` query tokens, where one call saves the most;
 shorter prompts, whose lengths vary, keep torch's own order (flash first). A chunk after a prefix
 is one lower-right ``CausalBias`` call, which torch dispatches to flash (343 TFLOPS), else the
