@@ -179,7 +179,7 @@ def fill_random(parts, seed: int) -> None:
     g = torch.Generator(device=parts.device).manual_seed(seed)
     m = parts.memory
     for pool in (*m.k, *m.v, *(x for x in m.label if x is not None)):
-        for chunk in pool.split(1 << 20):  # bounded temporaries
+        for chunk in pool.split(1 << 16):  # bounded float32 temporaries (the pools fill the GPU)
             chunk.copy_(torch.randn(chunk.shape, generator=g, device=parts.device, dtype=torch.float32)
                         .clamp_(-4, 4))
 
