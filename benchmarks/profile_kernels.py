@@ -15,7 +15,8 @@ import os
 import torch
 
 from doublesparse.bench.attention import HKV, HQ, D, Pools
-from doublesparse.kernels.triton import launch
+from doublesparse.kernels.triton import ds_launch, launch
+from doublesparse.kernels.tuning import DEFAULT_TUNING, KernelTuning
 from doublesparse.kernels.workspace import DecodeWorkspace
 
 
@@ -28,12 +29,13 @@ def main():
     ap.add_argument("--mode", default="group_max")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--dump", default=None)
-    ap.add_argument("--tuning", default=None, help="JSON dict overriding launch.TUNING")
+    ap.add_argument("--tuning", default=None, help="JSON dict of KernelTuning overrides")
     ap.add_argument("--fp8", action="store_true", help="fp8 (e4m3) labels instead of bf16")
     args = ap.parse_args()
+    tuning = DEFAULT_TUNING
     if args.tuning:
         import json
-        launch.TUNING.update(json.loads(args.tuning))
+        tuning = KernelTuning.from_dict(json.loads(args.tuning))
     dev = torch.device("cuda")
     B, L = args.batch, args.ctx
     k = args.k or L // 16
@@ -41,16 +43,18 @@ def main():
     p = Pools(B, L, 1, args.r, FP8 if args.fp8 else torch.bfloat16, dev)
     ws = DecodeWorkspace(B, HQ, HKV, D, L, k, device=dev)
     sm = 1 / math.sqrt(D)
+    ks = torch.full_like(p.seq_lens, k)  # one budget for the whole batch
     for _ in range(args.iters):
-        launch.ds_decode(p.q, p.k, p.v, p.labels, p.scale, p.channels, p.req_to_token, p.req_idx[0],
-                         p.seq_lens, sm, k, args.mode, ws=ws, out=p.out)
+        ds_launch.ds_decode(p.q, p.k, p.v, p.labels, p.scale, p.channels, p.req_to_token, p.req_idx[0],
+                            p.seq_lens, sm, ks, k, args.mode, ws=ws, out=p.out, tuning=tuning)
     for _ in range(args.iters):
-        launch.dense_decode(p.q, p.k, p.v, p.req_to_token, p.req_idx[0], p.seq_lens, sm, ws, out=p.out)
+        launch.dense_decode(p.q, p.k, p.v, p.req_to_token, p.req_idx[0], p.seq_lens, sm, ws, out=p.out,
+                            tuning=tuning)
     torch.cuda.synchronize()
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
-        from doublesparse.kernels.triton import decode_attn, ds_score, ds_select, ds_topk
-        for fn in (ds_score.score_mma_kernel, ds_select.score_kernel, ds_topk.select_kernel,
+        from doublesparse.kernels.triton import decode_attn, ds_score, ds_score_rows, ds_select
+        for fn in (ds_score.score_mma_kernel, ds_score_rows.score_kernel, ds_select.select_kernel,
                    decode_attn.decode_attn_kernel):
             for dev_cache in fn.device_caches.values():
                 for i, kern in enumerate(dev_cache[0].values()):

@@ -2,7 +2,8 @@
 
 Decode per layer: label scores ``q[heavy] . label`` for every cached token -> top-k on the device
 -> exact attention over the selected tokens only. Requests with ``seq_len <= k`` (or below the
-threshold) decode densely inside the same launches, decided on the device.
+threshold) get the budget DENSE (``row_budgets``) and decode densely inside the same launches,
+decided on the device.
 
 Batch parts (CUDA): a decode batch can be cut into parts of whole requests, each launched on its
 own stream over its own workspace rows and joined before the output is used, so that the select's
@@ -25,6 +26,7 @@ import torch
 from ..kernels import ops
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from .base import AttentionBackend
+from .budget import DENSE
 
 AUTO_PARTS_MIN_BATCH = 16
 
@@ -37,6 +39,15 @@ class DSParams:
     num_sink: int = 0
     num_recent: int = 0
     batch_parts: int = 0  # 0 = auto (see the module docstring)
+
+
+def row_budgets(ds: DSParams, seq_lens: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """Each request's budget for ops.ds_decode ([B] int32 on seq_lens' device): the one k where
+    it decodes sparsely (seq_len > k and seq_len >= threshold, i.e. seq_len > max(k,
+    threshold - 1)), else DENSE. dense: a 0-dim int32 DENSE on that device, so that the result
+    is int32 in two device ops (a compare and a select), capturable in a CUDA graph."""
+    k = ds.heavy_token_num
+    return torch.where(seq_lens > max(k, ds.threshold - 1), k, dense)
 
 
 def cut_batch(batch_size: int, parts: int) -> list[tuple[int, int]]:
@@ -56,6 +67,9 @@ class DoubleSparsityBackend(AttentionBackend):
         if ds is None:
             raise ValueError("DoubleSparsityBackend needs DSParams")
         self.ds = ds
+        # DENSE as a 0-dim device tensor, made here (not during a graph capture, where it would be
+        # filled only on replay) for row_budgets.
+        self._dense = torch.full((), DENSE, dtype=torch.int32, device=memory.k[0].device)
         self._streams: list = []   # side streams for batch parts 1.. (created on first use)
         self._parts: dict = {}     # batch size -> [(a, b, workspace views over rows a:b)]
 
@@ -90,8 +104,8 @@ class DoubleSparsityBackend(AttentionBackend):
         m, d = self.memory, self.ds
         return ops.ds_decode(q, m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id],
                              self.channels[layer_id], m.req_to_token, req_idx, seq_lens,
-                             self.sm_scale, d.heavy_token_num, d.mode, d.threshold, d.num_sink,
-                             d.num_recent, ws=ws, out=out, impl=self.impl, tuning=self.tuning)
+                             self.sm_scale, row_budgets(d, seq_lens, self._dense), d.heavy_token_num, d.mode,
+                             d.num_sink, d.num_recent, ws=ws, out=out, impl=self.impl, tuning=self.tuning)
 
     def _side_streams(self, n, device):
         while len(self._streams) < n:
