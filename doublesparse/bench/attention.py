@@ -155,7 +155,7 @@ def bench_case(B, L, dev, bw, r_list, k_list, modes, fp8, stages, quick, tuning:
 
                     ks = torch.full_like(p.seq_lens, k)  # one budget for the whole batch
 
-                    def ds(i=0, stage="all"):
+                    def ds(i=0, stage="all", ks=ks):
                         return ds_launch.ds_decode(p.q, p.k, p.v, labels, p.scale, ch, p.req_to_token,
                                                    p.req_idx[i], p.seq_lens, sm, ks, k, mode, ws=ws,
                                                    out=p.out, stage=stage, tuning=tuning)

@@ -262,7 +262,8 @@ def test_ds_select_all_ties():
     c.q.zero_()
     k = 24
     ws = make_ws(c, max_heavy_tokens=k)
-    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, "group_max", ws=ws, num_progs=2, return_sel=True)
+    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, "group_max", ws=ws, num_progs=2,
+                                 return_sel=True)
     _check_selection(c, ws, sel, k, "group_max")
 
 
@@ -416,7 +417,8 @@ def test_bad_arguments_raise_value_error():
     wide = torch.zeros(c.k_cache.shape[0], 3, 65, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="r=65"):
         ds_launch.ds_decode(c.q, c.k_cache, c.v_cache, wide, c.label_scale,
-                         torch.zeros(3, 65, dtype=torch.int32, device=DEVICE), *a[6:], c.sm_scale, budgets(c, 8), 8, ws=ws)
+                            torch.zeros(3, 65, dtype=torch.int32, device=DEVICE), *a[6:], c.sm_scale,
+                            budgets(c, 8), 8, ws=ws)
     with pytest.raises(ValueError, match="label_scale"):
         ds_launch.ds_decode(c.q, c.k_cache, c.v_cache, c.label_cache.to(torch.float8_e4m3fn), None,
                          c.channels, *a[6:], c.sm_scale, budgets(c, 8), 8, ws=ws)
@@ -620,7 +622,8 @@ def test_cuda_score_launch_protocol(monkeypatch):
         tuning = KernelTuning(score_cuda_hist=hist)
         calls.clear()
         ws = make_ws(c, max_heavy_tokens=16)
-        ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, 16), 16, "group_max", ws=ws, stage="select", tuning=tuning)
+        ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, 16), 16, "group_max", ws=ws, stage="select",
+                            tuning=tuning)
         assert [n for n, _ in calls] == ["score", "select"]
         P, do_hist, per, minb, tc, _depth, _max_hpw = calls[0][1]
         assert do_hist == hist and calls[1][1] == hist and P >= 1
@@ -645,6 +648,7 @@ def test_score_impl_choice(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, 16), 16, "group_max", ws=ws, stage="score", tuning=tuning)
+            ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, 16), 16, "group_max", ws=ws, stage="score",
+                                tuning=tuning)
     msgs = [str(w.message) for w in caught if "score_impl" in str(w.message)]
     assert len(msgs) == 1 and "a test reason" in msgs[0] and used == ["mma", "mma"]
