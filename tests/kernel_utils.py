@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from doublesparse.attention.budget import DENSE
 from doublesparse.kernels import reference as ref
 from doublesparse.kernels.workspace import DecodeWorkspace
 
@@ -89,16 +90,32 @@ def rows_of(mode, hq, hkv):
     return hq if mode == "per_head" else hkv
 
 
-def check_selection(c, ws, sel, k, mode, threshold=0):
-    """The selected set is the top-k of the kernel's fp16 scores; scores match the reference."""
+def budgets(c, k, dense_below=0):
+    """Per-request budgets ([B] int32 on the case's device) for ops.ds_decode: k everywhere, DENSE
+    for requests shorter than ``dense_below``."""
+    ks = torch.full_like(c.seq_lens, k)
+    return torch.where(c.seq_lens >= dense_below, ks, torch.full_like(ks, DENSE))
+
+
+def _row_ks(c, ks):
+    """ks (an int, or a [B] tensor) as a list of B ints."""
+    if isinstance(ks, int):
+        return [ks] * c.q.shape[0]
+    return [int(x) for x in ks.cpu()]
+
+
+def check_selection(c, ws, sel, ks, mode, num_sink=0, num_recent=0):
+    """Per sparse request (seq_len > its k, ks: an int or [B] budgets): the selected set is the
+    top-k of the kernel's fp16 scores in the select's order; scores match the reference (the
+    sink and recent positions at fp16's largest value, as the kernels force them)."""
     hq, hkv = c.q.shape[1], c.k_cache.shape[1]
     rows = rows_of(mode, hq, hkv)
     exp_scores = ref.label_scores_ref(c.q, c.label_cache, c.label_scale, c.channels,
                                       c.req_to_token, c.req_idx, c.seq_lens, mode, c.sm_scale)
-    sparse = ref.is_sparse(c.seq_lens.cpu(), k, threshold)
-    for b in range(c.q.shape[0]):
+    exp_scores = ref.force_keep(exp_scores, c.seq_lens, num_sink, num_recent, value=65504.0)
+    for b, k in enumerate(_row_ks(c, ks)):
         n = int(c.seq_lens[b])
-        if not sparse[b]:
+        if not n > k:
             continue
         got = ws.scores[b, :rows, :n].float()
         assert rel_err(got, exp_scores[b, :, :n]) < 2e-3
@@ -125,14 +142,18 @@ def ordered_top_k(scores16, k):
     return rows
 
 
-def expected_output(c, sel, k, mode, threshold=0):
+def expected_output(c, sel, ks, mode):
+    """The reference output over the kernel's selection: per request (ks: an int or [B] budgets)
+    its first k entries of sel where seq_len > k, its whole cache otherwise."""
     rows = rows_of(mode, c.q.shape[1], c.k_cache.shape[1])
-    dense = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx,
-                                 c.seq_lens, c.sm_scale)
-    sparse_rows = ref.is_sparse(c.seq_lens, k, threshold)
-    pos = sel[:, :rows, :k].long().clamp(0, c.req_to_token.shape[1] - 1)
-    sp = ref.sparse_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, pos, c.sm_scale)
-    return torch.where(sparse_rows[:, None, None], sp, dense)
+    out = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx,
+                               c.seq_lens, c.sm_scale)
+    for b, k in enumerate(_row_ks(c, ks)):
+        if int(c.seq_lens[b]) > k:
+            pos = sel[b: b + 1, :rows, :k].long().clamp(0, c.req_to_token.shape[1] - 1)
+            out[b] = ref.sparse_decode_ref(c.q[b: b + 1], c.k_cache, c.v_cache, c.req_to_token,
+                                           c.req_idx[b: b + 1], pos, c.sm_scale)[0]
+    return out
 
 
 # Lengths the graph tests replay with (the graphs are captured at 600 x 3): long and short
@@ -151,5 +172,5 @@ def capture_graph(step):
     return graph
 
 
-__all__ = ["Case", "make_case", "make_ws", "rel_err", "TOL", "rows_of", "ref", "check_selection",
+__all__ = ["Case", "make_case", "make_ws", "rel_err", "TOL", "rows_of", "ref", "budgets", "check_selection",
            "ordered_top_k", "expected_output", "capture_graph", "GRAPH_REPLAY_LENS"]

@@ -6,6 +6,8 @@ attention/budget.py), planned on the host from lengths it knows and handed to th
 device tensor (``ForwardBatch.ds_k``); a request whose k is DENSE decodes densely inside the same
 launches. A step in which no request decodes sparsely (``ForwardBatch.ds_sparse`` False) runs the
 dense decode kernel alone: the score and select launches would only add their fixed time.
+Without a host plan (a ForwardBatch built without ``ds_k``, as in the kernel tests) the budgets
+come from ``DSParams`` on the device (``row_budgets``).
 
 Batch parts (CUDA): a decode batch can be cut into parts of whole requests, each launched on its
 own stream over its own workspace rows and joined before the output is used, so that the select's
@@ -56,6 +58,15 @@ class DSParams:
                              f"heavy_token_num {self.heavy_token_num}")
 
 
+def row_budgets(ds: DSParams, seq_lens: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """Each request's budget for ops.ds_decode ([B] int32 on seq_lens' device): the one k where
+    it decodes sparsely (seq_len > k and seq_len >= threshold, i.e. seq_len > max(k,
+    threshold - 1)), else DENSE. dense: a 0-dim int32 DENSE on that device, so that the result
+    is int32 in two device ops (a compare and a select), capturable in a CUDA graph."""
+    k = ds.heavy_token_num
+    return torch.where(seq_lens > max(k, (ds.threshold or 0) - 1), k, dense)
+
+
 def cut_batch(batch_size: int, parts: int) -> list[tuple[int, int]]:
     """Row ranges ``[(a, b), ...]`` of at most ``parts`` near-equal, non-empty parts of a batch."""
     parts = max(1, min(parts, batch_size))
@@ -73,6 +84,9 @@ class DoubleSparsityBackend(AttentionBackend):
         if ds is None:
             raise ValueError("DoubleSparsityBackend needs DSParams")
         self.ds = ds
+        # DENSE as a 0-dim device tensor, made here (not during a graph capture, where it would be
+        # filled only on replay) for row_budgets.
+        self._dense = torch.full((), DENSE, dtype=torch.int32, device=memory.k[0].device)
         self._streams: list = []   # side streams for batch parts 1.. (created on first use)
         self._parts: dict = {}     # batch size -> [(a, b, workspace views over rows a:b)]
 
@@ -88,8 +102,9 @@ class DoubleSparsityBackend(AttentionBackend):
                                     batch.seq_lens, self.sm_scale, ws=self.workspace, impl=self.impl,
                                     tuning=self.tuning)
         parts = self._batch_parts(q.shape[0])
+        ks = getattr(batch, "ds_k", None)
         if len(parts) == 1:
-            return self._decode(layer_id, q, batch.req_idx, batch.seq_lens, self.workspace)
+            return self._decode(layer_id, q, batch.req_idx, batch.seq_lens, self.workspace, ks=ks)
         out = torch.empty_like(q)
         main = torch.cuda.current_stream(q.device) if q.is_cuda else None
         side = self._side_streams(len(parts) - 1, q.device) if main is not None else []
@@ -97,7 +112,8 @@ class DoubleSparsityBackend(AttentionBackend):
             s.wait_stream(main)
         for j, (a, b, ws) in enumerate(parts):
             with torch.cuda.stream(side[j - 1]) if j and side else contextlib.nullcontext():
-                self._decode(layer_id, q[a:b], batch.req_idx[a:b], batch.seq_lens[a:b], ws, out[a:b])
+                self._decode(layer_id, q[a:b], batch.req_idx[a:b], batch.seq_lens[a:b], ws, out[a:b],
+                             None if ks is None else ks[a:b])
         for s in side:
             main.wait_stream(s)
         return out
@@ -113,12 +129,14 @@ class DoubleSparsityBackend(AttentionBackend):
                 self._parts[B] = [(a, b, self.workspace.rows(a, b)) for a, b in cut_batch(B, n)]
         return self._parts[B]
 
-    def _decode(self, layer_id, q, req_idx, seq_lens, ws, out=None):
+    def _decode(self, layer_id, q, req_idx, seq_lens, ws, out=None, ks=None):
         m, d = self.memory, self.ds
+        if ks is None:
+            ks = row_budgets(d, seq_lens, self._dense)
         return ops.ds_decode(q, m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id],
                              self.channels[layer_id], m.req_to_token, req_idx, seq_lens,
-                             self.sm_scale, d.heavy_token_num, d.mode, d.threshold or 0, d.num_sink,
-                             d.num_recent, ws=ws, out=out, impl=self.impl, tuning=self.tuning)
+                             self.sm_scale, ks, d.heavy_token_num, d.mode,
+                             d.num_sink, d.num_recent, ws=ws, out=out, impl=self.impl, tuning=self.tuning)
 
     def _side_streams(self, n, device):
         while len(self._streams) < n:

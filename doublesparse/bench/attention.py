@@ -153,9 +153,11 @@ def bench_case(B, L, dev, bw, r_list, k_list, modes, fp8, stages, quick, tuning:
                     kv_sel = B * sel_rows * k * D * 2 * 2
                     floor_bytes = lab_b + kv_sel
 
-                    def ds(i=0, stage="all"):
+                    ks = torch.full_like(p.seq_lens, k)  # one budget for the whole batch
+
+                    def ds(i=0, stage="all", ks=ks):
                         return ds_launch.ds_decode(p.q, p.k, p.v, labels, p.scale, ch, p.req_to_token,
-                                                   p.req_idx[i], p.seq_lens, sm, k, mode, ws=ws,
+                                                   p.req_idx[i], p.seq_lens, sm, ks, k, mode, ws=ws,
                                                    out=p.out, stage=stage, tuning=tuning)
                     t = time_fn(ds, copies)
                     row = dict(base, variant=f"ds-{mode}", r=r, k=k, label=str(label_dtype).split(".")[-1],

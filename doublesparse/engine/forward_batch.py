@@ -23,7 +23,8 @@ class ForwardBatch:
     attn_meta: what ``attn.plan(batch)`` computed for this step.
     tuning: the engine's kernel launch parameters and choices (the model's fused kernels read it).
     Decode with Double Sparsity: ds_k [B] int32 (device), each request's top-k (attention/budget.py
-    DENSE: all its tokens); ds_sparse (host): whether the step runs the sparse launches at all.
+    DENSE: all its tokens; None: the backend derives them on the device); ds_sparse (host): whether
+    the step runs the sparse launches at all.
     """
 
     mode: str
@@ -40,7 +41,7 @@ class ForwardBatch:
     attn_meta: Any = field(default=None, repr=False)
     tuning: KernelTuning = field(default=DEFAULT_TUNING, repr=False)
     ds_k: torch.Tensor | None = None
-    ds_sparse: bool = False
+    ds_sparse: bool = True
 
     @property
     def batch_size(self) -> int:

@@ -128,6 +128,8 @@ class DecodeAttention:
         self.channels = None if channels is None else channels.to(pools.device, torch.int32)
         self.req_idx = rows.int()
         self.seq_lens = (positions + 1).int()
+        # One budget for every request (those no longer than it decode densely).
+        self.heavy_ks = torch.full_like(self.seq_lens, heavy_tokens)
         self.sm_scale = 1.0 / math.sqrt(pools.D)
         self.observer = observer
         # capped at k/8 and k/4 like the engine's default (also keeps sink + recent <= k)
@@ -147,8 +149,8 @@ class DecodeAttention:
             return ops.dense_decode(q, p.k[layer_id], p.v[layer_id], p.req_to_token, self.req_idx,
                                     self.seq_lens, self.sm_scale, ws=self.ws, impl=p.impl)
         out = ops.ds_decode(q, p.k[layer_id], p.v[layer_id], lab, p.label_scale, self.channels[layer_id],
-                            p.req_to_token, self.req_idx, self.seq_lens, self.sm_scale, self.heavy,
-                            mode=s.mode, num_sink=self.num_sink, num_recent=self.num_recent, ws=self.ws,
+                            p.req_to_token, self.req_idx, self.seq_lens, self.sm_scale, self.heavy_ks,
+                            self.heavy, mode=s.mode, num_sink=self.num_sink, num_recent=self.num_recent, ws=self.ws,
                             impl=p.impl)
         if self.observer is not None:
             self.observer(layer_id, q, out, self)

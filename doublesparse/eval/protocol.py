@@ -22,7 +22,6 @@ Prefill is dense, so each window / trial is prefilled once and every setting reu
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys

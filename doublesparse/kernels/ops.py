@@ -68,22 +68,34 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale:
 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-              seq_lens, sm_scale: float, heavy_token_num: int, mode: str = "group_max",
-              threshold: int = 0, num_sink: int = 0, num_recent: int = 0,
+              seq_lens, sm_scale: float, heavy_token_nums, max_heavy_tokens: int,
+              mode: str = "group_max", num_sink: int = 0, num_recent: int = 0,
               ws: DecodeWorkspace | None = None, out=None, impl: str = "auto",
               tuning: KernelTuning = DEFAULT_TUNING):
-    """Double Sparsity decode: label scores -> top-k on device -> exact attention on those tokens.
+    """Double Sparsity decode: label scores -> each request's top-k on device -> exact attention
+    on those tokens, with a budget per request in one batch (and one CUDA graph).
 
-    Requests with ``seq_len <= heavy_token_num`` or ``seq_len < threshold`` decode densely in the
-    same launches (decided on the device, no host sync). Returns [B, Hq, D] in q's dtype.
+    q: [B, Hq, D]; pools, req_to_token, req_idx, seq_lens as in :func:`dense_decode` and
+    :mod:`.reference`. heavy_token_nums: [B] int32 on q's device, request b's budget k_b: it
+    decodes sparsely iff ``seq_lens[b] > k_b``, attending to exactly its k_b selected tokens,
+    else densely in the same launches (a dense request carries any k_b >= its length, e.g.
+    ``attention.budget.DENSE``). Decided on the device, no host sync.
+    max_heavy_tokens: a host int, an upper bound of every sparse request's k_b and at most
+    ``ws.max_heavy_tokens``; it only sizes the kernels' grids and split-K (the PyTorch path
+    ignores it). Only this bound is checked: the budgets live on the device, so the caller must
+    ensure ``1 <= k_b <= max_heavy_tokens`` for every sparse request (the kernels cut a larger
+    k_b to max_heavy_tokens, so that no write leaves the workspace; the result is then not the
+    reference's) and ``num_sink + num_recent <= k_b`` (the forced sink and recent positions must
+    fit the budget, else which of them are kept is unspecified).
+    Returns (or fills ``out``) [B, Hq, D] in q's dtype.
     """
     if _use_triton(q, impl):
         from .triton.ds_launch import ds_decode as _ds
         return _ds(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-                   seq_lens, sm_scale, heavy_token_num, mode, threshold, num_sink, num_recent, ws, out,
-                   tuning=tuning)
+                   seq_lens, sm_scale, heavy_token_nums, max_heavy_tokens, mode, num_sink, num_recent,
+                   ws, out, tuning=tuning)
     o = torch_ops.ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token,
-                            req_idx, seq_lens, sm_scale, heavy_token_num, mode, threshold,
+                            req_idx, seq_lens, sm_scale, heavy_token_nums, mode,
                             num_sink, num_recent).to(q.dtype)
     if out is not None:
         out.copy_(o)

@@ -136,26 +136,33 @@ def sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, positions, sm_
     return out
 
 
-def is_sparse(seq_lens, heavy_token_num: int, threshold: int):
-    """Per request: decode sparsely iff seq_len > k and seq_len >= threshold. ``[B]`` bool."""
-    return (seq_lens > heavy_token_num) & (seq_lens >= threshold)
+def is_sparse(seq_lens, heavy_token_nums):
+    """Per request: decode sparsely iff its length exceeds its own budget, seq_len > k.
+
+    seq_lens, heavy_token_nums: ``[B]`` int (a dense request may carry any k >= seq_len, e.g.
+    attention.budget.DENSE). Returns ``[B]`` bool on seq_lens' device.
+    """
+    return seq_lens.long() > heavy_token_nums.to(seq_lens.device).long()
 
 
 def ds_decode_ref(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-                  seq_lens, sm_scale, heavy_token_num: int, mode: str = "group_max",
-                  threshold: int = 0, num_sink: int = 0, num_recent: int = 0):
-    """The whole Double Sparsity decode: score, select top-k, attend; short requests decode densely."""
+                  seq_lens, sm_scale, heavy_token_nums, mode: str = "group_max",
+                  num_sink: int = 0, num_recent: int = 0):
+    """The whole Double Sparsity decode: score, select each request's own top-k, attend; requests
+    with ``seq_len <= heavy_token_nums[b]`` decode densely. heavy_token_nums: ``[B]`` int."""
     dense = dense_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale)
-    sparse_rows = is_sparse(seq_lens, heavy_token_num, threshold)
+    sparse_rows = is_sparse(seq_lens, heavy_token_nums)
     if not bool(sparse_rows.any()):
         return dense
     scores = label_scores_ref(q, label_cache, label_scale, channels, req_to_token, req_idx,
                               seq_lens, mode, sm_scale)
     scores = force_keep(scores, seq_lens, num_sink, num_recent)
-    k = min(heavy_token_num, scores.shape[-1])
-    pos = topk_ref(scores, k)
-    sparse = sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, pos, sm_scale)
-    return torch.where(sparse_rows[:, None, None], sparse, dense)
+    out = dense.clone()
+    for b in sparse_rows.nonzero().flatten().tolist():
+        pos = topk_ref(scores[b: b + 1], int(heavy_token_nums[b]))
+        out[b] = sparse_decode_ref(q[b: b + 1], k_cache, v_cache, req_to_token, req_idx[b: b + 1], pos,
+                                   sm_scale)[0]
+    return out
 
 
 # ------------------------------------------------------------- fused layer steps (kernels/triton/fused.py)

@@ -52,24 +52,33 @@ def label_scores(q, label_cache, label_scale, channels, req_to_token, req_idx, L
 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-              seq_lens, sm_scale, heavy_token_num, mode="group_max", threshold=0, num_sink=0,
-              num_recent=0):
+              seq_lens, sm_scale, heavy_token_nums, mode="group_max", num_sink=0, num_recent=0):
+    """heavy_token_nums: [B] int, each request's budget (sparse iff seq_len > it). [B, Hq, D] float32."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     B, Hq, D = q.shape
-    Hkv = k_cache.shape[1]
-    G = _group(Hq, Hkv)
-    k = int(heavy_token_num)
     lens = seq_lens.long()
-    sparse = (lens > k) & (lens >= threshold)
+    ks = heavy_token_nums.to(lens.device).long()
+    sparse = lens > ks
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
     if not bool(sparse.all()):
         d = ~sparse
         out[d] = dense_decode(q[d], k_cache, v_cache, req_to_token, req_idx[d], seq_lens[d], sm_scale)
-    if not bool(sparse.any()):
-        return out
-    q, req_idx, lens = q[sparse], req_idx[sparse], lens[sparse]
-    b = q.shape[0]
+    # One batched pass per distinct budget among the sparse requests (one pass when they share k).
+    for k in ks[sparse].unique().tolist():
+        rows = sparse & (ks == k)
+        out[rows] = _sparse_decode(q[rows], k_cache, v_cache, label_cache, label_scale, channels,
+                                   req_to_token, req_idx[rows], lens[rows], sm_scale, int(k), mode,
+                                   num_sink, num_recent)
+    return out
+
+
+def _sparse_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
+                   lens, sm_scale, k, mode, num_sink, num_recent):
+    """Requests that all decode sparsely with one budget k (lens > k): [b, Hq, D] float32."""
+    b, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = _group(Hq, Hkv)
     L = int(lens.max())
     s, slots = label_scores(q, label_cache, label_scale, channels, req_to_token, req_idx, L, sm_scale, mode)
     pos = torch.arange(L, device=q.device)[None, None]
@@ -85,8 +94,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     vs = v_cache[sel_slots, heads[None, :, None]].float()
     qg = q.float().view(b, Hkv, G, D) if R == Hkv else q.float().view(b, Hq, 1, D)
     valid = torch.ones(b, 1, k, dtype=torch.bool, device=q.device)
-    out[sparse] = _attend(qg, ks, vs, valid, sm_scale).reshape(b, Hq, D)
-    return out
+    return _attend(qg, ks, vs, valid, sm_scale).reshape(b, Hq, D)
 
 
 def rope(positions, q, k, cos, sin):

@@ -80,7 +80,7 @@ def resolve_model_path(model_path: str | Path | None, load_format: str = "auto")
         return "dummy", _dummy_config_path(model_path)
     p = Path(model_path).expanduser()
     if not p.exists():
-        hint = (f" (it is a shipped config: use load_format='dummy' for random weights)"
+        hint = (" (it is a shipped config: use load_format='dummy' for random weights)"
                 if (CONFIGS_DIR / f"{model_path}.json").is_file() else "")
         raise FileNotFoundError(f"model path {str(p)!r} does not exist{hint}")
     if p.is_file():

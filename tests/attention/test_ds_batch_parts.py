@@ -9,7 +9,8 @@ import torch
 from conftest import DEVICE
 from kernel_utils import TOL, make_case, make_ws, rel_err
 from doublesparse.attention import DSParams, create_backend
-from doublesparse.attention.double_sparsity import cut_batch
+from doublesparse.attention.budget import DENSE
+from doublesparse.attention.double_sparsity import cut_batch, row_budgets
 
 
 def test_cut_batch():
@@ -24,9 +25,20 @@ def test_cut_batch():
             assert all(b > a for a, b in parts) and all(x[1] == y[0] for x, y in zip(parts, parts[1:]))
 
 
+def test_row_budgets():
+    """DSParams -> per-request budgets on the device: k where the request decodes sparsely
+    (seq_len > k and seq_len >= threshold, the backend's host rule too), else DENSE; int32."""
+    lens = torch.tensor([30, 40, 41, 99, 100, 500], dtype=torch.int32)
+    dense = torch.tensor(DENSE, dtype=torch.int32)
+    for thr, want in ((100, [DENSE] * 4 + [40, 40]), (10, [DENSE, DENSE] + [40] * 4), (0, [DENSE, DENSE] + [40] * 4)):
+        got = row_budgets(DSParams(40, threshold=thr), lens, dense)
+        assert got.dtype == torch.int32 and got.tolist() == want
+        assert [k != DENSE for k in want] == [n > 40 and n >= thr for n in lens.tolist()]
+
+
 @pytest.mark.parametrize("parts", [2, 3])
 def test_batch_parts_match_uncut(parts):
-    c = make_case([300, 90, 257, 140, 33], 9, 3, 64, device=DEVICE, seed=31)
+    c = make_case([300, 90, 257, 140, 33], 9, 3, 64, device=DEVICE, seed=31)  # 90 and 33: dense
     k = 40
     mem = SimpleNamespace(k=[c.k_cache], v=[c.v_cache], label=[c.label_cache], label_scale=[c.label_scale],
                           req_to_token=c.req_to_token)
@@ -34,7 +46,7 @@ def test_batch_parts_match_uncut(parts):
     outs = []
     for n in (1, parts):
         be = create_backend("double_sparsity", use_double_sparsity=True,
-                            ds=DSParams(k, "group_max", 0, 2, 4, batch_parts=n), memory=mem,
+                            ds=DSParams(k, "group_max", 100, 2, 4, batch_parts=n), memory=mem,
                             num_q_heads=9, head_dim=64, impl="triton",
                             workspace=make_ws(c, max_heavy_tokens=k), channels=c.channels[None])
         outs.append(be.decode_attention(0, c.q, batch))

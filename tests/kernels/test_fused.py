@@ -374,7 +374,7 @@ for bias in (False, True):
 from doublesparse.kernels.triton import ds_score, ds_score_rows
 i32 = dict(channels_ptr="*i32", req_to_token_ptr="*i32", req_idx_ptr="*i32", seq_lens_ptr="*i32",
            hist_ptr="*i32", rowinfo_ptr="*i32", counts_ptr="*i32", sel_ptr="*i32", sel_slot_ptr="*i32",
-           scores_ptr="*fp16", scale_ptr="*fp32")
+           scores_ptr="*fp16", scale_ptr="*fp32", heavy_ks_ptr="*i32")
 for mode, label in ((2, "*bf16"), (0, "*fp8e4nv"), (1, "*bf16")):
     comp(ds_score.score_mma_kernel, dict(HKV=8, G=4, R=16, MODE=mode, LABEL_FP8=label != "*bf16", LABEL_KIND=0,
          NUM_PROGS=8, BLOCK_N=64, BLOCK_C=128, HKV_P=8, G_P=4, DOT_F32=False),
@@ -385,6 +385,11 @@ for (phase, name), atomic, pre in itertools.product(ds_select.PHASE_NAMES.items(
              MAX_PROGS=16, PREFETCH=pre),
              i32, num_warps=4)
     assert k.name == name, (k.name, name)  # each phase is its own kernel in a profile
+from doublesparse.kernels.triton import decode_attn
+for per_head, fuse in ((False, True), (True, False)):  # over the selection, each request's own k
+    comp(decode_attn.decode_attn_kernel, dict(G=4, D=128, PER_HEAD=per_head, HAS_SEL=True, NUM_SPLITS=8, BLOCK_H=16,
+         BLOCK_N=64, BLOCK_D=128, DOT_F32=False, FUSE_MERGE=fuse, BLOCK_S=8),
+         dict(i32, part_o_ptr="*fp32", part_lse_ptr="*fp32", count_ptr="*i32"), dict(sm_scale="fp32"), num_warps=4)
 '''
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from kernel_utils import (GRAPH_REPLAY_LENS, TOL, capture_graph, check_selection as _check_selection,
+from kernel_utils import (GRAPH_REPLAY_LENS, TOL, budgets, capture_graph, check_selection as _check_selection,
                           expected_output as _expected_output, make_case, make_ws, ref, rel_err, rows_of)
+from doublesparse.attention.budget import DENSE
 from doublesparse.kernels import ops
 from doublesparse.kernels.triton import ds_launch, launch
 from doublesparse.kernels.tuning import KernelTuning
@@ -127,11 +128,77 @@ def test_ds_decode(case, mode, label_dtype):
                   seed=_seed(tuple(seq_lens), mode, str(label_dtype)))
     ws = make_ws(c, max_heavy_tokens=k + 3)
     out = torch.full_like(c.q, float("nan"))
-    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, out=out, num_splits=3,
+    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, mode, ws=ws, out=out, num_splits=3,
                               num_progs=2, return_sel=True)
     assert not out.isnan().any()
     _check_selection(c, ws, sel, k, mode)
     assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
+
+
+# Budgets per request inside one batch (B = 5, 9 query / 3 KV heads, lengths off every block size):
+# a sparse request, one shorter than its k (dense), one marked DENSE, one with k = seq_len - 1, and
+# a small k; no k a multiple of a block. Sink and recent positions are forced.
+BUDGET_LENS = [203, 37, 150, 90, 61]
+BUDGET_KS = [45, 50, DENSE, 89, 13]
+BUDGET_RUNS = [  # mode, labels, tuning overrides, split-K partitions (None: the launcher's)
+    ("per_head", torch.bfloat16, {"score_impl": "mma"}, 5),
+    ("group_sum", torch.bfloat16, {"score_impl": "rows", "score_hist": True}, None),
+    ("group_max", torch.bfloat16, {"score_impl": "mma", "fuse_merge": True}, 7),
+    ("per_head", FP8, {"score_impl": "rows"}, 3),
+    ("group_sum", FP8, {"score_impl": "mma", "select_atomic_hist": False}, 5),
+    ("group_max", FP8, {"score_impl": "rows", "select_prefetch": ""}, None),
+]
+
+
+@pytest.mark.parametrize("mode,label_dtype,overrides,splits", BUDGET_RUNS,
+                         ids=lambda x: str(x).replace("torch.", "") if not isinstance(x, dict) else
+                         "-".join(f"{k}={v}" for k, v in x.items()))
+def test_ds_decode_per_request_budgets(mode, label_dtype, overrides, splits):
+    """Each request selects exactly its own k (the reference's ordered top-k of its scores) and
+    attends to those k tokens; requests not longer than their k decode densely. Splits past a
+    short request's k contribute nothing; in the group modes a second call with other budgets
+    on the same workspace is as exact (per_head runs one: 9 rows per request are slow under the
+    interpreter)."""
+    c = make_case(BUDGET_LENS, 9, 3, 64, r=16, label_dtype=label_dtype, device=DEVICE,
+                  seed=_seed("budgets", mode, str(label_dtype)))
+    tuning = KernelTuning.from_dict(overrides)
+    ws = make_ws(c, max_heavy_tokens=150)
+    runs = [(BUDGET_KS, 89), ([13, 36, 149, DENSE, 60], 149)]
+    for ks, max_k in runs[:1] if mode == "per_head" else runs:
+        ks = torch.tensor(ks, dtype=torch.int32, device=DEVICE)
+        out = torch.full_like(c.q, float("nan"))
+        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, ks, max_k, mode, num_sink=2, num_recent=3, ws=ws,
+                                     out=out, num_splits=splits, num_progs=2, return_sel=True, tuning=tuning)
+        assert not out.isnan().any()
+        _check_selection(c, ws, sel, ks, mode, num_sink=2, num_recent=3)
+        for b, k in enumerate(ks.tolist()):
+            if int(c.seq_lens[b]) > k:  # the forced positions are among the k
+                n = int(c.seq_lens[b])
+                assert all({0, 1, n - 3, n - 2, n - 1} <= set(row[:k].tolist()) for row in sel[b, :rows_of(mode, 9, 3)])
+        assert rel_err(out, _expected_output(c, sel, ks, mode)) < TOL[torch.bfloat16]
+        dense_rows = [b for b, k in enumerate(ks.tolist()) if int(c.seq_lens[b]) <= k]
+        dense = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens, c.sm_scale)
+        assert rel_err(out[dense_rows], dense[dense_rows]) < TOL[torch.bfloat16]
+    assert int(ws.hist[0].abs().sum()) == 0
+
+
+def test_ds_decode_budgets_match_one_request_at_a_time():
+    """A batch of different budgets gives each request the selection and output it gets alone
+    with its own k (one budget per call, the old single-k behaviour)."""
+    c = make_case([130, 77, 201], 9, 3, 64, device=DEVICE, seed=17)
+    ks = torch.tensor([33, 76, 7], dtype=torch.int32, device=DEVICE)
+    ws = make_ws(c, max_heavy_tokens=80)
+    out, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, ks, 76, "group_max", ws=ws, num_splits=4,
+                                   return_sel=True)
+    out, sel = out.clone(), sel.clone()
+    for b in range(3):
+        args = list(c.args())
+        args[0], args[7], args[8] = c.q[b: b + 1], c.req_idx[b: b + 1], c.seq_lens[b: b + 1]
+        k = int(ks[b])
+        o1, s1 = ds_launch.ds_decode(*args, c.sm_scale, ks[b: b + 1], k, "group_max", ws=ws.rows(0, 1),
+                                     num_splits=4, return_sel=True)
+        assert torch.equal(s1[0, :3, :k], sel[b, :3, :k])
+        assert rel_err(o1[0], out[b]) < 1e-2
 
 
 PIPELINES = [
@@ -182,7 +249,7 @@ def _check_pipeline(overrides, mode, hq, hkv):
         c = make_case(seq_lens, hq, hkv, 64, r=16, device=DEVICE, seed=_seed(i, mode, str(overrides)), max_ctx=520)
         ws = ws or make_ws(c, max_heavy_tokens=64)
         out = torch.full_like(c.q, float("nan"))
-        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, out=out, num_progs=2,
+        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, mode, ws=ws, out=out, num_progs=2,
                                      return_sel=True, tuning=tuning)
         _check_selection(c, ws, sel, k, mode)
         assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
@@ -195,7 +262,8 @@ def test_ds_select_all_ties():
     c.q.zero_()
     k = 24
     ws = make_ws(c, max_heavy_tokens=k)
-    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, num_progs=2, return_sel=True)
+    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, "group_max", ws=ws, num_progs=2,
+                                 return_sel=True)
     _check_selection(c, ws, sel, k, "group_max")
 
 
@@ -206,7 +274,7 @@ def test_ds_select_more_programs_than_phase_cap():
     tuning = KernelTuning(select_block_n=16, hist_block_n=16)
     c = make_case([700, 333], 9, 3, 64, device=DEVICE, seed=41)
     ws = make_ws(c, max_heavy_tokens=50)
-    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, 50, "group_max", ws=ws,
+    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, 50), 50, "group_max", ws=ws,
                               num_progs=SELECT_MAX_PROGS + 5, return_sel=True, tuning=tuning)
     _check_selection(c, ws, sel, 50, "group_max")
 
@@ -217,7 +285,7 @@ def test_ds_repeated_calls_keep_workspace_clean():
     for i, seq_lens in enumerate([[200, 90], [150, 300], [61, 62]]):
         c = make_case(seq_lens, 9, 3, 64, device=DEVICE, seed=100 + i, max_ctx=300)
         ws = ws or make_ws(c, max_heavy_tokens=60)
-        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, 60, "group_max", ws=ws, num_progs=3,
+        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, 60), 60, "group_max", ws=ws, num_progs=3,
                                   return_sel=True)
         _check_selection(c, ws, sel, 60, "group_max")
     assert int(ws.hist[0].abs().sum()) == 0
@@ -229,13 +297,13 @@ def test_ds_decode_on_workspace_rows_matches_whole_batch():
     c = make_case([300, 90, 257], 9, 3, 64, device=DEVICE, seed=21)
     k = 40
     ws = make_ws(c, max_heavy_tokens=k)
-    whole, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, return_sel=True)
+    whole, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, "group_max", ws=ws, return_sel=True)
     sel = sel.clone()
     out = torch.full_like(c.q, float("nan"))
     for a, b in ((0, 1), (1, 3)):
         args = list(c.args())
         args[0], args[7], args[8] = c.q[a:b], c.req_idx[a:b], c.seq_lens[a:b]
-        _, part_sel = ds_launch.ds_decode(*args, c.sm_scale, k, "group_max", ws=ws.rows(a, b),
+        _, part_sel = ds_launch.ds_decode(*args, c.sm_scale, budgets(c, k)[a:b], k, "group_max", ws=ws.rows(a, b),
                                        out=out[a:b], return_sel=True)
         for i in range(b - a):
             for h in range(3):
@@ -253,11 +321,11 @@ def test_ds_decode_score_then_rest_matches_all():
     c = make_case([300, 33, 257], 9, 3, 64, device=DEVICE, seed=23)
     k = 40
     ws = make_ws(c, max_heavy_tokens=k)
-    whole, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, return_sel=True)
+    whole, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, "group_max", ws=ws, return_sel=True)
     whole, sel = whole.clone(), sel.clone()
     out = torch.full_like(c.q, float("nan"))
-    assert ds_launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, stage="score") is None
-    _, sel2 = ds_launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, out=out, stage="rest",
+    assert ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, "group_max", ws=ws, stage="score") is None
+    _, sel2 = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, "group_max", ws=ws, out=out, stage="rest",
                                return_sel=True)
     for b in range(3):
         n = min(k, int(c.seq_lens[b]))
@@ -265,16 +333,17 @@ def test_ds_decode_score_then_rest_matches_all():
             assert set(sel2[b, h, :n].tolist()) == set(sel[b, h, :n].tolist())
     assert rel_err(out, whole) < TOL[torch.bfloat16]
     with pytest.raises(ValueError):
-        ds_launch.ds_decode(*c.args(), c.sm_scale, k, "group_max", ws=ws, stage="scores")
+        ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, "group_max", ws=ws, stage="scores")
 
 
-def test_ds_threshold_and_sink_recent():
+def test_ds_dense_budget_and_sink_recent():
     c = make_case([100, 400, 250], 9, 3, 64, device=DEVICE, seed=11)
-    k, thr = 48, 260   # the 250-token request is below the threshold: dense
+    k = 48
+    ks = budgets(c, k, dense_below=260)  # the 250-token request carries DENSE
     ws = make_ws(c, max_heavy_tokens=k)
-    out, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, k, "group_sum", threshold=thr, num_sink=4,
-                                num_recent=8, ws=ws, return_sel=True)
-    exp = _expected_output(c, sel, k, "group_sum", thr)
+    out, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, ks, k, "group_sum", num_sink=4,
+                                   num_recent=8, ws=ws, return_sel=True)
+    exp = _expected_output(c, sel, ks, "group_sum")
     assert rel_err(out, exp) < TOL[torch.bfloat16]
     dense = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx,
                                  c.seq_lens, c.sm_scale)
@@ -286,8 +355,8 @@ def test_ds_threshold_and_sink_recent():
 def test_ds_matches_full_reference_when_k_covers_everything():
     c = make_case([70, 64], 9, 3, 64, device=DEVICE, seed=5)
     ws = make_ws(c, max_heavy_tokens=80)
-    out = ops.ds_decode(*c.args(), c.sm_scale, 69, "group_max", ws=ws, impl="triton")
-    exp = ref.ds_decode_ref(*c.args(), c.sm_scale, 69, "group_max")
+    out = ops.ds_decode(*c.args(), c.sm_scale, budgets(c, 69), 69, "group_max", ws=ws, impl="triton")
+    exp = ref.ds_decode_ref(*c.args(), c.sm_scale, budgets(c, 69), "group_max")
     assert rel_err(out, exp) < TOL[torch.bfloat16]
 
 
@@ -295,9 +364,10 @@ def test_ds_matches_full_reference_when_k_covers_everything():
 @pytest.mark.parametrize("label_dtype", [torch.bfloat16, FP8])
 def test_ops_torch_path_matches_reference(mode, label_dtype):
     c = make_case([70, 20, 301], 9, 3, 64, seed=9, label_dtype=label_dtype)
-    for thr, sink, recent in ((0, 0, 0), (100, 2, 3)):
-        out = ops.ds_decode(*c.args(), c.sm_scale, 16, mode, thr, sink, recent, impl="torch")
-        exp = ref.ds_decode_ref(*c.args(), c.sm_scale, 16, mode, thr, sink, recent)
+    for ks, sink, recent in ((budgets(c, 16), 0, 0), (budgets(c, 16, dense_below=100), 2, 3),
+                             (torch.tensor([69, 5, 40], dtype=torch.int32), 2, 3)):  # budgets differ per row
+        out = ops.ds_decode(*c.args(), c.sm_scale, ks, 69, mode, sink, recent, impl="torch")
+        exp = ref.ds_decode_ref(*c.args(), c.sm_scale, ks, mode, sink, recent)
         assert torch.allclose(out.float(), exp.to(out.dtype).float(), atol=1e-2, rtol=1e-2)
     out = ops.dense_decode(*c.args()[:3], *c.args()[6:], c.sm_scale, impl="torch")
     exp = ref.dense_decode_ref(*c.args()[:3], *c.args()[6:], c.sm_scale)
@@ -326,16 +396,20 @@ def test_bad_arguments_raise_value_error():
     c = make_case([40], 9, 3, 64, device=DEVICE, seed=1)
     ws = make_ws(c, max_heavy_tokens=16)
     a = list(c.args())
-    with pytest.raises(ValueError, match="heavy_token_num"):
-        ds_launch.ds_decode(*a, c.sm_scale, 0, ws=ws)
+    with pytest.raises(ValueError, match="max_heavy_tokens must be positive"):
+        ds_launch.ds_decode(*a, c.sm_scale, budgets(c, 0), 0, ws=ws)
+    with pytest.raises(ValueError, match="heavy_token_nums"):
+        ds_launch.ds_decode(*a, c.sm_scale, budgets(c, 8).long(), 8, ws=ws)
+    with pytest.raises(ValueError, match="heavy_token_nums"):
+        ds_launch.ds_decode(*a, c.sm_scale, torch.cat([budgets(c, 8)] * 2), 8, ws=ws)
     with pytest.raises(ValueError, match="exceeds workspace"):
-        ds_launch.ds_decode(*a, c.sm_scale, 17, ws=ws)
+        ds_launch.ds_decode(*a, c.sm_scale, budgets(c, 17), 17, ws=ws)
     with pytest.raises(ValueError, match="mode"):
-        ds_launch.ds_decode(*a, c.sm_scale, 8, "bogus", ws=ws)
+        ds_launch.ds_decode(*a, c.sm_scale, budgets(c, 8), 8, "bogus", ws=ws)
     with pytest.raises(ValueError, match="seq_lens"):
-        ds_launch.ds_decode(*a[:8], c.seq_lens.long(), c.sm_scale, 8, ws=ws)
+        ds_launch.ds_decode(*a[:8], c.seq_lens.long(), c.sm_scale, budgets(c, 8), 8, ws=ws)
     with pytest.raises(ValueError, match="channels"):
-        ds_launch.ds_decode(*a[:5], c.channels[:, :4], *a[6:], c.sm_scale, 8, ws=ws)
+        ds_launch.ds_decode(*a[:5], c.channels[:, :4], *a[6:], c.sm_scale, budgets(c, 8), 8, ws=ws)
     with pytest.raises(ValueError, match="q"):
         launch.dense_decode(c.q.int(), *a[1:3], *a[6:], c.sm_scale, ws)
     with pytest.raises(ValueError, match="dims"):
@@ -343,10 +417,11 @@ def test_bad_arguments_raise_value_error():
     wide = torch.zeros(c.k_cache.shape[0], 3, 65, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="r=65"):
         ds_launch.ds_decode(c.q, c.k_cache, c.v_cache, wide, c.label_scale,
-                         torch.zeros(3, 65, dtype=torch.int32, device=DEVICE), *a[6:], c.sm_scale, 8, ws=ws)
+                            torch.zeros(3, 65, dtype=torch.int32, device=DEVICE), *a[6:], c.sm_scale,
+                            budgets(c, 8), 8, ws=ws)
     with pytest.raises(ValueError, match="label_scale"):
         ds_launch.ds_decode(c.q, c.k_cache, c.v_cache, c.label_cache.to(torch.float8_e4m3fn), None,
-                         c.channels, *a[6:], c.sm_scale, 8, ws=ws)
+                         c.channels, *a[6:], c.sm_scale, budgets(c, 8), 8, ws=ws)
     if DEVICE == "cuda":
         with pytest.raises(ValueError, match="on cpu"):
             launch.dense_decode(c.q, c.k_cache.cpu(), c.v_cache, *a[6:], c.sm_scale, ws)
@@ -364,17 +439,20 @@ def test_cuda_graph_capture_and_replay(mode):
     k_new = torch.randn(3, 3, 64, device=DEVICE).bfloat16()
     slots = c.req_to_token[c.req_idx.long(), 0].clone()
     out_ds, out_dense = torch.empty_like(c.q), torch.empty_like(c.q)
+    ks = torch.full_like(c.seq_lens, 64)  # a static buffer, as seq_lens: new budgets per replay
 
     def step():
         ops.store_kv(c.k_cache, c.v_cache, k_new, k_new, slots, c.label_cache, c.label_scale, c.channels)
-        ops.ds_decode(*c.args(), c.sm_scale, 64, mode, ws=ws, out=out_ds)
+        ops.ds_decode(*c.args(), c.sm_scale, ks, 64, mode, ws=ws, out=out_ds)
         ops.dense_decode(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens,
                          c.sm_scale, ws, out=out_dense)
 
     c.seq_lens.copy_(torch.tensor([500, 30, 64], dtype=torch.int32))
     graph = capture_graph(step)
-    for lens in GRAPH_REPLAY_LENS:
+    # per replay: one k, then k differing per request (one DENSE, one = seq_len - 1, one small)
+    for lens, budget in zip(GRAPH_REPLAY_LENS, ([64, 64, 64], [63, 64, DENSE], [1, 2, 37])):
         c.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        ks.copy_(torch.tensor(budget, dtype=torch.int32))
         c.q.normal_()
         k_new.normal_()
         graph.replay()
@@ -382,6 +460,7 @@ def test_cuda_graph_capture_and_replay(mode):
         step()
         torch.testing.assert_close(got_dense, out_dense, rtol=2e-2, atol=2e-3)
         torch.testing.assert_close(got_ds, out_ds, rtol=2e-2, atol=2e-3)
+        assert rel_err(got_ds, _expected_output(c, ws.sel, ks, mode)) < TOL[torch.bfloat16]
         exp = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx,
                                    c.seq_lens, c.sm_scale)
         assert rel_err(got_dense, exp) < TOL[torch.bfloat16]
@@ -446,7 +525,7 @@ def test_cuda_select_equals_triton(case, mode):
     got = {}
     for impl in ("triton", "cuda"):
         ws = make_ws(c, max_heavy_tokens=k + 3)
-        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, num_progs=3, return_sel=True,
+        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, mode, ws=ws, num_progs=3, return_sel=True,
                                      tuning=KernelTuning(select_impl=impl))
         if impl == "cuda":
             _check_selection(c, ws, sel, k, mode)
@@ -470,7 +549,7 @@ def test_cuda_select_launch_protocol(monkeypatch):
     for skip, stage, want in ((False, "all", ["hist_high", "hist_low", "compact"]), (False, "hist", ["hist_high"]),
                               (True, "all", ["hist_low", "compact"])):
         calls.clear()
-        ds_launch._select(ws, sl, rt, sl, 64, 0, 17, 3, skip, None, stage, KernelTuning())
+        ds_launch._select(ws, sl, rt, sl, sl, 64, 17, 3, skip, None, stage, KernelTuning())
         assert [c[0] for c in calls] == want
         grids = {n: g for n, g in calls}
         assert all(g[:2] == (17, 3) for g in grids.values())
@@ -506,10 +585,10 @@ def test_cuda_score_equals_triton(case, mode, label_dtype, tc, depth, max_hpw):
     got = {}
     for impl in ("mma", "cuda"):
         ws = make_ws(c, max_heavy_tokens=k + 3)
-        ds_launch.ds_decode(*c.args(), c.sm_scale, k, mode, ws=ws, num_progs=3, stage="score",
+        ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, mode, ws=ws, num_progs=3, stage="score",
                             tuning=base.replace(score_impl=impl))
         got[impl] = (ws.scores[:, :rows].clone(), ws.hist[0, :, :rows].clone())
-    sparse = ref.is_sparse(c.seq_lens.cpu(), k, 0)
+    sparse = ref.is_sparse(c.seq_lens.cpu(), budgets(c, k))
     for b in range(c.q.shape[0]):
         n = int(c.seq_lens[b]) if sparse[b] else 0
         a, e = got["cuda"][0][b, :, :n].float(), got["mma"][0][b, :, :n].float()
@@ -534,7 +613,7 @@ def test_cuda_score_launch_protocol(monkeypatch):
     not otherwise."""
     calls = []
     monkeypatch.setattr(ds_launch.cuda_score, "score", lambda *a: calls.append(("score", a[-7:])))
-    monkeypatch.setattr(ds_launch, "_select", lambda ws, sl, rt, ri, k, thr, B, rows, skip, np, stage, tuning:
+    monkeypatch.setattr(ds_launch, "_select", lambda ws, sl, rt, ri, ks, max_k, B, rows, skip, np, stage, tuning:
                         calls.append(("select", skip)))
     monkeypatch.setattr(ds_launch, "_take_cuda", lambda knob, impl, why_not: knob == "score_impl")
     monkeypatch.setattr(ds_launch, "_num_sms", lambda dev: 132)
@@ -543,7 +622,8 @@ def test_cuda_score_launch_protocol(monkeypatch):
         tuning = KernelTuning(score_cuda_hist=hist)
         calls.clear()
         ws = make_ws(c, max_heavy_tokens=16)
-        ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="select", tuning=tuning)
+        ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, 16), 16, "group_max", ws=ws, stage="select",
+                            tuning=tuning)
         assert [n for n, _ in calls] == ["score", "select"]
         P, do_hist, per, minb, tc, _depth, _max_hpw = calls[0][1]
         assert do_hist == hist and calls[1][1] == hist and P >= 1
@@ -568,6 +648,7 @@ def test_score_impl_choice(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            ds_launch.ds_decode(*c.args(), c.sm_scale, 16, "group_max", ws=ws, stage="score", tuning=tuning)
+            ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, 16), 16, "group_max", ws=ws, stage="score",
+                                tuning=tuning)
     msgs = [str(w.message) for w in caught if "score_impl" in str(w.message)]
     assert len(msgs) == 1 and "a test reason" in msgs[0] and used == ["mma", "mma"]

@@ -20,19 +20,19 @@
     const float* __restrict__ label_scale, const int* __restrict__ req_to_token, \
     const void* __restrict__ req_idx, int req_idx_64, const int* __restrict__ seq_lens, \
     unsigned short* __restrict__ scores, int* __restrict__ hist, double sm_scale, \
-    int heavy_k, int threshold, int num_sink, int num_recent, \
+    const int* __restrict__ heavy_ks, int num_sink, int num_recent, \
     int stride_qb, int stride_qh, int stride_ls, int stride_lh, int stride_ch, int stride_rt, \
     int stride_sb, int stride_sr, int stride_hb, int stride_hr, int P
 
 // Both kernels' first lines: the block histogram sh (HIST_SMEM), request b, thread tid, and this
 // block's slice [start, end) of b's row in whole steps of STEP_ tokens; a block with no positions
-// (a dense request, or past the row's end) returns.
+// (a dense request: seq_len <= its budget heavy_ks[b], or past the row's end) returns.
 #define SCORE_BLOCK_START(STEP_) \
     HIST_SMEM; \
     const int b = blockIdx.x, tid = threadIdx.x; \
     const int seq_len = seq_lens[b]; \
     int start, end; \
-    block_slice(seq_len, heavy_k, threshold, P, STEP_, start, end); \
+    block_slice(seq_len, heavy_ks[b], P, STEP_, start, end); \
     if (start >= end) return
 
 #if LABEL == 2
@@ -108,10 +108,9 @@ __device__ __forceinline__ void score_end(const int* sh, int* hist, int b, int s
 }
 
 // This block's positions [start, end) of request b's row: one of P slices of whole steps, empty
-// for a request that decodes densely.
-__device__ __forceinline__ void block_slice(int seq_len, int heavy_k, int threshold, int P, int step, int& start,
-                                            int& end) {
-    const int n = (seq_len > heavy_k && seq_len >= threshold) ? seq_len : 0;  // sparse rows only
+// for a request that decodes densely (its length not above its own budget heavy_k).
+__device__ __forceinline__ void block_slice(int seq_len, int heavy_k, int P, int step, int& start, int& end) {
+    const int n = seq_len > heavy_k ? seq_len : 0;  // sparse rows only (ds_common._sparse_len)
     const int per = ((n + P - 1) / P + step - 1) / step * step;
     start = blockIdx.y * per;
     end = min(start + per, n);

@@ -11,7 +11,10 @@
 //
 // Compiled at run time by NVRTC (kernels/cuda/select.py). Every kernel runs on the grid
 // (B, rows, P): P programs (thread blocks) per score row, each owning one slice of the row, cut
-// in CHUNK-key steps. Integer arguments are 32-bit (the launcher checks they fit).
+// in CHUNK-key steps. Integer arguments are 32-bit (the launcher checks they fit). Each request's
+// budget k comes from heavy_ks[b] ([B] int32, on the device); the rank a row selects is
+// min(k, max_k), max_k being the host's bound (at most sel's row length: it binds only for a
+// budget the host promised never to pass, and keeps the writes inside the row).
 
 #define THREADS 256
 #define NWARPS (THREADS / 32)
@@ -25,9 +28,10 @@ __device__ __forceinline__ unsigned key16(unsigned bits) {
     return (bits & 0x8000u) ? (~bits & 0xFFFFu) : (bits | 0x8000u);
 }
 
-// Positions a request contributes to selection (ds_common._sparse_len).
-__device__ __forceinline__ int sparse_len(int seq_len, int k, int threshold) {
-    return (seq_len > k && seq_len >= threshold) ? seq_len : 0;
+// Positions a request contributes to selection (ds_common._sparse_len): all of them iff its
+// length exceeds its own budget k (heavy_ks[b]), else none.
+__device__ __forceinline__ int sparse_len(int seq_len, int k) {
+    return seq_len > k ? seq_len : 0;
 }
 
 // Program p's slice [start, end) of n positions, in whole chunks (the same in every phase that
@@ -101,12 +105,12 @@ __device__ __forceinline__ int threshold_digit(const int* h, int need, int* abov
 // calls: phase 3 clears it).
 extern "C" __global__ void __launch_bounds__(THREADS) ds_select_hist_high(
     const unsigned short* __restrict__ scores, int* __restrict__ hist, const int* __restrict__ seq_lens,
-    int heavy_k, int threshold, int stride_sb, int stride_sr, int stride_hb, int stride_hr, int P)
+    const int* __restrict__ heavy_ks, int stride_sb, int stride_sr, int stride_hb, int stride_hr, int P)
 {
     __shared__ int sh[256];
     const int b = blockIdx.x, row = blockIdx.y, p = blockIdx.z;
     int start, end;
-    split_range(sparse_len(seq_lens[b], heavy_k, threshold), p, P, &start, &end);
+    split_range(sparse_len(seq_lens[b], heavy_ks[b]), p, P, &start, &end);
     if (start >= end) return;
     const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
     uint4 ahead = load_ahead(srow, start, end);
@@ -132,15 +136,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_hist_high(
 // also with an empty slice, because phase 3 sums them over all P programs.
 extern "C" __global__ void __launch_bounds__(THREADS) ds_select_hist_low(
     const unsigned short* __restrict__ scores, int* __restrict__ hist, int* __restrict__ rowinfo,
-    int* __restrict__ counts, const int* __restrict__ seq_lens, int heavy_k, int threshold,
+    int* __restrict__ counts, const int* __restrict__ seq_lens, const int* __restrict__ heavy_ks, int max_k,
     int stride_sb, int stride_sr, int stride_hp, int stride_hb, int stride_hr,
     int stride_rib, int stride_rir, int stride_cb, int stride_cr, int P)
 {
     __shared__ int sh[256];
     __shared__ int s_digit, s_count;
     const int b = blockIdx.x, row = blockIdx.y, p = blockIdx.z;
+    const int k_row = heavy_ks[b];
+    const int heavy_k = min(k_row, max_k);  // this row's rank
     int start, end;
-    split_range(sparse_len(seq_lens[b], heavy_k, threshold), p, P, &start, &end);
+    split_range(sparse_len(seq_lens[b], k_row), p, P, &start, &end);
     const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
     uint4 ahead = load_ahead(srow, start, end);
     const long long hrow = (long long)b * stride_hb + (long long)row * stride_hr;
@@ -191,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_compact(
     const unsigned short* __restrict__ scores, int* __restrict__ hist, const int* __restrict__ rowinfo,
     const int* __restrict__ counts, const int* __restrict__ seq_lens, int* __restrict__ sel,
     int* __restrict__ sel_slot, const int* __restrict__ req_to_token, const void* __restrict__ req_idx,
-    int req_idx_64, int heavy_k, int threshold,
+    const int* __restrict__ heavy_ks, int req_idx_64, int max_k,
     int stride_sb, int stride_sr, int stride_hp, int stride_hb, int stride_hr, int stride_rib,
     int stride_rir, int stride_cb, int stride_cr, int stride_selb, int stride_selr, int stride_rt, int P)
 {
@@ -200,8 +206,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) ds_select_compact(
     __shared__ int s_thr, s_ngt, s_base, s_base_e;
     const int b = blockIdx.x, row = blockIdx.y, p = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int k_row = heavy_ks[b];
+    const int heavy_k = min(k_row, max_k);  // this row's rank (as phase 2's)
     int start, end;
-    split_range(sparse_len(seq_lens[b], heavy_k, threshold), p, P, &start, &end);
+    split_range(sparse_len(seq_lens[b], k_row), p, P, &start, &end);
     const unsigned short* srow = scores + (long long)b * stride_sb + (long long)row * stride_sr;
     uint4 ahead = load_ahead(srow, start, end);
     const long long hrow = (long long)b * stride_hb + (long long)row * stride_hr;

@@ -3,8 +3,8 @@
 One program handles (batch entry b, row r, split s). A row is a KV head whose whole query group is
 packed into the program (so each K/V byte is read once), or, in per-query-head selection, a single
 query head. The token list of a row is either positions 0..seq_len-1 (dense) or the row's top-k
-selected tokens (sparse: their cache slots, from the select step); which one is decided per
-request on the device from seq_lens.
+selected tokens (sparse: their cache slots, from the select step), k being the request's own
+budget (heavy_ks[b]); which one is decided per request on the device from seq_lens and heavy_ks.
 
 With FUSE_MERGE the partials are merged by the row's last split to finish (an arrival counter per
 row, reset by that program), which saves the merge launch; otherwise merge_kernel runs after.
@@ -44,7 +44,7 @@ def decode_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr,
     part_o_ptr, part_lse_ptr, count_ptr, out_ptr,
-    sm_scale, heavy_k, threshold,
+    sm_scale, heavy_ks_ptr, max_k,
     stride_qb, stride_qh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt, stride_selb, stride_selr,
@@ -57,7 +57,7 @@ def decode_attn_kernel(
     attn_split(
         tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_cache_ptr, v_cache_ptr,
         req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr, part_o_ptr, part_lse_ptr, count_ptr, out_ptr,
-        sm_scale, heavy_k, threshold, stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
+        sm_scale, heavy_ks_ptr, max_k, stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
         stride_rt, stride_selb, stride_selr,
         stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_cb, stride_ob, stride_oh,
         G, D, PER_HEAD, HAS_SEL, NUM_SPLITS, BLOCK_H, BLOCK_N, BLOCK_D, DOT_F32, FUSE_MERGE, BLOCK_S)
@@ -68,7 +68,7 @@ def attn_split(
     b, row, split, q_ptr, k_cache_ptr, v_cache_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr,
     part_o_ptr, part_lse_ptr, count_ptr, out_ptr,
-    sm_scale, heavy_k, threshold,
+    sm_scale, heavy_ks_ptr, max_k,
     stride_qb, stride_qh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt, stride_selb, stride_selr,
@@ -82,8 +82,13 @@ def attn_split(
     seq_len = tl.load(seq_lens_ptr + b)
     req = tl.load(req_idx_ptr + b).to(tl.int64)
     if HAS_SEL:
-        sparse = (seq_len > heavy_k) & (seq_len >= threshold)
-        n = tl.where(sparse, heavy_k, seq_len)
+        # The request's own budget: sparse iff its length exceeds it; then its first k entries
+        # of sel (k capped at max_k, sel's row length, as the select caps it). NUM_SPLITS is
+        # sized for the batch's largest k; a row with a smaller one gets shorter splits, and
+        # splits past its k are empty (lse -inf), which the merge weighs zero.
+        heavy_k = tl.load(heavy_ks_ptr + b)
+        sparse = seq_len > heavy_k
+        n = tl.where(sparse, tl.minimum(heavy_k, max_k), seq_len)
     else:
         sparse = seq_len < 0  # always False, keeps one code path
         n = seq_len

@@ -17,7 +17,7 @@ from ..cuda import select as cuda_select
 from ..reference import MODES
 from ..tuning import DEFAULT_TUNING, KernelTuning
 from ..workspace import SCORE_PAD, SELECT_MAX_PROGS
-from .common import _INTERPRET, _check_decode, _check_labels, _fail, _num_sms
+from .common import _INTERPRET, _check, _check_decode, _check_labels, _fail, _num_sms
 from .ds_score import score_mma_kernel
 from .ds_score_rows import score_kernel
 from .ds_select import select_kernel
@@ -28,29 +28,36 @@ STAGES = ("score", "hist", "select", "attend", "rest", "all")
 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-              seq_lens, sm_scale, heavy_token_num, mode="group_max", threshold=0, num_sink=0,
+              seq_lens, sm_scale, heavy_token_nums, max_heavy_tokens, mode="group_max", num_sink=0,
               num_recent=0, ws=None, out=None, num_splits=None, num_progs=None, return_sel=False,
               stage="all", tuning: KernelTuning = DEFAULT_TUNING):
     """See ops.ds_decode. ``stage`` ("score", "hist", "select", "attend", "all") runs a prefix or
     the last part only, for the stage-by-stage benchmark; "rest" runs everything after the score
     (select and attend), so that callers can order batch parts' stages across streams;
-    ``return_sel`` also returns the selection."""
+    ``return_sel`` also returns the selection ([B, rows, K] int32, row b's first
+    ``heavy_token_nums[b]`` entries meaningful where it decodes sparsely)."""
     B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
     dev = q.device
     r = _check_labels(label_cache, label_scale, channels, k_cache, dev)
     if mode not in MODES:
         _fail(f"mode must be one of {MODES}, got {mode!r}")
-    k = int(heavy_token_num)
+    _check(heavy_token_nums, "heavy_token_nums", 1, (torch.int32,), dev)
+    if heavy_token_nums.shape[0] != B:
+        _fail(f"heavy_token_nums {tuple(heavy_token_nums.shape)} must be [{B}]")
+    # Only the host bound is checked: the per-row budgets live on the device (no sync).
+    k = int(max_heavy_tokens)
     if k <= 0:
-        _fail(f"heavy_token_num must be positive, got {k}")
+        _fail(f"max_heavy_tokens must be positive, got {k}")
     if not ws.max_heavy_tokens:
         _fail("workspace has no Double Sparsity buffers (max_heavy_tokens=0)")
     if k > ws.max_heavy_tokens:
-        _fail(f"heavy_token_num={k} exceeds workspace max_heavy_tokens={ws.max_heavy_tokens}")
+        _fail(f"max_heavy_tokens={k} exceeds workspace max_heavy_tokens={ws.max_heavy_tokens}")
     if req_to_token.shape[1] > ws.max_ctx:
         _fail(f"req_to_token has {req_to_token.shape[1]} positions > workspace max_ctx {ws.max_ctx}")
     if num_sink < 0 or num_recent < 0 or num_sink + num_recent > k:
-        _fail(f"need 0 <= num_sink + num_recent <= k, got {num_sink} + {num_recent} (k={k})")
+        _fail(f"need 0 <= num_sink + num_recent <= max_heavy_tokens, got {num_sink} + {num_recent} "
+              f"(max_heavy_tokens={k})")
+    ks = heavy_token_nums
     G = Hq // Hkv
     per_head = mode == "per_head"
     rows = Hq if per_head else Hkv
@@ -68,17 +75,17 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             P = num_progs or max(1, min(triton.cdiv(tuning.score_cuda_programs_per_sm * nsm, B),
                                         triton.cdiv(ws.max_ctx, step)))
             cuda_score.score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist,
-                             sm_scale, k, threshold, num_sink, num_recent, mode, P, score_hist, *geometry)
+                             sm_scale, ks, num_sink, num_recent, mode, P, score_hist, *geometry)
         elif impl == "mma":
             _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
-                       float(sm_scale), k, int(threshold), int(num_sink), int(num_recent), mode, tuning, num_progs)
+                       float(sm_scale), ks, int(num_sink), int(num_recent), mode, tuning, num_progs)
         else:
             P_score = num_progs or max(1, min(triton.cdiv(tuning.score_programs_per_sm * nsm, B * Hkv),
                                               triton.cdiv(ws.max_ctx, tuning.score_block_n)))
             is_fp8 = label_cache.dtype == torch.float8_e4m3fn
             score_kernel[(B, Hkv, P_score)](
                 q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
-                scores, hist, float(sm_scale), k, int(threshold), int(num_sink), int(num_recent),
+                scores, hist, float(sm_scale), ks, int(num_sink), int(num_recent),
                 q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
                 req_to_token.stride(0), scores.stride(0), scores.stride(1), hist.stride(1), hist.stride(2),
                 G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P_score,
@@ -90,7 +97,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         if stage == "score":
             return None
     if stage != "attend":
-        _select(ws, seq_lens, req_to_token, req_idx, k, int(threshold), B, rows, score_hist,
+        _select(ws, seq_lens, req_to_token, req_idx, ks, k, B, rows, score_hist,
                 num_progs, stage, tuning)
         if stage == "hist":
             return None
@@ -99,13 +106,14 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     if num_splits is None:
         num_splits = _sparse_splits(B, rows, Hkv, k, ws, dev, tuning)
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                   sel_slot, rows, k, threshold, per_head, num_splits, tuning, tuning.sparse_attn_stages)
+                   sel_slot, rows, ks, k, per_head, num_splits, tuning, tuning.sparse_attn_stages)
     return (o, sel) if return_sel else o
 
 
 def _sparse_splits(B, rows, Hkv, k, ws, dev, tuning: KernelTuning) -> int:
-    """Split-K partitions of a row of the attention over the selection (a request that decodes
-    densely reads its whole cache in as many splits)."""
+    """Split-K partitions of a row of the attention over the selection, for the batch's largest
+    budget k (a row with a smaller one, or a request that decodes densely and reads its whole
+    cache, is cut into as many splits of its own length)."""
     want = triton.cdiv(tuning.sparse_attn_programs_per_sm * _num_sms(dev), B * rows)
     cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev, tuning)), dense_splits(B, Hkv, ws, dev, tuning))
     return max(1, min(ws.max_splits, want, cap))
@@ -149,11 +157,12 @@ def _score_impl(q, label_cache, channels, mode, tuning: KernelTuning):
     return impl, impl == "rows" and tuning.score_hist, None
 
 
-def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_phase1, num_progs, stage,
+def _select(ws, seq_lens, req_to_token, req_idx, heavy_ks, max_k, B, rows, skip_phase1, num_progs, stage,
             tuning: KernelTuning):
     """Stage 2: the top-k select's three phases, one launch each (phase 1 skipped when the
     score launch made the histogram; stage "hist" runs phase 1 only, for the stage benchmark), by
-    ds_select.py's Triton kernel or select.cu's CUDA kernels (``_use_cuda_select``)."""
+    ds_select.py's Triton kernel or select.cu's CUDA kernels (``_use_cuda_select``). Row b's rank
+    is heavy_ks[b] ([B] int32 on the device), capped at max_k (<= the sel rows' length)."""
     scores, hist, info, counts, sel, sel_slot = (ws.scores, ws.hist, ws.rowinfo, ws.counts, ws.sel,
                                                  ws.sel_slot)
     nsm = _num_sms(scores.device)
@@ -167,15 +176,15 @@ def _select(ws, seq_lens, req_to_token, req_idx, k, threshold, B, rows, skip_pha
 
     if cuda:
         if not skip_phase1:
-            cuda_select.hist_high(scores, hist, seq_lens, k, threshold, B, rows,
+            cuda_select.hist_high(scores, hist, seq_lens, heavy_ks, B, rows,
                                   progs(tuning.hist_programs_per_sm, cuda_select.CHUNK))
         if stage != "hist":
             P = progs(tuning.select_programs_per_sm, cuda_select.CHUNK, SELECT_MAX_PROGS)
-            cuda_select.hist_low(scores, hist, info, counts, seq_lens, k, threshold, B, rows, P)
+            cuda_select.hist_low(scores, hist, info, counts, seq_lens, heavy_ks, max_k, B, rows, P)
             cuda_select.compact(scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx,
-                                k, threshold, B, rows, P)
+                                heavy_ks, max_k, B, rows, P)
         return
-    args = (scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx, k, threshold,
+    args = (scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx, heavy_ks, int(max_k),
             scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
             info.stride(0), info.stride(1), counts.stride(0), counts.stride(1),
             sel.stride(0), sel.stride(1), req_to_token.stride(0))
@@ -227,7 +236,7 @@ def _use_cuda_select(scores, tuning: KernelTuning) -> bool:
 
 
 def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
-               k, threshold, num_sink, num_recent, mode, tuning: KernelTuning, num_progs=None):
+               heavy_ks, num_sink, num_recent, mode, tuning: KernelTuning, num_progs=None):
     """Stage 1 with ds_score.score_mma_kernel: grid (B, P), every KV head per program."""
     B = q.shape[0]
     geo = _mma_geometry(q, label_cache, tuning)
@@ -236,7 +245,7 @@ def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq
     scores = ws.scores
     score_mma_kernel[(B, P)](
         q, label_cache, channels, label_scale if geo["LABEL_FP8"] else q, req_to_token, req_idx, seq_lens,
-        scores, sm_scale, k, threshold, num_sink, num_recent,
+        scores, sm_scale, heavy_ks, num_sink, num_recent,
         q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
         req_to_token.stride(0), scores.stride(0), scores.stride(1),
         MODE=MODES.index(mode), NUM_PROGS=P, DOT_F32=_INTERPRET, num_warps=tuning.mma_warps, **geo,

@@ -63,7 +63,7 @@ def score_kernel(
     q_ptr, label_ptr, channels_ptr, scale_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
     scores_ptr, hist_ptr,
-    sm_scale, heavy_k, threshold, num_sink, num_recent,
+    sm_scale, heavy_ks_ptr, num_sink, num_recent,
     stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt,
     stride_sb, stride_sr, stride_hb, stride_hr,
     G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LABEL_FP8: tl.constexpr,
@@ -78,7 +78,7 @@ def score_kernel(
     kvh = tl.program_id(1)
     p = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    n = _sparse_len(seq_len, heavy_k, threshold)
+    n = _sparse_len(seq_len, tl.load(heavy_ks_ptr + b))  # 0 for a dense request
     bins = tl.arange(0, 256)
     hrow = tl.arange(0, BLOCK_H)
 

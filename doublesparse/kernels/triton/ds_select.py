@@ -7,7 +7,8 @@ order the phases. Each phase compiles to a kernel named for it (PHASE_NAMES), so
 them apart:
 
   1. hist_high_kernel: histogram of the keys' high byte -> hist[0] (atomics, one per non-empty bin)
-  2. hist_low_kernel: the high byte d0 holding the k-th largest key; per program, the histogram of
+  2. hist_low_kernel: the high byte d0 holding the k-th largest key (k: the request's own budget,
+     heavy_ks[b]; requests with seq_len <= k are dense and select nothing); per program, the histogram of
      the low byte of its slice's keys whose high byte is d0 -> hist[1 + p], and the count of its
      keys whose high byte is above d0 -> counts[b, row, p]
   3. compact_kernel: the exact 16-bit threshold (d0, d1) from the sum of the programs' low-byte
@@ -88,7 +89,7 @@ def _phase_name(specialization) -> str:
 @triton.jit(repr=_phase_name)
 def select_kernel(
     scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
-    req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
+    req_to_token_ptr, req_idx_ptr, heavy_ks_ptr, max_k,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
     PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -98,7 +99,7 @@ def select_kernel(
     select_phase(
         tl.program_id(0), tl.program_id(1), tl.program_id(2),
         scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
-        req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
+        req_to_token_ptr, req_idx_ptr, heavy_ks_ptr, max_k,
         stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
         stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
         PHASE, NUM_PROGS, BLOCK_N, ATOMIC_HIST, LOOP_STAGES, MAX_PROGS, PREFETCH)
@@ -107,15 +108,21 @@ def select_kernel(
 @triton.jit
 def select_phase(
     b, row, p, scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
-    req_to_token_ptr, req_idx_ptr, heavy_k, threshold,
+    req_to_token_ptr, req_idx_ptr, heavy_ks_ptr, max_k,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
     PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
     ATOMIC_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr, MAX_PROGS: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    # Phase PHASE for slice p of score row (b, row) (select_kernel's body).
-    n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k, threshold)
+    # Phase PHASE for slice p of score row (b, row) (select_kernel's body). The row's rank to
+    # select is its request's own budget; the sparse/dense choice uses that budget as given (as
+    # the score and attention kernels do), the rank is capped at max_k (the sel row's length),
+    # which binds only for a budget the host promised never to pass, and keeps the writes inside
+    # the row.
+    heavy_k = tl.load(heavy_ks_ptr + b)
+    n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k)
+    heavy_k = tl.minimum(heavy_k, max_k)
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
     srow = scores_ptr + b * stride_sb + row * stride_sr
     bins = tl.arange(0, 256)

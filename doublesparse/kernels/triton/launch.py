@@ -3,7 +3,8 @@ checks, launch geometry, no host syncs. The Double Sparsity decode's launcher is
 
 Checks read only shapes, dtypes, strides and devices (common.py), so the launchers stay
 capturable in CUDA graphs. Launch geometry depends only on static sizes (batch, heads, the
-workspace's max context, k) and the ``KernelTuning``, never on seq_lens.
+workspace's max context, the largest top-k) and the ``KernelTuning``, never on seq_lens or
+the per-request budgets.
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ def _attn_block_n(programs_rows: int, device, tuning: KernelTuning) -> int:
 
 
 def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-               sel, rows, heavy_k, threshold, per_head, num_splits, tuning: KernelTuning, stages=None):
+               sel, rows, heavy_ks, max_k, per_head, num_splits, tuning: KernelTuning, stages=None):
+    """Split-K attention (+ merge) over each row's whole cache (``sel`` None) or, for requests
+    with ``seq_len > heavy_ks[b]``, over their ``heavy_ks[b]`` selected slots (sel: [B, rows, K]
+    int32, heavy_ks: [B] int32, at most max_k entries read per row)."""
     B, Hq, D = q.shape
     block_n = _attn_block_n(B * rows, q.device, tuning)
     G = Hq // k_cache.shape[1]
@@ -84,7 +88,7 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
     block_s = triton.next_power_of_2(S)
     decode_attn_kernel[(B, rows, S)](
         q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sel_t, po, pl, cnt, out,
-        float(sm_scale), int(heavy_k), int(threshold),
+        float(sm_scale), heavy_ks if has_sel else seq_lens, int(max_k),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), sel.stride(0) if has_sel else 0, sel.stride(1) if has_sel else 0,
@@ -116,7 +120,7 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
     B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
     S = num_splits or dense_splits(B, Hkv, ws, q.device, tuning)
     return _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                      None, Hkv, 0, 0, False, S, tuning)
+                      None, Hkv, None, 0, False, S, tuning)
 
 
 def rope(positions, q, k, cos, sin):
