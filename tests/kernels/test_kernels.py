@@ -63,8 +63,8 @@ def test_store_without_labels():
 @pytest.mark.parametrize("hq,hkv", HEADS)
 @pytest.mark.parametrize("d", [64, 128])
 def test_dense_decode(seq_lens, hq, hkv, d):
-    if DEVICE == "cpu" and (len(seq_lens) * hq > 64 and d == 128):
-        pytest.skip("too slow under the interpreter")
+    if DEVICE == "cpu" and len(seq_lens) * hq > (64 if d == 128 else 160):
+        pytest.skip("too slow under the interpreter (the 17-request batch runs with 9 heads)")
     c = make_case(seq_lens, hq, hkv, d, device=DEVICE, seed=_seed(tuple(seq_lens), hq, d))
     for splits in (1, 3):
         ws = make_ws(c)
