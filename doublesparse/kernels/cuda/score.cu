@@ -2,7 +2,7 @@
 // high-byte histogram of the score keys, select.cu's ds_select_hist_high) fused in.
 //
 // Why a second implementation: the Triton score kernels are bound by instruction issue, not by
-// the label bytes (results/attention-h200-notes.md: fp8 labels, half the bytes, score no faster),
+// the label bytes (git show 2fcf640:results/attention-h200-notes.md: fp8 labels, half the bytes, score no faster),
 // and Triton 3.6 has no shared-memory atomics for a cheap histogram. Here each thread owns one KV
 // head for the whole kernel; a label row (R channels of one head of one token) is one or a few
 // 16-byte loads, and consecutive threads read consecutive rows, so a block streams whole label

@@ -1,10 +1,10 @@
 // Double Sparsity stage 2 in CUDA C++: the exact top-k of the fp16 score rows, as a radix select
-// over 16-bit keys, with the workspace protocol and the output of ds_topk.py's three phases (see
+// over 16-bit keys, with the workspace protocol and the output of ds_select.py's three phases (see
 // that file): the same buffers, and per row the same selection in the same order (the positions
 // above the threshold in increasing order, then the first tied positions in increasing order).
 //
 // Why a second implementation: the select's phases are bound by instruction issue, not bytes
-// (results/attention-h200-notes.md). Triton 3.6 has no shared-memory atomics, so its histogram
+// (git show 2fcf640:results/attention-h200-notes.md). Triton 3.6 has no shared-memory atomics, so its histogram
 // lowers to ballots and popcounts (about 59 instructions per 32 keys at 256 bins), and its
 // compaction to block-wide scans; here a histogram costs one shared-memory atomic per key and a
 // compaction one popcount per 8 keys plus a warp scan.
