@@ -90,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     pre_tps = m["prompt_tokens"] / m["ttft"] if m["ttft"] else float("nan")
     dec_tps = n_dec / m["decode_latency"] if m["decode_latency"] > 0 and n_dec else float("nan")
     ds = ("Double Sparsity off (dense decode)" if not st["double_sparsity"] else
-          f"sparse decode steps: {m['sparse_decode_steps']}/{n_dec} "
-          f"(k={st['heavy_token_num']} tokens, r={st['heavy_channel_num']} channels, {st['channel_source']})")
+          f"sparse decode steps: {m['sparse_decode_steps']}/{n_dec} ({st['decode_policy']}; "
+          f"r={st['heavy_channel_num']} channels, {st['channel_source']})")
+    if st["double_sparsity"] and n_dec and m["sparse_decode_steps"] < n_dec:
+        ds += ("\n  a step decodes densely when its requests are no longer than their k, or when the "
+               "bytes sparse decode would save take less time than its extra launches add "
+               "(--ds-sparse-decode-threshold 0 forces sparse decode beyond k)")
     print("-" * 72)
     print(f"model: {getattr(engine.model_config, 'name', '?')} on {engine.parts.device}, "
           f"backend {st['attention_backend']}, loaded in {load_s:.1f} s")
