@@ -421,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", type=Path, default=None, help="the commands' own files (default <out>/raw/<area>-<machine>)")
     p.add_argument("--machine", default=None, help="machine label of the file names (default: from the GPU's name)")
     p.add_argument("--only", nargs="+", default=None, metavar="ROW", help="run only these rows")
+    p.add_argument("--commit", default=None,
+                   help="the commit the tree is at, where it has no .git (default: git rev-parse HEAD)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--list", action="store_true", help="list the suites and their rows")
     p.add_argument("--render", type=Path, default=None, metavar="JSON", help="rewrite the markdown of a result file")
@@ -467,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     raw.mkdir(parents=True, exist_ok=True)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    commit = git_commit()
+    commit = a.commit or git_commit()
     results = run_rows(rows, raw)
     commands = []
     for r in rows:
