@@ -68,7 +68,7 @@ class EngineConfig:
     """Everything needed to build an :class:`~doublesparse.engine.engine.Engine`.
 
     ``None`` means "derive": ``dtype`` from the checkpoint/device, ``device`` = cuda if available,
-    ``attention_backend`` from ``enable_double_sparsity``, ``ds_heavy_channel_num`` = head_dim // 4,
+    ``attention_backend`` from ``enable_double_sparsity``, ``ds_heavy_channel_num`` = min(16, head_dim // 4),
     ``ds_heavy_token_num`` = None: a per-request budget ``clamp(ceil(ds_heavy_token_ratio x length),
     ds_heavy_token_min, ds_heavy_token_max)`` (max: ratio x max context); an int: that fixed k for
     every request (SGLang's meaning). ``ds_sparse_decode_threshold`` = None: the automatic
@@ -177,7 +177,10 @@ class EngineConfig:
                 and self.attention_backend != "torch")
 
     def heavy_channel_num(self, head_dim: int) -> int:
-        r = self.ds_heavy_channel_num or max(1, head_dim // 4)
+        # 16 label channels (head_dim / 4 for 64-dim heads, / 8 for 128): labels are the larger
+        # part of a sparse step's bytes, and more k buys more accuracy than more r at equal bytes
+        # (docs/accuracy.md); Llama-3.1-8B at 3 x 60K decoded in 5.88 ms at r 16 vs 6.16 at r 32.
+        r = self.ds_heavy_channel_num or min(16, max(1, head_dim // 4))
         if r > head_dim:
             raise ValueError(f"ds_heavy_channel_num={r} exceeds head_dim={head_dim}")
         return r
@@ -229,7 +232,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--enable-double-sparsity", action=argparse.BooleanOptionalAction, default=None,
                    help="Double Sparsity decode (--no-enable-double-sparsity to turn it off)")
     g.add_argument("--ds-channel-config-path", help="channel config JSON (default: packaged or weight-based)")
-    g.add_argument("--ds-heavy-channel-num", type=int, help="label channels r (default head_dim // 4)")
+    g.add_argument("--ds-heavy-channel-num", type=int, help="label channels r (default min(16, head_dim // 4))")
     g.add_argument("--ds-heavy-token-num", type=int,
                    help="a fixed top-k for every request (default: per request, see the ratio)")
     g.add_argument("--ds-heavy-token-ratio", type=float,

@@ -120,7 +120,7 @@ BASELINE = Setting("ds", "qk", "group_sum", 16, 1 / 16)
 
 def default_setting(head_dim: int = 64, max_context: int | None = None) -> Setting:
     """The engine's default Double Sparsity decode (``EngineConfig`` defaults) where it decodes
-    sparsely: its channel type and selection mode, r = head_dim/4, each request's k = its length
+    sparsely: its channel type and selection mode, r = min(16, head_dim/4), each request's k = its length
     x the ratio, clamped to [min, max] (the max from the model's ``max_context`` when given),
     4 sink + 32 recent tokens."""
     from doublesparse.config import EngineConfig
