@@ -401,7 +401,7 @@ def test_kernels_compile_for_sm90():
     import subprocess
     import sys
 
-    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     from triton.backends import backends
 
     if "nvidia" not in backends:
@@ -409,4 +409,3 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert triton is not None
