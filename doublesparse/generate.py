@@ -77,10 +77,14 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     prompt = build_prompt(engine.tokenizer, args, engine.max_context_len)
-    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        top_p=args.top_p, top_k=args.top_k, stop=tuple(args.stop or ()),
-                        ignore_eos=args.ignore_eos, seed=cfg.seed)
-    res = engine.generate(prompt, sp)[0]
+    try:
+        sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, stop=tuple(args.stop or ()),
+                            ignore_eos=args.ignore_eos, seed=cfg.seed)
+        res = engine.generate(prompt, sp)[0]
+    except ValueError as e:  # a refused request (too long, bad sampling values): one line, no trace
+        print(f"doublesparse generate: {e}", file=sys.stderr)
+        return 2
     m = res["meta"]
     print(res["text"].strip())
     if args.quiet:
