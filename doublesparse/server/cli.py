@@ -1,9 +1,10 @@
 """``doublesparse serve`` / ``python -m doublesparse.launch_server``.
 
 Engine flags come from ``doublesparse.config`` (mirroring SGLang's names) when it is available;
-server flags are ours. SIGTERM/SIGINT flip the app into draining mode (new requests get 503,
-/health reports "draining") and uvicorn then stops accepting connections, waits for every
-accepted request to finish, and only then runs the lifespan shutdown that stops the engine thread.
+server flags are ours. SIGTERM/SIGINT flip the app into draining mode: new requests get 503
+"draining" and /health reports it while the accepted requests finish (at most
+``--graceful-shutdown-timeout`` seconds); then uvicorn stops accepting connections and runs the
+lifespan shutdown that stops the engine thread. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import dataclasses
 import importlib
 import logging
 import sys
+import threading
+import time
 from typing import Any
 
 from doublesparse.server.config import ServerConfig
@@ -91,8 +94,21 @@ def serve(engine: Any, cfg: ServerConfig) -> None:
     state = app.state.server
 
     class _Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # mark draining before uvicorn starts closing
+        def handle_exit(self, sig, frame):
+            if state.draining:  # a second signal: stop now
+                super().handle_exit(sig, frame)
+                return
+            # Keep accepting connections while the accepted requests finish, so that new ones get
+            # a 503 "draining" (and /health says so) instead of a refused connection; then stop.
             state.draining = True
+            threading.Thread(target=self._drain_then_exit, args=(sig, frame), name="drain",
+                             daemon=True).start()
+
+        def _drain_then_exit(self, sig, frame):
+            limit = cfg.graceful_shutdown_timeout
+            deadline = time.monotonic() + (300.0 if limit is None else limit)
+            while state.worker.in_flight > 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
             super().handle_exit(sig, frame)
             # uvicorn re-raises captured signals after shutdown (exit status -15); a completed
             # drain is a clean exit, so report 0 instead.

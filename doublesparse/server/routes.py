@@ -23,8 +23,8 @@ from doublesparse.server.state import ServerState
 
 async def _begin(st: ServerState, request: Request, schema):
     if st.draining:
-        raise APIError("server is shutting down", status=503, type="server_error",
-                       code="shutting_down")
+        raise APIError("server is draining: it finishes the requests it accepted and takes no new "
+                       "ones", status=503, type="server_error", code="draining")
     if not st.worker.alive:
         raise APIError("engine is not running", status=503, type="server_error")
     req = P.parse(schema, await read_body(request, st.cfg.max_body_bytes))

@@ -373,8 +373,10 @@ def test_sigterm_drains_accepted_requests():
         assert s.health()["waiting"] == 1
         s.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        with pytest.raises(httpx.ConnectError):  # no longer accepting
-            httpx.get(s.url + "/health", timeout=2)
+        h = httpx.get(s.url + "/health", timeout=5)  # still answering while it drains
+        assert h.status_code == 503 and h.json()["status"] == "draining"
+        r = httpx.post(s.url + "/v1/completions", json=body, headers=AUTH, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
         got.extend(it)
     t.join(30)
     data = [ln for ln in got if ln.startswith("data: ")]
