@@ -81,6 +81,11 @@ _MAP_60K = ("python -m doublesparse.bench_one_batch --load-format dummy --model-
             "--warmup-input-len 1024 --batch-size 3 --input-len 60000 --output-len 200 --max-total-tokens 190000")
 
 
+_SERVER_SOAK = (f"python -m doublesparse.launch_server --model-path llama-3.1-8b --load-format dummy "
+                f"--context-length 33792 --max-running-requests 64 --port {_PORT} --log-level warning "
+                "--graceful-shutdown-timeout 10")
+
+
 def _serving_row(name: str, server: str, cmd: str, timeout: int = 600) -> dict:
     return {"name": name, "server": server, "cmd": cmd, "result": "{out}.json", "timeout": timeout}
 
@@ -116,6 +121,16 @@ SUITES: dict[str, dict] = {
             _one_batch_row("prefill-60k-bs3-dense", _MAP_60K),
             _one_batch_row("prefill-60k-bs3-ds", f"{_MAP_60K} --enable-double-sparsity"),
         ],
+    },
+    # A mixed load for 30 minutes at concurrency 32 against the DS server (prompts up to ~32K): lost
+    # valid requests, 5xx, duplicates, RSS growth, /metrics against the client's counts.
+    "soak": {
+        "area": "soak",
+        "rows": [_serving_row("soak", _SERVER_SOAK,
+                              f"python -m doublesparse.bench.soak --base-url http://127.0.0.1:{_PORT} "
+                              "--duration 1800 --concurrency 32 --max-tokens 64 --prompt-words 2000 "
+                              "--burst-words 20000 --burst-size 8 --oversize-words 60000 "
+                              "--result-json {out}.json", 2100)],
     },
     # The OpenAI-compatible server under load, dense and DS, then the malformed-request mix.
     "serving": {
@@ -331,6 +346,10 @@ def summarize(area: str, rows: dict) -> dict:
                     "bs32_16k": speedup_map.at(cs, 32, 16384), "bs8_32k": speedup_map.at(cs, 8, 32768),
                     "bs3_60k": _ratio(med.get("prefill-60k-bs3-dense"), med.get("prefill-60k-bs3-ds")),
                     "bs1_120k": speedup_map.at(cs, 1, 120000), "cells": cs}
+        if area == "soak":
+            r = rows["soak"]
+            return {k: r.get(k) for k in ("lost_valid", "http_5xx", "duplicates_identical", "rss_growth_pct",
+                                          "metrics_consistent", "minutes")}
         if area == "accuracy":
             res = next(iter(rows.values()))
             if "summary" in res:  # the protocol writes its own

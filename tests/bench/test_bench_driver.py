@@ -47,7 +47,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     module, args = argv[2], argv[3:]
     if module == "doublesparse.bench_one_batch":
         return importlib.import_module(module).build_parser().parse_args(args)
-    if module == "doublesparse.bench_serving":
+    if module in ("doublesparse.bench_serving", "doublesparse.bench.soak"):
         return importlib.import_module(module).parse_args(args)
     if module == "doublesparse.eval.protocol":
         return importlib.import_module(module).build_parser().parse_args(args)

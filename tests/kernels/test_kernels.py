@@ -224,6 +224,8 @@ def test_ds_select_pipelines(tuning, mode):
     over repeated calls on one workspace (the histograms are left clean)."""
     if tuning.get("score_impl") == "cuda" and DEVICE == "cpu":
         pytest.skip("the CUDA score needs a GPU")
+    if DEVICE == "cpu" and mode == "per_head" and tuning not in (PIPELINES[0], PIPELINES[3]):
+        pytest.skip("interpreter time: per_head runs one rows and one mma pipeline on the CPU")
     _check_pipeline(tuning, mode, 9, 3)
 
 

@@ -1,0 +1,27 @@
+"""A short soak of the real CPU server (embedded SmolLM2): a mixed load of valid, streamed,
+oversize, malformed, dropped, duplicate and KV-filling requests loses nothing (the suite's
+``soak`` runs it longer, and on a GPU)."""
+
+from doublesparse.bench import soak
+from server_utils import KEY, Server, backend_args
+
+SECONDS = 60  # the README's tests stay within their time budget; `benchmarks/run.py soak` runs longer
+
+
+def test_soak_loses_nothing(tmp_path):
+    s = Server(backend_args("real"))
+    try:
+        out = tmp_path / "soak.json"
+        rc = soak.main(["--base-url", s.url, "--api-key", KEY, "--duration", str(SECONDS),
+                        "--concurrency", "6", "--server-pid", str(s.proc.pid), "--oversize-words", "3000",
+                        "--burst-words", "700", "--burst-size", "4", "--result-json", str(out)])
+        import json
+        res = json.loads(out.read_text())
+        assert res["lost_valid"] == 0, res["lost_examples"]
+        assert res["http_5xx"] == 0 and not res["wrong_refusals"]
+        assert res["duplicates"] >= 2 and res["duplicates_identical"] == 1
+        assert res["metrics_consistent"] == 1, (res["server_finished"], res["valid_ok"])
+        assert all(res["sent"].get(k, 0) > 0 for k in ("valid", "stream", "malformed", "duplicate"))
+        assert rc == 0 and s.health()["status"] == "ok"
+    finally:
+        assert s.stop() == 0  # drained cleanly
