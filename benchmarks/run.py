@@ -129,7 +129,7 @@ SUITES: dict[str, dict] = {
         "rows": [_serving_row("soak", _SERVER_SOAK,
                               f"python -m doublesparse.bench.soak --base-url http://127.0.0.1:{_PORT} "
                               "--duration 1800 --concurrency 32 --max-tokens 64 --prompt-words 2000 "
-                              "--burst-words 20000 --burst-size 8 --oversize-words 60000 "
+                              "--burst-words 20000 --burst-size 8 --oversize-words 60000 --token-ids "
                               "--result-json {out}.json", 2100)],
     },
     # The OpenAI-compatible server under load, dense and DS, then the malformed-request mix.

@@ -77,8 +77,9 @@ async def _valid(c: httpx.AsyncClient, t: Tally, body: dict, path="/v1/completio
 async def _stream(c: httpx.AsyncClient, t: Tally, body: dict, drop_after: int | None) -> None:
     t0 = time.perf_counter()
     chunks, done = 0, False
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     try:
-        async with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        async with c.stream("POST", path, json={**body, "stream": True}) as r:
             if r.status_code >= 500:
                 t.http_5xx += 1
             if r.status_code != 200:
@@ -117,31 +118,42 @@ async def _refused(c: httpx.AsyncClient, t: Tally, raw: bytes, path="/v1/complet
 async def worker(c: httpx.AsyncClient, t: Tally, rng: random.Random, deadline: float, args) -> None:
     kinds, weights = zip(*KINDS.items())
     words = "the of and to a in that is was he for it with as his on be at by".split()
+
+    def prompt(n: int):
+        # token ids for a model without a tokenizer (dummy weights), else words
+        if args.token_ids:
+            return [rng.randrange(10, args.vocab_size) for _ in range(n)]
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    def chat(p):
+        return {"prompt": p} if args.token_ids else {"messages": [{"role": "user", "content": p}]}
+
     while time.monotonic() < deadline:
         kind = rng.choices(kinds, weights)[0]
         t.count(kind)
-        text = " ".join(rng.choice(words) for _ in range(rng.randrange(5, args.prompt_words)))
+        text = prompt(rng.randrange(5, args.prompt_words))
         sample = {"temperature": rng.choice([0, 0.7, 1.0]), "top_p": rng.choice([1.0, 0.9]),
                   "max_tokens": rng.randrange(1, args.max_tokens + 1), "seed": rng.randrange(1 << 30)}
         if kind == "valid":
             await _valid(c, t, {"prompt": text, **sample})
         elif kind == "stream":
-            await _stream(c, t, {"messages": [{"role": "user", "content": text}], **sample}, None)
+            await _stream(c, t, {**chat(text), **sample}, None)
         elif kind == "oversize":
-            await _refused(c, t, json.dumps({"prompt": "word " * args.oversize_words}).encode())
+            await _refused(c, t, json.dumps({"prompt": prompt(args.oversize_words)}).encode())
         elif kind == "malformed":
             await _refused(c, t, rng.choice(MALFORMED),
                            rng.choice(["/v1/completions", "/v1/chat/completions"]))
         elif kind == "disconnect":
             # long enough to be still running when the client goes away
-            await _stream(c, t, {"messages": [{"role": "user", "content": text}],
-                                 **{**sample, "max_tokens": 200, "ignore_eos": True}}, drop_after=1)
+            await _stream(c, t, {**chat(text), **{**sample, "max_tokens": 200, "ignore_eos": True}},
+                          drop_after=1)
         elif kind == "duplicate":
-            out = await _valid(c, t, DUPLICATE)
+            out = await _valid(c, t, {**DUPLICATE, "prompt": list(range(100, 140))} if args.token_ids
+                               else DUPLICATE)
             if out is not None:
                 t.duplicates.append(out)
         elif kind == "burst":
-            long = " ".join(rng.choice(words) for _ in range(args.burst_words))
+            long = prompt(args.burst_words)
             await asyncio.gather(*(_valid(c, t, {"prompt": long, "max_tokens": 2, "temperature": 0})
                                    for _ in range(args.burst_size)))
 
@@ -179,8 +191,10 @@ async def run(args) -> dict:
                 break
             await asyncio.sleep(0.2)
         after = await _metric(c, "doublesparse_requests_total")
-    served = sum(v - before.get(k, 0.0) for k, v in after.items() if 'status="stop"' in k
-                 or 'status="length"' in k)
+    # A dropped stream ends on the server as "disconnected", or finished if it was done first.
+    ended = ('status="stop"', 'status="length"', 'status="disconnected"', 'status="abort"')
+    served = sum(v - before.get(k, 0.0) for k, v in after.items() if any(e in k for e in ended))
+    expected = t.valid_ok + t.sent.get("disconnect", 0)
     half = [b for s, b in t.rss if s >= args.duration / 2]
     lat = sorted(t.latencies)
     return {
@@ -191,7 +205,7 @@ async def run(args) -> dict:
         "latency_s": {q: lat[min(len(lat) - 1, int(q / 100 * len(lat)))] for q in (50, 90, 99)} if lat else {},
         "rss_growth_pct": 100 * (half[-1] / half[0] - 1) if len(half) >= 2 else None,
         "rss_max_mb": max((b for _, b in t.rss), default=0) / 2**20,
-        "server_finished": served, "metrics_consistent": int(served == t.valid_ok),
+        "server_ended": served, "client_expected": expected, "metrics_consistent": int(served == expected),
         "mean_latency_s": statistics.mean(lat) if lat else None,
     }
 
@@ -208,6 +222,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--burst-size", type=int, default=6)
     p.add_argument("--burst-words", type=int, default=1500, help="words of each burst prompt")
     p.add_argument("--server-pid", type=int, default=None, help="for the RSS samples")
+    p.add_argument("--vocab-size", type=int, default=32000, help="with --token-ids: ids below this")
+    p.add_argument("--token-ids", action="store_true",
+                   help="prompts as token ids (a model without a tokenizer: --load-format dummy)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", default=None)

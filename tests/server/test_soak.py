@@ -20,7 +20,7 @@ def test_soak_loses_nothing(tmp_path):
         assert res["lost_valid"] == 0, res["lost_examples"]
         assert res["http_5xx"] == 0 and not res["wrong_refusals"]
         assert res["duplicates"] >= 2 and res["duplicates_identical"] == 1
-        assert res["metrics_consistent"] == 1, (res["server_finished"], res["valid_ok"])
+        assert res["metrics_consistent"] == 1, (res["server_ended"], res["client_expected"])
         assert all(res["sent"].get(k, 0) > 0 for k in ("valid", "stream", "malformed", "duplicate"))
         assert rc == 0 and s.health()["status"] == "ok"
     finally:
