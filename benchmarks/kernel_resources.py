@@ -90,16 +90,15 @@ def score_mma(t: KernelTuning, block_n: int | None = None, B: int = 3, L: int = 
         HKV_P=HKV, G_P=G, DOT_F32=False), num_warps=t.mma_warps, num_stages=1), bn
 
 
-def sparse_attn(t: KernelTuning, fuse: bool | None = None, B: int = 3, L: int = 65536):
+def sparse_attn(t: KernelTuning, B: int = 3, L: int = 65536):
     """decode_attn_kernel over a selection of k = L/16, as ds_launch's attention step launches it."""
     rows = B * HKV
     bn = t.attn_block_n_many_rows if rows >= NSM else t.attn_block_n
     dense = min(64, _cdiv(t.attn_programs_per_sm * NSM, rows), _cdiv(L, bn))
     splits = max(1, min(64, _cdiv(t.sparse_attn_programs_per_sm * NSM, rows), max(_cdiv(L // 16, bn), dense)))
-    fuse = t.fuse_merge if fuse is None else fuse
     return compile_sm90(decode_attn.decode_attn_kernel, dict(
         G=G, D=128, PER_HEAD=False, HAS_SEL=True, NUM_SPLITS=splits, BLOCK_H=16, BLOCK_N=bn, BLOCK_D=128,
-        DOT_F32=False, FUSE_MERGE=fuse, BLOCK_S=1 << (splits - 1).bit_length()),
+        DOT_F32=False),
         num_warps=t.attn_warps, num_stages=t.sparse_attn_stages), bn, splits
 
 
@@ -152,13 +151,12 @@ def histogram_cost():
 
 
 def dump_sass(t: KernelTuning, out_dir: str):
-    """The sm_90 SASS of the separate Triton DS kernels (score_mma_kernel, decode_attn_kernel with
-    and without its fused merge, the three select phases), one file each, so that two trees (or two
+    """The sm_90 SASS of the separate Triton DS kernels (score_mma_kernel, decode_attn_kernel, the
+    three select phases), one file each, so that two trees (or two
     tunings) can be compared: run it with each tree first on PYTHONPATH, then diff the directories."""
     os.makedirs(out_dir, exist_ok=True)
     kernels = {"score_mma": score_mma(t)[0]}
-    for fuse in (False, True):
-        kernels[f"decode_attn_fuse{int(fuse)}"] = sparse_attn(t, fuse)[0]
+    kernels["decode_attn"] = sparse_attn(t)[0]
     for phase in (1, 2, 3):
         kernels[f"select_phase{phase}"] = select_phase(t, phase)
     for name, k in kernels.items():
@@ -191,8 +189,8 @@ def main():
     print(f"score_mma_kernel block_n={bn}, {t.mma_warps} warps: {resources(k)}, "
           f"cp.async in PTX: {len(re.findall(r'cp[.]async', k.asm['ptx']))}")
     k, bn, splits = sparse_attn(t)
-    print(f"decode_attn_kernel (sparse, block {bn}, {splits} splits, {t.sparse_attn_stages} stages, "
-          f"fuse_merge {t.fuse_merge}): {resources(k)}")
+    print(f"decode_attn_kernel (sparse, block {bn}, {splits} splits, {t.sparse_attn_stages} stages): "
+          f"{resources(k)}")
 
 
 if __name__ == "__main__":

@@ -36,8 +36,6 @@ class KernelTuning:
     attn_programs_per_sm: int = 4
     sparse_attn_programs_per_sm: int = 4
     sparse_attn_stages: int = 2
-    # Merge the split-K partials in the attention kernel's last split instead of a merge launch.
-    fuse_merge: bool = False
 
     # DS score: "auto" = the CUDA score (kernels/cuda/) where it runs and either Hkv * r <=
     # mma_max_channels or its tensor-core kernel fits; else "mma" (all KV heads per program, one

@@ -48,8 +48,6 @@ class DecodeWorkspace:
         f32 = dict(dtype=torch.float32, device=dev)
         self.buffers["part_o"] = torch.empty(B, Hq, S, D, **f32)
         self.buffers["part_lse"] = torch.empty(B, Hq, S, **f32)
-        # Arrivals per (request, row) for the fused merge; the last arrival resets it to zero.
-        self.buffers["split_count"] = torch.zeros(B, Hq, dtype=torch.int32, device=dev)
         if self.max_heavy_tokens:
             i32 = dict(dtype=torch.int32, device=dev)
             # Rows: one per query head (per_head mode) or per KV head (group modes); size for the larger.

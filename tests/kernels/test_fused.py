@@ -386,10 +386,10 @@ for (phase, name), atomic, pre in itertools.product(ds_select.PHASE_NAMES.items(
              i32, num_warps=4)
     assert k.name == name, (k.name, name)  # each phase is its own kernel in a profile
 from doublesparse.kernels.triton import decode_attn
-for per_head, fuse in ((False, True), (True, False)):  # over the selection, each request's own k
+for per_head in (False, True):  # over the selection, each request's own k
     comp(decode_attn.decode_attn_kernel, dict(G=4, D=128, PER_HEAD=per_head, HAS_SEL=True, NUM_SPLITS=8, BLOCK_H=16,
-         BLOCK_N=64, BLOCK_D=128, DOT_F32=False, FUSE_MERGE=fuse, BLOCK_S=8),
-         dict(i32, part_o_ptr="*fp32", part_lse_ptr="*fp32", count_ptr="*i32"), dict(sm_scale="fp32"), num_warps=4)
+         BLOCK_N=64, BLOCK_D=128, DOT_F32=False),
+         dict(i32, part_o_ptr="*fp32", part_lse_ptr="*fp32"), dict(sm_scale="fp32"), num_warps=4)
 '''
 
 

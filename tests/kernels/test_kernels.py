@@ -77,22 +77,6 @@ def test_dense_decode(seq_lens, hq, hkv, d):
         assert rel_err(out, exp) < TOL[torch.bfloat16]
 
 
-def test_dense_decode_fused_merge():
-    """The last split merges (KernelTuning.fuse_merge): equal to the reference over repeated
-    calls with changing split counts, and the arrival counters return to zero."""
-    tuning = KernelTuning(fuse_merge=True)
-    c = make_case([1, 130, 77], 9, 3, 64, device=DEVICE, seed=31)
-    ws = make_ws(c)
-    exp = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens, c.sm_scale)
-    for splits in (3, 1, 5, 3):
-        out = torch.full_like(c.q, float("nan"))
-        launch.dense_decode(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens,
-                            c.sm_scale, ws, out=out, num_splits=splits, tuning=tuning)
-        assert not out.isnan().any()
-        assert rel_err(out, exp) < TOL[torch.bfloat16]
-    assert int(ws.split_count.abs().sum()) == 0
-
-
 def test_dense_decode_fp16_fp32():
     for dt in (torch.float16, torch.float32):
         c = make_case([40, 9], 4, 2, 64, dtype=dt, device=DEVICE, seed=3)
@@ -143,7 +127,7 @@ BUDGET_KS = [45, 50, DENSE, 89, 13]
 BUDGET_RUNS = [  # mode, labels, tuning overrides, split-K partitions (None: the launcher's)
     ("per_head", torch.bfloat16, {"score_impl": "mma"}, 5),
     ("group_sum", torch.bfloat16, {"score_impl": "rows", "score_hist": True}, None),
-    ("group_max", torch.bfloat16, {"score_impl": "mma", "fuse_merge": True}, 7),
+    ("group_max", torch.bfloat16, {"score_impl": "mma"}, 7),
     ("per_head", FP8, {"score_impl": "rows"}, 3),
     ("group_sum", FP8, {"score_impl": "mma", "select_atomic_hist": False}, 5),
     ("group_max", FP8, {"score_impl": "rows", "select_prefetch": ""}, None),
@@ -202,7 +186,7 @@ def test_ds_decode_budgets_match_one_request_at_a_time():
 
 
 PIPELINES = [
-    {"score_impl": "rows", "score_hist": False, "fuse_merge": True},       # separate high-byte histogram pass
+    {"score_impl": "rows", "score_hist": False},                           # separate high-byte histogram pass
     {"score_impl": "rows", "score_hist": False, "score_loop_stages": 3, "select_loop_stages": 2, "select_block_n": 128},
     {"score_impl": "rows", "score_hist": True, "score_loop_stages": 2},    # histogram in the score launch
     {"score_impl": "mma", "mma_block_n": 32},

@@ -6,8 +6,8 @@ query head. The token list of a row is either positions 0..seq_len-1 (dense) or 
 selected tokens (sparse: their cache slots, from the select step), k being the request's own
 budget (heavy_ks[b]); which one is decided per request on the device from seq_lens and heavy_ks.
 
-With FUSE_MERGE the partials are merged by the row's last split to finish (an arrival counter per
-row, reset by that program), which saves the merge launch; otherwise merge_kernel runs after.
+merge_kernel then merges the partials (merging in the row's last split to finish, with an arrival
+counter, measured slower at every shape and was removed).
 """
 
 import triton
@@ -43,40 +43,38 @@ def _tile_rows(cache_ptr, slot, kvh, stride_s, stride_h, rmask, d, dmask, FULL_D
 def decode_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr,
-    part_o_ptr, part_lse_ptr, count_ptr, out_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr,
     sm_scale, heavy_ks_ptr, max_k,
     stride_qb, stride_qh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt, stride_selb, stride_selr,
-    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_cb, stride_ob, stride_oh,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
     G: tl.constexpr, D: tl.constexpr,
     PER_HEAD: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     attn_split(
         tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_cache_ptr, v_cache_ptr,
-        req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr, part_o_ptr, part_lse_ptr, count_ptr, out_ptr,
+        req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr, part_o_ptr, part_lse_ptr, out_ptr,
         sm_scale, heavy_ks_ptr, max_k, stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
         stride_rt, stride_selb, stride_selr,
-        stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_cb, stride_ob, stride_oh,
-        G, D, PER_HEAD, HAS_SEL, NUM_SPLITS, BLOCK_H, BLOCK_N, BLOCK_D, DOT_F32, FUSE_MERGE, BLOCK_S)
+        stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
+        G, D, PER_HEAD, HAS_SEL, NUM_SPLITS, BLOCK_H, BLOCK_N, BLOCK_D, DOT_F32)
 
 
 @triton.jit
 def attn_split(
     b, row, split, q_ptr, k_cache_ptr, v_cache_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr,
-    part_o_ptr, part_lse_ptr, count_ptr, out_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr,
     sm_scale, heavy_ks_ptr, max_k,
     stride_qb, stride_qh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt, stride_selb, stride_selr,
-    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_cb, stride_ob, stride_oh,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
     G: tl.constexpr, D: tl.constexpr,
     PER_HEAD: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # Split `split` of row (b, row) (decode_attn_kernel's body).
     seq_len = tl.load(seq_lens_ptr + b)
@@ -151,43 +149,23 @@ def attn_split(
     tl.store(part_o_ptr + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + d[None, :],
              out, mask=hmask[:, None] & dmask[None, :])
     tl.store(part_lse_ptr + b * stride_plb + heads * stride_plh + split, lse, mask=hmask)
-    if FUSE_MERGE:
-        # Every thread's partial stores come before the arrival (barrier, then a gpu-scope
-        # release); the last arrival acquires them and reads them past L1 (.cg).
-        tl.debug_barrier()
-        cnt = count_ptr + b * stride_cb + row
-        ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if ticket == NUM_SPLITS - 1:
-            tl.store(cnt, 0)  # ready for the next call
-            first = row if PER_HEAD else row * G
-            for i in tl.static_range(1 if PER_HEAD else G):
-                _merge_head(part_o_ptr + b * stride_pob + (first + i) * stride_poh,
-                            part_lse_ptr + b * stride_plb + (first + i) * stride_plh,
-                            out_ptr + b * stride_ob + (first + i) * stride_oh, stride_pos,
-                            D, NUM_SPLITS, BLOCK_S, BLOCK_D, True)
 
 
 @triton.jit
 def _merge_head(po_row, pl_row, out_row, stride_pos, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BYPASS_L1: tl.constexpr):
+                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     # out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse); empty splits have lse -inf.
     s = tl.arange(0, BLOCK_S)
     smask = s < NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    if BYPASS_L1:
-        lse = tl.load(pl_row + s, mask=smask, other=float("-inf"), cache_modifier=".cg")
-    else:
-        lse = tl.load(pl_row + s, mask=smask, other=float("-inf"))
+    lse = tl.load(pl_row + s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - m)
     w = tl.where(smask & (lse > float("-inf")), w, 0.0)
     o_ptrs = po_row + s[:, None] * stride_pos + d[None, :]
     o_mask = (w > 0)[:, None] & dmask[None, :]
-    if BYPASS_L1:
-        o = tl.load(o_ptrs, mask=o_mask, other=0.0, cache_modifier=".cg")
-    else:
-        o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    o = tl.load(o_ptrs, mask=o_mask, other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_row + d, out.to(out_row.dtype.element_ty), mask=dmask)
 
@@ -204,4 +182,4 @@ def merge_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     _merge_head(part_o_ptr + b * stride_pob + h * stride_poh, part_lse_ptr + b * stride_plb + h * stride_plh,
-                out_ptr + b * stride_ob + h * stride_oh, stride_pos, D, NUM_SPLITS, BLOCK_S, BLOCK_D, False)
+                out_ptr + b * stride_ob + h * stride_oh, stride_pos, D, NUM_SPLITS, BLOCK_S, BLOCK_D)

@@ -79,33 +79,31 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
     S = num_splits
     if not 1 <= S <= ws.max_splits:
         _fail(f"num_splits={S} must be in [1, {ws.max_splits}]")
-    po, pl, cnt = ws.part_o, ws.part_lse, ws.split_count
+    po, pl = ws.part_o, ws.part_lse
     has_sel = sel is not None
     sel_t = sel if has_sel else seq_lens
     if out is None:
         out = torch.empty_like(q)
-    fuse = tuning.fuse_merge
     block_s = triton.next_power_of_2(S)
     decode_attn_kernel[(B, rows, S)](
-        q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sel_t, po, pl, cnt, out,
+        q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sel_t, po, pl, out,
         float(sm_scale), heavy_ks if has_sel else seq_lens, int(max_k),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), sel.stride(0) if has_sel else 0, sel.stride(1) if has_sel else 0,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        cnt.stride(0), out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1),
         G=G, D=D, PER_HEAD=per_head, HAS_SEL=has_sel, NUM_SPLITS=S,
         BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET, FUSE_MERGE=fuse, BLOCK_S=block_s,
+        BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET,
         num_warps=tuning.attn_warps, num_stages=stages or tuning.attn_stages,
     )
-    if not fuse:
-        merge_kernel[(B, Hq)](
-            po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-            out.stride(0), out.stride(1),
-            D=D, NUM_SPLITS=S, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
-            num_warps=4, **pdl_kwargs(q.device, tuning),
-        )
+    merge_kernel[(B, Hq)](
+        po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        out.stride(0), out.stride(1),
+        D=D, NUM_SPLITS=S, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
+        num_warps=4, **pdl_kwargs(q.device, tuning),
+    )
     return out
 
 
