@@ -1,7 +1,7 @@
 """Compile the Triton DS decode kernels for sm_90 on a machine without a GPU and print their registers.
 
     python benchmarks/kernel_resources.py [--tuning FILE.json] [--block-n 64]
-    python benchmarks/kernel_resources.py --select [--consts '{"PREFETCH": false}']
+    python benchmarks/kernel_resources.py --select [--consts '{"LOOP_STAGES": 2}']
     python benchmarks/kernel_resources.py --histogram
     python benchmarks/kernel_resources.py --sass DIR
 
@@ -112,8 +112,8 @@ def select_phase(t: KernelTuning, phase: int, consts: dict | None = None, B: int
         loop_stages = t.select_loop_stages if phase == 2 else t.compact_loop_stages
     P = max(1, min(_cdiv(per_sm * NSM, rows), _cdiv(L, block)))
     P = min(P, max_progs) if max_progs else P
-    c = dict(PHASE=phase, NUM_PROGS=P, BLOCK_N=block, ATOMIC_HIST=t.select_atomic_hist, LOOP_STAGES=loop_stages,
-             MAX_PROGS=SELECT_MAX_PROGS, PREFETCH=phase in t.select_prefetch_phases)
+    c = dict(PHASE=phase, NUM_PROGS=P, BLOCK_N=block, LOOP_STAGES=loop_stages,
+             MAX_PROGS=SELECT_MAX_PROGS)
     c.update(consts or {})
     return compile_sm90(ds_select.select_kernel, c, num_warps=t.select_warps, num_stages=t.select_stages)
 

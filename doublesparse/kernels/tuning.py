@@ -47,14 +47,12 @@ class KernelTuning:
     mma_block_n: int = 64
     mma_programs_per_sm: int = 4
     mma_warps: int = 4
-    # The rows score kernel; score_hist: it also makes the select's high-byte histogram (slower:
-    # the histogram's barriers slow its label stream).
+    # The rows score kernel.
     score_block_n: int = 256
     score_programs_per_sm: int = 8
     score_warps: int = 4
     score_stages: int = 3
     score_loop_stages: int = 3
-    score_hist: bool = False
     # The CUDA score (score.cu): programs per SM, label rows in flight per thread, blocks per SM
     # its registers must allow (2: 128 registers); score_cuda_hist: it makes the select's first
     # phase where the histogram fits shared memory.
@@ -79,12 +77,6 @@ class KernelTuning:
     select_stages: int = 3
     select_loop_stages: int = 1
     compact_loop_stages: int = 1
-    # Phase 2's low-byte histogram by scattered atomics (only one high-byte bucket's keys count)
-    # rather than a block histogram.
-    select_atomic_hist: bool = True
-    # The phases ("2", "3") that load each block's keys one iteration ahead, the first before
-    # their prologue; "" = none.
-    select_prefetch: str = "23"
     # Phase 1 (high-byte histogram).
     hist_block_n: int = 4096
     hist_programs_per_sm: int = 8
@@ -135,8 +127,6 @@ class KernelTuning:
             bad("score_impl", f"one of {SCORE_IMPLS}")
         if self.select_impl not in SELECT_IMPLS:
             bad("select_impl", f"one of {SELECT_IMPLS}")
-        if not isinstance(self.select_prefetch, str) or not set(self.select_prefetch) <= set("23"):
-            bad("select_prefetch", 'a string of the phases "2" and "3" (e.g. "23", "")')
         for name in ("fused_norm", "fused_silu_mul", "fused_rope_store"):
             v = getattr(self, name)
             if not (v == "auto" or isinstance(v, bool)):
@@ -156,11 +146,6 @@ class KernelTuning:
             bad("score_cuda_tc_depth", "at least 2")
 
     # ------------------------------------------------------------------------- derived
-    @property
-    def select_prefetch_phases(self) -> frozenset[int]:
-        """The select phases (2, 3) that load their keys one block ahead."""
-        return frozenset(int(c) for c in self.select_prefetch)
-
     def decode_cost_figures(self, device_type: str) -> tuple[float, float]:
         """(bytes/s, seconds per layer) of the dense/sparse cost model on this kind of device."""
         if device_type == "cuda":

@@ -272,10 +272,10 @@ def test_kernel_tuning_file_flag(tmp_path):
     from doublesparse.config import EngineConfig, add_cli_args, from_cli_args
     from doublesparse.kernels.tuning import KernelTuning
     f = tmp_path / "t.json"
-    f.write_text(json.dumps({"score_impl": "mma", "select_prefetch": "2"}))
+    f.write_text(json.dumps({"score_impl": "mma", "select_block_n": 512}))
     p = add_cli_args(argparse.ArgumentParser())
     c = from_cli_args(p.parse_args(["--kernel-tuning", str(f)]))
-    assert c.kernel_tuning == KernelTuning(score_impl="mma", select_prefetch="2")
+    assert c.kernel_tuning == KernelTuning(score_impl="mma", select_block_n=512)
     assert from_cli_args(p.parse_args([])).kernel_tuning == KernelTuning() == EngineConfig().kernel_tuning
     assert dataclasses.asdict(c)["kernel_tuning"]["score_impl"] == "mma"
     assert hash(c.kernel_tuning) != hash(KernelTuning())

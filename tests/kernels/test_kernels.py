@@ -126,11 +126,11 @@ BUDGET_LENS = [203, 37, 150, 90, 61]
 BUDGET_KS = [45, 50, DENSE, 89, 13]
 BUDGET_RUNS = [  # mode, labels, tuning overrides, split-K partitions (None: the launcher's)
     ("per_head", torch.bfloat16, {"score_impl": "mma"}, 5),
-    ("group_sum", torch.bfloat16, {"score_impl": "rows", "score_hist": True}, None),
+    ("group_sum", torch.bfloat16, {"score_impl": "rows", "score_loop_stages": 2}, None),
     ("group_max", torch.bfloat16, {"score_impl": "mma"}, 7),
     ("per_head", FP8, {"score_impl": "rows"}, 3),
-    ("group_sum", FP8, {"score_impl": "mma", "select_atomic_hist": False}, 5),
-    ("group_max", FP8, {"score_impl": "rows", "select_prefetch": ""}, None),
+    ("group_sum", FP8, {"score_impl": "mma", "compact_loop_stages": 2}, 5),
+    ("group_max", FP8, {"score_impl": "rows", "select_block_n": 256}, None),
 ]
 
 
@@ -186,14 +186,13 @@ def test_ds_decode_budgets_match_one_request_at_a_time():
 
 
 PIPELINES = [
-    {"score_impl": "rows", "score_hist": False},                           # separate high-byte histogram pass
-    {"score_impl": "rows", "score_hist": False, "score_loop_stages": 3, "select_loop_stages": 2, "select_block_n": 128},
-    {"score_impl": "rows", "score_hist": True, "score_loop_stages": 2},    # histogram in the score launch
+    {"score_impl": "rows"},
+    {"score_impl": "rows", "score_loop_stages": 3, "select_loop_stages": 2, "select_block_n": 128},
+    {"score_impl": "rows", "score_loop_stages": 2},
     {"score_impl": "mma", "mma_block_n": 32},
-    {"score_impl": "mma", "select_block_n": 256, "select_prefetch": ""},  # keys loaded where used
+    {"score_impl": "mma", "select_block_n": 256},
     {"score_impl": "mma", "mma_block_n": 16},
-    {"score_impl": "mma", "select_atomic_hist": False, "compact_loop_stages": 2,  # block histograms
-     "select_prefetch": "2"},
+    {"score_impl": "mma", "compact_loop_stages": 2},
     # the CUDA score (GPU only): histogram in the score launch, or the select's phase 1
     {"score_impl": "cuda"},
     {"score_impl": "cuda", "score_cuda_hist": False, "select_impl": "triton"},

@@ -66,7 +66,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage not in STAGES:
         _fail(f"stage must be one of {STAGES}, got {stage!r}")
-    impl, score_hist, geometry = _score_impl(q, label_cache, channels, mode, tuning)
+    impl, hist_in_score, geometry = _score_impl(q, label_cache, channels, mode, tuning)
     if stage not in ("attend", "rest"):
         nsm = _num_sms(dev)
         if impl == "cuda":
@@ -75,7 +75,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             P = num_progs or max(1, min(triton.cdiv(tuning.score_cuda_programs_per_sm * nsm, B),
                                         triton.cdiv(ws.max_ctx, step)))
             cuda_score.score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist,
-                             sm_scale, ks, num_sink, num_recent, mode, P, score_hist, *geometry)
+                             sm_scale, ks, num_sink, num_recent, mode, P, hist_in_score, *geometry)
         elif impl == "mma":
             _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
                        float(sm_scale), ks, int(num_sink), int(num_recent), mode, tuning, num_progs)
@@ -85,19 +85,18 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             is_fp8 = label_cache.dtype == torch.float8_e4m3fn
             score_kernel[(B, Hkv, P_score)](
                 q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
-                scores, hist, float(sm_scale), ks, int(num_sink), int(num_recent),
+                scores, float(sm_scale), ks, int(num_sink), int(num_recent),
                 q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
-                req_to_token.stride(0), scores.stride(0), scores.stride(1), hist.stride(1), hist.stride(2),
+                req_to_token.stride(0), scores.stride(0), scores.stride(1),
                 G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P_score,
-                BLOCK_H=triton.next_power_of_2(G), BLOCK_N=tuning.score_block_n,
-                BLOCK_R=triton.next_power_of_2(r), DO_HIST=score_hist,
+                BLOCK_N=tuning.score_block_n, BLOCK_R=triton.next_power_of_2(r),
                 LOOP_STAGES=tuning.score_loop_stages,
                 num_warps=tuning.score_warps, num_stages=tuning.score_stages,
             )
         if stage == "score":
             return None
     if stage != "attend":
-        _select(ws, seq_lens, req_to_token, req_idx, ks, k, B, rows, score_hist,
+        _select(ws, seq_lens, req_to_token, req_idx, ks, k, B, rows, hist_in_score,
                 num_progs, stage, tuning)
         if stage == "hist":
             return None
@@ -154,7 +153,7 @@ def _score_impl(q, label_cache, channels, mode, tuning: KernelTuning):
             return "cuda", hist, geometry
     if impl in ("cuda", "auto"):
         impl = "mma" if few_channels else "rows"
-    return impl, impl == "rows" and tuning.score_hist, None
+    return impl, False, None
 
 
 def _select(ws, seq_lens, req_to_token, req_idx, heavy_ks, max_k, B, rows, skip_phase1, num_progs, stage,
@@ -192,8 +191,7 @@ def _select(ws, seq_lens, req_to_token, req_idx, heavy_ks, max_k, B, rows, skip_
     def launch(phase, block, per_sm, loop_stages, max_progs=None):
         P = progs(per_sm, block, max_progs)
         select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
-                                    ATOMIC_HIST=tuning.select_atomic_hist, LOOP_STAGES=loop_stages,
-                                    MAX_PROGS=SELECT_MAX_PROGS, PREFETCH=phase in tuning.select_prefetch_phases,
+                                    LOOP_STAGES=loop_stages, MAX_PROGS=SELECT_MAX_PROGS,
                                     num_warps=tuning.select_warps, num_stages=tuning.select_stages)
 
     if not skip_phase1:

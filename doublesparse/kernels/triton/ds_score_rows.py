@@ -1,9 +1,8 @@
 """Triton kernel for Double Sparsity stage 1 with one KV head per program (``score_impl="rows"``).
 
-Selection (ds_select.py) is an exact radix select over 16-bit keys of the fp16 scores written here;
-``score_kernel`` can also (``KernelTuning.score_hist``) make the 256-bin histogram of the keys'
-high byte, accumulated per row with atomics, sparing the select its first phase (measured slower:
-the histogram's barriers and ballots slow the score loop's label stream).
+Selection (ds_select.py) is an exact radix select over 16-bit keys of the fp16 scores written here.
+(Making the select's high-byte histogram here too, to spare its first phase, measured slower: the
+histogram's barriers and ballots slowed the label stream; the CUDA score does it instead.)
 
 Loops use ``tl.range(num_stages=...)``: that annotation makes Triton pipeline every load of the
 loop (cp.async), the label gather included; a plain ``range`` pipelines only loads feeding a dot.
@@ -12,20 +11,15 @@ loop (cp.async), the label gather included; a plain ``range`` pipelines only loa
 import triton
 import triton.language as tl
 
-from .ds_common import FP16_MAX, _key16, _sparse_len, _split_range
+from .ds_common import FP16_MAX, _sparse_len, _split_range
 
 
 @triton.jit
-def _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent, out_ptr, DO_HIST: tl.constexpr):
-    # Store one row of scores as fp16 and return the histogram of the keys' high byte.
+def _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent, out_ptr):
+    # Store one row of scores as fp16 (sink and recent positions at the maximum).
     keep = (offs < num_sink) | (offs >= seq_len - num_recent)
     s = tl.where(keep, FP16_MAX, tl.minimum(tl.maximum(s, -FP16_MAX), FP16_MAX))
-    s16 = s.to(tl.float16)
-    tl.store(out_ptr + offs, s16, mask=nmask)
-    if DO_HIST:
-        return tl.histogram(_key16(s16) >> 8, 256, mask=nmask)
-    else:
-        return tl.zeros([256], tl.int32)
+    tl.store(out_ptr + offs, s.to(tl.float16), mask=nmask)
 
 
 @triton.jit
@@ -62,13 +56,13 @@ def _pick(i: tl.constexpr, q_row, stride_qh, rmask, scale, G: tl.constexpr, q0, 
 def score_kernel(
     q_ptr, label_ptr, channels_ptr, scale_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
-    scores_ptr, hist_ptr,
+    scores_ptr,
     sm_scale, heavy_ks_ptr, num_sink, num_recent,
     stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt,
-    stride_sb, stride_sr, stride_hb, stride_hr,
+    stride_sb, stride_sr,
     G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LABEL_FP8: tl.constexpr,
-    NUM_PROGS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DO_HIST: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     # One program: (batch entry, KV head, slice of positions). MODE 0 = per query head (writes the
     # G score rows of the group), 1 = group sum, 2 = group max (one row per KV head).
@@ -79,8 +73,6 @@ def score_kernel(
     p = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     n = _sparse_len(seq_len, tl.load(heavy_ks_ptr + b))  # 0 for a dense request
-    bins = tl.arange(0, 256)
-    hrow = tl.arange(0, BLOCK_H)
 
     r = tl.arange(0, BLOCK_R)
     rmask = r < R
@@ -103,7 +95,6 @@ def score_kernel(
 
     req = tl.load(req_idx_ptr + b).to(tl.int64)
     start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
-    hist = tl.zeros([BLOCK_H if MODE == 0 else 1, 256], tl.int32)
     for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
         offs = t + tl.arange(0, BLOCK_N)
         nmask = offs < end
@@ -119,24 +110,13 @@ def score_kernel(
             for i in tl.static_range(G):
                 qi = _pick(i, q_row, stride_qh, rmask, scale, G, q0, q1, q2, q3, q4, q5, q6, q7)
                 s_i = tl.sum(lab * qi[None, :], 1)
-                h_i = _emit_scores(s_i, offs, nmask, seq_len, num_sink, num_recent,
-                                   scores_ptr + b * stride_sb + (kvh * G + i) * stride_sr, DO_HIST)
-                hist += tl.where(hrow[:, None] == i, h_i[None, :], 0)
+                _emit_scores(s_i, offs, nmask, seq_len, num_sink, num_recent,
+                             scores_ptr + b * stride_sb + (kvh * G + i) * stride_sr)
         else:
             s = tl.full([BLOCK_N], float("-inf"), tl.float32) if MODE == 2 else tl.zeros([BLOCK_N], tl.float32)
             for i in tl.static_range(G):
                 qi = _pick(i, q_row, stride_qh, rmask, scale, G, q0, q1, q2, q3, q4, q5, q6, q7)
                 s_i = tl.sum(lab * qi[None, :], 1)
                 s = tl.maximum(s, s_i) if MODE == 2 else s + s_i
-            h = _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent,
-                             scores_ptr + b * stride_sb + kvh * stride_sr, DO_HIST)
-            hist += h[None, :]
-    if DO_HIST:
-        if MODE == 0:
-            for i in tl.static_range(G):
-                h_i = tl.sum(tl.where(hrow[:, None] == i, hist, 0), 0)
-                tl.atomic_add(hist_ptr + b * stride_hb + (kvh * G + i) * stride_hr + bins, h_i,
-                              mask=h_i > 0, sem="relaxed")
-        else:
-            h = tl.sum(hist, 0)
-            tl.atomic_add(hist_ptr + b * stride_hb + kvh * stride_hr + bins, h, mask=h > 0, sem="relaxed")
+            _emit_scores(s, offs, nmask, seq_len, num_sink, num_recent,
+                         scores_ptr + b * stride_sb + kvh * stride_sr)
