@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..attention.budget import DENSE
 from ..config import EngineConfig
 from .sampler import make_generator, sample
 from .sampling_params import SamplingParams
@@ -239,10 +240,13 @@ class Engine:
         if dec:
             positions = [r.num_cached for r in dec]
             rows_dev = to_device(torch.tensor([r.row for r in dec]), p.device)
-            logits = p.runner.decode([r.row for r in dec], self._last_tok[rows_dev], positions)
+            # one plan per step: the runner launches it, and it says which requests ran sparse
+            step_plan = p.backend.decode_plan([n + 1 for n in positions])
+            logits = p.runner.decode([r.row for r in dec], self._last_tok[rows_dev], positions, step_plan)
+            ks = step_plan[0]
             t = self._sample(logits, dec)
             self._last_tok[rows_dev] = t
-            sparse_rows = list(p.sparse_rows([n + 1 for n in positions]))
+            sparse_rows = [False] * len(dec) if ks is None else [k != DENSE for k in ks]
             for r in dec:
                 r.num_cached += 1
             reqs_out += dec

@@ -91,15 +91,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------- decode
     @torch.inference_mode()
-    def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def decode(self, rows: list[int], tokens: list[int], positions: list[int], plan=None) -> torch.Tensor:
         """One token per request: ``tokens[i]`` at ``positions[i]`` (== cached length before the
         step). ``tokens``: host ints, or an int64 ``[B]`` tensor on the device (the engine's
-        overlap schedule: the previous step's samples, never read on the host). Returns logits
+        overlap schedule: the previous step's samples, never read on the host). ``plan``: the
+        backend's ``decode_plan`` of this step when the caller has it already. Returns logits
         ``[B, V]`` float32."""
         B = len(rows)
         row_t = torch.tensor(rows, dtype=torch.int64)
         pos_t = torch.tensor(positions, dtype=torch.int64)
-        ks, sparse = self.backend.decode_plan([p + 1 for p in positions])
+        ks, sparse = plan if plan is not None else self.backend.decode_plan([p + 1 for p in positions])
         bucket = next((b for b, sp in self.graphs if b >= B and sp == sparse), None)
         # a graph replay writes the device req_to_token itself (see _graph_step)
         slots = self.memory.assign(row_t, pos_t, B, write_device=bucket is None)
