@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from ..bench_serving import pct
+
 KINDS = {"valid": 5, "stream": 3, "oversize": 1, "malformed": 2, "disconnect": 1, "duplicate": 2,
          "burst": 1}
 MALFORMED = [b"{not json", b"[1, 2]", b'{"prompt": 5}', b'{"prompt": "hi", "max_tokens": "x"}',
@@ -196,13 +198,13 @@ async def run(args) -> dict:
     served = sum(v - before.get(k, 0.0) for k, v in after.items() if any(e in k for e in ended))
     expected = t.valid_ok + t.sent.get("disconnect", 0)
     half = [b for s, b in t.rss if s >= args.duration / 2]
-    lat = sorted(t.latencies)
+    lat = t.latencies
     return {
         "minutes": args.duration / 60, "concurrency": args.concurrency, "sent": t.sent,
         "valid_ok": t.valid_ok, "lost_valid": len(t.valid_lost), "lost_examples": t.valid_lost[:10],
         "http_5xx": t.http_5xx, "wrong_refusals": t.wrong_4xx[:10],
         "duplicates": len(t.duplicates), "duplicates_identical": int(len(set(t.duplicates)) <= 1),
-        "latency_s": {q: lat[min(len(lat) - 1, int(q / 100 * len(lat)))] for q in (50, 90, 99)} if lat else {},
+        "latency_s": {q: pct(lat, q) for q in (50, 90, 99)},
         "rss_growth_pct": 100 * (half[-1] / half[0] - 1) if len(half) >= 2 else None,
         "rss_max_mb": max((b for _, b in t.rss), default=0) / 2**20,
         "server_ended": served, "client_expected": expected, "metrics_consistent": int(served == expected),
