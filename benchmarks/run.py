@@ -86,6 +86,10 @@ _SERVER_SOAK = (f"python -m doublesparse.launch_server --model-path llama-3.1-8b
                 "--graceful-shutdown-timeout 10")
 
 
+_EVAL_DEFAULT = ("doublesparse eval --model-path /root/m/smollm2.gguf --device cuda --default-only "
+                 "--no-fidelity")
+
+
 def _serving_row(name: str, server: str, cmd: str, timeout: int = 600) -> dict:
     return {"name": name, "server": server, "cmd": cmd, "result": "{out}.json", "timeout": timeout}
 
@@ -120,6 +124,12 @@ SUITES: dict[str, dict] = {
             _one_batch_row("map-ds", f"{_MAP} --enable-double-sparsity"),
             _one_batch_row("prefill-60k-bs3-dense", _MAP_60K),
             _one_batch_row("prefill-60k-bs3-ds", f"{_MAP_60K} --enable-double-sparsity"),
+            # the default's accuracy on the embedded SmolLM2-135M (its GGUF staged on the machine)
+            *[{"name": f"accuracy-text-{n}", "result": "{out}/results.json", "timeout": 300,
+               "cmd": f"{_EVAL_DEFAULT} --no-retrieval --window-len {n} --decode-len 256 --num-windows 8 "
+                      "-o {out}"} for n in (2048, 4096, 8192)],
+            {"name": "accuracy-retrieval", "result": "{out}/results.json", "timeout": 300,
+             "cmd": f"{_EVAL_DEFAULT} --no-text --retrieval-lens 2048 4096 8192 --retrieval-trials 20 -o {{out}}"},
         ],
     },
     # A mixed load for 30 minutes at concurrency 32 against the DS server (prompts up to ~32K): lost
@@ -345,7 +355,7 @@ def summarize(area: str, rows: dict) -> dict:
             return {"min_ratio": min((c["ratio"] for c in cs), default=None),
                     "bs32_16k": speedup_map.at(cs, 32, 16384), "bs8_32k": speedup_map.at(cs, 8, 32768),
                     "bs3_60k": _ratio(med.get("prefill-60k-bs3-dense"), med.get("prefill-60k-bs3-ds")),
-                    "bs1_120k": speedup_map.at(cs, 1, 120000), "cells": cs}
+                    "bs1_120k": speedup_map.at(cs, 1, 120000), **speedup_map.accuracy(rows), "cells": cs}
         if area == "soak":
             r = rows["soak"]
             return {k: r.get(k) for k in ("lost_valid", "http_5xx", "duplicates_identical", "rss_growth_pct",
@@ -409,7 +419,7 @@ def markdown(doc: dict) -> str:
               "speedup in brackets; 'dense': the automatic choice decoded that cell densely. The map's "
               "cells start from random K/V/label values instead of a prefill; the 3 x 60K rows prefill.",
               "", *speedup_map.table(doc["summary"]["cells"]), "",
-              f"![speedup map]({doc.get('png', '')})", ""]
+              f"![speedup map]({doc.get('png', '')})", "", *speedup_map.accuracy_table(doc["rows"]), ""]
         L += _table_one_batch({n: d for n, d in rows.items() if n.startswith("prefill-")}) + [""]
     elif area == "serving":
         L += _table_serving(rows) + [""]
@@ -456,8 +466,10 @@ def suite_commands(name: str, raw: Path | None = None) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    if a.render:
+    if a.render:  # the summary again from the rows, then the markdown
         doc = json.loads(a.render.read_text())
+        doc["summary"] = {**doc["summary"], **summarize(doc["area"], doc["rows"])}
+        a.render.write_text(json.dumps(doc, indent=1) + "\n")
         a.render.with_suffix(".md").write_text(markdown(doc))
         return 0
     if a.list:

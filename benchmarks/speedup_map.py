@@ -92,3 +92,41 @@ def heatmap(cs: list[dict], path: Path, title: str) -> Path:
 
 def at(cs: list[dict], batch: int, prompt: int) -> float | None:
     return next((c["ratio"] for c in cs if c["batch"] == batch and c["prompt"] == prompt), None)
+
+
+def accuracy(rows: dict) -> dict:
+    """The default's perplexity increase over dense (worst of the text rows, %) and the share of
+    retrieval cells within one trial of dense, from the suite's `doublesparse eval` rows."""
+    texts = [r["rows"] for n, r in rows.items() if n.startswith("accuracy-text-") and r.get("rows")]
+    out = {}
+    if texts:
+        out["default_ppl_increase_pct_max"] = max(100 * (t[1]["ppl"] / t[0]["ppl"] - 1) for t in texts)
+    ret = rows.get("accuracy-retrieval", {})
+    if ret.get("rows"):
+        dense, default = ret["rows"][0]["retrieval_cells"], ret["rows"][1]["retrieval_cells"]
+        trials = ret["retrieval_trials"]
+        out["retrieval_cells_equal"] = sum(abs(dense[c] - default[c]) * trials <= 1 for c in dense) / len(dense)
+    return out
+
+
+def accuracy_table(rows: dict) -> list[str]:
+    """Markdown of the accuracy rows: perplexity per length, retrieval per cell."""
+    L = []
+    texts = {n: r for n, r in rows.items() if n.startswith("accuracy-text-") and r.get("rows")}
+    if texts:
+        L += ["## Accuracy of the default (embedded SmolLM2-135M)", "",
+              "`doublesparse eval --default-only`: perplexity over 8 windows x 255 scored tokens of held-out "
+              "text per length; pass-key retrieval at 5 depths x 20 trials.", "",
+              "| length | dense ppl | default ppl | increase | KL | top-1 agreement | bytes x dense |",
+              "|---|---|---|---|---|---|---|"]
+        for r in texts.values():
+            d, s = r["rows"][0], r["rows"][1]
+            L.append(f"| {r['window_len']} | {d['ppl']:.3f} | {s['ppl']:.3f} | {100 * (s['ppl'] / d['ppl'] - 1):+.2f} % "
+                     f"| {s['kl']:.4f} | {s['top1']:.3f} | {s['bytes_vs_dense']:.3f} |")
+    ret = rows.get("accuracy-retrieval", {})
+    if ret.get("rows"):
+        d, s = ret["rows"][0]["retrieval_cells"], ret["rows"][1]["retrieval_cells"]
+        L += ["", "| retrieval (fraction of trials) | " + " | ".join(d) + " |", "|---|" + "---|" * len(d),
+              "| dense | " + " | ".join(f"{v:.2f}" for v in d.values()) + " |",
+              "| default | " + " | ".join(f"{v:.2f}" for v in s.values()) + " |"]
+    return L
