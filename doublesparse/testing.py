@@ -36,6 +36,11 @@ class ByteTokenizer:
         sequence decodes to U+FFFD, which the engine's detokenizer holds back while streaming."""
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
+    def vocab_bytes(self) -> list[bytes]:
+        """Each id's exact bytes (for grammars and logprobs); specials have none. NUL is left out
+        too: grammar engines take an empty-or-NUL token as text-free."""
+        return [b""] + [bytes([i]) for i in range(1, 256)] + [b""] * self.num_specials
+
 
 def tiny_config(vocab_size: int = ByteTokenizer.vocab_size, hidden_size: int = 64,
                 intermediate_size: int = 128, num_layers: int = 2, num_q_heads: int = 4,

@@ -28,7 +28,10 @@ import torch
 
 from ..attention.budget import DENSE
 from ..config import EngineConfig
-from .sampler import make_generator, sample
+from .grammar import GrammarBackend
+from .request_sampling import (LOGPROB_COLS, RequestSampling, needs_state, sample_requests,
+                               unpack_logprobs)
+from .sampler import make_generator
 from .sampling_params import SamplingParams
 from .setup import EngineParts, build_parts
 from .text import Detokenizer
@@ -45,6 +48,8 @@ class StepOutput:
     prompt_tokens: int
     completion_tokens: int
     meta: dict | None = None       # set when finished: see Engine.generate
+    # per new token, when the request asked for logprobs: (logprob, [(token id, logprob)] x k)
+    logprobs: list | None = None
 
 
 @dataclass
@@ -65,6 +70,7 @@ class _Req:
     finish_reason: str | None = None
     launched: int = 0              # output tokens sampled or being sampled on the device
     error: str | None = None       # set when this request's own sampling failed: it ends "error"
+    sampling: RequestSampling | None = None  # penalties' history, grammar matcher
 
 
 @dataclass
@@ -77,6 +83,8 @@ class _Launched:
     sparse: list                   # per entry: None (a prefill's first token) or whether its decode was sparse
     t_launch: float
     has_prefill: bool
+    logprobs: torch.Tensor | None = None   # [N, LOGPROB_COLS] float64, host, when any entry asked
+    lp_ready: "torch.cuda.Event | None" = None
 
 
 class Engine:
@@ -105,6 +113,7 @@ class Engine:
         # each request row's latest sampled token, on the device: the next decode's input ids
         # (rows 1..max_reqs; row 0 is req_to_token's padding row)
         self._last_tok = torch.zeros(p.memory.plan.max_reqs + 1, dtype=torch.int64, device=p.device)
+        self._grammar: GrammarBackend | None = None   # built by the first constrained request
 
     # ------------------------------------------------------------------------- requests
     def _encode(self, prompt) -> list[int]:
@@ -147,10 +156,28 @@ class Engine:
         if not sp.ignore_eos:
             stop_ids |= set(self.model_config.eos_token_ids or ())
         gen = None if sp.greedy else make_generator(seed, self.parts.device)
+        try:
+            state = self._sampling_state(sp, ids, stop_ids)
+        except ValueError:
+            with self._lock:
+                self._known.discard(rid)
+            raise
         req = _Req(rid, ids, sp, gen, frozenset(stop_ids),
-                   Detokenizer(self.tokenizer, sp.stop, sp.skip_special_tokens), time.perf_counter())
+                   Detokenizer(self.tokenizer, sp.stop, sp.skip_special_tokens), time.perf_counter(),
+                   sampling=state)
         self._inbox.append(req)
         return rid
+
+    def _sampling_state(self, sp: SamplingParams, ids: list[int], stop_ids: set) -> RequestSampling | None:
+        """Penalty history and grammar matcher, when the request needs them (ValueError for a
+        grammar that does not compile or an engine without xgrammar)."""
+        if not needs_state(sp):
+            return None
+        V = self.model_config.vocab_size
+        if sp.constrained and self._grammar is None:
+            eos = sorted(set(self.model_config.eos_token_ids or ()))
+            self._grammar = GrammarBackend(self.tokenizer, V, eos)
+        return RequestSampling(sp, ids, V, self.parts.device, self._grammar)
 
     def abort(self, request_id: str) -> None:
         """Abort a request. Its KV is freed at once when no step is running (the server calls this
@@ -193,6 +220,12 @@ class Engine:
             p.scheduler.add(req.rid, len(req.prompt_ids), req.params.max_new_tokens)
             self._reqs[req.rid] = req
         outs, self._pending = self._pending, []
+        if self._inflight is not None and any(
+                r.sampling is not None and r.sampling.matcher is not None and r.finish_reason is None
+                for r in self._inflight.reqs):
+            # a grammar's mask for the next token needs this token on the host first
+            launched, self._inflight = self._inflight, None
+            outs.extend(self._collect(launched))
         if (self._inflight is not None and self._inflight.has_prefill
                 and p.scheduler.cohort_release_next()):
             # With the overlap schedule this plan would be made while the cohort's last prefill
@@ -220,7 +253,7 @@ class Engine:
         """Run the plan's forwards and sampling; nothing here waits for the GPU."""
         p = self.parts
         t0 = time.perf_counter()
-        reqs_out, toks = [], []
+        reqs_out, toks, lps = [], [], []
         if plan.prefill:
             reqs = [self._reqs[c.rid] for c in plan.prefill]
             logits = p.runner.prefill([r.row for r in reqs], [c.start for c in plan.prefill],
@@ -230,7 +263,8 @@ class Engine:
                 r.num_cached = c.end
             done = [r for r, c in zip(reqs, plan.prefill) if c.last]
             if done:
-                t = self._sample(logits, done)
+                t, lp = self._sample(logits, done)
+                lps.append((lp, len(done)))
                 self._last_tok[to_device(torch.tensor([r.row for r in done]), p.device)] = t
                 reqs_out += done
                 toks.append(t)
@@ -244,7 +278,8 @@ class Engine:
             step_plan = p.backend.decode_plan([n + 1 for n in positions])
             logits = p.runner.decode([r.row for r in dec], self._last_tok[rows_dev], positions, step_plan)
             ks = step_plan[0]
-            t = self._sample(logits, dec)
+            t, lp = self._sample(logits, dec)
+            lps.append((lp, len(dec)))
             self._last_tok[rows_dev] = t
             sparse_rows = [False] * len(dec) if ks is None else [k != DENSE for k in ks]
             for r in dec:
@@ -262,24 +297,35 @@ class Engine:
             r.launched += 1
         tokens, ready = to_host_async(torch.cat(toks) if len(toks) > 1 else toks[0])
         sparse = [None] * (len(reqs_out) - len(dec)) + (sparse_rows if dec else [])
-        return _Launched(reqs_out, tokens, ready, sparse, t0, bool(plan.prefill))
+        out = _Launched(reqs_out, tokens, ready, sparse, t0, bool(plan.prefill))
+        if any(lp is not None for lp, _ in lps):  # a second copy, waited on with the tokens'
+            out.logprobs, out.lp_ready = to_host_async(torch.cat([
+                lp if lp is not None else torch.full((n, LOGPROB_COLS), float("nan"),
+                                                     dtype=torch.float64, device=p.device)
+                for lp, n in lps]))
+        return out
 
-    def _sample(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, reqs: list):
         """Sample the batch; if that fails, sample row by row so that only the requests whose own
         sampling fails end (with reason "error", at collection) and the rest of the batch goes on.
-        logits [N, V] -> [N] int64."""
+        logits [N, V] -> ([N] int64, [N, LOGPROB_COLS] float64 logprobs or None)."""
         try:
-            return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            return sample_requests(logits, reqs, self._grammar)
         except Exception:
             pass
-        toks = []
+        toks, lps = [], []
+        want_lp = any(r.params.logprobs is not None for r in reqs)
         for i, r in enumerate(reqs):
+            lp = None
             try:
-                toks.append(sample(logits[i:i + 1], [r.params], [r.generator]))
+                t, lp = sample_requests(logits[i:i + 1], [r], self._grammar)
             except Exception as e:
                 r.error = f"sampling failed: {type(e).__name__}: {e}"
-                toks.append(torch.zeros(1, dtype=torch.int64, device=logits.device))
-        return torch.cat(toks)
+                t = torch.zeros(1, dtype=torch.int64, device=logits.device)
+            toks.append(t)
+            lps.append(lp if lp is not None else torch.full(
+                (1, LOGPROB_COLS), float("nan"), dtype=torch.float64, device=logits.device))
+        return torch.cat(toks), (torch.cat(lps) if want_lp else None)
 
     def fail_running(self, err: BaseException) -> list[StepOutput]:
         """After ``step`` raised: end every request the step loop holds with reason "error", free
@@ -298,10 +344,13 @@ class Engine:
         """Wait for a launched step's tokens and hand them to their requests."""
         if launched.ready is not None:
             launched.ready.synchronize()
+        if launched.lp_ready is not None:
+            launched.lp_ready.synchronize()
         now = time.perf_counter()
         outs = []
         decoded = sparse_any = 0
-        for r, tok, sp in zip(launched.reqs, launched.tokens.tolist(), launched.sparse):
+        lp_rows = launched.logprobs.tolist() if launched.logprobs is not None else None
+        for i, (r, tok, sp) in enumerate(zip(launched.reqs, launched.tokens.tolist(), launched.sparse)):
             if r.finish_reason is not None:   # it stopped (or was aborted) after this launch
                 continue
             if r.error is not None:
@@ -312,7 +361,10 @@ class Engine:
                 r.sparse_decode_steps += int(sp)
                 decoded += 1
                 sparse_any |= bool(sp)
-            outs.append(self._on_token(r, tok, now))
+            lp = None
+            if lp_rows is not None and r.params.logprobs is not None:
+                lp = unpack_logprobs(lp_rows[i], r.params.logprobs)
+            outs.append(self._on_token(r, tok, now, lp))
         c = self.counters
         if decoded:
             c["decode_steps"] += 1
@@ -325,13 +377,14 @@ class Engine:
             c["decode_time"] += now - launched.t_launch
         return outs
 
-    def _on_token(self, r: _Req, tok: int, now: float) -> StepOutput:
+    def _on_token(self, r: _Req, tok: int, now: float, lp=None) -> StepOutput:
         if r.t_first_token is None:
             r.t_first_token = now
         r.output_ids.append(tok)
         self.counters["generation_tokens"] += 1
         reason = None
-        if tok in r.stop_ids:
+        lps = None if lp is None else [lp]
+        if tok in r.stop_ids or (r.sampling is not None and r.sampling.accept(tok)):
             reason = "stop"
             delta = r.detok.flush()
         else:
@@ -343,8 +396,11 @@ class Engine:
             if reason:
                 delta += r.detok.flush()
         if reason:
-            return self._finish(r, reason, [tok], delta)
-        return StepOutput(r.rid, [tok], delta, False, None, len(r.prompt_ids), len(r.output_ids))
+            out = self._finish(r, reason, [tok], delta)
+            out.logprobs = lps
+            return out
+        return StepOutput(r.rid, [tok], delta, False, None, len(r.prompt_ids), len(r.output_ids),
+                          logprobs=lps)
 
     def _finish(self, r: _Req, reason: str, new_ids: list[int], delta: str = "",
                 release_all: bool = False) -> StepOutput:

@@ -19,6 +19,8 @@ TOP_K_MAX = 2**31 - 1
 TOP_P_MIN = float(np.finfo(np.float32).tiny)
 # Seeds are reduced to 48 bits for torch.Generator; beyond int64 they are refused.
 _INT64_MAX = 2**63 - 1
+# Most alternatives per token that logprobs may ask for (OpenAI's top_logprobs limit).
+LOGPROBS_MAX = 20
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,15 @@ class SamplingParams:
     (None: derived from the engine seed and the request's arrival order).
     enable_double_sparsity / ds_heavy_token_num: per-request overrides are only accepted when they
     agree with the engine (the decode kernels take one top-k per batch); otherwise ValueError.
+    min_p in [0, 1]: drop tokens less likely than min_p times the most likely one (after
+    temperature). repetition_penalty > 0 (1 = off): logits of tokens seen in the prompt or output
+    are divided by it when positive, multiplied when negative (HF/vLLM). frequency_penalty /
+    presence_penalty in [-2, 2] (0 = off): subtract count * frequency + (count > 0) * presence
+    from the logits of output tokens (OpenAI). logprobs: None = off; k in [0, 20] returns the
+    sampled token's log-probability and the k most likely alternatives, from the model's own
+    distribution (raw logits: before penalties, temperature, filtering and grammar masks).
+    json_schema / ebnf: constrain the output to a JSON schema (a JSON string) or an EBNF grammar
+    (xgrammar's dialect); at most one of them.
     """
 
     max_new_tokens: int = 128
@@ -44,6 +55,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     enable_double_sparsity: bool | None = None
     ds_heavy_token_num: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -81,10 +99,40 @@ class SamplingParams:
         if self.ds_heavy_token_num is not None and (not _is_int(self.ds_heavy_token_num)
                                                     or self.ds_heavy_token_num <= 0):
             raise ValueError(f"ds_heavy_token_num must be an integer >= 1, got {self.ds_heavy_token_num!r}")
+        self._check_extras()
+
+    def _check_extras(self) -> None:
+        if not 0.0 <= _finite(self.min_p, "min_p", "a finite number in [0, 1]") <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not 0.0 < _finite(self.repetition_penalty, "repetition_penalty", "a finite number > 0"):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= _finite(v, name, "a finite number in [-2, 2]") <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= LOGPROBS_MAX):
+            raise ValueError(f"logprobs must be an integer in [0, {LOGPROBS_MAX}], got {self.logprobs!r}")
+        for name in ("json_schema", "ebnf"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise ValueError(f"{name} must be a non-empty string, got {v!r}")
+        if self.json_schema is not None and self.ebnf is not None:
+            raise ValueError("give at most one of json_schema and ebnf")
 
     @property
     def greedy(self) -> bool:
         return float(self.temperature) == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens seen so far (any penalty is on)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
+    def constrained(self) -> bool:
+        return self.json_schema is not None or self.ebnf is not None
 
     @classmethod
     def from_any(cls, x: "SamplingParams | dict | None") -> "SamplingParams":
@@ -115,4 +163,4 @@ def _finite(x, name: str, what: str) -> float:
     return v
 
 
-__all__ = ["SamplingParams", "TOP_K_MAX", "TOP_P_MIN"]
+__all__ = ["LOGPROBS_MAX", "SamplingParams", "TOP_K_MAX", "TOP_P_MIN"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from doublesparse.engine import Engine, SamplingParams
-from doublesparse.engine import engine as engine_mod
+from doublesparse.engine import request_sampling as sampling_mod
 from doublesparse.engine.sampler import filter_probs, make_generator, sample
 from doublesparse.engine.sampling_params import TOP_K_MAX, TOP_P_MIN
 from doublesparse.testing import ByteTokenizer, tiny_llama
@@ -83,7 +83,7 @@ def test_sampling_failure_ends_only_its_request(model, overlap, monkeypatch):
 
     a, b = [5, 6, 7, 8, 9], [11, 12, 13]
     alone = _run(_engine(model, overlap), [(a, dict(max_new_tokens=6, **GREEDY))])[0][0]
-    monkeypatch.setattr(engine_mod, "sample", flaky)
+    monkeypatch.setattr(sampling_mod, "sample", flaky)
     e = _engine(model, overlap)
     (ok, ok_meta), (bad, bad_meta) = _run(e, [(a, dict(max_new_tokens=6, **GREEDY)),
                                               (b, dict(max_new_tokens=6, temperature=0.7, seed=poison))])
