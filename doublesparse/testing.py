@@ -96,3 +96,38 @@ def tiny_llama(seed: int = 0, dtype=torch.float32, device="cpu", logit_scale: fl
     init_tiny_weights(model, seed=seed, logit_scale=logit_scale)
     model = model.to(device=device, dtype=dtype)  # the RoPE table stays float32 (RotaryEmbedding._apply)
     return model.eval().requires_grad_(False)
+
+
+class ChatByteTokenizer(ByteTokenizer):
+    """:class:`ByteTokenizer` with a minimal chat template that renders tools (Hermes style: the
+    tools' JSON in the system turn), for server tests of chat, tools and constrained decoding."""
+
+    chat_template = "<|role|>content per turn; tools as JSON in a <tools> block"
+
+    def apply_chat_template(self, messages, tokenize: bool = False, add_generation_prompt: bool = True,
+                            tools: list | None = None, **_: object):
+        import json
+
+        text = f"<tools>{json.dumps(tools)}</tools>\n" if tools else ""
+        for m in messages:
+            calls = "".join(f"<tool_call>{json.dumps(c['function'])}</tool_call>"
+                            for c in m.get("tool_calls") or ())
+            text += f"<|{m['role']}|>{m.get('content') or ''}{calls}\n"
+        if add_generation_prompt:
+            text += "<|assistant|>"
+        return self.encode(text) if tokenize else text
+
+
+def tiny_engine(seed: int = 0, max_position_embeddings: int = 1024, **engine_kw):
+    """The real :class:`~doublesparse.engine.Engine` on :func:`tiny_llama` with
+    :class:`ChatByteTokenizer`, on the CPU: a server backend that answers in milliseconds
+    (``--engine-factory doublesparse.testing:tiny_engine``). ``engine_kw``: EngineConfig fields."""
+    from .engine.engine import Engine
+
+    engine_kw = {k: v for k, v in engine_kw.items() if v is not None}
+    engine_kw["device"] = "cpu"
+    engine_kw.setdefault("context_length", max_position_embeddings)
+    model = tiny_llama(seed=seed, max_position_embeddings=max_position_embeddings)
+    engine = Engine(model=model, tokenizer=ChatByteTokenizer(), progress=False, **engine_kw)
+    engine.model_name = "tiny-llama"  # the id the server serves it under
+    return engine

@@ -20,13 +20,17 @@ from doublesparse.server.worker import EngineWorker, Finished
 
 class Generation:
     def __init__(self, worker: EngineWorker, metrics, endpoint: str, rid: str,
-                 prompt_ids: list[int], sampling_params: dict, request: Request | None) -> None:
+                 prompt_ids: list[int], sampling_params: dict, request: Request | None,
+                 watch: bool = True) -> None:
         self.worker, self.metrics, self.endpoint, self.rid = worker, metrics, endpoint, rid
         self.prompt_ids, self.sp, self.request = prompt_ids, sampling_params, request
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.text = ""
+        self.token_ids: list[int] = []       # every generated token id
+        self.token_logprobs: list = []       # per token, when logprobs were asked for
+        self.watch = watch                   # False: the caller watches for the disconnect
         self.disconnected = False
         self._pending: list[Any] = []
         self._handle = None
@@ -44,7 +48,7 @@ class Generation:
         self.metrics.in_flight.inc()
         self.worker.in_flight += 1
         self._handle = self.worker.submit(self.rid, self.prompt_ids, self.sp)
-        if self.request is not None:
+        if self.request is not None and self.watch:
             self._watch = asyncio.create_task(self._watch_disconnect())
         first = await self._handle.events.get()
         if isinstance(first, Finished) and first.finish_reason == "error":
@@ -103,6 +107,8 @@ class Generation:
     def _absorb(self, ev: Any) -> tuple[str, list[int]]:
         """Account one StepOutput (metrics, counters, text); finishes the request if it is last."""
         ids = list(getattr(ev, "new_token_ids", None) or [])
+        self.token_ids += ids
+        self.token_logprobs += getattr(ev, "logprobs", None) or []
         now = time.perf_counter()
         if ids and self._t_first is None:
             self._t_first = now
@@ -117,6 +123,12 @@ class Generation:
         if getattr(ev, "finished", False):
             self._finish(getattr(ev, "finish_reason", None) or "stop")
         return delta, ids
+
+    def cancel(self) -> None:
+        """Abort a request that started but whose events nobody will read (a sibling failed)."""
+        if not self._done:
+            self.worker.abort(self.rid)
+            self._finish("abort")
 
     async def collect(self) -> str:
         async for _ in self.events():

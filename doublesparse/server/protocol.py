@@ -8,12 +8,12 @@ clients that send e.g. ``user`` keep working.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from doublesparse.engine.sampling_params import TOP_K_MAX, TOP_P_MIN
+from doublesparse.engine.sampling_params import LOGPROBS_MAX, TOP_K_MAX, TOP_P_MIN
 
 # Bounds are what the engine can represent (float32 sampling, int64 ids and counts), so nothing
 # that passes here can fail later inside a batched step. Floats refuse NaN and infinities.
@@ -22,6 +22,8 @@ _TEMPERATURE = dict(ge=0.0, le=2.0, allow_inf_nan=False)
 _TOP_P = dict(gt=0.0, le=1.0, allow_inf_nan=False)
 _TOP_K = dict(ge=-1, le=TOP_K_MAX)
 _PENALTY = dict(ge=-2.0, le=2.0, allow_inf_nan=False)
+# Samples per request (n, best_of): each is a request of its own in the engine.
+N_MAX = 128
 
 
 class APIError(Exception):
@@ -82,6 +84,18 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Strict):
     """Sampling fields shared by both OpenAI endpoints (OpenAI names plus SGLang/vLLM extensions)."""
 
@@ -90,13 +104,16 @@ class _SamplingFields(_Strict):
     temperature: float = Field(1.0, **_TEMPERATURE)
     top_p: float = Field(1.0, **_TOP_P)
     top_k: int = Field(-1, **_TOP_K)
-    n: int = Field(1, ge=1, le=_I64)
+    n: int = Field(1, ge=1, le=N_MAX)
     seed: int | None = Field(None, ge=-_I64, le=_I64)
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, **_PENALTY)
     frequency_penalty: float = Field(0.0, **_PENALTY)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    response_format: ResponseFormat | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0, le=_I64)]] | None = None
     # Per-request Double Sparsity overrides (honoured only if the engine supports them).
@@ -109,8 +126,8 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX)
+    best_of: int | None = Field(None, ge=1, le=N_MAX)
     suffix: str | None = None
 
 
@@ -119,10 +136,23 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -132,12 +162,35 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
 
 
 class NativeSamplingParams(_Strict):
@@ -174,22 +227,54 @@ def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
 
 
 def unsupported(req: BaseModel) -> None:
-    """Refuse features the engine does not implement instead of silently ignoring them."""
-    if getattr(req, "n", 1) != 1:
-        raise APIError("n > 1 is not supported by this server", param="n", code="unsupported")
-    if getattr(req, "best_of", None) not in (None, 1):
-        raise APIError("best_of is not supported", param="best_of", code="unsupported")
-    if getattr(req, "echo", False):
-        raise APIError("echo is not supported", param="echo", code="unsupported")
+    """Refuse features the engine does not implement, and combinations that cannot be honoured,
+    instead of silently ignoring them."""
     if getattr(req, "suffix", None):
-        raise APIError("suffix is not supported", param="suffix", code="unsupported")
-    if getattr(req, "logprobs", None) not in (None, False, 0):
-        raise APIError("logprobs are not supported", param="logprobs", code="unsupported")
-    if getattr(req, "tools", None):
-        raise APIError("tools are not supported", param="tools", code="unsupported")
-    for p in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, p, 0.0) != 0.0:
-            raise APIError(f"{p} is not supported (only 0)", param=p, code="unsupported")
+        raise APIError("suffix (insertion) is not supported", param="suffix", code="unsupported")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None:
+        if best_of < req.n:
+            raise APIError(f"best_of ({best_of}) must be at least n ({req.n})", param="best_of")
+        if best_of > req.n and req.stream:
+            raise APIError("best_of > n cannot be streamed", param="best_of")
+    if getattr(req, "echo", False) and getattr(req, "logprobs", None) is not None:
+        raise APIError("echo with logprobs needs the prompt's logprobs, which this server does not "
+                       "compute; drop one of them", param="echo", code="unsupported")
+    if getattr(req, "top_logprobs", None) is not None and not getattr(req, "logprobs", False):
+        raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+    choice = getattr(req, "tool_choice", None)
+    if choice is not None and choice != "none" and not getattr(req, "tools", None):
+        raise APIError("tool_choice needs tools", param="tool_choice")
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type == "json_schema" and (rf.json_schema is None
+                                                        or rf.json_schema.schema_ is None):
+        raise APIError("response_format json_schema needs json_schema.schema",
+                       param="response_format.json_schema")
+    if rf is not None and rf.type != "text" and choice not in (None, "none", "auto"):
+        raise APIError("response_format and a forced tool_choice both constrain the output; "
+                       "send one of them", param="response_format")
+
+
+def sampling_extras(req: BaseModel) -> dict:
+    """Engine sampling parameters for the penalties, min_p, logprobs and response_format, set
+    only when they differ from the defaults (so engines without them still serve the rest)."""
+    sp = {}
+    for f, off in (("min_p", 0.0), ("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
+                   ("presence_penalty", 0.0)):
+        if getattr(req, f, off) != off:
+            sp[f] = getattr(req, f)
+    lp = getattr(req, "logprobs", None)
+    if isinstance(lp, bool):  # chat: a flag plus top_logprobs
+        lp = (req.top_logprobs or 0) if lp else None
+    if lp is not None:
+        sp["logprobs"] = lp
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type == "json_object":
+        sp["json_schema"] = '{"type": "object"}'
+    elif rf is not None and rf.type == "json_schema":
+        import json
+        sp["json_schema"] = json.dumps(rf.json_schema.schema_)
+    return sp
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

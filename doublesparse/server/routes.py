@@ -13,8 +13,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from doublesparse.server import choices as C
 from doublesparse.server import protocol as P
-from doublesparse.server.generation import Generation, usage
+from doublesparse.server import tools as T
+from doublesparse.server.generation import Generation
 from doublesparse.server.http import new_id, read_body, sse, stream_response
 from doublesparse.server.metrics import stat
 from doublesparse.server.protocol import APIError
@@ -40,16 +42,30 @@ def _encode(tok, text: str) -> list[int]:
     return list(tok.encode(text))
 
 
-def _chat_encode(tok, messages: list[dict]) -> list[int]:
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def _chat_encode(tok, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    kw = {"tools": tools} if tools else {}
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
     return list(tok.encode(text, add_special_tokens=False))
+
+
+# Prompts one completions request may carry (each is a request of its own in the engine).
+MAX_PROMPTS = 128
+
+
+async def _prompts(st: ServerState, prompt: Any, param: str) -> list[list[int]]:
+    """A completions ``prompt`` (one or a list, text or token ids) -> token ids per prompt."""
+    many = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+    items = list(prompt) if many else [prompt]
+    if len(items) > MAX_PROMPTS:
+        raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", param=param)
+    return [await _prompt_ids(st, p, f"{param}.{i}" if many else param)
+            for i, p in enumerate(items)]
 
 
 async def _prompt_ids(st: ServerState, prompt: Any, param: str) -> list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise APIError("batched prompts are not supported; send one prompt per request",
-                           param=param, code="unsupported")
+            raise APIError("send one prompt here", param=param, code="unsupported")
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
@@ -95,6 +111,7 @@ def _sampling(st: ServerState, req: Any, max_new: int) -> dict:
           "stop_token_ids": list(req.stop_token_ids or []), "ignore_eos": req.ignore_eos}
     if req.seed is not None:
         sp["seed"] = req.seed
+    sp.update(P.sampling_extras(req))
     for f in ("enable_double_sparsity", "ds_heavy_token_num"):
         v = getattr(req, f, None)
         if v is None:
@@ -106,34 +123,18 @@ def _sampling(st: ServerState, req: Any, max_new: int) -> dict:
     return sp
 
 
-async def _stream_openai(g: Generation, base: dict, chat: bool, include_usage: bool):
-    """OpenAI chunk stream; errors after the headers went out travel as an error event."""
-    def chunk(payload: dict, finish: str | None) -> str:
-        choice = {"index": 0, **payload, "logprobs": None, "finish_reason": finish}
-        return sse({**base, "choices": [choice]})
-
-    try:
-        if chat:
-            yield chunk({"delta": {"role": "assistant", "content": ""}}, None)
-        async for delta, _ in g.events():
-            if delta:
-                yield chunk({"delta": {"content": delta}} if chat else {"text": delta}, None)
-        yield chunk({"delta": {}} if chat else {"text": ""}, g.finish_reason)
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(g)})
-    except APIError as e:
-        yield sse(e.body())
-    yield "data: [DONE]\n\n"
-
-
 def register_generation_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await _begin(st, request, P.CompletionRequest)
-        ids = await _prompt_ids(st, req.prompt, "prompt")
-        max_new = _max_new(st, len(ids), req.max_tokens, st.cfg.default_completion_tokens,
-                           "max_tokens", "prompt")
-        return await _run_openai(st, request, req, ids, max_new, chat=False)
+        prompts = await _prompts(st, req.prompt, "prompt")
+        max_new = min(_max_new(st, len(ids), req.max_tokens, st.cfg.default_completion_tokens,
+                               "max_tokens", "prompt") for ids in prompts)
+        echo = [_echo_text(st, req.prompt, i) for i in range(len(prompts))] if req.echo else \
+            [""] * len(prompts)
+        fo = C.Fanout(prompts, echo, req.n, req.best_of or req.n, chat=False,
+                      want_logprobs=req.logprobs is not None)
+        return await _run_openai(st, request, req, fo, _sampling(st, req, max_new))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -142,16 +143,21 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
             if m.content is None and m.role != "assistant":
                 raise APIError(f"messages.{i}.content is required for role '{m.role}'",
                                param=f"messages.{i}.content")
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in req.messages]
+        tools = T.active_tools(req, st.tokenizer)
+        grammar = T.forced_call_grammar(req) if tools else None
         try:
-            ids = await st.tokenize(_chat_encode, st.tokenizer, msgs)
+            ids = await st.tokenize(_chat_encode, st.tokenizer, T.template_messages(req), tools)
         except Exception as e:  # templates raise on orders they do not support
             raise APIError(f"could not apply the chat template: {e}", param="messages") from None
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_new = _max_new(st, len(ids), asked, None, param, "messages")
-        return await _run_openai(st, request, req, ids, max_new, chat=True)
+        sp = _sampling(st, req, max_new)
+        if grammar is not None:
+            sp["ebnf"] = grammar
+        fo = C.Fanout([ids], [""], req.n, req.n, chat=True, want_logprobs=req.logprobs,
+                      tools=tools is not None, parallel_tool_calls=req.parallel_tool_calls)
+        return await _run_openai(st, request, req, fo, sp)
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -161,7 +167,9 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
         ids = await _prompt_ids(st, req.text if req.text is not None else req.input_ids,
                                 "text" if req.text is not None else "input_ids")
         sp_in = req.sampling_params
-        P.unsupported(sp_in)
+        if sp_in.n != 1:
+            raise APIError("n > 1 is served by /v1/completions and /v1/chat/completions",
+                           param="sampling_params.n", code="unsupported")
         max_new = _max_new(st, len(ids), sp_in.max_new_tokens, None,
                            "sampling_params.max_new_tokens", "text")
         g = make_generation(st, "generate", req.rid or new_id("gen"), ids,
@@ -191,26 +199,42 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
         return stream_response(native_stream())
 
 
-async def _run_openai(st: ServerState, request: Request, req: Any, ids: list[int], max_new: int,
-                      chat: bool):
-    rid = new_id("chatcmpl" if chat else "cmpl")
-    g = make_generation(st, "chat" if chat else "completions", rid, ids,
-                        _sampling(st, req, max_new), request)
-    await g.start()
-    base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+def _echo_text(st: ServerState, prompt: Any, i: int) -> str:
+    p = prompt[i] if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) \
+        else prompt
+    return p if isinstance(p, str) else st.tokenizer.decode(p, skip_special_tokens=False)
+
+
+def _token_text(st: ServerState):
+    if getattr(st, "_token_text", None) is None:
+        st._token_text = C.TokenText(st.tokenizer)
+    return st._token_text
+
+
+async def _run_openai(st: ServerState, request: Request, req: Any, fo: C.Fanout, sp: dict):
+    rid = new_id("chatcmpl" if fo.chat else "cmpl")
+
+    def make(sub_rid, ids, sp_j, req_, watch=True):
+        return make_generation(st, "chat" if fo.chat else "completions", sub_rid, ids, sp_j, req_,
+                               watch=watch)
+
+    choices = await C.start(make, rid, fo, sp, request)
+    base = {"id": rid, "object": "chat.completion.chunk" if fo.chat else "text_completion",
             "created": int(time.time()), "model": st.model_name}
+    tt = _token_text(st) if fo.want_logprobs else None
     if req.stream:
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return stream_response(_stream_openai(g, base, chat, include))
-    await g.collect()
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": g.text},
-                  "logprobs": None, "finish_reason": g.finish_reason}
-        return {**base, "object": "chat.completion", "choices": [choice], "usage": usage(g)}
-    choice = {"index": 0, "text": g.text, "logprobs": None, "finish_reason": g.finish_reason}
-    return {**base, "choices": [choice], "usage": usage(g)}
+        return stream_response(C.stream(fo, choices, base, include, tt))
+    await C.collect(choices, request)
+    for c in choices:
+        if c.gen.finish_reason == "error":
+            raise APIError("engine error: the engine failed this request", status=500,
+                           type="server_error")
+    out = [C.response_choice(fo, c, tt) for c in C.best(fo, choices)]
+    obj = {**base, "object": "chat.completion"} if fo.chat else base
+    return {**obj, "choices": out, "usage": C.usage(fo, choices)}
 
 
 def make_generation(st: ServerState, endpoint: str, rid: str, ids: list[int], sp: dict,
-                    request: Request) -> Generation:
-    return Generation(st.worker, st.metrics, endpoint, rid, ids, sp, request)
+                    request: Request, watch: bool = True) -> Generation:
+    return Generation(st.worker, st.metrics, endpoint, rid, ids, sp, request, watch=watch)

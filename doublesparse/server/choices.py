@@ -1,0 +1,217 @@
+"""The choices of one OpenAI request: ``n`` samples of each prompt (``best_of`` to pick from),
+each a sibling request of the engine, collected into one response or merged into one stream.
+
+All fan-out happens here, so siblings reach the engine as ordinary requests with the same prompt
+(a prefix cache shares their prompt's KV). Choice ``index`` follows OpenAI and vLLM: prompt ``i``'s
+``j``-th sample is ``i * n + j``. A seeded request gives sample ``j`` the seed ``seed + j`` (so the
+samples differ, and the response is reproducible).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from doublesparse.server.generation import Generation
+from doublesparse.server.http import sse
+from doublesparse.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from doublesparse.server.protocol import APIError
+from doublesparse.server.tools import parse_tool_calls
+
+_I64 = 2**63 - 1
+
+
+@dataclass
+class Choice:
+    index: int
+    gen: Generation
+    prefix: str = ""              # echoed prompt text (completions with echo)
+    prompt_i: int = 0
+    offset: int = 0               # text length sent so far (completions' text_offset)
+    held: list = field(default_factory=list)   # text kept back until the end (tool parsing)
+
+
+@dataclass
+class Fanout:
+    """What the route decided: prompts (ids and their echo text), samples per prompt, and how
+    the output is shaped."""
+
+    prompts: list[list[int]]
+    echo_texts: list[str]
+    n: int
+    best_of: int
+    chat: bool
+    want_logprobs: bool           # the client asked (best_of may ask internally too)
+    tools: bool = False           # parse <tool_call> blocks out of the text
+    parallel_tool_calls: bool = True
+
+
+def sibling_params(sp: dict, j: int) -> dict:
+    if j == 0 or sp.get("seed") is None:
+        return sp
+    s = sp["seed"] + j
+    return {**sp, "seed": s if s <= _I64 else sp["seed"] - j}
+
+
+async def start(make: Callable[..., Generation], rid: str, fo: Fanout, sp: dict,
+                request) -> list[Choice]:
+    """Submit every sibling; if one is refused, abort those already started."""
+    per = fo.best_of
+    many = len(fo.prompts) * per > 1
+    if fo.best_of > fo.n and "logprobs" not in sp:
+        sp = {**sp, "logprobs": 0}  # best_of ranks samples by their cumulative logprob
+    choices: list[Choice] = []
+    try:
+        for i, ids in enumerate(fo.prompts):
+            for j in range(per):
+                g = make(f"{rid}-{i * per + j}" if many else rid, ids, sibling_params(sp, j),
+                         request, watch=not many)
+                choices.append(Choice(i * per + j, g, fo.echo_texts[i], i, len(fo.echo_texts[i])))
+                await g.start()
+    except BaseException:
+        for c in choices:
+            c.gen.cancel()
+        raise
+    return choices
+
+
+def usage(fo: Fanout, choices: list[Choice]) -> dict:
+    prompt = sum(len(p) for p in fo.prompts)
+    done = {}
+    for c in choices:  # the engine's count (it may differ from len(ids) by specials)
+        done.setdefault(c.prompt_i, c.gen.prompt_tokens)
+    prompt = sum(done.values()) or prompt
+    comp = sum(c.gen.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp}
+
+
+async def collect(choices: list[Choice], request) -> None:
+    """Run every sibling to the end; a disconnect or a failure aborts all of them."""
+    watch = None
+    if len(choices) > 1 and request is not None:
+        watch = asyncio.create_task(_watch(request, choices))
+    try:
+        await asyncio.gather(*(c.gen.collect() for c in choices))
+    finally:
+        if watch is not None:
+            watch.cancel()
+        for c in choices:
+            c.gen.cancel()
+
+
+async def _watch(request, choices: list[Choice]) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for c in choices:
+        c.gen.disconnected = True
+        c.gen.cancel()
+
+
+def best(fo: Fanout, choices: list[Choice]) -> list[Choice]:
+    """The n of each prompt's best_of samples with the highest cumulative logprob, re-indexed."""
+    if fo.best_of == fo.n:
+        return choices
+    out = []
+    for i in range(len(fo.prompts)):
+        mine = [c for c in choices if c.prompt_i == i]
+        mine.sort(key=lambda c: -sum(lp for lp, _ in c.gen.token_logprobs))
+        for j, c in enumerate(mine[:fo.n]):
+            c.index = i * fo.n + j
+            out.append(c)
+    return out
+
+
+def response_choice(fo: Fanout, c: Choice, tt: TokenText | None) -> dict:
+    g = c.gen
+    lp = None
+    if fo.want_logprobs and tt is not None:
+        lp = (chat_logprobs(tt, g.token_ids, g.token_logprobs) if fo.chat else
+              completion_logprobs(tt, g.token_ids, g.token_logprobs, len(c.prefix)))
+    if not fo.chat:
+        return {"index": c.index, "text": c.prefix + g.text, "logprobs": lp,
+                "finish_reason": g.finish_reason}
+    msg: dict[str, Any] = {"role": "assistant", "content": g.text}
+    finish = g.finish_reason
+    if fo.tools:
+        msg["content"], calls = parse_tool_calls(g.text, fo.parallel_tool_calls)
+        if calls:
+            msg["tool_calls"] = calls
+            finish = "tool_calls" if finish == "stop" else finish
+    return {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish}
+
+
+async def stream(fo: Fanout, choices: list[Choice], base: dict, include_usage: bool,
+                 tt: TokenText | None):
+    """OpenAI chunk stream of all choices, in the order their tokens arrive; errors after the
+    headers went out travel as an error event."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            async for delta, ids in c.gen.events():
+                # the generator is paused at its yield: the lists end with exactly these tokens
+                lps = c.gen.token_logprobs[len(c.gen.token_logprobs) - len(ids):] \
+                    if fo.want_logprobs and ids else []
+                q.put_nowait((c, delta, ids, lps, None))
+            q.put_nowait((c, "", [], [], "end"))
+        except APIError as e:
+            q.put_nowait((c, "", [], [], e))
+
+    def chunk(c: Choice, payload: dict, finish: str | None, lp=None) -> str:
+        choice = {"index": c.index, **payload, "logprobs": lp, "finish_reason": finish}
+        return sse({**base, "choices": [choice]})
+
+    def lp_of(c: Choice, ids: list[int], lps: list):
+        if not (fo.want_logprobs and tt is not None and ids):
+            return None
+        if fo.chat:
+            return chat_logprobs(tt, ids, lps)
+        out = completion_logprobs(tt, ids, lps, c.offset)
+        c.offset = out["text_offset"][-1] + len(out["tokens"][-1])
+        return out
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        for c in choices:
+            if fo.chat:
+                yield chunk(c, {"delta": {"role": "assistant", "content": ""}}, None)
+            elif c.prefix:
+                yield chunk(c, {"text": c.prefix}, None)
+        live = len(choices)
+        while live:
+            c, delta, ids, lps, end = await q.get()
+            if isinstance(end, APIError):
+                yield sse(end.body())
+                break
+            if end == "end":
+                live -= 1
+                yield _final(fo, c, chunk)
+                continue
+            if fo.tools:
+                c.held.append(delta)
+                continue
+            if delta or ids:
+                lp = lp_of(c, ids, lps)
+                yield chunk(c, {"delta": {"content": delta}} if fo.chat else {"text": delta}, None, lp)
+        else:
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": usage(fo, choices)})
+    finally:
+        for t in tasks:
+            t.cancel()
+    yield "data: [DONE]\n\n"
+
+
+def _final(fo: Fanout, c: Choice, chunk) -> str:
+    g = c.gen
+    if not fo.tools:
+        return chunk(c, {"delta": {}} if fo.chat else {"text": ""}, g.finish_reason)
+    # tools: the whole message at the end, parsed (tool-call markup is never streamed raw)
+    content, calls = parse_tool_calls("".join(c.held), fo.parallel_tool_calls)
+    delta: dict[str, Any] = {"content": content}
+    finish = g.finish_reason
+    if calls:
+        delta["tool_calls"] = [{**call, "index": k} for k, call in enumerate(calls)]
+        finish = "tool_calls" if g.finish_reason == "stop" else finish
+    return chunk(c, {"delta": delta}, finish)
