@@ -436,7 +436,8 @@ class Engine:
         """Run prompts to completion. ``prompts``: str, list[str], list[int] or list[list[int]];
         ``sampling_params``: one for all, or a list. Returns, per prompt, ``{"text", "token_ids",
         "meta": {prompt_tokens, completion_tokens, finish_reason, decode_steps,
-        sparse_decode_steps, e2e_latency, ttft, decode_latency}}``."""
+        sparse_decode_steps, e2e_latency, ttft, decode_latency}}``, plus ``"logprobs"`` (per token:
+        ``(logprob, [(id, logprob)] * k)``) for requests that asked for them."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
         sps = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -453,11 +454,14 @@ class Engine:
             for o in self.step():
                 if o.request_id in results:
                     results[o.request_id]["token_ids"].extend(o.new_token_ids)
+                    if o.logprobs:
+                        results[o.request_id].setdefault("logprobs", []).extend(o.logprobs)
                     if o.finished:
                         meta = dict(o.meta)
                         results[o.request_id]["text"] = meta.pop("text")
                         results[o.request_id]["meta"] = meta
-        return [dict(text=results[r]["text"], token_ids=results[r]["token_ids"], meta=results[r]["meta"])
+        return [dict(text=results[r]["text"], token_ids=results[r]["token_ids"], meta=results[r]["meta"],
+                     **({"logprobs": results[r]["logprobs"]} if "logprobs" in results[r] else {}))
                 for r in rids]
 
     def stats(self) -> dict:

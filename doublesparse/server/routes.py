@@ -112,6 +112,8 @@ def _sampling(st: ServerState, req: Any, max_new: int) -> dict:
     if req.seed is not None:
         sp["seed"] = req.seed
     sp.update(P.sampling_extras(req))
+    if "json_schema" in sp:
+        _check_schema(sp["json_schema"])
     for f in ("enable_double_sparsity", "ds_heavy_token_num"):
         v = getattr(req, f, None)
         if v is None:
@@ -197,6 +199,22 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
                 yield sse(e.body())
             yield "data: [DONE]\n\n"
         return stream_response(native_stream())
+
+
+def _check_schema(schema: str) -> None:
+    """Refuse a response_format the engine could not constrain to, naming the field, before the
+    request reaches the engine."""
+    try:
+        import xgrammar as xgr
+    except Exception:
+        raise APIError("response_format json_object/json_schema needs constrained decoding, and "
+                       "the xgrammar package is not installed", param="response_format",
+                       code="unsupported") from None
+    try:
+        xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    except Exception as e:
+        raise APIError(f"response_format: the JSON schema is not usable: {e}",
+                       param="response_format.json_schema.schema") from None
 
 
 def _echo_text(st: ServerState, prompt: Any, i: int) -> str:

@@ -201,6 +201,9 @@ def test_tool_calls(c):
     ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "a", "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"prompt": "a", "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "required": 5}}}},
+     "response_format.json_schema.schema"),
     ({"prompt": ["a", ""]}, "prompt.1"),
     ({"messages": U, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": U, "tool_choice": "required"}, "tool_choice"),
