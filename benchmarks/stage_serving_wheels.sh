@@ -6,8 +6,9 @@
 #   export PYTHONPATH=/tmp/site
 # The versions are the ones this repo's tests pass with; their dependencies are listed explicitly
 # (--no-deps) and checked below against the wheels here and the packages the image already has
-# (httpx, h11, click, idna, httpcore, certifi). anyio and typing_extensions are carried too:
-# fastapi/pydantic need recent ones.
+# (httpx, h11, click, idna, httpcore, certifi, and torch, transformers, triton, numpy). anyio and
+# typing_extensions are carried too: fastapi/pydantic need recent ones. xgrammar (with its
+# apache-tvm-ffi) serves response_format and forced tool calls; on CUDA it masks with Triton.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=.stage/whl
@@ -15,6 +16,7 @@ PKGS=(
     fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2
     pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
     typing_extensions==4.16.0 anyio==4.16.0 uvicorn==0.55.0
+    xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 )
 # Python 3.12 / x86-64 wheels (the GPU image's python3); pure-Python ones (py3-none-any) match
 # these flags too.
@@ -28,7 +30,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 python3 - "$DEST" <<'PYEOF'
 import pathlib, re, sys, zipfile
 from packaging.requirements import Requirement
-IMAGE = {"idna", "h11", "click", "httpx", "httpcore", "certifi"}  # in the GPU image
+IMAGE = {"idna", "h11", "click", "httpx", "httpcore", "certifi",  # in the GPU image
+         "torch", "transformers", "triton", "numpy"}
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731
 wheels = {norm(w.name.split("-")[0]): w for w in pathlib.Path(sys.argv[1]).glob("*.whl")}
 missing = []
