@@ -71,30 +71,43 @@ def test_refuses_bad_values(bad):
         SamplingParams(**bad)
 
 
-def test_engine_grammar_logprobs_and_penalties():
-    e = Engine(model=tiny_llama(max_position_embeddings=256), tokenizer=ByteTokenizer(),
-               progress=False, device="cpu", max_total_tokens=1024)
+def _run_extras(model, overlap: bool):
+    e = Engine(model=model, tokenizer=ByteTokenizer(), progress=False, device="cpu",
+               max_total_tokens=1024)
+    e.overlap = overlap
     schema = json.dumps({"type": "object", "additionalProperties": False, "required": ["v"],
                          "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 99}}})
-    rid = e.add_request([5, 9, 200, 33], {"max_new_tokens": 30, "temperature": 1.0, "seed": 7,
-                                          "json_schema": schema, "logprobs": 2})
-    plain = e.add_request([5, 9, 200, 33], {"max_new_tokens": 6, "temperature": 0,
-                                            "ignore_eos": True})
-    pen = e.add_request([5, 9, 200, 33], {"max_new_tokens": 6, "temperature": 0,
-                                          "ignore_eos": True, "frequency_penalty": 2.0,
-                                          "repetition_penalty": 3.0})
-    got = {rid: [], plain: [], pen: []}
+    prompt = [5, 9, 200, 33]
+    reqs = {"json": {"max_new_tokens": 30, "temperature": 1.0, "seed": 7, "json_schema": schema,
+                     "logprobs": 2},
+            "plain": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+            "pen": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True,
+                    "frequency_penalty": 2.0, "repetition_penalty": 3.0}}
+    rids = {e.add_request(prompt, sp): k for k, sp in reqs.items()}
+    got = {k: [] for k in reqs}
     lps, meta = [], {}
     while e.has_unfinished():
         for o in e.step():
-            got[o.request_id] += o.new_token_ids
-            if o.request_id == rid:
-                lps += o.logprobs or []
+            k = rids[o.request_id]
+            got[k] += o.new_token_ids
+            lps += (o.logprobs or []) if k == "json" else []
             if o.finished:
-                meta[o.request_id] = o.meta
-    assert 0 <= json.loads(meta[rid]["text"])["v"] <= 99 and meta[rid]["finish_reason"] == "stop"
-    assert len(lps) == len(got[rid]) and all(len(top) == 2 and lp <= 0 for lp, top in lps)
-    assert got[pen] != got[plain]
+                meta[k] = o.meta
     with pytest.raises(ValueError, match="invalid JSON schema"):
         e.add_request([1, 2], {"json_schema": "{not json"})
     assert e.parts.memory.slots.num_used == 0
+    return got, lps, meta
+
+
+def test_engine_grammar_logprobs_and_penalties():
+    """The same tokens under the overlap schedule (the default on CUDA), where the next step is
+    launched before this one's tokens reach the host: penalties count on the device, and a
+    constrained request's next mask waits for its token."""
+    model = tiny_llama(max_position_embeddings=256)
+    got, lps, meta = _run_extras(model, overlap=False)
+    assert 0 <= json.loads(meta["json"]["text"])["v"] <= 99
+    assert meta["json"]["finish_reason"] == "stop"
+    assert len(lps) == len(got["json"]) and all(len(top) == 2 and lp <= 0 for lp, top in lps)
+    assert got["pen"] != got["plain"]
+    got_o, lps_o, _ = _run_extras(model, overlap=True)
+    assert got_o == got and lps_o == pytest.approx(lps)
