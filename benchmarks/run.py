@@ -162,6 +162,13 @@ SUITES: dict[str, dict] = {
                   "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600}],
     },
     # The CPU preset of the same (few settings, 1K contexts): `doublesparse eval --small`.
+    # The sampling step's extras (logprobs, penalties, min_p, grammar masks) against plain
+    # sampling, per batch size, on the device (no model forward in it).
+    "sampling": {
+        "area": "sampling",
+        "rows": [{"name": "grid", "cmd": "python -m doublesparse.bench.sampling --json {out}.json --md {out}.md",
+                  "result": "{out}.json", "timeout": 600}],
+    },
     "accuracy-small": {
         "area": "accuracy",
         "machine": "cpu",
@@ -325,7 +332,7 @@ def _ratio(a, b):
 
 def summarize(area: str, rows: dict) -> dict:
     try:
-        if area == "attention":
+        if area in ("attention", "sampling"):
             return rows["grid"]["summary"]
         if area == "bench-one-batch":
             med = {n: r["results"][0]["median_decode_latency"] for n, r in rows.items() if r.get("results")}
