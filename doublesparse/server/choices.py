@@ -62,17 +62,24 @@ async def start(make: Callable[..., Generation], rid: str, fo: Fanout, sp: dict,
     if fo.best_of > fo.n and "logprobs" not in sp:
         sp = {**sp, "logprobs": 0}  # best_of ranks samples by their cumulative logprob
     choices: list[Choice] = []
+    for i, ids in enumerate(fo.prompts):
+        for j in range(per):
+            g = make(f"{rid}-{i * per + j}" if many else rid, ids, sibling_params(sp, j),
+                     request, watch=not many)
+            choices.append(Choice(i * per + j, g, fo.echo_texts[i], i, len(fo.echo_texts[i])))
+    # all submitted at once (each start() submits before its first await), so the engine
+    # schedules the siblings' prefills together
     try:
-        for i, ids in enumerate(fo.prompts):
-            for j in range(per):
-                g = make(f"{rid}-{i * per + j}" if many else rid, ids, sibling_params(sp, j),
-                         request, watch=not many)
-                choices.append(Choice(i * per + j, g, fo.echo_texts[i], i, len(fo.echo_texts[i])))
-                await g.start()
-    except BaseException:
+        results = await asyncio.gather(*(c.gen.start() for c in choices), return_exceptions=True)
+    except BaseException:  # cancelled (the client left): nobody will read these
         for c in choices:
             c.gen.cancel()
         raise
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for c in choices:
+            c.gen.cancel()
+        raise failed[0]
     return choices
 
 

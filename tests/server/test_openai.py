@@ -81,6 +81,11 @@ def test_n_seeded_streaming_and_prompt_lists(srv, c):
         assert many.choices[2 * i].text == many.choices[2 * i + 1].text == one
     echo = c.completions.create(prompt=[[120, 121], [122]], echo=True, **g)   # token ids
     assert echo.choices[0].text.startswith("xy") and echo.choices[1].text.startswith("z")
+    streamed = {0: "", 1: ""}
+    for ch in c.completions.create(prompt=[[120, 121], [122]], echo=True, stream=True, **g):
+        for x in ch.choices:
+            streamed[x.index] += x.text
+    assert [streamed[0], streamed[1]] == [ch.text for ch in echo.choices]
 
     chat = c.chat.completions.create(model="tiny-llama", messages=U, n=2, max_tokens=4, seed=5)
     assert [ch.index for ch in chat.choices] == [0, 1]
