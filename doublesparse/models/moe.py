@@ -5,11 +5,11 @@ rows then up rows) and ``w2: [E * H, I]``, so loaders fill them by row ranges li
 projection; the forward views them as ``[E, 2I, H]`` / ``[E, H, I]``.
 
 Two expert paths behind one call (:func:`run_experts`):
-  * PyTorch (CPU, and any device when the Triton one does not apply): tokens sorted by expert, one
-    GEMM pair per expert that received tokens. It reads the per-expert counts on the host.
-  * Triton grouped GEMM (CUDA; kernels/triton/moe.py): routing aligned into expert blocks on the
-    device and two grouped launches, no host syncs, so a decode step stays graph-capturable. It
-    reads each touched expert's weights once per block of tokens routed to it.
+  * PyTorch (CPU, and CUDA prefill chunks): tokens sorted by expert, one GEMM pair per expert
+    that received tokens. It reads the per-expert counts on the host.
+  * Triton grouped GEMM (CUDA decode; kernels/triton/moe.py): routing aligned into expert blocks
+    on the device and two grouped launches, no host syncs, so a decode step stays graph-capturable.
+    It reads each touched expert's weights once per block of tokens routed to it.
 """
 
 from __future__ import annotations
@@ -68,9 +68,15 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     return y.to(x.dtype)
 
 
+# Above this many (token, expert) assignments (a prefill chunk) the per-expert cuBLAS GEMMs of
+# the PyTorch path beat the grouped kernel's 16-row blocks, and a host sync costs nothing there.
+GROUPED_MAX_ASSIGNMENTS = 1024
+
+
 def run_experts(x, w13, w2, weights, ids, tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
-    """The expert sum of :func:`experts_torch`, through the Triton grouped GEMM on CUDA."""
-    if x.is_cuda:
+    """The expert sum of :func:`experts_torch`; on CUDA through the Triton grouped GEMM for
+    decode-sized batches and whenever a CUDA graph is being captured (no host syncs)."""
+    if x.is_cuda and (ids.numel() <= GROUPED_MAX_ASSIGNMENTS or torch.cuda.is_current_stream_capturing()):
         from ..kernels.triton.moe import fused_experts
         return fused_experts(x, w13, w2, weights, ids)
     return experts_torch(x, w13, w2, weights, ids)
