@@ -153,3 +153,8 @@ class DeepseekV2Model(LlamaModel):
             raise ValueError(f"{config.name}: DeepseekV2Model needs an MLA config")
         init_decoder(self, config, DeepseekV2DecoderLayer, device, dtype,
                      LatentRotaryEmbedding(config, max_positions=max_positions, device=device))
+
+    def default_heavy_channels(self, heavy_channel_num: int, channel_type: str = "qk") -> torch.Tensor:
+        """Weight-based heavy latent channels ``[num_layers, 1, r]`` (models/mla_channels.py)."""
+        from .mla_channels import mla_default_channels
+        return mla_default_channels(self, heavy_channel_num, channel_type)
