@@ -113,7 +113,7 @@ def tiny_family_hf_config(arch: str, vocab_size: int = ByteTokenizer.vocab_size,
         d.update(architectures=["DeepseekV2ForCausalLM"], num_key_value_heads=4, n_routed_experts=8,
                  num_experts_per_tok=3, moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
                  topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
-                 kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                 kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                  rope_theta=1e4, rope_scaling={"type": "yarn", "factor": 8.0, "beta_fast": 32, "beta_slow": 1,
                                                "mscale": 0.707, "mscale_all_dim": 0.707,
                                                "original_max_position_embeddings": max_position_embeddings // 8})

@@ -23,6 +23,7 @@ import math
 import torch
 from torch import nn
 
+from ..kernels.latent import latent_value_dim
 from .config import ModelConfig
 from .layers import Linear, RMSNorm
 from .llama import LlamaDecoderLayer, LlamaModel, _tuning
@@ -85,6 +86,9 @@ class MLAAttention(nn.Module):
         c, m = config, config.mla
         if c.attention_bias:
             raise ValueError(f"{c.name}: MLA with attention_bias is not supported")
+        if m.kv_lora_rank > latent_value_dim(m.latent_dim):
+            raise ValueError(f"{c.name}: kv_lora_rank {m.kv_lora_rank} + qk_rope_head_dim {m.qk_rope_head_dim} "
+                             "is not a latent layout the decode kernels support")
         self.layer_id, self.mla, self.num_heads = layer_id, m, c.num_q_heads
         kw = {"device": device, "dtype": dtype}
         q_out = c.num_q_heads * m.qk_head_dim
