@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .moe_config import MOE_HF_ARCHITECTURES, MLAConfig, MoEConfig, family_num_params, mla_from_hf, moe_from_hf
+from .moe_config import (
+    MOE_HF_ARCHITECTURES,
+    MLAConfig,
+    MoEConfig,
+    family_num_params,
+    mla_from_hf,
+    moe_from_hf,
+)
 
 # HF ``architectures`` entry -> our architecture key.
 HF_ARCHITECTURES = {
