@@ -22,7 +22,7 @@ def _run(tmp_path, name, *extra):
     cfg = tmp_path / "tiny.json"
     cfg.write_text(json.dumps(tiny_family_hf_config("qwen3_moe", max_position_embeddings=256)))
     out = tmp_path / f"{name}.json"
-    rc = family_decode.main(["--model-path", str(cfg), "--load-format", "dummy", "--batch-size", "3",
+    rc = family_decode.main(["--model-path", str(cfg), "--load-format", "dummy", "--device", "cpu", "--batch-size", "3",
                              "--input-len", "41", "--output-len", "4", "--fill", "random", "--skip-warmup",
                              "--floor-steps", "2", "--copy-bytes", "1000000", "--result-json", str(out), *extra])
     assert rc == 0
