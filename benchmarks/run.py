@@ -94,6 +94,29 @@ def _serving_row(name: str, server: str, cmd: str, timeout: int = 600) -> dict:
     return {"name": name, "server": server, "cmd": cmd, "result": "{out}.json", "timeout": timeout}
 
 
+# MoE / MLA families (dummy weights, pools filled with random values): each family's dense decode
+# against its byte floor (the experts the batch touches, the other weights, KV or latent bytes) and
+# Double Sparsity (default flags) against dense. Mixtral's context is 32768 positions in all.
+_FAMILY = ("python -m doublesparse.bench.family_decode --load-format dummy --fill random --warmup-input-len 1024 "
+           "--output-len 64 --floor-steps 8")
+_FAMILY_CASES = {  # row stem -> model, batch, prompt, KV pool tokens
+    "dsv2-lite-128k-bs4": ("deepseek-v2-lite", 4, 131072, 525000),
+    "qwen3-moe-32k-bs8": ("qwen3-30b-a3b", 8, 32768, 263000),
+    "mixtral-32k-bs8": ("mixtral-8x7b-v0.1", 8, 32640, 262000),
+}
+# summary key stem -> row stem
+_FAMILY_KEYS = {"dsv2_lite": "dsv2-lite-128k-bs4", "qwen3_moe": "qwen3-moe-32k-bs8", "mixtral": "mixtral-32k-bs8"}
+
+
+def _family_rows() -> list[dict]:
+    rows = []
+    for stem, (model, bs, n, pool) in _FAMILY_CASES.items():
+        cmd = f"{_FAMILY} --model-path {model} --batch-size {bs} --input-len {n} --max-total-tokens {pool}"
+        rows += [{**_one_batch_row(f"{stem}-dense", cmd), "timeout": 900},
+                 {**_one_batch_row(f"{stem}-ds", f"{cmd} --enable-double-sparsity"), "timeout": 900}]
+    return rows
+
+
 SUITES: dict[str, dict] = {
     # One decode step of one layer (Llama-3.1-8B heads): SDPA, the dense kernel and Double Sparsity,
     # stage by stage, at batch 1/3/8/32 x 4K..256K (what fits). GPU only.
@@ -132,6 +155,8 @@ SUITES: dict[str, dict] = {
              "cmd": f"{_EVAL_DEFAULT} --no-text --retrieval-lens 2048 4096 8192 --retrieval-trials 20 -o {{out}}"},
         ],
     },
+    # Mixtral, Qwen3-MoE, DeepSeek-V2-Lite: dense decode over its byte floor, DS over dense. GPU only.
+    "models": {"area": "models", "rows": _family_rows()},
     # A mixed load for 30 minutes at concurrency 32 against the DS server (prompts up to ~32K): lost
     # valid requests, 5xx, duplicates, RSS growth, /metrics against the client's counts.
     "soak": {
@@ -363,6 +388,8 @@ def summarize(area: str, rows: dict) -> dict:
                     "bs32_16k": speedup_map.at(cs, 32, 16384), "bs8_32k": speedup_map.at(cs, 8, 32768),
                     "bs3_60k": _ratio(med.get("prefill-60k-bs3-dense"), med.get("prefill-60k-bs3-ds")),
                     "bs1_120k": speedup_map.at(cs, 1, 120000), **speedup_map.accuracy(rows), "cells": cs}
+        if area == "models":
+            return _summary_models(rows)
         if area == "soak":
             r = rows["soak"]
             return {k: r.get(k) for k in ("lost_valid", "http_5xx", "duplicates_identical", "rss_growth_pct",
@@ -398,6 +425,36 @@ def _table_one_batch(rows: dict) -> list[str]:
     return L
 
 
+def _summary_models(rows: dict) -> dict:
+    s = {}
+    for key, stem in _FAMILY_KEYS.items():
+        d, x = (rows.get(f"{stem}-{v}", {}).get("results", [{}])[0] for v in ("dense", "ds"))
+        size = stem.split("-")[-2] + "_" + stem.split("-")[-1]  # "128k_bs4"
+        s[f"{key}_{size}_ds_speedup"] = _ratio(d.get("median_decode_latency"), x.get("median_decode_latency"))
+        s[f"{key}_dense_over_floor"] = d.get("floor", {}).get("over_floor")
+        s[f"{key}_ds_over_floor"] = x.get("floor", {}).get("over_floor")
+        s[f"{key}_floor_ratio"] = _ratio(d.get("floor", {}).get("floor_s"), x.get("floor", {}).get("floor_s"))
+    return s
+
+
+def _table_models(rows: dict) -> list[str]:
+    head = ("| case | decode median ms | floor ms | over floor | weights GB | experts GB (touched / layer) | "
+            "cache GB | sparse steps |")
+    L = [head, "|---|---|---|---|---|---|---|---|"]
+    for n, d in rows.items():
+        r = (d.get("results") or [{}])[0]
+        f = r.get("floor")
+        if not f or not r.get("median_decode_latency"):
+            L.append(f"| {n} | {d.get('error', 'no result')} |||||||")
+            continue
+        touched = f.get("touched_experts_mean")
+        L.append(f"| {n} | {r['median_decode_latency'] * 1e3:.2f} | {f['floor_s'] * 1e3:.2f} | {f['over_floor']:.2f} | "
+                 f"{f['static_weight_bytes'] / 1e9:.2f} | {f['expert_bytes'] / 1e9:.2f}"
+                 f"{'' if touched is None else f' ({touched:.1f})'} | {f['attention_bytes'] / 1e9:.2f} | "
+                 f"{r['sparse_steps']}/{r['decode_steps']} |")
+    return L
+
+
 _SERVING_COLS = [("output tok/s", "output_throughput", 1), ("TTFT p50 ms", "ttft_ms_p50", 0),
                  ("TPOT p50 ms", "tpot_ms_p50", 2), ("TPOT p99 ms", "tpot_ms_p99", 2),
                  ("ITL p50 ms", "itl_ms_p50", 2), ("ITL p99 ms", "itl_ms_p99", 2), ("errors", "errors", 0)]
@@ -430,6 +487,12 @@ def markdown(doc: dict) -> str:
         L += _table_one_batch({n: d for n, d in rows.items() if n.startswith("prefill-")}) + [""]
     elif area == "serving":
         L += _table_serving(rows) + [""]
+    elif area == "models":
+        note = ("Decode step of one static batch (dummy weights, pools filled with random values) against "
+                "its byte floor: the weights every step reads, the routed experts the batch touches "
+                "(counted on 8 extra eager steps), and the cache (dense: every token's KV / latent row; "
+                "DS: labels + the selected rows), over the copy bandwidth measured at start.")
+        L += [note, "", *_table_models(rows), ""]
     for n, d in rows.items():
         if d.get("table_md"):
             L += [f"## {n}", "", d["table_md"].strip(), ""]
@@ -516,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         commands.append(r["cmd"])
     doc = {"suite": a.suite, "area": suite["area"], "commands": commands, "commit": commit, "machine": machine,
            "date": date, "summary": summarize(suite["area"], results), "rows": results}
+    if suite["area"] == "models":  # the summary names its provenance itself
+        doc["summary"].update(commands=commands, date=date, device=machine, commit=commit)
     a.out.mkdir(parents=True, exist_ok=True)
     if suite["area"] == "speedup-map" and doc["summary"].get("cells"):
         png = speedup_map.heatmap(doc["summary"]["cells"], a.out / f"{stem}.png",

@@ -131,3 +131,51 @@ def tiny_engine(seed: int = 0, max_position_embeddings: int = 1024, **engine_kw)
     engine = Engine(model=model, tokenizer=ChatByteTokenizer(), progress=False, **engine_kw)
     engine.model_name = "tiny-llama"  # the id the server serves it under
     return engine
+
+
+def tiny_family_hf_config(arch: str, vocab_size: int = ByteTokenizer.vocab_size,
+                          max_position_embeddings: int = 4096) -> dict:
+    """A Hugging Face ``config.json`` dict of a toy member of an MoE / MLA family ("mixtral",
+    "qwen3_moe", "deepseek_v2"): 2 layers, hidden 64, 4 query heads, awkward expert counts; the
+    DeepSeek one has YaRN RoPE, group-limited routing, a shared expert and a dense first layer."""
+    d = {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 80, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-6,
+         "bos_token_id": ByteTokenizer.bos_token_id, "eos_token_id": ByteTokenizer.eos_token_id,
+         "tie_word_embeddings": False, "torch_dtype": "float32", "model_type": arch}
+    if arch == "mixtral":
+        d.update(architectures=["MixtralForCausalLM"], num_key_value_heads=2, num_local_experts=5,
+                 num_experts_per_tok=2, rope_theta=1e6)
+    elif arch == "qwen3_moe":
+        d.update(architectures=["Qwen3MoeForCausalLM"], num_key_value_heads=2, head_dim=16, num_experts=6,
+                 num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=1,
+                 mlp_only_layers=[], rope_theta=1e6)
+    elif arch == "deepseek_v2":
+        d.update(architectures=["DeepseekV2ForCausalLM"], num_key_value_heads=4, n_routed_experts=8,
+                 num_experts_per_tok=3, moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
+                 topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+                 kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                 rope_theta=1e4, rope_scaling={"type": "yarn", "factor": 8.0, "beta_fast": 32, "beta_slow": 1,
+                                               "mscale": 0.707, "mscale_all_dim": 0.707,
+                                               "original_max_position_embeddings": max_position_embeddings // 8})
+    else:
+        raise ValueError(f"no tiny config for {arch!r}")
+    return d
+
+
+def tiny_family(arch: str, seed: int = 0, max_position_embeddings: int = 4096):
+    """The production model class of ``arch`` at :func:`tiny_family_hf_config` with
+    :func:`init_tiny_weights`-style seeded weights (float32, CPU, eval mode)."""
+    from .models import model_class
+
+    config = ModelConfig.from_hf_dict(tiny_family_hf_config(arch, max_position_embeddings=max_position_embeddings),
+                                      name=f"tiny-{arch}")
+    model = model_class(config.architecture)(config, device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.ones(p.shape) if name.endswith("norm.weight") else torch.zeros(p.shape))
+            else:
+                sharp = 4.0 if name == "lm_head.weight" else 1.0
+                p.copy_(torch.randn(p.shape, generator=g) * (0.6 * sharp / p.shape[1] ** 0.5))
+    return model.eval().requires_grad_(False)

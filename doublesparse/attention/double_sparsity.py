@@ -151,7 +151,7 @@ class DoubleSparsityBackend(AttentionBackend):
         """Labels of every cached token + K/V of the selected ones (dense rows: all K/V)."""
         p = self.memory.plan
         rows_sel = self.num_q_heads if self.ds.mode == "per_head" else p.num_kv_heads
-        sel_kv = 2 * p.num_layers * rows_sel * p.head_dim * p.kv_dtype.itemsize
+        sel_kv = (1 if p.latent else 2) * p.num_layers * rows_sel * p.head_dim * p.kv_dtype.itemsize
         total = 0
         for n, k in zip(seq_lens_host, self.decode_plan(seq_lens_host)[0]):
             if k != DENSE:

@@ -44,6 +44,7 @@ class MemoryPlan:
     max_total_tokens: int           # usable slots (the padding slot comes on top)
     max_reqs: int                   # usable rows (the padding row comes on top)
     max_ctx: int
+    latent: bool = False            # MLA: one latent row per token, the V pool is the K pool
 
     @property
     def num_slots(self) -> int:
@@ -51,7 +52,8 @@ class MemoryPlan:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _esize(self.kv_dtype)
+        kv = 1 if self.latent else 2
+        return kv * self.num_layers * self.num_kv_heads * self.head_dim * _esize(self.kv_dtype)
 
     @property
     def label_bytes_per_token(self) -> int:
@@ -99,7 +101,8 @@ def plan_memory(cfg: EngineConfig, model_config, kv_dtype: torch.dtype, device: 
     label_dtype = LABEL_TORCH_DTYPES[cfg.ds_label_dtype] if heavy_channel_num else None
     max_reqs = cfg.resolved_max_running_requests
     probe = MemoryPlan(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-                       heavy_channel_num, kv_dtype, label_dtype, 1, max_reqs, max_ctx)
+                       heavy_channel_num, kv_dtype, label_dtype, 1, max_reqs, max_ctx,
+                       latent=getattr(model_config, "mla", None) is not None)
     if cfg.max_total_tokens:
         tokens = cfg.max_total_tokens
     elif device.type == "cuda":
@@ -191,7 +194,7 @@ class KVMemory:
         kw = dict(dtype=plan.kv_dtype, device=self.device)
         # zeros, not empty: the padding slot must hold finite values (padded rows attend to it)
         self.k = [torch.zeros(S, H, D, **kw) for _ in range(L)]
-        self.v = [torch.zeros(S, H, D, **kw) for _ in range(L)]
+        self.v = self.k if plan.latent else [torch.zeros(S, H, D, **kw) for _ in range(L)]
         if plan.heavy_channel_num:
             r = plan.heavy_channel_num
             self.label = [torch.zeros(S, H, r, dtype=plan.label_dtype, device=self.device) for _ in range(L)]
@@ -238,5 +241,5 @@ class KVMemory:
 
     @property
     def nbytes(self) -> int:
-        t = [*self.k, *self.v, *(x for x in self.label if x is not None), self.req_to_token]
+        t = [*self.k, *(() if self.plan.latent else self.v), *(x for x in self.label if x is not None), self.req_to_token]
         return sum(x.numel() * x.element_size() for x in t)

@@ -89,7 +89,8 @@ def ds_params(cfg: EngineConfig, plan: MemoryPlan, num_q_heads: int, device: tor
     bandwidth, per_layer = cfg.kernel_tuning.decode_cost_figures(device.type)
     cost = DecodeCost(kv_bytes_per_token=plan.kv_bytes_per_token,
                       label_bytes_per_token=plan.label_bytes_per_token,
-                      selected_bytes_per_token=2 * plan.num_layers * rows * plan.head_dim * plan.kv_dtype.itemsize,
+                      selected_bytes_per_token=(1 if plan.latent else 2) * plan.num_layers * rows * plan.head_dim
+                      * plan.kv_dtype.itemsize,
                       bandwidth=bandwidth, sparse_step_overhead_s=per_layer * plan.num_layers)
     policy = DecodePolicy(budget, cfg.ds_sparse_decode_threshold, cost)
     return DSParams(budget.k_max, cfg.ds_selection_mode, cfg.ds_sparse_decode_threshold,

@@ -97,6 +97,9 @@ def default_channels(model, heavy_channel_num: int, channel_type: str = "qk") ->
     See the module docstring for the rule. The RoPE layout is rotate-half unless the model config
     says ``rope_interleaved=True``. Raises ValueError if the q/k projections cannot be found.
     """
+    own = getattr(model, "default_heavy_channels", None)
+    if callable(own):  # a model whose keys are not per-head projections (MLA's latent)
+        return own(heavy_channel_num, channel_type)
     c = _cfg(model)
     L, hq, hkv, D = int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim)
     r = int(heavy_channel_num)

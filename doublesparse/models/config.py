@@ -2,7 +2,8 @@
 
 One frozen :class:`ModelConfig` describes every member of the Llama family we run (Llama 2/3/3.x,
 Mistral, Qwen2/2.5, Qwen3); the per-family differences are flags (``attention_bias``, ``qk_norm``)
-rather than subclasses, so the model code has a single path.
+rather than subclasses, so the model code has a single path. The MoE and MLA families (Mixtral,
+Qwen3-MoE, DeepSeek-V2) add their parts as the optional ``moe`` / ``mla`` fields (:mod:`.moe_config`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .moe_config import (
+    MOE_HF_ARCHITECTURES,
+    MLAConfig,
+    MoEConfig,
+    family_num_params,
+    mla_from_hf,
+    moe_from_hf,
+)
+
 # HF ``architectures`` entry -> our architecture key.
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    **MOE_HF_ARCHITECTURES,
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(set(HF_ARCHITECTURES.values())))
 # GGUF ``general.architecture`` values we can read. Mistral GGUFs are written as "llama".
@@ -60,7 +71,7 @@ def _normalize_rope_scaling(rs: dict | None) -> dict | None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "mixtral" | "qwen3_moe" | "deepseek_v2"
     name: str
     vocab_size: int
     hidden_size: int
@@ -82,6 +93,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"  # dtype the checkpoint was trained/saved in (informational)
     sliding_window: int | None = None  # Mistral v0.1; enforced by the attention backend, not the model
+    moe: MoEConfig | None = None  # routed experts (Mixtral, Qwen3-MoE, DeepSeek-V2): models/moe_config.py
+    mla: MLAConfig | None = None  # latent attention (DeepSeek-V2); then num_kv_heads 1, head_dim = latent width
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -116,6 +129,8 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         """Parameter count (tied embeddings counted once)."""
+        if self.moe is not None or self.mla is not None:
+            return family_num_params(self)
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * self.qkv_size + self.q_size * h
         attn += self.qkv_size if self.attention_bias else 0
@@ -125,8 +140,8 @@ class ModelConfig:
         return self.num_layers * per_layer + emb + h
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """KV-cache bytes one token takes across all layers."""
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
+        """KV-cache bytes one token takes across all layers (MLA: one latent row, no separate V)."""
+        return (1 if self.mla is not None else 2) * self.num_layers * self.kv_size * dtype_bytes
 
     # ---- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -148,6 +163,13 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
         window = d.get("sliding_window") if d.get("use_sliding_window", arch == "mistral") else None
+        moe = moe_from_hf(arch, d) if arch in MOE_HF_ARCHITECTURES.values() else None
+        mla = mla_from_hf(d) if arch == "deepseek_v2" else None
+        if mla is not None:  # the pool holds one latent row per token, attended by every query head
+            rope_scaling, head_dim, n_kv = None, mla.latent_dim, 1
+        else:
+            head_dim = d.get("head_dim") or d["hidden_size"] // n_q
+            n_kv = d.get("num_key_value_heads") or n_q
         return cls(
             architecture=arch,
             name=name or d.get("_name_or_path") or arch,
@@ -156,19 +178,21 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"],
             num_layers=d["num_hidden_layers"],
             num_q_heads=n_q,
-            num_kv_heads=d.get("num_key_value_heads") or n_q,
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_q,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6 if arch.startswith("qwen") else 1e-5),
+            num_kv_heads=n_kv,
+            head_dim=head_dim,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6 if arch.startswith(("qwen", "deepseek")) else 1e-5),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos,
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
             sliding_window=window,
+            moe=moe,
+            mla=mla,
         )
 
     @classmethod

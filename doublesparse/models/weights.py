@@ -44,6 +44,9 @@ def hf_weight_map(config: ModelConfig) -> dict[str, tuple[str, int | None, int |
     row ranges of our merged projections.
     """
     c = config
+    if c.moe is not None or c.mla is not None:
+        from .moe_weights import family_weight_map
+        return family_weight_map(c, hf_weight_map)
     m: dict[str, tuple[str, int | None, int | None]] = {
         "model.embed_tokens.weight": ("embed_tokens.weight", None, None),
         "model.norm.weight": ("norm.weight", None, None),

@@ -45,7 +45,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         return importlib.import_module("doublesparse.eval.cli").build_parser().parse_args(argv[2:])
     assert argv[:2] == ["python", "-m"], argv
     module, args = argv[2], argv[3:]
-    if module == "doublesparse.bench_one_batch":
+    if module in ("doublesparse.bench_one_batch", "doublesparse.bench.family_decode"):
         return importlib.import_module(module).build_parser().parse_args(args)
     if module in ("doublesparse.bench_serving", "doublesparse.bench.soak"):
         return importlib.import_module(module).parse_args(args)

@@ -17,6 +17,8 @@ from ..workspace import DecodeWorkspace
 from .common import (_FLOAT, _INDEX, _INTERPRET, _check, _check_caches, _check_decode, _check_labels, _fail,
                      _num_sms, pdl_kwargs)
 from .decode_attn import decode_attn_kernel, merge_kernel
+from ..latent import latent_split
+from .latent_attn import latent_attention
 from .rope import rope_kernel
 from .store import store_kv_kernel
 
@@ -74,6 +76,10 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
     with ``seq_len > heavy_ks[b]``, over their ``heavy_ks[b]`` selected slots (sel: [B, rows, K]
     int32, heavy_ks: [B] int32, at most max_k entries read per row)."""
     B, Hq, D = q.shape
+    if v_cache is k_cache and k_cache.shape[1] == 1 and not per_head and latent_split(D):
+        # an MLA latent pool (V is K's first part): its own kernel (latent_attn.py)
+        return latent_attention(q, k_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out, sel,
+                                heavy_ks, max_k, num_splits)
     block_n = _attn_block_n(B * rows, q.device, tuning)
     G = Hq // k_cache.shape[1]
     S = num_splits

@@ -1,0 +1,53 @@
+"""bench.family_decode (decode against its byte floor, touched experts counted) on a tiny MoE on
+CPU, and the `models` suite's summary and table built from its output."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from doublesparse.bench import family_decode
+from doublesparse.testing import tiny_family_hf_config
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("bench_run", ROOT / "benchmarks" / "run.py")
+bench_run = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_run)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _run(tmp_path, name, *extra):
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(tiny_family_hf_config("qwen3_moe", max_position_embeddings=256)))
+    out = tmp_path / f"{name}.json"
+    rc = family_decode.main(["--model-path", str(cfg), "--load-format", "dummy", "--device", "cpu", "--batch-size", "3",
+                             "--input-len", "41", "--output-len", "4", "--fill", "random", "--skip-warmup",
+                             "--floor-steps", "2", "--copy-bytes", "1000000", "--result-json", str(out), *extra])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_floor_and_models_summary(tmp_path, capsys):
+    dense = _run(tmp_path, "dense")
+    ds = _run(tmp_path, "ds", "--enable-double-sparsity", "--ds-heavy-token-num", "8",
+              "--ds-sparse-decode-threshold", "0")
+    assert "Floor. " in capsys.readouterr().out
+    d, x = dense["results"][0], ds["results"][0]
+    f = d["floor"]
+    assert 1 <= f["touched_experts_mean"] <= 6 and len(f["observed_steps"]) == 2
+    assert f["floor_bytes"] == f["static_weight_bytes"] + f["expert_bytes"] + f["attention_bytes"]
+    kv_per_token = 2 * 2 * 2 * 16 * 4  # K and V x layers x kv heads x head_dim x float32
+    assert f["attention_bytes"] == 3 * 43 * kv_per_token  # the median step's lengths (41 + 2)
+    assert x["floor"]["attention_bytes"] < f["attention_bytes"] and x["sparse_steps"] == 3
+    assert f["static_weight_bytes"] < dense["weight_bytes"]
+    rows = {f"{stem}-{v}": (dense if v == "dense" else ds) for stem in bench_run._FAMILY_CASES for v in ("dense", "ds")}
+    s = bench_run.summarize("models", rows)
+    for key in ("dsv2_lite_128k_bs4_ds_speedup", "dsv2_lite_dense_over_floor", "qwen3_moe_32k_bs8_ds_speedup",
+                "qwen3_moe_dense_over_floor", "mixtral_32k_bs8_ds_speedup", "mixtral_dense_over_floor"):
+        assert s[key] is not None and s[key] > 0, key
+    doc = {"suite": "models", "area": "models", "machine": "GPU X", "date": "d", "commit": "c", "summary": s,
+           "rows": rows, "commands": ["x"]}
+    md = bench_run.markdown(doc)
+    assert "| dsv2-lite-128k-bs4-ds |" in md and "floor ms" in md
