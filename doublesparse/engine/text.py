@@ -27,15 +27,21 @@ class Detokenizer:
     every time; the new text is the difference of the two decodes.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True):
+    def __init__(
+        self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True
+    ):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.skip = skip_special_tokens
-        self.text = ""       # the full visible text so far (whole characters, cut at a stop string)
-        self.sent = 0        # characters of self.text already returned as deltas
+        # the visible text so far (whole characters, cut at a stop string), and how much of it
+        # was returned as deltas
+        self.text = ""
+        self.sent = 0
         self.stopped = False
-        self._prefix = 0     # token offsets: ids[_prefix:_read] is the last committed piece,
-        self._read = 0       # ids[_read:] the tokens not yet turned into text
+        # token offsets: ids[_prefix:_read] is the last committed piece, ids[_read:] the tokens
+        # not yet turned into text
+        self._prefix = 0
+        self._read = 0
         self._ids: list[int] = []
 
     def _decode(self, ids: list[int]) -> str:
@@ -46,26 +52,27 @@ class Detokenizer:
         ids = self._ids
         if self._read >= len(ids):
             return ""
-        before = self._decode(ids[self._prefix:self._read])
-        after = self._decode(ids[self._prefix:])
+        before = self._decode(ids[self._prefix : self._read])
+        after = self._decode(ids[self._prefix :])
         if after.endswith(REPLACEMENT) and not final:
             return ""  # an incomplete character: wait for its remaining bytes
         if len(after) <= len(before):
             return ""  # nothing visible added yet (e.g. skipped special tokens)
         self._prefix, self._read = self._read, len(ids)
         # a U+FFFD left inside is a byte sequence that can never form a character
-        return after[len(before):].replace(REPLACEMENT, "")
+        return after[len(before) :].replace(REPLACEMENT, "")
 
     def _commit(self, new: str) -> bool:
         """Append new text; cut it at the first stop string. Returns whether one was hit."""
         if not new:
             return False
         longest = max((len(s) for s in self.stop), default=0)
-        start = max(0, len(self.text) - longest + 1)  # a stop string can only end in the new text
+        # a stop string not found before can only end in the new text
+        start = max(0, len(self.text) - longest + 1)
         self.text += new
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            self.text = self.text[: min(hits)]
             self.stopped = True
         return bool(hits)
 
@@ -88,7 +95,7 @@ class Detokenizer:
         safe = self._safe_len()
         if safe <= self.sent:
             return "", False
-        delta = self.text[self.sent:safe]
+        delta = self.text[self.sent : safe]
         self.sent = safe
         return delta, False
 
@@ -96,6 +103,6 @@ class Detokenizer:
         """Everything not sent yet (the request is finishing); incomplete bytes are dropped."""
         if self.tokenizer is not None and not self.stopped:
             self._commit(self._take(final=True))
-        delta = self.text[self.sent:]
+        delta = self.text[self.sent :]
         self.sent = len(self.text)
         return delta

@@ -28,6 +28,7 @@ def run(tok, ids, stop=()):
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
     from doublesparse.models import load_tokenizer
+
     return load_tokenizer(None)
 
 
@@ -35,12 +36,16 @@ def smollm2_tokenizer():
 def test_byte_bpe_prefixes_never_emit_partial_characters(smollm2_tokenizer, text):
     tok = smollm2_tokenizer
     ids = tok.encode(text, add_special_tokens=False)
-    assert len(ids) > len(text.encode("utf-8")) // 4  # the tokenizer does split characters
+    # the tokenizer does split characters
+    assert len(ids) > len(text.encode("utf-8")) // 4
     for n in range(1, 9):
         deltas, final, _ = run(tok, ids[:n])
         assert "\ufffd" not in final and "".join(deltas) == final
         # whole characters of the prefix, nothing invented
-        assert text.startswith(final) and len(final) >= len(tok.decode(ids[:n]).rstrip("\ufffd")) - 1
+        assert (
+            text.startswith(final)
+            and len(final) >= len(tok.decode(ids[:n]).rstrip("\ufffd")) - 1
+        )
     assert run(tok, ids)[1] == text
 
 
@@ -53,7 +58,8 @@ def test_stop_string_made_of_multibyte_characters(smollm2_tokenizer):
 
 def test_bytes_that_never_form_a_character_are_dropped():
     tok = ByteTokenizer()
-    ids = [*b"ab", 0xF0, 0x9F, *b"c", *"日".encode(), 0xE6, 0x97]  # cut 4-byte char, then a cut 3-byte one
+    # a cut 4-byte character, then a whole 3-byte one, then a cut 3-byte one
+    ids = [*b"ab", 0xF0, 0x9F, *b"c", *"日".encode(), 0xE6, 0x97]
     deltas, final, _ = run(tok, ids)
     assert final == "abc日" and "".join(deltas) == final
     assert deltas[:3] == ["a", "b", ""]  # the incomplete bytes were held, not sent
@@ -63,14 +69,21 @@ def test_bytes_that_never_form_a_character_are_dropped():
 def byte_engine():
     # a random model over byte tokens emits arbitrary byte sequences: many partial characters
     model = tiny_llama(seed=3, max_position_embeddings=512)
-    return Engine(model=model, tokenizer=ByteTokenizer(), progress=False, max_total_tokens=4096,
-                  max_running_requests=16)
+    return Engine(
+        model=model,
+        tokenizer=ByteTokenizer(),
+        progress=False,
+        max_total_tokens=4096,
+        max_running_requests=16,
+    )
 
 
 def test_engine_matrix_streaming_equals_generate(byte_engine):
     e = byte_engine
-    sps = [{"max_new_tokens": n, "temperature": 1.0, "seed": 7 + n, "ignore_eos": True}
-           for n in range(1, 9)]
+    sps = [
+        {"max_new_tokens": n, "temperature": 1.0, "seed": 7 + n, "ignore_eos": True}
+        for n in range(1, 9)
+    ]
     cases = [(t, sp) for t in TEXTS for sp in sps]
     whole = e.generate([t for t, _ in cases], [sp for _, sp in cases])
     streamed = {e.add_request(t, sp): "" for t, sp in cases}
