@@ -84,8 +84,12 @@ def resolve_model_path(model_path: str | Path | None, load_format: str = "auto")
                 if (CONFIGS_DIR / f"{model_path}.json").is_file() else "")
         raise FileNotFoundError(f"model path {str(p)!r} does not exist{hint}")
     if p.is_file():
-        if load_format == "safetensors":
-            raise ValueError(f"{p}: load_format='safetensors' expects a folder with config.json")
+        if p.suffix == ".safetensors" or load_format == "safetensors":
+            raise ValueError(f"{p} is a single file; safetensors weights are read from their folder "
+                             f"(config.json, *.safetensors, tokenizer files): pass the folder {p.parent}")
+        if p.suffix in (".bin", ".pt", ".pth", ".ckpt"):
+            raise ValueError(f"{p}: PyTorch pickle checkpoints are not read; use the model's safetensors "
+                             f"folder or a .gguf file")
         return "gguf", p  # open_gguf checks the magic and says so if it is something else
     has_st = (p / "config.json").is_file() and (any(p.glob("*.safetensors"))
                                                 or (p / "model.safetensors.index.json").is_file())
@@ -101,11 +105,18 @@ def resolve_model_path(model_path: str | Path | None, load_format: str = "auto")
     raise ValueError(f"{p} holds no model weights: expected {what}{extra}")
 
 
+def _open_gguf(path: Path):
+    try:
+        return open_gguf(path)
+    except ValueError as e:  # damaged (truncated download, disk error) or not a GGUF at all
+        raise ValueError(f"{e}; copy or download the file again") from e
+
+
 def load_config(model_path: str | Path | None, load_format: str = "auto") -> ModelConfig:
     """The :class:`ModelConfig` ``load_model`` would use, without touching the weights."""
     fmt, path = resolve_model_path(model_path, load_format)
     if fmt == "gguf":
-        return gguf_config(open_gguf(path))
+        return gguf_config(_open_gguf(path))
     return ModelConfig.from_json(path / "config.json" if fmt == "safetensors" else path)
 
 
@@ -123,7 +134,7 @@ def load_model(model_path: str | Path | None, load_format: str = "auto", dtype=N
     fmt, path = resolve_model_path(model_path, load_format)
     reader = None
     if fmt == "gguf":
-        reader = open_gguf(path)
+        reader = _open_gguf(path)
         config = gguf_config(reader)
     else:
         config = ModelConfig.from_json(path / "config.json" if fmt == "safetensors" else path)
