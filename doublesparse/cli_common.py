@@ -57,10 +57,8 @@ class Parser(argparse.ArgumentParser):
         )
 
     def error(self, message: str):
-        print(
-            f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr
-        )
-        sys.exit(2)
+        # run_main prints it as one line (argparse would print the whole usage block first)
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def flag_of(field: str) -> str:
@@ -135,3 +133,34 @@ def run_main(
             file=sys.stderr,
         )
         return 1
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type``: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse ``type``: an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+    return v
+
+
+def unit_fraction(text: str) -> float:
+    """argparse ``type``: a number in [0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= v <= 1.0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return v

@@ -281,14 +281,19 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
 
 
 def _show_defaults(group, command_defaults: dict) -> None:
-    """Append each flag's effective default to its help, unless the help already says it."""
+    """Append each flag's effective default to its help, unless the help already says it (a
+    default of None is derived: the help explains it)."""
     field_defaults = {f.name: f.default for f in fields(EngineConfig)}
     for a in group._group_actions:
         d = command_defaults.get(a.dest, field_defaults.get(a.dest))
-        if "default" in (a.help or "") or d is None or d is dataclasses.MISSING or (d is False and a.nargs == 0):
+        store_true = d is False and a.const is True
+        if "default" in (a.help or "") or d is None or d is dataclasses.MISSING or store_true:
             continue
-        shown = {True: "on", False: "off"}.get(d, d) if isinstance(d, bool) else round(d, 6) if isinstance(d, float) else d
-        a.help = f"{a.help} (default: {shown})" if a.help else f"default: {shown}"
+        if isinstance(d, bool):
+            d = "on" if d else "off"
+        elif isinstance(d, float):
+            d = round(d, 6)
+        a.help = f"{a.help} (default: {d})" if a.help else f"default: {d}"
 
 
 def _kernel_tuning_file(path: str) -> KernelTuning:

