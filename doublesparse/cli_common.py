@@ -2,9 +2,10 @@
 
 A mistake in what the user asked for (a missing file, a bad value, a busy port) is reported as
 ``<prog>: error: <what was wrong, where, what to do>`` with exit status 2, without a traceback;
-``--debug`` shows the traceback instead. Errors the user can act on but did not cause by a flag
-(a corrupt checkpoint, an out-of-memory device) are one line with exit status 1. Anything else is a
-bug and keeps its traceback.
+``--debug`` shows the traceback instead. So are the ``ValueError`` s the loaders and configs raise
+(a damaged checkpoint, text too short to calibrate on: the message names the file or value). Errors
+of the machine (a file that cannot be read, out of memory) are one line with exit status 1.
+Anything else is a bug and keeps its traceback.
 
     parser = Parser(prog="doublesparse x", description=...)     # adds --debug
     def main(argv=None): return run_main(parser.prog, _main, argv)
@@ -75,15 +76,8 @@ def with_flag_names(message: str, fields: Sequence[str]) -> str:
     return re.sub(pattern, lambda m: flag_of(m.group(1)), message)
 
 
-# Exceptions a user can act on without reading code: the message is the report. The loaders and
-# configs raise these with the offending path or value in the message.
-_ONE_LINE = (
-    FileNotFoundError,
-    NotADirectoryError,
-    IsADirectoryError,
-    PermissionError,
-    ValueError,
-)
+# Exceptions a user can act on without reading code: the message is the report.
+_OS_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
 def _one_line(e: BaseException) -> str:
@@ -112,14 +106,14 @@ def run_main(
             raise
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except _ONE_LINE as e:
+    except (ValueError, *_OS_ERRORS) as e:
         if debug:
             raise
         print(
             f"{prog}: error: {_one_line(e)} (--debug shows the traceback)",
             file=sys.stderr,
         )
-        return 1
+        return 2 if isinstance(e, ValueError) else 1
     except (MemoryError, RuntimeError) as e:
         # torch.cuda.OutOfMemoryError is a RuntimeError; other RuntimeErrors are bugs
         if debug or not (
