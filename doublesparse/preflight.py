@@ -127,7 +127,8 @@ def check_engine_config(cfg) -> None:
     the model: its weights' path, the device, the channel config."""
     check_model_path(cfg.model_path, cfg.load_format)
     check_device(cfg.device)
-    if cfg.ds_channel_config_path:
+    # a path; "auto" (where supported) names no file: calibration on demand
+    if cfg.ds_channel_config_path and cfg.ds_channel_config_path != "auto":
         check_json_file(
             cfg.ds_channel_config_path,
             "--ds-channel-config-path",
