@@ -16,7 +16,8 @@ import torch
 from .config import ModelConfig
 from .registry import model_class
 from .weights import (check_gguf_magic, gguf_config, init_dummy_weights, load_gguf_weights,
-                      load_safetensors_weights, open_gguf)
+                      load_safetensors_weights)
+from .weights import open_gguf as _read_gguf
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -32,6 +33,14 @@ def default_model_path() -> Path:
     from ..assets import smollm2_gguf_path
 
     return smollm2_gguf_path()
+
+
+def open_gguf(path: Path):
+    """:func:`.weights.open_gguf`, its errors saying what to do about a damaged file."""
+    try:
+        return _read_gguf(path)
+    except ValueError as e:  # truncated download, disk error, or not a GGUF at all
+        raise ValueError(f"{e}; copy or download the file again") from e
 
 
 def resolve_dtype(dtype, device) -> torch.dtype:
@@ -105,18 +114,11 @@ def resolve_model_path(model_path: str | Path | None, load_format: str = "auto")
     raise ValueError(f"{p} holds no model weights: expected {what}{extra}")
 
 
-def _open_gguf(path: Path):
-    try:
-        return open_gguf(path)
-    except ValueError as e:  # damaged (truncated download, disk error) or not a GGUF at all
-        raise ValueError(f"{e}; copy or download the file again") from e
-
-
 def load_config(model_path: str | Path | None, load_format: str = "auto") -> ModelConfig:
     """The :class:`ModelConfig` ``load_model`` would use, without touching the weights."""
     fmt, path = resolve_model_path(model_path, load_format)
     if fmt == "gguf":
-        return gguf_config(_open_gguf(path))
+        return gguf_config(open_gguf(path))
     return ModelConfig.from_json(path / "config.json" if fmt == "safetensors" else path)
 
 
@@ -134,7 +136,7 @@ def load_model(model_path: str | Path | None, load_format: str = "auto", dtype=N
     fmt, path = resolve_model_path(model_path, load_format)
     reader = None
     if fmt == "gguf":
-        reader = _open_gguf(path)
+        reader = open_gguf(path)
         config = gguf_config(reader)
     else:
         config = ModelConfig.from_json(path / "config.json" if fmt == "safetensors" else path)
