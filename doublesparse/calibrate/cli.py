@@ -1,7 +1,10 @@
 """``doublesparse calibrate``: rank each layer's head channels on real text, write a channel config.
 
-    python -m doublesparse.calibrate --output cfg.json [--model-path P] [--text FILE ...]
+    python -m doublesparse.calibrate [--output cfg.json] [--model-path P] [--text FILE ...]
         [--num-samples 12] [--seq-len 2048] [--device cpu] [--cpu-threads 0]
+
+Without ``--output`` the config goes to ``doublesparse-calibrate/<model>-<date>-<time>.json`` in the
+current directory; the path is printed. ``--ds-channel-config-path`` of ``generate``/``serve`` reads it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,14 @@ import time
 from pathlib import Path
 
 import doublesparse
+from doublesparse import preflight
+from doublesparse.cli_common import (
+    Parser,
+    UsageError,
+    nonnegative_int,
+    positive_int,
+    run_main,
+)
 
 from .channels import save_config, stats_to_config
 from .stats import collect_stats, sample_windows
@@ -22,15 +33,16 @@ STATISTIC = "mean over tokens of |q|, |k|, |q*k| per channel, post-RoPE (k repea
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="doublesparse calibrate", description=__doc__.splitlines()[0])
+    p = Parser(prog="doublesparse calibrate", description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None, help="model file/dir (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--output", "-o", required=True, help="channel config JSON to write")
+    p.add_argument("--output", "-o", default=None,
+                   help="channel config JSON to write (default: ./doublesparse-calibrate/<model>-<date>-<time>.json)")
     p.add_argument("--text", nargs="+", default=None, metavar="FILE",
                    help="calibration text files (default: the fixed calibration plays)")
-    p.add_argument("--num-samples", type=int, default=12)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--cpu-threads", type=int, default=0,
+    p.add_argument("--num-samples", type=positive_int, default=12, help="windows of text to run")
+    p.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per window")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--cpu-threads", type=nonnegative_int, default=0,
                    help="intra-op threads; 0 (default): per sample, whichever of torch's count and 1 "
                         "measured faster (on a shared machine 1 thread often wins)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -82,18 +94,37 @@ def run(args, model=None, tokenizer=None, argv_for_meta=None) -> dict:
         "threads_per_sample": [int(n) for n in stats.get("threads", [])],
     }
     cfg = stats_to_config(stats, meta)
+    if args.output is None:
+        args.output = str(default_output(meta["model"]))
     save_config(cfg, args.output)
     print(f"calibrated {meta['model']} on {meta['tokens_per_layer']} tokens in {elapsed:.1f}s "
           f"-> {Path(args.output)}", file=sys.stderr)
     return cfg
 
 
+def default_output(model_name: str | None) -> Path:
+    """A new file per run (named after the model), so runs never overwrite each other."""
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in (model_name or "model"))
+    return Path("doublesparse-calibrate") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
+def check_args(args) -> None:
+    """Check the flags that name files, folders and devices before the model loads."""
+    preflight.check_model_path(args.model_path)
+    preflight.check_device(args.device)
+    preflight.check_input_files(args.text, "--text")
+    out = Path(args.output) if args.output else default_output(None)
+    if out.is_dir():
+        raise UsageError(f"--output {args.output}: a folder; give the JSON file to write")
+    preflight.check_output_dir(out.parent, "--output")
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_main("doublesparse calibrate", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        run(args, argv_for_meta=argv)
-    except ValueError as e:  # e.g. text too short: a message, not a traceback
-        print(f"doublesparse calibrate: error: {e}", file=sys.stderr)
-        return 2
+    check_args(args)
+    run(args, argv_for_meta=argv)
     return 0

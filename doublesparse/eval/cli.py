@@ -1,10 +1,11 @@
 """``doublesparse eval``: dense vs Double Sparsity through the real decode kernels.
 
-    python -m doublesparse.eval --output-dir out/ [--small] [--device cuda] [--model-path P]
+    python -m doublesparse.eval [--output-dir out/] [--small] [--device cuda] [--model-path P]
         [--channels cfg.json] [--window-len N --decode-len M --num-windows W]
         [--retrieval-lens 1024 2048 ...] [--retrieval-depths 0 0.5 1] [--no-text] [--no-retrieval]
 
-Writes ``results.json``, ``table.md`` and ``plot.png`` into the output directory. Every setting
+Writes ``results.json``, ``table.md`` and ``plot.png`` into the output directory (default: a new
+``doublesparse-eval/<date>-<time>`` folder in the current directory) and prints where. Every setting
 listed runs on every part; for the full protocol in one time-budgeted run, ordered by
 importance, use :mod:`doublesparse.eval.protocol` (``python benchmarks/run.py accuracy`` on a GPU).
 """
@@ -14,16 +15,35 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import doublesparse
-from doublesparse.engine.channel_config import load_channels, packaged_config_path
+from doublesparse import preflight
 from doublesparse.calibrate.texts import EVAL_PLAYS, encode, read_texts
+from doublesparse.cli_common import (
+    Parser,
+    UsageError,
+    nonnegative_int,
+    positive_int,
+    run_main,
+    unit_fraction,
+)
+from doublesparse.engine.channel_config import load_channels, packaged_config_path
 from doublesparse.engine.weight_channels import default_channels
 
 from . import measure, report, retrieval
-from .settings import BASELINE, DENSE, Setting, default_setting, grid, improvements, preset, unique
+from .settings import (
+    BASELINE,
+    DENSE,
+    Setting,
+    default_setting,
+    grid,
+    improvements,
+    preset,
+    unique,
+)
 
 # (window_len, decode_len, num_windows, retrieval lens, depths, trials per cell); None = model ctx
 PRESETS = {
@@ -36,22 +56,30 @@ PRESETS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="doublesparse eval", description=__doc__.splitlines()[0])
+    p = Parser(prog="doublesparse eval", description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None, help="model file/dir (default: embedded SmolLM2)")
     p.add_argument("--tiny", action="store_true", help="use the built-in tiny random model (CI smoke run)")
     p.add_argument("--channels", default=None,
                    help="channel config (default: the packaged one for the model, else weight-based)")
-    p.add_argument("--output-dir", "-o", required=True)
+    p.add_argument("--output-dir", "-o", default=None,
+                   help="folder for results.json, table.md and plot.png "
+                        "(default: ./doublesparse-eval/<date>-<time>)")
     p.add_argument("--small", action="store_true", help="CPU/CI preset (few settings, short contexts)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, help="model dtype (default: loader's: fp32 CPU, bf16 CUDA)")
-    p.add_argument("--window-len", type=int, default=None)
-    p.add_argument("--decode-len", type=int, default=None)
-    p.add_argument("--num-windows", type=int, default=None)
-    p.add_argument("--batch-windows", type=int, default=0, help="windows per decode forward (0: all)")
-    p.add_argument("--retrieval-lens", type=int, nargs="*", default=None)
-    p.add_argument("--retrieval-depths", type=float, nargs="*", default=None)
-    p.add_argument("--retrieval-trials", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
+                   help="model dtype (default: loader's: fp32 CPU, bf16 CUDA)")
+    p.add_argument("--window-len", type=positive_int, default=None,
+                   help="tokens per text window (default: the preset's; full: the model's context)")
+    p.add_argument("--decode-len", type=positive_int, default=None,
+                   help="last tokens of each window decoded (default: the preset's)")
+    p.add_argument("--num-windows", type=positive_int, default=None, help="text windows (default: the preset's)")
+    p.add_argument("--batch-windows", type=nonnegative_int, default=0, help="windows per decode forward (0: all)")
+    p.add_argument("--retrieval-lens", type=positive_int, nargs="*", default=None,
+                   help="retrieval context lengths (default: the preset's)")
+    p.add_argument("--retrieval-depths", type=unit_fraction, nargs="*", default=None,
+                   help="pass-key depths in [0, 1] (default: the preset's)")
+    p.add_argument("--retrieval-trials", type=positive_int, default=None,
+                   help="trials per length and depth (default: the preset's)")
     p.add_argument("--retrieval-seed", type=int, default=0,
                    help="seed of the pass keys (runs with different seeds give independent trials)")
     p.add_argument("--text", nargs="+", default=None, metavar="FILE", help="eval text (default: eval plays)")
@@ -64,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-text", action="store_true")
     p.add_argument("--no-retrieval", action="store_true")
     p.add_argument("--no-fidelity", action="store_true", help="skip per-layer attention fidelity")
-    p.add_argument("--fidelity-stride", type=int, default=1,
+    p.add_argument("--fidelity-stride", type=positive_int, default=1,
                    help="attention fidelity on every n-th decoded token only (it is the costly part)")
     p.add_argument("--quiet", action="store_true")
     return p
@@ -188,11 +216,35 @@ def run_notes(name, source, device, L: dict, bytes_ctx: int, text: bool, ret: bo
     return notes
 
 
+def default_output_dir() -> Path:
+    """A new folder per run, so runs never overwrite each other."""
+    return Path("doublesparse-eval") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def check_args(args) -> None:
+    """Check the flags that name files, folders and devices before the model loads; fills in
+    the default output folder."""
+    if not args.tiny:
+        preflight.check_model_path(args.model_path)
+    preflight.check_device(args.device)
+    if args.channels:
+        preflight.check_json_file(args.channels, "--channels", "give a channel config written by `doublesparse calibrate`, "
+                        "or leave the flag out for the packaged or weight-based channels")
+    preflight.check_input_files(args.text, "--text")
+    if args.no_text and args.no_retrieval:
+        raise UsageError("--no-text and --no-retrieval leave nothing to evaluate; drop one of them")
+    args.output_dir = str(preflight.check_output_dir(args.output_dir or default_output_dir(), "--output-dir"))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        run(args)
-    except ValueError as e:
-        print(f"doublesparse eval: error: {e}", file=sys.stderr)
-        return 2
+    return run_main("doublesparse eval", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    result = run(args)
+    out = Path(args.output_dir)
+    files = [n for n in ("results.json", "table.md", "plot.png") if (out / n).is_file()]
+    print(f"doublesparse eval: wrote {', '.join(files)} to {out}/ ({result['seconds']} s)")
     return 0

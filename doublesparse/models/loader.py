@@ -16,7 +16,8 @@ import torch
 from .config import ModelConfig
 from .registry import model_class
 from .weights import (check_gguf_magic, gguf_config, init_dummy_weights, load_gguf_weights,
-                      load_safetensors_weights, open_gguf)
+                      load_safetensors_weights)
+from .weights import open_gguf as _read_gguf
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -32,6 +33,14 @@ def default_model_path() -> Path:
     from ..assets import smollm2_gguf_path
 
     return smollm2_gguf_path()
+
+
+def open_gguf(path: Path):
+    """:func:`.weights.open_gguf`, its errors saying what to do about a damaged file."""
+    try:
+        return _read_gguf(path)
+    except ValueError as e:  # truncated download, disk error, or not a GGUF at all
+        raise ValueError(f"{e}; copy or download the file again") from e
 
 
 def resolve_dtype(dtype, device) -> torch.dtype:
@@ -84,8 +93,12 @@ def resolve_model_path(model_path: str | Path | None, load_format: str = "auto")
                 if (CONFIGS_DIR / f"{model_path}.json").is_file() else "")
         raise FileNotFoundError(f"model path {str(p)!r} does not exist{hint}")
     if p.is_file():
-        if load_format == "safetensors":
-            raise ValueError(f"{p}: load_format='safetensors' expects a folder with config.json")
+        if p.suffix == ".safetensors" or load_format == "safetensors":
+            raise ValueError(f"{p} is a single file; safetensors weights are read from their folder "
+                             f"(config.json, *.safetensors, tokenizer files): pass the folder {p.parent}")
+        if p.suffix in (".bin", ".pt", ".pth", ".ckpt"):
+            raise ValueError(f"{p}: PyTorch pickle checkpoints are not read; use the model's safetensors "
+                             f"folder or a .gguf file")
         return "gguf", p  # open_gguf checks the magic and says so if it is something else
     has_st = (p / "config.json").is_file() and (any(p.glob("*.safetensors"))
                                                 or (p / "model.safetensors.index.json").is_file())

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from doublesparse.cli_common import Parser, UsageError, run_main, with_flag_names
 from doublesparse.server.config import ServerConfig
 
 log = logging.getLogger("doublesparse.server")
@@ -42,11 +43,10 @@ def _fallback_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="doublesparse serve",
-                                description="OpenAI-compatible server with Double Sparsity decoding")
+    p = Parser(prog="doublesparse serve", description="OpenAI-compatible server with Double Sparsity decoding")
     cfgmod = _engine_config_module()
     if cfgmod is not None and hasattr(cfgmod, "add_cli_args"):
-        cfgmod.add_cli_args(p)
+        cfgmod.add_cli_args(p, enable_double_sparsity=True)
     else:
         _fallback_engine_args(p)
     ServerConfig.add_cli_args(p)
@@ -59,8 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_kwargs(ns: argparse.Namespace) -> dict:
     cfgmod = _engine_config_module()
     if cfgmod is not None and hasattr(cfgmod, "from_cli_args"):
+        from doublesparse.preflight import engine_config_from_cli
+
         # Double Sparsity on by default, as in ``generate``; --no-enable-double-sparsity turns it off
-        ecfg = cfgmod.from_cli_args(ns, enable_double_sparsity=True)
+        ecfg = engine_config_from_cli(ns, enable_double_sparsity=True)
         if dataclasses.is_dataclass(ecfg):
             return {f.name: getattr(ecfg, f.name) for f in dataclasses.fields(ecfg)}
         return dict(ecfg)
@@ -85,7 +87,9 @@ def build_engine(ns: argparse.Namespace) -> Any:
     return factory(**kwargs)
 
 
-def serve(engine: Any, cfg: ServerConfig) -> None:
+def serve(engine: Any, cfg: ServerConfig, sock=None) -> None:
+    """Serve until stopped; ``sock``: the listening socket bound beforehand (else uvicorn binds
+    ``cfg.host:cfg.port`` itself)."""
     import uvicorn
 
     from doublesparse.server.app import create_app
@@ -119,9 +123,10 @@ def serve(engine: Any, cfg: ServerConfig) -> None:
     ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                           timeout_graceful_shutdown=cfg.graceful_shutdown_timeout,
                           timeout_keep_alive=5, access_log=False)
-    log.info("serving %s on http://%s:%d; %s", state.model_name, cfg.host, cfg.port,
+    port = sock.getsockname()[1] if sock is not None else cfg.port
+    log.info("serving %s on http://%s:%d; %s", state.model_name, cfg.host, port,
              decode_mode_line(state.worker.snapshot))
-    _Server(ucfg).run()
+    _Server(ucfg).run(sockets=[sock] if sock is not None else None)
 
 
 def decode_mode_line(stats: dict) -> str:
@@ -133,12 +138,33 @@ def decode_mode_line(stats: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("doublesparse serve", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    from doublesparse.preflight import bind_server_socket, check_engine_config
+
     ns = build_parser().parse_args(argv)
-    cfg = ServerConfig.from_cli_args(ns)
+    try:
+        cfg = ServerConfig.from_cli_args(ns)
+    except ValueError as e:
+        raise UsageError(with_flag_names(str(e), [f.name for f in dataclasses.fields(ServerConfig)])) from e
+    kwargs = engine_kwargs(ns)  # validates the engine flags
+    if not ns.engine_factory:
+        from doublesparse.config import EngineConfig
+
+        check_engine_config(EngineConfig(**kwargs))
+    # the port is taken before the model loads: a busy one is reported at once, and the server
+    # cannot fail to bind after it has announced its address
+    sock = bind_server_socket(cfg.host, cfg.port)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = build_engine(ns)
-    serve(engine, cfg)
+    try:
+        engine = build_engine(ns)
+    except BaseException:
+        sock.close()
+        raise
+    serve(engine, cfg, sock)
     return 0
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass(frozen=True)
@@ -26,22 +29,36 @@ class ServerConfig:
     graceful_shutdown_timeout: float | None = None
     log_level: str = "info"
 
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("max_body_bytes", "default_completion_tokens", "max_new_tokens_limit"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        t = self.graceful_shutdown_timeout
+        if t is not None and not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"graceful_shutdown_timeout must be a finite number of seconds >= 0, got {t}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("server")
-        g.add_argument("--host", default=ServerConfig.host)
-        g.add_argument("--port", type=int, default=ServerConfig.port)
+        g.add_argument("--host", default=ServerConfig.host, help="address to listen on")
+        g.add_argument("--port", type=int, default=ServerConfig.port, help="TCP port to listen on")
         g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
         g.add_argument("--served-model-name", default=None, help="model name exposed by the API")
         g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
-                       help="largest accepted request body (default 8 MiB)")
+                       help="largest accepted request body in bytes")
         g.add_argument("--max-new-tokens-limit", type=int, default=None,
                        help="refuse requests asking for more new tokens than this")
         g.add_argument("--default-completion-tokens", type=int,
-                       default=ServerConfig.default_completion_tokens)
+                       default=ServerConfig.default_completion_tokens,
+                       help="max_tokens of /v1/completions requests that give none")
         g.add_argument("--graceful-shutdown-timeout", type=float, default=None,
                        help="seconds to let in-flight requests finish after SIGTERM (default: no limit)")
-        g.add_argument("--log-level", default=ServerConfig.log_level)
+        g.add_argument("--log-level", default=ServerConfig.log_level, type=str.lower, choices=LOG_LEVELS)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerConfig":

@@ -78,6 +78,25 @@ def test_openai_client_both_endpoints(srv):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
 
 
+def test_no_partial_utf8_characters(srv):
+    """max_tokens cutting a multi-byte character never leaves U+FFFD in a response; streamed and
+    whole responses agree (SmolLM2's byte-level BPE splits emoji and CJK over several tokens)."""
+    if srv.kind == "fake":
+        pytest.skip("the fake engine has no detokenizer")
+    c, m = client(srv), model_name(srv)
+    emoji = [{"role": "user", "content": "Reply with only sun emojis."}]
+    for n in (2, 4):  # greedy, both cut an emoji (the third token completes the first one)
+        r = c.chat.completions.create(model=m, messages=emoji, max_tokens=n, temperature=0)
+        chunks = c.chat.completions.create(model=m, messages=emoji, max_tokens=n, temperature=0, stream=True)
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert "\ufffd" not in r.choices[0].message.content and streamed == r.choices[0].message.content
+    for n in (2, 3):
+        r = c.completions.create(model=m, prompt="日本の首都は", max_tokens=n, temperature=0)
+        chunks = c.completions.create(model=m, prompt="日本の首都は", max_tokens=n, temperature=0, stream=True)
+        streamed = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        assert "\ufffd" not in r.choices[0].text and streamed == r.choices[0].text
+
+
 def test_native_generate(srv):
     body = {"text": "The king", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
     r = httpx.post(srv.url + "/generate", json=body, headers=AUTH, timeout=120).json()
