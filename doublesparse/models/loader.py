@@ -1,7 +1,8 @@
 """Public entry points: ``load_model`` and ``load_tokenizer``.
 
 ``model_path`` may be ``None`` (the embedded SmolLM2-135M-Instruct GGUF), a Hugging Face folder
-(config.json + safetensors), a ``.gguf`` file or a folder holding one, or, with
+(config.json + safetensors), a ``.gguf`` file or a folder holding one, the name of a fetched model
+(``doublesparse fetch qwen2.5-coder-1.5b``), or, with
 ``load_format="dummy"``, anything that yields a config.json (folder, file, or the name of a config
 shipped in ``doublesparse/configs/models``).
 """
@@ -32,6 +33,17 @@ def default_model_path() -> Path:
     from ..assets import smollm2_gguf_path
 
     return smollm2_gguf_path()
+
+
+def _local_path(model_path: str | Path) -> Path:
+    """``model_path`` as a path; a fetchable model's name (``doublesparse fetch --list``) that is not
+    also an existing path resolves to its fetched file, or raises naming the fetch command."""
+    from ..assets import named_model_path
+
+    p = Path(model_path).expanduser()
+    if not p.exists():
+        return named_model_path(str(model_path)) or p
+    return p
 
 
 def resolve_dtype(dtype, device) -> torch.dtype:
@@ -78,7 +90,7 @@ def resolve_model_path(model_path: str | Path | None, load_format: str = "auto")
         return "gguf", default_model_path()
     if load_format == "dummy":
         return "dummy", _dummy_config_path(model_path)
-    p = Path(model_path).expanduser()
+    p = _local_path(model_path)
     if not p.exists():
         hint = (" (it is a shipped config: use load_format='dummy' for random weights)"
                 if (CONFIGS_DIR / f"{model_path}.json").is_file() else "")
@@ -148,7 +160,7 @@ def load_tokenizer(model_path: str | Path | None):
     """
     from transformers import AutoTokenizer
 
-    p = default_model_path() if model_path is None else Path(model_path).expanduser()
+    p = default_model_path() if model_path is None else _local_path(model_path)
     if not p.exists():
         if (CONFIGS_DIR / f"{model_path}.json").is_file():
             return None
@@ -209,7 +221,7 @@ def _fingerprint(tok) -> tuple:
 
 def read_chat_template(model_path: str | Path | None) -> str | None:
     """The chat template (Jinja source) without building a tokenizer, or ``None`` if there is none."""
-    p = default_model_path() if model_path is None else Path(model_path).expanduser()
+    p = default_model_path() if model_path is None else _local_path(model_path)
     if p.is_dir():
         if (p / "chat_template.jinja").is_file():
             return (p / "chat_template.jinja").read_text()
