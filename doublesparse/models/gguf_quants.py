@@ -18,7 +18,11 @@ from gguf import GGMLQuantizationType as T
 
 _CHUNK_BLOCKS = (
     1 << 16
-)  # blocks per pass: bounds the int/float temporaries (16.7M weights for K-quants)
+)  # blocks per pass: bounds the temporaries (16.7M weights for K-quants)
+
+# Each kernel writes block weights into ``o`` (float32 [N, block]) from raw blocks ``b`` (uint8
+# [N, block_bytes]): quants are converted straight into ``o`` and scaled in place there, which
+# on CPU halves the passes over memory compared with building the result from temporaries.
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -26,9 +30,11 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[N, 16] uint8 -> [N, 32] uint8: low nibbles are weights 0..15, high nibbles 16..31."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+def _put_nibbles(o: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Legacy blocks: low nibbles of ``qs`` [N, 16] are weights 0..15, high nibbles 16..31."""
+    o[:, :16].copy_(qs & 0x0F)
+    o[:, 16:].copy_(qs >> 4)
+    return o
 
 
 def _bits(qh: torch.Tensor, n: int) -> torch.Tensor:
@@ -37,82 +43,80 @@ def _bits(qh: torch.Tensor, n: int) -> torch.Tensor:
     return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], n)
 
 
-def _q4_0(b):
-    return (_nibbles(b[:, 2:18]).float() - 8) * _f16(b[:, 0:2])
+def _q4_0(b, o):
+    _put_nibbles(o, b[:, 2:18]).sub_(8).mul_(_f16(b[:, 0:2]))
 
 
-def _q4_1(b):
-    return _nibbles(b[:, 4:20]).float() * _f16(b[:, 0:2]) + _f16(b[:, 2:4])
+def _q4_1(b, o):
+    _put_nibbles(o, b[:, 4:20]).mul_(_f16(b[:, 0:2])).add_(_f16(b[:, 2:4]))
 
 
-def _q5_0(b):
-    q = _nibbles(b[:, 6:22]) | (_bits(b[:, 2:6], 32) << 4)
-    return (q.float() - 16) * _f16(b[:, 0:2])
+def _q5_0(b, o):
+    _put_nibbles(o, b[:, 6:22]).add_(_bits(b[:, 2:6], 32), alpha=16).sub_(16).mul_(
+        _f16(b[:, 0:2])
+    )
 
 
-def _q5_1(b):
-    q = _nibbles(b[:, 8:24]) | (_bits(b[:, 4:8], 32) << 4)
-    return q.float() * _f16(b[:, 0:2]) + _f16(b[:, 2:4])
+def _q5_1(b, o):
+    _put_nibbles(o, b[:, 8:24]).add_(_bits(b[:, 4:8], 32), alpha=16)
+    o.mul_(_f16(b[:, 0:2])).add_(_f16(b[:, 2:4]))
 
 
-def _q8_0(b):
-    return b[:, 2:34].contiguous().view(torch.int8).float() * _f16(b[:, 0:2])
+def _q8_0(b, o):
+    o.copy_(b[:, 2:34].contiguous().view(torch.int8)).mul_(_f16(b[:, 0:2]))
 
 
-def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K's 12 packed bytes -> 8 six-bit scales and 8 six-bit mins, each [N, 8] float32
-    (ggml's ``get_scale_min_k4``: sub-blocks 4..7 borrow their top two bits from bytes 0..7)."""
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K block header -> per-sub-block scale ``d * sc`` and offset ``dmin * m``, each
+    [N, 4, 2, 1] float32 (sub-block 2i + j). The 12 packed bytes hold 8 six-bit scales and 8
+    six-bit mins (ggml's ``get_scale_min_k4``: sub-blocks 4..7 borrow their top two bits from
+    bytes 0..7)."""
+    s = b[:, 4:16]
     lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     sc = torch.cat([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], dim=-1)
     mn = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=-1)
-    return sc.float(), mn.float()
-
-
-def _k_low_bits(qs: torch.Tensor) -> torch.Tensor:
-    """[N, 128] uint8 -> [N, 8, 32]: 64-weight chunk i stores sub-block 2i in the low nibbles of
-    its 32 bytes and sub-block 2i + 1 in the high ones."""
-    q = qs.reshape(-1, 4, 1, 32)
-    return torch.cat([q & 0x0F, q >> 4], dim=2).reshape(-1, 8, 32)
-
-
-def _q4_k(b):
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _k_scales(b[:, 4:16])
-    q = _k_low_bits(b[:, 16:144]).float()
-    return (d.unsqueeze(-1) * sc.unsqueeze(-1) * q - (dmin * mn).unsqueeze(-1)).reshape(
-        -1, 256
-    )
+    return (d * sc).view(-1, 4, 2, 1), (dmin * mn).view(-1, 4, 2, 1)
 
 
-def _q5_k(b):
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _k_scales(b[:, 4:16])
+def _put_k_low_bits(o: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K quants [N, 128] -> ``o`` viewed [N, 4, 2, 32]: 64-weight chunk i stores
+    sub-block 2i in the low nibbles of its 32 bytes and sub-block 2i + 1 in the high ones."""
+    o4, q = o.view(-1, 4, 2, 32), qs.reshape(-1, 4, 32)
+    o4[:, :, 0].copy_(q & 0x0F)
+    o4[:, :, 1].copy_(q >> 4)
+    return o4
+
+
+def _q4_k(b, o):
+    scale, offset = _k_scales(b)
+    _put_k_low_bits(o, b[:, 16:144]).mul_(scale).sub_(offset)
+
+
+def _q5_k(b, o):
+    scale, offset = _k_scales(b)
+    o4 = _put_k_low_bits(o, b[:, 48:176])
     # qh byte l holds the fifth bit of weight l of every sub-block: bit j for sub-block j.
-    shifts = torch.arange(8, device=b.device, dtype=torch.uint8).view(1, 8, 1)
-    high = (b[:, 16:48].unsqueeze(1) >> shifts) & 1
-    q = (_k_low_bits(b[:, 48:176]) | (high << 4)).float()
-    return (d.unsqueeze(-1) * sc.unsqueeze(-1) * q - (dmin * mn).unsqueeze(-1)).reshape(
-        -1, 256
+    shifts = torch.arange(8, device=b.device, dtype=torch.uint8).view(1, 4, 2, 1)
+    o4.add_((b[:, 16:48].view(-1, 1, 1, 32) >> shifts) & 1, alpha=16).mul_(scale).sub_(
+        offset
     )
 
 
-def _q6_k(b):
-    ql = b[:, 0:128].reshape(-1, 2, 2, 32)  # [half, first/second 32 bytes, l]
-    qh = b[:, 128:192].reshape(-1, 2, 1, 32)  # [half, -, l]
-    sc = b[:, 192:208].contiguous().view(torch.int8).float().reshape(-1, 16, 1)
-    d = _f16(b[:, 208:210]).unsqueeze(-1)
-    low = torch.cat(
-        [ql & 0x0F, ql >> 4], dim=2
-    )  # [half, 4 quarters, l]: low/high nibble of bytes 0-31/32-63
+def _q6_k(b, o):
+    # Per 128-weight half h: bytes ql[64h:64h+64], qh[32h:32h+32]; quarter j of the half takes
+    # the low (j = 0, 1) or high (j = 2, 3) nibble of ql's first (j even) or second 32 bytes,
+    # plus bits 2j, 2j+1 of qh as bits 4, 5; each 16 weights have their own int8 scale.
+    ql = b[:, 0:128].reshape(-1, 2, 2, 32)
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32)
     shifts = torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.uint8).view(
         1, 1, 4, 1
     )
-    high = (qh >> shifts) & 3
-    q = (
-        low | (high << 4)
-    ).float() - 32  # [N, 2, 4, 32]: 128 weights per half, quarter-major
-    # Each quarter of 32 weights is two sub-blocks of 16 with their own int8 scale.
-    return (d * sc * q.reshape(-1, 16, 16)).reshape(-1, 256)
+    high = ((qh >> shifts) & 3) << 4
+    q = torch.cat([(ql & 0x0F) | high[:, :, 0:2], (ql >> 4) | high[:, :, 2:4]], dim=2)
+    o.view(-1, 2, 4, 32).copy_(q.view(torch.int8) - 32)  # 6-bit values: 0..63 fit int8
+    scale = b[:, 192:208].contiguous().view(torch.int8).float() * _f16(b[:, 208:210])
+    o.view(-1, 16, 16).mul_(scale.unsqueeze(-1))
 
 
 _TORCH_DEQUANT = {
@@ -160,13 +164,16 @@ def dequantize(
     fn = _TORCH_DEQUANT.get(qtype)
     for lo in range(0, blocks.shape[0], _CHUNK_BLOCKS):
         chunk = blocks[lo : lo + _CHUNK_BLOCKS]
-        if fn is not None:
-            flat[lo : lo + chunk.shape[0]] = fn(chunk)
-        else:
+        dst = flat[lo : lo + chunk.shape[0]]
+        if fn is None:
             from gguf.quants import dequantize as np_dequantize
 
             ref = np_dequantize(chunk.cpu().numpy(), qtype)
-            flat[lo : lo + chunk.shape[0]] = torch.from_numpy(
-                np.ascontiguousarray(ref)
-            ).reshape(-1, block)
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(ref)).reshape(-1, block))
+        elif dst.dtype == torch.float32:
+            fn(chunk, dst)
+        else:  # scale in float32, round once into the destination's dtype
+            tmp = torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
+            fn(chunk, tmp)
+            dst.copy_(tmp)
     return out
