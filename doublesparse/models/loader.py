@@ -35,17 +35,6 @@ def default_model_path() -> Path:
     return smollm2_gguf_path()
 
 
-def _local_path(model_path: str | Path) -> Path:
-    """``model_path`` as a path; a fetchable model's name (``doublesparse fetch --list``) that is not
-    also an existing path resolves to its fetched file, or raises naming the fetch command."""
-    from ..assets import named_model_path
-
-    p = Path(model_path).expanduser()
-    if not p.exists():
-        return named_model_path(str(model_path)) or p
-    return p
-
-
 def resolve_dtype(dtype, device) -> torch.dtype:
     """None -> bf16 on CUDA, float32 elsewhere; strings like ``"bfloat16"`` are accepted."""
     if dtype is None:
@@ -78,6 +67,17 @@ def _dummy_config_path(model_path: str | Path) -> Path:
         return shipped
     raise FileNotFoundError(f"no config for dummy model {str(model_path)!r}: not a folder with config.json, "
                             f"not a JSON file, and not a shipped config ({', '.join(shipped_configs())})")
+
+
+def _local_path(model_path: str | Path) -> Path:
+    """``model_path`` as a path; a fetchable model's name (``doublesparse fetch --list``) that is not
+    also an existing path resolves to its fetched file, or raises naming the fetch command."""
+    from ..assets import named_model_path
+
+    p = Path(model_path).expanduser()
+    if not p.exists():
+        return named_model_path(str(model_path)) or p
+    return p
 
 
 def resolve_model_path(model_path: str | Path | None, load_format: str = "auto") -> tuple[str, Path]:

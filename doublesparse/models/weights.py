@@ -54,42 +54,18 @@ def hf_weight_map(config: ModelConfig) -> dict[str, tuple[str, int | None, int |
     for i in range(c.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         m[hf + "input_layernorm.weight"] = (ours + "input_norm.weight", None, None)
-        m[hf + "post_attention_layernorm.weight"] = (
-            ours + "post_attn_norm.weight",
-            None,
-            None,
-        )
+        m[hf + "post_attention_layernorm.weight"] = (ours + "post_attn_norm.weight", None, None)
         kinds = ("weight", "bias") if c.attention_bias else ("weight",)
         for kind in kinds:
             m[hf + f"self_attn.q_proj.{kind}"] = (ours + f"attn.qkv_proj.{kind}", 0, q)
-            m[hf + f"self_attn.k_proj.{kind}"] = (
-                ours + f"attn.qkv_proj.{kind}",
-                q,
-                q + kv,
-            )
-            m[hf + f"self_attn.v_proj.{kind}"] = (
-                ours + f"attn.qkv_proj.{kind}",
-                q + kv,
-                q + 2 * kv,
-            )
+            m[hf + f"self_attn.k_proj.{kind}"] = (ours + f"attn.qkv_proj.{kind}", q, q + kv)
+            m[hf + f"self_attn.v_proj.{kind}"] = (ours + f"attn.qkv_proj.{kind}", q + kv, q + 2 * kv)
         if c.qk_norm:
-            m[hf + "self_attn.q_norm.weight"] = (
-                ours + "attn.q_norm.weight",
-                None,
-                None,
-            )
-            m[hf + "self_attn.k_norm.weight"] = (
-                ours + "attn.k_norm.weight",
-                None,
-                None,
-            )
+            m[hf + "self_attn.q_norm.weight"] = (ours + "attn.q_norm.weight", None, None)
+            m[hf + "self_attn.k_norm.weight"] = (ours + "attn.k_norm.weight", None, None)
         m[hf + "self_attn.o_proj.weight"] = (ours + "attn.o_proj.weight", None, None)
         m[hf + "mlp.gate_proj.weight"] = (ours + "mlp.gate_up_proj.weight", 0, inter)
-        m[hf + "mlp.up_proj.weight"] = (
-            ours + "mlp.gate_up_proj.weight",
-            inter,
-            2 * inter,
-        )
+        m[hf + "mlp.up_proj.weight"] = (ours + "mlp.gate_up_proj.weight", inter, 2 * inter)
         m[hf + "mlp.down_proj.weight"] = (ours + "mlp.down_proj.weight", None, None)
     return m
 
@@ -122,9 +98,7 @@ class _Filler:
         self.targets = hf_weight_map(model.config)
         self.seen: set[str] = set()
 
-    def put(
-        self, hf_name: str, tensor: torch.Tensor, shown_name: str | None = None
-    ) -> bool:
+    def put(self, hf_name: str, tensor: torch.Tensor, shown_name: str | None = None) -> bool:
         target = self.targets.get(hf_name)
         if target is None:
             return False
@@ -133,10 +107,8 @@ class _Filler:
         if lo is not None:
             dst = dst[lo:hi]
         if tuple(tensor.shape) != tuple(dst.shape):
-            raise ValueError(
-                f"{self.source}: tensor {shown_name or hf_name} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(dst.shape)} for {self.model.config.name}"
-            )
+            raise ValueError(f"{self.source}: tensor {shown_name or hf_name} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dst.shape)} for {self.model.config.name}")
         dst.copy_(tensor)
         self.seen.add(hf_name)
         return True
@@ -145,24 +117,14 @@ class _Filler:
         missing = [rename(n) for n in self.targets if n not in self.seen]
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-            raise ValueError(
-                f"{self.source}: missing tensor(s) {', '.join(missing[:5])}{more}"
-            )
+            raise ValueError(f"{self.source}: missing tensor(s) {', '.join(missing[:5])}{more}")
 
 
 def _bar(total: int, desc: str, progress: bool):
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="tensor",
-        file=sys.stderr,
-        disable=not progress,
-        leave=False,
-    )
+    return tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=not progress, leave=False)
 
 
 # ---- Hugging Face safetensors ---------------------------------------------------------------------
-
 
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
@@ -174,9 +136,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
         files = [folder / f for f in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
-                raise FileNotFoundError(
-                    f"{index} lists {f.name}, which does not exist in {folder}"
-                )
+                raise FileNotFoundError(f"{index} lists {f.name}, which does not exist in {folder}")
         return files
     return sorted(folder.glob("*.safetensors"))
 
@@ -188,35 +148,27 @@ def load_safetensors_weights(model, folder: Path, progress: bool = True) -> None
     if not files:
         raise ValueError(f"{folder}: no *.safetensors weights found")
     filler = _Filler(model, str(folder))
-    with (
-        torch.no_grad(),
-        _bar(len(filler.targets), f"loading {folder.name}", progress) as bar,
-    ):
+    with torch.no_grad(), _bar(len(filler.targets), f"loading {folder.name}", progress) as bar:
         for f in files:
             try:
                 handle = safe_open(str(f), framework="pt", device="cpu")
             except Exception as e:
                 raise ValueError(f"{f} is not a readable safetensors file: {e}") from e
             with handle:
-                for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    if name in filler.targets and filler.put(
-                        name, handle.get_tensor(name)
-                    ):
+                for name in handle.keys():
+                    if name in filler.targets and filler.put(name, handle.get_tensor(name)):
                         bar.update()
     filler.check()
 
 
 # ---- GGUF -----------------------------------------------------------------------------------------
 
-
 def check_gguf_magic(path: Path) -> None:
     """Cheap early rejection of non-GGUF files (parsing a real header takes seconds)."""
     with open(path, "rb") as fh:
         magic = fh.read(4)
     if magic != b"GGUF":
-        raise ValueError(
-            f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')"
-        )
+        raise ValueError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
 
 
 def open_gguf(path: Path):
@@ -227,14 +179,10 @@ def open_gguf(path: Path):
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:
-        raise ValueError(
-            f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}"
-        ) from e
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
     for t in reader.tensors:
         if t.data.nbytes != t.n_bytes:
-            raise ValueError(
-                f"{path} is truncated: tensor {t.name} has {t.data.nbytes} of {t.n_bytes} bytes"
-            )
+            raise ValueError(f"{path} is truncated: tensor {t.name} has {t.data.nbytes} of {t.n_bytes} bytes")
     return reader
 
 
@@ -245,21 +193,14 @@ def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     from [first half | second half] to alternating; we restore HF's rotate-half order.
     """
     rows = w.shape[0]
-    return (
-        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
-        .transpose(1, 2)
-        .reshape(w.shape)
-    )
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _gguf_rope_freqs(reader):
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             import gguf
-
-            return tuple(
-                gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()
-            )
+            return tuple(gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist())
     return None
 
 
@@ -273,26 +214,20 @@ def gguf_tensor_bytes(t) -> torch.Tensor:
     import numpy as np
 
     data = t.data
-    raw = (
-        data.view(np.uint8).reshape(*data.shape[:-1], -1)
-        if data.ndim
-        else data.view(np.uint8)
-    )
+    raw = data.view(np.uint8).reshape(*data.shape[:-1], -1) if data.ndim else data.view(np.uint8)
     return torch.from_numpy(np.array(raw, copy=True))
 
 
 def load_gguf_weights(model, reader, path: Path, progress: bool = True) -> None:
     """Dequantize every tensor on the model's device (torch kernels for the common block types,
-    gguf's numpy reference for the rest) and copy it into place, one tensor at a time."""
+    gguf's numpy reference for the rest: :mod:`.gguf_quants`) and copy it into place, one
+    tensor at a time."""
     from .gguf_quants import dequantize
 
     c = model.config
     device = next(model.parameters()).device
     filler = _Filler(model, str(path))
-    with (
-        torch.no_grad(),
-        _bar(len(filler.targets), f"loading {path.name}", progress) as bar,
-    ):
+    with torch.no_grad(), _bar(len(filler.targets), f"loading {path.name}", progress) as bar:
         for t in reader.tensors:
             hf = gguf_to_hf_name(t.name)
             if hf is None or hf not in filler.targets:
@@ -300,9 +235,7 @@ def load_gguf_weights(model, reader, path: Path, progress: bool = True) -> None:
             try:
                 w = dequantize(gguf_tensor_bytes(t).to(device), t.tensor_type)
             except Exception as e:
-                raise ValueError(
-                    f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {e}"
-                ) from e
+                raise ValueError(f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {e}") from e
             if c.architecture in ("llama", "mistral"):
                 if ".q_proj." in hf:
                     w = _unpermute_qk(w, c.num_q_heads)
@@ -316,13 +249,10 @@ def load_gguf_weights(model, reader, path: Path, progress: bool = True) -> None:
 
 # ---- dummy ----------------------------------------------------------------------------------------
 
-
 @torch.no_grad()
 def init_dummy_weights(model, seed: int = 0, std: float = 0.02) -> None:
     """Seeded N(0, std) weights and biases, unit norm weights, drawn on the model's own device."""
-    if (
-        model.device.type == "meta"
-    ):  # shape-only model (memory planning): nothing to draw
+    if model.device.type == "meta":  # shape-only model (memory planning): nothing to draw
         return
     g = torch.Generator(device=model.device).manual_seed(seed)
     for name, p in model.named_parameters():  # tied weights appear once
