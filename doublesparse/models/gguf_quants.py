@@ -119,12 +119,51 @@ def _q6_k(b, o):
     o.view(-1, 16, 16).mul_(scale.unsqueeze(-1))
 
 
+def _q2_k(b, o):
+    # 16 sub-blocks of 16: byte i of scales[16] holds sub-block i's scale (low nibble) and min
+    # (high nibble); weight l of quarter j of half h is bits 2j, 2j+1 of qs[32h + l].
+    sc = b[:, 0:16]
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    scale, offset = (
+        (d * (sc & 0x0F)).view(-1, 16, 1),
+        (dmin * (sc >> 4)).view(-1, 16, 1),
+    )
+    shifts = torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.uint8).view(
+        1, 1, 4, 1
+    )
+    o.view(-1, 2, 4, 32).copy_((b[:, 16:80].view(-1, 2, 1, 32) >> shifts) & 3)
+    o.view(-1, 16, 16).mul_(scale).sub_(offset)
+
+
+def _q3_k(b, o):
+    # Like Q2_K's quants, plus a high bit from hmask (bit 4h + j of hmask[l]; clear means -4);
+    # 16 six-bit scales (offset by 32): low nibbles from bytes 0..7 (high nibbles for scales
+    # 8..15), top two bits from bytes 8..11.
+    s = b[:, 96:108]
+    i = torch.arange(16, device=b.device)
+    nib = (s[:, i % 8] >> (4 * (i // 8)).to(torch.uint8)) & 0x0F
+    top = (s[:, 8 + i % 4] >> (2 * (i // 4)).to(torch.uint8)) & 3
+    scale = _f16(b[:, 108:110]) * ((nib | (top << 4)).view(torch.int8) - 32).float()
+    shifts = torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.uint8).view(
+        1, 1, 4, 1
+    )
+    low = (b[:, 32:96].view(-1, 2, 1, 32) >> shifts) & 3
+    hbit = (
+        b[:, 0:32].view(-1, 1, 1, 32)
+        >> torch.arange(8, device=b.device, dtype=torch.uint8).view(1, 2, 4, 1)
+    ) & 1
+    o.view(-1, 2, 4, 32).copy_((low | (hbit << 2)).view(torch.int8) - 4)
+    o.view(-1, 16, 16).mul_(scale.unsqueeze(-1))
+
+
 _TORCH_DEQUANT = {
     T.Q4_0: _q4_0,
     T.Q4_1: _q4_1,
     T.Q5_0: _q5_0,
     T.Q5_1: _q5_1,
     T.Q8_0: _q8_0,
+    T.Q2_K: _q2_k,
+    T.Q3_K: _q3_k,
     T.Q4_K: _q4_k,
     T.Q5_K: _q5_k,
     T.Q6_K: _q6_k,

@@ -16,7 +16,18 @@ from doublesparse.models.gguf_quants import TORCH_TYPES, dequantize
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-QUANT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+QUANT_TYPES = [
+    T.Q4_0,
+    T.Q4_1,
+    T.Q5_0,
+    T.Q5_1,
+    T.Q8_0,
+    T.Q2_K,
+    T.Q3_K,
+    T.Q4_K,
+    T.Q5_K,
+    T.Q6_K,
+]
 # Byte offsets of each block's ggml_half scale fields, and the largest |scale x quant| product
 # of the other fields, so random blocks decode to weights of a chosen size.
 _HALVES = {
@@ -29,6 +40,7 @@ _HALVES = {
     T.Q5_K: ([0, 2], 63 * 31),
     T.Q6_K: ([208], 128 * 32),
     T.Q3_K: ([108], 32 * 4),
+    T.IQ4_NL: ([0], 127),
     T.Q2_K: ([80, 82], 15 * 3),
 }
 
@@ -88,10 +100,11 @@ def test_float_types_and_fallback(qtype, np_dtype):
     )  # 1-d (norms, biases)
     assert tuple(vec.shape) == (13,)
     # A type without a torch kernel goes through the numpy reference.
-    assert T.Q3_K not in TORCH_TYPES
-    raw = random_blocks(np.random.default_rng(2), T.Q3_K, (2, 512))
+    assert T.IQ4_NL not in TORCH_TYPES
+    raw = random_blocks(np.random.default_rng(2), T.IQ4_NL, (2, 96))
     np.testing.assert_array_equal(
-        dequantize(torch.from_numpy(raw), T.Q3_K).numpy(), np_dequantize(raw, T.Q3_K)
+        dequantize(torch.from_numpy(raw), T.IQ4_NL).numpy(),
+        np_dequantize(raw, T.IQ4_NL),
     )
 
 
@@ -108,7 +121,20 @@ def test_dequantize_errors():
 
 # ---- a tiny Qwen2 GGUF with every block type, loaded by us and by transformers -------------------
 
-_MIXED = [T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.F16, T.BF16]
+_MIXED = [
+    T.Q4_K,
+    T.Q6_K,
+    T.Q5_K,
+    T.Q8_0,
+    T.Q4_0,
+    T.Q4_1,
+    T.Q5_0,
+    T.Q5_1,
+    T.Q2_K,
+    T.Q3_K,
+    T.F16,
+    T.BF16,
+]
 
 
 def write_quantized_qwen2(
