@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("doublesparse.server.cli:main", "OpenAI-compatible HTTP server"),
     "calibrate": ("doublesparse.calibrate.cli:main", "calibrate heavy channels for a model"),
     "eval": ("doublesparse.eval.cli:main", "accuracy / speed evaluation"),
+    "fetch": ("doublesparse.fetch:main", "download a model published on PyPI (e.g. qwen2.5-coder-1.5b)"),
 }
 
 

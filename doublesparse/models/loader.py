@@ -1,7 +1,8 @@
 """Public entry points: ``load_model`` and ``load_tokenizer``.
 
 ``model_path`` may be ``None`` (the embedded SmolLM2-135M-Instruct GGUF), a Hugging Face folder
-(config.json + safetensors), a ``.gguf`` file or a folder holding one, or, with
+(config.json + safetensors), a ``.gguf`` file or a folder holding one, the name of a fetched model
+(``doublesparse fetch qwen2.5-coder-1.5b``), or, with
 ``load_format="dummy"``, anything that yields a config.json (folder, file, or the name of a config
 shipped in ``doublesparse/configs/models``).
 """
@@ -77,6 +78,17 @@ def _dummy_config_path(model_path: str | Path) -> Path:
                             f"not a JSON file, and not a shipped config ({', '.join(shipped_configs())})")
 
 
+def _local_path(model_path: str | Path) -> Path:
+    """``model_path`` as a path; a fetchable model's name (``doublesparse fetch --list``) that is not
+    also an existing path resolves to its fetched file, or raises naming the fetch command."""
+    from ..assets import named_model_path
+
+    p = Path(model_path).expanduser()
+    if not p.exists():
+        return named_model_path(str(model_path)) or p
+    return p
+
+
 def resolve_model_path(model_path: str | Path | None, load_format: str = "auto") -> tuple[str, Path]:
     """-> (format, path): ``("safetensors", folder)``, ``("gguf", file)`` or ``("dummy", config.json)``."""
     if load_format not in LOAD_FORMATS:
@@ -87,7 +99,7 @@ def resolve_model_path(model_path: str | Path | None, load_format: str = "auto")
         return "gguf", default_model_path()
     if load_format == "dummy":
         return "dummy", _dummy_config_path(model_path)
-    p = Path(model_path).expanduser()
+    p = _local_path(model_path)
     if not p.exists():
         hint = (" (it is a shipped config: use load_format='dummy' for random weights)"
                 if (CONFIGS_DIR / f"{model_path}.json").is_file() else "")
@@ -161,7 +173,7 @@ def load_tokenizer(model_path: str | Path | None):
     """
     from transformers import AutoTokenizer
 
-    p = default_model_path() if model_path is None else Path(model_path).expanduser()
+    p = default_model_path() if model_path is None else _local_path(model_path)
     if not p.exists():
         if (CONFIGS_DIR / f"{model_path}.json").is_file():
             return None
@@ -222,7 +234,7 @@ def _fingerprint(tok) -> tuple:
 
 def read_chat_template(model_path: str | Path | None) -> str | None:
     """The chat template (Jinja source) without building a tokenizer, or ``None`` if there is none."""
-    p = default_model_path() if model_path is None else Path(model_path).expanduser()
+    p = default_model_path() if model_path is None else _local_path(model_path)
     if p.is_dir():
         if (p / "chat_template.jinja").is_file():
             return (p / "chat_template.jinja").read_text()

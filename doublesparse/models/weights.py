@@ -211,10 +211,24 @@ def gguf_config(reader) -> ModelConfig:
     return ModelConfig.from_gguf(reader, rope_freqs=_gguf_rope_freqs(reader))
 
 
+def gguf_tensor_bytes(t) -> torch.Tensor:
+    """A ``gguf.ReaderTensor``'s raw bytes as a writable uint8 tensor ``[..., row_bytes]`` (a copy:
+    the reader's arrays are read-only views of the memory map, which torch refuses to wrap)."""
+    import numpy as np
+
+    data = t.data
+    raw = data.view(np.uint8).reshape(*data.shape[:-1], -1) if data.ndim else data.view(np.uint8)
+    return torch.from_numpy(np.array(raw, copy=True))
+
+
 def load_gguf_weights(model, reader, path: Path, progress: bool = True) -> None:
-    import gguf
+    """Dequantize every tensor on the model's device (torch kernels for the common block types,
+    gguf's numpy reference for the rest: :mod:`.gguf_quants`) and copy it into place, one
+    tensor at a time."""
+    from .gguf_quants import dequantize
 
     c = model.config
+    device = next(model.parameters()).device
     filler = _Filler(model, str(path))
     with torch.no_grad(), _bar(len(filler.targets), f"loading {path.name}", progress) as bar:
         for t in reader.tensors:
@@ -222,17 +236,16 @@ def load_gguf_weights(model, reader, path: Path, progress: bool = True) -> None:
             if hf is None or hf not in filler.targets:
                 continue
             try:
-                arr = gguf.quants.dequantize(t.data, t.tensor_type)
+                w = dequantize(gguf_tensor_bytes(t).to(device), t.tensor_type)
             except Exception as e:
                 raise ValueError(f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {e}") from e
-            # F32/F16 tensors come back as read-only views of the memory map; torch wants writable memory.
-            w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
             if c.architecture in ("llama", "mistral"):
                 if ".q_proj." in hf:
                     w = _unpermute_qk(w, c.num_q_heads)
                 elif ".k_proj." in hf:
                     w = _unpermute_qk(w, c.num_kv_heads)
             filler.put(hf, w, shown_name=t.name)
+            del w
             bar.update()
     filler.check(rename=hf_to_gguf_name)
 
