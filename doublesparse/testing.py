@@ -91,3 +91,14 @@ def tiny_llama(seed: int = 0, dtype=torch.float32, device="cpu", logit_scale: fl
     init_tiny_weights(model, seed=seed, logit_scale=logit_scale)
     model = model.to(device=device, dtype=dtype)  # the RoPE table stays float32 (RotaryEmbedding._apply)
     return model.eval().requires_grad_(False)
+
+
+def tiny_engine(max_position_embeddings: int = 1024, **engine_kw):
+    """An :class:`~doublesparse.engine.Engine` (``engine_kw``: EngineConfig fields) on
+    :func:`tiny_llama` with the byte tokenizer: a server's ``--engine-factory
+    doublesparse.testing:tiny_engine`` (starts in about a second)."""
+    from .engine import Engine
+
+    engine_kw.setdefault("progress", False)
+    model = tiny_llama(max_position_embeddings=max_position_embeddings)
+    return Engine(model=model, tokenizer=ByteTokenizer(), **engine_kw)
