@@ -36,6 +36,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is loaded
+import prefix_cache  # noqa: E402
 import speedup_map  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,6 +154,12 @@ SUITES: dict[str, dict] = {
                          f"{_MIX.replace('--endpoint generate', '--endpoint completions')} --num-prompts 20 "
                          "--result-json {out}.json", 120),
         ],
+    },
+    # Prefix cache: a shared-prefix workload with and without --disable-radix-cache, and an eviction
+    # run whose distinct prefixes exceed the pool (benchmarks/prefix_cache.py).
+    "prefix-cache": {
+        "area": "prefix-cache",
+        "rows": prefix_cache.rows(_serving_row),
     },
     # Accuracy of DS settings against dense on the embedded SmolLM2-135M: the full protocol in one
     # time-budgeted run (8 x 8K text windows, retrieval at 2K/4K/8K, attention fidelity; GPU).
@@ -356,6 +363,8 @@ def summarize(area: str, rows: dict) -> dict:
                     "bs32_16k": speedup_map.at(cs, 32, 16384), "bs8_32k": speedup_map.at(cs, 8, 32768),
                     "bs3_60k": _ratio(med.get("prefill-60k-bs3-dense"), med.get("prefill-60k-bs3-ds")),
                     "bs1_120k": speedup_map.at(cs, 1, 120000), **speedup_map.accuracy(rows), "cells": cs}
+        if area == "prefix-cache":
+            return prefix_cache.summary(rows)
         if area == "soak":
             r = rows["soak"]
             return {k: r.get(k) for k in ("lost_valid", "http_5xx", "duplicates_identical", "rss_growth_pct",
@@ -423,6 +432,8 @@ def markdown(doc: dict) -> str:
         L += _table_one_batch({n: d for n, d in rows.items() if n.startswith("prefill-")}) + [""]
     elif area == "serving":
         L += _table_serving(rows) + [""]
+    elif area == "prefix-cache":
+        L += [prefix_cache.NOTE, "", *prefix_cache.table(rows), ""]
     for n, d in rows.items():
         if d.get("table_md"):
             L += [f"## {n}", "", d["table_md"].strip(), ""]
@@ -509,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
         commands.append(r["cmd"])
     doc = {"suite": a.suite, "area": suite["area"], "commands": commands, "commit": commit, "machine": machine,
            "date": date, "summary": summarize(suite["area"], results), "rows": results}
+    if suite["area"] == "prefix-cache":  # its result file's summary names the run too
+        doc["summary"].update(commands=commands, date=date, device=machine, commit=commit)
     a.out.mkdir(parents=True, exist_ok=True)
     if suite["area"] == "speedup-map" and doc["summary"].get("cells"):
         png = speedup_map.heatmap(doc["summary"]["cells"], a.out / f"{stem}.png",

@@ -421,13 +421,15 @@ class Engine:
         """``kv_used_tokens``: slots held by running requests (cached prefixes no request holds
         count as free: admission evicts them when it needs room); ``kv_cached_tokens``: slots
         in the prefix cache; ``prefix_cache_hit_tokens`` / ``prefix_cache_query_tokens``: prompt
-        tokens found in the cache / of all admitted prompts."""
+        tokens found in the cache / of all admitted prompts; ``prefix_cache_evicted_tokens``: cached
+        tokens evicted to make room."""
         p, c, s = self.parts, self.counters, self.parts.scheduler
         return dict(running=s.num_running, waiting=s.num_waiting + len(self._inbox),
                     kv_used_tokens=p.memory.slots.num_used - s.evictable_tokens,
                     kv_total_tokens=p.memory.slots.size, kv_cached_tokens=s.cached_tokens,
                     kv_reserved_tokens=s.reserved_tokens,
                     prefix_cache_hit_tokens=s.hit_tokens, prefix_cache_query_tokens=s.query_tokens,
+                    prefix_cache_evicted_tokens=s.evicted_tokens,
                     decode_steps=c["decode_steps"], sparse_decode_steps=c["sparse_decode_steps"],
                     prompt_tokens=c["prompt_tokens"], generation_tokens=c["generation_tokens"],
                     prefill_tokens=c["prefill_tokens"], decode_tokens=c["decode_tokens"],

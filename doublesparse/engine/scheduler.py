@@ -128,6 +128,7 @@ class Scheduler:
         self.cache = None if config.disable_radix_cache else RadixCache()
         self.hit_tokens = 0         # prompt tokens admission found in the cache
         self.query_tokens = 0       # prompt tokens of admitted requests
+        self.evicted_tokens = 0     # cached tokens evicted to make room
 
     # ---------------------------------------------------------------------------- admission
     def check(self, prompt_len: int, max_new_tokens: int) -> None:
@@ -232,7 +233,9 @@ class Scheduler:
         self.reserved_tokens += r.reserve - r.cached
         excess = self.cached_tokens + self.reserved_tokens - self.token_capacity
         if excess > 0:  # _fits checked that the evictable nodes cover it
-            evicted += self.cache.evict(excess)
+            out = self.cache.evict(excess)
+            self.evicted_tokens += sum(len(v) for v in out)
+            evicted += out
 
     def cohort_release_next(self) -> bool:
         """Whether the next plan (cohort schedule) is a release: prompts are held back at their

@@ -34,6 +34,7 @@ STAT_KEYS = {
     "kv_cached": ("kv_cached_tokens",),
     "cache_hit": ("prefix_cache_hit_tokens",),
     "cache_query": ("prefix_cache_query_tokens",),
+    "cache_evicted": ("prefix_cache_evicted_tokens",),
 }
 
 
@@ -87,6 +88,8 @@ class _EngineCollector:
                               "(not computed again)", hit),
                              ("prefix_cache_query_tokens", "Prompt tokens of admitted requests "
                               "(the hit rate's denominator)", query),
+                             ("prefix_cache_evicted_tokens", "Cached tokens evicted to make room "
+                              "for new requests", stat(s, "cache_evicted")),
                              ("engine_step_failures", "Engine steps that raised; the requests they "
                               "held ended with an error and serving went on",
                               float(self.worker.step_errors))):

@@ -111,3 +111,28 @@ def test_speedup_map_summary_table_and_heatmap(tmp_path):
     assert "| 32 | 2.00 (2.00) |" in md and "![speedup map](m.png)" in md
     png = bench_run.speedup_map.heatmap(s["cells"], tmp_path / "m.png", "t")
     assert png.stat().st_size > 1000
+
+
+def test_prefix_cache_summary_from_bench_serving_metrics():
+    """The prefix-cache suite's summary and table read the keys bench_serving writes."""
+    from doublesparse import bench_serving as B
+
+    def metrics(ttft_cold, ttft_warm, duration, hit, lost=0):
+        rs = [B.Result(ok=True, ttft=ttft_cold if i < 4 else ttft_warm, latency=2.0, output_tokens=8, group=i % 4)
+              for i in range(16)]
+        for r in rs[:lost]:
+            r.ok, r.error = False, "boom"
+        m = B.summarize(rs, duration, 8)
+        m.update(prefix_cache_hit_rate=hit, server_counters={"prefix_cache_evicted_tokens": 5000.0})
+        return {"metrics": m}
+
+    rows = {"disabled": metrics(3.0, 3.0, 100.0, None), "radix-cache": metrics(3.0, 0.15, 20.0, 0.9),
+            "eviction": metrics(3.0, 3.0, 50.0, 0.1, lost=1)}
+    s = bench_run.summarize("prefix-cache", rows)
+    assert s["speedup_vs_disabled"] == pytest.approx(5.0) and s["hit_rate"] == 0.9
+    assert s["ttft_warm_over_cold_p50"] == pytest.approx(0.05)
+    assert s["eviction_run_failed"] == 1 and s["eviction_run_evicted_tokens"] == 5000.0
+    doc = {"suite": "prefix-cache", "area": "prefix-cache", "machine": "GPU X", "date": "d", "commit": "c",
+           "summary": s, "rows": rows, "commands": ["x"]}
+    md = bench_run.markdown(doc)
+    assert "| radix-cache | 20.0 | 3000 | 150 | 0.050 | 0.900 |" in md

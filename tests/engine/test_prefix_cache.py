@@ -127,15 +127,6 @@ def test_eviction_while_another_request_holds_a_shared_node(model):
         [[]] * 5 + [[(ids(22, 6), 3), (DOC + Q[2], 3)]]
     e = engine(model, max_total_tokens=120, max_running_requests=3)
     sched = e.parts.scheduler
-    evicted = []
-    schedule = sched.schedule
-
-    def recording_schedule():
-        plan = schedule()
-        evicted.extend(plan.evicted)
-        return plan
-
-    sched.schedule = recording_schedule
 
     def check(rids):
         if rids[0] in sched.running and sched.running[rids[0]].num_prefilled == len(held):
@@ -144,7 +135,7 @@ def test_eviction_while_another_request_holds_a_shared_node(model):
     got = stream(e, arrivals, check)
     ref = stream(engine(model, disable_radix_cache=True), arrivals)
     assert got == ref
-    assert evicted, "the churn must have evicted cached prompts"
+    assert e.stats()["prefix_cache_evicted_tokens"] > 0, "the churn must have evicted cached prompts"
     assert sched.hit_tokens >= len(DOC)  # DOC + Q[2] reused DOC
     assert_empty(e)
 
