@@ -466,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--list", action="store_true", help="list the suites and their rows")
     p.add_argument("--render", type=Path, default=None, metavar="JSON", help="rewrite the markdown of a result file")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows (and commands) of an existing result file that this run does not redo: "
+                        "a suite run in parts with --only, e.g. one device command per part")
     return p
 
 
@@ -518,6 +521,11 @@ def main(argv: list[str] | None = None) -> int:
         if r["server"] and r["server"] not in commands:
             commands.append(r["server"])
         commands.append(r["cmd"])
+    old = a.out / f"{stem}.json"
+    if a.merge and old.is_file():
+        prev = json.loads(old.read_text())
+        results = {**{k: v for k, v in prev["rows"].items() if k not in results}, **results}
+        commands = [c for c in prev["commands"] if c not in commands] + commands
     doc = {"suite": a.suite, "area": suite["area"], "commands": commands, "commit": commit, "machine": machine,
            "date": date, "summary": summarize(suite["area"], results), "rows": results}
     if suite["area"] == "prefix-cache":  # its result file's summary names the run too

@@ -2,6 +2,7 @@
 argument parsers of the modules they run."""
 
 import argparse
+import json
 import importlib
 import importlib.util
 import shlex
@@ -136,3 +137,26 @@ def test_prefix_cache_summary_from_bench_serving_metrics():
            "summary": s, "rows": rows, "commands": ["x"]}
     md = bench_run.markdown(doc)
     assert "| radix-cache | 20.0 | 3000 | 150 | 0.050 | 0.900 |" in md
+
+
+def test_prefix_cache_suite_in_two_parts_merges(tmp_path, monkeypatch):
+    """The driver end to end on the CPU, in two parts (--only, then --merge): rows that write
+    bench_serving-shaped results, the summary with the run's commands, date, device and commit."""
+    def row(name, duration, hit):
+        m = {"duration_s": duration, "valid_requests": 8, "completed": 8, "errors": 0,
+             "ttft_warm_over_cold_p50": 0.05, "prefix_cache_hit_rate": hit, "server_counters": {}}
+        code = f"import json, sys; json.dump({{'metrics': {m!r}}}, open(sys.argv[1], 'w'))"
+        return {"name": name, "cmd": f"python -c {shlex.quote(code)} {{out}}.json", "result": "{out}.json"}
+
+    suite = {"area": "prefix-cache", "rows": [row("disabled", 90.0, None), row("radix-cache", 15.0, 0.93),
+                                              row("eviction", 40.0, 0.1)]}
+    monkeypatch.setitem(bench_run.SUITES, "prefix-cache", suite)
+    base = ["prefix-cache", "--out", str(tmp_path), "--machine", "t", "--commit", "abc"]
+    assert bench_run.main([*base, "--only", "disabled"]) == 0
+    assert bench_run.main([*base, "--only", "radix-cache", "eviction", "--merge"]) == 0
+    doc = json.loads((tmp_path / "prefix-cache-t.json").read_text())
+    s = doc["summary"]
+    assert list(doc["rows"]) == ["disabled", "radix-cache", "eviction"]
+    assert s["speedup_vs_disabled"] == pytest.approx(6.0) and s["hit_rate"] == 0.93
+    assert s["eviction_run_failed"] == 0 and s["commit"] == "abc" and s["device"] and s["date"]
+    assert len(s["commands"]) == 3 and "| radix-cache | 15.0 |" in (tmp_path / "prefix-cache-t.md").read_text()
