@@ -16,7 +16,11 @@ import torch
 
 
 def _cat(values) -> torch.Tensor:
-    return torch.cat([v.reshape(-1) for v in values]) if values else torch.zeros(0, dtype=torch.int64)
+    return (
+        torch.cat([v.reshape(-1) for v in values])
+        if values
+        else torch.zeros(0, dtype=torch.int64)
+    )
 
 
 def apply_admission(memory, plan, rows: dict) -> None:
@@ -38,11 +42,20 @@ def cache_prefill(memory, scheduler, chunks, rows: dict) -> None:
         remap = scheduler.cache_prefill(c.rid, c.end, memory.row_slots(row, c.end))
         if remap is not None:
             memory.free_row_range(row, remap.start, remap.stop)
-            memory.set_row_slots(row, remap.start, _cat(remap.values)[remap.start:remap.stop])
+            memory.set_row_slots(
+                row, remap.start, _cat(remap.values)[remap.start : remap.stop]
+            )
 
 
-def release_request(memory, scheduler, rid: str, row: int | None, token_ids: list[int],
-                    num_cached: int, failed: bool = False) -> None:
+def release_request(
+    memory,
+    scheduler,
+    rid: str,
+    row: int | None,
+    token_ids: list[int],
+    num_cached: int,
+    failed: bool = False,
+) -> None:
     """End request ``rid`` in the scheduler and the pools. Its tokens with K/V (the first
     ``num_cached`` of ``token_ids``, prompt then output) stay in the cache unless ``failed`` (a
     step raised: its row may hold slots past ``num_cached`` and their contents are suspect)."""
@@ -55,7 +68,9 @@ def release_request(memory, scheduler, rid: str, row: int | None, token_ids: lis
         memory.release_row(row, start=shared)
         return
     n = min(num_cached, len(token_ids))
-    shared, dup_start, dup_stop = scheduler.cache_finished(rid, token_ids[:n], memory.row_slots(row, n))
+    shared, dup_start, dup_stop = scheduler.cache_finished(
+        rid, token_ids[:n], memory.row_slots(row, n)
+    )
     memory.free_row_range(row, dup_start, dup_stop)
     scheduler.finish(rid)
     memory.release(row, num_cached, start=shared)

@@ -22,9 +22,16 @@ from collections.abc import Sequence
 
 
 class Node:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+    __slots__ = ("children", "key", "last_access", "lock_ref", "parent", "value")
 
-    def __init__(self, key: list, value, parent: "Node | None", lock_ref: int = 0, last_access: int = 0):
+    def __init__(
+        self,
+        key: list,
+        value,
+        parent: Node | None,
+        lock_ref: int = 0,
+        last_access: int = 0,
+    ):
         self.children: dict[int, Node] = {}
         self.parent = parent
         self.key = key
@@ -40,12 +47,12 @@ def common_len(a: list, b: list, start: int) -> int:
     """Length of the common prefix of lists ``a`` and ``b[start:]``: whole-slice comparisons (C
     speed), binary-searched where they differ."""
     m = min(len(a), len(b) - start)
-    if a[:m] == b[start:start + m]:
+    if a[:m] == b[start : start + m]:
         return m
     lo, hi = 0, m  # a[:lo] matches, a[:hi] does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[:mid] == b[start:start + mid]:
+        if a[:mid] == b[start : start + mid]:
             lo = mid
         else:
             hi = mid
@@ -110,7 +117,13 @@ class RadixCache:
 
     def _split(self, child: Node, n: int) -> Node:
         """Cut ``child`` after ``n`` tokens; returns the new upper part (same lock count)."""
-        top = Node(child.key[:n], child.value[:n], child.parent, child.lock_ref, child.last_access)
+        top = Node(
+            child.key[:n],
+            child.value[:n],
+            child.parent,
+            child.lock_ref,
+            child.last_access,
+        )
         child.key, child.value = child.key[n:], child.value[n:]
         child.parent = top
         top.children[child.key[0]] = child
@@ -175,7 +188,11 @@ class RadixCache:
     def evict(self, num_tokens: int) -> list:
         """Drop least-recently-used unlocked leaves until at least ``num_tokens`` tokens are freed
         (or nothing evictable is left). Returns the dropped nodes' values: the caller frees them."""
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heap = [
+            (n.last_access, id(n), n)
+            for n in self._nodes()
+            if not n.children and n.lock_ref == 0
+        ]
         heapq.heapify(heap)
         freed, out = 0, []
         while freed < num_tokens and heap:
@@ -199,12 +216,16 @@ class RadixCache:
         ev = pr = 0
         for n in self._nodes():
             assert len(n.key) == len(n.value) > 0, "empty or mismatched node"
-            assert n.parent.children.get(n.key[0]) is n, "edge key differs from the node's first token"
-            assert n.lock_ref >= sum(c.lock_ref for c in n.children.values()), \
+            assert n.parent.children.get(n.key[0]) is n, (
+                "edge key differs from the node's first token"
+            )
+            assert n.lock_ref >= sum(c.lock_ref for c in n.children.values()), (
                 "a node locked less often than its children together"
+            )
             if n.lock_ref:
                 pr += len(n)
             else:
                 ev += len(n)
-        assert (ev, pr) == (self.evictable_size, self.protected_size), \
+        assert (ev, pr) == (self.evictable_size, self.protected_size), (
             f"sizes {(self.evictable_size, self.protected_size)} != counted {(ev, pr)}"
+        )

@@ -21,7 +21,9 @@ def engine(model, overlap=False, **kw):
     kw.setdefault("max_total_tokens", 1024)
     kw.setdefault("max_running_requests", 4)
     kw.setdefault("chunked_prefill_size", 16)
-    kw.setdefault("ds_sparse_decode_threshold", 0)  # a toy model: run the sparse kernels anyway
+    kw.setdefault(
+        "ds_sparse_decode_threshold", 0
+    )  # a toy model: run the sparse kernels anyway
     e = Engine(model=model, tokenizer=ByteTokenizer(), progress=False, **kw)
     e.overlap = overlap  # CPU default is off; forced to test the GPU default's logic
     return e
@@ -60,14 +62,29 @@ def assert_empty(e):
 DOC = ids(37, 1)
 Q = [ids(n, 10 + n) for n in (5, 9, 3)]
 WAVES = [
-    [(DOC + Q[0], 6), (DOC + Q[1], 4), (DOC + Q[0], 6)],  # cold, together: one copy survives
-    [(DOC + Q[2], 5), (DOC + Q[1], 7), (DOC[:21], 4)],     # a new question, a repeat, a prefix of it
-    [(ids(30, 2), 5), (DOC + Q[0] + [7, 8], 3)],           # unrelated; a follow-up turn
+    [
+        (DOC + Q[0], 6),
+        (DOC + Q[1], 4),
+        (DOC + Q[0], 6),
+    ],  # cold, together: one copy survives
+    [
+        (DOC + Q[2], 5),
+        (DOC + Q[1], 7),
+        (DOC[:21], 4),
+    ],  # a new question, a repeat, a prefix of it
+    [(ids(30, 2), 5), (DOC + Q[0] + [7, 8], 3)],  # unrelated; a follow-up turn
 ]
 
 
-@pytest.mark.parametrize("ds,schedule,overlap", [(False, "interleave", False), (True, "interleave", True),
-                                                 (False, "cohort", True), (True, "cohort", False)])
+@pytest.mark.parametrize(
+    "ds,schedule,overlap",
+    [
+        (False, "interleave", False),
+        (True, "interleave", True),
+        (False, "cohort", True),
+        (True, "cohort", False),
+    ],
+)
 def test_shared_prefix_batches_equal_without_cache(model, ds, schedule, overlap):
     kw = {"prefill_schedule": schedule}
     if ds:
@@ -79,9 +96,13 @@ def test_shared_prefix_batches_equal_without_cache(model, ds, schedule, overlap)
     cached = [m["cached_tokens"] for _, m in got]
     # the first wave is admitted as the prefill budget allows: later ones reuse what was launched
     assert cached[0] == 0 and cached[1] % 16 == 0 and cached[2] > 0
-    assert cached[3] == 37 and cached[4] == 37 + 9 - 1  # a repeat: all but its last token
+    assert (
+        cached[3] == 37 and cached[4] == 37 + 9 - 1
+    )  # a repeat: all but its last token
     assert cached[5] == 20  # a prompt wholly cached still computes its last token
-    assert cached[6] == 0 and cached[7] >= len(DOC + Q[0])  # the first turn's prompt and output
+    assert cached[6] == 0 and cached[7] >= len(
+        DOC + Q[0]
+    )  # the first turn's prompt and output
     if ds:
         assert all(m["sparse_decode_steps"] > 0 for _, m in got)
     st = e.stats()
@@ -93,7 +114,10 @@ def test_shared_prefix_batches_equal_without_cache(model, ds, schedule, overlap)
 
 def test_prefix_ending_inside_a_prefill_chunk_skips_its_tokens(model):
     e = engine(model, chunked_prefill_size=8)
-    ref = run(engine(model, chunked_prefill_size=8, disable_radix_cache=True), [[(DOC[:21], 3)], [(DOC, 4)]])
+    ref = run(
+        engine(model, chunked_prefill_size=8, disable_radix_cache=True),
+        [[(DOC[:21], 3)], [(DOC, 4)]],
+    )
     got = run(e, [[(DOC[:21], 3)], [(DOC, 4)]])
     assert [t for t, _ in got] == [t for t, _ in ref]
     # 21 prompt tokens + 2 outputs with K/V; the prompt diverges from DOC after the 21
@@ -123,19 +147,28 @@ def test_eviction_while_another_request_holds_a_shared_node(model):
     its output, while short requests churn through the rest; admitting them evicts older cached
     prompts, never the held prefix. Then a request on DOC still reuses it."""
     held = DOC + Q[1]
-    arrivals = [[(held, 40)], [], [], [], [(ids(20, 4), 3)]] + [[]] * 5 + [[(ids(21, 5), 3)]] + \
-        [[]] * 5 + [[(ids(22, 6), 3), (DOC + Q[2], 3)]]
+    arrivals = (
+        [[(held, 40)], [], [], [], [(ids(20, 4), 3)]]
+        + [[]] * 5
+        + [[(ids(21, 5), 3)]]
+        + [[]] * 5
+        + [[(ids(22, 6), 3), (DOC + Q[2], 3)]]
+    )
     e = engine(model, max_total_tokens=120, max_running_requests=3)
     sched = e.parts.scheduler
 
     def check(rids):
-        if rids[0] in sched.running and sched.running[rids[0]].num_prefilled == len(held):
+        if rids[0] in sched.running and sched.running[rids[0]].num_prefilled == len(
+            held
+        ):
             assert sched.cache.peek(held)[0] == len(held)
 
     got = stream(e, arrivals, check)
     ref = stream(engine(model, disable_radix_cache=True), arrivals)
     assert got == ref
-    assert e.stats()["prefix_cache_evicted_tokens"] > 0, "the churn must have evicted cached prompts"
+    assert e.stats()["prefix_cache_evicted_tokens"] > 0, (
+        "the churn must have evicted cached prompts"
+    )
     assert sched.hit_tokens >= len(DOC)  # DOC + Q[2] reused DOC
     assert_empty(e)
 
@@ -151,8 +184,10 @@ def test_abort_mid_prefill_leaves_its_computed_prefix(model, overlap):
     while e.has_unfinished():
         e.step()
     assert e.parts.scheduler.cache.total_size == 16
-    (toks, meta), = run(e, [[(p, 5)]])
+    ((toks, meta),) = run(e, [[(p, 5)]])
     assert meta["cached_tokens"] == 16
-    (ref, _), = run(engine(model, chunked_prefill_size=8, disable_radix_cache=True), [[(p, 5)]])
+    ((ref, _),) = run(
+        engine(model, chunked_prefill_size=8, disable_radix_cache=True), [[(p, 5)]]
+    )
     assert toks == ref
     assert_empty(e)

@@ -18,10 +18,19 @@ def flat(pieces):
 
 
 def test_no_torch_import():
-    src = Path(__file__).resolve().parents[2] / "doublesparse" / "engine" / "radix_cache.py"
+    src = (
+        Path(__file__).resolve().parents[2]
+        / "doublesparse"
+        / "engine"
+        / "radix_cache.py"
+    )
     tree = ast.parse(src.read_text())
-    mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    mods = {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    mods |= {
+        n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+    }
     assert not any(m.split(".")[0] == "torch" for m in mods)
 
 
@@ -45,7 +54,9 @@ def test_insert_match_split_and_lock():
     assert present == 3 and leaf.key == [7, 8]
     assert c.total_size == 7 and c.evictable_size == 7
     c.lock(leaf)
-    assert c.protected_size == 5 and c.evictable_size == 2  # [1,2,3] and [7,8] locked, [4,5] not
+    assert (
+        c.protected_size == 5 and c.evictable_size == 2
+    )  # [1,2,3] and [7,8] locked, [4,5] not
     assert c.peek([1, 2, 3, 4, 6]) == (4, 1)
     c.check()
     assert flat(c.evict(100)) == vals_of(a)[3:]  # only the unlocked branch
@@ -99,7 +110,9 @@ def test_random_operations_keep_invariants():
             assert c.total_size == before - len(freed)
             inserted.clear()
         c.check()
-        for k in inserted[-3:]:  # nothing evicted since they went in: all of each is cached
+        for k in inserted[
+            -3:
+        ]:  # nothing evicted since they went in: all of each is cached
             assert c.peek(k)[0] == len(k)
     for n in locks:
         c.unlock(n)

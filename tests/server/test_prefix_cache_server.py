@@ -9,12 +9,12 @@ import time
 
 import httpx
 import pytest
+from server_utils import AUTH, KEY, Server, free_port
 
 from doublesparse import bench_serving as B
 from doublesparse.server.app import create_app
 from doublesparse.server.config import ServerConfig
 from doublesparse.testing import tiny_engine
-from server_utils import AUTH, KEY, Server, free_port
 
 
 class InProcessServer:
@@ -26,13 +26,16 @@ class InProcessServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = create_app(engine, ServerConfig(api_key=KEY))
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
         while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            assert time.time() < deadline and self.thread.is_alive(), (
+                "server did not start"
+            )
             time.sleep(0.02)
 
     health, wait_idle, metric = Server.health, Server.wait_idle, Server.metric
@@ -44,14 +47,27 @@ class InProcessServer:
 
 @pytest.fixture(scope="module")
 def srv():
-    s = InProcessServer(tiny_engine(device="cpu", max_total_tokens=3000, context_length=1024,
-                                    chunked_prefill_size=64))
+    s = InProcessServer(
+        tiny_engine(
+            device="cpu",
+            max_total_tokens=3000,
+            context_length=1024,
+            chunked_prefill_size=64,
+        )
+    )
     yield s
     s.stop()
 
 
 def generate(srv, ids, n=4):
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {
+            "max_new_tokens": n,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+    }
     r = httpx.post(srv.url + "/generate", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
@@ -59,10 +75,14 @@ def generate(srv, ids, n=4):
 
 def test_metrics_count_hits_and_flush_empties_the_pool(srv):
     doc = list(range(40, 140))
-    hit0, q0 = srv.metric("doublesparse_prefix_cache_hit_tokens_total"), \
-        srv.metric("doublesparse_prefix_cache_query_tokens_total")
+    hit0, q0 = (
+        srv.metric("doublesparse_prefix_cache_hit_tokens_total"),
+        srv.metric("doublesparse_prefix_cache_query_tokens_total"),
+    )
     a = generate(srv, doc + [5, 6, 7])
-    b = generate(srv, doc + [5, 6, 7])  # the same prompt again: same greedy tokens, from the cache
+    b = generate(
+        srv, doc + [5, 6, 7]
+    )  # the same prompt again: same greedy tokens, from the cache
     assert a["text"] == b["text"]
     srv.wait_idle()
     hit = srv.metric("doublesparse_prefix_cache_hit_tokens_total") - hit0
@@ -78,15 +98,48 @@ def test_metrics_count_hits_and_flush_empties_the_pool(srv):
 
 def test_bench_serving_shared_prefix_reports_hit_rate(srv, tmp_path):
     out = tmp_path / "gsp.json"
-    rc = B.main(["--base-url", srv.url, "--api-key", KEY, "--endpoint", "generate",
-                 "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "3",
-                 "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "150",
-                 "--gsp-question-len", "7", "--gsp-output-len", "3", "--max-concurrency", "4",
-                 "--random-token-low", "1", "--random-token-high", "250",
-                 "--result-json", str(out), "--disable-tqdm"])
+    rc = B.main(
+        [
+            "--base-url",
+            srv.url,
+            "--api-key",
+            KEY,
+            "--endpoint",
+            "generate",
+            "--dataset-name",
+            "generated-shared-prefix",
+            "--gsp-num-groups",
+            "3",
+            "--gsp-prompts-per-group",
+            "4",
+            "--gsp-system-prompt-len",
+            "150",
+            "--gsp-question-len",
+            "7",
+            "--gsp-output-len",
+            "3",
+            "--max-concurrency",
+            "4",
+            "--random-token-low",
+            "1",
+            "--random-token-high",
+            "250",
+            "--result-json",
+            str(out),
+            "--disable-tqdm",
+        ]
+    )
     assert rc == 0
     m = json.loads(out.read_text())["metrics"]
-    assert m["completed"] == 12 and m["total_prompt_tokens"] == 12 * 157 and m["output_len_mismatch"] == 0
+    assert (
+        m["completed"] == 12
+        and m["total_prompt_tokens"] == 12 * 157
+        and m["output_len_mismatch"] == 0
+    )
     # at least the 9 requests after each group's first could reuse their group's prefix
     assert 0.3 < m["prefix_cache_hit_rate"] < 1
-    assert m["ttft_cold_ms_p50"] > 0 and m["ttft_warm_ms_p50"] > 0 and m["ttft_warm_over_cold_p50"] > 0
+    assert (
+        m["ttft_cold_ms_p50"] > 0
+        and m["ttft_warm_ms_p50"] > 0
+        and m["ttft_warm_over_cold_p50"] > 0
+    )
