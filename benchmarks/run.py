@@ -36,6 +36,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is loaded
+import prefix_cache  # noqa: E402
 import speedup_map  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,6 +179,12 @@ SUITES: dict[str, dict] = {
                          f"{_MIX.replace('--endpoint generate', '--endpoint completions')} --num-prompts 20 "
                          "--result-json {out}.json", 120),
         ],
+    },
+    # Prefix cache: a shared-prefix workload with and without --disable-radix-cache, and an eviction
+    # run whose distinct prefixes exceed the pool (benchmarks/prefix_cache.py).
+    "prefix-cache": {
+        "area": "prefix-cache",
+        "rows": prefix_cache.rows(_serving_row),
     },
     # Accuracy of DS settings against dense on the embedded SmolLM2-135M: the full protocol in one
     # time-budgeted run (8 x 8K text windows, retrieval at 2K/4K/8K, attention fidelity; GPU).
@@ -390,6 +397,8 @@ def summarize(area: str, rows: dict) -> dict:
                     "bs1_120k": speedup_map.at(cs, 1, 120000), **speedup_map.accuracy(rows), "cells": cs}
         if area == "models":
             return _summary_models(rows)
+        if area == "prefix-cache":
+            return prefix_cache.summary(rows)
         if area == "soak":
             r = rows["soak"]
             return {k: r.get(k) for k in ("lost_valid", "http_5xx", "duplicates_identical", "rss_growth_pct",
@@ -493,6 +502,8 @@ def markdown(doc: dict) -> str:
                 "(counted on 8 extra eager steps), and the cache (dense: every token's KV / latent row; "
                 "DS: labels + the selected rows), over the copy bandwidth measured at start.")
         L += [note, "", *_table_models(rows), ""]
+    elif area == "prefix-cache":
+        L += [prefix_cache.NOTE, "", *prefix_cache.table(rows), ""]
     for n, d in rows.items():
         if d.get("table_md"):
             L += [f"## {n}", "", d["table_md"].strip(), ""]
@@ -525,6 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--list", action="store_true", help="list the suites and their rows")
     p.add_argument("--render", type=Path, default=None, metavar="JSON", help="rewrite the markdown of a result file")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows (and commands) of an existing result file that this run does not redo: "
+                        "a suite run in parts with --only, e.g. one device command per part")
     return p
 
 
@@ -577,9 +591,14 @@ def main(argv: list[str] | None = None) -> int:
         if r["server"] and r["server"] not in commands:
             commands.append(r["server"])
         commands.append(r["cmd"])
+    old = a.out / f"{stem}.json"
+    if a.merge and old.is_file():
+        prev = json.loads(old.read_text())
+        results = {**{k: v for k, v in prev["rows"].items() if k not in results}, **results}
+        commands = [c for c in prev["commands"] if c not in commands] + commands
     doc = {"suite": a.suite, "area": suite["area"], "commands": commands, "commit": commit, "machine": machine,
            "date": date, "summary": summarize(suite["area"], results), "rows": results}
-    if suite["area"] == "models":  # the summary names its provenance itself
+    if suite["area"] in ("models", "prefix-cache"):  # the summary names its provenance itself
         doc["summary"].update(commands=commands, date=date, device=machine, commit=commit)
     a.out.mkdir(parents=True, exist_ok=True)
     if suite["area"] == "speedup-map" and doc["summary"].get("cells"):

@@ -21,6 +21,14 @@ Latencies are client-side, from the moment a request is sent:
   ITL   every gap between consecutive token-carrying chunks, over all requests: its median is the
         typical decode step, its tail the stalls. A chunk can carry several tokens when the server
         merges events (``multi_token_chunks`` counts those).
+Shared prefixes: ``--dataset-name generated-shared-prefix`` (SGLang's workload) sends
+``--gsp-num-groups`` x ``--gsp-prompts-per-group`` prompts, each a group's random system prompt of
+``--gsp-system-prompt-len`` tokens plus its own random question of ``--gsp-question-len`` tokens, for
+``--gsp-output-len`` tokens each, in a shuffled order. The report then splits TTFT into the first
+request sent of each group (cold: its prefix is computed) and the rest (warm: a prefix cache can
+reuse it), and gives the server's prefix-cache hit rate over the run (prompt tokens found in the
+cache / prompt tokens, from its /metrics).
+
 ``--deadline`` ends the run at a wall-clock limit: nothing more is sent, requests in flight are
 cancelled (the server aborts them on disconnect), and the report covers what finished; tokens of
 the cut requests are counted separately (``*_incl_cut``).
@@ -42,7 +50,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .bench.serving_workload import Spec, build_workload
+from .bench.serving_workload import GSP, Spec, build_workload
 from .kernels.tuning import KernelTuning
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/generate"}
@@ -54,6 +62,7 @@ class Result:
     malformed: bool = False
     cancelled: bool = False     # in flight when the deadline came
     not_sent: bool = False      # the deadline came before it was sent
+    group: int | None = None    # generated-shared-prefix: the prompt's group
     status: int | None = None
     error: str | None = None
     ttft: float | None = None
@@ -149,7 +158,7 @@ async def run(args) -> dict:
             rs = await asyncio.gather(*(send(client, path, s) for s in warm))
             _say(f"warm-up: {sum(r.ok for r in rs)}/{len(rs)} ok in {time.perf_counter() - t:.1f} s")
         before = await server_counters(client)
-        results = [Result(malformed=s.malformed_kind is not None) for s in specs]
+        results = [Result(malformed=s.malformed_kind is not None, group=s.group) for s in specs]
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         rng = random.Random(args.seed + 1)
         bar = _progress(len(specs), args.disable_tqdm or args.progress_interval > 0)
@@ -189,10 +198,11 @@ async def run(args) -> dict:
         bar.close()
         after = await server_counters(client)
     out = summarize(results, duration, args.output_len if args.ignore_eos else None)
+    counters = counter_deltas(before, after)
     out.update(model=model, base_url=args.base_url, endpoint=args.endpoint, dataset=args.dataset,
                request_rate=_finite(args.request_rate), max_concurrency=args.max_concurrency,
                input_len=args.input_len, output_len=args.output_len, deadline=args.deadline,
-               server_counters=counter_deltas(before, after),
+               prefix_cache_hit_rate=hit_rate(counters), server_counters=counters,
                # per valid request in arrival order, for later analysis (e.g. first wave vs the
                # rest): [ok, ttft s, latency s, output tokens, longest gap s]
                per_request=[[r.ok, r.ttft, r.latency, r.output_tokens, max(r.itl, default=None)]
@@ -221,6 +231,14 @@ async def server_counters(client: httpx.AsyncClient) -> dict | None:
             with contextlib.suppress(ValueError):
                 out[name] = float(v)
     return out
+
+
+def hit_rate(counters: dict | None) -> float | None:
+    """Prompt tokens the server found in its prefix cache / prompt tokens it admitted, over the
+    run (None: the server exports no such counters)."""
+    c = counters or {}
+    q = c.get("prefix_cache_query_tokens")
+    return c.get("prefix_cache_hit_tokens", 0.0) / q if q else None
 
 
 def counter_deltas(before: dict | None, after: dict | None) -> dict | None:
@@ -279,6 +297,25 @@ def _dist(name: str, xs: list[float], qs=(50, 90, 99)) -> dict:
     return ms
 
 
+def cold_warm_ttft(results: list[Result]) -> dict:
+    """TTFT of the first request sent of each group (cold) and of the others (warm), p50 in ms
+    and their ratio; empty without groups."""
+    valid = [r for r in results if not r.malformed and r.group is not None]
+    if not valid:
+        return {}
+    seen: set = set()
+    cold, warm = [], []
+    for r in valid:  # in sending order
+        (warm if r.group in seen else cold).append(r)
+        seen.add(r.group)
+    c = [r.ttft for r in cold if r.ok and r.ttft is not None]
+    w = [r.ttft for r in warm if r.ok and r.ttft is not None]
+    c50, w50 = pct(c, 50), pct(w, 50)
+    return {"ttft_cold_ms_p50": None if c50 is None else c50 * 1e3,
+            "ttft_warm_ms_p50": None if w50 is None else w50 * 1e3,
+            "ttft_warm_over_cold_p50": w50 / c50 if c50 and w50 is not None else None}
+
+
 def summarize(results: list[Result], duration: float, output_len: int | None = None) -> dict:
     valid = [r for r in results if not r.malformed]
     bad = [r for r in results if r.malformed and r.finished]
@@ -304,7 +341,8 @@ def summarize(results: list[Result], duration: float, output_len: int | None = N
         "output_len_mismatch": None if output_len is None else
         sum(r.output_tokens != output_len for r in done),
         "multi_token_chunks": sum(r.multi_token_chunks for r in done),
-        **_dist("ttft", ttft, (50, 99)), **_dist("tpot", tpot), **_dist("itl", itl),
+        **_dist("ttft", ttft, (50, 99)), **cold_warm_ttft(results), **_dist("tpot", tpot),
+        **_dist("itl", itl),
         **{k.replace("latency", "e2e"): v for k, v in
            _dist("latency", [r.latency for r in done], (50, 99)).items()},
         "error_samples": sorted({r.error for r in results if r.error})[:5],
@@ -345,7 +383,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="default: the first entry of /v1/models")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--endpoint", choices=tuple(PATHS), default="completions")
-    p.add_argument("--dataset", choices=("random", "shakespeare"), default="random")
+    p.add_argument("--dataset", "--dataset-name", dest="dataset", choices=("random", "shakespeare", GSP),
+                   default="random")
+    g = p.add_argument_group(f"{GSP} (SGLang's names)")
+    g.add_argument("--gsp-num-groups", type=int, default=64, help="groups (distinct system prompts)")
+    g.add_argument("--gsp-prompts-per-group", type=int, default=16, help="questions per group")
+    g.add_argument("--gsp-system-prompt-len", type=int, default=2048, help="system prompt tokens")
+    g.add_argument("--gsp-question-len", type=int, default=128, help="question tokens")
+    g.add_argument("--gsp-output-len", type=int, default=256, help="output tokens per request")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrival rate in requests/s (inf: send all at once)")
@@ -380,6 +425,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--input-len, --output-len and --num-prompts must be >= 1")
     if args.deadline is not None and args.deadline <= 0:
         p.error("--deadline must be > 0")
+    if args.dataset == GSP:
+        if min(args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len,
+               args.gsp_question_len, args.gsp_output_len) < 1:
+            p.error("the --gsp-* values must be >= 1")
+        # the workload fixes these; the report and the length checks read them
+        args.num_prompts = args.gsp_num_groups * args.gsp_prompts_per_group
+        args.input_len = args.gsp_system_prompt_len + args.gsp_question_len
+        args.output_len = args.gsp_output_len
     return args
 
 

@@ -51,11 +51,13 @@ class SchedulerConfig:
         "cohort" (prefill-only steps until the admitted prompts are done, then their first tokens
         together; trades time to first token for time per output token). See
         :mod:`doublesparse.engine.scheduler`.
+    disable_radix_cache: no prefix cache (every prompt prefills from scratch, SGLang's flag).
     """
 
     max_running_requests: int = 64
     chunked_prefill_size: int = 4096
     prefill_schedule: str = "interleave"
+    disable_radix_cache: bool = False
 
     def __post_init__(self):
         _check_pos("max_running_requests", self.max_running_requests, allow_none=False)
@@ -107,6 +109,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 32
     disable_overlap_schedule: bool = False
+    disable_radix_cache: bool = False
     seed: int = 0
     kernel_tuning: KernelTuning = field(default_factory=KernelTuning)
 
@@ -212,7 +215,8 @@ class EngineConfig:
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_running_requests=self.resolved_max_running_requests,
                                chunked_prefill_size=self.chunked_prefill_size,
-                               prefill_schedule=self.prefill_schedule)
+                               prefill_schedule=self.prefill_schedule,
+                               disable_radix_cache=self.disable_radix_cache)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -272,6 +276,9 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
     g.add_argument("--disable-overlap-schedule", action="store_true", default=None,
                    help="process each step's tokens before launching the next (default on CUDA: "
                         "launch step n+1, then process step n's tokens while the GPU computes)")
+    g.add_argument("--disable-radix-cache", action="store_true", default=None,
+                   help="no prefix cache: every prompt prefills from scratch (default: requests "
+                        "reuse the K/V and labels of cached prefixes)")
     g.add_argument("--seed", type=int, help="sampling seed of the engine")
     g.add_argument("--kernel-tuning", dest="kernel_tuning", metavar="FILE.json", type=_kernel_tuning_file,
                    help="JSON object of kernel launch parameters overriding the defaults "

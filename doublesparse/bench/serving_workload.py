@@ -1,5 +1,7 @@
 """The request bodies of ``doublesparse.bench_serving``: random-token or Shakespeare-text prompts of a
-given length, for any of its endpoints, and malformed requests the server must refuse."""
+given length, SGLang's generated-shared-prefix workload (groups of prompts that share a long random
+system prompt, each with its own random question), for any of its endpoints, and malformed
+requests the server must refuse."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class Spec:
     body: dict | None = None
     raw: bytes | None = None
     malformed_kind: str | None = None
+    group: int | None = None        # generated-shared-prefix: the prompt's group
 
 
 def _random_prompt(rng: random.Random, n: int, args) -> list[int]:
@@ -62,9 +65,13 @@ def _malformed(rng: random.Random, base: dict, endpoint: str) -> Spec:
         Spec(raw=json.dumps(v).encode(), malformed_kind=kind)
 
 
-def _body(args, model: str, rng: random.Random, words: list[str], n_in: int, n_out: int) -> dict:
-    if args.dataset == "random" and args.endpoint != "chat":
-        prompt: list[int] | str = _random_prompt(rng, n_in, args)  # ids: exact prompt lengths
+def _body(args, model: str, rng: random.Random, words: list[str], n_in: int, n_out: int,
+          ids: list[int] | None = None) -> dict:
+    """``ids``: the prompt's token ids when the workload fixes them (sent as text words to chat)."""
+    if ids is not None:
+        prompt: list[int] | str = ids if args.endpoint != "chat" else " ".join(f"w{i}" for i in ids)
+    elif args.dataset == "random" and args.endpoint != "chat":
+        prompt = _random_prompt(rng, n_in, args)  # ids: exact prompt lengths
     else:
         prompt = _text_prompt(rng, words, n_in) if words else " ".join(
             f"w{rng.randrange(10_000)}" for _ in range(n_in))
@@ -98,10 +105,31 @@ def _words(args) -> list[str]:
     return words
 
 
+GSP = "generated-shared-prefix"
+
+
+def shared_prefix_prompts(args, rng: random.Random) -> list[tuple[int, list[int]]]:
+    """(group, prompt ids) of the generated-shared-prefix workload: ``--gsp-num-groups`` random
+    system prompts of ``--gsp-system-prompt-len`` tokens, each followed by
+    ``--gsp-prompts-per-group`` random questions of ``--gsp-question-len`` tokens, in a seeded
+    shuffled order (as SGLang sends them)."""
+    system = [_random_prompt(rng, args.gsp_system_prompt_len, args) for _ in range(args.gsp_num_groups)]
+    out = [(g, system[g] + _random_prompt(rng, args.gsp_question_len, args))
+           for g in range(args.gsp_num_groups) for _ in range(args.gsp_prompts_per_group)]
+    rng.shuffle(out)
+    return out
+
+
 def build_workload(args, model: str, n: int | None = None, n_in: int | None = None,
                    n_out: int | None = None, malformed: bool = True) -> list[Spec]:
+    """The measured requests; with ``n``/``n_in``/``n_out`` (warm-up) plain random prompts of
+    those sizes whatever the dataset."""
+    warmup = n is not None
     n = args.num_prompts if n is None else n
     rng = random.Random(args.seed if malformed else args.seed + 7)
+    gsp = shared_prefix_prompts(args, rng) if args.dataset == GSP and not warmup else None
+    if gsp is not None:
+        n = len(gsp)
     words = _words(args)
     # An exact count, not a coin per request: "10% malformed" of 20 requests is 2, never 0 (and
     # any positive fraction gives at least one).
@@ -110,6 +138,9 @@ def build_workload(args, model: str, n: int | None = None, n_in: int | None = No
     bad = set(rng.sample(range(n), n_bad))
     specs = []
     for i in range(n):
-        body = _body(args, model, rng, words, n_in or args.input_len, n_out or args.output_len)
-        specs.append(_malformed(rng, body, args.endpoint) if i in bad else Spec(body=body))
+        group, ids = gsp[i] if gsp is not None else (None, None)
+        if warmup and args.dataset == GSP:
+            ids = _random_prompt(rng, n_in or args.input_len, args)
+        body = _body(args, model, rng, words, n_in or args.input_len, n_out or args.output_len, ids)
+        specs.append(_malformed(rng, body, args.endpoint) if i in bad else Spec(body=body, group=group))
     return specs

@@ -28,6 +28,7 @@ import torch
 
 from ..attention.budget import DENSE
 from ..config import EngineConfig
+from . import prefix_cache
 from .grammar import GrammarBackend
 from .request_sampling import (LOGPROB_COLS, RequestSampling, needs_state, sample_requests,
                                unpack_logprobs)
@@ -64,6 +65,7 @@ class _Req:
     output_ids: list[int] = field(default_factory=list)
     row: int | None = None
     num_cached: int = 0            # tokens whose K/V are in the pool
+    cached_tokens: int = 0         # prompt tokens found in the prefix cache at admission
     decode_steps: int = 0
     sparse_decode_steps: int = 0
     t_first_token: float | None = None
@@ -217,7 +219,7 @@ class Engine:
             self._abort_now(self._abort_inbox.popleft())
         while self._inbox:
             req = self._inbox.popleft()
-            p.scheduler.add(req.rid, len(req.prompt_ids), req.params.max_new_tokens)
+            p.scheduler.add(req.rid, len(req.prompt_ids), req.params.max_new_tokens, req.prompt_ids)
             self._reqs[req.rid] = req
         outs, self._pending = self._pending, []
         if self._inflight is not None and any(
@@ -239,7 +241,12 @@ class Engine:
         plan = p.scheduler.schedule()
         for rid in plan.admitted:
             self._reqs[rid].row = p.memory.rows.alloc()
+        rows = {rid: r.row for rid, r in self._reqs.items() if r.row is not None}
+        prefix_cache.apply_admission(p.memory, plan, rows)
+        for hit in plan.prefix_hits:
+            self._reqs[hit.rid].num_cached = self._reqs[hit.rid].cached_tokens = hit.num_tokens
         launched = self._launch(plan)
+        prefix_cache.cache_prefill(p.memory, p.scheduler, plan.prefill, rows)
         if self.overlap:
             launched, self._inflight = self._inflight, launched
         if launched is not None:
@@ -338,6 +345,8 @@ class Engine:
                 r.error = r.error or f"engine step failed: {type(err).__name__}: {err}"
                 outs.append(self._finish(r, "error", [], release_all=True))
             self.counters["failed_steps"] += 1
+            # the failed step's K/V may be partial; cached prefixes are cheap to recompute
+            prefix_cache.flush(self.parts.memory, self.parts.scheduler)
             return outs
 
     def _collect(self, launched: _Launched) -> list[StepOutput]:
@@ -405,13 +414,10 @@ class Engine:
     def _finish(self, r: _Req, reason: str, new_ids: list[int], delta: str = "",
                 release_all: bool = False) -> StepOutput:
         r.finish_reason = reason
-        self.parts.scheduler.finish(r.rid)
-        if r.row is not None:
-            if release_all:
-                self.parts.memory.release_row(r.row)
-            else:
-                self.parts.memory.release(r.row, r.num_cached)
-            r.row = None
+        # its prompt and output stay in the prefix cache
+        prefix_cache.release_request(self.parts.memory, self.parts.scheduler, r.rid, r.row,
+                                     r.prompt_ids + r.output_ids, r.num_cached, failed=release_all)
+        r.row = None
         del self._reqs[r.rid]
         with self._lock:
             self._known.discard(r.rid)
@@ -427,7 +433,8 @@ class Engine:
         ttft = (r.t_first_token - r.t_arrival) if r.t_first_token else None
         return dict(prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.output_ids),
                     finish_reason=r.finish_reason, decode_steps=r.decode_steps,
-                    sparse_decode_steps=r.sparse_decode_steps, e2e_latency=now - r.t_arrival,
+                    sparse_decode_steps=r.sparse_decode_steps, cached_tokens=r.cached_tokens,
+                    e2e_latency=now - r.t_arrival,
                     ttft=ttft, decode_latency=(now - r.t_first_token) if r.t_first_token else 0.0,
                     text=r.detok.text, **({"error": r.error} if r.error else {}))
 
@@ -464,11 +471,25 @@ class Engine:
                      **({"logprobs": results[r]["logprobs"]} if "logprobs" in results[r] else {}))
                 for r in rids]
 
+    def flush_cache(self) -> int:
+        """Drop every cached prefix that no running request holds (all of them when idle), so
+        the pool is empty again; returns the slots freed. SGLang's ``/flush_cache``."""
+        with self._step_lock:
+            return prefix_cache.flush(self.parts.memory, self.parts.scheduler)
+
     def stats(self) -> dict:
-        p, c = self.parts, self.counters
-        return dict(running=p.scheduler.num_running, waiting=p.scheduler.num_waiting + len(self._inbox),
-                    kv_used_tokens=p.memory.slots.num_used, kv_total_tokens=p.memory.slots.size,
-                    kv_reserved_tokens=p.scheduler.reserved_tokens,
+        """``kv_used_tokens``: slots held by running requests (cached prefixes no request holds
+        count as free: admission evicts them when it needs room); ``kv_cached_tokens``: slots
+        in the prefix cache; ``prefix_cache_hit_tokens`` / ``prefix_cache_query_tokens``: prompt
+        tokens found in the cache / of all admitted prompts; ``prefix_cache_evicted_tokens``: cached
+        tokens evicted to make room."""
+        p, c, s = self.parts, self.counters, self.parts.scheduler
+        return dict(running=s.num_running, waiting=s.num_waiting + len(self._inbox),
+                    kv_used_tokens=p.memory.slots.num_used - s.evictable_tokens,
+                    kv_total_tokens=p.memory.slots.size, kv_cached_tokens=s.cached_tokens,
+                    kv_reserved_tokens=s.reserved_tokens,
+                    prefix_cache_hit_tokens=s.hit_tokens, prefix_cache_query_tokens=s.query_tokens,
+                    prefix_cache_evicted_tokens=s.evicted_tokens,
                     decode_steps=c["decode_steps"], sparse_decode_steps=c["sparse_decode_steps"],
                     prompt_tokens=c["prompt_tokens"], generation_tokens=c["generation_tokens"],
                     prefill_tokens=c["prefill_tokens"], decode_tokens=c["decode_tokens"],

@@ -223,21 +223,50 @@ class KVMemory:
             to_device(slots.to(torch.int32), self.device)
         return slots
 
-    def release(self, row: int, length: int) -> None:
-        """Free a finished request's ``length`` slots and its row."""
-        if length:
-            self.slots.free(self.req_to_token_host[row, :length].to(torch.int64))
-            self.req_to_token_host[row, :length] = 0
+    def release(self, row: int, length: int, start: int = 0) -> None:
+        """Free a finished request's slots at positions ``[start, length)`` and its row (the
+        first ``start`` belong to the prefix cache, which frees them on eviction)."""
+        if length > start:
+            self.slots.free(self.req_to_token_host[row, start:length].to(torch.int64))
+        self.req_to_token_host[row, :length] = 0
         self.rows.free(row)
 
-    def release_row(self, row: int) -> None:
-        """Free every slot recorded for ``row`` and the row itself, whatever its length: after a
-        step failed, a request may hold slots past the length the engine had counted."""
-        held = self.req_to_token_host[row].nonzero()[:, 0]
+    def release_row(self, row: int, start: int = 0) -> None:
+        """Free every slot recorded for ``row`` from position ``start`` on and the row itself,
+        whatever its length: after a step failed, a request may hold slots past the length the
+        engine had counted."""
+        held = self.req_to_token_host[row, start:].nonzero()[:, 0] + start
         if held.numel():
             self.slots.free(self.req_to_token_host[row, held].to(torch.int64))
-            self.req_to_token_host[row] = 0
+        self.req_to_token_host[row] = 0
         self.rows.free(row)
+
+    # ------------------------------------------------------------ prefix-cache row plumbing
+    def row_slots(self, row: int, end: int) -> torch.Tensor:
+        """``[end]`` int64 host copy of the slots at positions ``0 .. end-1`` of ``row``."""
+        return self.req_to_token_host[row, :end].to(torch.int64)
+
+    def set_row_slots(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Point positions ``start ..`` of ``row`` at existing slots ``[n]`` (int64, host): a
+        cached prefix, on the host and the device."""
+        n = int(slots.numel())
+        if not n:
+            return
+        s32 = slots.to(torch.int32)
+        self.req_to_token_host[row, start:start + n] = s32
+        self.req_to_token[row, start:start + n] = to_device(s32, self.device)
+
+    def free_row_range(self, row: int, start: int, stop: int) -> None:
+        """Free the slots at positions ``[start, stop)`` of ``row`` (they are about to be
+        replaced by cached ones)."""
+        if stop > start:
+            self.slots.free(self.req_to_token_host[row, start:stop].to(torch.int64))
+            self.req_to_token_host[row, start:stop] = 0
+
+    def free_values(self, values) -> None:
+        """Free slot tensors the prefix cache gave up (int64 host tensors)."""
+        if values:
+            self.slots.free(torch.cat([v.reshape(-1) for v in values]))
 
     @property
     def nbytes(self) -> int:

@@ -18,6 +18,21 @@ Policy
     their steps. Requests that arrive together get their first token together; decodes stop
     while a cohort prefills. Higher time to first token, lower and steadier time per output token.
   * ``finish`` (done or aborted) releases the reservation at once.
+
+Prefix cache (on unless ``disable_radix_cache``; :mod:`doublesparse.engine.radix_cache`)
+  * Admission matches the longest cached prefix of the prompt (at most ``prompt_len - 1`` tokens:
+    the last one is always computed, for its logits), locks it and prefills only the rest; the
+    matched tokens are not reserved again. A request reserves ``reserve - cached`` private slots;
+    admission needs them free, where cache nodes no running request holds count as free: the
+    least-recently-used ones are evicted (``StepPlan.evicted``) when the pool needs their slots.
+    Invariant: ``cache.total_size + reserved_tokens <= token_capacity``, so allocation never fails.
+  * Only tokens whose K/V are computed (launched in an earlier step) are matched: after every
+    prefill chunk the engine caches the request's prompt so far (``cache_prefill``), and a later
+    request with the same prefix (an n > 1 sibling, the next question on a document) matches it
+    from the next step on. A request admitted in the same step computes its own copy; the copy
+    that reaches the cache second is deduplicated (the engine frees its slots and points the
+    request at the cached ones).
+  * A finished request leaves its prompt and output (the tokens with K/V) in the cache.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from ..config import SchedulerConfig
+from .radix_cache import RadixCache
 
 
 class RequestRefused(ValueError):
@@ -37,8 +53,11 @@ class SchedRequest:
     rid: str
     prompt_len: int
     max_new_tokens: int
-    num_prefilled: int = 0      # prompt tokens handed to prefill so far
+    prompt_ids: list | None = None  # token ids: needed for the prefix cache (None: not cached)
+    num_prefilled: int = 0      # prompt tokens handed to prefill so far (or matched in the cache)
     state: str = "waiting"      # waiting -> prefill -> decode
+    cached: int = 0             # leading tokens held for it in the prefix cache (locked)
+    node: object = None         # the cache node ending its locked prefix
 
     @property
     def reserve(self) -> int:
@@ -61,10 +80,32 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class PrefixHit:
+    """Admitted request ``rid`` starts from ``num_tokens`` cached tokens, whose slots are the
+    concatenation of ``values`` (cache node values, in order)."""
+
+    rid: str
+    num_tokens: int
+    values: tuple
+
+
+@dataclass(frozen=True)
+class PrefixRemap:
+    """Row positions ``[start, stop)`` of a request hold duplicates of cached slots; the cached
+    ones are ``concat(values)[start:stop]`` (``values``: node values from position 0)."""
+
+    start: int
+    stop: int
+    values: tuple
+
+
+@dataclass(frozen=True)
 class StepPlan:
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[str, ...] = ()
     admitted: tuple[str, ...] = ()   # rids that got KV reserved this step (engine gives them a row)
+    prefix_hits: tuple[PrefixHit, ...] = ()
+    evicted: tuple = ()              # values of cache nodes evicted this step: the engine frees them
 
     @property
     def empty(self) -> bool:
@@ -83,7 +124,11 @@ class Scheduler:
         self.max_context_len = int(max_context_len)
         self.waiting: deque[SchedRequest] = deque()
         self.running: OrderedDict[str, SchedRequest] = OrderedDict()
-        self.reserved_tokens = 0
+        self.reserved_tokens = 0    # private slots promised to running requests (not in the cache)
+        self.cache = None if config.disable_radix_cache else RadixCache()
+        self.hit_tokens = 0         # prompt tokens admission found in the cache
+        self.query_tokens = 0       # prompt tokens of admitted requests
+        self.evicted_tokens = 0     # cached tokens evicted to make room
 
     # ---------------------------------------------------------------------------- admission
     def check(self, prompt_len: int, max_new_tokens: int) -> None:
@@ -104,15 +149,35 @@ class Scheduler:
                 f"the KV pool ({self.token_capacity} tokens); raise --max-total-tokens / "
                 "--mem-fraction-static or shorten the request")
 
-    def add(self, rid: str, prompt_len: int, max_new_tokens: int) -> None:
+    def add(self, rid: str, prompt_len: int, max_new_tokens: int, prompt_ids=None) -> None:
+        """``prompt_ids``: the prompt's token ids, for the prefix cache (without them the request
+        neither uses nor fills it)."""
         if rid in self.running or any(r.rid == rid for r in self.waiting):
             raise ValueError(f"request id {rid!r} is already scheduled")
         self.check(prompt_len, max_new_tokens)
-        self.waiting.append(SchedRequest(rid, int(prompt_len), int(max_new_tokens)))
+        if prompt_ids is not None and len(prompt_ids) != prompt_len:
+            raise ValueError(f"prompt_len {prompt_len} but {len(prompt_ids)} prompt ids")
+        ids = list(prompt_ids) if prompt_ids is not None and self.cache is not None else None
+        self.waiting.append(SchedRequest(rid, int(prompt_len), int(max_new_tokens), ids))
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cache.total_size if self.cache is not None else 0
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self.cache.evictable_size if self.cache is not None else 0
 
     @property
     def free_tokens(self) -> int:
-        return self.token_capacity - self.reserved_tokens
+        """Slots admission may promise: neither reserved nor held by a running request's prefix."""
+        return self.token_capacity - self.reserved_tokens - self.cached_tokens + self.evictable_tokens
+
+    def _peek(self, r: SchedRequest) -> tuple[int, int]:
+        """(tokens of ``r``'s prompt admission would match, how many of them are evictable now)."""
+        if r.prompt_ids is None:
+            return 0, 0
+        return self.cache.peek(r.prompt_ids[:r.prompt_len - 1])
 
     # ----------------------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
@@ -143,14 +208,34 @@ class Scheduler:
                 break
             if r.state == "prefill":
                 take(r)
+        hits: list[PrefixHit] = []
+        evicted: list = []
         while budget > 0 and self.waiting and self._fits(self.waiting[0]):
             r = self.waiting.popleft()
             r.state = "prefill"
             self.running[r.rid] = r
-            self.reserved_tokens += r.reserve
+            self._admit(r, hits, evicted)
             admitted.append(r.rid)
             take(r)
-        return StepPlan(tuple(chunks), () if hold else decode, tuple(admitted))
+        return StepPlan(tuple(chunks), () if hold else decode, tuple(admitted), tuple(hits),
+                        tuple(evicted))
+
+    def _admit(self, r: SchedRequest, hits: list, evicted: list) -> None:
+        """Lock ``r``'s cached prefix, reserve the rest, evict what the reservation needs."""
+        self.query_tokens += r.prompt_len
+        if r.prompt_ids is not None:
+            vals, node, m = self.cache.match_prefix(r.prompt_ids[:r.prompt_len - 1])
+            self.cache.lock(node)
+            r.node, r.cached, r.num_prefilled = node, m, m
+            self.hit_tokens += m
+            if m:
+                hits.append(PrefixHit(r.rid, m, tuple(vals)))
+        self.reserved_tokens += r.reserve - r.cached
+        excess = self.cached_tokens + self.reserved_tokens - self.token_capacity
+        if excess > 0:  # _fits checked that the evictable nodes cover it
+            out = self.cache.evict(excess)
+            self.evicted_tokens += sum(len(v) for v in out)
+            evicted += out
 
     def cohort_release_next(self) -> bool:
         """Whether the next plan (cohort schedule) is a release: prompts are held back at their
@@ -160,9 +245,13 @@ class Scheduler:
                 and not self._cohort_work_left())
 
     def _fits(self, r: SchedRequest, extra_running: int = 0, extra_tokens: int = 0) -> bool:
-        """Whether waiting request ``r`` can be admitted now (after ``extra_*`` more admissions)."""
-        return (len(self.running) + extra_running < self.config.max_running_requests
-                and r.reserve + extra_tokens <= self.free_tokens)
+        """Whether waiting request ``r`` can be admitted now (after ``extra_*`` more admissions;
+        an estimate then, as their own prefixes are not counted). Its matched tokens need no
+        new slots, but those in evictable nodes stop being free once it locks them."""
+        if len(self.running) + extra_running >= self.config.max_running_requests:
+            return False
+        m, unlocked = self._peek(r)
+        return r.reserve - m + extra_tokens <= self.free_tokens - unlocked
 
     def _cohort_work_left(self) -> bool:
         """Prompt work other than last tokens: of a running request, or of a waiting one that the
@@ -175,23 +264,66 @@ class Scheduler:
         for w in self.waiting:
             if not self._fits(w, n, tokens):
                 return False
-            if w.prompt_len > 1:
+            m = self._peek(w)[0]
+            if w.prompt_len - m > 1:
                 return True
-            n, tokens = n + 1, tokens + w.reserve
+            n, tokens = n + 1, tokens + w.reserve - m
         return False
 
     # ------------------------------------------------------------------------------- finish
     def finish(self, rid: str) -> str | None:
-        """Drop a finished or aborted request; returns the state it was in (None if unknown)."""
+        """Drop a finished or aborted request (after ``cache_finished``, to keep its tokens):
+        its reservation and its hold on the cache end. Returns the state it was in (None if
+        unknown)."""
         r = self.running.pop(rid, None)
         if r is not None:
-            self.reserved_tokens -= r.reserve
+            self.reserved_tokens -= r.reserve - r.cached
+            if r.node is not None:
+                self.cache.unlock(r.node)
+                r.node = None
             return r.state
         for i, w in enumerate(self.waiting):
             if w.rid == rid:
                 del self.waiting[i]
                 return "waiting"
         return None
+
+    # ------------------------------------------------------------------------- prefix cache
+    def cache_prefill(self, rid: str, end: int, values) -> PrefixRemap | None:
+        """Cache the prompt tokens ``[0, end)`` of running request ``rid`` once launched
+        (``values``: their slots, ``end`` long) and hold them for it instead of reserving them.
+        Returns where its own slots duplicate cached ones (computed meanwhile by another
+        request): the engine frees them and points the row at the cache's slots; else None."""
+        r = self.running.get(rid)
+        if r is None or r.prompt_ids is None or end <= r.cached:
+            return None
+        present, node = self.cache.insert(r.prompt_ids[:end], values)
+        start = r.cached
+        remap = None
+        if present > start:
+            pieces, node, _ = self.cache.match_prefix(r.prompt_ids[:end])
+            remap = PrefixRemap(start, present, tuple(pieces))
+        self.cache.lock(node)
+        self.cache.unlock(r.node)
+        self.reserved_tokens -= end - start
+        r.node, r.cached = node, end
+        return remap
+
+    def cache_finished(self, rid: str, token_ids: list[int], values) -> tuple[int, int, int]:
+        """Leave a finishing request's tokens with K/V (prompt and output, ``values``: their
+        slots) in the cache; call before ``finish``. Returns ``(shared, dup_start, dup_stop)``:
+        the row's first ``shared`` slots now belong to the cache, except ``[dup_start,
+        dup_stop)``, duplicates of cached slots that the caller frees with the rest."""
+        r = self.running.get(rid)
+        if r is None or r.node is None or len(token_ids) <= r.cached:
+            c = r.cached if r is not None else 0
+            return c, c, c
+        present, _ = self.cache.insert(list(token_ids), values)
+        return len(token_ids), r.cached, max(present, r.cached)
+
+    def flush_cache(self) -> list:
+        """Evict every cache node no running request holds; returns their values (to free)."""
+        return self.cache.flush() if self.cache is not None else []
 
     # -------------------------------------------------------------------------------- stats
     @property

@@ -71,6 +71,15 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
     async def metrics():
         return Response(st.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.post("/flush_cache")
+    async def flush_cache():
+        """Drop the cached prefixes no running request holds (SGLang's route)."""
+        if not hasattr(engine, "flush_cache"):
+            return {"flushed_tokens": 0}
+        n, snap = await st.worker.call(lambda eng: (eng.flush_cache(), eng.stats()))
+        st.worker.snapshot = dict(snap)  # /health and /metrics show the freed slots at once
+        return {"flushed_tokens": int(n)}
+
     def model_card() -> dict:
         return {"id": st.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "doublesparse", "max_model_len": st.max_context}

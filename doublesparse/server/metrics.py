@@ -31,6 +31,10 @@ STAT_KEYS = {
     "decode_steps": ("decode_steps_total", "decode_steps", "num_decode_steps"),
     "sparse_steps": ("decode_steps_sparse", "sparse_decode_steps", "decode_steps_sparse_total",
                      "num_sparse_decode_steps"),
+    "kv_cached": ("kv_cached_tokens",),
+    "cache_hit": ("prefix_cache_hit_tokens",),
+    "cache_query": ("prefix_cache_query_tokens",),
+    "cache_evicted": ("prefix_cache_evicted_tokens",),
 }
 
 
@@ -50,6 +54,7 @@ class _EngineCollector:
         s = self.worker.snapshot
         used, total = stat(s, "kv_used"), stat(s, "kv_total")
         steps, sparse = stat(s, "decode_steps"), stat(s, "sparse_steps")
+        hit, query = stat(s, "cache_hit"), stat(s, "cache_query")
         for name, doc, v in (
             ("num_requests_running", "Requests in the running batch", stat(s, "running")),
             ("num_requests_waiting", "Requests queued in the engine (e.g. KV pool full)",
@@ -59,6 +64,10 @@ class _EngineCollector:
             ("kv_pool_usage", "Fraction of KV pool slots in use", used / total if total else 0.0),
             ("sparse_decode_ratio", "Share of decode steps run with sparse attention",
              sparse / steps if steps else 0.0),
+            ("kv_pool_cached_tokens", "KV pool token slots held by the prefix cache (those no "
+             "running request uses count as free)", stat(s, "kv_cached")),
+            ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens "
+             "admitted, since start", hit / query if query else 0.0),
         ):
             g = GaugeMetricFamily(P + name, doc)
             g.add_metric([], v)
@@ -75,6 +84,12 @@ class _EngineCollector:
             yield info
         for name, doc, v in (("decode_steps", "Decode steps run by the engine", steps),
                              ("sparse_decode_steps", "Decode steps run with sparse attention", sparse),
+                             ("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache "
+                              "(not computed again)", hit),
+                             ("prefix_cache_query_tokens", "Prompt tokens of admitted requests "
+                              "(the hit rate's denominator)", query),
+                             ("prefix_cache_evicted_tokens", "Cached tokens evicted to make room "
+                              "for new requests", stat(s, "cache_evicted")),
                              ("engine_step_failures", "Engine steps that raised; the requests they "
                               "held ended with an error and serving went on",
                               float(self.worker.step_errors))):

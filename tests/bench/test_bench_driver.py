@@ -2,6 +2,7 @@
 argument parsers of the modules they run."""
 
 import argparse
+import json
 import importlib
 import importlib.util
 import shlex
@@ -111,3 +112,51 @@ def test_speedup_map_summary_table_and_heatmap(tmp_path):
     assert "| 32 | 2.00 (2.00) |" in md and "![speedup map](m.png)" in md
     png = bench_run.speedup_map.heatmap(s["cells"], tmp_path / "m.png", "t")
     assert png.stat().st_size > 1000
+
+
+def test_prefix_cache_summary_from_bench_serving_metrics():
+    """The prefix-cache suite's summary and table read the keys bench_serving writes."""
+    from doublesparse import bench_serving as B
+
+    def metrics(ttft_cold, ttft_warm, duration, hit, lost=0):
+        rs = [B.Result(ok=True, ttft=ttft_cold if i < 4 else ttft_warm, latency=2.0, output_tokens=8, group=i % 4)
+              for i in range(16)]
+        for r in rs[:lost]:
+            r.ok, r.error = False, "boom"
+        m = B.summarize(rs, duration, 8)
+        m.update(prefix_cache_hit_rate=hit, server_counters={"prefix_cache_evicted_tokens": 5000.0})
+        return {"metrics": m}
+
+    rows = {"disabled": metrics(3.0, 3.0, 100.0, None), "radix-cache": metrics(3.0, 0.15, 20.0, 0.9),
+            "eviction": metrics(3.0, 3.0, 50.0, 0.1, lost=1)}
+    s = bench_run.summarize("prefix-cache", rows)
+    assert s["speedup_vs_disabled"] == pytest.approx(5.0) and s["hit_rate"] == 0.9
+    assert s["ttft_warm_over_cold_p50"] == pytest.approx(0.05)
+    assert s["eviction_run_failed"] == 1 and s["eviction_run_evicted_tokens"] == 5000.0
+    doc = {"suite": "prefix-cache", "area": "prefix-cache", "machine": "GPU X", "date": "d", "commit": "c",
+           "summary": s, "rows": rows, "commands": ["x"]}
+    md = bench_run.markdown(doc)
+    assert "| radix-cache | 20.0 | 3000 | 150 | 0.050 | 0.900 |" in md
+
+
+def test_prefix_cache_suite_in_two_parts_merges(tmp_path, monkeypatch):
+    """The driver end to end on the CPU, in two parts (--only, then --merge): rows that write
+    bench_serving-shaped results, the summary with the run's commands, date, device and commit."""
+    def row(name, duration, hit):
+        m = {"duration_s": duration, "valid_requests": 8, "completed": 8, "errors": 0,
+             "ttft_warm_over_cold_p50": 0.05, "prefix_cache_hit_rate": hit, "server_counters": {}}
+        code = f"import json, sys; json.dump({{'metrics': {m!r}}}, open(sys.argv[1], 'w'))"
+        return {"name": name, "cmd": f"python -c {shlex.quote(code)} {{out}}.json", "result": "{out}.json"}
+
+    suite = {"area": "prefix-cache", "rows": [row("disabled", 90.0, None), row("radix-cache", 15.0, 0.93),
+                                              row("eviction", 40.0, 0.1)]}
+    monkeypatch.setitem(bench_run.SUITES, "prefix-cache", suite)
+    base = ["prefix-cache", "--out", str(tmp_path), "--machine", "t", "--commit", "abc"]
+    assert bench_run.main([*base, "--only", "disabled"]) == 0
+    assert bench_run.main([*base, "--only", "radix-cache", "eviction", "--merge"]) == 0
+    doc = json.loads((tmp_path / "prefix-cache-t.json").read_text())
+    s = doc["summary"]
+    assert list(doc["rows"]) == ["disabled", "radix-cache", "eviction"]
+    assert s["speedup_vs_disabled"] == pytest.approx(6.0) and s["hit_rate"] == 0.93
+    assert s["eviction_run_failed"] == 0 and s["commit"] == "abc" and s["device"] and s["date"]
+    assert len(s["commands"]) == 3 and "| radix-cache | 15.0 |" in (tmp_path / "prefix-cache-t.md").read_text()

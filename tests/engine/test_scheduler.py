@@ -270,3 +270,172 @@ def test_cohort_release_next():
     i.add("a", 30, 2)
     i.schedule()
     assert not i.cohort_release_next()          # interleave: never
+
+
+# ------------------------------------------------------------------------------ prefix cache
+class Pool:
+    """The engine's side of the scheduler's decisions on a fake pool of slots 1..cap (what
+    engine/prefix_cache.py does on KVMemory): checks that no allocation ever fails and that every
+    slot is accounted for (free, cached or privately held) after each step."""
+
+    def __init__(self, s, prompts, max_new):
+        self.s, self.prompts, self.max_new = s, prompts, max_new
+        self.free = list(range(1, s.token_capacity + 1))
+        self.rows, self.out = {}, {}
+
+    def alloc(self, n):
+        assert len(self.free) >= n, "the scheduler promised slots the pool does not have"
+        got, self.free = self.free[:n], self.free[n:]
+        return got
+
+    def tokens(self, rid):  # greedy and deterministic: identical prompts give identical outputs
+        p = self.prompts[rid]
+        return p + [(sum(p) * 7 + i) % 50 for i in range(self.out[rid])]
+
+    def step(self):
+        s = self.s
+        plan = s.schedule()
+        for v in plan.evicted:
+            self.free += list(v)
+        for rid in plan.admitted:
+            self.rows[rid], self.out[rid] = [], 0
+        for h in plan.prefix_hits:
+            self.rows[h.rid] = [v for piece in h.values for v in piece]
+        for c in plan.prefill:
+            assert len(self.rows[c.rid]) == c.start
+            self.rows[c.rid] += self.alloc(c.num_tokens)
+            self.out[c.rid] += c.last
+        for rid in plan.decode:
+            self.rows[rid] += self.alloc(1)
+            self.out[rid] += 1
+        for c in plan.prefill:
+            remap = s.cache_prefill(c.rid, c.end, list(self.rows[c.rid][: c.end]))
+            if remap is not None:
+                row = self.rows[c.rid]
+                self.free += row[remap.start : remap.stop]
+                row[remap.start : remap.stop] = [v for p in remap.values for v in p][remap.start : remap.stop]
+        for rid in [r for r, n in self.out.items() if n == self.max_new]:
+            self.end(rid)
+        self.check()
+        return plan
+
+    def end(self, rid):
+        s, row = self.s, self.rows.pop(rid, None)
+        if row is None:
+            s.finish(rid)
+            return
+        n = len(row)
+        shared, a, b = s.cache_finished(rid, self.tokens(rid)[:n], row)
+        s.finish(rid)
+        self.free += row[a:b] + row[shared:]
+        del self.out[rid]
+
+    def check(self):
+        s = self.s
+        s.cache.check()
+        private = sum(len(r) - s.running[rid].cached for rid, r in self.rows.items())
+        assert len(self.free) + s.cached_tokens + private == s.token_capacity
+        assert s.cached_tokens + s.reserved_tokens <= s.token_capacity
+        assert len(set(self.free)) == len(self.free)
+
+    def run(self, max_steps=2000):
+        for _ in range(max_steps):
+            if not self.s.has_unfinished():
+                break
+            self.step()
+        assert not self.s.has_unfinished()
+        for v in self.s.flush_cache():
+            self.free += list(v)
+        assert sorted(self.free) == list(range(1, self.s.token_capacity + 1))
+
+
+def test_prefix_hit_skips_cached_tokens_and_reserves_the_rest():
+    s = make(cap=100, chunk=64)
+    doc = list(range(1, 31))
+    pool = Pool(s, {"a": doc + [40, 41], "b": doc + [50, 51, 52], "c": doc + [40, 41]}, max_new=3)
+    s.add("a", 32, 3, pool.prompts["a"])
+    while s.has_unfinished():
+        pool.step()
+    s.add("b", 33, 3, pool.prompts["b"])
+    p = pool.step()
+    assert p.prefix_hits[0].num_tokens == 30 and chunks(p) == [("b", 30, 33, True)]
+    # matched tokens were never reserved, and once launched the rest of the prompt is cached too
+    assert s.reserved_tokens == 3 and s.hit_tokens == 30
+    s.add("c", 32, 3, pool.prompts["c"])  # identical to "a": all but the last prompt token
+    p = pool.step()
+    assert p.prefix_hits[0].num_tokens == 31 and chunks(p) == [("c", 31, 32, True)]
+    pool.run()
+    assert (s.hit_tokens, s.query_tokens) == (61, 97)
+
+
+def test_same_prompt_admitted_together_is_deduplicated():
+    s = make(cap=200, chunk=16)
+    p = list(range(3, 40))
+    pool = Pool(s, {"x": p, "y": p}, max_new=2)
+    s.add("x", len(p), 2, p)
+    s.add("y", len(p), 2, p)
+    plan = pool.step()
+    assert plan.prefix_hits == ()
+    pool.run()
+
+
+def test_eviction_makes_room_but_spares_held_prefixes():
+    s = make(cap=60, chunk=64)
+    shared = [9] * 20
+    prompts = {"a": shared + [1] * 10, "b": [2] * 25, "c": shared + [3] * 10, "d": [4] * 30}
+    pool = Pool(s, prompts, max_new=2)
+    for rid in ("a", "b"):
+        s.add(rid, len(prompts[rid]), 2, prompts[rid])
+        while s.has_unfinished():
+            pool.step()
+    assert s.cached_tokens == 30 + 25 + 2 and s.evictable_tokens == s.cached_tokens
+    s.add("c", 30, 20, prompts["c"])  # holds the shared 20; needs 30 more slots
+    p = pool.step()
+    assert p.prefix_hits[0].num_tokens == 20 and p.evicted  # b's and a's tail go, not the shared part
+    assert s.cache.peek(shared)[0] == 20
+    s.add("d", 30, 2, prompts["d"])  # does not fit while c runs: waits, nothing lost
+    p = pool.step()
+    assert "d" not in p.admitted and s.num_waiting == 1
+    pool.run()
+
+
+@pytest.mark.parametrize("schedule", ["interleave", "cohort"])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_shared_prefix_workload(seed, schedule):
+    """Groups of prompts sharing documents, a pool several times too small for all of them, aborts:
+    the fake pool never runs dry, every slot is accounted for every step, all free at the end."""
+    import random
+
+    rng = random.Random(seed)
+    s = Scheduler(SchedulerConfig(max_running_requests=4, chunked_prefill_size=rng.choice([7, 16, 40]),
+                                  prefill_schedule=schedule), 120, 100)
+    docs = [[rng.randrange(1, 50) for _ in range(rng.randrange(5, 50))] for _ in range(5)]
+    prompts = {}
+    for i in range(40):
+        d = rng.choice(docs)
+        prompts[str(i)] = d[: rng.randrange(1, len(d) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(0, 8))]
+    pool = Pool(s, prompts, max_new=3)
+    pending = list(prompts)
+    for _ in range(3000):
+        for _ in range(rng.randrange(3)):
+            if pending:
+                rid = pending.pop(0)
+                s.add(rid, len(prompts[rid]), 3, prompts[rid])
+        if rng.random() < 0.05 and (s.running or s.waiting):
+            victim = rng.choice([*s.running, *(w.rid for w in s.waiting)])
+            pool.end(victim)  # abort: mid-prefill or mid-decode, its computed tokens stay cached
+            pool.check()
+        if not pending and not s.has_unfinished():
+            break
+        pool.step()
+    pool.run()
+    assert s.hit_tokens > 0
+
+
+def test_disabled_cache_ignores_ids():
+    s = Scheduler(SchedulerConfig(disable_radix_cache=True), 100, 100)
+    s.add("a", 5, 2, [1, 2, 3, 4, 5])
+    s.schedule()
+    assert s.cache is None and s.cache_prefill("a", 5, [1, 2, 3, 4, 5]) is None
+    assert s.cache_finished("a", [1, 2, 3, 4, 5], [1, 2, 3, 4, 5]) == (0, 0, 0)
+    assert s.finish("a") == "decode" and s.flush_cache() == [] and s.reserved_tokens == 0
