@@ -54,7 +54,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         return importlib.import_module(module).build_parser().parse_args(args)
     if module == "doublesparse.launch_server":
         return importlib.import_module("doublesparse.server.cli").build_parser().parse_args(args)
-    if module == "doublesparse.bench.attention":
+    if module in ("doublesparse.bench.attention", "doublesparse.bench.sampling"):
         return _parse_with_main(module, args)
     raise AssertionError(f"no parser known for {module}")
 
