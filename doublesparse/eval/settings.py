@@ -128,7 +128,7 @@ def default_setting(head_dim: int = 64, max_context: int | None = None) -> Setti
     cfg = EngineConfig()
     sink, recent = cfg.sink_recent(1 << 20)  # unscaled values; Setting.sink_recent scales them
     b = cfg.token_budget(max_context or (1 << 30))
-    return Setting("ds", cfg.ds_heavy_channel_type, cfg.ds_selection_mode, cfg.heavy_channel_num(head_dim),
+    return Setting("ds", cfg.ds_heavy_channel_type, cfg.selection_mode_fallback, cfg.heavy_channel_num(head_dim),
                    cfg.ds_heavy_token_ratio, num_sink=sink, num_recent=recent, k_min=b.k_min,
                    k_max=b.k_max if max_context else 0)
 
