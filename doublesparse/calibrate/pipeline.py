@@ -14,7 +14,9 @@ from .channels import stats_to_config
 from .recall import (
     CANDIDATES,
     POSITIONS_PER_WINDOW,
+    REFERENCE_MODE,
     REFERENCE_RATIO,
+    REL_MARGIN,
     KeepQK,
     choose_modes,
     decode_positions,
@@ -33,7 +35,7 @@ RECALL = ("attention mass (dense softmax) on the tokens the mode selects at k = 
 
 def build_config(model, tokenizer, texts: list[str], num_samples: int, seq_len: int, device="cpu",
                  progress: bool = True, cpu_threads: int = 0, recall_samples: int = RECALL_SAMPLES,
-                 candidates=CANDIDATES, margin: float = 0.0, meta: dict[str, Any] | None = None) -> dict:
+                 candidates=CANDIDATES, rel_margin: float = REL_MARGIN, meta: dict[str, Any] | None = None) -> dict:
     """Calibrate ``model`` on ``num_samples`` windows of ``seq_len`` tokens of the concatenated
     texts and return the channel-config dict: rankings, per-layer ``ds_mode`` keys chosen from
     the measured recall (``recall_samples`` of the windows; 0: no modes recorded) and the meta
@@ -61,7 +63,7 @@ def build_config(model, tokenizer, texts: list[str], num_samples: int, seq_len: 
     }
     info.update(meta or {})
     if keeper is not None:
-        info["selection"] = _select(keeper, stats_to_config(stats, {}), c, positions, candidates, margin)
+        info["selection"] = _select(keeper, stats_to_config(stats, {}), c, positions, candidates, rel_margin)
     info["seconds"] = round(time.perf_counter() - t0, 1)
     info["threads_per_sample"] = [int(n) for n in stats.get("threads", [])]
     cfg = stats_to_config(stats, info)
@@ -72,15 +74,16 @@ def build_config(model, tokenizer, texts: list[str], num_samples: int, seq_len: 
     return cfg
 
 
-def _select(keeper: KeepQK, cfg: dict, model_config, positions, candidates, margin: float) -> dict:
+def _select(keeper: KeepQK, cfg: dict, model_config, positions, candidates, rel_margin: float) -> dict:
     """Recall of every mode with the calibrated channels, and the chosen mode per layer."""
     measured = measure_recall(keeper.windows, cfg, model_config, positions, modes=MODES)
-    choice = choose_modes(measured["recall"], candidates, margin)
+    choice = choose_modes(measured["recall"], candidates, rel_margin=rel_margin)
     rec = measured["recall"]
     chosen = [rec[m][i] for i, m in enumerate(choice["per_layer"])]
     return {"recall_definition": RECALL, "reference_ratio": REFERENCE_RATIO,
             "recall_samples": len(keeper.windows), "positions_per_window": len(positions),
-            "candidates": list(candidates), "margin": margin, "model_best": choice["model_best"],
+            "candidates": list(candidates), "reference_mode": REFERENCE_MODE,
+            "rel_margin": rel_margin, "model_mode": choice["model_mode"],
             "per_layer": choice["per_layer"],
             "recall_mean": {m: round(sum(v) / len(v), 5) for m, v in rec.items()},
             "recall_chosen_mean": round(sum(chosen) / len(chosen), 5),

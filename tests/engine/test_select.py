@@ -67,6 +67,11 @@ def test_recorded_modes_reach_each_layer(model, tmp_path, monkeypatch):
     assert torch.equal(e.parts.backend.channels.long().cpu(), want)
     e.generate([list(range(40, 90))], {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True})
     assert seen[:4] == modes * 2
+    # bytes per step: the per_head layer reads Hq rows of K/V, the group_sum layer Hkv rows
+    plan, n, k = e.parts.memory.plan, 200, 16
+    row = 2 * plan.head_dim * plan.kv_dtype.itemsize * k
+    want = n * plan.label_bytes_per_token + row * (model.config.num_q_heads + model.config.num_kv_heads)
+    assert e.parts.backend.decode_bytes([n]) == want
     # an explicit mode overrides the recorded ones, on every layer
     seen.clear()
     e = engine(model, ds_channel_config_path=str(p), ds_heavy_token_num=16, ds_selection_mode="group_max")
