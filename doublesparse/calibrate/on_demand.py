@@ -111,6 +111,8 @@ def ensure_config(model, tokenizer, model_file: str | Path | None, progress: boo
         cfg = build_config(model, tokenizer, texts, NUM_SAMPLES, seq_len, device, progress=progress, meta=meta)
     finally:
         model.train(was_training)
+        if device.type == "cuda":  # the engine sized its KV pool before: hand the activations back
+            torch.cuda.empty_cache()
     tmp = save_config(cfg, path.with_name(path.name + f".{os.getpid()}.tmp"))
     os.replace(tmp, path)  # another process calibrating the same model writes the same content
     return path

@@ -123,7 +123,7 @@ def ds_params(cfg: EngineConfig, plan: MemoryPlan, num_q_heads: int, device: tor
                       selected_bytes_per_token=2 * rows * plan.head_dim * plan.kv_dtype.itemsize,
                       bandwidth=bandwidth, sparse_step_overhead_s=per_layer * plan.num_layers)
     policy = DecodePolicy(budget, cfg.ds_sparse_decode_threshold, cost)
-    main = max(set(modes), key=modes.count)
+    main = max(dict.fromkeys(modes), key=modes.count)  # the most common; ties: the first layer's
     return DSParams(budget.k_max, main, cfg.ds_sparse_decode_threshold,
                     *cfg.sink_recent(budget.k_min), batch_parts=cfg.ds_batch_parts or 0, policy=policy,
                     layer_modes=modes if len(set(modes)) > 1 else ())
