@@ -113,7 +113,7 @@ class Position:
         """Mass on the tokens ``mode`` selects from labels of ``channels`` ``[Hkv, r]``: ``[P, Hkv, G]``."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        P, hkv, G, D = self.qg.shape
+        P, hkv, G, _ = self.qg.shape
         ch = channels.long().to(self.k.device)
         r = ch.shape[-1]
         qh = self.qg.gather(3, ch[None, :, None, :].expand(P, hkv, G, r))
