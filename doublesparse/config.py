@@ -21,6 +21,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 CHANNEL_TYPES = ("q", "k", "qk")
 SELECTION_MODES = ("per_head", "group_sum", "group_max")
+# "auto": each layer's mode as its channel config records it (calibration measures it), else this one
+DEFAULT_SELECTION_MODE = "group_max"
+SELECTION_MODE_CHOICES = ("auto",) + SELECTION_MODES
 LABEL_DTYPES = ("bf16", "fp8")
 PREFILL_SCHEDULES = ("interleave", "cohort")
 CPU_DEFAULT_TOTAL_TOKENS = 65536  # no device memory to measure on CPU: a sane fixed pool
@@ -96,7 +99,7 @@ class EngineConfig:
     ds_heavy_token_min: int = 512
     ds_heavy_token_max: int | None = None
     ds_sparse_decode_threshold: int | None = None
-    ds_selection_mode: str = "group_max"
+    ds_selection_mode: str = "auto"
     ds_label_dtype: str = "bf16"
     ds_num_sink: int | None = None
     ds_num_recent: int | None = None
@@ -118,7 +121,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES, allow_none=True)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS, allow_none=True)
         _check_choice("ds_heavy_channel_type", self.ds_heavy_channel_type, CHANNEL_TYPES)
-        _check_choice("ds_selection_mode", self.ds_selection_mode, SELECTION_MODES)
+        _check_choice("ds_selection_mode", self.ds_selection_mode, SELECTION_MODE_CHOICES)
         _check_choice("ds_label_dtype", self.ds_label_dtype, LABEL_DTYPES)
         _check_choice("prefill_schedule", self.prefill_schedule, PREFILL_SCHEDULES)
         for name in ("ds_heavy_channel_num", "ds_heavy_token_num", "max_total_tokens",
@@ -179,6 +182,13 @@ class EngineConfig:
         return (self.resolved_device.startswith("cuda") and not self.disable_cuda_graph
                 and self.attention_backend != "torch")
 
+    @property
+    def selection_mode_fallback(self) -> str:
+        """The selection mode of a layer whose channel config records none: the explicit
+        ``ds_selection_mode``, or for "auto" :data:`DEFAULT_SELECTION_MODE`. (An explicit mode
+        also overrides every recorded one.)"""
+        return DEFAULT_SELECTION_MODE if self.ds_selection_mode == "auto" else self.ds_selection_mode
+
     def heavy_channel_num(self, head_dim: int) -> int:
         # 16 label channels (head_dim / 4 for 64-dim heads, / 8 for 128): labels are the larger
         # part of a sparse step's bytes, and more k buys more accuracy than more r at equal bytes
@@ -238,7 +248,10 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
                    help="default: double_sparsity with --enable-double-sparsity, else dense")
     g.add_argument("--enable-double-sparsity", action=argparse.BooleanOptionalAction, default=None,
                    help="Double Sparsity decode (--no-enable-double-sparsity to turn it off)")
-    g.add_argument("--ds-channel-config-path", help="channel config JSON (default: packaged or weight-based)")
+    g.add_argument("--ds-channel-config-path",
+                   help="channel config JSON, or auto: calibrate once on the packaged text and cache the "
+                        "config under the user cache, keyed by the model file's hash (default: the "
+                        "packaged config for the model, else weight-based channels, reported as uncalibrated)")
     g.add_argument("--ds-heavy-channel-num", type=int, help="label channels r (default min(16, head_dim // 4))")
     g.add_argument("--ds-heavy-token-num", type=int,
                    help="a fixed top-k for every request (default: per request, see the ratio)")
@@ -252,7 +265,10 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
                    help="auto (default): decode a step sparsely when a cost model of the bytes and "
                         "fixed launch time of each path says it wins; N: sparsely for requests of at "
                         "least N tokens (and more than their k)")
-    g.add_argument("--ds-selection-mode", choices=SELECTION_MODES)
+    g.add_argument("--ds-selection-mode", choices=SELECTION_MODE_CHOICES,
+                   help="auto (default): each layer's mode as the channel config records it (chosen by "
+                        "calibration from measured attention recall), else group_max; a mode: that one "
+                        "for every layer")
     g.add_argument("--ds-label-dtype", choices=LABEL_DTYPES)
     g.add_argument("--ds-num-sink", type=int, help="first tokens always selected (default: 4, at most k/8)")
     g.add_argument("--ds-num-recent", type=int, help="last tokens always selected (default: 32, at most k/4)")

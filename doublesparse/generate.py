@@ -106,6 +106,9 @@ def _main(argv: list[str]) -> int:
     ds = ("Double Sparsity off (dense decode)" if not st["double_sparsity"] else
           f"sparse decode steps: {m['sparse_decode_steps']}/{n_dec} ({st['decode_policy']}; "
           f"r={st['heavy_channel_num']} channels, {st['channel_source']})")
+    if st["double_sparsity"] and st.get("channels_calibrated") is False:
+        ds += ("\n  no calibrated channel config: weight-based channels lose accuracy on some models "
+               "(--ds-channel-config-path auto calibrates once and caches the config)")
     if st["double_sparsity"] and n_dec and m["sparse_decode_steps"] < n_dec:
         ds += ("\n  a step decodes densely when its requests are no longer than their k, or when the "
                "bytes sparse decode would save take less time than its extra launches add "

@@ -39,7 +39,8 @@ AUTO_PARTS_MIN_BATCH = 16
 class DSParams:
     """heavy_token_num: the largest k of any request (the workspace's size). policy: each
     request's k and the dense/sparse choice; None: the fixed k = heavy_token_num for requests of
-    at least ``threshold`` tokens (None there too: every request longer than k)."""
+    at least ``threshold`` tokens (None there too: every request longer than k). layer_modes:
+    each layer's selection mode (calibrated per layer), or empty: ``mode`` for every layer."""
 
     heavy_token_num: int
     mode: str = "group_max"
@@ -48,6 +49,10 @@ class DSParams:
     num_recent: int = 0
     batch_parts: int = 0  # 0 = auto (see the module docstring)
     policy: DecodePolicy | None = None
+    layer_modes: tuple[str, ...] = ()
+
+    def mode_of(self, layer_id: int) -> str:
+        return self.layer_modes[layer_id] if self.layer_modes else self.mode
 
     def __post_init__(self):
         if self.policy is None:
@@ -135,7 +140,7 @@ class DoubleSparsityBackend(AttentionBackend):
             ks = row_budgets(d, seq_lens, self._dense)
         return ops.ds_decode(q, m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id],
                              self.channels[layer_id], m.req_to_token, req_idx, seq_lens,
-                             self.sm_scale, ks, d.heavy_token_num, d.mode,
+                             self.sm_scale, ks, d.heavy_token_num, d.mode_of(layer_id),
                              d.num_sink, d.num_recent, ws=ws, out=out, impl=self.impl, tuning=self.tuning)
 
     def _side_streams(self, n, device):
@@ -150,8 +155,9 @@ class DoubleSparsityBackend(AttentionBackend):
     def decode_bytes(self, seq_lens_host) -> int:
         """Labels of every cached token + K/V of the selected ones (dense rows: all K/V)."""
         p = self.memory.plan
-        rows_sel = self.num_q_heads if self.ds.mode == "per_head" else p.num_kv_heads
-        sel_kv = (1 if p.latent else 2) * p.num_layers * rows_sel * p.head_dim * p.kv_dtype.itemsize
+        rows_sel = sum(self.num_q_heads if self.ds.mode_of(i) == "per_head" else p.num_kv_heads
+                       for i in range(p.num_layers))
+        sel_kv = (1 if p.latent else 2) * rows_sel * p.head_dim * p.kv_dtype.itemsize
         total = 0
         for n, k in zip(seq_lens_host, self.decode_plan(seq_lens_host)[0]):
             if k != DENSE:

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from ..engine.channel_config import (CHANNEL_TYPES, FORMAT_VERSION, META_KEY, MODES, group_ranking,
-                                     layer_key, load_channels, packaged_config_path, parse_channels,
-                                     rank, rank_weights, read_config, save_config)
+                                     layer_key, load_channels, mode_key, packaged_config_path,
+                                     parse_channels, rank, rank_weights, read_config, recorded_modes,
+                                     save_config)
 from ..engine.weight_channels import default_channels
 
 
@@ -35,6 +36,7 @@ def stats_to_config(stats: dict[str, torch.Tensor], meta: dict[str, Any]) -> dic
     return cfg
 
 
-__all__ = ["CHANNEL_TYPES", "MODES", "META_KEY", "layer_key", "packaged_config_path", "rank",
+__all__ = ["CHANNEL_TYPES", "MODES", "META_KEY", "layer_key", "mode_key", "recorded_modes",
+           "packaged_config_path", "rank",
            "rank_weights", "group_ranking", "stats_to_config", "save_config", "read_config",
            "parse_channels", "load_channels", "default_channels"]

@@ -1,7 +1,8 @@
 """``doublesparse calibrate``: rank each layer's head channels on real text, write a channel config.
 
     python -m doublesparse.calibrate [--output cfg.json] [--model-path P] [--text FILE ...]
-        [--num-samples 12] [--seq-len 2048] [--device cpu] [--cpu-threads 0]
+        [--num-samples 12] [--seq-len 2048] [--device cpu] [--cpu-threads 0] [--recall-samples 4]
+        [--modes group_sum group_max]
 
 Without ``--output`` the config goes to ``doublesparse-calibrate/<model>-<date>-<time>.json`` in the
 current directory; the path is printed. ``--ds-channel-config-path`` of ``generate``/``serve`` reads it.
@@ -25,11 +26,10 @@ from doublesparse.cli_common import (
     run_main,
 )
 
-from .channels import save_config, stats_to_config
-from .stats import collect_stats, sample_windows
-from .texts import CALIBRATION_PLAYS, encode, read_texts, text_hash
-
-STATISTIC = "mean over tokens of |q|, |k|, |q*k| per channel, post-RoPE (k repeated over its group)"
+from .channels import META_KEY, MODES, save_config
+from .pipeline import RECALL_SAMPLES, build_config
+from .recall import CANDIDATES
+from .texts import CALIBRATION_PLAYS, read_texts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,20 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-threads", type=nonnegative_int, default=0,
                    help="intra-op threads; 0 (default): per sample, whichever of torch's count and 1 "
                         "measured faster (on a shared machine 1 thread often wins)")
+    p.add_argument("--recall-samples", type=nonnegative_int, default=RECALL_SAMPLES,
+                   help="windows on which each selection mode's attention recall is measured to choose "
+                        "every layer's mode (0: record no modes)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(CANDIDATES),
+                   help="selection modes a layer may get (default: the two that read the same bytes; "
+                        "per_head reads num_q_heads / num_kv_heads times the K/V)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
-
-
-def calibrate(model, tokenizer, texts: list[str], num_samples: int, seq_len: int, device="cpu",
-              progress: bool = True, cpu_threads: int = 0) -> dict:
-    """Statistics over ``num_samples`` windows of ``seq_len`` tokens of the concatenated texts."""
-    ids: list[int] = []
-    for t in texts:
-        ids += encode(tokenizer, t)
-    windows = sample_windows(ids, num_samples, seq_len)
-    stats = collect_stats(model, windows, device=device, progress=progress, cpu_threads=cpu_threads)
-    stats["text_tokens"] = len(ids)
-    return stats
 
 
 def run(args, model=None, tokenizer=None, argv_for_meta=None) -> dict:
@@ -73,31 +67,27 @@ def run(args, model=None, tokenizer=None, argv_for_meta=None) -> dict:
     if hasattr(model, "eval"):
         model.eval()
     texts = read_texts(args.text)
-    t0 = time.perf_counter()
-    stats = calibrate(model, tokenizer, texts, args.num_samples, args.seq_len, args.device,
-                      progress=not args.quiet, cpu_threads=getattr(args, "cpu_threads", 0))
-    elapsed = time.perf_counter() - t0
-    c = model.config
     meta = {
-        "model": getattr(c, "name", None),
-        "num_layers": int(c.num_layers), "num_q_heads": int(c.num_q_heads),
-        "num_kv_heads": int(c.num_kv_heads), "head_dim": int(c.head_dim),
-        "statistic": STATISTIC,
-        "group_aggregates": {"_kv": "sum over the KV head's query heads", "_kvmax": "max over them"},
         "texts": [str(t) for t in args.text] if args.text else list(CALIBRATION_PLAYS),
-        "text_sha256_16": text_hash(texts), "text_tokens": int(stats["text_tokens"]),
-        "num_samples": args.num_samples, "seq_len": args.seq_len,
-        "tokens_per_layer": int(stats["tokens"][0]),
         "tool": f"doublesparse {doublesparse.__version__}",
         "command": "doublesparse calibrate " + " ".join(shlex.quote(a) for a in (argv_for_meta or [])),
-        "device": str(args.device), "seconds": round(elapsed, 1),
-        "threads_per_sample": [int(n) for n in stats.get("threads", [])],
+        "device": str(args.device),
     }
-    cfg = stats_to_config(stats, meta)
+    cfg = build_config(model, tokenizer, texts, args.num_samples, args.seq_len, args.device,
+                       progress=not args.quiet, cpu_threads=getattr(args, "cpu_threads", 0),
+                       recall_samples=getattr(args, "recall_samples", RECALL_SAMPLES),
+                       candidates=tuple(getattr(args, "modes", None) or CANDIDATES), meta=meta)
     if args.output is None:
-        args.output = str(default_output(meta["model"]))
+        args.output = str(default_output(cfg[META_KEY]["model"]))
     save_config(cfg, args.output)
-    print(f"calibrated {meta['model']} on {meta['tokens_per_layer']} tokens in {elapsed:.1f}s "
+    m = cfg[META_KEY]
+    sel = m.get("selection")
+    if sel:
+        counts = {k: sel["per_layer"].count(k) for k in dict.fromkeys(sel["per_layer"])}
+        print("selection modes: " + ", ".join(f"{k} x{n}" for k, n in counts.items())
+              + "; mean recall " + ", ".join(f"{k} {v:.4f}" for k, v in sel["recall_mean"].items())
+              + f", chosen {sel['recall_chosen_mean']:.4f}", file=sys.stderr)
+    print(f"calibrated {m['model']} on {m['tokens_per_layer']} tokens in {m['seconds']:.1f}s "
           f"-> {Path(args.output)}", file=sys.stderr)
     return cfg
 

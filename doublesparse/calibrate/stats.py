@@ -123,20 +123,28 @@ def sample_windows(ids: list[int], num_samples: int, seq_len: int) -> list[list[
 
 @torch.inference_mode()
 def collect_stats(model, windows: list[list[int]], device="cpu", progress: bool = True,
-                  cpu_threads: int = 0) -> dict:
+                  cpu_threads: int = 0, keep=None) -> dict:
     """Run every window through ``model`` with a :class:`StatsAttention` and return its means.
 
     ``cpu_threads``: intra-op threads; 0 = choose per sample from measured times (see
     :mod:`.threads`). The result's "threads" lists the count each sample ran with.
+    ``keep``: optional ``(recorder, window indices)``, a :class:`~.recall.KeepQK` wrapped around
+    the statistics backend, which keeps q and k of those windows for the recall.
     """
     c = model.config
     rec = StatsAttention(int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim))
+    backend, kept = rec, set()
+    if keep is not None:
+        backend, kept = keep
+        backend.inner = rec
     chooser = ThreadChooser(candidates_for(cpu_threads, device))
-    for w in tqdm(windows, desc="calibrate", unit="sample", disable=not progress):
+    for j, w in enumerate(tqdm(windows, desc="calibrate", unit="sample", disable=not progress)):
         ids = torch.tensor(w, dtype=torch.long, device=device)
         pos = torch.arange(len(w), dtype=torch.long, device=device)
+        if keep is not None:
+            backend.start(j in kept)
         # only the last row's logits: the LM head is not needed for the statistics
-        batch = make_batch(rec, torch.tensor([len(w) - 1], dtype=torch.long, device=device))
+        batch = make_batch(backend, torch.tensor([len(w) - 1], dtype=torch.long, device=device))
         n = chooser.next()
         with num_threads(n):
             t0 = time.perf_counter()

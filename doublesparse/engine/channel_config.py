@@ -8,6 +8,8 @@ File format (JSON, readable by SGLang and the DoubleSparse repo, which only look
     "model.layers.{i}.self_attn.q_proj_kv"  : [Hkv][D]  ours only: ranking of the group aggregate
     "model.layers.{i}.self_attn.qk_proj_kv" : [Hkv][D]    sum over the KV head's query heads
     "model.layers.{i}.self_attn.q_proj_kvmax", "..qk_proj_kvmax" : [Hkv][D]  ours only: max over group
+    "model.layers.{i}.self_attn.ds_mode"    : "group_max" | "group_sum" | "per_head"  ours only:
+                                              the layer's selection mode, chosen by calibration
     "doublesparse_meta"                     : {model, layers, heads, ...}  ignored by other readers
 
 The label cache holds one channel set per KV head (``[L, Hkv, r]``), while q/qk rankings are per
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,28 @@ def layer_key(layer: int, channel_type: str, suffix: str = "") -> str:
     if channel_type not in CHANNEL_TYPES:
         raise ValueError(f"channel_type must be one of {CHANNEL_TYPES}, got {channel_type!r}")
     return f"model.layers.{layer}.self_attn.{channel_type}_proj{suffix}"
+
+
+def mode_key(layer: int) -> str:
+    return f"model.layers.{layer}.self_attn.ds_mode"
+
+
+def recorded_modes(cfg: dict, num_layers: int) -> tuple[str, ...] | None:
+    """The per-layer selection modes a config records (``ds_mode`` keys), or None when it records
+    none (SGLang / DoubleSparse files, ours before calibration chose modes). A config that records
+    some layers but not all, or an unknown mode, is refused: the engine would otherwise mix a
+    measured choice with a guess."""
+    have = [mode_key(i) in cfg for i in range(num_layers)]
+    if not any(have):
+        return None
+    if not all(have):
+        missing = [i for i, h in enumerate(have) if not h]
+        raise ValueError(f"channel config records ds_mode for some layers but not for {missing[:8]}")
+    modes = tuple(cfg[mode_key(i)] for i in range(num_layers))
+    bad = sorted({m for m in modes if m not in MODES}, key=str)
+    if bad:
+        raise ValueError(f"channel config: ds_mode must be one of {MODES}, got {bad}")
+    return modes
 
 
 def packaged_config_path(model_name: str | None) -> Path | None:
@@ -164,13 +189,18 @@ def _count_layers(cfg: dict) -> int:
 
 
 def parse_channels(cfg: dict, model_config, channel_type: str, heavy_channel_num: int,
-                   mode: str = "group_max") -> torch.Tensor:
-    """As :func:`load_channels`, from an already-parsed JSON dict."""
+                   mode: str | Sequence[str] = "group_max") -> torch.Tensor:
+    """As :func:`load_channels`, from an already-parsed JSON dict. ``mode``: one selection mode
+    for every layer, or one per layer (the ranking of a layer's KV head follows its mode)."""
     if channel_type not in CHANNEL_TYPES:
         raise ValueError(f"channel_type must be one of {CHANNEL_TYPES}, got {channel_type!r}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     L = _get(model_config, "num_layers", "num_hidden_layers")
+    modes = (mode,) * L if isinstance(mode, str) else tuple(mode)
+    if len(modes) != L:
+        raise ValueError(f"got {len(modes)} selection modes for a model of {L} layers")
+    for m in set(modes):
+        if m not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {m!r}")
     hq = _get(model_config, "num_q_heads", "num_attention_heads")
     hkv = _get(model_config, "num_kv_heads", "num_key_value_heads")
     D = _get(model_config, "head_dim")
@@ -197,13 +227,13 @@ def parse_channels(cfg: dict, model_config, channel_type: str, heavy_channel_num
             key = layer_key(i, channel_type)
             per_q = _check_rows(cfg, key, hq, D, r)
             # Our files carry the group aggregate computed from magnitudes: better than rank votes.
-            agg = layer_key(i, channel_type, "_kvmax" if mode == "group_max" else "_kv")
+            agg = layer_key(i, channel_type, "_kvmax" if modes[i] == "group_max" else "_kv")
             if agg in cfg:
                 ranking = _check_rows(cfg, agg, hkv, D, r)
             elif hq == hkv:
                 ranking = per_q
             else:
-                ranking = group_ranking(per_q, hkv, D, mode)
+                ranking = group_ranking(per_q, hkv, D, modes[i])
         out[i] = ranking[:, :r]
     return out
 
@@ -217,7 +247,7 @@ def read_config(path: str | Path) -> dict:
 
 
 def load_channels(path: str | Path, model_config, channel_type: str = "qk", heavy_channel_num: int = 16,
-                  mode: str = "group_max") -> torch.Tensor:
+                  mode: str | Sequence[str] = "group_max") -> torch.Tensor:
     """Heavy channels for the label cache: LongTensor ``[num_layers, Hkv, heavy_channel_num]``.
 
     Accepts our files and SGLang / DoubleSparse ones (q_proj/qk_proj with Hq rows, k_proj with Hkv
@@ -231,6 +261,7 @@ def load_channels(path: str | Path, model_config, channel_type: str = "qk", heav
     return parse_channels(cfg, model_config, channel_type, heavy_channel_num, mode)
 
 
-__all__ = ["CHANNEL_TYPES", "MODES", "META_KEY", "FORMAT_VERSION", "layer_key", "packaged_config_path",
+__all__ = ["CHANNEL_TYPES", "MODES", "META_KEY", "FORMAT_VERSION", "layer_key", "mode_key",
+           "recorded_modes", "packaged_config_path",
            "rank", "rank_weights", "group_ranking", "save_config", "read_config", "parse_channels",
            "load_channels"]

@@ -18,7 +18,7 @@ from ..config import EngineConfig
 from ..kernels.workspace import DecodeWorkspace
 from .memory import KVMemory, MemoryPlan, plan_memory
 from .model_runner import ModelRunner
-from .channel_config import load_channels, packaged_config_path
+from .channel_config import load_channels, packaged_config_path, read_config, recorded_modes
 from .scheduler import Scheduler
 from .weight_channels import default_channels
 
@@ -41,6 +41,7 @@ class EngineParts:
     ds: DSParams | None
     channel_source: str | None
     workspace: DecodeWorkspace | None
+    channels_calibrated: bool | None = None  # None: Double Sparsity off
 
     def sparse_rows(self, seq_lens: list[int]) -> list[bool]:
         """Per request of a decode step (lengths after the step): did it select tokens?"""
@@ -63,38 +64,83 @@ def load(cfg: EngineConfig, device: torch.device, progress: bool):
     return model, tok
 
 
-def resolve_channels(cfg: EngineConfig, model, mc, r: int) -> tuple[torch.Tensor, str]:
-    """Heavy channels ``[num_layers, Hkv, r]`` long and a description of where they came from:
-    ``--ds-channel-config-path``, else the packaged config for the model, else the documented
-    weight-based default."""
+@dataclass(frozen=True)
+class ChannelChoice:
+    """Heavy channels ``[num_layers, Hkv, r]`` long, where they came from, each layer's selection
+    mode, and whether they were calibrated (a channel config) or guessed (weight-based)."""
+
+    channels: torch.Tensor
+    source: str
+    modes: tuple[str, ...]
+    calibrated: bool
+
+
+UNCALIBRATED = ("no calibrated channel config: using weight-based heavy channels, which lose "
+                "accuracy on some models; pass --ds-channel-config-path auto to calibrate once "
+                "(cached) or a config written by `doublesparse calibrate`")
+
+
+def resolve_channels(cfg: EngineConfig, model, mc, r: int, tokenizer=None,
+                     model_file: str | None = None, progress: bool = True) -> ChannelChoice:
+    """``--ds-channel-config-path`` (``auto``: calibrated on demand, cached), else the packaged
+    config for the model, else the documented weight-based default. Modes: an explicit
+    ``--ds-selection-mode`` for every layer, else ("auto") the config's recorded per-layer modes,
+    else ``group_max``."""
     path = cfg.ds_channel_config_path
+    if path == "auto":
+        from ..calibrate.on_demand import ensure_config
+        path = ensure_config(model, tokenizer, model_file, progress=progress)
     if path is None and cfg.load_format != "dummy":
         path = packaged_config_path(getattr(mc, "name", None))
+    fallback = (cfg.selection_mode_fallback,) * int(mc.num_layers)
     if path is not None:
-        ch = load_channels(path, mc, cfg.ds_heavy_channel_type, r, cfg.ds_selection_mode)
-        return ch, f"channel config {path}"
+        raw = read_config(path)
+        recorded = recorded_modes(raw, int(mc.num_layers))
+        modes = recorded if cfg.ds_selection_mode == "auto" and recorded else fallback
+        ch = load_channels(path, mc, cfg.ds_heavy_channel_type, r, modes)
+        how = "modes per layer from the config" if modes == recorded else f"mode {modes[0]}"
+        return ChannelChoice(ch, f"channel config {path} ({how})", modes, True)
     try:
         ch = default_channels(model, r, cfg.ds_heavy_channel_type)
-        return ch, f"weight-based default channels (no channel config; r={r}, type={cfg.ds_heavy_channel_type})"
+        src = f"weight-based default channels (no channel config; r={r}, type={cfg.ds_heavy_channel_type})"
     except (ValueError, AttributeError, KeyError) as e:
         warnings.warn(f"default_channels failed ({e}); using the first {r} channels")
-        return _first_channels(mc, r), f"first {r} channels (no usable weights)"
+        ch, src = _first_channels(mc, r), f"first {r} channels (no usable weights)"
+    return ChannelChoice(ch, src, fallback, False)
 
 
-def ds_params(cfg: EngineConfig, plan: MemoryPlan, num_q_heads: int, device: torch.device) -> DSParams:
+def ds_params(cfg: EngineConfig, plan: MemoryPlan, num_q_heads: int, device: torch.device,
+              modes: tuple[str, ...] | None = None) -> DSParams:
     """Each request's budget, the dense/sparse choice (its cost model reads what a token costs in
-    these pools and the tuning's figures for this kind of device), and the forced tokens."""
+    these pools and the tuning's figures for this kind of device), the forced tokens and each
+    layer's selection mode (``modes``; default: the config's fallback for every layer)."""
     budget = cfg.token_budget(plan.max_ctx)
-    rows = num_q_heads if cfg.ds_selection_mode == "per_head" else plan.num_kv_heads
+    modes = tuple(modes or (cfg.selection_mode_fallback,) * plan.num_layers)
+    rows = sum(num_q_heads if m == "per_head" else plan.num_kv_heads for m in modes)
     bandwidth, per_layer = cfg.kernel_tuning.decode_cost_figures(device.type)
     cost = DecodeCost(kv_bytes_per_token=plan.kv_bytes_per_token,
                       label_bytes_per_token=plan.label_bytes_per_token,
-                      selected_bytes_per_token=(1 if plan.latent else 2) * plan.num_layers * rows * plan.head_dim
-                      * plan.kv_dtype.itemsize,
+                      selected_bytes_per_token=(1 if plan.latent else 2) * rows * plan.head_dim * plan.kv_dtype.itemsize,
                       bandwidth=bandwidth, sparse_step_overhead_s=per_layer * plan.num_layers)
     policy = DecodePolicy(budget, cfg.ds_sparse_decode_threshold, cost)
-    return DSParams(budget.k_max, cfg.ds_selection_mode, cfg.ds_sparse_decode_threshold,
-                    *cfg.sink_recent(budget.k_min), batch_parts=cfg.ds_batch_parts or 0, policy=policy)
+    main = max(dict.fromkeys(modes), key=modes.count)  # the most common; ties: the first layer's
+    return DSParams(budget.k_max, main, cfg.ds_sparse_decode_threshold,
+                    *cfg.sink_recent(budget.k_min), batch_parts=cfg.ds_batch_parts or 0, policy=policy,
+                    layer_modes=modes if len(set(modes)) > 1 else ())
+
+
+def resolve_model_file(cfg: EngineConfig) -> str | None:
+    """The checkpoint file or folder the engine loads (the embedded model's GGUF when no path is
+    given), or None for dummy weights or when the embedded model is missing."""
+    if cfg.load_format == "dummy":
+        return None
+    if cfg.model_path:
+        return cfg.model_path
+    from ..models.loader import default_model_path
+    try:
+        return str(default_model_path())
+    except FileNotFoundError:
+        return None
 
 
 def _first_channels(mc, r: int) -> torch.Tensor:
@@ -119,7 +165,11 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         # A model built by the caller runs where it lives (a CPU model on a GPU machine too).
         device = _model_device(model)
         cfg = cfg.replace(device=str(device))
+    # the file the model was loaded from keys the on-demand calibration's cache; a model built by
+    # the caller has none (its weights are hashed instead)
+    model_file = None
     if model is None:
+        model_file = resolve_model_file(cfg)
         model, loaded_tok = load(cfg, device, progress)
         tokenizer = loaded_tok if tokenizer is _UNSET or tokenizer is None else tokenizer
     elif tokenizer is _UNSET:
@@ -131,15 +181,16 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
     if getattr(mc, "sliding_window", None) and mc.sliding_window < max_ctx:
         warnings.warn(f"model uses a sliding window of {mc.sliding_window}; the engine attends to the "
                       f"full context (capping the context at {mc.sliding_window} keeps it exact)")
-    ds = channels = None
-    source = None
+    ds = channels = choice = None
     r = cfg.heavy_channel_num(mc.head_dim) if cfg.use_double_sparsity else 0
     plan = plan_memory(cfg, mc, _model_dtype(model), device, max_ctx, r)
     if cfg.use_double_sparsity:
-        ds = ds_params(cfg, plan, mc.num_q_heads, device)
-        ch, source = resolve_channels(cfg, model, mc, r)
-        channels = ch.to(device=device, dtype=torch.int32).contiguous()
-        log.info("Double Sparsity: %s; r=%d, %s", ds.policy.describe(), r, source)
+        choice = resolve_channels(cfg, model, mc, r, tokenizer, model_file, progress)
+        ds = ds_params(cfg, plan, mc.num_q_heads, device, choice.modes)
+        channels = choice.channels.to(device=device, dtype=torch.int32).contiguous()
+        log.info("Double Sparsity: %s; r=%d, %s", ds.policy.describe(), r, choice.source)
+        if not choice.calibrated:
+            log.warning("Double Sparsity: %s", UNCALIBRATED)
     max_bs = cfg.resolved_max_running_requests
     ws = None
     if device.type == "cuda":
@@ -160,4 +211,5 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
                          graph_max_bs=cfg.cuda_graph_max_bs, tuning=cfg.kernel_tuning)
     scheduler = Scheduler(cfg.scheduler_config(), plan.max_total_tokens, max_ctx)
     return EngineParts(model, tokenizer, device, max_ctx, plan, memory, backend, runner, scheduler,
-                       ds, source, ws)
+                       ds, choice.source if choice else None, ws,
+                       choice.calibrated if choice else None)

@@ -30,7 +30,12 @@ from doublesparse.cli_common import (
     run_main,
     unit_fraction,
 )
-from doublesparse.engine.channel_config import load_channels, packaged_config_path
+from doublesparse.engine.channel_config import (
+    load_channels,
+    packaged_config_path,
+    read_config,
+    recorded_modes,
+)
 from doublesparse.engine.weight_channels import default_channels
 
 from . import measure, report, retrieval
@@ -117,16 +122,25 @@ def channel_source(args, model):
     cache: dict = {}
 
     def channels_for(s: Setting) -> torch.Tensor:
-        key = (s.channel_type, s.mode, s.r)
+        key = (s.channel_type, s.mode, s.layer_modes, s.r)
         if key not in cache:
-            cache[key] = (load_channels(path, c, s.channel_type, s.r, s.mode) if path
+            cache[key] = (load_channels(path, c, s.channel_type, s.r, s.layer_modes or s.mode) if path
                           else default_channels(model, s.r, s.channel_type))
         return cache[key]
 
     return channels_for, (str(path) if path else "weight-based default_channels")
 
 
-def settings_for(args, head_dim: int = 64, max_context: int | None = None) -> list[Setting]:
+def recorded_layer_modes(args, model) -> tuple[str, ...]:
+    """The per-layer selection modes the channel config records (what the engine's default
+    runs), or () when it records none."""
+    c = model.config
+    path = args.channels or packaged_config_path(getattr(c, "name", None))
+    return (recorded_modes(read_config(path), int(c.num_layers)) or ()) if path else ()
+
+
+def settings_for(args, head_dim: int = 64, max_context: int | None = None,
+                 layer_modes: tuple[str, ...] = ()) -> list[Setting]:
     """Dense, the engine's default, then the preset or the ``--types/--modes/--rs/--k-fracs``
     grid with the improvement variants of group_sum; each setting once."""
     if any(x is not None for x in (args.types, args.modes, args.rs, args.k_fracs)):
@@ -135,7 +149,7 @@ def settings_for(args, head_dim: int = 64, max_context: int | None = None) -> li
         body = g + [BASELINE] + improvements(BASELINE)
     else:
         body = preset("small" if args.small else "full")
-    first = [DENSE, default_setting(head_dim, max_context)]
+    first = [DENSE, default_setting(head_dim, max_context, layer_modes)]
     if getattr(args, "default_only", False):
         return first
     return unique(first + body)
@@ -166,7 +180,8 @@ def run(args, model=None, tokenizer=None) -> dict:
     ctx = int(getattr(c, "max_position_embeddings", 4096))
     L = resolve_lengths(args, ctx)
     window_len, decode_len, num_windows, lens = L["window_len"], L["decode_len"], L["num_windows"], L["lens"]
-    settings = settings_for(args, int(c.head_dim), int(c.max_position_embeddings))
+    settings = settings_for(args, int(c.head_dim), int(c.max_position_embeddings),
+                            recorded_layer_modes(args, model))
     channels_for, source = channel_source(args, model)
     progress = not args.quiet
     dims = (int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim))

@@ -150,7 +150,7 @@ class DecodeAttention:
                                     self.seq_lens, self.sm_scale, ws=self.ws, impl=p.impl)
         out = ops.ds_decode(q, p.k[layer_id], p.v[layer_id], lab, p.label_scale, self.channels[layer_id],
                             p.req_to_token, self.req_idx, self.seq_lens, self.sm_scale, self.heavy_ks,
-                            self.heavy, mode=s.mode, num_sink=self.num_sink, num_recent=self.num_recent, ws=self.ws,
+                            self.heavy, mode=s.mode_of(layer_id), num_sink=self.num_sink, num_recent=self.num_recent, ws=self.ws,
                             impl=p.impl)
         if self.observer is not None:
             self.observer(layer_id, q, out, self)
@@ -253,9 +253,10 @@ def selection_recall(q, view: DecodeAttention, layer_id: int, chunk: int = 64,
         lab = lab_pool[slots].float()                                        # [b, n, Hkv, r]
         sc = torch.einsum("bgjr,bngr->bgjn", qh.view(-1, p.hkv, G, ch.shape[-1]), lab)
         sc = sc.reshape(-1, Hq, nmax) * view.sm_scale
-        if s.mode != "per_head":
+        mode = s.mode_of(layer_id)
+        if mode != "per_head":
             sc = sc.view(sc.shape[0], p.hkv, G, nmax)
-            sc = sc.sum(2) if s.mode == "group_sum" else sc.amax(2)
+            sc = sc.sum(2) if mode == "group_sum" else sc.amax(2)
         pos = torch.arange(nmax, device=q.device)[None, None]
         keep = (pos < view.num_sink) | (pos >= (n[:, None, None] - view.num_recent))
         sc = sc.masked_fill(keep, float("inf")).masked_fill(~valid[:, None], float("-inf"))

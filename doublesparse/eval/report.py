@@ -26,9 +26,11 @@ def rows(settings, bytes_of, text=None, retrieval=None) -> list[dict]:
     for s in settings:
         b = bytes_of(s)
         r = {"setting": s.name, "line": s.line, "kind": s.kind, "channel_type": s.channel_type,
-             "mode": s.mode, "r": s.r, "k_frac": s.k_frac, "num_sink": s.num_sink,
+             "mode": s.mode_name, "r": s.r, "k_frac": s.k_frac, "num_sink": s.num_sink,
              "num_recent": s.num_recent, "dense_layers": s.dense_layers, "bytes_per_step": b,
              "bytes_vs_dense": b / dense_bytes if dense_bytes else float("nan")}
+        if s.layer_modes:
+            r["layer_modes"] = list(s.layer_modes)
         if text and s in text:
             t = text[s]
             r.update(ppl=t.ppl, kl=t.kl, top1=t.top1, tokens=t.tokens,

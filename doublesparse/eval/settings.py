@@ -35,6 +35,8 @@ class Setting:
     default they are capped at k/8 and k/4 for small k (:meth:`sink_recent`).
     dense_layers: the first layers decode densely.
     label: the label cache's dtype, "bf16" or "fp8" (e4m3, the engine's ``--ds-label-dtype``).
+    layer_modes: each layer's mode where they differ (a channel config's calibrated ``ds_mode``
+    keys, as the engine's default runs them); empty: ``mode`` on every layer.
     """
 
     kind: str = "ds"
@@ -48,6 +50,14 @@ class Setting:
     label: str = "bf16"
     k_min: int = 0
     k_max: int = 0
+    layer_modes: tuple[str, ...] = ()
+
+    def mode_of(self, layer: int) -> str:
+        return self.layer_modes[layer] if self.layer_modes else self.mode
+
+    @property
+    def mode_name(self) -> str:
+        return "layer_modes" if self.layer_modes else self.mode
 
     def __post_init__(self):
         if self.kind not in ("dense", "ds"):
@@ -61,7 +71,7 @@ class Setting:
     def name(self) -> str:
         if self.kind == "dense":
             return "dense"
-        s = f"{self.channel_type}/{self.mode}/r{self.r}/k1:{round(1 / self.k_frac)}"
+        s = f"{self.channel_type}/{self.mode_name}/r{self.r}/k1:{round(1 / self.k_frac)}"
         if self.num_sink or self.num_recent:
             s += f"/s{self.num_sink}w{self.num_recent}"
         if self.dense_layers:
@@ -77,7 +87,7 @@ class Setting:
         """Plot series: one line per (mode, type, extras); r and k vary along it."""
         if self.kind == "dense":
             return "dense"
-        s = f"{self.mode}/{self.channel_type}"
+        s = f"{self.mode_name}/{self.channel_type}"
         if self.num_sink or self.num_recent:
             s += f"+sink{self.num_sink}/recent{self.num_recent}"
         if self.dense_layers:
@@ -105,12 +115,13 @@ class Setting:
         if self.kind == "dense":
             return dense * num_layers
         k = min(self.heavy_tokens(ctx), ctx)
-        rows = num_q_heads if self.mode == "per_head" else num_kv_heads
-        sparse = ctx * num_kv_heads * self.r * LABEL_TORCH_DTYPES[self.label].itemsize + k * rows * head_dim * 2 * KV_BYTES
-        if k >= ctx:  # ops.ds_decode falls back to dense when the context is short
-            sparse = dense
-        nd = min(self.dense_layers, num_layers)
-        return nd * dense + (num_layers - nd) * sparse
+        labels = ctx * num_kv_heads * self.r * LABEL_TORCH_DTYPES[self.label].itemsize
+        total = 0
+        for i in range(num_layers):
+            rows = num_q_heads if self.mode_of(i) == "per_head" else num_kv_heads
+            # ops.ds_decode falls back to dense when the context is short
+            total += dense if i < self.dense_layers or k >= ctx else labels + k * rows * head_dim * 2 * KV_BYTES
+        return total
 
 
 DENSE = Setting(kind="dense")
@@ -118,19 +129,23 @@ DENSE = Setting(kind="dense")
 BASELINE = Setting("ds", "qk", "group_sum", 16, 1 / 16)
 
 
-def default_setting(head_dim: int = 64, max_context: int | None = None) -> Setting:
+def default_setting(head_dim: int = 64, max_context: int | None = None,
+                    layer_modes: tuple[str, ...] = ()) -> Setting:
     """The engine's default Double Sparsity decode (``EngineConfig`` defaults) where it decodes
-    sparsely: its channel type and selection mode, r = min(16, head_dim/4), each request's k = its length
-    x the ratio, clamped to [min, max] (the max from the model's ``max_context`` when given),
-    4 sink + 32 recent tokens."""
+    sparsely: its channel type and selection mode (``layer_modes``: the channel config's recorded
+    per-layer modes, which the engine's default uses; one mode when they agree), r = min(16,
+    head_dim/4), each request's k = its length x the ratio, clamped to [min, max] (the max from
+    the model's ``max_context`` when given), 4 sink + 32 recent tokens."""
     from doublesparse.config import EngineConfig
 
     cfg = EngineConfig()
     sink, recent = cfg.sink_recent(1 << 20)  # unscaled values; Setting.sink_recent scales them
     b = cfg.token_budget(max_context or (1 << 30))
-    return Setting("ds", cfg.ds_heavy_channel_type, cfg.ds_selection_mode, cfg.heavy_channel_num(head_dim),
+    modes = tuple(layer_modes)
+    mode = modes[0] if modes and len(set(modes)) == 1 else cfg.selection_mode_fallback
+    return Setting("ds", cfg.ds_heavy_channel_type, mode, cfg.heavy_channel_num(head_dim),
                    cfg.ds_heavy_token_ratio, num_sink=sink, num_recent=recent, k_min=b.k_min,
-                   k_max=b.k_max if max_context else 0)
+                   k_max=b.k_max if max_context else 0, layer_modes=modes if len(set(modes)) > 1 else ())
 
 
 def unique(settings) -> list[Setting]:

@@ -60,7 +60,8 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
                               "policy": s.get("decode_policy"),
                               "heavy_token_num": s.get("heavy_token_num"),
                               "heavy_channel_num": s.get("heavy_channel_num"),
-                              "channel_source": s.get("channel_source")}
+                              "channel_source": s.get("channel_source"),
+                              "channels_calibrated": s.get("channels_calibrated")}
         if not st.worker.alive:
             body["status"] = "engine_dead"
         elif st.draining:

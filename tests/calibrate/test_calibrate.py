@@ -122,6 +122,8 @@ def test_cli_writes_loadable_config(tmp_path):
     assert len(raw["model.layers.1.self_attn.qk_proj_kv"]) == c.num_kv_heads
     got = ch.load_channels(tmp_path / "cfg.json", c, "qk", 4, "group_sum")
     assert got.shape == (c.num_layers, c.num_kv_heads, 4)
+    modes = ch.recorded_modes(raw, c.num_layers)               # each layer's mode, from measured recall
+    assert modes == tuple(meta["selection"]["per_layer"]) and set(modes) <= {"group_sum", "group_max"}
 
 
 def test_cli_too_short(tmp_path, capsys):

@@ -318,6 +318,7 @@ def test_per_request_double_sparsity(srv):
     else:  # the real server decodes with Double Sparsity, its default, and says so
         d = srv.health()["decode"]
         assert d["double_sparsity"] and d["heavy_token_num"] and "channel config" in d["channel_source"]
+        assert d["channels_calibrated"] is True  # the packaged SmolLM2 config
         assert "length" in d["policy"] and "auto" in d["policy"]  # per-request budgets, auto choice
         k = d["heavy_token_num"]
         assert post(enable_double_sparsity=True).status_code == 200
