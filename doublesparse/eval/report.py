@@ -57,8 +57,8 @@ def markdown(rs: list[dict], title: str, notes: list[str] = ()) -> str:
             _f(r.get("rel_err") if r["kind"] == "ds" else None, "{:.3f}")]) + " |")
     measured = [r for r in rs if r.get("avg_k") is not None and "/p" in r["setting"]]
     if measured:
-        lines += ["", "Tokens attended per selection row and layer where a request decoded sparsely "
-                  "(top-p settings; their bytes use it):", ""]
+        lines += ["", ("Tokens attended per selection row and layer where a request decoded sparsely "
+                       "(top-p settings; their bytes use it):"), ""]
         lines += [f"- {r['setting']}: {r['avg_k']:.1f}" for r in measured]
     cells = [r for r in rs if r.get("retrieval_cells")]
     if cells:

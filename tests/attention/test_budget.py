@@ -103,9 +103,9 @@ def test_top_p_budget_config_and_flags():
     assert fixed.token_budget(8192) == TokenBudget(64, 300, 0.0, 0.95)
     assert EngineConfig(ds_heavy_token_num=300).budget_mode == "fixed" == TokenBudget.fixed(3).mode
     assert EngineConfig().budget_mode == "ratio" and EngineConfig().token_budget(8192).top_p == 0
-    for bad in (dict(ds_budget_mode="fixed"), dict(ds_budget_mode="ratio", ds_heavy_token_num=8),
-                dict(ds_budget_mode="top_p", ds_budget_top_p=0.0), dict(ds_budget_top_p=1.5),
-                dict(ds_budget_mode="nucleus")):
+    for bad in ({"ds_budget_mode": "fixed"}, {"ds_budget_mode": "ratio", "ds_heavy_token_num": 8},
+                {"ds_budget_mode": "top_p", "ds_budget_top_p": 0.0}, {"ds_budget_top_p": 1.5},
+                {"ds_budget_mode": "nucleus"}):
         with pytest.raises(ValueError):
             EngineConfig(**bad)
     with pytest.raises(ValueError):

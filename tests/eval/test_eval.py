@@ -120,6 +120,10 @@ def test_eval_small_end_to_end(tmp_path):
     ds = rows["qk/group_sum/r16/k1:16"]
     assert len(ds["recall_per_layer"]) == 2 and 0 < ds["recall"] <= 1.0001
     assert ds["bytes_per_step"] < rows["dense"]["bytes_per_step"]
+    wide = rows["qk/group_max/r16/k1:8/s4w32"]
+    for name in ("qk/group_max/r16/k1:8/s4w32/p0.9min32", "qk/group_max/r16/k1:8/s4w32/p0.98min32"):
+        tp = rows[name]  # the top-p budget: tokens per row measured, at most the upper bound's
+        assert 0 < tp["avg_k"] <= wide["avg_k"] == 16 and tp["bytes_per_step"] <= wide["bytes_per_step"]
     assert (out / "plot.png").stat().st_size > 1000
 
 

@@ -3,9 +3,9 @@ the float32 reference (reference.topp_keep_ref), on random inputs with poisoned 
 
 import pytest
 import torch
-
 from conftest import DEVICE
 from kernel_utils import TOL, make_case, make_ws, ref, rel_err, rows_of
+
 from doublesparse.attention.budget import DENSE
 from doublesparse.kernels import ops
 from doublesparse.kernels.triton import ds_launch
@@ -85,3 +85,45 @@ def test_triton_matches_reference(mode):
                                        sel[b: b + 1, :R, :k].long(), c.sm_scale, keep[None].to(c.q.device))[0]
     assert bool((counts[0] < ks_list[0]).any()), "the budget should cut some row below its k"
     assert rel_err(out, exp) < TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("mode", ["per_head", "group_max"])
+def test_cuda_graph_capture_and_replay(mode):
+    """The top-p decode (on the GPU: the CUDA score and select, then the top-p launches) captured
+    once, replayed with new lengths, budgets and contents == eager == the reference on the
+    kernel's selection; G = 7 as in Qwen2.5."""
+    c = make_case([600, 600, 600], 28, 4, 64, device=DEVICE, seed=22)
+    ws = make_ws(c, max_heavy_tokens=96, poison=False)
+    out = torch.empty_like(c.q)
+    ks = torch.full_like(c.seq_lens, 96)
+    R = rows_of(mode, 28, 4)
+
+    def step():
+        ops.ds_decode(*c.args(), c.sm_scale, ks, 96, mode, 2, 3, ws=ws, out=out, top_p=0.9, top_p_min_k=16)
+
+    c.seq_lens.copy_(torch.tensor([500, 30, 96], dtype=torch.int32, device=DEVICE))
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens, budget in (([600, 65, 1], [96, 64, 96]), ([64, 599, 300], [63, DENSE, 40])):
+        c.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32, device=DEVICE))
+        ks.copy_(torch.tensor(budget, dtype=torch.int32, device=DEVICE))
+        c.q.normal_().mul_(3)
+        graph.replay()
+        got, got_k = out.clone(), ws.row_k[:, :R].clone()
+        step()
+        torch.testing.assert_close(got, out, rtol=2e-2, atol=2e-3)
+        assert torch.equal(got_k, ws.row_k[:, :R])
+        exp = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens, c.sm_scale)
+        for b, (n, k) in enumerate(zip(lens, budget)):
+            if n > k:
+                keep = torch.stack([ref.topp_keep_ref(ws.scores[b, r, :n].float().cpu(), ws.sel[b, r, :k].cpu(), n,
+                                                      0.9, 16, 2, 3) for r in range(R)])
+                assert got_k[b].tolist() == keep.sum(-1).tolist()
+                exp[b] = ref.sparse_decode_ref(c.q[b: b + 1], c.k_cache, c.v_cache, c.req_to_token,
+                                               c.req_idx[b: b + 1], ws.sel[b: b + 1, :R, :k].long(), c.sm_scale,
+                                               keep[None].to(DEVICE))[0]
+        assert rel_err(got, exp) < TOL[torch.bfloat16]
