@@ -226,13 +226,17 @@ def topp_keep(ws, seq_lens, heavy_ks, max_k, B, rows, top_p, k_min, num_sink, nu
         NUM_PROGS=P, BLOCK_N=block, num_warps=tuning.topp_warps,
     )
     sel = ws.sel
+    k_p = triton.next_power_of_2(int(max_k))
     topp_keep_kernel[(B, rows)](
         scores, seq_lens, heavy_ks, part, sel, ws.sel_slot, ws.topp_slot, ws.row_k,
         int(max_k), top_p, k_min, num_sink, num_recent,
         scores.stride(0), scores.stride(1), part.stride(0), part.stride(1), sel.stride(0), sel.stride(1),
         ws.row_k.stride(0),
-        NUM_PROGS=P, P_P=triton.next_power_of_2(P), K_P=triton.next_power_of_2(int(max_k)),
-        num_warps=tuning.topp_keep_warps,
+        NUM_PROGS=P, P_P=triton.next_power_of_2(P), K_P=k_p,
+        # a row's whole selection sits in registers: more warps for more entries (sm_90: 8 warps
+        # hold 2048 entries in 84 registers a thread, 16 warps 8192 in 113, no spills; beyond
+        # that it spills, still correct)
+        num_warps=min(16, max(tuning.topp_keep_warps, k_p // 512)),
     )
 
 
