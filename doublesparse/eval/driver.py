@@ -24,6 +24,7 @@ import torch
 
 from doublesparse.engine.memory import LABEL_TORCH_DTYPES
 from doublesparse.kernels import ops
+from doublesparse.kernels.top_p import keep_mask
 from doublesparse.kernels.workspace import DecodeWorkspace
 
 from .settings import Setting
@@ -234,7 +235,8 @@ def selection_recall(q, view: DecodeAttention, layer_id: int, chunk: int = 64,
                      rows: torch.Tensor | None = None) -> torch.Tensor:
     """Per (token, query head): attention mass on the tokens the DS selection picks, divided by
     the mass of the true top-k tokens, ``[len(rows), Hq]`` on the CPU (1 for rows that decode
-    densely). q: ``[B, Hq, D]``; rows: indices into the batch (default: all B).
+    densely); with the top-p budget, on the part of the selection it keeps (k: the upper bound).
+    q: ``[B, Hq, D]``; rows: indices into the batch (default: all B).
 
     The selection is recomputed here in float32 with the reference's maths (label scores, mode
     reduction, sink/recent forcing, top-k) on the same label pool, because ``ops.ds_decode`` does
@@ -272,11 +274,15 @@ def selection_recall(q, view: DecodeAttention, layer_id: int, chunk: int = 64,
             sc = sc.sum(2) if s.mode == "group_sum" else sc.amax(2)
         pos = torch.arange(nmax, device=q.device)[None, None]
         keep = (pos < view.num_sink) | (pos >= (n[:, None, None] - view.num_recent))
+        raw = sc
         sc = sc.masked_fill(keep, float("inf")).masked_fill(~valid[:, None], float("-inf"))
         sel = sc.topk(kk, -1).indices
+        # top-p: only the kept part of the selection counts (against the same best top-k)
+        kept = (keep_mask(raw, sel, n, s.top_p, view.top_p_min, view.num_sink, view.num_recent) if s.top_p
+                else torch.ones_like(sel, dtype=torch.bool))
         if sel.shape[1] != Hq:
-            sel = sel.repeat_interleave(G, 1)
-        got = prob.gather(2, sel).sum(-1)
+            sel, kept = sel.repeat_interleave(G, 1), kept.repeat_interleave(G, 1)
+        got = (prob.gather(2, sel) * kept).sum(-1)
         best = prob.topk(kk, -1).values.sum(-1)
         dense_rows = (n <= kk)[:, None]
         out[sl] = torch.where(dense_rows, torch.ones_like(got), got / best.clamp_min(1e-30))
