@@ -193,6 +193,25 @@ SUITES: dict[str, dict] = {
         "rows": [{"name": "protocol", "cmd": "python -m doublesparse.eval.protocol --output-dir {out} --budget-s 480",
                   "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600}],
     },
+    # The top-p budget (--ds-budget-mode top_p): decode latency beside the ratio budget it cuts down
+    # (Llama-3.1-8B dummy weights with random pools: flat attention, so the upper bound is kept and
+    # the rows time the two extra launches; SmolLM2 from its GGUF: real attention), and accuracy
+    # and measured tokens per row of top-p eval settings on SmolLM2 at 8K.
+    "top-p": {
+        "area": "top-p",
+        "rows": [
+            _one_batch_row("llama31-8b-60k-bs3-ds", f"{_LLAMA} --enable-double-sparsity"),
+            _one_batch_row("llama31-8b-60k-bs3-ds-top-p", f"{_LLAMA} --enable-double-sparsity --ds-budget-mode top_p"),
+            _one_batch_row("smollm2-8k-bs1-ds", f"{_SMOL} --enable-double-sparsity"),
+            _one_batch_row("smollm2-8k-bs1-ds-top-p",
+                           f"{_SMOL} --enable-double-sparsity --ds-budget-mode top_p --ds-heavy-token-min 128"),
+            {"name": "accuracy-text-8192", "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600,
+             "cmd": "doublesparse eval --model-path /root/m/smollm2.gguf --device cuda --no-retrieval "
+                    "--window-len 8192 --decode-len 256 --num-windows 8 --no-fidelity --settings "
+                    "qk/group_max/r16/k1:16/s4w32 qk/group_max/r16/k1:8/s4w32 "
+                    "qk/group_max/r16/k1:8/s4w32/p0.9min128 qk/group_max/r16/k1:8/s4w32/p0.98min128 -o {out}"},
+        ],
+    },
     # The CPU preset of the same (few settings, 1K contexts): `doublesparse eval --small`.
     # The sampling step's extras (logprobs, penalties, min_p, grammar masks) against plain
     # sampling, per batch size, on the device (no model forward in it).
@@ -403,6 +422,17 @@ def summarize(area: str, rows: dict) -> dict:
             r = rows["soak"]
             return {k: r.get(k) for k in ("lost_valid", "http_5xx", "duplicates_identical", "rss_growth_pct",
                                           "metrics_consistent", "minutes")}
+        if area == "top-p":
+            med = {n: r["results"][0]["median_decode_latency"] for n, r in rows.items() if r.get("results")}
+            acc = rows.get("accuracy-text-8192", {}).get("rows", [])
+            dense = next((r["ppl"] for r in acc if r["kind"] == "dense"), None)
+            return {"llama_top_p_over_ratio_decode": _ratio(med.get("llama31-8b-60k-bs3-ds-top-p"),
+                                                            med.get("llama31-8b-60k-bs3-ds")),
+                    "smollm2_top_p_over_ratio_decode": _ratio(med.get("smollm2-8k-bs1-ds-top-p"),
+                                                              med.get("smollm2-8k-bs1-ds")),
+                    "ppl_increase_pct": {r["setting"]: 100 * (r["ppl"] / dense - 1) for r in acc if dense},
+                    "avg_k": {r["setting"]: r["avg_k"] for r in acc if "avg_k" in r},
+                    "bytes_vs_dense": {r["setting"]: r["bytes_vs_dense"] for r in acc}}
         if area == "accuracy":
             res = next(iter(rows.values()))
             if "summary" in res:  # the protocol writes its own
@@ -485,8 +515,8 @@ def markdown(doc: dict) -> str:
          f"Rerun: `python benchmarks/run.py {doc['suite']}`.", ""]
     for note in doc.get("notes", []):
         L += [note, ""]
-    if area == "bench-one-batch":
-        L += _table_one_batch(rows) + [""]
+    if area in ("bench-one-batch", "top-p"):
+        L += _table_one_batch({n: d for n, d in rows.items() if "results" in d or "error" in d}) + [""]
     elif area == "speedup-map" and doc["summary"].get("cells"):
         L += ["Decode-step speedup of Double Sparsity over dense (dense ms / DS ms), the byte-floor "
               "speedup in brackets; 'dense': the automatic choice decoded that cell densely. The map's "

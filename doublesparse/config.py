@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
-from .attention.budget import TokenBudget
+from .attention.budget import BUDGET_MODES, TokenBudget
 from .kernels.tuning import KernelTuning
 
 ATTENTION_BACKENDS = ("dense", "double_sparsity", "torch")
@@ -76,7 +76,10 @@ class EngineConfig:
     ``attention_backend`` from ``enable_double_sparsity``, ``ds_heavy_channel_num`` = min(16, head_dim // 4),
     ``ds_heavy_token_num`` = None: a per-request budget ``clamp(ceil(ds_heavy_token_ratio x length),
     ds_heavy_token_min, ds_heavy_token_max)`` (max: ratio x max context); an int: that fixed k for
-    every request (SGLang's meaning). ``ds_sparse_decode_threshold`` = None: the automatic
+    every request (SGLang's meaning). ``ds_budget_mode`` = None: "fixed" with
+    ``ds_heavy_token_num``, else "ratio"; "top_p": that budget is each KV head's upper bound and
+    ``ds_heavy_token_min`` its lower bound, and each step keeps the fewest selected tokens whose
+    estimated attention reaches ``ds_budget_top_p``. ``ds_sparse_decode_threshold`` = None: the automatic
     dense/sparse choice (attention/budget.py); an int: SGLang's meaning (sparse from that length).
     ``max_total_tokens`` from ``mem_fraction_static``
     (CUDA) or :data:`CPU_DEFAULT_TOTAL_TOKENS` (CPU), ``max_running_requests`` = 64.
@@ -98,6 +101,8 @@ class EngineConfig:
     ds_heavy_token_ratio: float = 1 / 16
     ds_heavy_token_min: int = 512
     ds_heavy_token_max: int | None = None
+    ds_budget_mode: str | None = None
+    ds_budget_top_p: float = 0.95
     ds_sparse_decode_threshold: int | None = None
     ds_selection_mode: str = "auto"
     ds_label_dtype: str = "bf16"
@@ -136,6 +141,7 @@ class EngineConfig:
             raise ValueError(f"ds_heavy_token_ratio must be in (0, 1], got {r!r}")
         for name in ("ds_num_sink", "ds_num_recent"):
             _check_pos(name, getattr(self, name), allow_none=True, allow_zero=True)
+        self._check_budget_mode()
         _check_pos("chunked_prefill_size", self.chunked_prefill_size, allow_none=False)
         _check_pos("cuda_graph_max_bs", self.cuda_graph_max_bs, allow_none=False)
         _check_pos("ds_batch_parts", self.ds_batch_parts)
@@ -198,13 +204,32 @@ class EngineConfig:
             raise ValueError(f"ds_heavy_channel_num={r} exceeds head_dim={head_dim}")
         return r
 
+    def _check_budget_mode(self):
+        _check_choice("ds_budget_mode", self.ds_budget_mode, BUDGET_MODES, allow_none=True)
+        p = self.ds_budget_top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+            raise ValueError(f"ds_budget_top_p must be in (0, 1], got {p!r}")
+        if self.ds_budget_mode == "fixed" and not self.ds_heavy_token_num:
+            raise ValueError("ds_budget_mode 'fixed' needs ds_heavy_token_num")
+        if self.ds_budget_mode == "ratio" and self.ds_heavy_token_num:
+            raise ValueError("ds_budget_mode 'ratio' conflicts with ds_heavy_token_num (a fixed k)")
+
+    @property
+    def budget_mode(self) -> str:
+        """``ds_budget_mode``, or where None: "fixed" with ``ds_heavy_token_num``, else "ratio"."""
+        return self.ds_budget_mode or ("fixed" if self.ds_heavy_token_num else "ratio")
+
     def token_budget(self, max_context_len: int) -> TokenBudget:
         """Each request's k: the fixed ``ds_heavy_token_num`` when given, else the ratio of its
-        length clamped to [min, max] (min capped at max: a short-context model gets one k)."""
+        length clamped to [min, max] (min capped at max: a short-context model gets one k). In
+        "top_p" mode that k is the upper bound of each KV head's k and ``ds_heavy_token_min``
+        (capped the same way) its lower bound."""
+        top_p = float(self.ds_budget_top_p) if self.budget_mode == "top_p" else 0.0
         if self.ds_heavy_token_num:
-            return TokenBudget.fixed(self.ds_heavy_token_num)
+            k = self.ds_heavy_token_num
+            return TokenBudget(min(self.ds_heavy_token_min, k) if top_p else k, k, 0.0, top_p)
         k_max = self.ds_heavy_token_max or max(1, math.ceil(self.ds_heavy_token_ratio * max_context_len))
-        return TokenBudget(min(self.ds_heavy_token_min, k_max), k_max, float(self.ds_heavy_token_ratio))
+        return TokenBudget(min(self.ds_heavy_token_min, k_max), k_max, float(self.ds_heavy_token_ratio), top_p)
 
     def heavy_token_num(self, max_context_len: int) -> int:
         """The largest k any request gets (the decode workspace's size)."""
@@ -260,6 +285,14 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
     g.add_argument("--ds-heavy-token-min", type=int, help="smallest per-request top-k (default 512)")
     g.add_argument("--ds-heavy-token-max", type=int,
                    help="largest per-request top-k (default ratio x max context)")
+    g.add_argument("--ds-budget-mode", choices=BUDGET_MODES,
+                   help="fixed: --ds-heavy-token-num for every request; ratio (default without it): "
+                        "the ratio of each request's length, clamped to [min, max]; top_p: that k as "
+                        "each KV head's upper bound, --ds-heavy-token-min as its lower bound, and per "
+                        "step the fewest selected tokens whose estimated attention reaches "
+                        "--ds-budget-top-p")
+    g.add_argument("--ds-budget-top-p", type=float, metavar="P",
+                   help="attention mass the top_p budget keeps per KV head, in (0, 1] (default 0.95)")
     g.add_argument("--ds-heavy-channel-type", choices=CHANNEL_TYPES)
     g.add_argument("--ds-sparse-decode-threshold", type=_threshold, metavar="{auto,N}",
                    help="auto (default): decode a step sparsely when a cost model of the bytes and "

@@ -4,7 +4,10 @@ Two questions, both answered on the host from lengths it already knows (no devic
 
 * The budget of one request: ``k = clamp(ceil(ratio * n), k_min, k_max)`` for a request holding n
   tokens, or one fixed k (SGLang's ``--ds-heavy-token-num``). A request with ``n <= k`` attends
-  to everything: sparse decode would read more than dense.
+  to everything: sparse decode would read more than dense. With ``top_p`` that k is an upper
+  bound: on the device, each selection row (KV head) of each step then keeps the smallest part of
+  its k selected tokens whose estimated attention weight reaches ``top_p``, at least ``k_min``
+  (``ops.ds_decode``; the host never learns the counts).
 * Whether the step decodes sparsely: with a fixed ``--ds-sparse-decode-threshold`` (SGLang's
   meaning), every request with ``n >= threshold`` and ``n > k`` does. With ``auto``, a cost model
   compares the bytes each path reads with the fixed time the sparse path's extra launches add to
@@ -24,19 +27,27 @@ from dataclasses import dataclass
 DENSE = 2**31 - 1  # a budget no length exceeds: the row attends to every token
 
 
+BUDGET_MODES = ("fixed", "ratio", "top_p")
+
+
 @dataclass(frozen=True)
 class TokenBudget:
-    """``k(n) = clamp(ceil(ratio * n), k_min, k_max)``; ``ratio == 0``: always ``k_max``."""
+    """``k(n) = clamp(ceil(ratio * n), k_min, k_max)``; ``ratio == 0``: always ``k_max``.
+    ``top_p`` in (0, 1]: k(n) is each row's upper bound and ``k_min`` its lower bound on the
+    device (0: off)."""
 
     k_min: int
     k_max: int
     ratio: float = 0.0
+    top_p: float = 0.0
 
     def __post_init__(self):
         if not 1 <= self.k_min <= self.k_max:
             raise ValueError(f"need 1 <= k_min <= k_max, got k_min={self.k_min}, k_max={self.k_max}")
         if not 0.0 <= self.ratio <= 1.0 or math.isnan(self.ratio):
             raise ValueError(f"the token ratio must be in [0, 1], got {self.ratio}")
+        if not 0.0 <= self.top_p <= 1.0 or math.isnan(self.top_p):
+            raise ValueError(f"top_p must be in (0, 1] (0: off), got {self.top_p}")
 
     @classmethod
     def fixed(cls, k: int) -> "TokenBudget":
@@ -47,10 +58,21 @@ class TokenBudget:
             return self.k_max
         return max(self.k_min, min(self.k_max, math.ceil(n * self.ratio)))
 
+    @property
+    def mode(self) -> str:
+        if self.top_p > 0:
+            return "top_p"
+        return "ratio" if self.ratio else "fixed"
+
     def describe(self) -> str:
         if self.ratio == 0.0:
-            return f"top-{self.k_max} tokens"
-        return f"top-ceil({self.ratio:g} x length) tokens, clamped to [{self.k_min}, {self.k_max}]"
+            s = f"top-{self.k_max} tokens"
+        else:
+            s = f"top-ceil({self.ratio:g} x length) tokens, clamped to [{self.k_min}, {self.k_max}]"
+        if self.top_p > 0:
+            s += (f", per KV head cut to the fewest reaching {self.top_p:g} of the estimated "
+                  f"attention (at least {self.k_min})")
+        return s
 
 
 @dataclass(frozen=True)

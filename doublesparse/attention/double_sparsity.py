@@ -62,6 +62,15 @@ class DSParams:
             raise ValueError(f"the policy's largest k {self.policy.budget.k_max} exceeds "
                              f"heavy_token_num {self.heavy_token_num}")
 
+    @property
+    def top_p(self) -> float:
+        """The top-p budget's mass (0: off); each row then keeps at least ``top_p_min_k`` tokens."""
+        return self.policy.budget.top_p
+
+    @property
+    def top_p_min_k(self) -> int:
+        return self.policy.budget.k_min
+
 
 def row_budgets(ds: DSParams, seq_lens: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     """Each request's budget for ops.ds_decode ([B] int32 on seq_lens' device): the one k where
@@ -141,7 +150,8 @@ class DoubleSparsityBackend(AttentionBackend):
         return ops.ds_decode(q, m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id],
                              self.channels[layer_id], m.req_to_token, req_idx, seq_lens,
                              self.sm_scale, ks, d.heavy_token_num, d.mode_of(layer_id),
-                             d.num_sink, d.num_recent, ws=ws, out=out, impl=self.impl, tuning=self.tuning)
+                             d.num_sink, d.num_recent, ws=ws, out=out, impl=self.impl, tuning=self.tuning,
+                             top_p=d.top_p, top_p_min_k=d.top_p_min_k)
 
     def _side_streams(self, n, device):
         while len(self._streams) < n:
@@ -153,7 +163,8 @@ class DoubleSparsityBackend(AttentionBackend):
         return [k != DENSE for k in ks]
 
     def decode_bytes(self, seq_lens_host) -> int:
-        """Labels of every cached token + K/V of the selected ones (dense rows: all K/V)."""
+        """Labels of every cached token + K/V of the selected ones (dense rows: all K/V). With the
+        top-p budget the selected count is its upper bound: the device's counts are not read."""
         p = self.memory.plan
         rows_sel = sum(self.num_q_heads if self.ds.mode_of(i) == "per_head" else p.num_kv_heads
                        for i in range(p.num_layers))

@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", default=None)
     p.add_argument("--rs", type=int, nargs="+", default=None)
     p.add_argument("--k-fracs", type=float, nargs="+", default=None)
+    p.add_argument("--settings", nargs="+", default=None, metavar="NAME",
+                   help="run only dense, the default and these settings of the preset (names as in the report)")
     p.add_argument("--default-only", action="store_true",
                    help="only dense and the engine's default Double Sparsity setting")
     p.add_argument("--no-text", action="store_true")
@@ -152,6 +154,12 @@ def settings_for(args, head_dim: int = 64, max_context: int | None = None,
     first = [DENSE, default_setting(head_dim, max_context, layer_modes)]
     if getattr(args, "default_only", False):
         return first
+    names = getattr(args, "settings", None)
+    if names:
+        unknown = set(names) - {s.name for s in body}
+        if unknown:
+            raise SystemExit(f"unknown settings {sorted(unknown)}; known: {[s.name for s in body]}")
+        body = [s for s in body if s.name in names]
     return unique(first + body)
 
 
@@ -199,7 +207,9 @@ def run(args, model=None, tokenizer=None) -> dict:
                                                device=args.device, progress=progress)
     # bytes are quoted at the text window, or at the longest retrieval context without text
     bytes_ctx = window_len if text_res is not None else max(lens)
-    rows = report.rows(settings, lambda s: s.bytes_per_step(bytes_ctx, *dims), text_res, ret_res)
+    # top-p settings: bytes at the tokens measured per row (text only), else at their upper bound
+    measured = {s: r.extra["avg_k"] for s, r in (text_res or {}).items() if s.top_p and "avg_k" in r.extra}
+    rows = report.rows(settings, lambda s: s.bytes_per_step(bytes_ctx, *dims, k=measured.get(s)), text_res, ret_res)
     name = getattr(c, "name", "model")
     notes = run_notes(name, source, args.device, L, bytes_ctx, text_res is not None, ret_res is not None,
                       getattr(args, "retrieval_seed", 0))

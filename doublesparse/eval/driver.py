@@ -24,6 +24,7 @@ import torch
 
 from doublesparse.engine.memory import LABEL_TORCH_DTYPES
 from doublesparse.kernels import ops
+from doublesparse.kernels.top_p import keep_mask
 from doublesparse.kernels.workspace import DecodeWorkspace
 
 from .settings import Setting
@@ -119,6 +120,8 @@ class DecodeAttention:
     ``positions[t]``, seq_len ``positions[t] + 1``); stores K/V/labels, then decodes.
 
     ``observer`` (optional) gets ``(layer_id, q, out, self)`` after every double-sparse layer.
+    ``k_sum`` / ``k_rows`` (device tensors): the tokens the selection rows of requests that
+    decoded sparsely attended to, summed over rows and layers, and the number of such rows.
     """
 
     def __init__(self, pools: Pools, setting: Setting, channels: torch.Tensor | None, rows, positions,
@@ -135,6 +138,11 @@ class DecodeAttention:
         # capped at k/8 and k/4 like the engine's default (also keeps sink + recent <= k)
         self.num_sink, self.num_recent = setting.sink_recent(heavy_tokens)
         self.ws = pools.workspace(int(rows.numel()), heavy_tokens if setting.kind == "ds" else 0)
+        self.top_p_min = setting.top_p_floor(heavy_tokens)
+        R = pools.hq if setting.mode == "per_head" else pools.hkv
+        self.counts = torch.zeros(int(rows.numel()), R, dtype=torch.int32, device=pools.device)
+        self.k_sum = torch.zeros((), dtype=torch.float64, device=pools.device)
+        self.k_rows = torch.zeros((), dtype=torch.float64, device=pools.device)
 
     def forward(self, layer_id, q, k, v, batch):
         p, s = self.p, self.s
@@ -151,7 +159,10 @@ class DecodeAttention:
         out = ops.ds_decode(q, p.k[layer_id], p.v[layer_id], lab, p.label_scale, self.channels[layer_id],
                             p.req_to_token, self.req_idx, self.seq_lens, self.sm_scale, self.heavy_ks,
                             self.heavy, mode=s.mode_of(layer_id), num_sink=self.num_sink, num_recent=self.num_recent, ws=self.ws,
-                            impl=p.impl)
+                            impl=p.impl, top_p=s.top_p, top_p_min_k=self.top_p_min, row_counts=self.counts)
+        sparse = (self.seq_lens > self.heavy_ks)[:, None]
+        self.k_sum += (self.counts * sparse).sum()
+        self.k_rows += sparse.sum() * self.counts.shape[1]
         if self.observer is not None:
             self.observer(layer_id, q, out, self)
         return out
@@ -178,10 +189,11 @@ def prefill(model, pools: Pools, prefixes: list[list[int]]) -> torch.Tensor:
 
 @torch.inference_mode()
 def decode_tokens(model, pools: Pools, setting: Setting, channels, tokens: list[list[int]],
-                  heavy_tokens: int, observer=None) -> torch.Tensor:
+                  heavy_tokens: int, observer=None, k_stats: list | None = None) -> torch.Tensor:
     """Decode ``tokens[i]`` after request i's prefix, all in one forward (see module doc).
 
-    Returns logits ``[sum_i len(tokens[i]), V]`` float32 in request-major order."""
+    Returns logits ``[sum_i len(tokens[i]), V]`` float32 in request-major order. k_stats: a list
+    that gets the forward's ``(k_sum, k_rows)`` (see :class:`DecodeAttention`)."""
     dev = pools.device
     ids, rows, pos = [], [], []
     for i, toks in enumerate(tokens):
@@ -192,7 +204,10 @@ def decode_tokens(model, pools: Pools, setting: Setting, channels, tokens: list[
     rows_t = torch.tensor(rows, device=dev)
     pos_t = torch.tensor(pos, device=dev)
     attn = DecodeAttention(pools, setting, channels, rows_t, pos_t, heavy_tokens, observer)
-    return model(torch.tensor(ids, device=dev), pos_t, _batch(attn)).float()
+    logits = model(torch.tensor(ids, device=dev), pos_t, _batch(attn)).float()
+    if k_stats is not None:
+        k_stats.append((attn.k_sum, attn.k_rows))
+    return logits
 
 
 @torch.inference_mode()
@@ -220,7 +235,8 @@ def selection_recall(q, view: DecodeAttention, layer_id: int, chunk: int = 64,
                      rows: torch.Tensor | None = None) -> torch.Tensor:
     """Per (token, query head): attention mass on the tokens the DS selection picks, divided by
     the mass of the true top-k tokens, ``[len(rows), Hq]`` on the CPU (1 for rows that decode
-    densely). q: ``[B, Hq, D]``; rows: indices into the batch (default: all B).
+    densely); with the top-p budget, on the part of the selection it keeps (k: the upper bound).
+    q: ``[B, Hq, D]``; rows: indices into the batch (default: all B).
 
     The selection is recomputed here in float32 with the reference's maths (label scores, mode
     reduction, sink/recent forcing, top-k) on the same label pool, because ``ops.ds_decode`` does
@@ -259,11 +275,15 @@ def selection_recall(q, view: DecodeAttention, layer_id: int, chunk: int = 64,
             sc = sc.sum(2) if mode == "group_sum" else sc.amax(2)
         pos = torch.arange(nmax, device=q.device)[None, None]
         keep = (pos < view.num_sink) | (pos >= (n[:, None, None] - view.num_recent))
+        raw = sc
         sc = sc.masked_fill(keep, float("inf")).masked_fill(~valid[:, None], float("-inf"))
         sel = sc.topk(kk, -1).indices
+        # top-p: only the kept part of the selection counts (against the same best top-k)
+        kept = (keep_mask(raw, sel, n, s.top_p, view.top_p_min, view.num_sink, view.num_recent) if s.top_p
+                else torch.ones_like(sel, dtype=torch.bool))
         if sel.shape[1] != Hq:
-            sel = sel.repeat_interleave(G, 1)
-        got = prob.gather(2, sel).sum(-1)
+            sel, kept = sel.repeat_interleave(G, 1), kept.repeat_interleave(G, 1)
+        got = (prob.gather(2, sel) * kept).sum(-1)
         best = prob.topk(kk, -1).values.sum(-1)
         dense_rows = (n <= kk)[:, None]
         out[sl] = torch.where(dense_rows, torch.ones_like(got), got / best.clamp_min(1e-30))

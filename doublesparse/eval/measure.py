@@ -116,13 +116,14 @@ class TextRunner:
         if s.kind == "ds" and self.groups[0][3] is None:
             self.run(DENSE)
         a = dict(nll=0.0, kl=0.0, top1=0.0, n=0)
+        k_stats: list = []
         ch = self.channels_for(s) if s.kind == "ds" else None
         for g in self.groups:
             pools, inputs, targets, ref = g
             if ch is not None:
                 pools.relabel(ch, s.label)
             logits = driver.decode_tokens(self.model, pools, s, ch, inputs, s.heavy_tokens(self.wl),
-                                          observer=fidelity if s.kind == "ds" else None)
+                                          observer=fidelity if s.kind == "ds" else None, k_stats=k_stats)
             logp = logits.log_softmax(-1)
             del logits
             a["nll"] += float(-logp.gather(1, targets[:, None]).sum())
@@ -135,6 +136,10 @@ class TextRunner:
         nll = a["nll"] / n
         res = TextResult(s, ppl=float(torch.tensor(nll).exp()), nll=nll, kl=a["kl"] / n,
                          top1=a["top1"] / n, tokens=a["n"])
+        k_rows = sum(float(r) for _, r in k_stats)
+        if s.kind == "ds" and k_rows:
+            # tokens attended per selection row and layer, where the request decoded sparsely
+            res.extra["avg_k"] = sum(float(t) for t, _ in k_stats) / k_rows
         if fidelity is not None and s.kind == "ds":
             res.recall, res.rel_err = fidelity.means()
         elif s in self.results:  # keep fidelity measured by an earlier run of the same setting

@@ -33,6 +33,8 @@ def rows(settings, bytes_of, text=None, retrieval=None) -> list[dict]:
             r["layer_modes"] = list(s.layer_modes)
         if text and s in text:
             t = text[s]
+            if "avg_k" in t.extra:
+                r["avg_k"] = t.extra["avg_k"]
             r.update(ppl=t.ppl, kl=t.kl, top1=t.top1, tokens=t.tokens,
                      recall=_nanmean(t.recall), rel_err=_nanmean(t.rel_err),
                      recall_per_layer=t.recall, rel_err_per_layer=t.rel_err)
@@ -55,6 +57,11 @@ def markdown(rs: list[dict], title: str, notes: list[str] = ()) -> str:
             _f(r.get("retrieval_acc"), "{:.2f}"),
             _f(r.get("recall") if r["kind"] == "ds" else None, "{:.3f}"),
             _f(r.get("rel_err") if r["kind"] == "ds" else None, "{:.3f}")]) + " |")
+    measured = [r for r in rs if r.get("avg_k") is not None and "/p" in r["setting"]]
+    if measured:
+        lines += ["", ("Tokens attended per selection row and layer where a request decoded sparsely "
+                       "(top-p settings; their bytes use it):"), ""]
+        lines += [f"- {r['setting']}: {r['avg_k']:.1f}" for r in measured]
     cells = [r for r in rs if r.get("retrieval_cells")]
     if cells:
         keys = list(cells[0]["retrieval_cells"])

@@ -37,6 +37,11 @@ class Setting:
     label: the label cache's dtype, "bf16" or "fp8" (e4m3, the engine's ``--ds-label-dtype``).
     layer_modes: each layer's mode where they differ (a channel config's calibrated ``ds_mode``
     keys, as the engine's default runs them); empty: ``mode`` on every layer.
+    top_p: the top-p budget (the engine's ``--ds-budget-mode top_p --ds-budget-top-p``; 0: off):
+    k is then each selection row's upper bound, and each row keeps the fewest of its selected
+    tokens whose estimated attention reaches top_p, at least ``top_p_min`` (capped at k; the
+    engine's ``--ds-heavy-token-min``). The tokens actually attended to are measured
+    (``TextResult.extra["avg_k"]``).
     """
 
     kind: str = "ds"
@@ -50,6 +55,8 @@ class Setting:
     label: str = "bf16"
     k_min: int = 0
     k_max: int = 0
+    top_p: float = 0.0
+    top_p_min: int = 0
     layer_modes: tuple[str, ...] = ()
 
     def mode_of(self, layer: int) -> str:
@@ -66,6 +73,8 @@ class Setting:
             raise ValueError(f"k_frac must be in (0, 1], got {self.k_frac}")
         if self.label not in LABEL_DTYPES:
             raise ValueError(f"label must be one of {LABEL_DTYPES}, got {self.label!r}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
 
     @property
     def name(self) -> str:
@@ -80,6 +89,8 @@ class Setting:
             s += f"/{self.label}"
         if self.k_min or self.k_max:
             s += f"/min{self.k_min}" + (f"max{self.k_max}" if self.k_max else "")
+        if self.top_p:
+            s += f"/p{self.top_p:g}min{self.top_p_min}"
         return s
 
     @property
@@ -94,6 +105,8 @@ class Setting:
             s += f"+dense{self.dense_layers}"
         if self.label != "bf16":
             s += f"+{self.label}"
+        if self.top_p:
+            s += f"+top_p{self.top_p:g}"
         return s
 
     def heavy_tokens(self, ctx: int) -> int:
@@ -108,20 +121,26 @@ class Setting:
     def is_dense_layer(self, layer: int) -> bool:
         return self.kind == "dense" or layer < self.dense_layers
 
+    def top_p_floor(self, heavy_tokens: int) -> int:
+        """The top-p budget's lower bound at top-k ``heavy_tokens``."""
+        return min(self.top_p_min, heavy_tokens)
+
     def bytes_per_step(self, ctx: int, num_layers: int, num_q_heads: int, num_kv_heads: int,
-                       head_dim: int) -> int:
-        """Bytes one decode step of one request reads at context length ``ctx`` (see module doc)."""
+                       head_dim: int, k: float | None = None) -> int:
+        """Bytes one decode step of one request reads at context length ``ctx`` (see module doc);
+        ``k``: the tokens a row attends to, where measured (top-p), else the setting's k."""
         dense = ctx * num_kv_heads * head_dim * 2 * KV_BYTES
         if self.kind == "dense":
             return dense * num_layers
-        k = min(self.heavy_tokens(ctx), ctx)
+        k_set = min(self.heavy_tokens(ctx), ctx)
+        k = k_set if k is None else k
         labels = ctx * num_kv_heads * self.r * LABEL_TORCH_DTYPES[self.label].itemsize
         total = 0
         for i in range(num_layers):
             rows = num_q_heads if self.mode_of(i) == "per_head" else num_kv_heads
             # ops.ds_decode falls back to dense when the context is short
-            total += dense if i < self.dense_layers or k >= ctx else labels + k * rows * head_dim * 2 * KV_BYTES
-        return total
+            total += dense if i < self.dense_layers or k_set >= ctx else labels + k * rows * head_dim * 2 * KV_BYTES
+        return round(total)
 
 
 DENSE = Setting(kind="dense")
@@ -175,6 +194,12 @@ def improvements(base: Setting, sink: int = 4, recent: int = 32, dense_layers: i
     ]
 
 
+def top_p_variants(base: Setting, ps=(0.9, 0.98), floor: int = 32) -> list[Setting]:
+    """``base`` with the top-p budget at each mass in ``ps``: its k as each row's upper bound, at
+    least ``base.k_min`` (the engine's lower bound) or else ``floor`` tokens."""
+    return [replace(base, top_p=p, top_p_min=base.k_min or floor) for p in ps]
+
+
 def preset(name: str) -> list[Setting]:
     """"small": a CPU/CI-sized set; "full": the GPU grid plus the improvement variants."""
     base = BASELINE
@@ -183,8 +208,11 @@ def preset(name: str) -> list[Setting]:
                Setting("ds", "qk", "per_head", 16, 1 / 16), Setting("ds", "qk", "group_sum", 8, 1 / 16),
                Setting("ds", "qk", "group_sum", 16, 1 / 8)]
         out += improvements(base)
+        wide = Setting("ds", "qk", "group_max", 16, 1 / 8, num_sink=4, num_recent=32)
+        out += [wide] + top_p_variants(wide)
     elif name == "full":
         out = [DENSE] + grid() + improvements(base)
+        out += top_p_variants(Setting("ds", "qk", "group_max", 16, 1 / 8, num_sink=4, num_recent=32), floor=128)
     else:
         raise ValueError(f"preset must be 'small' or 'full', got {name!r}")
     return unique(out)

@@ -71,9 +71,20 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
               seq_lens, sm_scale: float, heavy_token_nums, max_heavy_tokens: int,
               mode: str = "group_max", num_sink: int = 0, num_recent: int = 0,
               ws: DecodeWorkspace | None = None, out=None, impl: str = "auto",
-              tuning: KernelTuning = DEFAULT_TUNING):
+              tuning: KernelTuning = DEFAULT_TUNING, top_p: float = 0.0, top_p_min_k: int = 0,
+              row_counts=None):
     """Double Sparsity decode: label scores -> each request's top-k on device -> exact attention
     on those tokens, with a budget per request in one batch (and one CUDA graph).
+
+    top_p in (0, 1] (0: off) adds the top-p budget: each selection row (per KV head, or per query
+    head in ``per_head`` mode) of a sparse request attends only to the smallest part of its k_b
+    selected tokens whose estimated attention weight (softmax of the label scores over the
+    request's tokens other than the forced sink/recent ones) reaches top_p of the total, with at
+    least ``top_p_min_k`` tokens (forced ones included) and every forced token; ties at the
+    threshold are kept (``reference.topp_keep_ref``). Decided on the device, no host sync.
+    row_counts: an optional ``[B, R]`` int32 (R = Hq for ``per_head``, else Hkv) filled with the
+    tokens each row attended to (its length where the request decodes densely); for evaluation
+    and benchmarks only (on the Triton path it adds device ops after the call).
 
     q: [B, Hq, D]; pools, req_to_token, req_idx, seq_lens as in :func:`dense_decode` and
     :mod:`.reference`. heavy_token_nums: [B] int32 on q's device, request b's budget k_b: it
@@ -91,16 +102,30 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     """
     if _use_triton(q, impl):
         from .triton.ds_launch import ds_decode as _ds
-        return _ds(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-                   seq_lens, sm_scale, heavy_token_nums, max_heavy_tokens, mode, num_sink, num_recent,
-                   ws, out, tuning=tuning)
+        o = _ds(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
+                seq_lens, sm_scale, heavy_token_nums, max_heavy_tokens, mode, num_sink, num_recent,
+                ws, out, tuning=tuning, top_p=top_p, top_p_min_k=top_p_min_k)
+        if row_counts is not None:
+            _fill_row_counts(row_counts, ws, seq_lens, heavy_token_nums, max_heavy_tokens, top_p)
+        return o
     o = torch_ops.ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token,
                             req_idx, seq_lens, sm_scale, heavy_token_nums, mode,
-                            num_sink, num_recent).to(q.dtype)
+                            num_sink, num_recent, top_p, top_p_min_k, row_counts).to(q.dtype)
     if out is not None:
         out.copy_(o)
         return out
     return o
+
+
+def _fill_row_counts(row_counts, ws, seq_lens, heavy_token_nums, max_heavy_tokens, top_p):
+    """row_counts [B, R] after a Triton-path ds_decode: the kernels' per-row counts (top-p) or
+    each request's budget (capped as the kernels cap it), its length where it decodes densely."""
+    if top_p > 0:
+        row_counts.copy_(ws.row_k[: row_counts.shape[0], : row_counts.shape[1]])
+        return
+    lens, ks = seq_lens.long(), heavy_token_nums.long()
+    n = torch.where(lens > ks, ks.clamp(max=int(max_heavy_tokens)), lens)
+    row_counts.copy_(n[:, None].expand_as(row_counts))
 
 
 def rope(positions, q, k, cos, sin, impl: str = "auto"):

@@ -112,10 +112,11 @@ def topk_ref(scores, k: int):
     return torch.topk(scores, k, dim=-1).indices
 
 
-def sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, positions, sm_scale):
+def sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, positions, sm_scale, keep=None):
     """Exact attention over selected positions only.
 
     positions: ``[B, R, n]`` int; R = Hq (each query head its own set) or Hkv (shared by the group).
+    keep: optional ``[B, R, n]`` bool, the entries each row attends to (default: all n).
     Returns ``[B, Hq, D]`` float32.
     """
     B, Hq, D = q.shape
@@ -128,6 +129,8 @@ def sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, positions, sm_
         for h in range(Hq):
             kvh = h // G
             pos = positions[b, h if R == Hq else kvh].long()
+            if keep is not None:
+                pos = pos[keep[b, h if R == Hq else kvh]]
             slots = row[pos]
             k = k_cache[slots, kvh].float()
             v = v_cache[slots, kvh].float()
@@ -145,11 +148,45 @@ def is_sparse(seq_lens, heavy_token_nums):
     return seq_lens.long() > heavy_token_nums.to(seq_lens.device).long()
 
 
+def topp_keep_ref(scores, positions, seq_len: int, top_p: float, k_min: int, num_sink: int = 0,
+                  num_recent: int = 0):
+    """Which of one row's selected tokens the top-p budget keeps: ``[k]`` bool.
+
+    scores: ``[>= seq_len]`` the row's label scores (as label_scores_ref, not forced); they are
+    ranked as the kernels store them (fp16, clamped to +-65504). positions: ``[k]`` the row's
+    selection (forced sink/recent positions and the top of the rest). The estimated attention
+    weights are ``softmax(scores)`` over the row's tokens that are not forced (the forced ones'
+    scores are not kept, and they are attended to anyway). The kept set is every forced position
+    plus the selected tokens whose score is at least tau, the largest selected score at which
+    (a) the kept tokens' weight reaches top_p of the total and (b) at least k_min tokens, forced
+    ones included, are kept; where no score satisfies both, the whole selection. Ties at tau are
+    all kept, so a row keeps the smallest such set up to ties.
+    """
+    s = scores[:seq_len].double().clamp(-65504.0, 65504.0).half().double()
+    idx = torch.arange(seq_len, device=s.device)
+    forced = (idx < num_sink) | (idx >= seq_len - num_recent)
+    m = s[~forced].max()
+    z = torch.exp(s[~forced] - m).sum()
+    pos = positions.long().to(s.device)
+    fsel = forced[pos]
+    sv = s[pos]
+    w = torch.where(fsel, 0.0, torch.exp(sv - m))
+    ge = sv[None, :] >= sv[:, None]            # [i, j]: token j scores at least token i
+    ge &= ~fsel[None, :]
+    mass = (ge * w[None, :]).sum(1)
+    count = ge.sum(1) + int(fsel.sum())
+    ok = ~fsel & (mass >= top_p * z) & (count >= k_min)
+    tau = sv[ok].max() if bool(ok.any()) else float("-inf")
+    return (fsel | (sv >= tau)).to(positions.device)
+
+
 def ds_decode_ref(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
                   seq_lens, sm_scale, heavy_token_nums, mode: str = "group_max",
-                  num_sink: int = 0, num_recent: int = 0):
+                  num_sink: int = 0, num_recent: int = 0, top_p: float = 0.0, top_p_min_k: int = 0):
     """The whole Double Sparsity decode: score, select each request's own top-k, attend; requests
-    with ``seq_len <= heavy_token_nums[b]`` decode densely. heavy_token_nums: ``[B]`` int."""
+    with ``seq_len <= heavy_token_nums[b]`` decode densely. heavy_token_nums: ``[B]`` int.
+    top_p > 0: each selection row then attends only to what :func:`topp_keep_ref` keeps of its
+    selection (at least ``top_p_min_k`` tokens)."""
     dense = dense_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale)
     sparse_rows = is_sparse(seq_lens, heavy_token_nums)
     if not bool(sparse_rows.any()):
@@ -160,8 +197,15 @@ def ds_decode_ref(q, k_cache, v_cache, label_cache, label_scale, channels, req_t
     out = dense.clone()
     for b in sparse_rows.nonzero().flatten().tolist():
         pos = topk_ref(scores[b: b + 1], int(heavy_token_nums[b]))
+        keep = None
+        if top_p > 0:
+            n = int(seq_lens[b])
+            raw = label_scores_ref(q[b: b + 1], label_cache, label_scale, channels, req_to_token,
+                                   req_idx[b: b + 1], seq_lens[b: b + 1], mode, sm_scale)[0]
+            keep = torch.stack([topp_keep_ref(raw[r], pos[0, r], n, top_p, top_p_min_k, num_sink, num_recent)
+                                for r in range(pos.shape[1])])[None]
         out[b] = sparse_decode_ref(q[b: b + 1], k_cache, v_cache, req_to_token, req_idx[b: b + 1], pos,
-                                   sm_scale)[0]
+                                   sm_scale, keep)[0]
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .reference import MODES, _group
+from .top_p import keep_mask
 
 
 def _gather(cache, req_to_token, req_idx, L):
@@ -52,8 +53,11 @@ def label_scores(q, label_cache, label_scale, channels, req_to_token, req_idx, L
 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-              seq_lens, sm_scale, heavy_token_nums, mode="group_max", num_sink=0, num_recent=0):
-    """heavy_token_nums: [B] int, each request's budget (sparse iff seq_len > it). [B, Hq, D] float32."""
+              seq_lens, sm_scale, heavy_token_nums, mode="group_max", num_sink=0, num_recent=0,
+              top_p=0.0, top_p_min_k=0, row_counts=None):
+    """heavy_token_nums: [B] int, each request's budget (sparse iff seq_len > it). [B, Hq, D] float32.
+    top_p > 0: the top-p budget (kernels/top_p.py); row_counts: an optional [B, R] int32 to fill
+    with the tokens each selection row attended to."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     B, Hq, D = q.shape
@@ -61,26 +65,32 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     ks = heavy_token_nums.to(lens.device).long()
     sparse = lens > ks
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
+    if row_counts is not None:
+        row_counts.copy_(lens[:, None].expand_as(row_counts))
     if not bool(sparse.all()):
         d = ~sparse
         out[d] = dense_decode(q[d], k_cache, v_cache, req_to_token, req_idx[d], seq_lens[d], sm_scale)
     # One batched pass per distinct budget among the sparse requests (one pass when they share k).
     for k in ks[sparse].unique().tolist():
         rows = sparse & (ks == k)
-        out[rows] = _sparse_decode(q[rows], k_cache, v_cache, label_cache, label_scale, channels,
-                                   req_to_token, req_idx[rows], lens[rows], sm_scale, int(k), mode,
-                                   num_sink, num_recent)
+        out[rows], counts = _sparse_decode(q[rows], k_cache, v_cache, label_cache, label_scale, channels,
+                                           req_to_token, req_idx[rows], lens[rows], sm_scale, int(k), mode,
+                                           num_sink, num_recent, top_p, top_p_min_k)
+        if row_counts is not None:
+            row_counts[rows] = counts.to(row_counts.dtype)
     return out
 
 
 def _sparse_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-                   lens, sm_scale, k, mode, num_sink, num_recent):
-    """Requests that all decode sparsely with one budget k (lens > k): [b, Hq, D] float32."""
+                   lens, sm_scale, k, mode, num_sink, num_recent, top_p=0.0, top_p_min_k=0):
+    """Requests that all decode sparsely with one budget k (lens > k): [b, Hq, D] float32, and
+    the tokens each selection row attended to [b, R]."""
     b, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = _group(Hq, Hkv)
     L = int(lens.max())
     s, slots = label_scores(q, label_cache, label_scale, channels, req_to_token, req_idx, L, sm_scale, mode)
+    raw = s
     pos = torch.arange(L, device=q.device)[None, None]
     n = lens[:, None, None]
     s = s.masked_fill(pos >= n, float("-inf"))
@@ -93,8 +103,10 @@ def _sparse_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_
     ks = k_cache[sel_slots, heads[None, :, None]].float()                      # [b, R, k, D]
     vs = v_cache[sel_slots, heads[None, :, None]].float()
     qg = q.float().view(b, Hkv, G, D) if R == Hkv else q.float().view(b, Hq, 1, D)
-    valid = torch.ones(b, 1, k, dtype=torch.bool, device=q.device)
-    return _attend(qg, ks, vs, valid, sm_scale).reshape(b, Hq, D)
+    valid = torch.ones(b, R, k, dtype=torch.bool, device=q.device)
+    if top_p > 0:
+        valid = keep_mask(raw, top, lens, top_p, top_p_min_k, num_sink, num_recent)
+    return _attend(qg, ks, vs, valid, sm_scale).reshape(b, Hq, D), valid.sum(-1)
 
 
 def rope(positions, q, k, cos, sin):

@@ -80,6 +80,13 @@ class KernelTuning:
     # Phase 1 (high-byte histogram).
     hist_block_n: int = 4096
     hist_programs_per_sm: int = 8
+    # The top-p budget's two launches (ds_topp.py): the softmax denominator over a row's scores
+    # (at most workspace.TOPP_MAX_PROGS programs per row), then the keep decision per row over
+    # its whole selection in one block (warps for up to k_max entries in registers).
+    topp_block_n: int = 1024
+    topp_programs_per_sm: int = 4
+    topp_warps: int = 4
+    topp_keep_warps: int = 8
 
     # Programmatic dependent launch (Hopper and later) for the small per-row kernels and the GEMV;
     # False also turns the GEMV and the split-K GEMM off (they need it to pay).
@@ -139,7 +146,8 @@ class KernelTuning:
                      "score_cuda_programs_per_sm", "score_cuda_rows_per_thread", "score_cuda_min_blocks",
                      "score_cuda_tc_tiles", "score_cuda_tc_max_heads_per_warp", "select_block_n",
                      "select_warps", "select_programs_per_sm", "select_loop_stages", "compact_loop_stages",
-                     "hist_block_n", "hist_programs_per_sm"):
+                     "hist_block_n", "hist_programs_per_sm", "topp_block_n", "topp_programs_per_sm",
+                     "topp_warps", "topp_keep_warps"):
             if getattr(self, name) < 1:
                 bad(name, "at least 1")
         if self.score_cuda_tc_depth < 2:
@@ -156,7 +164,7 @@ class KernelTuning:
     def max_score_block(self) -> int:
         """The widest block any score or select kernel reads of a score row (must fit the
         workspace's padding)."""
-        return max(self.select_block_n, self.score_block_n, self.hist_block_n)
+        return max(self.select_block_n, self.score_block_n, self.hist_block_n, self.topp_block_n)
 
     # ------------------------------------------------------------------------- building
     @classmethod

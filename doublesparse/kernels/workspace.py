@@ -13,6 +13,7 @@ import torch
 HIST_BINS = 256  # radix digit of the top-k select: 8 bits, two passes over fp16 score keys
 SCORE_PAD = 4096  # >= the select kernels' block: they read whole blocks of a score row
 SELECT_MAX_PROGS = 16  # programs per score row in the select's phases 2 and 3, at most
+TOPP_MAX_PROGS = 16  # programs per score row of the top-p budget's softmax denominator, at most
 
 
 @dataclass
@@ -68,6 +69,12 @@ class DecodeWorkspace:
             # The cache slots of sel's positions; zero (the padding slot) until written, so a
             # stale entry can never address outside the pool.
             self.buffers["sel_slot"] = torch.zeros(B, Hq, self.max_heavy_tokens, **i32)
+            # Top-p budget (ds_topp.py): per row and program the score maximum and the sum of
+            # exponentials; the kept slots at the front of each row (zero-initialised like
+            # sel_slot) and their number (a dense request's row: its length).
+            self.buffers["topp_part"] = torch.zeros(B, Hq, TOPP_MAX_PROGS, 2, **f32)
+            self.buffers["topp_slot"] = torch.zeros(B, Hq, self.max_heavy_tokens, **i32)
+            self.buffers["row_k"] = torch.zeros(B, Hq, **i32)
 
     def __getattr__(self, name):
         buffers = self.__dict__.get("buffers", {})

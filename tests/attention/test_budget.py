@@ -91,3 +91,47 @@ def test_engine_plans_per_request_k(monkeypatch):
         assert ks == want and sparse == any(k != DENSE for k in want)
     assert len(seen) == 11 and all(s for s, _, _ in seen)  # the long request makes each step sparse
     assert out[0]["meta"]["sparse_decode_steps"] == 2 and out[1]["meta"]["sparse_decode_steps"] == 11
+
+
+def test_top_p_budget_config_and_flags():
+    """--ds-budget-mode top_p keeps the ratio (or fixed) k as the upper bound and the min as the
+    lower one; fixed needs a k, ratio refuses one; top_p must be in (0, 1]."""
+    b = EngineConfig(ds_budget_mode="top_p", ds_budget_top_p=0.9).token_budget(131072)
+    assert b == TokenBudget(512, 8192, 1 / 16, 0.9) and b.mode == "top_p" and "0.9" in b.describe()
+    assert b.k_for(60000) == 3750
+    fixed = EngineConfig(ds_budget_mode="top_p", ds_heavy_token_num=300, ds_heavy_token_min=64)
+    assert fixed.token_budget(8192) == TokenBudget(64, 300, 0.0, 0.95)
+    assert EngineConfig(ds_heavy_token_num=300).budget_mode == "fixed" == TokenBudget.fixed(3).mode
+    assert EngineConfig().budget_mode == "ratio" and EngineConfig().token_budget(8192).top_p == 0
+    for bad in ({"ds_budget_mode": "fixed"}, {"ds_budget_mode": "ratio", "ds_heavy_token_num": 8},
+                {"ds_budget_mode": "top_p", "ds_budget_top_p": 0.0}, {"ds_budget_top_p": 1.5},
+                {"ds_budget_mode": "nucleus"}):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)
+    with pytest.raises(ValueError):
+        TokenBudget(1, 4, top_p=2.0)
+    p = add_cli_args(__import__("argparse").ArgumentParser())
+    c = from_cli_args(p.parse_args(["--ds-budget-mode", "top_p", "--ds-budget-top-p", "0.8"]))
+    assert c.token_budget(131072).top_p == 0.8
+
+
+def test_engine_hands_top_p_to_the_kernels(monkeypatch):
+    """The backend passes the budget's top_p and lower bound to every sparse ds_decode."""
+    from doublesparse.attention import double_sparsity
+    from doublesparse.engine import Engine
+    from doublesparse.testing import ByteTokenizer, tiny_llama
+
+    e = Engine(model=tiny_llama(seed=0, max_position_embeddings=512), tokenizer=ByteTokenizer(),
+               progress=False, max_total_tokens=4096, enable_double_sparsity=True, ds_heavy_token_num=32,
+               ds_budget_mode="top_p", ds_budget_top_p=0.5, ds_heavy_token_min=8,
+               ds_sparse_decode_threshold=40, ds_num_sink=1, ds_num_recent=2)
+    seen = []
+    real = double_sparsity.ops.ds_decode
+
+    def spy(*args, **kw):
+        seen.append((kw["top_p"], kw["top_p_min_k"]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(double_sparsity.ops, "ds_decode", spy)
+    out = e.generate([[7] * 60], {"temperature": 0, "ignore_eos": True, "max_new_tokens": 3})
+    assert out[0]["meta"]["sparse_decode_steps"] == 2 and seen and set(seen) == {(0.5, 8)}

@@ -120,6 +120,10 @@ def test_eval_small_end_to_end(tmp_path):
     ds = rows["qk/group_sum/r16/k1:16"]
     assert len(ds["recall_per_layer"]) == 2 and 0 < ds["recall"] <= 1.0001
     assert ds["bytes_per_step"] < rows["dense"]["bytes_per_step"]
+    wide = rows["qk/group_max/r16/k1:8/s4w32"]
+    for name in ("qk/group_max/r16/k1:8/s4w32/p0.9min32", "qk/group_max/r16/k1:8/s4w32/p0.98min32"):
+        tp = rows[name]  # the top-p budget: tokens per row measured, at most the upper bound's
+        assert 0 < tp["avg_k"] <= wide["avg_k"] == 16 and tp["bytes_per_step"] <= wide["bytes_per_step"]
     assert (out / "plot.png").stat().st_size > 1000
 
 
@@ -240,6 +244,24 @@ def test_selection_recall_rows_subset():
 
     driver.decode_tokens(m, p, s, ch, [x[40:] for x in ids], 8, observer=obs)
     assert seen == [0, 1]
+
+
+def test_selection_recall_top_p():
+    """A top-p setting's recall counts only the kept part of the same selection: never above the
+    fixed budget's, and its decode reports fewer tokens per row than the upper bound."""
+    m, ids, _, p = _setup()
+    ch = default_channels(m, 4)
+    p.relabel(ch)
+    rec, stats = {}, []
+    for s in (Setting("ds", "qk", "group_sum", 4, 1 / 8), Setting("ds", "qk", "group_sum", 4, 1 / 8, top_p=0.05,
+                                                                   top_p_min=2)):
+        def obs(layer_id, q, out, view, s=s):
+            rec.setdefault(s.top_p, []).append(driver.selection_recall(q, view, layer_id))
+
+        driver.decode_tokens(m, p, s, ch, [x[40:] for x in ids], 8, observer=obs, k_stats=stats)
+    assert all(bool((a <= b + 1e-6).all()) and float(a.min()) > 0 for a, b in zip(rec[0.05], rec[0.0]))
+    (fixed_sum, fixed_rows), (tp_sum, tp_rows) = stats
+    assert float(fixed_sum / fixed_rows) == 8 and 2 <= float(tp_sum / tp_rows) < 8
 
 
 def test_make_trials_reuses_the_filler_count():

@@ -384,10 +384,14 @@ for phase, name in ds_select.PHASE_NAMES.items():
              i32, num_warps=4)
     assert k.name == name, (k.name, name)  # each phase is its own kernel in a profile
 from doublesparse.kernels.triton import decode_attn
-for per_head in (False, True):  # over the selection, each request's own k
+for per_head in (False, True):  # over the selection, each request's own k (top-p: each row's)
     comp(decode_attn.decode_attn_kernel, dict(G=4, D=128, PER_HEAD=per_head, HAS_SEL=True, NUM_SPLITS=8, BLOCK_H=16,
-         BLOCK_N=64, BLOCK_D=128, DOT_F32=False),
-         dict(i32, part_o_ptr="*fp32", part_lse_ptr="*fp32"), dict(sm_scale="fp32"), num_warps=4)
+         BLOCK_N=64, BLOCK_D=128, DOT_F32=False, ROW_KS=per_head),
+         dict(i32, part_o_ptr="*fp32", part_lse_ptr="*fp32", row_ks_ptr="*i32"), dict(sm_scale="fp32"), num_warps=4)
+from doublesparse.kernels.triton import ds_topp
+comp(ds_topp.topp_mass_kernel, dict(NUM_PROGS=8, BLOCK_N=1024), dict(i32, part_ptr="*fp32"), num_warps=4)
+comp(ds_topp.topp_keep_kernel, dict(NUM_PROGS=8, P_P=8, K_P=512), dict(i32, part_ptr="*fp32", out_slot_ptr="*i32",
+     row_k_ptr="*i32"), dict(top_p="fp32"), num_warps=8)
 '''
 
 

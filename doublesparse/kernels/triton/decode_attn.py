@@ -52,6 +52,7 @@ def decode_attn_kernel(
     G: tl.constexpr, D: tl.constexpr,
     PER_HEAD: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+    row_ks_ptr=None, stride_rkb=0, ROW_KS: tl.constexpr = False,
 ):
     attn_split(
         tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_cache_ptr, v_cache_ptr,
@@ -59,7 +60,8 @@ def decode_attn_kernel(
         sm_scale, heavy_ks_ptr, max_k, stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
         stride_rt, stride_selb, stride_selr,
         stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
-        G, D, PER_HEAD, HAS_SEL, NUM_SPLITS, BLOCK_H, BLOCK_N, BLOCK_D, DOT_F32)
+        G, D, PER_HEAD, HAS_SEL, NUM_SPLITS, BLOCK_H, BLOCK_N, BLOCK_D, DOT_F32,
+        row_ks_ptr, stride_rkb, ROW_KS)
 
 
 @triton.jit
@@ -75,8 +77,10 @@ def attn_split(
     G: tl.constexpr, D: tl.constexpr,
     PER_HEAD: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+    row_ks_ptr=None, stride_rkb=0, ROW_KS: tl.constexpr = False,
 ):
-    # Split `split` of row (b, row) (decode_attn_kernel's body).
+    # Split `split` of row (b, row) (decode_attn_kernel's body). ROW_KS (the top-p budget): a
+    # sparse request's row attends to the first row_ks[b, row] entries of its selection instead.
     seq_len = tl.load(seq_lens_ptr + b)
     req = tl.load(req_idx_ptr + b).to(tl.int64)
     if HAS_SEL:
@@ -86,6 +90,8 @@ def attn_split(
         # splits past its k are empty (lse -inf), which the merge weighs zero.
         heavy_k = tl.load(heavy_ks_ptr + b)
         sparse = seq_len > heavy_k
+        if ROW_KS:
+            heavy_k = tl.load(row_ks_ptr + b * stride_rkb + row)
         n = tl.where(sparse, tl.minimum(heavy_k, max_k), seq_len)
     else:
         sparse = seq_len < 0  # always False, keeps one code path

@@ -16,11 +16,12 @@ from ..cuda import score as cuda_score
 from ..cuda import select as cuda_select
 from ..reference import MODES
 from ..tuning import DEFAULT_TUNING, KernelTuning
-from ..workspace import SCORE_PAD, SELECT_MAX_PROGS
+from ..workspace import SCORE_PAD, SELECT_MAX_PROGS, TOPP_MAX_PROGS
 from .common import _INTERPRET, _check, _check_decode, _check_labels, _fail, _num_sms
 from .ds_score import score_mma_kernel
 from .ds_score_rows import score_kernel
 from .ds_select import select_kernel
+from .ds_topp import topp_keep_kernel, topp_mass_kernel
 from .launch import _attention, _attn_block_n, dense_splits
 
 
@@ -30,12 +31,14 @@ STAGES = ("score", "hist", "select", "attend", "rest", "all")
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
               seq_lens, sm_scale, heavy_token_nums, max_heavy_tokens, mode="group_max", num_sink=0,
               num_recent=0, ws=None, out=None, num_splits=None, num_progs=None, return_sel=False,
-              stage="all", tuning: KernelTuning = DEFAULT_TUNING):
+              stage="all", tuning: KernelTuning = DEFAULT_TUNING, top_p=0.0, top_p_min_k=0):
     """See ops.ds_decode. ``stage`` ("score", "hist", "select", "attend", "all") runs a prefix or
     the last part only, for the stage-by-stage benchmark; "rest" runs everything after the score
     (select and attend), so that callers can order batch parts' stages across streams;
     ``return_sel`` also returns the selection ([B, rows, K] int32, row b's first
-    ``heavy_token_nums[b]`` entries meaningful where it decodes sparsely)."""
+    ``heavy_token_nums[b]`` entries meaningful where it decodes sparsely). top_p > 0: the top-p
+    budget's launches (ds_topp.py) run after the select (stage "select" included); the attention
+    then reads ``ws.topp_slot`` and ``ws.row_k``."""
     B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
     dev = q.device
     r = _check_labels(label_cache, label_scale, channels, k_cache, dev)
@@ -54,6 +57,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         _fail(f"max_heavy_tokens={k} exceeds workspace max_heavy_tokens={ws.max_heavy_tokens}")
     if req_to_token.shape[1] > ws.max_ctx:
         _fail(f"req_to_token has {req_to_token.shape[1]} positions > workspace max_ctx {ws.max_ctx}")
+    if not 0.0 <= top_p <= 1.0:
+        _fail(f"top_p must be in [0, 1], got {top_p}")
     if num_sink < 0 or num_recent < 0 or num_sink + num_recent > k:
         _fail(f"need 0 <= num_sink + num_recent <= max_heavy_tokens, got {num_sink} + {num_recent} "
               f"(max_heavy_tokens={k})")
@@ -100,12 +105,16 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
                 num_progs, stage, tuning)
         if stage == "hist":
             return None
+        if top_p > 0:
+            topp_keep(ws, seq_lens, ks, k, B, rows, float(top_p), int(top_p_min_k), int(num_sink),
+                      int(num_recent), num_progs, tuning)
         if stage == "select":
             return sel
     if num_splits is None:
         num_splits = _sparse_splits(B, rows, Hkv, k, ws, dev, tuning)
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                   sel_slot, rows, ks, k, per_head, num_splits, tuning, tuning.sparse_attn_stages)
+                   ws.topp_slot if top_p > 0 else sel_slot, rows, ks, k, per_head, num_splits, tuning,
+                   tuning.sparse_attn_stages, row_ks=ws.row_k if top_p > 0 else None)
     return (o, sel) if return_sel else o
 
 
@@ -200,6 +209,35 @@ def _select(ws, seq_lens, req_to_token, req_idx, heavy_ks, max_k, B, rows, skip_
         for phase, stages in ((2, tuning.select_loop_stages), (3, tuning.compact_loop_stages)):
             launch(phase, tuning.select_block_n, tuning.select_programs_per_sm, stages,
                    SELECT_MAX_PROGS)
+
+
+def topp_keep(ws, seq_lens, heavy_ks, max_k, B, rows, top_p, k_min, num_sink, num_recent, num_progs,
+              tuning: KernelTuning):
+    """The top-p budget's two launches (ds_topp.py): each row's softmax denominator over its
+    scores, then which of its selected tokens it keeps -> ws.topp_slot, ws.row_k."""
+    scores, part = ws.scores, ws.topp_part
+    block = tuning.topp_block_n
+    P = num_progs or max(1, min(triton.cdiv(tuning.topp_programs_per_sm * _num_sms(scores.device), B * rows),
+                                triton.cdiv(ws.max_ctx, block)))
+    P = min(P, TOPP_MAX_PROGS)
+    topp_mass_kernel[(B, rows, P)](
+        scores, seq_lens, heavy_ks, part, num_sink, num_recent,
+        scores.stride(0), scores.stride(1), part.stride(0), part.stride(1),
+        NUM_PROGS=P, BLOCK_N=block, num_warps=tuning.topp_warps,
+    )
+    sel = ws.sel
+    k_p = triton.next_power_of_2(int(max_k))
+    topp_keep_kernel[(B, rows)](
+        scores, seq_lens, heavy_ks, part, sel, ws.sel_slot, ws.topp_slot, ws.row_k,
+        int(max_k), top_p, k_min, num_sink, num_recent,
+        scores.stride(0), scores.stride(1), part.stride(0), part.stride(1), sel.stride(0), sel.stride(1),
+        ws.row_k.stride(0),
+        NUM_PROGS=P, P_P=triton.next_power_of_2(P), K_P=k_p,
+        # a row's whole selection sits in registers: more warps for more entries (sm_90: 8 warps
+        # hold 2048 entries in 84 registers a thread, 16 warps 8192 in 113, no spills; beyond
+        # that it spills, still correct)
+        num_warps=min(16, max(tuning.topp_keep_warps, k_p // 512)),
+    )
 
 
 _WARNED: set = set()  # (knob, reason) a CUDA path could not run, each warned about once

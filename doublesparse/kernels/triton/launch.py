@@ -71,10 +71,12 @@ def _attn_block_n(programs_rows: int, device, tuning: KernelTuning) -> int:
 
 
 def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-               sel, rows, heavy_ks, max_k, per_head, num_splits, tuning: KernelTuning, stages=None):
+               sel, rows, heavy_ks, max_k, per_head, num_splits, tuning: KernelTuning, stages=None,
+               row_ks=None):
     """Split-K attention (+ merge) over each row's whole cache (``sel`` None) or, for requests
     with ``seq_len > heavy_ks[b]``, over their ``heavy_ks[b]`` selected slots (sel: [B, rows, K]
-    int32, heavy_ks: [B] int32, at most max_k entries read per row)."""
+    int32, heavy_ks: [B] int32, at most max_k entries read per row); ``row_ks`` ([B, >= rows]
+    int32, the top-p budget): over the first ``row_ks[b, row]`` slots of each row instead."""
     B, Hq, D = q.shape
     if v_cache is k_cache and k_cache.shape[1] == 1 and not per_head and latent_split(D):
         # an MLA latent pool (V is K's first part): its own kernel (latent_attn.py)
@@ -102,6 +104,8 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
         G=G, D=D, PER_HEAD=per_head, HAS_SEL=has_sel, NUM_SPLITS=S,
         BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET,
+        row_ks_ptr=seq_lens if row_ks is None else row_ks, stride_rkb=0 if row_ks is None else row_ks.stride(0),
+        ROW_KS=row_ks is not None,
         num_warps=tuning.attn_warps, num_stages=stages or tuning.attn_stages,
     )
     merge_kernel[(B, Hq)](
