@@ -139,8 +139,9 @@ class DecodeAttention:
         self.num_sink, self.num_recent = setting.sink_recent(heavy_tokens)
         self.ws = pools.workspace(int(rows.numel()), heavy_tokens if setting.kind == "ds" else 0)
         self.top_p_min = setting.top_p_floor(heavy_tokens)
-        R = pools.hq if setting.mode == "per_head" else pools.hkv
-        self.counts = torch.zeros(int(rows.numel()), R, dtype=torch.int32, device=pools.device)
+        # per selection-row count (a per_head layer has Hq rows, the others Hkv)
+        self.counts = {R: torch.zeros(int(rows.numel()), R, dtype=torch.int32, device=pools.device)
+                       for R in (pools.hq, pools.hkv)}
         self.k_sum = torch.zeros((), dtype=torch.float64, device=pools.device)
         self.k_rows = torch.zeros((), dtype=torch.float64, device=pools.device)
 
@@ -156,13 +157,15 @@ class DecodeAttention:
         if s.is_dense_layer(layer_id):
             return ops.dense_decode(q, p.k[layer_id], p.v[layer_id], p.req_to_token, self.req_idx,
                                     self.seq_lens, self.sm_scale, ws=self.ws, impl=p.impl)
+        mode = s.mode_of(layer_id)
+        counts = self.counts[p.hq if mode == "per_head" else p.hkv]
         out = ops.ds_decode(q, p.k[layer_id], p.v[layer_id], lab, p.label_scale, self.channels[layer_id],
                             p.req_to_token, self.req_idx, self.seq_lens, self.sm_scale, self.heavy_ks,
-                            self.heavy, mode=s.mode_of(layer_id), num_sink=self.num_sink, num_recent=self.num_recent, ws=self.ws,
-                            impl=p.impl, top_p=s.top_p, top_p_min_k=self.top_p_min, row_counts=self.counts)
+                            self.heavy, mode=mode, num_sink=self.num_sink, num_recent=self.num_recent, ws=self.ws,
+                            impl=p.impl, top_p=s.top_p, top_p_min_k=self.top_p_min, row_counts=counts)
         sparse = (self.seq_lens > self.heavy_ks)[:, None]
-        self.k_sum += (self.counts * sparse).sum()
-        self.k_rows += sparse.sum() * self.counts.shape[1]
+        self.k_sum += (counts * sparse).sum()
+        self.k_rows += sparse.sum() * counts.shape[1]
         if self.observer is not None:
             self.observer(layer_id, q, out, self)
         return out
