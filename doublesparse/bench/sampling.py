@@ -1,5 +1,5 @@
 """What the sampling step's extras cost on the device: logprobs, penalties, min_p and grammar
-masks, against plain sampling, per batch size. One timed step is what ``Engine._sample`` runs
+masks, against plain sampling, per batch size. One timed step is what ``engine.request.sample_isolated`` runs
 for a batch (``request_sampling.sample_requests``) plus the copy of its tokens (and logprobs) to
 the host; the model's forward is not in it.
 

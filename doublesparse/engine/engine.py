@@ -22,71 +22,19 @@ import collections
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-
 import torch
 
 from ..attention.budget import DENSE
 from ..config import EngineConfig
 from . import prefix_cache
 from .grammar import GrammarBackend
-from .request_sampling import (LOGPROB_COLS, RequestSampling, needs_state, sample_requests,
-                               unpack_logprobs)
+from .request import Launched, Request, StepOutput, request_meta, sample_isolated
+from .request_sampling import LOGPROB_COLS, RequestSampling, needs_state, unpack_logprobs
 from .sampler import make_generator
 from .sampling_params import SamplingParams
 from .setup import EngineParts, build_parts
 from .text import Detokenizer
 from .transfer import to_device, to_host_async
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    meta: dict | None = None       # set when finished: see Engine.generate
-    # per new token, when the request asked for logprobs: (logprob, [(token id, logprob)] x k)
-    logprobs: list | None = None
-
-
-@dataclass
-class _Req:
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    stop_ids: frozenset
-    detok: Detokenizer
-    t_arrival: float
-    output_ids: list[int] = field(default_factory=list)
-    row: int | None = None
-    num_cached: int = 0            # tokens whose K/V are in the pool
-    cached_tokens: int = 0         # prompt tokens found in the prefix cache at admission
-    decode_steps: int = 0
-    sparse_decode_steps: int = 0
-    t_first_token: float | None = None
-    finish_reason: str | None = None
-    launched: int = 0              # output tokens sampled or being sampled on the device
-    error: str | None = None       # set when this request's own sampling failed: it ends "error"
-    sampling: RequestSampling | None = None  # penalties' history, grammar matcher
-
-
-@dataclass
-class _Launched:
-    """One step's sampled tokens on their way to the host: ``tokens[i]`` belongs to ``reqs[i]``."""
-
-    reqs: list
-    tokens: torch.Tensor           # [N] int64, host (pinned on CUDA) once ``ready`` has fired
-    ready: "torch.cuda.Event | None"
-    sparse: list                   # per entry: None (a prefill's first token) or whether its decode was sparse
-    t_launch: float
-    has_prefill: bool
-    logprobs: torch.Tensor | None = None   # [N, LOGPROB_COLS] float64, host, when any entry asked
-    lp_ready: "torch.cuda.Event | None" = None
 
 
 class Engine:
@@ -105,13 +53,13 @@ class Engine:
         self._abort_inbox: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, Request] = {}
         self._pending: list[StepOutput] = []   # outputs of aborts done outside step()
         self._known: set[str] = set()
         self._counter = 0
         self.counters = collections.Counter()
         self.overlap = not cfg.disable_overlap_schedule and p.device.type == "cuda"
-        self._inflight: _Launched | None = None
+        self._inflight: Launched | None = None
         # each request row's latest sampled token, on the device: the next decode's input ids
         # (rows 1..max_reqs; row 0 is req_to_token's padding row)
         self._last_tok = torch.zeros(p.memory.plan.max_reqs + 1, dtype=torch.int64, device=p.device)
@@ -164,7 +112,7 @@ class Engine:
             with self._lock:
                 self._known.discard(rid)
             raise
-        req = _Req(rid, ids, sp, gen, frozenset(stop_ids),
+        req = Request(rid, ids, sp, gen, frozenset(stop_ids),
                    Detokenizer(self.tokenizer, sp.stop, sp.skip_special_tokens), time.perf_counter(),
                    sampling=state)
         self._inbox.append(req)
@@ -203,7 +151,7 @@ class Engine:
                 with self._lock:
                     self._known.discard(rid)
                 self._pending.append(StepOutput(rid, [], "", True, "abort", len(req.prompt_ids), 0,
-                                                meta=self._meta(req)))
+                                                meta=request_meta(req)))
 
     def has_unfinished(self) -> bool:
         return bool(self._inbox) or bool(self._reqs) or bool(self._pending) or self._inflight is not None
@@ -256,7 +204,7 @@ class Engine:
             self._inflight = None  # only dropped tokens left in it: nothing to wait for
         return outs
 
-    def _launch(self, plan) -> _Launched | None:
+    def _launch(self, plan) -> Launched | None:
         """Run the plan's forwards and sampling; nothing here waits for the GPU."""
         p = self.parts
         t0 = time.perf_counter()
@@ -299,12 +247,12 @@ class Engine:
             # A prefill-only step (a chunk that is not a prompt's last) samples nothing; it is
             # still collected, through one event, so that its time counts as prefill time.
             tokens, ready = to_host_async(torch.empty(0, dtype=torch.long, device=p.device))
-            return _Launched([], tokens, ready, [], t0, True)
+            return Launched([], tokens, ready, [], t0, True)
         for r in reqs_out:
             r.launched += 1
         tokens, ready = to_host_async(torch.cat(toks) if len(toks) > 1 else toks[0])
         sparse = [None] * (len(reqs_out) - len(dec)) + (sparse_rows if dec else [])
-        out = _Launched(reqs_out, tokens, ready, sparse, t0, bool(plan.prefill))
+        out = Launched(reqs_out, tokens, ready, sparse, t0, bool(plan.prefill))
         if any(lp is not None for lp, _ in lps):  # a second copy, waited on with the tokens'
             out.logprobs, out.lp_ready = to_host_async(torch.cat([
                 lp if lp is not None else torch.full((n, LOGPROB_COLS), float("nan"),
@@ -313,26 +261,7 @@ class Engine:
         return out
 
     def _sample(self, logits: torch.Tensor, reqs: list):
-        """Sample the batch; if that fails, sample row by row so that only the requests whose own
-        sampling fails end (with reason "error", at collection) and the rest of the batch goes on.
-        logits [N, V] -> ([N] int64, [N, LOGPROB_COLS] float64 logprobs or None)."""
-        try:
-            return sample_requests(logits, reqs, self._grammar)
-        except Exception:
-            pass
-        toks, lps = [], []
-        want_lp = any(r.params.logprobs is not None for r in reqs)
-        for i, r in enumerate(reqs):
-            lp = None
-            try:
-                t, lp = sample_requests(logits[i:i + 1], [r], self._grammar)
-            except Exception as e:
-                r.error = f"sampling failed: {type(e).__name__}: {e}"
-                t = torch.zeros(1, dtype=torch.int64, device=logits.device)
-            toks.append(t)
-            lps.append(lp if lp is not None else torch.full(
-                (1, LOGPROB_COLS), float("nan"), dtype=torch.float64, device=logits.device))
-        return torch.cat(toks), (torch.cat(lps) if want_lp else None)
+        return sample_isolated(logits, reqs, self._grammar)
 
     def fail_running(self, err: BaseException) -> list[StepOutput]:
         """After ``step`` raised: end every request the step loop holds with reason "error", free
@@ -349,7 +278,7 @@ class Engine:
             prefix_cache.flush(self.parts.memory, self.parts.scheduler)
             return outs
 
-    def _collect(self, launched: _Launched) -> list[StepOutput]:
+    def _collect(self, launched: Launched) -> list[StepOutput]:
         """Wait for a launched step's tokens and hand them to their requests."""
         if launched.ready is not None:
             launched.ready.synchronize()
@@ -386,7 +315,7 @@ class Engine:
             c["decode_time"] += now - launched.t_launch
         return outs
 
-    def _on_token(self, r: _Req, tok: int, now: float, lp=None) -> StepOutput:
+    def _on_token(self, r: Request, tok: int, now: float, lp=None) -> StepOutput:
         if r.t_first_token is None:
             r.t_first_token = now
         r.output_ids.append(tok)
@@ -411,7 +340,7 @@ class Engine:
         return StepOutput(r.rid, [tok], delta, False, None, len(r.prompt_ids), len(r.output_ids),
                           logprobs=lps)
 
-    def _finish(self, r: _Req, reason: str, new_ids: list[int], delta: str = "",
+    def _finish(self, r: Request, reason: str, new_ids: list[int], delta: str = "",
                 release_all: bool = False) -> StepOutput:
         r.finish_reason = reason
         # its prompt and output stay in the prefix cache
@@ -426,17 +355,7 @@ class Engine:
         if reason == "error":
             self.counters["failed_requests"] += 1
         return StepOutput(r.rid, new_ids, delta, True, reason, len(r.prompt_ids), len(r.output_ids),
-                          meta=self._meta(r))
-
-    def _meta(self, r: _Req) -> dict:
-        now = time.perf_counter()
-        ttft = (r.t_first_token - r.t_arrival) if r.t_first_token else None
-        return dict(prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.output_ids),
-                    finish_reason=r.finish_reason, decode_steps=r.decode_steps,
-                    sparse_decode_steps=r.sparse_decode_steps, cached_tokens=r.cached_tokens,
-                    e2e_latency=now - r.t_arrival,
-                    ttft=ttft, decode_latency=(now - r.t_first_token) if r.t_first_token else 0.0,
-                    text=r.detok.text, **({"error": r.error} if r.error else {}))
+                          meta=request_meta(r))
 
     # --------------------------------------------------------------------------- batch API
     def generate(self, prompts, sampling_params=None) -> list[dict]:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from ..engine.engine import StepOutput
+from ..engine.request import StepOutput
 
 EOS_ID = 2
 _OFFSET = 3  # ids 0..2 are reserved (pad, bos, eos); characters map to ord(c) + 3
