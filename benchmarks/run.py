@@ -36,6 +36,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is loaded
+import cpu_embedded  # noqa: E402
 import prefix_cache  # noqa: E402
 import speedup_map  # noqa: E402
 
@@ -211,6 +212,14 @@ SUITES: dict[str, dict] = {
                     "qk/group_max/r16/k1:16/s4w32 qk/group_max/r16/k1:8/s4w32 "
                     "qk/group_max/r16/k1:8/s4w32/p0.9min128 qk/group_max/r16/k1:8/s4w32/p0.98min128 -o {out}"},
         ],
+    # The embedded default on this CPU: our decode vs transformers' generate on the same GGUF and
+    # prompt, side by side, and the engine's load time (benchmarks/cpu_embedded.py).
+    "cpu-embedded": {
+        "area": "cpu-embedded",
+        "machine": "cpu",
+        "stem": "cpu-embedded",
+        "rows": [{"name": "embedded", "cmd": "python benchmarks/cpu_embedded.py --output {out}.json --runs 3 --new-tokens 32",
+                  "result": "{out}.json", "timeout": 3600}],
     },
     # The CPU preset of the same (few settings, 1K contexts): `doublesparse eval --small`.
     # The sampling step's extras (logprobs, penalties, min_p, grammar masks) against plain
@@ -418,6 +427,8 @@ def summarize(area: str, rows: dict) -> dict:
             return _summary_models(rows)
         if area == "prefix-cache":
             return prefix_cache.summary(rows)
+        if area == "cpu-embedded":
+            return rows["embedded"]["summary"]
         if area == "soak":
             r = rows["soak"]
             return {k: r.get(k) for k in ("lost_valid", "http_5xx", "duplicates_identical", "rss_growth_pct",
@@ -534,6 +545,8 @@ def markdown(doc: dict) -> str:
         L += [note, "", *_table_models(rows), ""]
     elif area == "prefix-cache":
         L += [prefix_cache.NOTE, "", *prefix_cache.table(rows), ""]
+    elif area == "cpu-embedded" and "embedded" in rows and "runs" in rows["embedded"]:
+        L += cpu_embedded.table(rows["embedded"])
     for n, d in rows.items():
         if d.get("table_md"):
             L += [f"## {n}", "", d["table_md"].strip(), ""]
@@ -600,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         suite = dict(suite, rows=[r for r in suite["rows"] if r["name"] in a.only])
     machine = cpu_name() if suite.get("machine") == "cpu" else machine_name()
     slug = a.machine or suite.get("machine") or machine_slug(machine)
-    stem = f"{suite['area']}-{slug}"
+    stem = suite.get("stem") or f"{suite['area']}-{slug}"
     raw = _from_root(a.raw or (a.out / "raw" / stem))
     rows = expand(suite, raw)
     if a.dry_run:
@@ -630,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
            "date": date, "summary": summarize(suite["area"], results), "rows": results}
     if suite["area"] in ("models", "prefix-cache"):  # the summary names its provenance itself
         doc["summary"].update(commands=commands, date=date, device=machine, commit=commit)
+    if suite["area"] == "cpu-embedded":  # its summary names where it came from too
+        doc["summary"].update(commands=commands, date=date, machine=machine, commit=commit)
     a.out.mkdir(parents=True, exist_ok=True)
     if suite["area"] == "speedup-map" and doc["summary"].get("cells"):
         png = speedup_map.heatmap(doc["summary"]["cells"], a.out / f"{stem}.png",

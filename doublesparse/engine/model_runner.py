@@ -10,21 +10,21 @@ and touch no real request's cache. On CPU (or with graphs disabled) everything r
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 import torch
 
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from ..attention.budget import DENSE
+from .cpu_threads import ThreadChooser
 from .forward_batch import ForwardBatch
 from .transfer import to_device
 
 
 @contextlib.contextmanager
 def _cpu_threads(n: int):
-    """Run with ``n`` intra-op threads. CPU decode is hundreds of tiny ops; with more threads than
-    rows each op pays an OpenMP barrier, and when another process holds a core the barrier waits a
-    whole time slice (measured: SmolLM2 at 6K context, 2.4 s/step on 2 threads, 0.17 s on 1)."""
+    """Run with ``n`` intra-op threads (CPU decode; the choice: engine/cpu_threads.py)."""
     old = torch.get_num_threads()
     if n == old:
         yield
@@ -60,6 +60,7 @@ class ModelRunner:
         self.graph_max_bs = min(graph_max_bs, memory.plan.max_reqs)
         self.graphs: dict[tuple[int, bool], tuple] = {}  # (bucket, sparse) -> graph
         self._inputs = None  # (device buffer, pinned host buffer, its int64 / int32 numpy views, event)
+        self.cpu_threads = ThreadChooser()  # CPU decode: one thread or all, by measured step time
         if use_cuda_graph and self.device.type == "cuda":
             self.capture_graphs()
 
@@ -109,8 +110,12 @@ class ModelRunner:
         host = self.host_inputs(tokens, pos_t, slots, row_t)
         ds_k = to_device(torch.tensor(ks, dtype=torch.int32), self.device) if ks is not None else None
         if self.device.type == "cpu":
-            with _cpu_threads(max(1, min(torch.get_num_threads(), B))):
-                return self._decode_eager(B, host, tokens, ds_k, sparse)
+            n = self.cpu_threads.pick(B, torch.get_num_threads())
+            t0 = time.perf_counter()
+            with _cpu_threads(n):
+                out = self._decode_eager(B, host, tokens, ds_k, sparse)
+            self.cpu_threads.record(n, time.perf_counter() - t0)
+            return out
         return self._decode_eager(B, host, tokens, ds_k, sparse)
 
     @staticmethod

@@ -1,5 +1,13 @@
-"""Batched pure-PyTorch decode (the engine's CPU path): same semantics as the references, without
-their Python loops over requests and heads. Host syncs are fine here (CPU only)."""
+"""Pure-PyTorch decode (the engine's CPU path): same semantics as the references, without their
+Python loops over heads. Host syncs are fine here (CPU only).
+
+Decode on a CPU is bound by per-op overhead and by gathers, not by arithmetic, so each request is
+handled on its own with as few ops as possible: its cached rows are a slice of the pool when its
+slots are consecutive (the usual case: a request's prompt gets a run of free slots and decode
+appends to it), else one ``index_select``; the selected K/V rows are one ``index_select`` each
+over the pool seen as ``[S * Hkv, D]``; scores and outputs are batched matmuls over the KV heads
+on strided views, with no copies of the cache.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +17,28 @@ from .reference import MODES, _group
 from .top_p import keep_mask
 
 
-def _gather(cache, req_to_token, req_idx, L):
-    """Rows of the first L positions of every request: [B, L, H, X] float32, and the slots [B, L]."""
-    slots = req_to_token[req_idx.long(), :L].long()
-    return cache[slots].float(), slots
+def _token_rows(req_to_token, row: int, n: int):
+    """``(start, None)`` when positions 0..n-1 of request row ``row`` sit in the consecutive slots
+    start..start+n-1, else ``(None, slots [n] int64)``."""
+    slots = req_to_token[row, :n]
+    s0 = int(slots[0])
+    if int(slots[-1]) - s0 == n - 1 and (n < 3 or bool((slots[1:] - slots[:-1] == 1).all())):
+        return s0, None
+    return None, slots.long()
 
 
-def _attend(q, k, v, valid, sm_scale):
-    """q [B, H, G, D]; k, v [B, H, N, D]; valid [B, H or 1, N] -> [B, H, G, D]."""
-    s = torch.einsum("bhgd,bhnd->bhgn", q, k) * sm_scale
-    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
-    return torch.einsum("bhgn,bhnd->bhgd", s.softmax(-1), v)
+def _rows(cache, start, slots, n: int) -> torch.Tensor:
+    """A request's rows ``[n, H, X]`` of a pool: a view when they are consecutive."""
+    return cache[start:start + n] if slots is None else cache.index_select(0, slots)
+
+
+def _attend(q, k, v, sm_scale, valid=None):
+    """q [H, G, D]; k, v [H, N, D] (any strides); valid: None or [H, N] bool (the entries
+    attended to) -> [H, G, D] float32."""
+    s = torch.matmul(q, k.float().transpose(1, 2)).mul_(sm_scale)
+    if valid is not None:
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    return torch.matmul(s.softmax(-1), v.float())
 
 
 def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale):
@@ -27,29 +46,30 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale)
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = _group(Hq, Hkv)
-    L = int(seq_lens.max())
-    k, _ = _gather(k_cache, req_to_token, req_idx, L)
-    v, _ = _gather(v_cache, req_to_token, req_idx, L)
-    valid = (torch.arange(L, device=q.device)[None] < seq_lens[:, None].long())[:, None]
-    o = _attend(q.float().view(B, Hkv, G, D), k.transpose(1, 2), v.transpose(1, 2), valid, sm_scale)
-    return o.reshape(B, Hq, D)
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
+    for b, (row, n) in enumerate(zip(req_idx.tolist(), seq_lens.tolist())):
+        start, slots = _token_rows(req_to_token, row, n)
+        k = _rows(k_cache, start, slots, n).transpose(0, 1)                    # [Hkv, n, D]
+        v = _rows(v_cache, start, slots, n).transpose(0, 1)
+        out[b] = _attend(q[b].float().view(Hkv, G, D), k, v, sm_scale).view(Hq, D)
+    return out
 
 
-def label_scores(q, label_cache, label_scale, channels, req_to_token, req_idx, L, sm_scale, mode):
-    """The approximate scores of positions 0..L-1 of each request ([b, R, L] float32, R = Hq per
-    head, else Hkv; positions past a request's length are not masked) and their cache slots [b, L]."""
-    b, Hq, _ = q.shape
+def label_scores(q, label_cache, label_scale, channels, start, slots, n: int, sm_scale, mode):
+    """One request's approximate scores of its n cached tokens: [R, n] float32 (R = Hq per head,
+    else Hkv). q: [Hq, D]; (start, slots) as from :func:`_token_rows`."""
+    Hq = q.shape[0]
     Hkv = label_cache.shape[1]
     G = _group(Hq, Hkv)
-    lab, slots = _gather(label_cache, req_to_token, req_idx, L)              # [b, L, Hkv, r]
+    lab = _rows(label_cache, start, slots, n).float()                          # [n, Hkv, r]
     if label_cache.dtype == torch.float8_e4m3fn:
         lab = lab * float(label_scale)
     ch = channels.long().repeat_interleave(G, dim=0)                           # [Hq, r]
-    qh = torch.gather(q.float(), 2, ch[None].expand(b, -1, -1)).view(b, Hkv, G, -1)
-    s = torch.einsum("bhgr,blhr->bhgl", qh, lab) * sm_scale                    # [b, Hkv, G, L]
+    qh = torch.gather(q.float(), 1, ch).view(Hkv, G, -1)                       # [Hkv, G, r]
+    s = torch.matmul(qh, lab.permute(1, 2, 0)).mul_(sm_scale)                  # [Hkv, G, n]
     if mode == "per_head":
-        return s.reshape(b, Hq, L), slots
-    return (s.sum(2) if mode == "group_sum" else s.amax(2)), slots
+        return s.view(Hq, n)
+    return s.sum(1) if mode == "group_sum" else s.amax(1)
 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
@@ -61,52 +81,40 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     B, Hq, D = q.shape
-    lens = seq_lens.long()
-    ks = heavy_token_nums.to(lens.device).long()
-    sparse = lens > ks
-    out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
-    if row_counts is not None:
-        row_counts.copy_(lens[:, None].expand_as(row_counts))
-    if not bool(sparse.all()):
-        d = ~sparse
-        out[d] = dense_decode(q[d], k_cache, v_cache, req_to_token, req_idx[d], seq_lens[d], sm_scale)
-    # One batched pass per distinct budget among the sparse requests (one pass when they share k).
-    for k in ks[sparse].unique().tolist():
-        rows = sparse & (ks == k)
-        out[rows], counts = _sparse_decode(q[rows], k_cache, v_cache, label_cache, label_scale, channels,
-                                           req_to_token, req_idx[rows], lens[rows], sm_scale, int(k), mode,
-                                           num_sink, num_recent, top_p, top_p_min_k)
-        if row_counts is not None:
-            row_counts[rows] = counts.to(row_counts.dtype)
-    return out
-
-
-def _sparse_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-                   lens, sm_scale, k, mode, num_sink, num_recent, top_p=0.0, top_p_min_k=0):
-    """Requests that all decode sparsely with one budget k (lens > k): [b, Hq, D] float32, and
-    the tokens each selection row attended to [b, R]."""
-    b, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = _group(Hq, Hkv)
-    L = int(lens.max())
-    s, slots = label_scores(q, label_cache, label_scale, channels, req_to_token, req_idx, L, sm_scale, mode)
-    raw = s
-    pos = torch.arange(L, device=q.device)[None, None]
-    n = lens[:, None, None]
-    s = s.masked_fill(pos >= n, float("-inf"))
-    keep = (pos < num_sink) | ((pos >= n - num_recent) & (pos < n))
-    s = s.masked_fill(keep, float("inf"))
-    top = s.topk(k, dim=-1).indices                                            # [b, R, k]
-    R = top.shape[1]
-    sel_slots = torch.gather(slots[:, None, :].expand(-1, R, -1), 2, top)      # [b, R, k]
-    heads = torch.arange(R, device=q.device) // (G if R == Hq else 1)          # KV head of each row
-    ks = k_cache[sel_slots, heads[None, :, None]].float()                      # [b, R, k, D]
-    vs = v_cache[sel_slots, heads[None, :, None]].float()
-    qg = q.float().view(b, Hkv, G, D) if R == Hkv else q.float().view(b, Hq, 1, D)
-    valid = torch.ones(b, R, k, dtype=torch.bool, device=q.device)
-    if top_p > 0:
-        valid = keep_mask(raw, top, lens, top_p, top_p_min_k, num_sink, num_recent)
-    return _attend(qg, ks, vs, valid, sm_scale).reshape(b, Hq, D), valid.sum(-1)
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
+    if row_counts is not None:
+        row_counts.copy_(seq_lens.long()[:, None].expand_as(row_counts).to(row_counts.dtype))
+    for b, (row, n, k) in enumerate(zip(req_idx.tolist(), seq_lens.tolist(), heavy_token_nums.tolist())):
+        start, slots = _token_rows(req_to_token, row, n)
+        if n <= k:
+            kk = _rows(k_cache, start, slots, n).transpose(0, 1)
+            vv = _rows(v_cache, start, slots, n).transpose(0, 1)
+            out[b] = _attend(q[b].float().view(Hkv, G, D), kk, vv, sm_scale).view(Hq, D)
+            continue
+        s = label_scores(q[b], label_cache, label_scale, channels, start, slots, n, sm_scale, mode)
+        raw = s.clone() if top_p > 0 else None
+        if num_sink:
+            s[:, :num_sink] = float("inf")
+        if num_recent:
+            s[:, n - num_recent:] = float("inf")
+        top = s.topk(k, dim=-1, sorted=False).indices                          # [R, k] positions
+        R = top.shape[0]
+        sel = top + start if slots is None else slots[top]                     # [R, k] slots
+        heads = torch.arange(R, device=q.device) // (G if R == Hq else 1)
+        flat = (sel * Hkv + heads[:, None]).view(-1)                           # rows of [S * Hkv, D]
+        ks = k_cache.view(-1, D).index_select(0, flat).view(R, k, D)
+        vs = v_cache.view(-1, D).index_select(0, flat).view(R, k, D)
+        qg = q[b].float().view(R, Hq // R, D)
+        valid = None
+        if top_p > 0:
+            valid = keep_mask(raw[None], top[None], torch.tensor([n], device=q.device), top_p, top_p_min_k,
+                              num_sink, num_recent)[0]                       # [R, k] bool
+        out[b] = _attend(qg, ks, vs, sm_scale, valid).view(Hq, D)
+        if row_counts is not None:
+            row_counts[b] = k if valid is None else valid.sum(-1).to(row_counts.dtype)
+    return out
 
 
 def rope(positions, q, k, cos, sin):

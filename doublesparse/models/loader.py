@@ -134,8 +134,22 @@ def load_config(model_path: str | Path | None, load_format: str = "auto") -> Mod
     return ModelConfig.from_json(path / "config.json" if fmt == "safetensors" else path)
 
 
+def _load_cached_gguf(path: Path, dtype, device, max_positions):
+    """The model from the converted-weights cache (models/weight_cache.py), or None."""
+    from . import weight_cache as wc
+
+    dt = resolve_dtype(dtype, device)
+    model = wc.load(path, dt, lambda c: model_class(c.architecture)(c, device=device, dtype=dt,
+                                                                   max_positions=max_positions))
+    if model is None:
+        return None
+    model.source_path = path
+    return model.eval().requires_grad_(False)
+
+
 def load_model(model_path: str | Path | None, load_format: str = "auto", dtype=None, device="cpu",
-               progress: bool = True, seed: int = 0, max_positions: int | None = None):
+               progress: bool = True, seed: int = 0, max_positions: int | None = None,
+               weight_cache: bool = True):
     """Build a model with weights on ``device`` in ``dtype`` (default bf16 on CUDA, float32 on CPU;
     ``"auto"`` = the checkpoint's ``torch_dtype``).
 
@@ -143,10 +157,16 @@ def load_model(model_path: str | Path | None, load_format: str = "auto", dtype=N
     weights, std 0.02, unit norms). ``max_positions`` caps the RoPE table (default: the config's
     ``max_position_embeddings``). Returns the architecture's model class from the registry, in eval
     mode. Raises ``FileNotFoundError`` / ``ValueError`` naming the offending path or tensor.
+    ``weight_cache``: keep a GGUF's converted weights in the cache and load them from there the
+    next time (:mod:`.weight_cache`).
     """
 
     fmt, path = resolve_model_path(model_path, load_format)
     reader = None
+    if fmt == "gguf" and weight_cache and dtype != "auto":
+        model = _load_cached_gguf(path, dtype, device, max_positions)
+        if model is not None:
+            return model
     if fmt == "gguf":
         reader = open_gguf(path)
         config = gguf_config(reader)
@@ -156,6 +176,9 @@ def load_model(model_path: str | Path | None, load_format: str = "auto", dtype=N
     model = model_class(config.architecture)(config, device=device, dtype=dtype, max_positions=max_positions)
     if fmt == "gguf":
         load_gguf_weights(model, reader, path, progress=progress)
+        if weight_cache:
+            from . import weight_cache as wc
+            wc.save(model, path)
     elif fmt == "safetensors":
         load_safetensors_weights(model, path, progress=progress)
     else:
