@@ -212,6 +212,7 @@ SUITES: dict[str, dict] = {
                     "qk/group_max/r16/k1:16/s4w32 qk/group_max/r16/k1:8/s4w32 "
                     "qk/group_max/r16/k1:8/s4w32/p0.9min128 qk/group_max/r16/k1:8/s4w32/p0.98min128 -o {out}"},
         ],
+    },
     # The embedded default on this CPU: our decode vs transformers' generate on the same GGUF and
     # prompt, side by side, and the engine's load time (benchmarks/cpu_embedded.py).
     "cpu-embedded": {
@@ -221,7 +222,6 @@ SUITES: dict[str, dict] = {
         "rows": [{"name": "embedded", "cmd": "python benchmarks/cpu_embedded.py --output {out}.json --runs 3 --new-tokens 32",
                   "result": "{out}.json", "timeout": 3600}],
     },
-    # The CPU preset of the same (few settings, 1K contexts): `doublesparse eval --small`.
     # The sampling step's extras (logprobs, penalties, min_p, grammar masks) against plain
     # sampling, per batch size, on the device (no model forward in it).
     "sampling": {
@@ -229,6 +229,7 @@ SUITES: dict[str, dict] = {
         "rows": [{"name": "grid", "cmd": "python -m doublesparse.bench.sampling --json {out}.json --md {out}.md",
                   "result": "{out}.json", "timeout": 600}],
     },
+    # The CPU preset of the accuracy protocol (few settings, 1K contexts): `doublesparse eval --small`.
     "accuracy-small": {
         "area": "accuracy",
         "machine": "cpu",

@@ -44,6 +44,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if argv[0] == "doublesparse":
         assert argv[1] == "eval", argv
         return importlib.import_module("doublesparse.eval.cli").build_parser().parse_args(argv[2:])
+    if argv[0] == "python" and argv[1].startswith("benchmarks/") and argv[1].endswith(".py"):
+        return _parse_with_main(argv[1][len("benchmarks/"):-3], argv[2:])  # run.py puts benchmarks/ on the path
     assert argv[:2] == ["python", "-m"], argv
     module, args = argv[2], argv[3:]
     if module in ("doublesparse.bench_one_batch", "doublesparse.bench.family_decode"):
