@@ -48,6 +48,7 @@ def ours(engine, ids: list[int], n: int) -> dict:
     from doublesparse.engine import SamplingParams
 
     sp = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    engine.flush_cache()  # every round is a first request (the prefix cache would skip its prefill)
     rid = engine.add_request(ids, sp)
     t0 = time.perf_counter()
     stamps, cpu, toks = [], [], []
