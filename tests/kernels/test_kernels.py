@@ -108,6 +108,8 @@ def test_ds_decode(case, mode, label_dtype):
     seq_lens, hq, hkv, d, r, k = case
     if DEVICE == "cpu" and label_dtype == FP8 and len(seq_lens) > 3:
         pytest.skip("interpreter time")
+    if DEVICE == "cpu" and mode == "per_head" and (len(seq_lens) > 3 or (label_dtype == FP8 and d >= 128)):
+        pytest.skip("interpreter time (per_head runs Hq selection rows; the other cases cover it)")
     c = make_case(seq_lens, hq, hkv, d, r=r, label_dtype=label_dtype, device=DEVICE,
                   seed=_seed(tuple(seq_lens), mode, str(label_dtype)))
     ws = make_ws(c, max_heavy_tokens=k + 3)
