@@ -25,21 +25,53 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from doublesparse.calibrate.texts import EVAL_PLAYS, encode, read_texts
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 # greedy tokens decoded per task (digits are often one token each)
-GEN_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 56, "vt": 40, "cwe": 48}
-NUM_KEYS = 4      # niah_multikey: needles (1 asked, the rest distractors)
-NUM_VALUES = 4    # niah_multivalue: numbers for the one key
-CHAIN = 5         # vt: variables per chain
-NUM_COMMON = 5    # cwe: words asked for
+GEN_TOKENS = {
+    "niah_single": 16,
+    "niah_multikey": 16,
+    "niah_multivalue": 56,
+    "vt": 40,
+    "cwe": 48,
+}
+NUM_KEYS = 4  # niah_multikey: needles (1 asked, the rest distractors)
+NUM_VALUES = 4  # niah_multivalue: numbers for the one key
+CHAIN = 5  # vt: variables per chain
+NUM_COMMON = 5  # cwe: words asked for
 FREQ_COMMON, FREQ_RARE = 30, 3
 
-_KEY_WORDS = ("amber", "brisk", "cedar", "dusky", "ember", "fable", "gusty", "hazel", "ivory", "jolly",
-              "karma", "lunar", "maple", "noble", "olive", "pearl", "quill", "raven", "sable", "tulip",
-              "umber", "vivid", "wheat", "xenon", "yodel", "zesty")
+_KEY_WORDS = (
+    "amber",
+    "brisk",
+    "cedar",
+    "dusky",
+    "ember",
+    "fable",
+    "gusty",
+    "hazel",
+    "ivory",
+    "jolly",
+    "karma",
+    "lunar",
+    "maple",
+    "noble",
+    "olive",
+    "pearl",
+    "quill",
+    "raven",
+    "sable",
+    "tulip",
+    "umber",
+    "vivid",
+    "wheat",
+    "xenon",
+    "yodel",
+    "zesty",
+)
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 
 
@@ -73,8 +105,11 @@ def vocabulary(lines: list[str]) -> list[str]:
 def _wrap(tokenizer, user: str, prefix: str) -> str:
     tmpl = getattr(tokenizer, "chat_template", None)
     if tmpl and hasattr(tokenizer, "apply_chat_template"):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         return text + prefix
     return f"User: {user}\nAssistant: {prefix}"
 
@@ -103,31 +138,50 @@ class _Task:
     """A task's fixed draws (keys, values, depths) and ``text(units)``: the (user text, answer
     prefix) of a prompt with ``units`` filler units."""
 
-    def __init__(self, task: str, rng: random.Random, lines: list[str], vocab: list[str]):
+    def __init__(
+        self, task: str, rng: random.Random, lines: list[str], vocab: list[str]
+    ):
         self.task, self.lines, self.rng = task, lines, rng
         self.start = rng.randrange(len(lines))
         taken: set = set()
         if task == "niah_single":
             k = _key(rng, taken)
-            self.needles, self.answers = [NEEDLE.format(key=k, value=(v := _number(rng)))], (v,)
+            self.needles, self.answers = (
+                [NEEDLE.format(key=k, value=(v := _number(rng)))],
+                (v,),
+            )
             self.question = f"What is the special magic number for {k} mentioned in the provided text?"
-            self.prefix = f"The special magic number for {k} mentioned in the provided text is"
+            self.prefix = (
+                f"The special magic number for {k} mentioned in the provided text is"
+            )
         elif task == "niah_multikey":
             pairs = [(_key(rng, taken), _number(rng)) for _ in range(NUM_KEYS)]
             k, v = pairs[rng.randrange(NUM_KEYS)]
-            self.needles, self.answers = [NEEDLE.format(key=a, value=b) for a, b in pairs], (v,)
+            self.needles, self.answers = (
+                [NEEDLE.format(key=a, value=b) for a, b in pairs],
+                (v,),
+            )
             self.question = f"What is the special magic number for {k} mentioned in the provided text?"
-            self.prefix = f"The special magic number for {k} mentioned in the provided text is"
+            self.prefix = (
+                f"The special magic number for {k} mentioned in the provided text is"
+            )
         elif task == "niah_multivalue":
             k = _key(rng, taken)
             vals = []
             while len(vals) < NUM_VALUES:
                 v = _number(rng)
                 vals += [v] if v not in vals else []
-            self.needles, self.answers = [NEEDLE.format(key=k, value=v) for v in vals], tuple(vals)
-            self.question = (f"What are all the special magic numbers for {k} mentioned in the provided "
-                             "text?")
-            self.prefix = f"The special magic numbers for {k} mentioned in the provided text are"
+            self.needles, self.answers = (
+                [NEEDLE.format(key=k, value=v) for v in vals],
+                tuple(vals),
+            )
+            self.question = (
+                f"What are all the special magic numbers for {k} mentioned in the provided "
+                "text?"
+            )
+            self.prefix = (
+                f"The special magic numbers for {k} mentioned in the provided text are"
+            )
         elif task == "vt":
             val, other = _number(rng)[:5], _number(rng)[:5]
             while other == val:
@@ -135,23 +189,35 @@ class _Task:
             chains = [[_var(rng, taken) for _ in range(CHAIN)] for _ in range(2)]
             self.needles = [self._chain(c, x) for c, x in zip(chains, (val, other))]
             self.answers = tuple(chains[0])
-            self.question = (f"Find all variables that are assigned the value {val} in the text above, "
-                             "directly or through other variables.")
+            self.question = (
+                f"Find all variables that are assigned the value {val} in the text above, "
+                "directly or through other variables."
+            )
             self.prefix = f"Answer: the variables assigned the value {val} are"
         elif task == "cwe":
             words = rng.sample(vocab, len(vocab))
-            self.common, self.rare, self.freq = words[:NUM_COMMON], words[NUM_COMMON:], FREQ_COMMON
+            self.common, self.rare, self.freq = (
+                words[:NUM_COMMON],
+                words[NUM_COMMON:],
+                FREQ_COMMON,
+            )
             self.answers = tuple(self.common)
-            self.question = (f"What are the {NUM_COMMON} most common words in the above list? "
-                             "Answer with the words only.")
+            self.question = (
+                f"What are the {NUM_COMMON} most common words in the above list? "
+                "Answer with the words only."
+            )
             self.prefix = f"Answer: the {NUM_COMMON} most common words in the list are"
         else:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-        self.depths = sorted(rng.random() for _ in self.needles) if task != "cwe" else []
+        self.depths = (
+            sorted(rng.random() for _ in self.needles) if task != "cwe" else []
+        )
 
     @staticmethod
     def _chain(names: list[str], value: str) -> list[str]:
-        return [f"VAR {names[0]} = {value}."] + [f"VAR {b} = {a}." for a, b in zip(names, names[1:])]
+        return [f"VAR {names[0]} = {value}."] + [
+            f"VAR {b} = {a}." for a, b in pairwise(names)
+        ]
 
     def text(self, units: int) -> tuple[str, str]:
         if self.task == "cwe":
@@ -159,19 +225,34 @@ class _Task:
             words = self.common * self.freq + self.rare[:n_rare] * FREQ_RARE
             random.Random(f"{self.start}-{units}").shuffle(words)
             body = "\n".join(f"{i + 1}. {w}" for i, w in enumerate(words))
-            return f"Below is a numbered list of words.\n{body}\n{self.question}", self.prefix
+            return (
+                f"Below is a numbered list of words.\n{body}\n{self.question}",
+                self.prefix,
+            )
         hay = [self.lines[(self.start + i) % len(self.lines)] for i in range(units)]
         needles = [x for n in self.needles for x in (n if isinstance(n, list) else [n])]
         # chain links go in order at increasing depths; needles of one kind at their own depths
-        depths = (sorted(self.depths + [self.depths[-1]] * (len(needles) - len(self.depths)))
-                  if self.task != "vt" else [i / len(needles) + self.depths[0] / (2 * len(needles))
-                                             for i in range(len(needles))])
-        order = list(range(len(needles))) if self.task != "vt" else _interleave(len(self.needles[0]))
+        depths = (
+            sorted(self.depths + [self.depths[-1]] * (len(needles) - len(self.depths)))
+            if self.task != "vt"
+            else [
+                i / len(needles) + self.depths[0] / (2 * len(needles))
+                for i in range(len(needles))
+            ]
+        )
+        order = (
+            list(range(len(needles)))
+            if self.task != "vt"
+            else _interleave(len(self.needles[0]))
+        )
         for d, j in sorted(zip(depths, order), reverse=True):
             hay.insert(round(d * len(hay)), needles[j])
-        intro = ("Some special magic numbers are hidden inside the following text. Memorize them; "
-                 "I will ask about them.\n\n" if self.task != "vt" else
-                 "Memorize and track the chain(s) of variable assignments hidden in the following text.\n\n")
+        intro = (
+            "Some special magic numbers are hidden inside the following text. Memorize them; "
+            "I will ask about them.\n\n"
+            if self.task != "vt"
+            else "Memorize and track the chain(s) of variable assignments hidden in the following text.\n\n"
+        )
         return intro + "\n".join(hay) + "\n\n" + self.question, self.prefix
 
 
@@ -185,15 +266,24 @@ def _ids(tokenizer, t: _Task, units: int) -> list[int]:
     return encode(tokenizer, _wrap(tokenizer, user, prefix))
 
 
-def make_sample(tokenizer, task: str, context_len: int, index: int = 0, seed: int = 0,
-                lines: list[str] | None = None, vocab: list[str] | None = None) -> Sample:
+def make_sample(
+    tokenizer,
+    task: str,
+    context_len: int,
+    index: int = 0,
+    seed: int = 0,
+    lines: list[str] | None = None,
+    vocab: list[str] | None = None,
+) -> Sample:
     """Sample ``index`` of ``task`` at about ``context_len`` tokens (never more)."""
     lines = haystack_lines() if lines is None else lines
     vocab = vocabulary(lines) if vocab is None and task == "cwe" else (vocab or [])
     t = _Task(task, random.Random(f"{seed}/{task}/{context_len}/{index}"), lines, vocab)
     base = len(_ids(tokenizer, t, 0))
     while task == "cwe" and base > context_len // 2 and t.freq > FREQ_RARE + 2:
-        t.freq = max(FREQ_RARE + 2, t.freq // 2)  # short contexts: fewer repeats of the common words
+        t.freq = max(
+            FREQ_RARE + 2, t.freq // 2
+        )  # short contexts: fewer repeats of the common words
         base = len(_ids(tokenizer, t, 0))
     per = max(1.0, (len(_ids(tokenizer, t, 20)) - base) / 20)  # tokens per filler unit
     # the largest filler that fits, by bisection around the linear estimate (lines differ in length)
@@ -207,13 +297,23 @@ def make_sample(tokenizer, task: str, context_len: int, index: int = 0, seed: in
     return Sample(task, context_len, index, t.answers, tuple(ids))
 
 
-def make_samples(tokenizer, context_lens, tasks=TASKS, samples_per_task: int = 4, seed: int = 0,
-                 texts: list[str] | None = None) -> list[Sample]:
+def make_samples(
+    tokenizer,
+    context_lens,
+    tasks=TASKS,
+    samples_per_task: int = 4,
+    seed: int = 0,
+    texts: list[str] | None = None,
+) -> list[Sample]:
     """``samples_per_task`` samples of each task at each length."""
     lines = haystack_lines(texts)
     vocab = vocabulary(lines) if "cwe" in tasks else []
-    return [make_sample(tokenizer, task, n, i, seed, lines, vocab)
-            for n in context_lens for task in tasks for i in range(samples_per_task)]
+    return [
+        make_sample(tokenizer, task, n, i, seed, lines, vocab)
+        for n in context_lens
+        for task in tasks
+        for i in range(samples_per_task)
+    ]
 
 
 def score(output: str, answers) -> float:
