@@ -181,3 +181,52 @@ def write(out_dir: str | Path, res: dict, with_plot: bool = False) -> dict:
     tmp.write_text(json.dumps(res, indent=1, default=str))
     tmp.replace(out / "results.json")
     return res
+
+
+# --- the ``accuracy-long`` benchmark suite (benchmarks/run.py): one run per row, merged ---------
+
+QWEN_ROWS = {"16k": "qwen15b-16k", "32k": "qwen15b-32k"}
+SMOL_ROW = "smollm2-8k"
+
+
+def merged(rows: dict) -> dict | None:
+    """The Qwen rows' results as one run (their text and ruler parts side by side), or None."""
+    parts = [
+        rows[n]
+        for n in QWEN_ROWS.values()
+        if isinstance(rows.get(n), dict) and "settings" in rows[n]
+    ]
+    if not parts:
+        return None
+    res = dict(parts[0], text={}, ruler={})
+    for p in parts:
+        res["text"].update(p.get("text", {}))
+        res["ruler"].update(p.get("ruler", {}))
+    return res
+
+
+def suite_summary(rows: dict) -> dict:
+    """The suite's summary keys from its rows' ``results.json`` (None where a row has none)."""
+    q = {k: rows.get(n, {}).get("summary", {}) for k, n in QWEN_ROWS.items()}
+    smol = rows.get(SMOL_ROW, {}).get("summary", {})
+    drops = [
+        s.get("ruler_max_drop_pts")
+        for s in q.values()
+        if s.get("ruler_max_drop_pts") is not None
+    ]
+    res = merged(rows)
+    return {
+        "default_setting": q["32k"].get("default_setting")
+        or q["16k"].get("default_setting"),
+        "qwen15b_ppl_increase_pct_16k": q["16k"].get("ppl_increase_pct_16384"),
+        "qwen15b_ppl_increase_pct_32k": q["32k"].get("ppl_increase_pct_32768"),
+        "ruler_max_drop_pts": max(drops) if drops else None,
+        "smollm2_ppl_increase_pct": smol.get("ppl_increase_pct_8192"),
+        "default_bytes_fraction_32k": q["32k"].get("bytes_fraction_32768"),
+        "qwen15b_per_setting": summary(res)["per_setting"] if res else {},
+    }
+
+
+def suite_plot(rows: dict, path: str | Path) -> Path | None:
+    res = merged(rows)
+    return draw(res, path) if res else None

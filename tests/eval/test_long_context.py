@@ -105,3 +105,19 @@ def test_long_context_end_to_end(tmp_path):
         "| 600 | dense |" in (out / "table.md").read_text()
         and (out / "plot.png").is_file()
     )
+
+
+def test_suite_summary_takes_each_row():
+    def row(n, ppl, drop, frac):
+        return {"summary": {"default_setting": "d", f"ppl_increase_pct_{n}": ppl, f"bytes_fraction_{n}": frac,
+                            "ruler_max_drop_pts": drop}}  # fmt: skip
+
+    rows = {"qwen15b-16k": row(16384, 2.0, 4.0, 0.2), "qwen15b-32k": row(32768, 1.5, 6.0, 0.1),
+            "smollm2-8k": row(8192, 1.3, None, 0.1)}  # fmt: skip
+    s = long_report.suite_summary(rows)
+    assert (s["qwen15b_ppl_increase_pct_16k"], s["qwen15b_ppl_increase_pct_32k"]) == (
+        2.0,
+        1.5,
+    )
+    assert s["ruler_max_drop_pts"] == 6.0 and s["smollm2_ppl_increase_pct"] == 1.3
+    assert s["default_bytes_fraction_32k"] == 0.1 and s["default_setting"] == "d"
