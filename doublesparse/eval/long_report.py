@@ -142,7 +142,8 @@ def draw(res: dict, path: str | Path) -> Path | None:
     a1.set_xlabel("context length (tokens)")
     a1.set_ylabel("perplexity increase over dense (%)")
     a1.grid(alpha=0.3)
-    a1.legend(fontsize=7)
+    if a1.get_legend_handles_labels()[0]:
+        a1.legend(fontsize=7)
     if res.get("ruler"):
         n = max(res["ruler"], key=int)
         rows, tasks = res["ruler"][n], res["tasks"]
