@@ -183,7 +183,6 @@ def run(args) -> dict:
         if args.quiet
         else (lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", flush=True))
     )
-    args.small = False
     model, tok = _load(args)
     c = model.config
     ctx = int(getattr(c, "max_position_embeddings", 4096))
@@ -294,7 +293,8 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
         long_report.write(args.output_dir, res, with_plot=True)
     res["elapsed_s"] = round(time.time() - t0, 1)
-    return long_report.write(args.output_dir, res, with_plot=True)
+    # plot.png was drawn after the last length
+    return long_report.write(args.output_dir, res)
 
 
 def main(argv: list[str] | None = None) -> int:
