@@ -216,6 +216,7 @@ def run(args) -> dict:
         "errors": [],
     }
     spent: dict[str, tuple[int, float]] = {}
+    prefill_rate = None
 
     def unit(kind: str, n: int, s: Setting, fn) -> None:
         prev = spent.get(
@@ -239,9 +240,12 @@ def run(args) -> dict:
     for n in lengths:
         if "text" in args.parts and time.time() < deadline:
             windows = eval_windows(args, tok, n, args.num_windows)
+            t_pre = time.time()
             text = measure.TextRunner(
                 model, windows, args.decode_len, channels_for, args.device, 0, args.impl
             )
+            # seconds per prefilled token (x length: attention grows with it), for the task prompts
+            prefill_rate = (time.time() - t_pre) / (len(windows) * n * n)
             say(f"text {n}: {len(windows)} windows prefilled")
             out = res["text"].setdefault(str(n), {})
 
@@ -263,8 +267,16 @@ def run(args) -> dict:
             for s in settings:
                 unit("text", n, s, text_unit)
             del text
-        if "ruler" in args.parts and time.time() < deadline:
-            plen = min(n, ctx - max(ruler.GEN_TOKENS[t] for t in args.tasks))
+        plen = min(n, ctx - max(ruler.GEN_TOKENS[t] for t in args.tasks))
+        est = (
+            prefill_rate * len(args.tasks) * args.samples_per_task * plen * plen
+            if prefill_rate
+            else 0.0
+        )
+        if "ruler" in args.parts and time.time() + 1.5 * est > deadline:
+            res["skipped"].append(f"ruler {n} (prefill estimate {est:.0f}s)")
+            say(f"ruler {n}: skipped (prefill estimate {est:.0f}s, out of time)")
+        elif "ruler" in args.parts:
             samples = ruler.make_samples(
                 tok,
                 [plen],
