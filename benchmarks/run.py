@@ -88,6 +88,7 @@ _SERVER_SOAK = (f"python -m doublesparse.launch_server --model-path llama-3.1-8b
                 "--graceful-shutdown-timeout 10")
 
 
+_LONG = "python -m doublesparse.eval.long_context --device cuda --budget-s 540"
 _EVAL_DEFAULT = ("doublesparse eval --model-path /root/m/smollm2.gguf --device cuda --default-only "
                  "--no-fidelity")
 
@@ -228,6 +229,21 @@ SUITES: dict[str, dict] = {
         "area": "sampling",
         "rows": [{"name": "grid", "cmd": "python -m doublesparse.bench.sampling --json {out}.json --md {out}.md",
                   "result": "{out}.json", "timeout": 600}],
+    },
+    # Long-context accuracy (eval/long_context.py): Qwen2.5-Coder-1.5B (`doublesparse fetch
+    # qwen2.5-coder-1.5b` before, or its staged cache) at 16K and 32K, text + RULER-style tasks, dense vs
+    # the default and the alternatives; the embedded SmolLM2 at 8K (text, the default only). One row
+    # per length, each budgeted to 540 s (32K estimate on an H100: load ~60 s, text ~30 s, 20 task
+    # prompts prefilled ~60 s, 5 settings x 56 greedy steps ~60 s).
+    "accuracy-long": {
+        "area": "accuracy-long",
+        "rows": [
+            *[{"name": f"qwen15b-{n // 1024}k", "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600,
+               "cmd": f"{_LONG} --model-path qwen2.5-coder-1.5b --lengths {n} -o {{out}}"} for n in (16384, 32768)],
+            {"name": "smollm2-8k", "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600,
+             "cmd": f"{_LONG} --model-path /root/m/smollm2.gguf --lengths 8192 --parts text --settings dense "
+                    "default --num-windows 8 -o {out}"},
+        ],
     },
     # The CPU preset of the accuracy protocol (few settings, 1K contexts): `doublesparse eval --small`.
     "accuracy-small": {
@@ -445,6 +461,9 @@ def summarize(area: str, rows: dict) -> dict:
                     "ppl_increase_pct": {r["setting"]: 100 * (r["ppl"] / dense - 1) for r in acc if dense},
                     "avg_k": {r["setting"]: r["avg_k"] for r in acc if "avg_k" in r},
                     "bytes_vs_dense": {r["setting"]: r["bytes_vs_dense"] for r in acc}}
+        if area == "accuracy-long":
+            from doublesparse.eval.long_report import suite_summary
+            return suite_summary(rows)
         if area == "accuracy":
             res = next(iter(rows.values()))
             if "summary" in res:  # the protocol writes its own
@@ -642,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = [c for c in prev["commands"] if c not in commands] + commands
     doc = {"suite": a.suite, "area": suite["area"], "commands": commands, "commit": commit, "machine": machine,
            "date": date, "summary": summarize(suite["area"], results), "rows": results}
-    if suite["area"] in ("models", "prefix-cache"):  # the summary names its provenance itself
+    if suite["area"] in ("models", "prefix-cache", "accuracy-long"):  # the summary names its provenance itself
         doc["summary"].update(commands=commands, date=date, device=machine, commit=commit)
     if suite["area"] == "cpu-embedded":  # its summary names where it came from too
         doc["summary"].update(commands=commands, date=date, machine=machine, commit=commit)
@@ -651,6 +670,10 @@ def main(argv: list[str] | None = None) -> int:
         png = speedup_map.heatmap(doc["summary"]["cells"], a.out / f"{stem}.png",
                                   f"Double Sparsity vs dense decode, Llama-3.1-8B, {machine}")
         doc["png"] = png.name
+    if suite["area"] == "accuracy-long":
+        from doublesparse.eval.long_report import suite_plot
+        png = suite_plot(results, a.out / f"{stem}.png")
+        doc["png"] = png.name if png else None
     (a.out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
     (a.out / f"{stem}.md").write_text(markdown(doc))
     print(f"[run] wrote {a.out / stem}.json and .md")

@@ -52,7 +52,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         return importlib.import_module(module).build_parser().parse_args(args)
     if module in ("doublesparse.bench_serving", "doublesparse.bench.soak"):
         return importlib.import_module(module).parse_args(args)
-    if module == "doublesparse.eval.protocol":
+    if module in ("doublesparse.eval.protocol", "doublesparse.eval.long_context"):
         return importlib.import_module(module).build_parser().parse_args(args)
     if module == "doublesparse.launch_server":
         return importlib.import_module("doublesparse.server.cli").build_parser().parse_args(args)
