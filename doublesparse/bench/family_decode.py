@@ -23,7 +23,6 @@ import sys
 import torch
 
 from .. import bench_one_batch as bob
-from ..attention.budget import DENSE
 from ..config import from_cli_args
 
 
@@ -51,11 +50,7 @@ def attention_bytes(parts, lens: list[int]) -> int:
     p = parts.plan
     if parts.ds is None:
         return sum(lens) * p.kv_bytes_per_token
-    rows = parts.model.config.num_q_heads if parts.ds.mode == "per_head" else p.num_kv_heads
-    sel = (1 if p.latent else 2) * p.num_layers * rows * p.head_dim * p.kv_dtype.itemsize
-    ks, _ = parts.backend.decode_plan(lens)
-    return sum(n * p.label_bytes_per_token + k * sel if k != DENSE else n * p.kv_bytes_per_token
-               for n, k in zip(lens, ks))
+    return parts.backend.decode_bytes(lens)  # per-layer selection modes and latent rows counted there
 
 
 def observe_experts(parts, bs: int, input_len: int, steps: int, seed: int) -> list[dict]:

@@ -212,7 +212,8 @@ def preset(name: str) -> list[Setting]:
         out += [wide] + top_p_variants(wide)
     elif name == "full":
         out = [DENSE] + grid() + improvements(base)
-        out += top_p_variants(Setting("ds", "qk", "group_max", 16, 1 / 8, num_sink=4, num_recent=32), floor=128)
+        wide = Setting("ds", "qk", "group_max", 16, 1 / 8, num_sink=4, num_recent=32)
+        out += [wide] + top_p_variants(wide, floor=128)
     else:
         raise ValueError(f"preset must be 'small' or 'full', got {name!r}")
     return unique(out)

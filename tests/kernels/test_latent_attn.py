@@ -30,3 +30,20 @@ def test_latent_pool_decode_matches_torch(ds):
         got = ops.dense_decode(*args, ws=ws, impl="triton")
         want = ops.dense_decode(*args, impl="torch")
     assert rel_err(got[..., :dn], want[..., :dn]) < (2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_latent_pool_top_p_reads_only_the_kept_slots():
+    """The top-p budget on a latent pool: the attention reads only each request's kept slots (the
+    rest of the selection buffer holds a previous step's entries, poisoned here)."""
+    hq, d = 5, 48
+    dn, _ = latent_split(d)
+    c = make_case([37, 90, 13], hq, 1, d, r=8, dtype=torch.float32, device=DEVICE, seed=3)
+    kv = c.k_cache
+    ws = make_ws(c, max_heavy_tokens=16)
+    args = (c.q, kv, kv, c.label_cache, c.label_scale, c.channels, c.req_to_token, c.req_idx, c.seq_lens,
+            c.sm_scale, budgets(c, 16), 16)
+    ws.topp_slot.fill_(1)
+    got = ops.ds_decode(*args, ws=ws, impl="triton", top_p=0.5, top_p_min_k=2)
+    want = ops.ds_decode(*args, impl="torch", top_p=0.5, top_p_min_k=2)
+    # float32 (stale slots cost ~2e-2 here); on the GPU its dots run as tf32
+    assert rel_err(got[..., :dn], want[..., :dn]) < (3e-3 if DEVICE == "cuda" else 1e-4)

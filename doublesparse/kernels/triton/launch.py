@@ -79,7 +79,11 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
     int32, the top-p budget): over the first ``row_ks[b, row]`` slots of each row instead."""
     B, Hq, D = q.shape
     if v_cache is k_cache and k_cache.shape[1] == 1 and not per_head and latent_split(D):
-        # an MLA latent pool (V is K's first part): its own kernel (latent_attn.py)
+        # an MLA latent pool (V is K's first part): its own kernel (latent_attn.py). It has one
+        # selection row per request, so the top-p budget's per-row count is that request's count
+        # (the keep kernel fills only the first row_ks[b, 0] entries of sel).
+        if row_ks is not None:
+            heavy_ks = row_ks[:, 0].contiguous()
         return latent_attention(q, k_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out, sel,
                                 heavy_ks, max_k, num_splits)
     block_n = _attn_block_n(B * rows, q.device, tuning)
