@@ -29,9 +29,11 @@ class ThreadChooser:
         self.every = PROBE_EVERY
         self.since_probe = 0
         self.probing: int | None = None
+        self.chose = False   # the last pick was a choice (a small batch): its time is recorded
 
     def pick(self, batch_size: int, max_threads: int) -> int:
-        if max_threads <= 1 or batch_size >= max_threads:
+        self.chose = not (max_threads <= 1 or batch_size >= max_threads)
+        if not self.chose:
             return max(1, min(max_threads, batch_size))
         choices = (1, max_threads)
         for c in choices:
@@ -47,6 +49,8 @@ class ThreadChooser:
         return self.best
 
     def record(self, threads: int, seconds: float) -> None:
+        if not self.chose:  # a large batch's step says nothing about the small batches' choice
+            return
         old = self.avg.get(threads)
         self.avg[threads] = seconds if old is None else (1 - ALPHA) * old + ALPHA * seconds
         self.count[threads] = self.count.get(threads, 0) + 1
