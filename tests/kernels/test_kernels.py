@@ -110,6 +110,9 @@ def test_ds_decode(case, mode, label_dtype):
         pytest.skip("interpreter time")
     if DEVICE == "cpu" and mode == "per_head" and (len(seq_lens) > 3 or (label_dtype == FP8 and d >= 128)):
         pytest.skip("interpreter time (per_head runs Hq selection rows; the other cases cover it)")
+    if DEVICE == "cpu" and (label_dtype == FP8 or len(seq_lens) > 3) and mode == "group_sum":
+        pytest.skip("interpreter time (fp8 labels dequantize before the mode's aggregation: "
+                    "group_max and per_head cover them; batch 17 runs with group_max)")
     c = make_case(seq_lens, hq, hkv, d, r=r, label_dtype=label_dtype, device=DEVICE,
                   seed=_seed(tuple(seq_lens), mode, str(label_dtype)))
     ws = make_ws(c, max_heavy_tokens=k + 3)
