@@ -181,11 +181,9 @@ def tiny_family(arch: str, seed: int = 0, max_position_embeddings: int = 4096):
     return model.eval().requires_grad_(False)
 
 
-def random_channel_config(config, modes=(), seed: int = 0) -> dict:
-    """A channel config (the calibration file's dict) from random channel statistics of a model
-    config, with ``modes[i]`` recorded as layer i's selection mode."""
-    from .calibrate import channels as ch
-
+def random_channel_stats(config, seed: int = 0) -> dict:
+    """Random calibration statistics of a model config, as ``calibrate.stats`` gives them:
+    ``q``/``qk`` [L, Hq, D], ``k`` [L, Hkv, D], and the group sums / maxima ``*_kv``, ``*_kvmax``."""
     g = torch.Generator().manual_seed(seed)
     L, hq, hkv, d = config.num_layers, config.num_q_heads, config.num_kv_heads, config.head_dim
     stats = {"q": torch.rand(L, hq, d, generator=g), "k": torch.rand(L, hkv, d, generator=g),
@@ -193,7 +191,15 @@ def random_channel_config(config, modes=(), seed: int = 0) -> dict:
     for t in ("q", "qk"):
         grp = stats[t].view(L, hkv, hq // hkv, d)
         stats[t + "_kv"], stats[t + "_kvmax"] = grp.sum(2), grp.amax(2)
-    cfg = ch.stats_to_config(stats, {"model": config.name})
+    return stats
+
+
+def random_channel_config(config, modes=(), seed: int = 0) -> dict:
+    """A channel config (the calibration file's dict) from :func:`random_channel_stats`, with
+    ``modes[i]`` recorded as layer i's selection mode."""
+    from .calibrate import channels as ch
+
+    cfg = ch.stats_to_config(random_channel_stats(config, seed), {"model": config.name})
     for i, m in enumerate(modes):
         cfg[ch.mode_key(i)] = m
     return cfg

@@ -101,6 +101,21 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h, tuning), residual
 
 
+def init_decoder(model: "LlamaModel", config: ModelConfig, layer_cls, device, dtype,
+                 rope: nn.Module) -> None:
+    """A LlamaModel-shaped model's parameters around ``layer_cls`` decoder layers (Llama, the
+    MoE families and DeepSeek-V2 share them)."""
+    c = model.config = config
+    model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, device=device, dtype=dtype,
+                                      _weight=torch.empty(c.vocab_size, c.hidden_size, device=device, dtype=dtype))
+    model.layers = nn.ModuleList(layer_cls(c, i, device=device, dtype=dtype) for i in range(c.num_layers))
+    model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, dtype=dtype)
+    model.lm_head = Linear(c.hidden_size, c.vocab_size, device=device, dtype=dtype)
+    if c.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rope = rope
+
+
 class LlamaModel(nn.Module):
     """Causal LM. ``logits = model(input_ids, positions, batch)``.
 
@@ -117,15 +132,8 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, device=None, dtype=torch.float32, max_positions: int | None = None):
         super().__init__()
-        c = self.config = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, device=device, dtype=dtype,
-                                         _weight=torch.empty(c.vocab_size, c.hidden_size, device=device, dtype=dtype))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, device=device, dtype=dtype) for i in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, dtype=dtype)
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, device=device, dtype=dtype)
-        if c.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryEmbedding(c, max_positions=max_positions, device=device)
+        init_decoder(self, config, LlamaDecoderLayer, device, dtype,
+                     RotaryEmbedding(config, max_positions=max_positions, device=device))
 
     @property
     def device(self) -> torch.device:

@@ -26,9 +26,9 @@ from torch import nn
 from ..kernels.latent import latent_value_dim
 from .config import ModelConfig
 from .layers import Linear, RMSNorm
-from .llama import LlamaDecoderLayer, LlamaModel, _tuning
+from .llama import LlamaDecoderLayer, LlamaModel, _tuning, init_decoder
 from .moe_config import MLAConfig, yarn_mscale
-from .moe_model import init_decoder, moe_or_dense_mlp
+from .moe_model import moe_or_dense_mlp
 from .rope import RotaryEmbedding
 
 

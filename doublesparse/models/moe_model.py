@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers import GatedMLP, Linear, RMSNorm
-from .llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
+from .layers import GatedMLP, RMSNorm
+from .llama import LlamaAttention, LlamaDecoderLayer, LlamaModel, init_decoder
 from .moe import SparseMoE
 from .rope import RotaryEmbedding
 
@@ -35,20 +35,6 @@ class MoEDecoderLayer(LlamaDecoderLayer):
         self.attn = LlamaAttention(c, layer_id, device=device, dtype=dtype)
         self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, dtype=dtype)
         self.mlp = moe_or_dense_mlp(c, layer_id, device=device, dtype=dtype)
-
-
-def init_decoder(model: LlamaModel, config: ModelConfig, layer_cls, device, dtype,
-                 rope: nn.Module) -> None:
-    """LlamaModel's parameters around ``layer_cls`` decoder layers (shared by the MoE families)."""
-    c = model.config = config
-    model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, device=device, dtype=dtype,
-                                      _weight=torch.empty(c.vocab_size, c.hidden_size, device=device, dtype=dtype))
-    model.layers = nn.ModuleList(layer_cls(c, i, device=device, dtype=dtype) for i in range(c.num_layers))
-    model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, dtype=dtype)
-    model.lm_head = Linear(c.hidden_size, c.vocab_size, device=device, dtype=dtype)
-    if c.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.rope = rope
 
 
 class MoEModel(LlamaModel):

@@ -8,7 +8,7 @@ import torch
 
 from doublesparse.calibrate import channels as ch
 from doublesparse.engine.weight_channels import default_channels, rope_pairs
-from doublesparse.testing import tiny_llama
+from doublesparse.testing import random_channel_stats, tiny_llama
 
 
 @dataclass(frozen=True)
@@ -38,20 +38,9 @@ def sglang_config(c=LLAMA8B, seed=0):
     return cfg
 
 
-def random_stats(c, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    L, hq, hkv, d = c.num_layers, c.num_q_heads, c.num_kv_heads, c.head_dim
-    s = {"q": torch.rand(L, hq, d, generator=g), "k": torch.rand(L, hkv, d, generator=g),
-         "qk": torch.rand(L, hq, d, generator=g)}
-    for t in ("q", "qk"):
-        grp = s[t].view(L, hkv, hq // hkv, d)
-        s[t + "_kv"], s[t + "_kvmax"] = grp.sum(2), grp.amax(2)
-    return s
-
-
 def test_round_trip(tmp_path):
     c = Cfg(3, 6, 2, 16)
-    s = random_stats(c)
+    s = random_channel_stats(c)
     p = ch.save_config(ch.stats_to_config(s, {"model": "m"}), tmp_path / "c.json")
     raw = json.loads(p.read_text())
     assert raw[ch.META_KEY]["model"] == "m"
@@ -112,7 +101,7 @@ def _write(tmp_path, cfg):
 def test_refusals_name_key_and_shape(tmp_path):
     c = Cfg(2, 4, 2, 8)
     meta = {"model": "m", "num_layers": 2, "num_q_heads": 4, "num_kv_heads": 2, "head_dim": 8}
-    good = ch.stats_to_config(random_stats(c), meta)
+    good = ch.stats_to_config(random_channel_stats(c), meta)
 
     def expect(cfg, ctype, *words, r=4, model=c):
         with pytest.raises(ValueError) as e:
