@@ -1,9 +1,9 @@
 """The intra-op thread count of CPU decode steps, chosen by timing them.
 
 A decode step of a small batch is hundreds of small ops plus a few large matmuls. On an idle
-machine all cores help the matmuls (SmolLM2-135M at 6K tokens, 2 cores: 63 ms a step on 2
-threads, 89 ms on 1); when another process holds a core, every op's OpenMP barrier can wait a
-whole time slice and the same step takes seconds on 2 threads (0.17 s on 1). Neither choice is
+machine all cores help the matmuls; when another process holds a core, every op's OpenMP
+barrier can wait a whole time slice and the same step takes far longer on all threads than on
+one. Neither choice is
 right everywhere, so the runner times its steps: it tries each candidate (one thread, and
 torch's thread count) twice, keeps the faster by a moving average, and tries the other again
 from time to time, backing off while it keeps losing so that a loaded machine pays for few slow
