@@ -56,7 +56,8 @@ def sample_requests(logits: torch.Tensor, reqs: list, grammar=None):
     """
     params = [r.params for r in reqs]
     lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    raw_lp = logits[to_device(torch.tensor(lp_rows), logits.device)] if lp_rows else None
+    lp_idx = to_device(torch.tensor(lp_rows), logits.device) if lp_rows else None
+    raw_lp = logits[lp_idx] if lp_rows else None
     pen = [i for i, r in enumerate(reqs) if r.sampling is not None and r.sampling.counts is not None]
     if pen:
         s = [reqs[i].sampling for i in pen]
@@ -80,7 +81,6 @@ def sample_requests(logits: torch.Tensor, reqs: list, grammar=None):
         return tokens, None
     out = torch.full((len(reqs), LOGPROB_COLS), float("nan"), dtype=torch.float64,
                      device=logits.device)
-    lp_idx = to_device(torch.tensor(lp_rows), logits.device)
     packed = token_logprobs(raw_lp, tokens[lp_idx], LOGPROBS_MAX)
     out[lp_idx] = packed
     return tokens, out
