@@ -6,7 +6,7 @@ import torch
 from doublesparse.config import EngineConfig
 from doublesparse.engine.memory import plan_memory
 from doublesparse.engine.scheduler import Scheduler
-from doublesparse.models import load_config, shipped_configs
+from doublesparse.models import load_config, model_class, shipped_configs
 from doublesparse.models.loader import resolve_model_path
 
 ONE_M = 1 << 20
@@ -41,3 +41,10 @@ def test_engine_accepts_1m_context_without_allocating():
     assert plan.total_bytes == (ONE_M + 1) * plan.bytes_per_token + 3 * ONE_M * 4
     sched = Scheduler(cfg.scheduler_config(), plan.max_total_tokens, max_ctx)
     sched.check(ONE_M - 64, 64)  # a prompt of the whole context less the output is admissible
+
+
+def test_model_builds_its_1m_rope_table_on_meta():
+    mc = load_config("llama-3.1-8b-1m", "dummy")
+    model = model_class(mc.architecture)(mc, device="meta", dtype=torch.bfloat16)
+    # one float32 cos/sin table over every position: 2 x 1M x 64 x 4 B = 512 MiB on the device
+    assert model.rope.cos.shape == (ONE_M, 64) and model.rope.cos.dtype == torch.float32
