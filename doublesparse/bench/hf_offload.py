@@ -22,9 +22,9 @@ For each length L (increasing) and ``--batch-size`` B:
    position only, the device synchronised around each step); report their median in ms.
 
 A length is run only if its K/V fits the host's available memory and its time, projected from the
-previous length at least linearly, fits ``--budget-s``; a run that passes the budget stops at its
-next chunk or step. The sweep stops at the first length that does not finish, and the summary
-names the longest that did. ``--result-json`` is rewritten after every length, so a run killed
+previous length at least linearly, fits ``--budget-s`` (and what is left of ``--total-budget-s``,
+the cap on the whole sweep); a run that passes its budget stops at its next chunk or step. The
+sweep stops at the first length that does not finish, and the summary names the longest that did. ``--result-json`` is rewritten after every length, so a run killed
 from outside keeps the lengths it finished.
 
 On CPU (``--device cpu``, e.g. ``--tiny``: the shipped ``tiny-llama`` config) transformers'
@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fill", choices=("prefill", "random"), default="prefill")
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--budget-s", type=float, default=240.0, help="time allowed per length (fill + decode)")
+    p.add_argument("--total-budget-s", type=float, default=None,
+                   help="time allowed for the whole sweep after the model is built (default: no cap)")
     p.add_argument("--cache", choices=("offloaded", "dynamic"), default="offloaded",
                    help="transformers' cache_implementation (dynamic: the whole cache on the device)")
     p.add_argument("--attn-implementation", default="sdpa")
@@ -71,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def hf_config(model_path: str, attn_implementation: str = "sdpa"):
+def hf_config(model_path: str):
     """transformers' config for one of our configs, by name or path (no hub access)."""
     from transformers import AutoConfig
 
@@ -79,12 +81,10 @@ def hf_config(model_path: str, attn_implementation: str = "sdpa"):
     _, path = resolve_model_path(model_path, "dummy")
     d = json.loads(Path(path).read_text())
     d.pop("_name_or_path", None)
-    config = AutoConfig.for_model(d.pop("model_type"), **d)
-    config._attn_implementation = attn_implementation
-    return config
+    return AutoConfig.for_model(d.pop("model_type"), **d)
 
 
-def build_model(config, device: torch.device, dtype: torch.dtype, seed: int):
+def build_model(config, device: torch.device, dtype: torch.dtype, seed: int, attn_implementation: str = "sdpa"):
     """transformers' causal LM for ``config`` with its random initialisation, built on ``device``
     (initialised there: an 8B model on the GPU in seconds), eval mode."""
     import transformers
@@ -93,7 +93,7 @@ def build_model(config, device: torch.device, dtype: torch.dtype, seed: int):
     torch.manual_seed(seed)
     key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     with device:
-        model = AutoModelForCausalLM.from_config(config, **{key: dtype})
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, **{key: dtype})
     return model.eval().requires_grad_(False)
 
 
@@ -195,7 +195,7 @@ def projected_s(prev: dict | None, length: int) -> float:
     return prev["elapsed_s"] * length / prev["length"]
 
 
-def run_length(model, config, args, device, length: int, cache_kind: str) -> dict:
+def run_length(model, config, args, device, length: int, cache_kind: str, budget_s: float) -> dict:
     """Fill and decode at one length; a dict with ``status`` "ok", "over_budget" or "error"."""
     gen = torch.Generator(device=device).manual_seed(args.seed + length)
     vocab = model.config.get_text_config(decoder=True).vocab_size
@@ -203,7 +203,7 @@ def run_length(model, config, args, device, length: int, cache_kind: str) -> dic
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    deadline = t0 + args.budget_s
+    deadline = t0 + budget_s
     cache, res["cache"] = new_cache(config, cache_kind, device)
     try:
         with torch.inference_mode():
@@ -221,6 +221,10 @@ def run_length(model, config, args, device, length: int, cache_kind: str) -> dic
         res["status"] = "over_budget"
     except torch.OutOfMemoryError as e:
         res.update(status="error", error=f"out of device memory: {str(e).splitlines()[0]}")
+    except RuntimeError as e:  # pinned or pageable host memory
+        if "out of memory" not in str(e) and "can't allocate" not in str(e):
+            raise
+        res.update(status="error", error=f"out of host memory: {str(e).splitlines()[0]}")
     res["elapsed_s"] = time.perf_counter() - t0
     if device.type == "cuda":
         res["peak_device_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -258,21 +262,24 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model_path = TINY if args.tiny else args.model_path
-    config = hf_config(model_path, args.attn_implementation)
+    config = hf_config(model_path)
     t0 = time.perf_counter()
-    model = build_model(config, device, dtype, args.seed)
+    model = build_model(config, device, dtype, args.seed, args.attn_implementation)
     _sync(device)
     cmd = "python -m doublesparse.bench.hf_offload " + " ".join(sys.argv[1:] if argv is None else argv)
     doc = {"command": cmd, "model": model_path, "architecture": type(model).__name__, "device": str(device),
            "device_name": _device_name(device), "dtype": str(dtype).removeprefix("torch."),
-           "cache_implementation": args.cache, "attn_implementation": args.attn_implementation,
+           "cache_implementation": args.cache, "attn_implementation": model.config._attn_implementation,
            "transformers": transformers.__version__, "torch": torch.__version__, "fill": args.fill,
            "prefill_chunk": args.prefill_chunk, "batch_size": args.batch_size, "decode_steps": args.decode_steps,
-           "budget_s": args.budget_s, "build_s": time.perf_counter() - t0, "results": []}
+           "budget_s": args.budget_s, "total_budget_s": args.total_budget_s, "build_s": time.perf_counter() - t0,
+           "results": []}
+    sweep_end = time.perf_counter() + (args.total_budget_s if args.total_budget_s is not None else float("inf"))
     max_pos = getattr(config, "max_position_embeddings", None)
     host_kv = args.cache == "offloaded" or device.type == "cpu"  # where the K/V lives between layers
     prev = None
     for length in args.lengths:
+        budget = min(args.budget_s, sweep_end - time.perf_counter())
         need, avail = kv_bytes(config, args.batch_size, length, dtype), host_available_bytes()
         if max_pos and length + args.decode_steps > max_pos:
             res = {"length": length, "status": "skipped",
@@ -280,11 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         elif host_kv and avail is not None and need > 0.9 * avail:
             res = {"length": length, "status": "skipped",
                    "reason": f"K/V {need / 2**30:.1f} GiB > 90% of available host memory {avail / 2**30:.1f} GiB"}
-        elif projected_s(prev, length) > args.budget_s:
+        elif projected_s(prev, length) > budget:
             res = {"length": length, "status": "skipped",
-                   "reason": f"projected >= {projected_s(prev, length):.0f} s > budget {args.budget_s:.0f} s"}
+                   "reason": f"projected >= {projected_s(prev, length):.0f} s > budget {max(budget, 0):.0f} s left"}
         else:
-            res = run_length(model, config, args, device, length, args.cache)
+            res = run_length(model, config, args, device, length, args.cache, budget)
         res["kv_gib"] = need / 2**30
         doc["results"].append(res)
         doc["summary"] = summarize(doc)

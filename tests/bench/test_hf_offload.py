@@ -34,6 +34,8 @@ def test_sweep_json(tmp_path, capsys):
 def test_stops_at_budget_and_positions(tmp_path):
     doc = _main(tmp_path, "--lengths", "16", "64", "--decode-steps", "2", "--budget-s", "0")
     assert [r["status"] for r in doc["results"]] == ["over_budget"] and doc["summary"]["longest_length"] is None
+    doc = _main(tmp_path, "--lengths", "16", "64", "--decode-steps", "2", "--total-budget-s", "0")
+    assert [r["status"] for r in doc["results"]] == ["skipped"] and "left" in doc["results"][0]["reason"]
     doc = _main(tmp_path, "--fill", "random", "--lengths", "16", "4096", "--decode-steps", "2")
     assert [r["status"] for r in doc["results"]] == ["ok", "skipped"]  # tiny-llama has 2048 positions
     assert "positions" in doc["results"][1]["reason"] and doc["summary"]["longest_length"] == 16
