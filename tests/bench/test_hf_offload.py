@@ -1,12 +1,19 @@
 """bench.hf_offload (transformers' offloaded-cache peer) on the tiny config on CPU: the sweep's JSON,
 its stops (budget, positions), and its prefill + decode loop against transformers' own generate."""
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from doublesparse.bench import hf_offload
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("bench_run", ROOT / "benchmarks" / "run.py")
+bench_run = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_run)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,6 +36,8 @@ def test_sweep_json(tmp_path, capsys):
     assert r["kv_gib"] * 2**30 == 2 * 2 * 2 * 97 * 2 * 16 * 4  # K+V x layers x batch x L x Hkv x D x fp32
     s = doc["summary"]
     assert s["longest_length"] == 97 and s["median_step_ms"] == r["median_step_ms"] and s["batch_size"] == 2
+    assert bench_run.summarize("offload", {"hf-offloaded-cache": doc}) == \
+        {"hf_offload_longest_length": 97, "hf_offload_step_ms": r["median_step_ms"]}
 
 
 def test_stops_at_budget_and_positions(tmp_path):
