@@ -133,6 +133,7 @@ def fill_prefill(model, cache, ids: torch.Tensor, chunk: int, deadline: float) -
     cache_key, keep_key = _forward_keys(model)
     for s in range(0, ids.shape[1], chunk):
         out = model(input_ids=ids[:, s:s + chunk], use_cache=True, **{cache_key: cache, keep_key: 1})
+        _sync(ids.device)  # the deadline counts finished work, not work queued on the device
         _check(deadline)
     return out.logits[:, -1].argmax(-1, keepdim=True)
 
@@ -148,6 +149,7 @@ def fill_random(model, cache, batch: int, length: int, gen: torch.Generator, dea
         k, v = (torch.randn(batch, hkv, length, d, generator=gen, device=p.device, dtype=p.dtype) for _ in range(2))
         cache.update(k, v, layer)
         del k, v
+        _sync(p.device)
         _check(deadline)
 
 
@@ -254,9 +256,15 @@ def _device_name(device: torch.device) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if any(b <= a for a, b in zip(args.lengths, args.lengths[1:])):
-        raise SystemExit("--lengths must be increasing")
+        parser.error("--lengths must be increasing")
+    for name in ("batch_size", "decode_steps", "prefill_chunk"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if min(args.lengths) < 1:
+        parser.error("--lengths must be >= 1")
     import transformers
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

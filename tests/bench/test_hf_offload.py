@@ -48,6 +48,9 @@ def test_stops_at_budget_and_positions(tmp_path):
     doc = _main(tmp_path, "--fill", "random", "--lengths", "16", "4096", "--decode-steps", "2")
     assert [r["status"] for r in doc["results"]] == ["ok", "skipped"]  # tiny-llama has 2048 positions
     assert "positions" in doc["results"][1]["reason"] and doc["summary"]["longest_length"] == 16
+    for bad in (["--lengths", "64", "16"], ["--decode-steps", "0"]):
+        with pytest.raises(SystemExit):
+            hf_offload.main(["--tiny", "--device", "cpu", *bad])
     prev = {"status": "ok", "length": 1000, "elapsed_s": 10.0}
     assert hf_offload.projected_s(prev, 4000) == 40.0 and hf_offload.projected_s(None, 4000) == 0.0
 
