@@ -111,6 +111,14 @@ _FAMILY_CASES = {  # row stem -> model, batch, prompt, KV pool tokens
 _FAMILY_KEYS = {"dsv2_lite": "dsv2-lite-128k-bs4", "qwen3_moe": "qwen3-moe-32k-bs8", "mixtral": "mixtral-32k-bs8"}
 
 
+# transformers' offloaded KV cache (cache_implementation="offloaded", bench/hf_offload.py), one
+# sequence of Llama-3.1-8B shapes with the 1M config, random K/V in host memory, over increasing
+# lengths until one does not finish within 240 s (the sweep within 480 s)
+_HF_OFFLOAD = ("python -m doublesparse.bench.hf_offload --model-path llama-3.1-8b-1m --fill random "
+               "--lengths 65536 131072 262144 500000 --decode-steps 8 --budget-s 240 --total-budget-s 480 "
+               "--result-json {out}.json")
+
+
 def _family_rows() -> list[dict]:
     rows = []
     for stem, (model, bs, n, pool) in _FAMILY_CASES.items():
@@ -160,6 +168,11 @@ SUITES: dict[str, dict] = {
     },
     # Mixtral, Qwen3-MoE, DeepSeek-V2-Lite: dense decode over its byte floor, DS over dense. GPU only.
     "models": {"area": "models", "rows": _family_rows()},
+    # DS-Offload's peers on the GPU with the K/V in host memory. GPU only.
+    "offload": {
+        "area": "offload",
+        "rows": [{"name": "hf-offloaded-cache", "cmd": _HF_OFFLOAD, "result": "{out}.json", "timeout": 600}],
+    },
     # A mixed load for 30 minutes at concurrency 32 against the DS server (prompts up to ~32K): lost
     # valid requests, 5xx, duplicates, RSS growth, /metrics against the client's counts.
     "soak": {
@@ -443,6 +456,9 @@ def summarize(area: str, rows: dict) -> dict:
             return _summary_models(rows)
         if area == "prefix-cache":
             return prefix_cache.summary(rows)
+        if area == "offload":
+            hf = rows["hf-offloaded-cache"]["summary"]
+            return {"hf_offload_longest_length": hf["longest_length"], "hf_offload_step_ms": hf["median_step_ms"]}
         if area == "cpu-embedded":
             return rows["embedded"]["summary"]
         if area == "soak":
