@@ -1,0 +1,174 @@
+"""The processes of a tensor-parallel group: rank 0 in this process, ranks 1..N-1 spawned.
+
+    group = TPGroup(2, "cpu")             # spawns rank 1, joins the process group as rank 0
+    engine = Engine(..., tp_size=2, tp_group=group)   # or Engine(tp_size=2): it starts its own
+    ...
+    engine.close(); group.stop()
+
+Two torch.distributed groups over the same ranks: the default group (NCCL on CUDA, gloo on CPU)
+carries the model's collectives and each step's index tensor, with a finite timeout; a gloo
+group carries the control messages (pickled objects: build a model, run a step, stop), without
+one in practice, because a worker waits in it for as long as the engine is idle. A watchdog
+thread polls the worker processes; once one has exited, every later send raises
+:class:`TPError` naming the rank and its exit code, and a collective already waiting on it
+fails (gloo: the peer's sockets close; NCCL: the group is aborted), so the engine reports the
+failure instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .layers import Collectives
+
+# Collectives (and starting the group) wait at most this long for the slowest rank: loading
+# and capturing a large model's graphs takes minutes on every rank.
+COLLECTIVE_TIMEOUT_S = 900.0
+# The control group waits while the engine is idle, which may be forever.
+CONTROL_TIMEOUT_S = 10 * 365 * 86400.0
+WATCHDOG_PERIOD_S = 0.2
+
+
+class TPError(RuntimeError):
+    """A rank of the tensor-parallel group failed; the engine cannot go on."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def join(rank: int, size: int, port: int, device_type: str):
+    """Join the group as ``rank``: -> (Collectives, control group)."""
+    kw = {}
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        kw["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend_for(device_type), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kw)
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
+    return Collectives(rank, size), control
+
+
+class TPGroup:
+    """Rank 0 of a ``size``-rank group on ``device_type`` ("cpu" or "cuda"; rank r uses cuda:r),
+    the other ranks in spawned worker processes (:mod:`.worker`)."""
+
+    def __init__(self, size: int, device_type: str = "cpu"):
+        if size < 2:
+            raise ValueError(f"a tensor-parallel group needs at least 2 ranks, got {size}")
+        if dist.is_initialized():
+            raise ValueError("this process already belongs to a torch.distributed group (another "
+                             "tensor-parallel engine?): close it first, or pass its tp_group")
+        if device_type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"--tp-size {size} needs {size} GPUs, this machine has {torch.cuda.device_count()}")
+        from .worker import worker_main
+        self.size, self.device_type = size, device_type
+        self.failure: str | None = None
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        threads = max(1, (os.cpu_count() or 1) // size)
+        self.procs = [ctx.Process(target=worker_main, args=(r, size, port, device_type, threads),
+                                  name=f"doublesparse-tp{r}", daemon=True) for r in range(1, size)]
+        for p in self.procs:
+            p.start()
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        self._watchdog.start()
+        try:
+            self.comm, self.control = join(0, size, port, device_type)
+        except Exception as e:
+            self._kill()
+            raise TPError(f"starting the tensor-parallel group failed: {self.failure or e}") from e
+
+    # ---------------------------------------------------------------------------- health
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCHDOG_PERIOD_S):
+            for r, p in enumerate(self.procs, 1):
+                if p.exitcode is not None and self.failure is None:
+                    self.failure = (f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}; "
+                                    "the engine cannot continue without it (restart it)")
+                    self._abort_collectives()
+            if self.failure is not None:
+                return
+
+    def _abort_collectives(self) -> None:
+        # gloo notices a dead peer by itself (its sockets close); a NCCL collective would wait
+        # for the full timeout, so the group is aborted, failing the waiting launches
+        if self.device_type == "cuda":
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is not None:
+                try:
+                    abort()
+                except Exception:  # already torn down
+                    pass
+
+    def check(self) -> None:
+        """Raise :class:`TPError` when a rank has failed."""
+        if self.failure is not None:
+            raise TPError(self.failure)
+
+    # -------------------------------------------------------------------------- messages
+    def send(self, msg: tuple, tensor: torch.Tensor | None = None) -> None:
+        """Control message ``msg`` to every other rank, then ``tensor`` (int64, this rank's
+        device) through the device group when the message says one follows."""
+        self.check()
+        try:
+            dist.broadcast_object_list([msg], src=0, group=self.control)
+            if tensor is not None:
+                dist.broadcast(tensor, src=0)
+        except Exception as e:
+            raise TPError(self._why(e)) from e
+
+    def _why(self, e: BaseException) -> str:
+        for r, p in enumerate(self.procs, 1):
+            p.join(0.5)  # a peer whose sockets closed is on its way out
+            if p.exitcode is not None and self.failure is None:
+                self.failure = (f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}; "
+                                "the engine cannot continue without it (restart it)")
+        return self.failure or f"tensor-parallel collective failed: {type(e).__name__}: {e}"
+
+    def build(self, cfg, model=None) -> None:
+        """Every other rank builds its part of the engine of ``cfg`` (its shard of ``model`` when
+        given, else of ``cfg.model_path``); rank 0 builds its own next, in step with them."""
+        self.send(("build", cfg, model))
+
+    def release(self) -> None:
+        """The other ranks drop their engine parts (the group stays up for the next engine)."""
+        if self.failure is None and self.procs:
+            self.send(("drop",))
+
+    def stop(self) -> None:
+        """Stop the workers and leave the process group (idempotent)."""
+        if not self.procs:
+            return
+        self._stop.set()  # the workers' exits from here on are expected
+        if self.failure is None:
+            try:
+                self.send(("stop",))
+            except TPError:
+                pass
+        for p in self.procs:
+            p.join(10.0)
+        self._kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+        self.procs = []

@@ -1,0 +1,84 @@
+"""What building an engine's parts needs to know about its tensor-parallel rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layers import Collectives
+from .loading import load_shard, shard_model
+from .shard import Shard, check_tp
+
+
+@dataclass
+class RankContext:
+    """Rank ``comm.rank`` of ``comm.size``; ``group``: on rank 0, the :class:`~.group.TPGroup` it
+    schedules for (its steps are sent to the other ranks), None on the others. ``owned``: the
+    engine started the group and stops it when it closes."""
+
+    comm: Collectives
+    group: object = None
+    owned: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def load_model(self, cfg, device, dtype, progress: bool):
+        return load_shard(cfg.model_path, cfg.load_format, dtype, str(device), self.comm, seed=cfg.seed,
+                          progress=progress and self.rank == 0)
+
+    def shard_model(self, model, device):
+        """This rank's part of a full model built by the caller."""
+        return shard_model(model, self.comm, device=device)
+
+    def shard(self, full_config) -> Shard:
+        check_tp(full_config, self.comm.size)
+        return Shard(full_config, self.comm.rank, self.comm.size)
+
+    def memory(self, plan, device):
+        from ..engine.memory import KVMemory
+        from .steps import RecordingKVMemory
+        return (RecordingKVMemory if self.group is not None else KVMemory)(plan, device)
+
+    def runner(self, *args, **kwargs):
+        from ..engine.model_runner import ModelRunner
+        from .steps import BroadcastingRunner
+        if self.group is None:
+            return ModelRunner(*args, **kwargs)
+        return BroadcastingRunner(*args, link=self.group, **kwargs)
+
+    def check(self) -> None:
+        if self.group is not None:
+            self.group.check()
+
+    def close(self) -> None:
+        """Rank 0: the other ranks free this engine's parts (and stop, when the engine owns them)."""
+        if self.group is None:
+            return
+        if self.owned:
+            self.group.stop()
+        else:
+            self.group.release()
+
+
+def start(cfg, model=None, group=None) -> RankContext:
+    """Rank 0 of the engine of ``cfg`` (``cfg.tp_size`` ranks): on ``group`` when given (it must
+    have that many ranks), else on a group started here; the other ranks begin building."""
+    from .group import TPGroup
+    if model is not None:
+        check_tp(model.config, cfg.tp_size)
+    device_type = "cuda" if str(cfg.resolved_device).startswith("cuda") else "cpu"
+    if model is not None and not cfg.device:
+        device_type = model.embed_tokens.weight.device.type
+    owned = group is None
+    if owned:
+        group = TPGroup(cfg.tp_size, device_type)
+    elif group.size != cfg.tp_size:
+        raise ValueError(f"tp_group has {group.size} ranks, tp_size is {cfg.tp_size}")
+    ctx = RankContext(group.comm, group, owned)
+    try:
+        group.build(cfg, model)
+    except Exception:
+        ctx.close()
+        raise
+    return ctx

@@ -1,0 +1,64 @@
+"""The loop of a tensor-parallel rank other than 0, in its own spawned process.
+
+It joins the group (:func:`.group.join`), then waits for control messages from rank 0:
+``build`` (its part of an engine: the same :func:`~doublesparse.engine.setup.build_parts` as rank
+0, at its own device, with its shard of the model), ``forward`` / ``replay`` (one step,
+:func:`.steps.run_step`), ``drop`` (free the engine) and ``stop``. Any error ends the process with
+a non-zero exit code after printing its traceback, which rank 0's watchdog reports.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def _recv_tensor(n: int, device) -> torch.Tensor:
+    t = torch.empty(n, dtype=torch.int64, device=device)
+    dist.broadcast(t, src=0)
+    return t
+
+
+def _build(cfg, model, comm, device_type: str):
+    from ..engine.setup import build_parts
+    from .rank import RankContext
+    device = f"cuda:{comm.rank}" if device_type == "cuda" else "cpu"
+    return build_parts(cfg.replace(device=device), model=model, tokenizer=None, progress=False,
+                       tp=RankContext(comm))
+
+
+def _free(device_type: str) -> None:
+    gc.collect()
+    if device_type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def worker_main(rank: int, size: int, port: int, device_type: str, threads: int) -> None:
+    from .group import join
+    from .steps import run_step
+    torch.set_num_threads(threads)
+    try:
+        comm, control = join(rank, size, port, device_type)
+        parts = None
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=control)
+            msg = box[0]
+            if msg[0] == "stop":
+                break
+            if msg[0] in ("build", "drop"):
+                parts = None
+                _free(device_type)
+                if msg[0] == "build":
+                    parts = _build(msg[1], msg[2], comm, device_type)
+                continue
+            run_step(parts.runner, msg, _recv_tensor)
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.exit(1)
