@@ -47,6 +47,7 @@ def check_same(model, group, tp: int, steps: int = 5, **kw) -> None:
     sparse decode steps."""
     ref, par = engine(model, **kw), engine(model, group, tp, **kw)
     try:
+        assert par.parts.model.config.num_q_heads * tp == model.config.num_q_heads
         ids = prompts(1, seed=1, lo=30, hi=31)[0]
         a, b = step_logits(ref, ids, steps), step_logits(par, ids, steps)
         assert (a - b).abs().max() <= 1e-4 * a.abs().max() + 1e-5, (a - b).abs().max()

@@ -17,9 +17,7 @@ failure instead of hanging.
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 import threading
 
 import torch
@@ -27,12 +25,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .layers import Collectives
+from .process_group import collectives, free_port, join
+from .rank import RankContext
+from .shard import check_tp
+from .worker import worker_main
 
-# Collectives (and starting the group) wait at most this long for the slowest rank: loading
-# and capturing a large model's graphs takes minutes on every rank.
-COLLECTIVE_TIMEOUT_S = 900.0
-# The control group waits while the engine is idle, which may be forever.
-CONTROL_TIMEOUT_S = 10 * 365 * 86400.0
 WATCHDOG_PERIOD_S = 0.2
 
 
@@ -40,33 +37,12 @@ class TPError(RuntimeError):
     """A rank of the tensor-parallel group failed; the engine cannot go on."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def backend_for(device_type: str) -> str:
-    return "nccl" if device_type == "cuda" else "gloo"
-
-
-def join(rank: int, size: int, port: int, device_type: str):
-    """Join the group as ``rank``: -> (Collectives, control group)."""
-    kw = {}
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
-        kw["device_id"] = torch.device("cuda", rank)
-    dist.init_process_group(backend_for(device_type), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kw)
-    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
-    return Collectives(rank, size), control
-
-
 class TPGroup:
     """Rank 0 of a ``size``-rank group on ``device_type`` ("cpu" or "cuda"; rank r uses cuda:r),
     the other ranks in spawned worker processes (:mod:`.worker`)."""
 
     def __init__(self, size: int, device_type: str = "cpu"):
+        self._subgroups: dict[int, object] = {}
         if size < 2:
             raise ValueError(f"a tensor-parallel group needs at least 2 ranks, got {size}")
         if dist.is_initialized():
@@ -74,7 +50,6 @@ class TPGroup:
                              "tensor-parallel engine?): close it first, or pass its tp_group")
         if device_type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"--tp-size {size} needs {size} GPUs, this machine has {torch.cuda.device_count()}")
-        from .worker import worker_main
         self.size, self.device_type = size, device_type
         self.failure: str | None = None
         port = free_port()
@@ -88,7 +63,7 @@ class TPGroup:
         self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
         self._watchdog.start()
         try:
-            self.comm, self.control = join(0, size, port, device_type)
+            _, self.control = join(0, size, port, device_type)
         except Exception as e:
             self._kill()
             raise TPError(f"starting the tensor-parallel group failed: {self.failure or e}") from e
@@ -121,14 +96,15 @@ class TPGroup:
             raise TPError(self.failure)
 
     # -------------------------------------------------------------------------- messages
-    def send(self, msg: tuple, tensor: torch.Tensor | None = None) -> None:
+    def send(self, msg: tuple, tensor: torch.Tensor | None = None, device_group=None) -> None:
         """Control message ``msg`` to every other rank, then ``tensor`` (int64, this rank's
-        device) through the device group when the message says one follows."""
+        device) through ``device_group`` (an engine's :meth:`collectives`' group) when the
+        message says one follows."""
         self.check()
         try:
             dist.broadcast_object_list([msg], src=0, group=self.control)
             if tensor is not None:
-                dist.broadcast(tensor, src=0)
+                dist.broadcast(tensor, src=0, group=device_group)
         except Exception as e:
             raise TPError(self._why(e)) from e
 
@@ -140,10 +116,18 @@ class TPGroup:
                                 "the engine cannot continue without it (restart it)")
         return self.failure or f"tensor-parallel collective failed: {type(e).__name__}: {e}"
 
-    def build(self, cfg, model=None) -> None:
-        """Every other rank builds its part of the engine of ``cfg`` (its shard of ``model`` when
-        given, else of ``cfg.model_path``); rank 0 builds its own next, in step with them."""
+    def build(self, cfg, model=None) -> Collectives:
+        """Ranks ``1 .. cfg.tp_size - 1`` build their part of the engine of ``cfg`` (their shard of
+        ``model`` when given, else of ``cfg.model_path``); rank 0 builds its own next, in step
+        with them. Returns the engine's collectives (over the first ``tp_size`` ranks: a smaller
+        engine may run on a larger group, whose other ranks wait)."""
+        if cfg.tp_size > self.size:
+            raise ValueError(f"tp_size {cfg.tp_size} exceeds the group's {self.size} ranks")
         self.send(("build", cfg, model))
+        try:
+            return collectives(0, cfg.tp_size, self.size, self._subgroups)
+        except Exception as e:
+            raise TPError(self._why(e)) from e
 
     def release(self) -> None:
         """The other ranks drop their engine parts (the group stays up for the next engine)."""
@@ -158,11 +142,11 @@ class TPGroup:
         if self.failure is None:
             try:
                 self.send(("stop",))
+                for p in self.procs:
+                    p.join(10.0)
             except TPError:
                 pass
-        for p in self.procs:
-            p.join(10.0)
-        self._kill()
+        self._kill()  # after a failure the others wait in a collective that will never complete
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -172,3 +156,23 @@ class TPGroup:
                 p.kill()
                 p.join(5.0)
         self.procs = []
+
+
+def start(cfg, model=None, group=None) -> RankContext:
+    """Rank 0 of the engine of ``cfg`` (``cfg.tp_size`` ranks): on the first ranks of ``group``
+    when given, else on a group started here; the other ranks begin building."""
+    if model is not None:
+        check_tp(model.config, cfg.tp_size)
+    device_type = "cuda" if str(cfg.resolved_device).startswith("cuda") else "cpu"
+    if model is not None and not cfg.device:
+        device_type = model.embed_tokens.weight.device.type
+    owned = group is None
+    if owned:
+        group = TPGroup(cfg.tp_size, device_type)
+    try:
+        comm = group.build(cfg, model)
+    except Exception:
+        if owned:
+            group.stop()
+        raise
+    return RankContext(comm, group, owned)

@@ -45,7 +45,7 @@ class RankContext:
         from .steps import BroadcastingRunner
         if self.group is None:
             return ModelRunner(*args, **kwargs)
-        return BroadcastingRunner(*args, link=self.group, **kwargs)
+        return BroadcastingRunner(*args, link=self.group, device_group=self.comm.group, **kwargs)
 
     def check(self) -> None:
         if self.group is not None:
@@ -59,26 +59,3 @@ class RankContext:
             self.group.stop()
         else:
             self.group.release()
-
-
-def start(cfg, model=None, group=None) -> RankContext:
-    """Rank 0 of the engine of ``cfg`` (``cfg.tp_size`` ranks): on ``group`` when given (it must
-    have that many ranks), else on a group started here; the other ranks begin building."""
-    from .group import TPGroup
-    if model is not None:
-        check_tp(model.config, cfg.tp_size)
-    device_type = "cuda" if str(cfg.resolved_device).startswith("cuda") else "cpu"
-    if model is not None and not cfg.device:
-        device_type = model.embed_tokens.weight.device.type
-    owned = group is None
-    if owned:
-        group = TPGroup(cfg.tp_size, device_type)
-    elif group.size != cfg.tp_size:
-        raise ValueError(f"tp_group has {group.size} ranks, tp_size is {cfg.tp_size}")
-    ctx = RankContext(group.comm, group, owned)
-    try:
-        group.build(cfg, model)
-    except Exception:
-        ctx.close()
-        raise
-    return ctx

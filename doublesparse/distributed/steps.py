@@ -79,22 +79,22 @@ class BroadcastingRunner(ModelRunner):
     through ``link`` (:class:`~.group.TPGroup`). Graphs are captured in the constructor, before
     the forward is wrapped, in step with the other ranks' captures."""
 
-    def __init__(self, *args, link, **kwargs):
+    def __init__(self, *args, link, device_group=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.link = link
+        self.link, self.device_group = link, device_group
         self._local_model = self.model
         self.model = self._forward
 
     def _forward(self, input_ids, positions, batch):
         meta, packed = pack(batch)
-        self.link.send(("forward", meta, self.memory.take_writes()), packed)
+        self.link.send(("forward", meta, self.memory.take_writes()), packed, self.device_group)
         return self._local_model(input_ids, positions, batch)
 
     def _replay_packed(self, key, B, tokens, positions, slots, rows, ks):
         on_device = isinstance(tokens, torch.Tensor)
         msg = ("replay", key, B, None if on_device else list(tokens), list(positions), slots.tolist(),
                list(rows), None if ks is None else list(ks), self.memory.take_writes())
-        self.link.send(msg, tokens.reshape(-1).to(torch.int64) if on_device else None)
+        self.link.send(msg, tokens.reshape(-1).to(torch.int64) if on_device else None, self.device_group)
         return super()._replay_packed(key, B, tokens, positions, slots, rows, ks)
 
 

@@ -10,6 +10,7 @@ a non-zero exit code after printing its traceback, which rank 0's watchdog repor
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import traceback
 
@@ -17,10 +18,12 @@ import torch
 import torch.distributed as dist
 
 
-def _recv_tensor(n: int, device) -> torch.Tensor:
-    t = torch.empty(n, dtype=torch.int64, device=device)
-    dist.broadcast(t, src=0)
-    return t
+def _receiver(group):
+    def recv(n: int, device) -> torch.Tensor:
+        t = torch.empty(n, dtype=torch.int64, device=device)
+        dist.broadcast(t, src=0, group=group)
+        return t
+    return recv
 
 
 def _build(cfg, model, comm, device_type: str):
@@ -38,26 +41,31 @@ def _free(device_type: str) -> None:
 
 
 def worker_main(rank: int, size: int, port: int, device_type: str, threads: int) -> None:
-    from .group import join
+    from .process_group import collectives, join
     from .steps import run_step
     torch.set_num_threads(threads)
     try:
-        comm, control = join(rank, size, port, device_type)
-        parts = None
-        while True:
+        _, control = join(rank, size, port, device_type)
+        parts, subgroups = None, {}
+        while True:  # until "stop"
             box = [None]
             dist.broadcast_object_list(box, src=0, group=control)
             msg = box[0]
             if msg[0] == "stop":
-                break
+                # nothing to tear down that exiting does not: skip the interpreter's slow shutdown
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
             if msg[0] in ("build", "drop"):
                 parts = None
                 _free(device_type)
                 if msg[0] == "build":
-                    parts = _build(msg[1], msg[2], comm, device_type)
+                    comm = collectives(rank, msg[1].tp_size, size, subgroups)
+                    if rank < comm.size:  # else: not in this engine, wait for the next
+                        parts = _build(msg[1], msg[2], comm, device_type)
                 continue
-            run_step(parts.runner, msg, _recv_tensor)
-        dist.destroy_process_group()
+            if parts is not None:
+                run_step(parts.runner, msg, _receiver(comm.group))
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()

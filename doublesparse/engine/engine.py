@@ -49,7 +49,7 @@ class Engine:
         self.config = cfg
         self._tp = None
         if cfg.tp_size > 1:
-            from ..distributed.rank import start
+            from ..distributed.group import start
             self._tp = start(cfg, model, tp_group)
         try:
             self.parts: EngineParts = build_parts(cfg, model=model, tokenizer=tokenizer, progress=progress,

@@ -1,6 +1,7 @@
-"""Tensor parallelism over 2 ranks (gloo, CPU): logits and greedy outputs of a Llama and two MoE
-models equal tp_size 1's, dense and with Double Sparsity (a channel config's per-layer modes
-too); a rank that dies ends the engine with an error naming it. One group serves the module."""
+"""Tensor parallelism on the CPU (gloo): at tp_size 2 and 3, logits and greedy outputs of Llama
+models and two MoE models equal tp_size 1's, dense and with Double Sparsity (a channel config's
+per-layer modes too); a rank that dies ends the engine with an error naming it. One 3-rank group
+serves every engine of the module (a 2-rank engine runs on its first two ranks)."""
 
 import json
 import os
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def group():
-    g = TPGroup(2, "cpu")
+    g = TPGroup(3, "cpu")
     yield g
     g.stop()
 
@@ -31,6 +32,14 @@ def llama():
 @pytest.mark.parametrize("ds", [False, True], ids=["dense", "ds"])
 def test_llama(group, llama, ds):
     check_same(llama, group, 2, **(DS if ds else {}))
+
+
+@pytest.mark.parametrize("ds", [False, True], ids=["dense", "ds"])
+def test_llama_three_ranks(group, ds):
+    # 9 query / 3 KV heads, an intermediate width (100) and a vocabulary (260) that 3 does not divide
+    model = tiny_llama(max_position_embeddings=512, num_q_heads=9, num_kv_heads=3, hidden_size=48,
+                       intermediate_size=100)
+    check_same(model, group, 3, steps=3, **(DS if ds else {}))
 
 
 def test_llama_channel_config_modes(group, llama, tmp_path):
