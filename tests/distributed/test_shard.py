@@ -106,3 +106,11 @@ def test_step_messages_round_trip():
         assert torch.equal(getattr(u, f), getattr(b, f)) and getattr(u, f).dtype == getattr(b, f).dtype, f
     assert (u.attn, u.rows_host, u.extend_lens, u.ds_sparse) == ("backend", (1, 2), (2, 1), False)
     assert isinstance(meta[5], tuple) and np.asarray(meta[7]).tolist() == [2, 1]
+
+
+def test_llama70b_config_splits_over_8():
+    from doublesparse.models import load_config
+    c = load_config("llama-3.1-70b", "dummy")
+    assert abs(c.num_params / 1e9 - 70.55) < 0.01
+    local = Shard(c, 7, 8).local_config()
+    assert (local.num_q_heads, local.num_kv_heads, local.intermediate_size) == (8, 1, 3584)
