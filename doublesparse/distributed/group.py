@@ -163,6 +163,9 @@ def start(cfg, model=None, group=None) -> RankContext:
     when given, else on a group started here; the other ranks begin building."""
     if model is not None:
         check_tp(model.config, cfg.tp_size)
+    else:  # before any process starts: a model the sizes do not fit is one line, not N tracebacks
+        from ..models import load_config
+        check_tp(load_config(cfg.model_path, cfg.load_format), cfg.tp_size)
     device_type = "cuda" if str(cfg.resolved_device).startswith("cuda") else "cpu"
     if model is not None and not cfg.device:
         device_type = model.embed_tokens.weight.device.type
