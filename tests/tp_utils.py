@@ -41,11 +41,13 @@ def step_logits(e: Engine, ids: list[int], steps: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def check_same(model, group, tp: int, steps: int = 5, **kw) -> None:
+def check_same(model, group, tp: int, steps: int = 5, overlap: bool = False, **kw) -> None:
     """TP logits within float32 rounding of TP 1's, and the same greedy tokens for a batch of
     prompts, then for prompts that extend them (prefix-cache hits), with the same number of
-    sparse decode steps."""
+    sparse decode steps. ``overlap``: both engines on the overlap schedule (input ids from the
+    previous step's samples on the device)."""
     ref, par = engine(model, **kw), engine(model, group, tp, **kw)
+    ref.overlap = par.overlap = overlap
     try:
         assert par.parts.model.config.num_q_heads * tp == model.config.num_q_heads
         ids = prompts(1, seed=1, lo=30, hi=31)[0]

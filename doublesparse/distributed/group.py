@@ -62,11 +62,28 @@ class TPGroup:
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
         self._watchdog.start()
-        try:
-            _, self.control = join(0, size, port, device_type)
-        except Exception as e:
-            self._kill()
-            raise TPError(f"starting the tensor-parallel group failed: {self.failure or e}") from e
+        self.control = self._join(port)
+
+    def _join(self, port: int):
+        """Join as rank 0 in a thread, so that a rank dying before it joins (an import error, no
+        memory) ends the wait at once instead of after the collective timeout."""
+        box: dict = {}
+
+        def run():
+            try:
+                box["control"] = join(0, self.size, port, self.device_type)[1]
+            except BaseException as e:  # handed to the caller below
+                box["error"] = e
+
+        t = threading.Thread(target=run, name="tp-join", daemon=True)
+        t.start()
+        while t.is_alive() and self.failure is None:
+            t.join(WATCHDOG_PERIOD_S)
+        if "control" in box:
+            return box["control"]
+        self._stop.set()
+        self._kill()
+        raise TPError(f"starting the tensor-parallel group failed: {self.failure or box.get('error')}")
 
     # ---------------------------------------------------------------------------- health
     def _watch(self) -> None:

@@ -70,6 +70,7 @@ class ParallelSparseMoE(SparseMoE):
 
     @classmethod
     def wrap(cls, moe: SparseMoE, comm: Collectives) -> "ParallelSparseMoE":
+        # in place: the block keeps its parameters, their names and its shared-expert MLP
         moe.__class__ = cls
         moe.comm = comm
         return moe

@@ -31,7 +31,7 @@ def llama():
 
 @pytest.mark.parametrize("ds", [False, True], ids=["dense", "ds"])
 def test_llama(group, llama, ds):
-    check_same(llama, group, 2, **(DS if ds else {}))
+    check_same(llama, group, 2, overlap=ds, **(DS if ds else {}))
 
 
 @pytest.mark.parametrize("ds", [False, True], ids=["dense", "ds"])
