@@ -190,9 +190,18 @@ def start(cfg, model=None, group=None) -> RankContext:
     if owned:
         group = TPGroup(cfg.tp_size, device_type)
     try:
-        comm = group.build(cfg, model)
+        # the other ranks get the model through a pickle: from the CPU, or each would unpickle
+        # it onto this process's GPU
+        comm = group.build(cfg, None if model is None else _on_cpu(model))
     except Exception:
         if owned:
             group.stop()
         raise
     return RankContext(comm, group, owned)
+
+
+def _on_cpu(model):
+    if model.embed_tokens.weight.device.type == "cpu":
+        return model
+    import copy
+    return copy.deepcopy(model).to("cpu")

@@ -39,6 +39,12 @@ class Collectives:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def min_int(self, n: int, device) -> int:
+        """The smallest of each rank's ``n`` (a tensor on ``device``: NCCL reduces GPU tensors)."""
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """``[N, C]`` on every rank -> ``[N, size * C]``, rank r's block at columns ``r * C ..``."""
         out = torch.empty(self.size * x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)

@@ -35,6 +35,12 @@ class RankContext:
         check_tp(full_config, self.comm.size)
         return Shard(full_config, self.comm.rank, self.comm.size)
 
+    def agree(self, plan, device):
+        """The memory plan every rank can hold: pools sized from each GPU's free memory differ
+        between ranks, and a slot index rank 0 hands out must exist on all of them."""
+        import dataclasses
+        return dataclasses.replace(plan, max_total_tokens=self.comm.min_int(plan.max_total_tokens, device))
+
     def memory(self, plan, device):
         from ..engine.memory import KVMemory
         from .steps import RecordingKVMemory

@@ -22,6 +22,7 @@ import torch
 from ..engine.forward_batch import ForwardBatch
 from ..engine.memory import KVMemory
 from ..engine.model_runner import ModelRunner
+from ..engine.transfer import to_device
 
 
 class RecordingKVMemory(KVMemory):
@@ -48,7 +49,7 @@ class RecordingKVMemory(KVMemory):
 
 def apply_writes(memory: KVMemory, writes: np.ndarray | None) -> None:
     if writes is not None:
-        t = torch.from_numpy(writes).to(memory.device)
+        t = to_device(torch.from_numpy(writes), memory.device)
         memory.req_to_token[t[0], t[1]] = t[2].to(torch.int32)
 
 
@@ -111,7 +112,8 @@ def run_step(runner: ModelRunner, msg: tuple, recv_tensor) -> None:
         batch = unpack(meta, packed, runner.backend, runner.tuning)
         rows = batch.req_idx.long()
         if mode == "prefill":
-            rows = torch.repeat_interleave(rows, torch.tensor(batch.extend_lens, device=rows.device))
+            rows = torch.repeat_interleave(rows, to_device(torch.tensor(batch.extend_lens), rows.device),
+                                           output_size=T)
         mem.req_to_token[rows, batch.positions] = batch.out_slots.to(torch.int32)
         runner.backend.plan(batch)
         runner.model(batch.input_ids, batch.positions, batch)

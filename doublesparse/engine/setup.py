@@ -202,6 +202,8 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
     ds = channels = choice = None
     r = cfg.heavy_channel_num(mc.head_dim) if cfg.use_double_sparsity else 0
     plan = plan_memory(cfg, mc, _model_dtype(model), device, max_ctx, r)
+    if tp is not None:
+        plan = tp.agree(plan, device)
     if cfg.use_double_sparsity:
         choice = resolve_channels(cfg, model, mc, r, tokenizer, model_file, progress,
                                   None if tp is None else tp.shard(model.full_config))
