@@ -133,6 +133,12 @@ class TPGroup:
                                 "the engine cannot continue without it (restart it)")
         return self.failure or f"tensor-parallel collective failed: {type(e).__name__}: {e}"
 
+    def explain(self, e: BaseException) -> BaseException:
+        """A collective's error as :class:`TPError` when a rank has died (gloo fails the
+        collectives of its peers when its sockets close), else ``e`` itself."""
+        why = self._why(e)
+        return TPError(why) if self.failure is not None else e
+
     def build(self, cfg, model=None) -> Collectives:
         """Ranks ``1 .. cfg.tp_size - 1`` build their part of the engine of ``cfg`` (their shard of
         ``model`` when given, else of ``cfg.model_path``); rank 0 builds its own next, in step

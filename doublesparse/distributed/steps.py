@@ -89,14 +89,20 @@ class BroadcastingRunner(ModelRunner):
     def _forward(self, input_ids, positions, batch):
         meta, packed = pack(batch)
         self.link.send(("forward", meta, self.memory.take_writes()), packed, self.device_group)
-        return self._local_model(input_ids, positions, batch)
+        try:
+            return self._local_model(input_ids, positions, batch)
+        except RuntimeError as e:
+            raise self.link.explain(e) from e
 
     def _replay_packed(self, key, B, tokens, positions, slots, rows, ks):
         on_device = isinstance(tokens, torch.Tensor)
         msg = ("replay", key, B, None if on_device else list(tokens), list(positions), slots.tolist(),
                list(rows), None if ks is None else list(ks), self.memory.take_writes())
         self.link.send(msg, tokens.reshape(-1).to(torch.int64) if on_device else None, self.device_group)
-        return super()._replay_packed(key, B, tokens, positions, slots, rows, ks)
+        try:
+            return super()._replay_packed(key, B, tokens, positions, slots, rows, ks)
+        except RuntimeError as e:
+            raise self.link.explain(e) from e
 
 
 @torch.inference_mode()
