@@ -133,11 +133,18 @@ class TPGroup:
                                 "the engine cannot continue without it (restart it)")
         return self.failure or f"tensor-parallel collective failed: {type(e).__name__}: {e}"
 
-    def explain(self, e: BaseException) -> BaseException:
-        """A collective's error as :class:`TPError` when a rank has died (gloo fails the
-        collectives of its peers when its sockets close), else ``e`` itself."""
+    def explain(self, e: BaseException) -> TPError:
+        """The error of a step that failed on rank 0 between sending it and finishing it. The
+        other ranks are then inside (or past) collectives rank 0 will not match, so the group
+        is done either way: a dead rank (gloo fails its peers' collectives when its sockets
+        close) is named, anything else is recorded as rank 0's failure."""
         why = self._why(e)
-        return TPError(why) if self.failure is not None else e
+        if self.failure is None:
+            self.failure = (f"a step failed on rank 0 ({type(e).__name__}: {e}); the ranks are out of "
+                            "step, restart the engine")
+            self._abort_collectives()
+            why = self.failure
+        return TPError(why)
 
     def build(self, cfg, model=None) -> Collectives:
         """Ranks ``1 .. cfg.tp_size - 1`` build their part of the engine of ``cfg`` (their shard of
@@ -192,6 +199,9 @@ def start(cfg, model=None, group=None) -> RankContext:
     device_type = "cuda" if str(cfg.resolved_device).startswith("cuda") else "cpu"
     if model is not None and not cfg.device:
         device_type = model.embed_tokens.weight.device.type
+    if device_type == "cuda" and str(cfg.device or "cuda") not in ("cuda", "cuda:0"):
+        raise ValueError(f"--device {cfg.device} with --tp-size {cfg.tp_size}: rank r runs on cuda:r, "
+                         "so leave --device out (or pass cuda)")
     owned = group is None
     if owned:
         group = TPGroup(cfg.tp_size, device_type)

@@ -91,7 +91,7 @@ class BroadcastingRunner(ModelRunner):
         self.link.send(("forward", meta, self.memory.take_writes()), packed, self.device_group)
         try:
             return self._local_model(input_ids, positions, batch)
-        except RuntimeError as e:
+        except Exception as e:
             raise self.link.explain(e) from e
 
     def _replay_packed(self, key, B, tokens, positions, slots, rows, ks):
@@ -101,7 +101,7 @@ class BroadcastingRunner(ModelRunner):
         self.link.send(msg, tokens.reshape(-1).to(torch.int64) if on_device else None, self.device_group)
         try:
             return super()._replay_packed(key, B, tokens, positions, slots, rows, ks)
-        except RuntimeError as e:
+        except Exception as e:
             raise self.link.explain(e) from e
 
 
