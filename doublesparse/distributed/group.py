@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -126,11 +127,15 @@ class TPGroup:
             raise TPError(self._why(e)) from e
 
     def _why(self, e: BaseException) -> str:
-        for r, p in enumerate(self.procs, 1):
-            p.join(0.5)  # a peer whose sockets closed is on its way out
-            if p.exitcode is not None and self.failure is None:
+        deadline = time.monotonic() + 1.0  # a peer whose sockets closed is on its way out
+        while self.failure is None and time.monotonic() < deadline:
+            dead = [(r, p) for r, p in enumerate(self.procs, 1) if p.exitcode is not None]
+            if dead:
+                r, p = dead[0]
                 self.failure = (f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}; "
                                 "the engine cannot continue without it (restart it)")
+            else:
+                time.sleep(0.05)
         return self.failure or f"tensor-parallel collective failed: {type(e).__name__}: {e}"
 
     def explain(self, e: BaseException) -> TPError:
