@@ -196,6 +196,9 @@ class TPGroup:
 def start(cfg, model=None, group=None) -> RankContext:
     """Rank 0 of the engine of ``cfg`` (``cfg.tp_size`` ranks): on the first ranks of ``group``
     when given, else on a group started here; the other ranks begin building."""
+    if cfg.use_double_sparsity and cfg.ds_channel_config_path == "auto":
+        raise ValueError("--ds-channel-config-path auto calibrates on one device: run `doublesparse "
+                         "calibrate` (or this command with --tp-size 1) once and pass the config it writes")
     if model is not None:
         check_tp(model.config, cfg.tp_size)
     else:  # before any process starts: a model the sizes do not fit is one line, not N tracebacks
@@ -210,13 +213,16 @@ def start(cfg, model=None, group=None) -> RankContext:
     owned = group is None
     if owned:
         group = TPGroup(cfg.tp_size, device_type)
+    elif cfg.tp_size > group.size:
+        raise ValueError(f"tp_size {cfg.tp_size} exceeds the {group.size} ranks of tp_group")
     try:
         # the other ranks get the model through a pickle: from the CPU, or each would unpickle
         # it onto this process's GPU
         comm = group.build(cfg, None if model is None else _on_cpu(model))
-    except Exception:
-        if owned:
-            group.stop()
+    except Exception as e:
+        if group.failure is None:
+            group.failure = f"starting an engine failed: {type(e).__name__}: {e}"
+        group.stop()
         raise
     return RankContext(comm, group, owned)
 

@@ -57,6 +57,14 @@ class RankContext:
         if self.group is not None:
             self.group.check()
 
+    def abort(self, err: BaseException) -> None:
+        """Rank 0 failed while the other ranks build or run (they may wait in a collective it
+        will never join): stop their processes, shared group or not."""
+        if self.group is not None:
+            if self.group.failure is None:
+                self.group.failure = f"rank 0 failed: {type(err).__name__}: {err}"
+            self.group.stop()
+
     def close(self) -> None:
         """Rank 0: the other ranks free this engine's parts (and stop, when the engine owns them)."""
         if self.group is None:

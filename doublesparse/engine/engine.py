@@ -54,8 +54,9 @@ class Engine:
         try:
             self.parts: EngineParts = build_parts(cfg, model=model, tokenizer=tokenizer, progress=progress,
                                                   tp=self._tp)
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            if self._tp is not None:
+                self._tp.abort(e)
             raise
         p = self.parts
         self.model_config = p.model.config
