@@ -49,7 +49,12 @@ def worker_main(rank: int, size: int, port: int, device_type: str, threads: int)
         parts, subgroups = None, {}
         while True:  # until "stop"
             box = [None]
-            dist.broadcast_object_list(box, src=0, group=control)
+            try:
+                dist.broadcast_object_list(box, src=0, group=control)
+            except RuntimeError as e:  # rank 0 exited (its sockets closed): nothing left to serve
+                print(f"doublesparse tensor-parallel rank {rank}: lost rank 0 ({str(e).splitlines()[0][:200]}); "
+                      "exiting", file=sys.stderr, flush=True)
+                os._exit(1)
             msg = box[0]
             if msg[0] == "stop":
                 # nothing to tear down that exiting does not: skip the interpreter's slow shutdown
