@@ -77,7 +77,9 @@ def load_shard(model_path, load_format: str, dtype, device, comm: Collectives, s
     """:func:`doublesparse.models.load_model` for rank ``comm.rank`` of ``comm.size``."""
     fmt, path = resolve_model_path(model_path, load_format)
     if fmt != "dummy":
-        full = load_model(model_path, load_format=load_format, dtype=dtype, device="cpu", progress=progress)
+        # the dtype the model would get on its own device (bf16 on CUDA), not the CPU's default
+        dt = dtype if dtype == "auto" else resolve_dtype(dtype, device)
+        full = load_model(model_path, load_format=load_format, dtype=dt, device="cpu", progress=progress)
         return shard_model(full, comm, device=device)
     config = ModelConfig.from_json(path)
     dt = resolve_dtype(config.torch_dtype if dtype == "auto" else dtype, device)
