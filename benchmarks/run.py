@@ -18,6 +18,7 @@ of an existing result file.
 
 To add a suite, add an entry to ``SUITES``: ``area`` (the result files' name), optional
 ``machine`` (a fixed machine label, e.g. ``cpu`` for a run that never uses the GPU) and ``rows``.
+``{gpus}`` in a command is replaced by the number of GPUs of the machine (tensor-parallel rows).
 """
 
 from __future__ import annotations
@@ -118,6 +119,27 @@ _HF_OFFLOAD = ("python -m doublesparse.bench.hf_offload --model-path llama-3.1-8
                "--lengths 65536 131072 262144 500000 --decode-steps 8 --budget-s 240 --total-budget-s 480 "
                "--result-json {out}.json")
 
+# Tensor parallelism (dummy weights, real prefill): Llama-3.1-70B over all the machine's GPUs at
+# 60K x 8 and 120K x 4, Mixtral-8x7B over 2 GPUs at 32K x 16 (its pools need ~81 GB a GPU: H200-class);
+# dense and Double Sparsity with default flags. Figures are rank 0's (weights, bytes, floor per rank).
+_TP = ("python -m doublesparse.bench_one_batch --load-format dummy --warmup-input-len 1024 --output-len 64 "
+       "--chunked-prefill-size 16384")
+_TP_CASES = {  # row stem -> model, tp, batch, prompt, KV pool tokens
+    "llama70b-60k-bs8": ("llama-3.1-70b", "{gpus}", 8, 60000, 481000),
+    "llama70b-120k-bs4": ("llama-3.1-70b", "{gpus}", 4, 120000, 481000),
+    "mixtral-tp2-32k-bs16": ("mixtral-8x7b-v0.1", "2", 16, 32640, 524000),
+}
+
+
+def _tp_rows() -> list[dict]:
+    rows = []
+    for stem, (model, tp, bs, n, pool) in _TP_CASES.items():
+        cmd = (f"{_TP} --model-path {model} --tp-size {tp} --batch-size {bs} --input-len {n} "
+               f"--max-total-tokens {pool}")
+        rows += [{**_one_batch_row(f"{stem}-dense", cmd), "timeout": 1800},
+                 {**_one_batch_row(f"{stem}-ds", f"{cmd} --enable-double-sparsity"), "timeout": 1800}]
+    return rows
+
 
 def _family_rows() -> list[dict]:
     rows = []
@@ -173,6 +195,8 @@ SUITES: dict[str, dict] = {
         "area": "offload",
         "rows": [{"name": "hf-offloaded-cache", "cmd": _HF_OFFLOAD, "result": "{out}.json", "timeout": 600}],
     },
+    # Tensor parallelism on a multi-GPU machine (rows above _tp_rows).
+    "tp": {"area": "tp", "rows": _tp_rows()},
     # A mixed load for 30 minutes at concurrency 32 against the DS server (prompts up to ~32K): lost
     # valid requests, 5xx, duplicates, RSS growth, /metrics against the client's counts.
     "soak": {
@@ -321,14 +345,21 @@ def expand(suite: dict, raw: Path) -> list[dict]:
     rows = []
     for row in suite["rows"]:
         out = str(raw / row["name"])
-        r = dict(row, cmd=row["cmd"].replace("{out}", out), result=row["result"].replace("{out}", out),
-                 server=row.get("server"))
+        cmd = row["cmd"].replace("{out}", out)
+        if "{gpus}" in cmd:
+            cmd = cmd.replace("{gpus}", str(_gpu_count()))
+        r = dict(row, cmd=cmd, result=row["result"].replace("{out}", out), server=row.get("server"))
         if "md" in row:
             r["md"] = row["md"].replace("{out}", out)
         r["argv"] = shlex.split(r["cmd"])
         r["server_argv"] = shlex.split(r["server"]) if r.get("server") else None
         rows.append(r)
     return rows
+
+
+def _gpu_count() -> int:
+    import torch
+    return max(1, torch.cuda.device_count())
 
 
 def _python_argv(argv: list[str]) -> list[str]:
@@ -435,6 +466,8 @@ def summarize(area: str, rows: dict) -> dict:
                 r = d["results"][0]
                 s["dense_decode_over_floor"] = r["median_decode_latency"] / (r["median_step_bytes"] / d["copy_bandwidth"])
             return s
+        if area == "tp":
+            return _summary_tp(rows)
         if area == "serving":
             d, x = rows["dense"]["metrics"], rows["ds"]["metrics"]
             mixes = [rows[k]["metrics"] for k in ("malformed-generate", "malformed-completions") if k in rows]
@@ -510,6 +543,20 @@ def _table_one_batch(rows: dict) -> list[str]:
     return L
 
 
+def _summary_tp(rows: dict) -> dict:
+    med = {n: r["results"][0]["median_decode_latency"] for n, r in rows.items() if r.get("results")}
+    d = rows.get("llama70b-60k-bs8-dense", {})
+    s = {"tp": d.get("config", {}).get("tp_size"),
+         "llama70b_60k_bs8_ds_speedup": _ratio(med.get("llama70b-60k-bs8-dense"), med.get("llama70b-60k-bs8-ds")),
+         "llama70b_120k_bs4_ds_speedup": _ratio(med.get("llama70b-120k-bs4-dense"), med.get("llama70b-120k-bs4-ds")),
+         "mixtral_tp2_32k_bs16_ds_speedup": _ratio(med.get("mixtral-tp2-32k-bs16-dense"),
+                                                   med.get("mixtral-tp2-32k-bs16-ds"))}
+    if d.get("results"):
+        r = d["results"][0]
+        s["llama70b_dense_over_floor"] = r["median_decode_latency"] / (r["median_step_bytes"] / d["copy_bandwidth"])
+    return s
+
+
 def _summary_models(rows: dict) -> dict:
     s = {}
     for key, stem in _FAMILY_KEYS.items():
@@ -561,7 +608,7 @@ def markdown(doc: dict) -> str:
          f"Rerun: `python benchmarks/run.py {doc['suite']}`.", ""]
     for note in doc.get("notes", []):
         L += [note, ""]
-    if area in ("bench-one-batch", "top-p"):
+    if area in ("bench-one-batch", "top-p", "tp"):
         L += _table_one_batch({n: d for n, d in rows.items() if "results" in d or "error" in d}) + [""]
     elif area == "speedup-map" and doc["summary"].get("cells"):
         L += ["Decode-step speedup of Double Sparsity over dense (dense ms / DS ms), the byte-floor "

@@ -275,6 +275,9 @@ def _main(argv: list[str]) -> int:
     cfg = engine_config_from_cli(args, max_running_requests=args.max_running_requests or max_bs,
                                  cuda_graph_max_bs=args.cuda_graph_max_bs or max_bs)
     check_engine_config(cfg)
+    if cfg.tp_size > 1 and args.fill == "random":
+        raise UsageError("--fill random fills this process's pools only; with --tp-size > 1 leave it out "
+                         "(the prompts are prefilled on every rank)")
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
     if cfg.max_total_tokens is None and not cfg.resolved_device.startswith("cuda"):
@@ -284,7 +287,14 @@ def _main(argv: list[str]) -> int:
     dev = torch.device(cfg.resolved_device)
     bw = copy_bandwidth(dev, args.copy_bytes)
     print(f"copy bandwidth: {bw / 1e9:.1f} GB/s ({dev})")
-    parts = build_parts(cfg, progress=True)
+    tp = None
+    if cfg.tp_size > 1:  # ranks 1.. in their own processes; pools, bytes and floor below are rank 0's
+        import atexit
+        from .distributed.group import start
+        tp = start(cfg)
+        atexit.register(tp.close)
+        print(f"tensor parallel: {cfg.tp_size} ranks; weights, pools and step bytes below are per rank")
+    parts = build_parts(cfg, progress=True, tp=tp)
     print(parts.plan.describe())
     if parts.ds is not None:
         print(f"Double Sparsity: k={parts.ds.heavy_token_num}, r={parts.plan.heavy_channel_num}, "

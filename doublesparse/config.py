@@ -84,7 +84,8 @@ class EngineConfig:
     ``max_total_tokens`` from ``mem_fraction_static``
     (CUDA) or :data:`CPU_DEFAULT_TOTAL_TOKENS` (CPU), ``max_running_requests`` = 64.
     ``kernel_tuning``: the kernels' launch parameters and choices (docs/tuning.md), handed to every
-    launch of this engine only.
+    launch of this engine only. ``tp_size``: tensor-parallel ranks (one process and device each;
+    docs/parallelism.md); 1 runs in this process alone.
     """
 
     model_path: str | None = None
@@ -119,6 +120,7 @@ class EngineConfig:
     disable_overlap_schedule: bool = False
     disable_radix_cache: bool = False
     seed: int = 0
+    tp_size: int = 1
     kernel_tuning: KernelTuning = field(default_factory=KernelTuning)
 
     def __post_init__(self):
@@ -145,6 +147,7 @@ class EngineConfig:
         _check_pos("chunked_prefill_size", self.chunked_prefill_size, allow_none=False)
         _check_pos("cuda_graph_max_bs", self.cuda_graph_max_bs, allow_none=False)
         _check_pos("ds_batch_parts", self.ds_batch_parts)
+        _check_pos("tp_size", self.tp_size, allow_none=False)
         if not isinstance(self.kernel_tuning, KernelTuning):
             raise ValueError(f"kernel_tuning must be a KernelTuning, got {type(self.kernel_tuning).__name__}")
         if not 0.0 < float(self.mem_fraction_static) < 1.0:
@@ -329,6 +332,9 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
                    help="no prefix cache: every prompt prefills from scratch (default: requests "
                         "reuse the K/V and labels of cached prefixes)")
     g.add_argument("--seed", type=int, help="sampling seed of the engine")
+    g.add_argument("--tp-size", type=int,
+                   help="tensor parallelism: split the model over this many devices, one process each "
+                        "(rank 0 schedules; see docs/parallelism.md)")
     g.add_argument("--kernel-tuning", dest="kernel_tuning", metavar="FILE.json", type=_kernel_tuning_file,
                    help="JSON object of kernel launch parameters overriding the defaults "
                         "(field names of doublesparse.kernels.tuning.KernelTuning; see docs/tuning.md)")

@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     bs, il, ol = args.batch_size[0], args.input_len[0], args.output_len[0]
     cfg = from_cli_args(args, max_running_requests=args.max_running_requests or bs,
                         cuda_graph_max_bs=args.cuda_graph_max_bs or bs)
+    if cfg.tp_size > 1:  # its floor observes the routers of one process's model
+        raise SystemExit("bench.family_decode runs on one device; for tensor parallelism use "
+                         "python -m doublesparse.bench_one_batch --tp-size N")
     if cfg.max_total_tokens is None and not cfg.resolved_device.startswith("cuda"):
         cfg = cfg.replace(max_total_tokens=bs * (il + ol + args.floor_steps))
     from ..engine.setup import build_parts

@@ -39,12 +39,25 @@ from .transfer import to_device, to_host_async
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *, model=None, tokenizer=None,
-                 progress: bool = True, **kwargs):
+                 progress: bool = True, tp_group=None, **kwargs):
         """``Engine(**EngineConfig fields)``, or ``Engine(config)``. ``model``/``tokenizer``
-        inject prebuilt objects (tests, stand-ins) instead of loading ``model_path``."""
+        inject prebuilt objects (tests, stand-ins) instead of loading ``model_path`` (with
+        ``tp_size`` > 1 each rank takes its shard of ``model``). ``tp_group``: a started
+        :class:`~doublesparse.distributed.group.TPGroup` of ``tp_size`` ranks to run on (several
+        engines in turn may share one); default: the engine starts its own."""
         cfg = config.replace(**kwargs) if config is not None else EngineConfig(**kwargs)
         self.config = cfg
-        self.parts: EngineParts = build_parts(cfg, model=model, tokenizer=tokenizer, progress=progress)
+        self._tp = None
+        if cfg.tp_size > 1:
+            from ..distributed.group import start
+            self._tp = start(cfg, model, tp_group)
+        try:
+            self.parts: EngineParts = build_parts(cfg, model=model, tokenizer=tokenizer, progress=progress,
+                                                  tp=self._tp)
+        except BaseException as e:
+            if self._tp is not None:
+                self._tp.abort(e)
+            raise
         p = self.parts
         self.model_config = p.model.config
         self.tokenizer = p.tokenizer
@@ -266,7 +279,10 @@ class Engine:
     def fail_running(self, err: BaseException) -> list[StepOutput]:
         """After ``step`` raised: end every request the step loop holds with reason "error", free
         their slots and drop the launch in flight, so that the engine can step again. Requests
-        still in the inbox (added since the failed step began) stay queued."""
+        still in the inbox (added since the failed step began) stay queued. Raises the rank's
+        error instead when a tensor-parallel rank has died (nothing can step again)."""
+        if self._tp is not None:
+            self._tp.check()
         with self._step_lock:
             self._inflight = None
             outs, self._pending = self._pending, []
@@ -389,6 +405,13 @@ class Engine:
         return [dict(text=results[r]["text"], token_ids=results[r]["token_ids"], meta=results[r]["meta"],
                      **({"logprobs": results[r]["logprobs"]} if "logprobs" in results[r] else {}))
                 for r in rids]
+
+    def close(self) -> None:
+        """Free what the engine holds outside this process: with ``tp_size`` > 1, the other ranks'
+        parts (and their processes, when the engine started them). Idempotent."""
+        tp, self._tp = self._tp, None
+        if tp is not None:
+            tp.close()
 
     def flush_cache(self) -> int:
         """Drop every cached prefix that no running request holds (all of them when idle), so

@@ -48,12 +48,18 @@ class EngineParts:
         return self.backend.sparse_rows(seq_lens)
 
 
-def load(cfg: EngineConfig, device: torch.device, progress: bool):
-    """The model and tokenizer through :mod:`doublesparse.models`."""
+def load(cfg: EngineConfig, device: torch.device, progress: bool, tp=None):
+    """The model and tokenizer through :mod:`doublesparse.models` (``tp``: this tensor-parallel
+    rank's part of the model; only rank 0 has a tokenizer)."""
     from ..models import load_model, load_tokenizer
     dtype = None if cfg.dtype in (None, "auto") else cfg.dtype
-    model = load_model(cfg.model_path, load_format=cfg.load_format, dtype=dtype, device=str(device),
-                       progress=progress, seed=cfg.seed)
+    if tp is not None:
+        model = tp.load_model(cfg, device, dtype, progress)
+        if tp.rank:
+            return model, None
+    else:
+        model = load_model(cfg.model_path, load_format=cfg.load_format, dtype=dtype, device=str(device),
+                           progress=progress, seed=cfg.seed)
     if cfg.load_format == "dummy":
         try:  # a shipped config name has no tokenizer; a real folder may
             tok = load_tokenizer(cfg.model_path)
@@ -81,12 +87,16 @@ UNCALIBRATED = ("no calibrated channel config: using weight-based heavy channels
 
 
 def resolve_channels(cfg: EngineConfig, model, mc, r: int, tokenizer=None,
-                     model_file: str | None = None, progress: bool = True) -> ChannelChoice:
+                     model_file: str | None = None, progress: bool = True, shard=None) -> ChannelChoice:
     """``--ds-channel-config-path`` (``auto``: calibrated on demand, cached), else the packaged
     config for the model, else the documented weight-based default. Modes: an explicit
     ``--ds-selection-mode`` for every layer, else ("auto") the config's recorded per-layer modes,
-    else ``group_max``."""
+    else ``group_max``. ``shard``: a tensor-parallel rank's part (a config's channels are read
+    for the full model, then its KV heads taken; weight-based ones come from its own weights)."""
     path = cfg.ds_channel_config_path
+    if path == "auto" and shard is not None:
+        raise ValueError("--ds-channel-config-path auto calibrates on one device: run `doublesparse "
+                         "calibrate` (or this command with --tp-size 1) once and pass the config it writes")
     if path == "auto":
         from ..calibrate.on_demand import ensure_config
         path = ensure_config(model, tokenizer, model_file, progress=progress)
@@ -97,7 +107,9 @@ def resolve_channels(cfg: EngineConfig, model, mc, r: int, tokenizer=None,
         raw = read_config(path)
         recorded = recorded_modes(raw, int(mc.num_layers))
         modes = recorded if cfg.ds_selection_mode == "auto" and recorded else fallback
-        ch = load_channels(path, mc, cfg.ds_heavy_channel_type, r, modes)
+        ch = load_channels(path, mc if shard is None else shard.config, cfg.ds_heavy_channel_type, r, modes)
+        if shard is not None:
+            ch = shard.channels(ch)
         how = "modes per layer from the config" if modes == recorded else f"mode {modes[0]}"
         return ChannelChoice(ch, f"channel config {path} ({how})", modes, True)
     try:
@@ -159,7 +171,10 @@ def _model_device(model) -> torch.device:
     return d if isinstance(d, torch.device) else next(model.parameters()).device
 
 
-def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool = True) -> EngineParts:
+def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool = True,
+                tp=None) -> EngineParts:
+    """``tp``: this tensor-parallel rank (:class:`~doublesparse.distributed.rank.RankContext`);
+    None with ``--tp-size 1``."""
     device = torch.device(cfg.resolved_device)
     if model is not None and not cfg.device:
         # A model built by the caller runs where it lives (a CPU model on a GPU machine too).
@@ -170,11 +185,14 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
     model_file = None
     if model is None:
         model_file = resolve_model_file(cfg)
-        model, loaded_tok = load(cfg, device, progress)
+        model, loaded_tok = load(cfg, device, progress, tp)
         tokenizer = loaded_tok if tokenizer is _UNSET or tokenizer is None else tokenizer
-    elif tokenizer is _UNSET:
-        tokenizer = None
-    mc = model.config
+    else:
+        if tp is not None:
+            model = tp.shard_model(model, device)
+        if tokenizer is _UNSET:
+            tokenizer = None
+    mc = model.config  # with tensor parallelism: this rank's heads and widths
     max_ctx = int(mc.max_position_embeddings)
     if cfg.context_length:
         max_ctx = min(max_ctx, cfg.context_length)
@@ -184,8 +202,11 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
     ds = channels = choice = None
     r = cfg.heavy_channel_num(mc.head_dim) if cfg.use_double_sparsity else 0
     plan = plan_memory(cfg, mc, _model_dtype(model), device, max_ctx, r)
+    if tp is not None:
+        plan = tp.agree(plan, device)
     if cfg.use_double_sparsity:
-        choice = resolve_channels(cfg, model, mc, r, tokenizer, model_file, progress)
+        choice = resolve_channels(cfg, model, mc, r, tokenizer, model_file, progress,
+                                  None if tp is None else tp.shard(model.full_config))
         ds = ds_params(cfg, plan, mc.num_q_heads, device, choice.modes)
         channels = choice.channels.to(device=device, dtype=torch.int32).contiguous()
         log.info("Double Sparsity: %s; r=%d, %s", ds.policy.describe(), r, choice.source)
@@ -198,7 +219,7 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
                              num_q_heads=mc.num_q_heads, num_kv_heads=mc.num_kv_heads,
                              head_dim=mc.head_dim, max_ctx=max_ctx,
                              max_heavy_tokens=ds.heavy_token_num if ds else 0, device=device)
-    memory = KVMemory(plan, device)
+    memory = KVMemory(plan, device) if tp is None else tp.memory(plan, device)
     log.info("%s", plan.describe())
     backend = create_backend(cfg.resolved_attention_backend, use_double_sparsity=ds is not None, ds=ds,
                              memory=memory, num_q_heads=mc.num_q_heads, head_dim=mc.head_dim,
@@ -207,8 +228,9 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         with torch.inference_mode():
             prefill.warmup(device, _model_dtype(model), mc.num_q_heads, mc.num_kv_heads, mc.head_dim,
                            cfg.kernel_tuning)
-    runner = ModelRunner(model, memory, backend, device, use_cuda_graph=cfg.use_cuda_graph,
-                         graph_max_bs=cfg.cuda_graph_max_bs, tuning=cfg.kernel_tuning)
+    runner = (ModelRunner if tp is None else tp.runner)(
+        model, memory, backend, device, use_cuda_graph=cfg.use_cuda_graph,
+        graph_max_bs=cfg.cuda_graph_max_bs, tuning=cfg.kernel_tuning)
     scheduler = Scheduler(cfg.scheduler_config(), plan.max_total_tokens, max_ctx)
     return EngineParts(model, tokenizer, device, max_ctx, plan, memory, backend, runner, scheduler,
                        ds, choice.source if choice else None, ws,

@@ -1,0 +1,67 @@
+"""Tensor parallelism on the CPU (gloo): at tp_size 2 and 3, logits and greedy outputs of Llama
+models and two MoE models equal tp_size 1's, dense and with Double Sparsity (a channel config's
+per-layer modes too); a rank that dies ends the engine with an error naming it. One 3-rank group
+serves every engine of the module (a 2-rank engine runs on its first two ranks)."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from doublesparse.distributed.group import TPError, TPGroup
+from doublesparse.testing import random_channel_config, tiny_family, tiny_llama
+from tp_utils import DS, GREEDY, check_same, engine
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def group():
+    g = TPGroup(3, "cpu")
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama(max_position_embeddings=512)
+
+
+@pytest.mark.parametrize("ds", [False, True], ids=["dense", "ds"])
+def test_llama(group, llama, ds):
+    check_same(llama, group, 2, overlap=ds, **(DS if ds else {}))
+
+
+@pytest.mark.parametrize("ds", [False, True], ids=["dense", "ds"])
+def test_llama_three_ranks(group, ds):
+    # 9 query / 3 KV heads, an intermediate width (100) and a vocabulary (260) that 3 does not divide
+    model = tiny_llama(max_position_embeddings=512, num_q_heads=9, num_kv_heads=3, hidden_size=48,
+                       intermediate_size=100)
+    check_same(model, group, 3, steps=3, extend=False, **(DS if ds else {}))
+
+
+def test_llama_channel_config_modes(group, llama, tmp_path):
+    path = tmp_path / "channels.json"
+    path.write_text(json.dumps(random_channel_config(llama.config, modes=("per_head", "group_sum"))))
+    check_same(llama, group, 2, steps=3, ds_channel_config_path=str(path), **DS)
+
+
+@pytest.mark.parametrize("arch,ds", [("mixtral", True), ("qwen3_moe", False)])
+def test_moe(group, arch, ds):
+    check_same(tiny_family(arch, max_position_embeddings=512), group, 2, steps=3, extend=False,
+               **(DS if ds else {}))
+
+
+def test_dead_rank_is_an_error_not_a_hang(group, llama):
+    e = engine(llama, group, 2)
+    e.generate([[5, 6, 7]], {**GREEDY, "max_new_tokens": 2})
+    os.kill(group.procs[0].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(TPError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        e.generate([[5, 6, 7]], {**GREEDY, "max_new_tokens": 2})
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(TPError):  # the server's reset after a failed step: the engine is dead
+        e.fail_running(RuntimeError("step failed"))
+    e.close()
