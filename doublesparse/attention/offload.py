@@ -64,7 +64,7 @@ class OffloadDSBackend(DoubleSparsityBackend):
         self._device = memory.label[0].device
         # the base class made DENSE on the K pool's device: here the host
         self._dense = torch.full((), DENSE, dtype=torch.int32, device=self._device)
-        self._triton = impl != "torch" and self._device.type == "cuda"
+        self._triton = impl == "triton" or (impl == "auto" and self._device.type == "cuda")
 
     # ------------------------------------------------------------------- stores and prefill
     def forward(self, layer_id, q, k, v, batch):
@@ -138,7 +138,10 @@ class OffloadDSBackend(DoubleSparsityBackend):
         hk, hv = hot.k[layer_id], hot.v[layer_id]
         seq = batch.seq_lens
         if getattr(batch, "ds_sparse", True):
-            _ds(q, hk, hv, m.label[layer_id], m.label_scale[layer_id], self.channels[layer_id],
+            # the select stage reads no K/V; its checks want a K pool as long as the label pool
+            lab = m.label[layer_id]
+            shaped = hk.as_strided((lab.shape[0], Hkv, hk.shape[2]), (0, hk.stride(1), 1))
+            _ds(q, shaped, shaped, m.label[layer_id], m.label_scale[layer_id], self.channels[layer_id],
                 m.req_to_token, batch.req_idx, seq, self.sm_scale, ks, K, d.mode_of(layer_id),
                 d.num_sink, d.num_recent, ws, stage="select", tuning=self.tuning)
         dense = seq <= ks                                                       # [B]
