@@ -97,12 +97,26 @@ class OffloadDSBackend(DoubleSparsityBackend):
                 o = prefill_sdpa(qs, ks, vs, 0, self.sm_scale, tuning=self.tuning)
             else:
                 # the cached prefix and this chunk, gathered from the host store (one layer at a time)
-                idx = s.kv_slots.to(kp.device)
-                ks = kp[idx].to(q.device, q.dtype).transpose(0, 1)
-                vs = vp[idx].to(q.device, q.dtype).transpose(0, 1)
+                ks, vs = self._gather(kp, vp, s.kv_slots, q)
                 o = prefill_sdpa(qs, ks, vs, s.prefix_len, self.sm_scale, s.mask, self.tuning)
             out[s.q_start: s.q_start + s.q_len] = o.transpose(0, 1)
         return out
+
+    def _gather(self, kp, vp, slots, q):
+        """K/V rows of ``slots`` [n] from the host store -> ([Hkv, n, D], [Hkv, n, D]) in q's dtype
+        on q's device (CUDA: one gather kernel reading pinned memory, no staging copy)."""
+        if not self._triton:
+            idx = slots.to(kp.device)
+            return (kp[idx].to(q.device, q.dtype).transpose(0, 1), vp[idx].to(q.device, q.dtype).transpose(0, 1))
+        n, H, D = slots.numel(), kp.shape[1], kp.shape[2]
+        ks = torch.empty(n, H, D, dtype=kp.dtype, device=q.device)
+        vs = torch.empty_like(ks)
+        src = slots.to(q.device).long()[:, None].expand(n, H)
+        dst = torch.arange(n, device=q.device)[:, None].expand(n, H)
+        heads = torch.arange(H, device=q.device)[None, :].expand(n, H)
+        copy_rows(kp, vp, ks, vs, src, dst, heads, torch.ones(n, H, dtype=torch.bool, device=q.device),
+                  impl="triton")
+        return ks.to(q.dtype).transpose(0, 1), vs.to(q.dtype).transpose(0, 1)
 
     # ------------------------------------------------------------------------------ decode
     def decode_attention(self, layer_id, q, batch):
@@ -110,9 +124,16 @@ class OffloadDSBackend(DoubleSparsityBackend):
             self.hot.tick()
         m = self.memory
         if self.fetch == "full-kv":
-            return ops.dense_decode(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx,
-                                    batch.seq_lens, self.sm_scale, ws=self.workspace,
-                                    impl="triton" if self._triton else "torch", tuning=self.tuning)
+            if not self._triton:
+                return ops.dense_decode(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx,
+                                        batch.seq_lens, self.sm_scale, impl="torch")
+            # the dense kernel reads every token's K/V straight from pinned host memory (the
+            # launcher's device checks would refuse the host pools, so it is called below them)
+            from ..kernels.triton.launch import _attention, dense_splits
+            B, Hkv = q.shape[0], m.plan.num_kv_heads
+            S = dense_splits(B, Hkv, self.workspace, q.device, self.tuning)
+            return _attention(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx, batch.seq_lens,
+                              self.sm_scale, self.workspace, None, None, Hkv, None, 0, False, S, self.tuning)
         ks = getattr(batch, "ds_k", None)
         if ks is None:
             ks = row_budgets(self.ds, batch.seq_lens, self._dense)

@@ -148,3 +148,17 @@ def test_offload_refuses_per_head_and_small_hot_set():
         OffloadDSBackend(ds=DSParams(8, "per_head"), hot=hot, **kw)
     with pytest.raises(ValueError, match="hot set"):
         OffloadDSBackend(ds=DSParams(9), hot=hot, **kw)
+
+
+def test_full_kv_and_prefix_gather_triton():
+    """full-kv through the dense kernel over the host pools, and the prefill's prefix gather by the
+    host-gather kernel, under the interpreter."""
+    _, (ref, got) = _run([6, 13], 8, 8, "triton", fetch="full-kv", steps=1, heads=(4, 2))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    (_, off), _ = _run([6], 8, 8, "torch", steps=1)
+    off._triton = True
+    kp, vp = off.memory.k[0], off.memory.v[0]
+    slots = torch.tensor([3, 1, 7, 2, 9])
+    q = torch.zeros(1, 9, 16)
+    ks, vs = off._gather(kp, vp, slots, q)
+    assert torch.equal(ks, kp[slots].transpose(0, 1)) and torch.equal(vs, vp[slots].transpose(0, 1))
