@@ -217,9 +217,12 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
         if fill != "random":
             say(f"Prefill. latency: {prefill_lat:6.5f} s, throughput: {bs * input_len / prefill_lat:9.2f} token/s")
         lats, step_bytes, sparse = [], [], []
+        off = getattr(parts.backend, "fetch_stats", None)  # DS-Offload's hot-set counters
+        off0, all_lens = off() if off else None, []
         steps = _decode_overlapped if overlap else _decode_sync
         for i, lat in enumerate(steps(runner, rows, nxt, input_len, output_len - 1, dev)):
             lens = [input_len + i + 1] * bs
+            all_lens.append(lens)
             lats.append(lat)
             step_bytes.append(wbytes + parts.backend.decode_bytes(lens))
             sparse.append(any(parts.sparse_rows(lens)))
@@ -228,6 +231,10 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
                 say(f"Decode.  latency: {lat:6.5f} s, throughput: {bs / lat:9.2f} token/s")
         if profile is not None and lats:
             prof = profile(rows, [0] * bs, [input_len + output_len - 1] * bs)
+        if off:
+            from .bench.offload import describe, offload_step_stats
+            offload = offload_step_stats(parts.backend, off0, off(), all_lens)
+            say(describe(offload))
     finally:
         for r in rows:
             mem.release(r, mem.req_to_token_host[r].count_nonzero().item())
@@ -238,6 +245,8 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
                prefill_throughput=bs * input_len / prefill_lat if prefill_lat else None,
                decode_latencies=lats,
                decode_step_bytes=step_bytes, sparse_steps=sum(sparse), decode_steps=len(lats))
+    if off:
+        res["offload"] = offload
     if lats:
         med = statistics.median(lats)
         med_bytes = statistics.median(step_bytes)

