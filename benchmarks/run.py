@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is loaded
 import cpu_embedded  # noqa: E402
+import offload  # noqa: E402
 import prefix_cache  # noqa: E402
 import speedup_map  # noqa: E402
 
@@ -244,6 +245,10 @@ SUITES: dict[str, dict] = {
                     "default --num-windows 8 -o {out}"},
         ],
     },
+    # DS-Offload (benchmarks/offload.py): K/V in host memory under a 24 GiB GPU budget, Llama-3.1-8B
+    # shapes with a 1M context at 1 x 500K and 4 x 120K (reuse, no reuse, full-KV offload; in-GPU DS
+    # and dense at 4 x 120K without the budget), and reuse on SmolLM2 at 8K of real text. GPU only.
+    "offload": {"area": "offload", "rows": offload.rows()},
     # The CPU preset of the accuracy protocol (few settings, 1K contexts): `doublesparse eval --small`.
     "accuracy-small": {
         "area": "accuracy",
@@ -443,6 +448,8 @@ def summarize(area: str, rows: dict) -> dict:
             return _summary_models(rows)
         if area == "prefix-cache":
             return prefix_cache.summary(rows)
+        if area == "offload":
+            return offload.summary(rows)
         if area == "cpu-embedded":
             return rows["embedded"]["summary"]
         if area == "soak":
@@ -564,6 +571,8 @@ def markdown(doc: dict) -> str:
         L += [note, "", *_table_models(rows), ""]
     elif area == "prefix-cache":
         L += [prefix_cache.NOTE, "", *prefix_cache.table(rows), ""]
+    elif area == "offload":
+        L += [offload.NOTE, "", *offload.table(rows), ""]
     elif area == "cpu-embedded" and "embedded" in rows and "runs" in rows["embedded"]:
         L += cpu_embedded.table(rows["embedded"])
     for n, d in rows.items():
@@ -660,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = [c for c in prev["commands"] if c not in commands] + commands
     doc = {"suite": a.suite, "area": suite["area"], "commands": commands, "commit": commit, "machine": machine,
            "date": date, "summary": summarize(suite["area"], results), "rows": results}
-    if suite["area"] in ("models", "prefix-cache", "accuracy-long"):  # the summary names its provenance itself
+    if suite["area"] in ("models", "prefix-cache", "accuracy-long", "offload"):  # the summary names its provenance itself
         doc["summary"].update(commands=commands, date=date, device=machine, commit=commit)
     if suite["area"] == "cpu-embedded":  # its summary names where it came from too
         doc["summary"].update(commands=commands, date=date, machine=machine, commit=commit)
