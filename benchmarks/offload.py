@@ -41,6 +41,7 @@ def rows() -> list[dict]:
                 f"--max-running-requests {bs}")
         out += [
             _row(f"{stem}-ds-offload", f"{base} {_OFF} --output-len 64 {extra}".strip()),
+            _row(f"{stem}-prefetch", f"{base} {_OFF} --ds-offload-prefetch next-layer --output-len 64 {extra}".strip()),
             _row(f"{stem}-no-reuse", f"{base} {_OFF} --ds-offload-fetch no-reuse --output-len 32 {extra}".strip()),
             _row(f"{stem}-full-kv", f"{base} {_OFF} --ds-offload-fetch full-kv --output-len 6 {extra}".strip()),
         ]
@@ -67,9 +68,15 @@ def _ratio(a, b):
 def summary(rows: dict) -> dict:
     s = {}
     for stem in CASES:
-        ms = {k: _median_ms(rows, f"{stem}-{k}") for k in ("ds-offload", "no-reuse", "full-kv")}
-        s[f"step_ms_{stem}"] = ms["ds-offload"]
-        s[f"full_offload_over_ds_offload_{stem}"] = _ratio(ms["full-kv"], ms["ds-offload"])
+        ms = {k: _median_ms(rows, f"{stem}-{k}") for k in ("ds-offload", "prefetch", "no-reuse", "full-kv")}
+        # the better of the two fetch policies (fetch when the layer runs, or next-layer prediction)
+        best = min((v for v in (ms["ds-offload"], ms["prefetch"]) if v is not None), default=None)
+        s[f"step_ms_{stem}"] = best
+        s[f"best_fetch_policy_{stem}"] = (None if best is None else
+                                          "next-layer" if best == ms["prefetch"] else "none")
+        s[f"full_offload_over_ds_offload_{stem}"] = _ratio(ms["full-kv"], best)
+        s[f"no_prefetch_step_ms_{stem}"] = ms["ds-offload"]
+        s[f"prefetch_step_ms_{stem}"] = ms["prefetch"]
         s[f"no_reuse_step_ms_{stem}"] = ms["no-reuse"]
         s[f"full_offload_step_ms_{stem}"] = ms["full-kv"]
         off = ((rows.get(f"{stem}-ds-offload", {}).get("results") or [{}])[0]).get("offload") or {}

@@ -27,6 +27,7 @@ SELECTION_MODE_CHOICES = ("auto",) + SELECTION_MODES
 LABEL_DTYPES = ("bf16", "fp8")
 PREFILL_SCHEDULES = ("interleave", "cohort")
 OFFLOAD_FETCH = ("reuse", "no-reuse", "full-kv")  # attention/offload.py FETCH_MODES
+OFFLOAD_PREFETCH = ("none", "next-layer")  # attention/offload.py PREFETCH_MODES
 CPU_DEFAULT_TOTAL_TOKENS = 65536  # no device memory to measure on CPU: a sane fixed pool
 
 
@@ -126,6 +127,7 @@ class EngineConfig:
     ds_offload_host_memory_gb: float | None = None
     ds_offload_hot_tokens: int | None = None
     ds_offload_fetch: str = "reuse"
+    ds_offload_prefetch: str = "none"
     gpu_memory_budget_gb: float | None = None
 
     def __post_init__(self):
@@ -163,6 +165,9 @@ class EngineConfig:
 
     def _check_offload(self):
         _check_choice("ds_offload_fetch", self.ds_offload_fetch, OFFLOAD_FETCH)
+        _check_choice("ds_offload_prefetch", self.ds_offload_prefetch, OFFLOAD_PREFETCH)
+        if self.ds_offload_prefetch != "none" and self.ds_offload_fetch != "reuse":
+            raise ValueError("--ds-offload-prefetch next-layer needs --ds-offload-fetch reuse")
         _check_pos("ds_offload_hot_tokens", self.ds_offload_hot_tokens)
         for name in ("ds_offload_host_memory_gb", "gpu_memory_budget_gb"):
             v = getattr(self, name)
@@ -366,6 +371,10 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
                    help="reuse: fetch only selected rows missing from the hot set (LRU); no-reuse: fetch "
                         "every selected row every step; full-kv: dense attention over the whole K/V read "
                         "from host memory each step")
+    g.add_argument("--ds-offload-prefetch", choices=OFFLOAD_PREFETCH,
+                   help="none: fetch each layer's misses when the layer runs; next-layer: also predict layer "
+                        "l+1's selection from layer l's query and fetch it early (on CUDA on a side stream, "
+                        "overlapping layer l), fixing up the misses when l+1 runs")
     g.add_argument("--gpu-memory-budget-gb", type=float, metavar="GiB",
                    help="hold the engine's GPU memory (weights, pools, hot set, workspace) to this budget, "
                         "as on a smaller card; startup fails with what does not fit")

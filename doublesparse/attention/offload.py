@@ -32,6 +32,7 @@ from .offload_hot import HotSet
 from .prefill import prefill_sdpa
 
 FETCH_MODES = ("reuse", "no-reuse", "full-kv")
+PREFETCH_MODES = ("none", "next-layer")
 
 
 class OffloadDSBackend(DoubleSparsityBackend):
@@ -44,9 +45,13 @@ class OffloadDSBackend(DoubleSparsityBackend):
     name = "double_sparsity_offload"
 
     def __init__(self, memory, num_q_heads, head_dim, sm_scale=None, impl="auto", workspace=None,
-                 channels=None, ds=None, tuning=None, hot: HotSet | None = None, fetch: str = "reuse"):
+                 channels=None, ds=None, tuning=None, hot: HotSet | None = None, fetch: str = "reuse",
+                 prefetch: str = "none"):
         if fetch not in FETCH_MODES:
             raise ValueError(f"fetch must be one of {FETCH_MODES}, got {fetch!r}")
+        if prefetch not in PREFETCH_MODES or (prefetch != "none" and fetch != "reuse"):
+            raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, and 'none' unless fetch is "
+                             f"'reuse' (got {prefetch!r} with {fetch!r})")
         if ds is not None:
             ds = dataclasses.replace(ds, threshold=0, batch_parts=1,
                                      policy=DecodePolicy(ds.policy.budget, 0, None))
@@ -61,14 +66,19 @@ class OffloadDSBackend(DoubleSparsityBackend):
             raise ValueError("the hot set must hold at least the largest top-k per request")
         self.hot = hot
         self.fetch = fetch
+        self.prefetch = prefetch
         self._device = memory.label[0].device
         # the base class made DENSE on the K pool's device: here the host
         self._dense = torch.full((), DENSE, dtype=torch.int32, device=self._device)
+        self._inflight: dict = {}   # layer -> tensors a side-stream prefetch into it still reads
+        self._prefetch_stream = (torch.cuda.Stream(self._device)
+                                 if prefetch != "none" and self._device.type == "cuda" else None)
         self._triton = impl == "triton" or (impl == "auto" and self._device.type == "cuda")
 
     # ------------------------------------------------------------------- stores and prefill
     def forward(self, layer_id, q, k, v, batch):
         """Stores K/V to the host store and labels to the device pool, then attends."""
+        self._join(layer_id)
         self.store(layer_id, k, v, batch.out_slots)
         return self.attention(layer_id, q, k, v, batch)
 
@@ -137,9 +147,14 @@ class OffloadDSBackend(DoubleSparsityBackend):
         ks = getattr(batch, "ds_k", None)
         if ks is None:
             ks = row_budgets(self.ds, batch.seq_lens, self._dense)
+        self._join(layer_id)
         if self._triton:
-            return self._decode_triton(layer_id, q, batch, ks)
-        return self._decode_torch(layer_id, q, batch, ks)
+            out = self._decode_triton(layer_id, q, batch, ks)
+        else:
+            out = self._decode_torch(layer_id, q, batch, ks)
+        if self.prefetch == "next-layer" and layer_id + 1 < len(m.k):
+            self._prefetch(layer_id + 1, q, batch, ks)
+        return out
 
     def _hot_rows(self, layer_id, req_idx, slots, valid):
         """Hot rows of the wanted slots, after fetching the misses. [B, Hkv, K] int32."""
@@ -149,20 +164,50 @@ class OffloadDSBackend(DoubleSparsityBackend):
                        impl="triton" if self._triton else "torch")
         return hot
 
-    def _decode_triton(self, layer_id, q, batch, ks):
-        from ..kernels.triton.ds_launch import _sparse_splits
+    def _prefetch(self, layer_id, q, batch, ks) -> None:
+        """The paper's prediction: score layer ``layer_id``'s labels with the previous layer's query,
+        and fetch the rows of that guessed selection now; on CUDA on a side stream, so that the copy
+        overlaps the rest of the previous layer (the layer's own lookup joins it and fixes up its
+        misses). The outputs do not depend on it: only what is resident when the layer runs."""
+        m = self.memory
+        if self._triton:
+            slots, valid, _ = self._select_triton(layer_id, q, batch, ks)
+        else:
+            slots, valid = self._select_torch(layer_id, q, batch, ks)[:2]
+        # never this step's new token: its K/V reach the host store only when the layer runs
+        valid = valid & (slots != batch.out_slots.view(-1, 1, 1))
+        hot, fetch = self.hot.lookup(layer_id, batch.req_idx, slots.long(), valid, predicted=True)
+        impl = "triton" if self._triton else "torch"
+        if not q.is_cuda:
+            self.hot.fetch(layer_id, m.k[layer_id], m.v[layer_id], slots.long(), hot, fetch, impl=impl)
+            return
+        main = torch.cuda.current_stream(q.device)
+        side = self._prefetch_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self.hot.fetch(layer_id, m.k[layer_id], m.v[layer_id], slots.long(), hot, fetch, impl=impl)
+        # kept alive until the join: the side stream reads them
+        self._inflight[layer_id] = (slots, hot, fetch)
+
+    def _join(self, layer_id) -> None:
+        if self._inflight.pop(layer_id, None) is not None:
+            torch.cuda.current_stream(self._device).wait_stream(self._prefetch_stream)
+
+    def _select_triton(self, layer_id, q, batch, ks):
+        """Layer ``layer_id``'s selection on the device -> (slots [B, Hkv, K] KV slots, valid
+        [B, Hkv, K] bool, n [B] tokens per row): the top-k of a sparse request, all positions of
+        a request no longer than its k."""
         from ..kernels.triton.ds_launch import ds_decode as _ds
-        from ..kernels.triton.launch import _attention, dense_splits
         m, d, ws, hot = self.memory, self.ds, self.workspace, self.hot
         K = d.heavy_token_num
         B, Hkv = q.shape[0], m.plan.num_kv_heads
-        hk, hv = hot.k[layer_id], hot.v[layer_id]
         seq = batch.seq_lens
-        if getattr(batch, "ds_sparse", True):
+        sparse = getattr(batch, "ds_sparse", True)
+        if sparse:
             # the select stage reads no K/V; its checks want a K pool as long as the label pool
-            lab = m.label[layer_id]
+            lab, hk = m.label[layer_id], hot.k[layer_id]
             shaped = hk.as_strided((lab.shape[0], Hkv, hk.shape[2]), (0, hk.stride(1), 1))
-            _ds(q, shaped, shaped, m.label[layer_id], m.label_scale[layer_id], self.channels[layer_id],
+            _ds(q, shaped, shaped, lab, m.label_scale[layer_id], self.channels[layer_id],
                 m.req_to_token, batch.req_idx, seq, self.sm_scale, ks, K, d.mode_of(layer_id),
                 d.num_sink, d.num_recent, ws, stage="select", tuning=self.tuning)
         dense = seq <= ks                                                       # [B]
@@ -170,9 +215,16 @@ class OffloadDSBackend(DoubleSparsityBackend):
         n = torch.where(dense, seq, ks.clamp(max=K))                            # [B]
         walked = m.req_to_token[batch.req_idx.long()[:, None], ar[None, :].clamp(max=m.req_to_token.shape[1] - 1)]
         slots = walked[:, None, :].expand(B, Hkv, K)
-        if getattr(batch, "ds_sparse", True):
+        if sparse:
             slots = torch.where(dense[:, None, None], slots, ws.sel_slot[:B, :Hkv, :K])
-        valid = ar[None, None, :] < n[:, None, None]
+        return slots, ar[None, None, :] < n[:, None, None], n
+
+    def _decode_triton(self, layer_id, q, batch, ks):
+        from ..kernels.triton.ds_launch import _sparse_splits
+        from ..kernels.triton.launch import _attention, dense_splits
+        m, ws = self.memory, self.workspace
+        K, B, Hkv = self.ds.heavy_token_num, q.shape[0], m.plan.num_kv_heads
+        slots, valid, n = self._select_triton(layer_id, q, batch, ks)
         rows = self._hot_rows(layer_id, batch.req_idx, slots.long(), valid)
         # every row reads its n hot rows through the sparse-list path: a length of n + 1 with a
         # budget of n makes the kernel take the list (the tokens and their order are the in-GPU
@@ -182,25 +234,24 @@ class OffloadDSBackend(DoubleSparsityBackend):
             S = _sparse_splits(B, Hkv, Hkv, K, ws, q.device, self.tuning)
         else:
             S = dense_splits(B, Hkv, ws, q.device, self.tuning)
+        hk, hv = self.hot.k[layer_id], self.hot.v[layer_id]
         return _attention(q, hk, hv, m.req_to_token, batch.req_idx, n32 + 1, self.sm_scale, ws, None,
                           rows, Hkv, n32, K, False, S, self.tuning, self.tuning.sparse_attn_stages)
 
-    def _decode_torch(self, layer_id, q, batch, ks):
-        """The PyTorch twin: torch_ops.ds_decode's selection (same scores, same top-k call), then
-        the hot set, then the same attention over rows gathered from it."""
+    def _select_torch(self, layer_id, q, batch, ks):
+        """The PyTorch twin of the selection: torch_ops.ds_decode's scores and top-k call ->
+        (slots [B, Hkv, K], valid [B, Hkv, K], K = the widest row, host lists of lengths and ks)."""
         m, d = self.memory, self.ds
-        B, Hq, D = q.shape
-        Hkv = m.plan.num_kv_heads
-        G = Hq // Hkv
+        B, Hkv, dev = q.shape[0], m.plan.num_kv_heads, q.device
         req_idx, seq_lens, kl = batch.req_idx.tolist(), batch.seq_lens.tolist(), ks.tolist()
         ns = [n if n <= k else k for n, k in zip(seq_lens, kl)]
         K = max(ns)
-        slots = torch.zeros(B, Hkv, K, dtype=torch.int64)
-        valid = torch.zeros(B, Hkv, K, dtype=torch.bool)
+        slots = torch.zeros(B, Hkv, K, dtype=torch.int64, device=dev)
+        valid = torch.zeros(B, Hkv, K, dtype=torch.bool, device=dev)
         for b, (row, n, k) in enumerate(zip(req_idx, seq_lens, kl)):
             start, sl = torch_ops._token_rows(m.req_to_token, row, n)
             if n <= k:
-                slots[b, :, :n] = (torch.arange(start, start + n) if sl is None else sl)[None]
+                slots[b, :, :n] = (torch.arange(start, start + n, device=dev) if sl is None else sl)[None]
             else:
                 s = torch_ops.label_scores(q[b], m.label[layer_id], m.label_scale[layer_id],
                                            self.channels[layer_id], start, sl, n, self.sm_scale,
@@ -212,10 +263,19 @@ class OffloadDSBackend(DoubleSparsityBackend):
                 top = s.topk(k, dim=-1, sorted=False).indices
                 slots[b, :, :k] = top + start if sl is None else sl[top]
             valid[b, :, :ns[b]] = True
+        return slots, valid, seq_lens, kl
+
+    def _decode_torch(self, layer_id, q, batch, ks):
+        """The PyTorch twin: the same selection, the hot set, then torch_ops.ds_decode's attention
+        over the same rows (gathered from the hot set)."""
+        B, Hq, D = q.shape
+        Hkv = self.memory.plan.num_kv_heads
+        G = Hq // Hkv
+        slots, valid, seq_lens, kl = self._select_torch(layer_id, q, batch, ks)
         rows = self._hot_rows(layer_id, batch.req_idx, slots, valid).long()
         hk, hv = self.hot.k[layer_id].view(-1, D), self.hot.v[layer_id].view(-1, D)
-        out = torch.empty(B, Hq, D, dtype=torch.float32)
-        heads = torch.arange(Hkv)
+        out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
+        heads = torch.arange(Hkv, device=q.device)
         for b, (n, k) in enumerate(zip(seq_lens, kl)):
             qb = q[b].float().view(Hkv, G, D)
             if n <= k:
@@ -242,5 +302,5 @@ class OffloadDSBackend(DoubleSparsityBackend):
         """Hot-set counters so far, with host->device bytes (one host sync)."""
         s = self.hot.stats()
         p = self.memory.plan
-        s["bytes"] = s["misses"] * 2 * p.head_dim * p.kv_dtype.itemsize
+        s["bytes"] = (s["misses"] + s["prefetched"]) * 2 * p.head_dim * p.kv_dtype.itemsize
         return s

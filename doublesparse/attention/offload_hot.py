@@ -41,8 +41,9 @@ class HotSet:
         self.stamp = [torch.full((regions, H, C + 1), -1, dtype=torch.int32, device=self.device) for _ in range(L)]
         self.where = [torch.full((num_slots, H), -1, dtype=torch.int32, device=self.device) for _ in range(L)]
         self.clock = torch.zeros((), dtype=torch.int32, device=self.device)
-        # hits, misses (K+V row pairs per KV head), decode steps: device counters, read by benchmarks
-        self.counters = torch.zeros(3, dtype=torch.int64, device=self.device)
+        # hits, misses (K+V row pairs per KV head), decode steps, rows prefetched for a predicted
+        # selection: device counters, read by benchmarks
+        self.counters = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._heads = torch.arange(H, device=self.device)[None, :, None]
 
     @property
@@ -63,12 +64,14 @@ class HotSet:
             s[row].fill_(-1)
 
     def tick(self) -> None:
-        """One decode step begins (stamps order the uses; device op, capturable)."""
-        self.clock.add_(1)
+        """One decode step begins (stamps order the uses; device op, capturable). The clock moves
+        by 2: a prefetch for a predicted selection stamps ``clock - 1``, after every earlier use
+        and before this step's true uses, so a fix-up never evicts a row the step needs."""
+        self.clock.add_(2)
         self.counters[2].add_(1)
 
     def lookup(self, layer: int, req_idx: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,
-               reuse: bool = True):
+               reuse: bool = True, predicted: bool = False):
         """Map a step's wanted tokens to hot rows, choosing victims for the misses.
 
         req_idx: [B] int (device); slots: [B, Hkv, K] int64, the wanted KV slots (K: the widest
@@ -77,6 +80,8 @@ class HotSet:
         each wanted token once the misses are fetched (0 where not valid); fetch [B, Hkv, K] bool,
         the entries to copy from the host)``. ``reuse`` False: nothing is kept across steps (the
         no-reuse peer): every valid entry is fetched into row ``region * capacity + its index``.
+        ``predicted``: a prefetch for a guessed selection (stamped just before this step's uses,
+        counted apart, its hits not counted).
         """
         C = self.capacity
         reg = req_idx.long()[:, None, None]
@@ -92,7 +97,7 @@ class HotSet:
         colc = col.clamp(min=0)
         hit = valid & (col >= 0) & (tags[reg, heads, colc] == slots)
         miss = valid & ~hit
-        now = self.clock
+        now = self.clock - 1 if predicted else self.clock
         # hits are used now: they sort last, so no victim is taken among them
         stamp.index_put_((reg.expand_as(col), heads.expand_as(col), torch.where(hit, colc, C)), now)
         order = torch.sort(stamp[req_idx.long()][:, :, :C], dim=-1, stable=True).indices  # [B, H, C]
@@ -104,8 +109,11 @@ class HotSet:
         where.index_put_((torch.where(miss, slots, 0), heads.expand_as(slots)),
                          torch.where(miss, victim, -1).to(torch.int32))
         hot = torch.where(valid, base + torch.where(hit, colc, victim), 0).to(torch.int32)
-        self.counters[0].add_(hit.sum())
-        self.counters[1].add_(miss.sum())
+        if predicted:
+            self.counters[3].add_(miss.sum())
+        else:
+            self.counters[0].add_(hit.sum())
+            self.counters[1].add_(miss.sum())
         return hot, miss
 
     def fetch(self, layer: int, host_k, host_v, slots, hot, fetch, impl: str = "auto") -> None:
@@ -118,5 +126,5 @@ class HotSet:
 
     def stats(self) -> dict:
         """Counters so far (one host sync: call outside the decode loop)."""
-        h, m, steps = (int(x) for x in self.counters.tolist())
-        return {"hits": h, "misses": m, "steps": steps}
+        h, m, steps, pre = (int(x) for x in self.counters.tolist())
+        return {"hits": h, "misses": m, "steps": steps, "prefetched": pre}

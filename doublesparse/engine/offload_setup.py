@@ -45,7 +45,7 @@ def build_offload(cfg, plan: MemoryPlan, device: torch.device, ds, mc, channels,
     impl = "torch" if cfg.kernel_impl == "torch" else "auto"
     backend = OffloadDSBackend(memory, mc.num_q_heads, mc.head_dim, impl=impl, workspace=workspace,
                                channels=channels, ds=ds, tuning=cfg.kernel_tuning, hot=hot,
-                               fetch=cfg.ds_offload_fetch)
+                               fetch=cfg.ds_offload_fetch, prefetch=cfg.ds_offload_prefetch)
     return memory, backend
 
 

@@ -14,8 +14,9 @@ from doublesparse.kernels.host_copy import copy_rows, copy_rows_ref
 from doublesparse.kernels.workspace import DecodeWorkspace
 
 
-def _memory(c, max_new):
-    """Pools of a case with room for ``max_new`` more tokens per request (fresh copies)."""
+def _memory(c, max_new, layers=1):
+    """Pools of a case with room for ``max_new`` more tokens per request (fresh copies); layer l's
+    labels are layer 0's rolled by l slots, so that the layers select differently."""
     B = c.q.shape[0]
     S0, H, D = c.k_cache.shape
     extra = B * max_new
@@ -23,15 +24,17 @@ def _memory(c, max_new):
     ctx = c.req_to_token.shape[1] + max_new
     rt = torch.zeros(c.req_to_token.shape[0], ctx, dtype=torch.int32)
     rt[:, :c.req_to_token.shape[1]] = c.req_to_token
-    plan = SimpleNamespace(num_kv_heads=H, head_dim=D, kv_dtype=c.k_cache.dtype, num_layers=1,
+    plan = SimpleNamespace(num_kv_heads=H, head_dim=D, kv_dtype=c.k_cache.dtype, num_layers=layers,
                            latent=False, kv_bytes_per_token=2 * H * D * c.k_cache.element_size(),
                            label_bytes_per_token=H * c.label_cache.shape[2] * 2)
-    return SimpleNamespace(k=[grow(c.k_cache)], v=[grow(c.v_cache)], label=[grow(c.label_cache)],
-                           label_scale=[c.label_scale.clone()], req_to_token=rt, plan=plan), S0
+    L = range(layers)
+    return SimpleNamespace(k=[grow(c.k_cache) for _ in L], v=[grow(c.v_cache) for _ in L],
+                           label=[grow(c.label_cache.roll(i, 0)) for i in L],
+                           label_scale=[c.label_scale.clone() for _ in L], req_to_token=rt, plan=plan), S0
 
 
 def _run(seq_lens, k, capacity, impl, fetch="reuse", steps=4, seed=3, sink=1, recent=2, mode="group_max",
-         heads=(9, 3)):
+         heads=(9, 3), prefetch="none", layers=1):
     """Decode ``steps`` tokens for every request through in-GPU DS and through DS-Offload on the same
     inputs; returns both backends and the per-step outputs."""
     c = make_case(seq_lens, *heads, 16, r=4, dtype=torch.float32, seed=seed)
@@ -41,18 +44,19 @@ def _run(seq_lens, k, capacity, impl, fetch="reuse", steps=4, seed=3, sink=1, re
     outs = ([], [])
     backends = []
     for which in range(2):
-        mem, S0 = _memory(c, steps)
+        mem, S0 = _memory(c, steps, layers)
         ws = None
         if impl == "triton":  # few splits: the interpreter's time goes by program count
             ws = DecodeWorkspace(B, Hq, Hkv, D, mem.req_to_token.shape[1], k, device="cpu", max_splits=2)
-        kw = dict(memory=mem, num_q_heads=Hq, head_dim=D, impl=impl, workspace=ws, channels=c.channels[None])
+        kw = dict(memory=mem, num_q_heads=Hq, head_dim=D, impl=impl, workspace=ws,
+                  channels=c.channels[None].expand(layers, -1, -1))
         if which == 0 and fetch == "full-kv":
             be = create_backend("dense", use_double_sparsity=False, **kw)
         elif which == 0:
             be = create_backend("double_sparsity", use_double_sparsity=True, ds=ds, **kw)
         else:
-            hot = HotSet(1, mem.req_to_token.shape[0], capacity, Hkv, D, mem.k[0].shape[0], torch.float32, "cpu")
-            be = OffloadDSBackend(ds=ds, hot=hot, fetch=fetch, **kw)
+            hot = HotSet(layers, mem.req_to_token.shape[0], capacity, Hkv, D, mem.k[0].shape[0], torch.float32, "cpu")
+            be = OffloadDSBackend(ds=ds, hot=hot, fetch=fetch, prefetch=prefetch, **kw)
         backends.append(be)
         g = torch.Generator().manual_seed(seed + 100)
         lens = c.seq_lens.clone()
@@ -60,11 +64,12 @@ def _run(seq_lens, k, capacity, impl, fetch="reuse", steps=4, seed=3, sink=1, re
             slots = S0 + torch.arange(B) * steps + t
             mem.req_to_token[c.req_idx.long(), lens.long()] = slots.int()
             lens = lens + 1
-            q = torch.randn(B, Hq, D, generator=g)
-            kn, vn = torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
             batch = SimpleNamespace(mode="decode", req_idx=c.req_idx, seq_lens=lens.clone(), out_slots=slots,
                                     ds_sparse=True)
-            outs[which].append(be.forward(0, q, kn, vn, batch))
+            for layer in range(layers):
+                q = torch.randn(B, Hq, D, generator=g)
+                kn, vn = torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
+                outs[which].append(be.forward(layer, q, kn, vn, batch))
     return backends, outs
 
 
@@ -77,6 +82,16 @@ def test_offload_equals_in_gpu_ds_torch(capacity):
         assert torch.equal(a, b)
     s = off.fetch_stats()
     assert s["hits"] > 0 and s["misses"] > 0 and s["steps"] == 5
+
+
+@pytest.mark.parametrize("capacity", [8, 16])
+def test_next_layer_prefetch_keeps_outputs(capacity):
+    """Predicting layer l+1's selection from layer l's query and fetching it early changes what is
+    resident, never the outputs; the prefetched rows count as host bytes, the fix-ups as misses."""
+    (_, off), (ref, got) = _run([5, 37, 70], 8, capacity, "torch", steps=4, prefetch="next-layer", layers=3)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    s = off.fetch_stats()
+    assert s["prefetched"] > 0 and s["hits"] > 0
 
 
 def test_no_reuse_and_full_kv():

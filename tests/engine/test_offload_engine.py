@@ -24,15 +24,16 @@ def _engine(model, **kw):
     return Engine(**{**base, **kw})
 
 
-@pytest.mark.parametrize("fetch", ["reuse", "no-reuse"])
-def test_offload_generates_what_in_gpu_ds_generates(model, fetch):
+@pytest.mark.parametrize("fetch,prefetch", [("reuse", "none"), ("no-reuse", "none"), ("reuse", "next-layer")])
+def test_offload_generates_what_in_gpu_ds_generates(model, fetch, prefetch):
     """Three requests (13 < k, 71 and 150 tokens, prefilled in 37-token chunks from the host store)
     decoding together; a hot set of 21 rows (k = 20) evicts at almost every step."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (13, 71, 150)]
     sp = {"max_new_tokens": 10, "temperature": 0}
     want = _engine(model).generate(prompts, sp)
-    e = _engine(model, enable_ds_offload=True, ds_offload_hot_tokens=21, ds_offload_fetch=fetch)
+    e = _engine(model, enable_ds_offload=True, ds_offload_hot_tokens=21, ds_offload_fetch=fetch,
+                ds_offload_prefetch=prefetch)
     got = e.generate(prompts, sp)
     assert [w["text"] for w in want] == [x["text"] for x in got]
     s = e.parts.backend.fetch_stats()
@@ -49,6 +50,8 @@ def test_offload_flags():
         EngineConfig(enable_ds_offload=True, attention_backend="dense")
     with pytest.raises(ValueError, match="ds_offload_fetch"):
         EngineConfig(enable_ds_offload=True, ds_offload_fetch="sometimes")
+    with pytest.raises(ValueError, match="needs --ds-offload-fetch reuse"):
+        EngineConfig(enable_ds_offload=True, ds_offload_fetch="no-reuse", ds_offload_prefetch="next-layer")
     with pytest.raises(ValueError, match="gpu_memory_budget_gb"):
         EngineConfig(gpu_memory_budget_gb=0)
 
