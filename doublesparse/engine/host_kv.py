@@ -11,6 +11,8 @@ keep tokens in it later; today the engine's slot allocator owns every slot.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 GIB = 1 << 30
@@ -26,8 +28,11 @@ class HostKVStore:
         self.pinned = bool(pin)
         shape = (self.num_slots, num_kv_heads, head_dim)
         # empty, not zeros: a slot is written before any read; only the padding slot is read unwritten
-        self.k = [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        self.k = [_host_empty(shape, dtype, pin) for _ in range(num_layers)]
+        self.v = [_host_empty(shape, dtype, pin) for _ in range(num_layers)]
+        if pin:
+            # unregistered with the store (the pools that use the tensors hold the store too)
+            weakref.finalize(self, _unregister, [t.data_ptr() for t in (*self.k, *self.v)])
         for t in (*self.k, *self.v):
             t[0].zero_()
 
@@ -55,3 +60,25 @@ def host_tokens(max_total_tokens: int | None, host_memory_gb: float | None, devi
     if cap < 1:
         raise ValueError(f"--ds-offload-host-memory-gb {gb} holds no token ({bytes_per_token} B each)")
     return cap
+
+
+def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:
+    """A host tensor, page-locked when ``pin``: allocated pageable and registered with CUDA (torch's
+    pinned allocator rounds every block up to a power of two, which would nearly double a store of
+    a few GiB per layer)."""
+    t = torch.empty(shape, dtype=dtype)
+    if not pin or t.numel() == 0:
+        return t
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"could not page-lock {nbytes / GIB:.2f} GiB of host memory for the K/V store "
+                           f"(cudaHostRegister error {int(err)}); lower --ds-offload-host-memory-gb")
+    return t
+
+
+def _unregister(ptrs: list[int]) -> None:
+    cudart = torch.cuda.cudart()
+    for p in ptrs:
+        cudart.cudaHostUnregister(p)

@@ -65,3 +65,26 @@ def test_offload_refusals(model):
         _engine(model, gpu_memory_budget_gb=0.0001)
     with pytest.raises(ValueError, match="ds-offload-host-memory-gb"):
         _engine(model, enable_ds_offload=True, ds_offload_host_memory_gb=0.0001)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fetch,prefetch", [("reuse", "none"), ("reuse", "next-layer"), ("no-reuse", "none")])
+def test_offload_on_cuda_equals_in_gpu_ds(fetch, prefetch):
+    """On the GPU, with CUDA graphs and the overlap schedule: K/V in page-locked host memory, the
+    host-gather kernel, the Triton select and attention over the hot set give in-GPU DS's tokens."""
+    m = tiny_llama(seed=2, num_q_heads=8, num_kv_heads=2, head_dim=64, max_position_embeddings=2048,
+                   dtype=torch.bfloat16, device="cuda")
+    kw = dict(model=m, tokenizer=ByteTokenizer(), progress=False, device="cuda", max_total_tokens=4096,
+              enable_double_sparsity=True, ds_heavy_token_num=64, ds_heavy_channel_num=8,
+              ds_sparse_decode_threshold=0, chunked_prefill_size=256, disable_radix_cache=True,
+              ds_selection_mode="group_max", max_running_requests=4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 333, 901)]
+    sp = {"max_new_tokens": 16, "temperature": 0}
+    want = Engine(**kw).generate(prompts, sp)
+    e = Engine(**kw, enable_ds_offload=True, ds_offload_hot_tokens=80, ds_offload_fetch=fetch,
+               ds_offload_prefetch=prefetch)
+    assert e.parts.memory.k[0].device.type == "cpu" and e.parts.memory.k[0].is_pinned()
+    got = e.generate(prompts, sp)
+    assert [w["text"] for w in want] == [x["text"] for x in got]
+    assert e.parts.backend.fetch_stats()["misses"] > 0
