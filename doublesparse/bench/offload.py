@@ -107,6 +107,8 @@ def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     cfg = engine_config_from_cli(args, enable_double_sparsity=True, ds_sparse_decode_threshold=0,
                                  disable_radix_cache=True, max_running_requests=1)
+    if not cfg.max_total_tokens:  # pools (and the host store) for this one request, not the defaults
+        cfg = cfg.replace(max_total_tokens=args.input_len + args.output_len + 16)
     check_engine_config(cfg)
     tok = load_tokenizer(cfg.model_path)
     ids = _prompt(tok, args.input_len)
