@@ -29,13 +29,13 @@ from ..kernels import torch_ops
 from .budget import DENSE, DecodePolicy
 from .double_sparsity import DoubleSparsityBackend, row_budgets
 from .offload_hot import HotSet
-from .prefill import prefill_sdpa
+from .offload_prefill import OffloadPrefill
 
 FETCH_MODES = ("reuse", "no-reuse", "full-kv")
 PREFETCH_MODES = ("none", "next-layer")
 
 
-class OffloadDSBackend(DoubleSparsityBackend):
+class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
     """memory: KVMemory whose ``k``/``v`` are the host store's tensors ([S, Hkv, D] per layer, on
     the host: pinned on CUDA) and whose labels are on the device; hot: a :class:`HotSet` on the
     device; fetch: one of :data:`FETCH_MODES`. A request decodes sparsely iff it is longer than
@@ -95,38 +95,6 @@ class OffloadDSBackend(DoubleSparsityBackend):
         ok = torch.ones(N, H, dtype=torch.bool, device=k.device)
         copy_rows(k, v, m.k[layer_id], m.v[layer_id], torch.arange(N, device=k.device)[:, None].expand(N, H),
                   rows, heads, ok, impl="triton" if self._triton else "torch")
-
-    def prefill_attention(self, layer_id, q, k, v, batch) -> torch.Tensor:
-        out = torch.empty_like(q)
-        kp, vp = self.memory.k[layer_id], self.memory.v[layer_id]
-        for s in batch.attn_meta.segments:
-            qs = q[s.q_start: s.q_start + s.q_len].transpose(0, 1)
-            if s.kv_slots is None:
-                ks = k[s.q_start: s.q_start + s.q_len].to(kp.dtype).to(q.dtype).transpose(0, 1)
-                vs = v[s.q_start: s.q_start + s.q_len].to(vp.dtype).to(q.dtype).transpose(0, 1)
-                o = prefill_sdpa(qs, ks, vs, 0, self.sm_scale, tuning=self.tuning)
-            else:
-                # the cached prefix and this chunk, gathered from the host store (one layer at a time)
-                ks, vs = self._gather(kp, vp, s.kv_slots, q)
-                o = prefill_sdpa(qs, ks, vs, s.prefix_len, self.sm_scale, s.mask, self.tuning)
-            out[s.q_start: s.q_start + s.q_len] = o.transpose(0, 1)
-        return out
-
-    def _gather(self, kp, vp, slots, q):
-        """K/V rows of ``slots`` [n] from the host store -> ([Hkv, n, D], [Hkv, n, D]) in q's dtype
-        on q's device (CUDA: one gather kernel reading pinned memory, no staging copy)."""
-        if not self._triton:
-            idx = slots.to(kp.device)
-            return (kp[idx].to(q.device, q.dtype).transpose(0, 1), vp[idx].to(q.device, q.dtype).transpose(0, 1))
-        n, H, D = slots.numel(), kp.shape[1], kp.shape[2]
-        ks = torch.empty(n, H, D, dtype=kp.dtype, device=q.device)
-        vs = torch.empty_like(ks)
-        src = slots.to(q.device).long()[:, None].expand(n, H)
-        dst = torch.arange(n, device=q.device)[:, None].expand(n, H)
-        heads = torch.arange(H, device=q.device)[None, :].expand(n, H)
-        copy_rows(kp, vp, ks, vs, src, dst, heads, torch.ones(n, H, dtype=torch.bool, device=q.device),
-                  impl="triton")
-        return ks.to(q.dtype).transpose(0, 1), vs.to(q.dtype).transpose(0, 1)
 
     # ------------------------------------------------------------------------------ decode
     def decode_attention(self, layer_id, q, batch):

@@ -175,3 +175,24 @@ def test_full_kv_and_prefix_gather_triton():
     q = torch.zeros(1, 9, 16)
     ks, vs = off._gather(kp, vp, slots, q)
     assert torch.equal(ks, kp[slots].transpose(0, 1)) and torch.equal(vs, vp[slots].transpose(0, 1))
+
+
+def test_blocked_prefix_prefill_matches_one_call():
+    """A chunk after a long cached prefix, the prefix attended to in blocks of 7 tokens merged by
+    log-sum-exp, equals one attention call over the whole gathered prefix (float32, to rounding)."""
+    from torch.nn.attention.bias import causal_lower_right
+    from doublesparse.attention.base import PrefillMeta, PrefillSegment
+    (_, off), _ = _run([40], 8, 8, "torch", steps=1)
+    m, c_row = off.memory, 0
+    row = int((m.req_to_token[:, 0] != 0).nonzero()[c_row])
+    P, n = 30, 11
+    slots = m.req_to_token[row, :P + n].long()
+    kp, vp = m.k[0], m.v[0]
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(n, 9, 16, generator=g)
+    seg = PrefillSegment(0, n, P, slots, causal_lower_right(n, P + n))
+    batch = SimpleNamespace(mode="prefill", attn_meta=PrefillMeta((seg,)))
+    whole = off.prefill_attention(0, q, kp[slots[P:]], vp[slots[P:]], batch)
+    off.prefix_block = 7
+    blocked = off.prefill_attention(0, q, kp[slots[P:]], vp[slots[P:]], batch)
+    torch.testing.assert_close(blocked, whole, atol=2e-5, rtol=2e-5)
