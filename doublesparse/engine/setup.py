@@ -205,6 +205,7 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
     if cfg.enable_ds_offload:
         from .offload_setup import build_offload
         memory, backend = build_offload(cfg, plan, device, ds, mc, channels, ws)
+        ds = backend.ds  # its policy: sparse whenever a request is longer than its k
         log.info("DS-Offload: K/V of %d tokens in host memory (%.1f GiB), hot set %d rows per "
                  "request, layer and KV head, fetch %s", plan.max_total_tokens,
                  memory.kv_store.nbytes / 2**30, backend.hot.capacity, backend.fetch)
