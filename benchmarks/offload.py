@@ -48,6 +48,7 @@ def rows() -> list[dict]:
     base = f"{_ONE} --batch-size 4 --input-len 120000 --max-total-tokens 480400 --max-running-requests 4 --output-len 64"
     out += [_row("4x120k-in-gpu-ds", f"{base} --enable-double-sparsity"),
             _row("4x120k-in-gpu-dense", base)]
+    out.append(_row("host-gather", "python -m doublesparse.bench.offload --gather-only", 300))
     out.append({"name": "smollm2-8k-text", "result": "{out}.json", "timeout": 600,
                 "cmd": "python -m doublesparse.bench.offload --model-path /root/m/smollm2.gguf --input-len 8000 "
                        "--output-len 128 --result-json {out}.json"})
@@ -84,6 +85,9 @@ def summary(rows: dict) -> dict:
         s[f"host_mb_per_step_{stem}"] = (off["host_bytes_per_step"] / 1e6) if "host_bytes_per_step" in off else None
     s["step_ms_4x120k_in_gpu_ds"] = _median_ms(rows, "4x120k-in-gpu-ds")
     s["step_ms_4x120k_in_gpu_dense"] = _median_ms(rows, "4x120k-in-gpu-dense")
+    gather = rows.get("host-gather", {}).get("summary", {}).get(f"rows_{1 << 20}", {})
+    s["host_gather_gb_s"] = gather.get("gather_gb_s")
+    s["pinned_copy_gb_s"] = gather.get("copy_gb_s")
     text = rows.get("smollm2-8k-text", {}).get("summary", {})
     s["reuse_bytes_fraction_8k"] = text.get("reuse_bytes_fraction")
     s["outputs_identical_8k"] = text.get("outputs_identical")

@@ -48,6 +48,44 @@ def describe(stats: dict) -> str:
             f"decode step{rate}")
 
 
+# ------------------------------------------------------------------------------- host gather
+def gather_bandwidth(device, slots: int = 1 << 20, heads: int = 8, head_dim: int = 128, rows: int = 1 << 20,
+                     reps: int = 5) -> dict:
+    """GB/s of the host-gather kernel moving ``rows`` random (slot, head) K+V rows ([head_dim] bf16
+    each) from a page-locked store of ``slots`` tokens into a device buffer, beside one contiguous
+    page-locked -> device copy of the same bytes (CUDA only)."""
+    from ..engine.host_kv import HostKVStore
+    from ..kernels.host_copy import copy_rows
+    store = HostKVStore(1, slots, heads, head_dim, torch.bfloat16, pin=True)
+    store.k[0].normal_()
+    store.v[0].normal_()
+    dst_k = torch.empty(rows // heads + 1, heads, head_dim, dtype=torch.bfloat16, device=device)
+    dst_v = torch.empty_like(dst_k)
+    g = torch.Generator(device=device).manual_seed(0)
+    src = torch.randint(1, slots, (rows,), device=device, generator=g)
+    dst = torch.arange(rows, device=device) // heads
+    head = torch.arange(rows, device=device) % heads
+    ok = torch.ones(rows, dtype=torch.bool, device=device)
+    nbytes = 2 * rows * head_dim * 2
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - t) / reps
+
+    gather_s = timed(lambda: copy_rows(store.k[0], store.v[0], dst_k, dst_v, src, dst, head, ok))
+    flat = store.k[0].view(-1)[: nbytes // 2]
+    buf = torch.empty(flat.shape, dtype=flat.dtype, device=device)
+    copy_s = timed(lambda: buf.copy_(flat, non_blocking=True))
+    ok_vals = torch.equal(dst_k[dst[:64], head[:64]].cpu(), store.k[0][src[:64].cpu(), head[:64].cpu()])
+    return dict(rows=rows, bytes=nbytes, gather_ms=gather_s * 1e3, gather_gb_s=nbytes / gather_s / 1e9,
+                copy_ms=copy_s * 1e3, copy_gb_s=nbytes / copy_s / 1e9, values_checked=ok_vals)
+
+
 # ------------------------------------------------------------------------------------ real text
 def build_parser() -> argparse.ArgumentParser:
     from ..cli_common import Parser
@@ -56,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=8000)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--result-json")
+    p.add_argument("--gather-only", action="store_true",
+                   help="measure the host-gather kernel's bandwidth only (CUDA; no model)")
     add_cli_args(p)
     return p
 
@@ -105,6 +145,18 @@ def _main(argv: list[str]) -> int:
     from ..models import load_tokenizer
     from ..preflight import check_engine_config, engine_config_from_cli
     args = build_parser().parse_args(argv)
+    if args.gather_only:
+        if not torch.cuda.is_available():
+            raise SystemExit("--gather-only needs CUDA")
+        res = {f"rows_{n}": gather_bandwidth(torch.device("cuda"), rows=n) for n in (1 << 14, 1 << 18, 1 << 20)}
+        for name, r in res.items():
+            print(f"{name}: gather {r['gather_gb_s']:.1f} GB/s ({r['gather_ms']:.3f} ms), contiguous copy "
+                  f"{r['copy_gb_s']:.1f} GB/s; values {'ok' if r['values_checked'] else 'WRONG'}")
+        if args.result_json:
+            with open(args.result_json, "w") as f:
+                json.dump(dict(command="python -m doublesparse.bench.offload " + " ".join(argv),
+                               device=torch.cuda.get_device_name(), summary=res), f, indent=1)
+        return 0 if all(r["values_checked"] for r in res.values()) else 1
     cfg = engine_config_from_cli(args, enable_double_sparsity=True, ds_sparse_decode_threshold=0,
                                  disable_radix_cache=True, max_running_requests=1)
     if not cfg.max_total_tokens:  # pools (and the host store) for this one request, not the defaults
