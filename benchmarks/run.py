@@ -112,6 +112,14 @@ _FAMILY_CASES = {  # row stem -> model, batch, prompt, KV pool tokens
 _FAMILY_KEYS = {"dsv2_lite": "dsv2-lite-128k-bs4", "qwen3_moe": "qwen3-moe-32k-bs8", "mixtral": "mixtral-32k-bs8"}
 
 
+# transformers' offloaded KV cache (cache_implementation="offloaded", bench/hf_offload.py), one
+# sequence of Llama-3.1-8B shapes with the 1M config, random K/V in host memory, over increasing
+# lengths until one does not finish within 240 s (the sweep within 480 s)
+_HF_OFFLOAD = ("python -m doublesparse.bench.hf_offload --model-path llama-3.1-8b-1m --fill random "
+               "--lengths 65536 131072 262144 500000 --decode-steps 8 --budget-s 240 --total-budget-s 480 "
+               "--result-json {out}.json")
+
+
 def _family_rows() -> list[dict]:
     rows = []
     for stem, (model, bs, n, pool) in _FAMILY_CASES.items():
@@ -161,6 +169,16 @@ SUITES: dict[str, dict] = {
     },
     # Mixtral, Qwen3-MoE, DeepSeek-V2-Lite: dense decode over its byte floor, DS over dense. GPU only.
     "models": {"area": "models", "rows": _family_rows()},
+    # DS-Offload and its peers on the GPU with the K/V in host memory: transformers' offloaded cache,
+    # then benchmarks/offload.py's rows (Llama-3.1-8B shapes with a 1M context under a 24 GiB GPU
+    # budget at 1 x 500K and 4 x 120K: DS-Offload with and without next-layer prefetch, no reuse,
+    # full-KV offload; in-GPU DS and dense at 4 x 120K without the budget; the host-gather kernel's
+    # bandwidth; reuse on SmolLM2 at 8K of real text). GPU only.
+    "offload": {
+        "area": "offload",
+        "rows": [{"name": "hf-offloaded-cache", "cmd": _HF_OFFLOAD, "result": "{out}.json", "timeout": 600},
+                 *offload.rows()],
+    },
     # A mixed load for 30 minutes at concurrency 32 against the DS server (prompts up to ~32K): lost
     # valid requests, 5xx, duplicates, RSS growth, /metrics against the client's counts.
     "soak": {
@@ -245,10 +263,6 @@ SUITES: dict[str, dict] = {
                     "default --num-windows 8 -o {out}"},
         ],
     },
-    # DS-Offload (benchmarks/offload.py): K/V in host memory under a 24 GiB GPU budget, Llama-3.1-8B
-    # shapes with a 1M context at 1 x 500K and 4 x 120K (reuse, no reuse, full-KV offload; in-GPU DS
-    # and dense at 4 x 120K without the budget), and reuse on SmolLM2 at 8K of real text. GPU only.
-    "offload": {"area": "offload", "rows": offload.rows()},
     # The CPU preset of the accuracy protocol (few settings, 1K contexts): `doublesparse eval --small`.
     "accuracy-small": {
         "area": "accuracy",
@@ -449,7 +463,9 @@ def summarize(area: str, rows: dict) -> dict:
         if area == "prefix-cache":
             return prefix_cache.summary(rows)
         if area == "offload":
-            return offload.summary(rows)
+            hf = rows.get("hf-offloaded-cache", {}).get("summary", {})
+            return {"hf_offload_longest_length": hf.get("longest_length"),
+                    "hf_offload_step_ms": hf.get("median_step_ms"), **offload.summary(rows)}
         if area == "cpu-embedded":
             return rows["embedded"]["summary"]
         if area == "soak":
