@@ -181,8 +181,9 @@ def fill_random(parts, seed: int) -> None:
     m = parts.memory
     for pool in (*m.k, *m.v, *(x for x in m.label if x is not None)):
         for chunk in pool.split(1 << 16):  # bounded float32 temporaries (the pools fill the GPU)
+            # converted on the device: a host pool (DS-Offload) then receives half the bytes
             chunk.copy_(torch.randn(chunk.shape, generator=g, device=parts.device, dtype=torch.float32)
-                        .clamp_(-4, 4))
+                        .clamp_(-4, 4).to(chunk.dtype))
 
 
 def assign_prompts(parts, rows: list[int], input_len: int) -> None:
