@@ -86,7 +86,10 @@ class EngineConfig:
     ``max_total_tokens`` from ``mem_fraction_static``
     (CUDA) or :data:`CPU_DEFAULT_TOTAL_TOKENS` (CPU), ``max_running_requests`` = 64.
     ``kernel_tuning``: the kernels' launch parameters and choices (docs/tuning.md), handed to every
-    launch of this engine only.
+    launch of this engine only. ``enable_ds_offload`` and the ``ds_offload_*`` fields: K/V in host
+    memory, labels and a hot set on the device (docs/offload.md); ``ds_offload_hot_tokens`` = None:
+    2 x the largest top-k; ``ds_offload_host_memory_gb`` = None: 64 GiB on CUDA, 1 on CPU.
+    ``gpu_memory_budget_gb``: weights + device pools + hot set + workspace must fit (None: no check).
     """
 
     model_path: str | None = None
