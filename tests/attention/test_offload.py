@@ -34,7 +34,7 @@ def _memory(c, max_new, layers=1):
 
 
 def _run(seq_lens, k, capacity, impl, fetch="reuse", steps=4, seed=3, sink=1, recent=2, mode="group_max",
-         heads=(9, 3), prefetch="none", layers=1):
+         heads=(9, 3), prefetch="none", layers=1, sparse=True):
     """Decode ``steps`` tokens for every request through in-GPU DS and through DS-Offload on the same
     inputs; returns both backends and the per-step outputs."""
     c = make_case(seq_lens, *heads, 16, r=4, dtype=torch.float32, seed=seed)
@@ -65,7 +65,7 @@ def _run(seq_lens, k, capacity, impl, fetch="reuse", steps=4, seed=3, sink=1, re
             mem.req_to_token[c.req_idx.long(), lens.long()] = slots.int()
             lens = lens + 1
             batch = SimpleNamespace(mode="decode", req_idx=c.req_idx, seq_lens=lens.clone(), out_slots=slots,
-                                    ds_sparse=True)
+                                    ds_sparse=sparse)
             for layer in range(layers):
                 q = torch.randn(B, Hq, D, generator=g)
                 kn, vn = torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
@@ -161,6 +161,13 @@ def test_offload_refuses_per_head_and_small_hot_set():
         OffloadDSBackend(ds=DSParams(8, "per_head"), hot=hot, **kw)
     with pytest.raises(ValueError, match="hot set"):
         OffloadDSBackend(ds=DSParams(9), hot=hot, **kw)
+
+
+def test_dense_step_triton():
+    """A step in which no request selects (all no longer than k: the engine's dense graph) reads
+    each request's whole cache from the hot set, as the in-GPU dense kernel reads the pool."""
+    (_, off), (ref, got) = _run([5, 3, 6], 9, 9, "triton", steps=1, heads=(4, 2), sparse=False)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
 def test_full_kv_and_prefix_gather_triton():
