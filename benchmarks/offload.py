@@ -107,6 +107,10 @@ def table(rows: dict) -> list[str]:
         ms = res.get("median_decode_latency")
         L.append(f"| {name} | {res['batch_size']} x {res['input_len']} | "
                  f"{'' if ms is None else f'{ms * 1000:.2f}'} | {mb} | {hr} |")
+    hf = rows.get("hf-offloaded-cache", {}).get("summary")
+    if hf:
+        L += ["", f"transformers' offloaded cache: longest length that finished {hf.get('longest_length')}, "
+                  f"median decode step {hf.get('median_step_ms')} ms."]
     t = rows.get("smollm2-8k-text", {}).get("summary")
     if t:
         L += ["", f"SmolLM2-135M, 8K real text: outputs identical to in-GPU DS: {t.get('outputs_identical')}; "
