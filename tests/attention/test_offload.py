@@ -203,3 +203,27 @@ def test_blocked_prefix_prefill_matches_one_call():
     off.prefix_block = 7
     blocked = off.prefill_attention(0, q, kp[slots[P:]], vp[slots[P:]], batch)
     torch.testing.assert_close(blocked, whole, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_copy_rows_through_page_locked_host_memory():
+    """On the GPU the kernel reads and writes the page-locked host store directly (no staging)."""
+    from doublesparse.engine.host_kv import HostKVStore
+    store = HostKVStore(1, 101, 3, 64, torch.bfloat16, pin=True)
+    assert store.k[0].is_pinned()
+    g = torch.Generator().manual_seed(1)
+    store.k[0].copy_(torch.randn(101, 3, 64, generator=g))
+    store.v[0].copy_(torch.randn(101, 3, 64, generator=g))
+    dk, dv = (torch.zeros(40, 3, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    src = torch.randint(1, 101, (40, 3), generator=g)
+    dst = torch.arange(40)[:, None].expand(40, 3)
+    heads = torch.arange(3)[None].expand(40, 3)
+    ok = torch.rand(40, 3, generator=g) > 0.2
+    cuda = [t.cuda() for t in (src, dst, heads, ok)]
+    copy_rows(store.k[0], store.v[0], dk, dv, *cuda)                    # host -> device
+    torch.cuda.synchronize()
+    assert torch.equal(dk.cpu()[ok], store.k[0][src, heads][ok]) and torch.equal(dv.cpu()[ok], store.v[0][src, heads][ok])
+    back = HostKVStore(1, 101, 3, 64, torch.bfloat16, pin=True)
+    copy_rows(dk, dv, back.k[0], back.v[0], cuda[1], cuda[0], cuda[2], cuda[3])   # device -> host
+    torch.cuda.synchronize()
+    assert torch.equal(back.k[0][src, heads][ok], store.k[0][src, heads][ok])
