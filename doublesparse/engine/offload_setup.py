@@ -13,6 +13,10 @@ from .host_kv import GIB, HostKVStore, host_tokens
 from .memory import KVMemory, MemoryPlan, plan_memory
 
 
+_LOWER = ("lower --max-total-tokens, --max-running-requests, --ds-offload-hot-tokens or the largest top-k "
+          "(--ds-heavy-token-num, --ds-heavy-token-max: the hot set holds at least k rows per request)")
+
+
 def plan_offload_memory(cfg, model_config, kv_dtype, device: torch.device, max_ctx: int, r: int) -> MemoryPlan:
     """The pools' plan when K/V live in the host store: as many slots as the host bound holds
     (or ``--max-total-tokens``); the device keeps labels and req_to_token only."""
@@ -39,8 +43,16 @@ def build_offload(cfg, plan: MemoryPlan, device: torch.device, ds, mc, channels,
     store = HostKVStore(plan.num_layers, plan.num_slots, plan.num_kv_heads, plan.head_dim,
                         plan.kv_dtype, pin=device.type == "cuda")
     memory = KVMemory(plan, device, kv_store=store)
-    hot = HotSet(plan.num_layers, plan.max_reqs + 1, hot_tokens(cfg, ds.heavy_token_num),
-                 plan.num_kv_heads, plan.head_dim, plan.num_slots, plan.kv_dtype, device)
+    C = hot_tokens(cfg, ds.heavy_token_num)
+    if device.type == "cuda":
+        need = HotSet.bytes_for(plan.num_layers, plan.max_reqs + 1, C, plan.num_kv_heads, plan.head_dim,
+                                plan.num_slots, plan.kv_dtype.itemsize)
+        free = torch.cuda.mem_get_info(device)[0]
+        if need > free:
+            raise ValueError(f"the DS-Offload hot set needs {need / GIB:.1f} GiB ({plan.max_reqs + 1} request rows "
+                             f"x {C} tokens x {plan.num_layers} layers), {free / GIB:.1f} GiB are free: {_LOWER}")
+    hot = HotSet(plan.num_layers, plan.max_reqs + 1, C, plan.num_kv_heads, plan.head_dim, plan.num_slots,
+                 plan.kv_dtype, device)
     memory.row_release_hooks.append(hot.reset_region)
     impl = "torch" if cfg.kernel_impl == "torch" else "auto"
     backend = OffloadDSBackend(memory, mc.num_q_heads, mc.head_dim, impl=impl, workspace=workspace,
@@ -79,8 +91,7 @@ def check_gpu_budget(cfg, use: DeviceUse) -> None:
     gb = cfg.gpu_memory_budget_gb
     if gb is None or use.total <= gb * GIB:
         return
-    hint = ("lower --max-total-tokens, --max-running-requests or --ds-offload-hot-tokens"
-            if cfg.enable_ds_offload else "lower --max-total-tokens or pass --enable-ds-offload")
+    hint = _LOWER if cfg.enable_ds_offload else "lower --max-total-tokens or pass --enable-ds-offload"
     raise ValueError(f"the engine needs {use.describe()} of device memory, over --gpu-memory-budget-gb "
                      f"{gb}; {hint}")
 
