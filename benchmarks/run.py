@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is loaded
 import cpu_embedded  # noqa: E402
+import offload  # noqa: E402
 import prefix_cache  # noqa: E402
 import speedup_map  # noqa: E402
 
@@ -190,10 +191,15 @@ SUITES: dict[str, dict] = {
     },
     # Mixtral, Qwen3-MoE, DeepSeek-V2-Lite: dense decode over its byte floor, DS over dense. GPU only.
     "models": {"area": "models", "rows": _family_rows()},
-    # DS-Offload's peers on the GPU with the K/V in host memory. GPU only.
+    # DS-Offload and its peers on the GPU with the K/V in host memory: transformers' offloaded cache,
+    # then benchmarks/offload.py's rows (Llama-3.1-8B shapes with a 1M context under a 24 GiB GPU
+    # budget at 1 x 500K and 4 x 120K: DS-Offload with and without next-layer prefetch, no reuse,
+    # full-KV offload; in-GPU DS and dense at 4 x 120K without the budget; the host-gather kernel's
+    # bandwidth; reuse on SmolLM2 at 8K of real text). GPU only.
     "offload": {
         "area": "offload",
-        "rows": [{"name": "hf-offloaded-cache", "cmd": _HF_OFFLOAD, "result": "{out}.json", "timeout": 600}],
+        "rows": [{"name": "hf-offloaded-cache", "cmd": _HF_OFFLOAD, "result": "{out}.json", "timeout": 600},
+                 *offload.rows()],
     },
     # Tensor parallelism on a multi-GPU machine (rows above _tp_rows).
     "tp": {"area": "tp", "rows": _tp_rows()},
@@ -490,8 +496,9 @@ def summarize(area: str, rows: dict) -> dict:
         if area == "prefix-cache":
             return prefix_cache.summary(rows)
         if area == "offload":
-            hf = rows["hf-offloaded-cache"]["summary"]
-            return {"hf_offload_longest_length": hf["longest_length"], "hf_offload_step_ms": hf["median_step_ms"]}
+            hf = rows.get("hf-offloaded-cache", {}).get("summary", {})
+            return {"hf_offload_longest_length": hf.get("longest_length"),
+                    "hf_offload_step_ms": hf.get("median_step_ms"), **offload.summary(rows)}
         if area == "cpu-embedded":
             return rows["embedded"]["summary"]
         if area == "soak":
@@ -627,6 +634,8 @@ def markdown(doc: dict) -> str:
         L += [note, "", *_table_models(rows), ""]
     elif area == "prefix-cache":
         L += [prefix_cache.NOTE, "", *prefix_cache.table(rows), ""]
+    elif area == "offload":
+        L += [offload.NOTE, "", *offload.table(rows), ""]
     elif area == "cpu-embedded" and "embedded" in rows and "runs" in rows["embedded"]:
         L += cpu_embedded.table(rows["embedded"])
     for n, d in rows.items():
@@ -723,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = [c for c in prev["commands"] if c not in commands] + commands
     doc = {"suite": a.suite, "area": suite["area"], "commands": commands, "commit": commit, "machine": machine,
            "date": date, "summary": summarize(suite["area"], results), "rows": results}
-    if suite["area"] in ("models", "prefix-cache", "accuracy-long"):  # the summary names its provenance itself
+    if suite["area"] in ("models", "prefix-cache", "accuracy-long", "offload"):  # the summary names its provenance itself
         doc["summary"].update(commands=commands, date=date, device=machine, commit=commit)
     if suite["area"] == "cpu-embedded":  # its summary names where it came from too
         doc["summary"].update(commands=commands, date=date, machine=machine, commit=commit)

@@ -181,8 +181,9 @@ def fill_random(parts, seed: int) -> None:
     m = parts.memory
     for pool in (*m.k, *m.v, *(x for x in m.label if x is not None)):
         for chunk in pool.split(1 << 16):  # bounded float32 temporaries (the pools fill the GPU)
+            # converted on the device: a host pool (DS-Offload) then receives half the bytes
             chunk.copy_(torch.randn(chunk.shape, generator=g, device=parts.device, dtype=torch.float32)
-                        .clamp_(-4, 4))
+                        .clamp_(-4, 4).to(chunk.dtype))
 
 
 def assign_prompts(parts, rows: list[int], input_len: int) -> None:
@@ -217,9 +218,12 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
         if fill != "random":
             say(f"Prefill. latency: {prefill_lat:6.5f} s, throughput: {bs * input_len / prefill_lat:9.2f} token/s")
         lats, step_bytes, sparse = [], [], []
+        off = getattr(parts.backend, "fetch_stats", None)  # DS-Offload's hot-set counters
+        off0, all_lens = off() if off else None, []
         steps = _decode_overlapped if overlap else _decode_sync
         for i, lat in enumerate(steps(runner, rows, nxt, input_len, output_len - 1, dev)):
             lens = [input_len + i + 1] * bs
+            all_lens.append(lens)
             lats.append(lat)
             step_bytes.append(wbytes + parts.backend.decode_bytes(lens))
             sparse.append(any(parts.sparse_rows(lens)))
@@ -228,6 +232,10 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
                 say(f"Decode.  latency: {lat:6.5f} s, throughput: {bs / lat:9.2f} token/s")
         if profile is not None and lats:
             prof = profile(rows, [0] * bs, [input_len + output_len - 1] * bs)
+        if off:
+            from .bench.offload import describe, offload_step_stats
+            offload = offload_step_stats(parts.backend, off0, off(), all_lens)
+            say(describe(offload))
     finally:
         for r in rows:
             mem.release(r, mem.req_to_token_host[r].count_nonzero().item())
@@ -238,6 +246,8 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
                prefill_throughput=bs * input_len / prefill_lat if prefill_lat else None,
                decode_latencies=lats,
                decode_step_bytes=step_bytes, sparse_steps=sum(sparse), decode_steps=len(lats))
+    if off:
+        res["offload"] = offload
     if lats:
         med = statistics.median(lats)
         med_bytes = statistics.median(step_bytes)

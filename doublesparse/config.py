@@ -26,6 +26,8 @@ DEFAULT_SELECTION_MODE = "group_max"
 SELECTION_MODE_CHOICES = ("auto",) + SELECTION_MODES
 LABEL_DTYPES = ("bf16", "fp8")
 PREFILL_SCHEDULES = ("interleave", "cohort")
+OFFLOAD_FETCH = ("reuse", "no-reuse", "full-kv")  # attention/offload.py FETCH_MODES
+OFFLOAD_PREFETCH = ("none", "next-layer")  # attention/offload.py PREFETCH_MODES
 CPU_DEFAULT_TOTAL_TOKENS = 65536  # no device memory to measure on CPU: a sane fixed pool
 
 
@@ -86,6 +88,10 @@ class EngineConfig:
     ``kernel_tuning``: the kernels' launch parameters and choices (docs/tuning.md), handed to every
     launch of this engine only. ``tp_size``: tensor-parallel ranks (one process and device each;
     docs/parallelism.md); 1 runs in this process alone.
+    ``enable_ds_offload`` and the ``ds_offload_*`` fields: K/V in host
+    memory, labels and a hot set on the device (docs/offload.md); ``ds_offload_hot_tokens`` = None:
+    2 x the largest top-k; ``ds_offload_host_memory_gb`` = None: 64 GiB on CUDA, 1 on CPU.
+    ``gpu_memory_budget_gb``: weights + device pools + hot set + workspace must fit (None: no check).
     """
 
     model_path: str | None = None
@@ -122,6 +128,13 @@ class EngineConfig:
     seed: int = 0
     tp_size: int = 1
     kernel_tuning: KernelTuning = field(default_factory=KernelTuning)
+    # DS-Offload (docs/offload.md): K/V in host memory, labels and a hot set on the device
+    enable_ds_offload: bool = False
+    ds_offload_host_memory_gb: float | None = None
+    ds_offload_hot_tokens: int | None = None
+    ds_offload_fetch: str = "reuse"
+    ds_offload_prefetch: str = "none"
+    gpu_memory_budget_gb: float | None = None
 
     def __post_init__(self):
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
@@ -152,14 +165,33 @@ class EngineConfig:
             raise ValueError(f"kernel_tuning must be a KernelTuning, got {type(self.kernel_tuning).__name__}")
         if not 0.0 < float(self.mem_fraction_static) < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        self._check_offload()
         if self.attention_backend == "dense" and self.enable_double_sparsity:
             raise ValueError("--attention-backend dense contradicts --enable-double-sparsity; "
                              "use --attention-backend double_sparsity (or torch) with it")
 
+    def _check_offload(self):
+        _check_choice("ds_offload_fetch", self.ds_offload_fetch, OFFLOAD_FETCH)
+        _check_choice("ds_offload_prefetch", self.ds_offload_prefetch, OFFLOAD_PREFETCH)
+        if self.ds_offload_prefetch != "none" and self.ds_offload_fetch != "reuse":
+            raise ValueError("--ds-offload-prefetch next-layer needs --ds-offload-fetch reuse")
+        _check_pos("ds_offload_hot_tokens", self.ds_offload_hot_tokens)
+        for name in ("ds_offload_host_memory_gb", "gpu_memory_budget_gb"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+                raise ValueError(f"{name} must be a positive number of GiB, got {v!r}")
+        if self.enable_ds_offload and self.tp_size > 1:
+            raise ValueError("--enable-ds-offload runs on one device; it cannot be combined with "
+                             f"--tp-size {self.tp_size}")
+        if self.enable_ds_offload and self.attention_backend == "dense":
+            raise ValueError("--enable-ds-offload decodes with Double Sparsity; it contradicts "
+                             f"--attention-backend {self.attention_backend}")
+
     # ------------------------------------------------------------------ derived (never stored)
     @property
     def use_double_sparsity(self) -> bool:
-        return self.enable_double_sparsity or self.attention_backend == "double_sparsity"
+        return (self.enable_double_sparsity or self.attention_backend == "double_sparsity"
+                or self.enable_ds_offload)
 
     @property
     def resolved_attention_backend(self) -> str:
@@ -254,7 +286,8 @@ class EngineConfig:
         return SchedulerConfig(max_running_requests=self.resolved_max_running_requests,
                                chunked_prefill_size=self.chunked_prefill_size,
                                prefill_schedule=self.prefill_schedule,
-                               disable_radix_cache=self.disable_radix_cache)
+                               # offloaded requests do not share slots: the hot set is per request
+                               disable_radix_cache=self.disable_radix_cache or self.enable_ds_offload)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -338,6 +371,26 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
     g.add_argument("--kernel-tuning", dest="kernel_tuning", metavar="FILE.json", type=_kernel_tuning_file,
                    help="JSON object of kernel launch parameters overriding the defaults "
                         "(field names of doublesparse.kernels.tuning.KernelTuning; see docs/tuning.md)")
+    g.add_argument("--enable-ds-offload", action="store_true", default=None,
+                   help="DS-Offload: keep K/V in host memory (pinned on CUDA) and only labels and a per-request "
+                        "hot set of K/V on the device; each step fetches the selected rows not in the hot set "
+                        "(implies Double Sparsity; docs/offload.md)")
+    g.add_argument("--ds-offload-host-memory-gb", type=float, metavar="GiB",
+                   help="most host memory the offloaded K/V may take; sizes the host store when "
+                        "--max-total-tokens is not given (default: 64 on CUDA, 1 on CPU)")
+    g.add_argument("--ds-offload-hot-tokens", type=int,
+                   help="hot-set rows per request, layer and KV head (default: 2 x the largest top-k)")
+    g.add_argument("--ds-offload-fetch", choices=OFFLOAD_FETCH,
+                   help="reuse: fetch only selected rows missing from the hot set (LRU); no-reuse: fetch "
+                        "every selected row every step; full-kv: dense attention over the whole K/V read "
+                        "from host memory each step")
+    g.add_argument("--ds-offload-prefetch", choices=OFFLOAD_PREFETCH,
+                   help="none: fetch each layer's misses when the layer runs; next-layer: also predict layer "
+                        "l+1's selection from layer l's query and fetch it early (on CUDA on a side stream, "
+                        "overlapping layer l), fixing up the misses when l+1 runs")
+    g.add_argument("--gpu-memory-budget-gb", type=float, metavar="GiB",
+                   help="hold the engine's GPU memory (weights, pools, hot set, workspace) to this budget, "
+                        "as on a smaller card; startup fails with what does not fit")
     _show_defaults(g, command_defaults)
     return parser
 

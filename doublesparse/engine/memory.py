@@ -187,14 +187,22 @@ class RowAllocator:
 class KVMemory:
     """All pools of one engine. Tensors are created once; decode buffers point into them."""
 
-    def __init__(self, plan: MemoryPlan, device: torch.device | str):
+    def __init__(self, plan: MemoryPlan, device: torch.device | str, kv_store=None):
+        """kv_store: an object with ``k``, ``v`` lists of ``[num_slots, Hkv, D]`` tensors that
+        hold K/V instead of device pools (the host store of DS-Offload, engine/host_kv.py)."""
         self.plan = plan
         self.device = torch.device(device)
         L, S, H, D = plan.num_layers, plan.num_slots, plan.num_kv_heads, plan.head_dim
         kw = dict(dtype=plan.kv_dtype, device=self.device)
-        # zeros, not empty: the padding slot must hold finite values (padded rows attend to it)
-        self.k = [torch.zeros(S, H, D, **kw) for _ in range(L)]
-        self.v = self.k if plan.latent else [torch.zeros(S, H, D, **kw) for _ in range(L)]
+        self.kv_store = kv_store
+        # called with a request row before its slots are freed (DS-Offload forgets its hot rows)
+        self.row_release_hooks: list = []
+        if kv_store is not None:
+            self.k, self.v = kv_store.k, kv_store.v
+        else:
+            # zeros, not empty: the padding slot must hold finite values (padded rows attend to it)
+            self.k = [torch.zeros(S, H, D, **kw) for _ in range(L)]
+            self.v = self.k if plan.latent else [torch.zeros(S, H, D, **kw) for _ in range(L)]
         if plan.heavy_channel_num:
             r = plan.heavy_channel_num
             self.label = [torch.zeros(S, H, r, dtype=plan.label_dtype, device=self.device) for _ in range(L)]
@@ -226,6 +234,8 @@ class KVMemory:
     def release(self, row: int, length: int, start: int = 0) -> None:
         """Free a finished request's slots at positions ``[start, length)`` and its row (the
         first ``start`` belong to the prefix cache, which frees them on eviction)."""
+        for hook in self.row_release_hooks:
+            hook(row)
         if length > start:
             self.slots.free(self.req_to_token_host[row, start:length].to(torch.int64))
         self.req_to_token_host[row, :length] = 0
@@ -235,6 +245,8 @@ class KVMemory:
         """Free every slot recorded for ``row`` from position ``start`` on and the row itself,
         whatever its length: after a step failed, a request may hold slots past the length the
         engine had counted."""
+        for hook in self.row_release_hooks:
+            hook(row)
         held = self.req_to_token_host[row, start:].nonzero()[:, 0] + start
         if held.numel():
             self.slots.free(self.req_to_token_host[row, held].to(torch.int64))
@@ -270,5 +282,7 @@ class KVMemory:
 
     @property
     def nbytes(self) -> int:
-        t = [*self.k, *(() if self.plan.latent else self.v), *(x for x in self.label if x is not None), self.req_to_token]
+        """Bytes of the pools on the device (K/V in a host store not counted)."""
+        kv = [] if self.kv_store is not None else [*self.k, *(() if self.plan.latent else self.v)]
+        t = [*kv, *(x for x in self.label if x is not None), self.req_to_token]
         return sum(x.numel() * x.element_size() for x in t)

@@ -201,7 +201,11 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
                       f"full context (capping the context at {mc.sliding_window} keeps it exact)")
     ds = channels = choice = None
     r = cfg.heavy_channel_num(mc.head_dim) if cfg.use_double_sparsity else 0
-    plan = plan_memory(cfg, mc, _model_dtype(model), device, max_ctx, r)
+    if cfg.enable_ds_offload:
+        from .offload_setup import plan_offload_memory
+        plan = plan_offload_memory(cfg, mc, _model_dtype(model), device, max_ctx, r)
+    else:
+        plan = plan_memory(cfg, mc, _model_dtype(model), device, max_ctx, r)
     if tp is not None:
         plan = tp.agree(plan, device)
     if cfg.use_double_sparsity:
@@ -219,11 +223,22 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
                              num_q_heads=mc.num_q_heads, num_kv_heads=mc.num_kv_heads,
                              head_dim=mc.head_dim, max_ctx=max_ctx,
                              max_heavy_tokens=ds.heavy_token_num if ds else 0, device=device)
-    memory = KVMemory(plan, device) if tp is None else tp.memory(plan, device)
+    if cfg.enable_ds_offload:
+        from .offload_setup import build_offload
+        memory, backend = build_offload(cfg, plan, device, ds, mc, channels, ws)
+        ds = backend.ds  # its policy: sparse whenever a request is longer than its k
+        log.info("DS-Offload: K/V of %d tokens in host memory (%.1f GiB), hot set %d rows per "
+                 "request, layer and KV head, fetch %s", plan.max_total_tokens,
+                 memory.kv_store.nbytes / 2**30, backend.hot.capacity, backend.fetch)
+    else:
+        memory = KVMemory(plan, device) if tp is None else tp.memory(plan, device)
+        backend = create_backend(cfg.resolved_attention_backend, use_double_sparsity=ds is not None, ds=ds,
+                                 memory=memory, num_q_heads=mc.num_q_heads, head_dim=mc.head_dim,
+                                 impl=cfg.kernel_impl, workspace=ws, channels=channels, tuning=cfg.kernel_tuning)
     log.info("%s", plan.describe())
-    backend = create_backend(cfg.resolved_attention_backend, use_double_sparsity=ds is not None, ds=ds,
-                             memory=memory, num_q_heads=mc.num_q_heads, head_dim=mc.head_dim,
-                             impl=cfg.kernel_impl, workspace=ws, channels=channels, tuning=cfg.kernel_tuning)
+    if cfg.gpu_memory_budget_gb is not None:
+        from .offload_setup import check_gpu_budget, device_use
+        check_gpu_budget(cfg, device_use(model, memory, backend, ws))
     if device.type == "cuda" and max_ctx > prefill.SPLIT_MIN_TOKENS:
         with torch.inference_mode():
             prefill.warmup(device, _model_dtype(model), mc.num_q_heads, mc.num_kv_heads, mc.head_dim,

@@ -48,7 +48,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         return _parse_with_main(argv[1][len("benchmarks/"):-3], argv[2:])  # run.py puts benchmarks/ on the path
     assert argv[:2] == ["python", "-m"], argv
     module, args = argv[2], argv[3:]
-    if module in ("doublesparse.bench_one_batch", "doublesparse.bench.family_decode", "doublesparse.bench.hf_offload"):
+    if module in ("doublesparse.bench_one_batch", "doublesparse.bench.family_decode", "doublesparse.bench.hf_offload",
+                  "doublesparse.bench.offload"):
         return importlib.import_module(module).build_parser().parse_args(args)
     if module in ("doublesparse.bench_serving", "doublesparse.bench.soak"):
         return importlib.import_module(module).parse_args(args)

@@ -1,0 +1,274 @@
+"""DS-Offload: Double Sparsity decode with K and V in a host store and labels on the device.
+
+Per decode step and layer:
+  1. labels are scored and each request's top-k is selected on the device, as in-GPU Double
+     Sparsity (the same kernels: ds_launch.ds_decode up to its select stage, or the PyTorch twin);
+  2. the selected tokens' slots (a request at most its k long: all its positions) are looked up in
+     the request's device hot set (attention/offload_hot.py); misses get least recently used rows;
+  3. only the misses are copied from the host store (kernels/host_copy.py: a Triton gather
+     reading pinned host memory on CUDA, index copies on CPU);
+  4. the existing attention kernel runs over the hot rows, with the selection translated to hot
+     row indices (same tokens, same order: the output equals in-GPU Double Sparsity's exactly).
+New tokens' K/V go to the host store (and their labels to the device pool) when they are stored;
+prefill writes each chunk's K/V there, and a chunk with a cached prefix gathers it back.
+
+``fetch``: "reuse" (the hot set), "no-reuse" (every selected row fetched every step) or
+"full-kv" (no selection: dense attention reading each request's whole K/V from the host store
+each step, as offloaded caches do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..kernels import ops
+from ..kernels.host_copy import copy_rows
+from ..kernels import torch_ops
+from .budget import DENSE, DecodePolicy
+from .double_sparsity import DoubleSparsityBackend, row_budgets
+from .offload_hot import HotSet
+from .offload_prefill import OffloadPrefill
+
+FETCH_MODES = ("reuse", "no-reuse", "full-kv")
+PREFETCH_MODES = ("none", "next-layer")
+
+
+class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
+    """memory: KVMemory whose ``k``/``v`` are the host store's tensors ([S, Hkv, D] per layer, on
+    the host: pinned on CUDA) and whose labels are on the device; hot: a :class:`HotSet` on the
+    device; fetch: one of :data:`FETCH_MODES`. A request decodes sparsely iff it is longer than
+    its k (no dense/sparse cost choice: a dense request longer than the hot set could not be
+    served from it)."""
+
+    name = "double_sparsity_offload"
+
+    def __init__(self, memory, num_q_heads, head_dim, sm_scale=None, impl="auto", workspace=None,
+                 channels=None, ds=None, tuning=None, hot: HotSet | None = None, fetch: str = "reuse",
+                 prefetch: str = "none"):
+        if fetch not in FETCH_MODES:
+            raise ValueError(f"fetch must be one of {FETCH_MODES}, got {fetch!r}")
+        if prefetch not in PREFETCH_MODES or (prefetch != "none" and fetch != "reuse"):
+            raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, and 'none' unless fetch is "
+                             f"'reuse' (got {prefetch!r} with {fetch!r})")
+        if ds is not None:
+            ds = dataclasses.replace(ds, threshold=0, batch_parts=1,
+                                     policy=DecodePolicy(ds.policy.budget, 0, None))
+            if ds.top_p:
+                raise ValueError("--enable-ds-offload does not support --ds-budget-mode top_p")
+            if any(ds.mode_of(i) == "per_head" for i in range(len(memory.k))):
+                raise ValueError("--enable-ds-offload needs a group selection mode (group_max or "
+                                 "group_sum): per_head selects per query head and the hot set is per KV head")
+        kw = {} if tuning is None else {"tuning": tuning}
+        super().__init__(memory, num_q_heads, head_dim, sm_scale, impl, workspace, channels, ds, **kw)
+        if hot is None or hot.capacity < self.ds.heavy_token_num:
+            raise ValueError("the hot set must hold at least the largest top-k per request")
+        self.hot = hot
+        self.fetch = fetch
+        self.prefetch = prefetch
+        self._device = memory.label[0].device
+        # the base class made DENSE on the K pool's device: here the host
+        self._dense = torch.full((), DENSE, dtype=torch.int32, device=self._device)
+        self._inflight: dict = {}   # layer -> tensors a side-stream prefetch into it still reads
+        self._prefetch_stream = (torch.cuda.Stream(self._device)
+                                 if prefetch != "none" and self._device.type == "cuda" else None)
+        self._triton = impl == "triton" or (impl == "auto" and self._device.type == "cuda")
+
+    # ------------------------------------------------------------------- stores and prefill
+    def forward(self, layer_id, q, k, v, batch):
+        """Stores K/V to the host store and labels to the device pool, then attends."""
+        self._join(layer_id)
+        self.store(layer_id, k, v, batch.out_slots)
+        return self.attention(layer_id, q, k, v, batch)
+
+    def store(self, layer_id, k, v, slots) -> None:
+        m = self.memory
+        lab, ch = m.label[layer_id], self.channels[layer_id]
+        g = torch.gather(k.float(), 2, ch.long()[None].expand(k.shape[0], -1, -1))
+        if lab.dtype == torch.float8_e4m3fn:
+            g = (g / m.label_scale[layer_id].float()).clamp(-448.0, 448.0)
+        lab[slots.long()] = g.to(lab.dtype)
+        N, H = k.shape[0], k.shape[1]
+        rows = slots.long()[:, None].expand(N, H)
+        heads = torch.arange(H, device=k.device)[None, :].expand(N, H)
+        ok = torch.ones(N, H, dtype=torch.bool, device=k.device)
+        copy_rows(k, v, m.k[layer_id], m.v[layer_id], torch.arange(N, device=k.device)[:, None].expand(N, H),
+                  rows, heads, ok, impl="triton" if self._triton else "torch")
+
+    # ------------------------------------------------------------------------------ decode
+    def decode_attention(self, layer_id, q, batch):
+        if layer_id == 0:
+            self.hot.tick()
+        m = self.memory
+        if self.fetch == "full-kv":
+            if not self._triton:
+                return ops.dense_decode(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx,
+                                        batch.seq_lens, self.sm_scale, impl="torch")
+            # the dense kernel reads every token's K/V straight from pinned host memory (the
+            # launcher's device checks would refuse the host pools, so it is called below them)
+            from ..kernels.triton.launch import _attention, dense_splits
+            B, Hkv = q.shape[0], m.plan.num_kv_heads
+            S = dense_splits(B, Hkv, self.workspace, q.device, self.tuning)
+            return _attention(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx, batch.seq_lens,
+                              self.sm_scale, self.workspace, None, None, Hkv, None, 0, False, S, self.tuning)
+        ks = getattr(batch, "ds_k", None)
+        if ks is None:
+            ks = row_budgets(self.ds, batch.seq_lens, self._dense)
+        self._join(layer_id)
+        if self._triton:
+            out = self._decode_triton(layer_id, q, batch, ks)
+        else:
+            out = self._decode_torch(layer_id, q, batch, ks)
+        if self.prefetch == "next-layer" and layer_id + 1 < len(m.k):
+            self._prefetch(layer_id + 1, q, batch, ks)
+        return out
+
+    def _hot_rows(self, layer_id, req_idx, slots, valid):
+        """Hot rows of the wanted slots, after fetching the misses. [B, Hkv, K] int32."""
+        hot, fetch = self.hot.lookup(layer_id, req_idx, slots, valid, reuse=self.fetch == "reuse")
+        m = self.memory
+        self.hot.fetch(layer_id, m.k[layer_id], m.v[layer_id], slots, hot, fetch,
+                       impl="triton" if self._triton else "torch")
+        return hot
+
+    def _prefetch(self, layer_id, q, batch, ks) -> None:
+        """The paper's prediction: score layer ``layer_id``'s labels with the previous layer's query,
+        and fetch the rows of that guessed selection now; on CUDA on a side stream, so that the copy
+        overlaps the rest of the previous layer (the layer's own lookup joins it and fixes up its
+        misses). The outputs do not depend on it: only what is resident when the layer runs."""
+        m = self.memory
+        if self._triton:
+            slots, valid, _ = self._select_triton(layer_id, q, batch, ks)
+        else:
+            slots, valid = self._select_torch(layer_id, q, batch, ks)[:2]
+        # never this step's new token: its K/V reach the host store only when the layer runs
+        valid = valid & (slots != batch.out_slots.view(-1, 1, 1))
+        hot, fetch = self.hot.lookup(layer_id, batch.req_idx, slots.long(), valid, predicted=True)
+        impl = "triton" if self._triton else "torch"
+        if not q.is_cuda:
+            self.hot.fetch(layer_id, m.k[layer_id], m.v[layer_id], slots.long(), hot, fetch, impl=impl)
+            return
+        main = torch.cuda.current_stream(q.device)
+        side = self._prefetch_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self.hot.fetch(layer_id, m.k[layer_id], m.v[layer_id], slots.long(), hot, fetch, impl=impl)
+        # kept alive until the join: the side stream reads them
+        self._inflight[layer_id] = (slots, hot, fetch)
+
+    def _join(self, layer_id) -> None:
+        if self._inflight.pop(layer_id, None) is not None:
+            torch.cuda.current_stream(self._device).wait_stream(self._prefetch_stream)
+
+    def _select_triton(self, layer_id, q, batch, ks):
+        """Layer ``layer_id``'s selection on the device -> (slots [B, Hkv, K] KV slots, valid
+        [B, Hkv, K] bool, n [B] tokens per row): the top-k of a sparse request, all positions of
+        a request no longer than its k."""
+        from ..kernels.triton.ds_launch import ds_decode as _ds
+        m, d, ws, hot = self.memory, self.ds, self.workspace, self.hot
+        K = d.heavy_token_num
+        B, Hkv = q.shape[0], m.plan.num_kv_heads
+        seq = batch.seq_lens
+        sparse = getattr(batch, "ds_sparse", True)
+        if sparse:
+            # the select stage reads no K/V; its checks want a K pool as long as the label pool
+            lab, hk = m.label[layer_id], hot.k[layer_id]
+            shaped = hk.as_strided((lab.shape[0], Hkv, hk.shape[2]), (0, hk.stride(1), 1))
+            _ds(q, shaped, shaped, lab, m.label_scale[layer_id], self.channels[layer_id],
+                m.req_to_token, batch.req_idx, seq, self.sm_scale, ks, K, d.mode_of(layer_id),
+                d.num_sink, d.num_recent, ws, stage="select", tuning=self.tuning)
+        dense = seq <= ks                                                       # [B]
+        ar = torch.arange(K, device=q.device)
+        n = torch.where(dense, seq, ks.clamp(max=K))                            # [B]
+        walked = m.req_to_token[batch.req_idx.long()[:, None], ar[None, :].clamp(max=m.req_to_token.shape[1] - 1)]
+        slots = walked[:, None, :].expand(B, Hkv, K)
+        if sparse:
+            slots = torch.where(dense[:, None, None], slots, ws.sel_slot[:B, :Hkv, :K])
+        return slots, ar[None, None, :] < n[:, None, None], n
+
+    def _decode_triton(self, layer_id, q, batch, ks):
+        from ..kernels.triton.ds_launch import _sparse_splits
+        from ..kernels.triton.launch import _attention, dense_splits
+        m, ws = self.memory, self.workspace
+        K, B, Hkv = self.ds.heavy_token_num, q.shape[0], m.plan.num_kv_heads
+        slots, valid, n = self._select_triton(layer_id, q, batch, ks)
+        rows = self._hot_rows(layer_id, batch.req_idx, slots.long(), valid)
+        # every row reads its n hot rows through the sparse-list path: a length of n + 1 with a
+        # budget of n makes the kernel take the list (the tokens and their order are the in-GPU
+        # path's, dense rows included, so are the tile boundaries)
+        n32 = n.to(torch.int32)
+        if getattr(batch, "ds_sparse", True):
+            S = _sparse_splits(B, Hkv, Hkv, K, ws, q.device, self.tuning)
+        else:
+            S = dense_splits(B, Hkv, ws, q.device, self.tuning)
+        hk, hv = self.hot.k[layer_id], self.hot.v[layer_id]
+        return _attention(q, hk, hv, m.req_to_token, batch.req_idx, n32 + 1, self.sm_scale, ws, None,
+                          rows, Hkv, n32, K, False, S, self.tuning, self.tuning.sparse_attn_stages)
+
+    def _select_torch(self, layer_id, q, batch, ks):
+        """The PyTorch twin of the selection: torch_ops.ds_decode's scores and top-k call ->
+        (slots [B, Hkv, K], valid [B, Hkv, K], K = the widest row, host lists of lengths and ks)."""
+        m, d = self.memory, self.ds
+        B, Hkv, dev = q.shape[0], m.plan.num_kv_heads, q.device
+        req_idx, seq_lens, kl = batch.req_idx.tolist(), batch.seq_lens.tolist(), ks.tolist()
+        ns = [n if n <= k else k for n, k in zip(seq_lens, kl)]
+        K = max(ns)
+        slots = torch.zeros(B, Hkv, K, dtype=torch.int64, device=dev)
+        valid = torch.zeros(B, Hkv, K, dtype=torch.bool, device=dev)
+        for b, (row, n, k) in enumerate(zip(req_idx, seq_lens, kl)):
+            start, sl = torch_ops._token_rows(m.req_to_token, row, n)
+            if n <= k:
+                slots[b, :, :n] = (torch.arange(start, start + n, device=dev) if sl is None else sl)[None]
+            else:
+                s = torch_ops.label_scores(q[b], m.label[layer_id], m.label_scale[layer_id],
+                                           self.channels[layer_id], start, sl, n, self.sm_scale,
+                                           d.mode_of(layer_id))
+                if d.num_sink:
+                    s[:, :d.num_sink] = float("inf")
+                if d.num_recent:
+                    s[:, n - d.num_recent:] = float("inf")
+                top = s.topk(k, dim=-1, sorted=False).indices
+                slots[b, :, :k] = top + start if sl is None else sl[top]
+            valid[b, :, :ns[b]] = True
+        return slots, valid, seq_lens, kl
+
+    def _decode_torch(self, layer_id, q, batch, ks):
+        """The PyTorch twin: the same selection, the hot set, then torch_ops.ds_decode's attention
+        over the same rows (gathered from the hot set)."""
+        B, Hq, D = q.shape
+        Hkv = self.memory.plan.num_kv_heads
+        G = Hq // Hkv
+        slots, valid, seq_lens, kl = self._select_torch(layer_id, q, batch, ks)
+        rows = self._hot_rows(layer_id, batch.req_idx, slots, valid).long()
+        hk, hv = self.hot.k[layer_id].view(-1, D), self.hot.v[layer_id].view(-1, D)
+        out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
+        heads = torch.arange(Hkv, device=q.device)
+        for b, (n, k) in enumerate(zip(seq_lens, kl)):
+            qb = q[b].float().view(Hkv, G, D)
+            if n <= k:
+                # [n, Hkv, D] then transposed: the strides of the in-GPU path's pool slice
+                flat = (rows[b, :, :n].t() * Hkv + heads[None, :]).reshape(-1)
+                kk = hk.index_select(0, flat).view(n, Hkv, D).transpose(0, 1)
+                vv = hv.index_select(0, flat).view(n, Hkv, D).transpose(0, 1)
+            else:
+                flat = (rows[b, :, :k] * Hkv + heads[:, None]).reshape(-1)
+                kk = hk.index_select(0, flat).view(Hkv, k, D)
+                vv = hv.index_select(0, flat).view(Hkv, k, D)
+            out[b] = torch_ops._attend(qb, kk, vv, self.sm_scale).view(Hq, D)
+        return out.to(q.dtype)
+
+    # ----------------------------------------------------------------------------- facts
+    def decode_bytes(self, seq_lens_host) -> int:
+        """Device-side bytes: labels of every token plus the selected K/V read from the hot set
+        (the host->device bytes are counted by the hot set's counters)."""
+        if self.fetch == "full-kv":
+            return sum(seq_lens_host) * self.memory.plan.kv_bytes_per_token
+        return super().decode_bytes(seq_lens_host)
+
+    def fetch_stats(self) -> dict:
+        """Hot-set counters so far, with host->device bytes (one host sync)."""
+        s = self.hot.stats()
+        p = self.memory.plan
+        s["bytes"] = (s["misses"] + s["prefetched"]) * 2 * p.head_dim * p.kv_dtype.itemsize
+        return s

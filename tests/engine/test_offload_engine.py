@@ -1,0 +1,90 @@
+"""The engine with --enable-ds-offload: K/V in a host store (on CPU a second buffer), labels and
+the hot set on the device; greedy tokens equal in-GPU Double Sparsity's, flags are checked."""
+
+import pytest
+import torch
+
+from doublesparse.config import EngineConfig
+from doublesparse.engine.engine import Engine
+from doublesparse.testing import ByteTokenizer, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=1, num_q_heads=9, num_kv_heads=3, max_position_embeddings=1024)
+
+
+def _engine(model, **kw):
+    base = dict(model=model, tokenizer=ByteTokenizer(), progress=False, device="cpu", max_total_tokens=2048,
+                enable_double_sparsity=True, ds_heavy_token_num=20, ds_heavy_channel_num=4,
+                ds_sparse_decode_threshold=0, chunked_prefill_size=37, disable_radix_cache=True,
+                ds_selection_mode="group_max")
+    return Engine(**{**base, **kw})
+
+
+@pytest.mark.parametrize("fetch,prefetch", [("reuse", "none"), ("no-reuse", "none"), ("reuse", "next-layer")])
+def test_offload_generates_what_in_gpu_ds_generates(model, fetch, prefetch):
+    """Three requests (13 < k, 71 and 150 tokens, prefilled in 37-token chunks from the host store)
+    decoding together; a hot set of 21 rows (k = 20) evicts at almost every step."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (13, 71, 150)]
+    sp = {"max_new_tokens": 10, "temperature": 0}
+    want = _engine(model).generate(prompts, sp)
+    e = _engine(model, enable_ds_offload=True, ds_offload_hot_tokens=21, ds_offload_fetch=fetch,
+                ds_offload_prefetch=prefetch)
+    got = e.generate(prompts, sp)
+    assert [w["text"] for w in want] == [x["text"] for x in got]
+    s = e.parts.backend.fetch_stats()
+    assert s["misses"] > 0 and (s["hits"] > 0) == (fetch == "reuse")
+    # finished requests gave their slots and hot rows back
+    assert e.parts.memory.slots.num_used == 0
+    assert all((t == -1).all() for t in e.parts.backend.hot.tags)
+
+
+def test_offload_flags():
+    cfg = EngineConfig(enable_ds_offload=True)
+    assert cfg.use_double_sparsity and cfg.scheduler_config().disable_radix_cache
+    with pytest.raises(ValueError, match="contradicts"):
+        EngineConfig(enable_ds_offload=True, attention_backend="dense")
+    with pytest.raises(ValueError, match="ds_offload_fetch"):
+        EngineConfig(enable_ds_offload=True, ds_offload_fetch="sometimes")
+    with pytest.raises(ValueError, match="needs --ds-offload-fetch reuse"):
+        EngineConfig(enable_ds_offload=True, ds_offload_fetch="no-reuse", ds_offload_prefetch="next-layer")
+    with pytest.raises(ValueError, match="gpu_memory_budget_gb"):
+        EngineConfig(gpu_memory_budget_gb=0)
+
+
+def test_offload_refusals(model):
+    with pytest.raises(ValueError, match="below the largest top-k"):
+        _engine(model, enable_ds_offload=True, ds_offload_hot_tokens=8)
+    with pytest.raises(ValueError, match="per_head"):
+        _engine(model, enable_ds_offload=True, ds_selection_mode="per_head")
+    with pytest.raises(ValueError, match="gpu-memory-budget-gb"):
+        _engine(model, gpu_memory_budget_gb=0.0001)
+    with pytest.raises(ValueError, match="ds-offload-host-memory-gb"):
+        _engine(model, enable_ds_offload=True, ds_offload_host_memory_gb=0.0001)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fetch,prefetch", [("reuse", "none"), ("reuse", "next-layer"), ("no-reuse", "none")])
+def test_offload_on_cuda_equals_in_gpu_ds(fetch, prefetch):
+    """On the GPU, with CUDA graphs and the overlap schedule: K/V in page-locked host memory, the
+    host-gather kernel, the Triton select and attention over the hot set give in-GPU DS's tokens."""
+    m = tiny_llama(seed=2, num_q_heads=8, num_kv_heads=2, head_dim=64, max_position_embeddings=2048,
+                   dtype=torch.bfloat16, device="cuda")
+    kw = dict(model=m, tokenizer=ByteTokenizer(), progress=False, device="cuda", max_total_tokens=4096,
+              enable_double_sparsity=True, ds_heavy_token_num=64, ds_heavy_channel_num=8,
+              ds_sparse_decode_threshold=0, chunked_prefill_size=256, disable_radix_cache=True,
+              ds_selection_mode="group_max", max_running_requests=4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 333, 901)]
+    sp = {"max_new_tokens": 16, "temperature": 0}
+    want = Engine(**kw).generate(prompts, sp)
+    e = Engine(**kw, enable_ds_offload=True, ds_offload_hot_tokens=80, ds_offload_fetch=fetch,
+               ds_offload_prefetch=prefetch)
+    assert e.parts.memory.k[0].device.type == "cpu" and e.parts.memory.k[0].is_pinned()
+    got = e.generate(prompts, sp)
+    assert [w["text"] for w in want] == [x["text"] for x in got]
+    assert e.parts.backend.fetch_stats()["misses"] > 0
