@@ -37,10 +37,14 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "channels"
 
 # shipped configs: (words that must all appear in the model name) -> file under configs/channels/.
 # Names vary by source: "SmolLM2-135M-Instruct" (HF), "Smollm2 135M 8k Lc100K Mix1 Ep2" (the GGUF's
-# general.name), a file path; so we match words, not strings.
+# general.name), a file path; so we match words, not strings. A dot between digits stays inside
+# its word, so "1.5b" never matches the "5b" of "0.5b" (see :func:`name_words`).
 PACKAGED = {
     ("smollm2", "135m"): "smollm2-135m-instruct.json",
+    ("qwen2.5", "coder", "1.5b", "instruct"): "qwen2.5-coder-1.5b-instruct.json",
 }
+# word separators: anything but letters and digits, and a dot unless it sits between two digits
+_WORD_SEP = re.compile(r"(?:[^a-z0-9.]|(?<![0-9])\.|\.(?![0-9]))+")
 
 
 def layer_key(layer: int, channel_type: str, suffix: str = "") -> str:
@@ -71,12 +75,18 @@ def recorded_modes(cfg: dict, num_layers: int) -> tuple[str, ...] | None:
     return modes
 
 
+def name_words(model_name: str) -> set[str]:
+    """The lower-case words of a model name or of a path's last part: "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf"
+    -> {"qwen2.5", "coder", "1.5b", "instruct", "q4", "k", "m", "gguf"}."""
+    name = str(model_name).replace("\\", "/").rstrip("/").split("/")[-1].lower()
+    return {w for w in _WORD_SEP.split(name) if w}
+
+
 def packaged_config_path(model_name: str | None) -> Path | None:
     """The shipped calibrated config for a model name or path (case-insensitive), or None."""
     if not model_name:
         return None
-    name = str(model_name).replace("\\", "/").rstrip("/").split("/")[-1].lower()
-    words = set(re.split(r"[^a-z0-9]+", name))
+    words = name_words(model_name)
     for need, fname in PACKAGED.items():
         if all(w in words for w in need):
             p = CONFIG_DIR / fname
@@ -262,6 +272,6 @@ def load_channels(path: str | Path, model_config, channel_type: str = "qk", heav
 
 
 __all__ = ["CHANNEL_TYPES", "MODES", "META_KEY", "FORMAT_VERSION", "layer_key", "mode_key",
-           "recorded_modes", "packaged_config_path",
+           "recorded_modes", "name_words", "packaged_config_path",
            "rank", "rank_weights", "group_ranking", "save_config", "read_config", "parse_channels",
            "load_channels"]
