@@ -1,0 +1,131 @@
+"""Weight-only packed copies of the linear layers for CPU decode.
+
+A CPU decode step of a small model reads every weight once to multiply it by a few rows, so its
+time is the time to stream the weights from memory: SmolLM2-135M's float32 weights are ~540 MB
+per token. The GGUF these models ship as holds them in 4 bits already, and torch has CPU kernels
+that multiply bf16 activations by int4 (groups of 32 along K, a scale and an offset each) and by
+int8 (one scale per output channel) weights without widening them in memory. So after loading,
+each :class:`~doublesparse.models.layers.Linear` of a CPU model gets a packed copy:
+
+* int4, when every group of 32 weights along K is an exact 16-level grid (``min + scale * q``,
+  q in 0..15): what a GGUF Q4_1 tensor dequantizes to, so the int4 copy holds the same weights
+  (its scale and offset rounded to bf16);
+* int8 per output channel otherwise (e.g. SmolLM2's tied Q8_0 embedding as the LM head): a
+  quantization, not a repack.
+
+The packed copy serves forwards of at most :data:`MAX_ROWS` rows (decode steps, the last rows of
+a prefill); larger ones (prefill) keep the float weights, where the float GEMM is faster. The
+activations are rounded to bf16 for the packed kernels and the outputs come back in the input's
+dtype; the residual stream stays in float32. docs/performance.md gives the speed and accuracy on
+the embedded model. :func:`reference_weight` is the plain PyTorch reference of a packed copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+GROUP = 32           # int4 group size along K (GGUF's legacy block size)
+MAX_ROWS = 16        # forwards of more rows use the float weights (measured crossover ~16-32 rows)
+GRID_TOL = 1e-3      # int4 repack: largest error allowed, in units of the group's step
+
+
+@dataclass
+class PackedWeight:
+    """A packed copy of a weight ``[N, K]``.
+
+    kind "int4": ``data`` is torch's CPU int4 layout (uint8 ``[N, K / 2]``), ``scales`` bf16
+    ``[K / GROUP, N, 2]`` (scale, offset at code 8: ``w = (q - 8) * scale + offset``).
+    kind "int8": ``data`` int8 ``[N, K]``, ``scales`` bf16 ``[N]`` (``w = q * scale``).
+    """
+
+    kind: str
+    data: torch.Tensor
+    scales: torch.Tensor
+    shape: tuple[int, int]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, K] float -> ``x @ W.T`` [T, N] in x's dtype (computed in bf16, fp32 accumulation)."""
+        xb = x.to(torch.bfloat16)
+        if self.kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.data, GROUP, self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(xb, self.data, self.scales)
+        return y.to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def _grid_codes(w: torch.Tensor):
+    """w: [N, K] float32 -> (codes int32 [N, K], scale [N, K/G], minimum [N, K/G]) when every group
+    of GROUP along K is an exact 16-level grid, else None."""
+    N, K = w.shape
+    q = torch.empty(N, K, dtype=torch.int32)
+    step = torch.empty(N, K // GROUP)
+    lo = torch.empty(N, K // GROUP)
+    rows = max(1, (1 << 16) // K)   # row blocks that stay in cache through the passes below
+    for r in range(0, N, rows):
+        g = w[r:r + rows].view(-1, K // GROUP, GROUP)
+        mn, mx = torch.aminmax(g, dim=-1)
+        st = (mx - mn).div_(15)
+        inv = torch.where(st > 0, st.reciprocal(), torch.zeros_like(st))  # equal weights: q = 0
+        c = (g - mn[..., None]).mul_(inv[..., None]).round_().clamp_(0, 15)
+        err = torch.addcmul(mn[..., None], c, st[..., None]).sub_(g).abs_().amax(-1)
+        if bool((err > GRID_TOL * st).any()):
+            return None
+        q[r:r + rows] = c.view(-1, K)
+        step[r:r + rows], lo[r:r + rows] = st, mn
+    return q, step, lo
+
+
+def quantize(weight: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] -> ``(kind, codes, scales)``: "int4", int32 codes [N, K] in 0..15 and
+    bf16 ``[K / GROUP, N, 2]`` (scale, offset at code 8) when it is a 4-bit grid, else "int8",
+    int8 codes [N, K] and bf16 per-row scales [N]."""
+    w = weight.detach().float()
+    N, K = w.shape
+    grid = _grid_codes(w) if K % GROUP == 0 else None
+    if grid is not None:
+        q, step, lo = grid
+        scales = torch.stack([step, lo + 8 * step], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        return "int4", q, scales
+    scale = (w.abs().amax(1) / 127).clamp_min(1e-30).to(torch.bfloat16)
+    q = (w / scale.float()[:, None]).round_().clamp_(-128, 127).to(torch.int8)
+    return "int8", q.contiguous(), scale
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    """The packed copy of a float weight [N, K] (int4 when it is a 4-bit grid, else int8)."""
+    kind, q, scales = quantize(weight)
+    data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1) if kind == "int4" else q
+    return PackedWeight(kind, data, scales, tuple(weight.shape))
+
+
+def reference_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] that the packed copy of ``weight`` multiplies by (plain PyTorch,
+    the reference of :meth:`PackedWeight.matmul`)."""
+    kind, q, scales = quantize(weight)
+    if kind == "int8":
+        return q.float() * scales.float()[:, None]
+    N, K = q.shape
+    s = scales.float().transpose(0, 1)                                   # [N, K / GROUP, 2]
+    return ((q.view(N, K // GROUP, GROUP).float() - 8) * s[..., :1] + s[..., 1:]).view(N, K)
+
+
+def pack_linears(model: nn.Module) -> dict[str, int]:
+    """Give every CPU :class:`~doublesparse.models.layers.Linear` of ``model`` its packed copy
+    (``module.packed``); the float weights stay (prefill, calibration, the weight cache).
+    Returns ``{"int4": n, "int8": n, "bytes": packed bytes}``."""
+    from .layers import Linear
+
+    out = {"int4": 0, "int8": 0, "bytes": 0}
+    for m in model.modules():
+        if isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.dim() == 2:
+            m.packed = pack_weight(m.weight)
+            out[m.packed.kind] += 1
+            out["bytes"] += m.packed.nbytes
+    return out
