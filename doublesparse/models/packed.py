@@ -11,7 +11,8 @@ each :class:`~doublesparse.models.layers.Linear` of a CPU model gets a packed co
   q in 0..15): what a GGUF Q4_1 tensor dequantizes to, so the int4 copy holds the same weights
   (its scale and offset rounded to bf16);
 * int8 per output channel otherwise (e.g. SmolLM2's tied Q8_0 embedding as the LM head): a
-  quantization, not a repack.
+  quantization, not a repack;
+* none when K is not a multiple of 16 (those layers keep the float weights).
 
 The packed copy serves forwards of at most :data:`MAX_ROWS` rows (decode steps, the last rows of
 a prefill); larger ones (prefill) keep the float weights, where the float GEMM is faster. The
@@ -36,8 +37,9 @@ GRID_TOL = 1e-3      # int4 repack: largest error allowed, in units of the group
 class PackedWeight:
     """A packed copy of a weight ``[N, K]``.
 
-    kind "int4": ``data`` is torch's CPU int4 layout (uint8 ``[N, K / 2]``), ``scales`` bf16
-    ``[K / GROUP, N, 2]`` (scale, offset at code 8: ``w = (q - 8) * scale + offset``).
+    kind "int4": ``data`` is torch's CPU int4 layout (uint8 ``[N16, K / 2]``, N16 = N rounded up
+    to a multiple of 16, the extra rows zero), ``scales`` bf16 ``[K / GROUP, N16, 2]`` (scale,
+    offset at code 8: ``w = (q - 8) * scale + offset``).
     kind "int8": ``data`` int8 ``[N, K]``, ``scales`` bf16 ``[N]`` (``w = q * scale``).
     """
 
@@ -51,6 +53,8 @@ class PackedWeight:
         xb = x.to(torch.bfloat16)
         if self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.data, GROUP, self.scales)
+            if y.shape[1] != self.shape[0]:
+                y = y[:, :self.shape[0]]
         else:
             y = torch.ops.aten._weight_int8pack_mm(xb, self.data, self.scales)
         return y.to(x.dtype)
@@ -98,11 +102,20 @@ def quantize(weight: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
     return "int8", q.contiguous(), scale
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight:
-    """The packed copy of a float weight [N, K] (int4 when it is a 4-bit grid, else int8)."""
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """The packed copy of a float weight [N, K] (int4 when it is a 4-bit grid, else int8), or None
+    when K is not a multiple of 16 (torch's int8 kernel reads K in sixteens: other K crash it)."""
+    if weight.shape[1] % 16:
+        return None
     kind, q, scales = quantize(weight)
-    data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1) if kind == "int4" else q
-    return PackedWeight(kind, data, scales, tuple(weight.shape))
+    if kind == "int8":
+        return PackedWeight(kind, q, scales, tuple(weight.shape))
+    N, K = q.shape
+    pad = -N % 16   # torch's int4 layout packs rows in sixteens: zero rows fill the last one
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, K)])
+        scales = torch.cat([scales, scales.new_zeros(K // GROUP, pad, 2)], 1)
+    return PackedWeight(kind, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales, (N, K))
 
 
 def reference_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -126,6 +139,7 @@ def pack_linears(model: nn.Module) -> dict[str, int]:
     for m in model.modules():
         if isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.dim() == 2:
             m.packed = pack_weight(m.weight)
-            out[m.packed.kind] += 1
-            out["bytes"] += m.packed.nbytes
+            if m.packed is not None:
+                out[m.packed.kind] += 1
+                out["bytes"] += m.packed.nbytes
     return out

@@ -167,7 +167,8 @@ def load_packed(model, gguf: Path) -> bool:
 
         with safe_open(str(path), framework="pt") as f:
             kinds = json.loads((f.metadata() or {}).get("kinds", "null"))
-        linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+        linears = {n: m for n, m in model.named_modules()
+                   if isinstance(m, Linear) and m.weight.shape[1] % 16 == 0}
         if not isinstance(kinds, dict) or set(kinds) != set(linears):
             return False
         tensors = load_file(str(path))
@@ -175,7 +176,8 @@ def load_packed(model, gguf: Path) -> bool:
         for n, m in linears.items():
             data, scales = tensors[f"{n}.data"], tensors[f"{n}.scales"]
             N, K = m.weight.shape
-            want = ((N, K // 2), torch.uint8, (K // 32, N, 2)) if kinds[n] == "int4" else ((N, K), torch.int8, (N,))
+            N16 = N + (-N % 16)
+            want = ((N16, K // 2), torch.uint8, (K // 32, N16, 2)) if kinds[n] == "int4" else ((N, K), torch.int8, (N,))
             if (tuple(data.shape), data.dtype, tuple(scales.shape)) != want or scales.dtype != torch.bfloat16:
                 return False
             copies[n] = PackedWeight(kinds[n], data, scales, (N, K))
