@@ -220,7 +220,7 @@ SUITES: dict[str, dict] = {
         "area": "cpu-embedded",
         "machine": "cpu",
         "stem": "cpu-embedded",
-        "rows": [{"name": "embedded", "cmd": "python benchmarks/cpu_embedded.py --output {out}.json --runs 3 --new-tokens 32",
+        "rows": [{"name": "embedded", "cmd": "python benchmarks/cpu_embedded.py --output {out}.json --runs 3 --new-tokens 32 --float-weights-too",
                   "result": "{out}.json", "timeout": 3600}],
     },
     # The sampling step's extras (logprobs, penalties, min_p, grammar masks) against plain
