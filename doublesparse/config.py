@@ -84,7 +84,7 @@ class EngineConfig:
     ``max_total_tokens`` from ``mem_fraction_static``
     (CUDA) or :data:`CPU_DEFAULT_TOTAL_TOKENS` (CPU), ``max_running_requests`` = 64.
     ``disable_cpu_packed_weights``: a model the engine loads onto the CPU decodes with its float
-    weights instead of weight-only int4/int8 copies (models/packed.py).
+    weights instead of weight-only int4/bf16 copies (models/packed.py).
     ``kernel_tuning``: the kernels' launch parameters and choices (docs/tuning.md), handed to every
     launch of this engine only.
     """
@@ -333,7 +333,7 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
                         "reuse the K/V and labels of cached prefixes)")
     g.add_argument("--disable-cpu-packed-weights", action="store_true", default=None,
                    help="CPU decode multiplies by the float weights (bit-exact, slower; default: by "
-                        "weight-only int4/int8 copies with bf16 activations, see docs/performance.md)")
+                        "weight-only int4/bf16 copies with bf16 activations, see docs/cpu-decode.md)")
     g.add_argument("--seed", type=int, help="sampling seed of the engine")
     g.add_argument("--kernel-tuning", dest="kernel_tuning", metavar="FILE.json", type=_kernel_tuning_file,
                    help="JSON object of kernel launch parameters overriding the defaults "

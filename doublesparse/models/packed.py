@@ -2,22 +2,21 @@
 
 A CPU decode step of a small model reads every weight once to multiply it by a few rows, so its
 time is the time to stream the weights from memory: SmolLM2-135M's float32 weights are ~540 MB
-per token. The GGUF these models ship as holds them in 4 bits already, and torch has CPU kernels
-that multiply bf16 activations by int4 (groups of 32 along K, a scale and an offset each) and by
-int8 (one scale per output channel) weights without widening them in memory. So after loading,
+per token. The GGUF these models ship as holds them in 4 bits already, and torch has a CPU kernel
+that multiplies bf16 activations by int4 weights (groups of 32 along K, a scale and an offset
+each) without widening them in memory. So after loading,
 each :class:`~doublesparse.models.layers.Linear` of a CPU model gets a packed copy:
 
 * int4, when every group of 32 weights along K is an exact 16-level grid (``min + scale * q``,
   q in 0..15): what a GGUF Q4_1 tensor dequantizes to, so the int4 copy holds the same weights
   (its scale and offset rounded to bf16);
-* int8 per output channel otherwise (e.g. SmolLM2's tied Q8_0 embedding as the LM head): a
-  quantization, not a repack;
-* none when K is not a multiple of 16 (those layers keep the float weights).
+* bf16 otherwise (e.g. SmolLM2's tied Q8_0 embedding as the LM head), through oneDNN's
+  prepacked bf16 GEMM where torch has it (AMX / AVX512-BF16 CPUs), else ``F.linear`` in bf16.
 
 The packed copy serves forwards of at most :data:`MAX_ROWS` rows (decode steps, the last rows of
 a prefill); larger ones (prefill) keep the float weights, where the float GEMM is faster. The
 activations are rounded to bf16 for the packed kernels and the outputs come back in the input's
-dtype; the residual stream stays in float32. docs/performance.md gives the speed and accuracy on
+dtype; the residual stream stays in float32. docs/cpu-decode.md gives the speed and accuracy on
 the embedded model. :func:`reference_weight` is the plain PyTorch reference of a packed copy.
 """
 
@@ -26,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 GROUP = 32           # int4 group size along K (GGUF's legacy block size)
@@ -40,13 +40,19 @@ class PackedWeight:
     kind "int4": ``data`` is torch's CPU int4 layout (uint8 ``[N16, K / 2]``, N16 = N rounded up
     to a multiple of 16, the extra rows zero), ``scales`` bf16 ``[K / GROUP, N16, 2]`` (scale,
     offset at code 8: ``w = (q - 8) * scale + offset``).
-    kind "int8": ``data`` int8 ``[N, K]``, ``scales`` bf16 ``[N]`` (``w = q * scale``).
+    kind "bf16": ``data`` the bf16 weight ``[N, K]``, ``scales`` empty; ``prepacked`` its oneDNN
+    layout (built here, not stored: it is an opaque tensor), or None where torch lacks oneDNN.
     """
 
     kind: str
     data: torch.Tensor
     scales: torch.Tensor
     shape: tuple[int, int]
+    prepacked: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.kind == "bf16" and self.prepacked is None and torch.backends.mkldnn.is_available():
+            self.prepacked = torch.ops.mkldnn._reorder_linear_weight(self.data, 1)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, K] float -> ``x @ W.T`` [T, N] in x's dtype (computed in bf16, fp32 accumulation)."""
@@ -55,8 +61,10 @@ class PackedWeight:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.data, GROUP, self.scales)
             if y.shape[1] != self.shape[0]:
                 y = y[:, :self.shape[0]]
+        elif self.prepacked is not None:
+            y = torch.ops.mkldnn._linear_pointwise(xb, self.prepacked, None, "none", [], "")
         else:
-            y = torch.ops.aten._weight_int8pack_mm(xb, self.data, self.scales)
+            y = F.linear(xb, self.data)
         return y.to(x.dtype)
 
     @property
@@ -88,27 +96,22 @@ def _grid_codes(w: torch.Tensor):
 
 def quantize(weight: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
     """A float weight [N, K] -> ``(kind, codes, scales)``: "int4", int32 codes [N, K] in 0..15 and
-    bf16 ``[K / GROUP, N, 2]`` (scale, offset at code 8) when it is a 4-bit grid, else "int8",
-    int8 codes [N, K] and bf16 per-row scales [N]."""
+    bf16 ``[K / GROUP, N, 2]`` (scale, offset at code 8) when it is a 4-bit grid, else "bf16",
+    the bf16 weight [N, K] and an empty scales tensor."""
     w = weight.detach().float()
     N, K = w.shape
     grid = _grid_codes(w) if K % GROUP == 0 else None
-    if grid is not None:
-        q, step, lo = grid
-        scales = torch.stack([step, lo + 8 * step], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        return "int4", q, scales
-    scale = (w.abs().amax(1) / 127).clamp_min(1e-30).to(torch.bfloat16)
-    q = (w / scale.float()[:, None]).round_().clamp_(-128, 127).to(torch.int8)
-    return "int8", q.contiguous(), scale
+    if grid is None:
+        return "bf16", w.to(torch.bfloat16).contiguous(), torch.empty(0, dtype=torch.bfloat16)
+    q, step, lo = grid
+    scales = torch.stack([step, lo + 8 * step], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return "int4", q, scales
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """The packed copy of a float weight [N, K] (int4 when it is a 4-bit grid, else int8), or None
-    when K is not a multiple of 16 (torch's int8 kernel reads K in sixteens: other K crash it)."""
-    if weight.shape[1] % 16:
-        return None
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    """The packed copy of a float weight [N, K] (int4 when it is a 4-bit grid, else bf16)."""
     kind, q, scales = quantize(weight)
-    if kind == "int8":
+    if kind == "bf16":
         return PackedWeight(kind, q, scales, tuple(weight.shape))
     N, K = q.shape
     pad = -N % 16   # torch's int4 layout packs rows in sixteens: zero rows fill the last one
@@ -122,8 +125,8 @@ def reference_weight(weight: torch.Tensor) -> torch.Tensor:
     """The float32 weight [N, K] that the packed copy of ``weight`` multiplies by (plain PyTorch,
     the reference of :meth:`PackedWeight.matmul`)."""
     kind, q, scales = quantize(weight)
-    if kind == "int8":
-        return q.float() * scales.float()[:, None]
+    if kind == "bf16":
+        return q.float()
     N, K = q.shape
     s = scales.float().transpose(0, 1)                                   # [N, K / GROUP, 2]
     return ((q.view(N, K // GROUP, GROUP).float() - 8) * s[..., :1] + s[..., 1:]).view(N, K)
@@ -132,14 +135,13 @@ def reference_weight(weight: torch.Tensor) -> torch.Tensor:
 def pack_linears(model: nn.Module) -> dict[str, int]:
     """Give every CPU :class:`~doublesparse.models.layers.Linear` of ``model`` its packed copy
     (``module.packed``); the float weights stay (prefill, calibration, the weight cache).
-    Returns ``{"int4": n, "int8": n, "bytes": packed bytes}``."""
+    Returns ``{"int4": n, "bf16": n, "bytes": packed bytes}``."""
     from .layers import Linear
 
-    out = {"int4": 0, "int8": 0, "bytes": 0}
+    out = {"int4": 0, "bf16": 0, "bytes": 0}
     for m in model.modules():
         if isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.dim() == 2:
             m.packed = pack_weight(m.weight)
-            if m.packed is not None:
-                out[m.packed.kind] += 1
-                out["bytes"] += m.packed.nbytes
+            out[m.packed.kind] += 1
+            out["bytes"] += m.packed.nbytes
     return out

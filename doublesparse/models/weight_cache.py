@@ -142,7 +142,7 @@ def save(model, gguf: Path) -> Path | None:
 # own under ``weights/packed/``, keyed like the entry above plus the torch version (the int4 layout
 # is torch's): a second load maps them instead of re-quantizing every weight.
 
-PACKED_FORMAT = 1
+PACKED_FORMAT = 2
 
 
 def packed_entry_path(gguf: Path, dtype: torch.dtype) -> Path:
@@ -167,8 +167,7 @@ def load_packed(model, gguf: Path) -> bool:
 
         with safe_open(str(path), framework="pt") as f:
             kinds = json.loads((f.metadata() or {}).get("kinds", "null"))
-        linears = {n: m for n, m in model.named_modules()
-                   if isinstance(m, Linear) and m.weight.shape[1] % 16 == 0}
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
         if not isinstance(kinds, dict) or set(kinds) != set(linears):
             return False
         tensors = load_file(str(path))
@@ -177,7 +176,7 @@ def load_packed(model, gguf: Path) -> bool:
             data, scales = tensors[f"{n}.data"], tensors[f"{n}.scales"]
             N, K = m.weight.shape
             N16 = N + (-N % 16)
-            want = ((N16, K // 2), torch.uint8, (K // 32, N16, 2)) if kinds[n] == "int4" else ((N, K), torch.int8, (N,))
+            want = ((N16, K // 2), torch.uint8, (K // 32, N16, 2)) if kinds[n] == "int4" else ((N, K), torch.bfloat16, (0,))
             if (tuple(data.shape), data.dtype, tuple(scales.shape)) != want or scales.dtype != torch.bfloat16:
                 return False
             copies[n] = PackedWeight(kinds[n], data, scales, (N, K))
