@@ -73,9 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
                    help="model dtype (default: loader's: fp32 CPU, bf16 CUDA)")
-    p.add_argument("--cpu-packed-weights", action="store_true",
-                   help="decode through the weight-only packed copies the engine uses on CPU "
-                        "(default here: the float weights)")
     p.add_argument("--window-len", type=positive_int, default=None,
                    help="tokens per text window (default: the preset's; full: the model's context)")
     p.add_argument("--decode-len", type=positive_int, default=None,
@@ -114,7 +111,7 @@ def _load(args):
         dtype = getattr(torch, args.dtype) if args.dtype else torch.float32
         return tiny_llama(max_position_embeddings=8192, device=args.device, dtype=dtype), ByteTokenizer()
     from doublesparse.models import load_model, load_tokenizer
-    kw = {"device": args.device, "progress": not args.quiet, "packed": getattr(args, "cpu_packed_weights", False)}
+    kw = {"device": args.device, "progress": not args.quiet}
     if args.dtype:
         kw["dtype"] = getattr(torch, args.dtype)
     return load_model(args.model_path, **kw), load_tokenizer(args.model_path)

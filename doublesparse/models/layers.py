@@ -17,7 +17,6 @@ from torch import nn
 
 from ..kernels import ops
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
-from .packed import MAX_ROWS
 
 
 def fused_impl(flag, x: torch.Tensor) -> str | None:
@@ -71,7 +70,7 @@ class Linear(nn.Module):
     """``y = x @ W.T (+ b)`` with ``W: [out, in]`` (the HF layout), uninitialised.
 
     ``packed``: None, or a weight-only packed copy of W (models/packed.py, CPU models only) that
-    forwards of at most ``packed.MAX_ROWS`` rows (decode) multiply by instead of W.
+    forwards of at most ``packed.max_rows`` rows (decode) multiply by instead of W.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
@@ -82,7 +81,7 @@ class Linear(nn.Module):
         self.packed = None
 
     def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.device.type == "cpu":
+        if self.packed is not None and x.dim() == 2 and x.shape[0] <= self.packed.max_rows and x.device.type == "cpu":
             y = self.packed.matmul(x)
             return y if self.bias is None else y + self.bias
         return ops.linear(x, self.weight, self.bias, tuning)

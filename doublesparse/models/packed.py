@@ -42,6 +42,8 @@ class PackedWeight:
     offset at code 8: ``w = (q - 8) * scale + offset``).
     kind "bf16": ``data`` the bf16 weight ``[N, K]``, ``scales`` empty; ``prepacked`` its oneDNN
     layout (built here, not stored: it is an opaque tensor), or None where torch lacks oneDNN.
+    ``max_rows``: the largest forward it serves (a teacher-forced measurement of decode, which
+    runs many decode rows in one forward, raises it: each row's result is the same).
     """
 
     kind: str
@@ -49,6 +51,7 @@ class PackedWeight:
     scales: torch.Tensor
     shape: tuple[int, int]
     prepacked: torch.Tensor | None = None
+    max_rows: int = MAX_ROWS   # forwards of more rows use the float weights
 
     def __post_init__(self):
         if self.kind == "bf16" and self.prepacked is None and torch.backends.mkldnn.is_available():
