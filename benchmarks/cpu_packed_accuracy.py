@@ -2,7 +2,7 @@
 weights, on the eval text, for dense decode and the engine's default Double Sparsity setting.
 
     python benchmarks/cpu_packed_accuracy.py --output FILE.json [--window-len 2048]
-        [--decode-len 256] [--num-windows 4]
+        [--decode-len 256] [--num-windows 8]
 
 The windows are prefilled with the float weights (as the engine prefills), then their last
 ``--decode-len`` tokens are decoded teacher-forced through ``doublesparse.eval``'s decode path
@@ -22,13 +22,29 @@ import sys
 import torch
 
 
+def table(doc: dict) -> list[str]:
+    """Markdown lines of the per-setting figures."""
+    out = [f"Packed vs float32 decode weights: {doc['num_windows']} windows of {doc['window_len']} tokens of the "
+           f"eval text, the last {doc['decode_len']} decoded teacher-forced.", "",
+           "| setting | tokens | ppl float32 | ppl packed | diff | KL(float32 || packed) | top-1 agree | max abs logit diff |",
+           "|---|---|---|---|---|---|---|---|"]
+    for name, r in doc["settings"].items():
+        out.append(f"| {name} | {r['tokens']} | {r['ppl_float']:.3f} | {r['ppl_packed']:.3f} | "
+                   f"{100 * r['ppl_rel_diff']:+.2f} % | {r['kl_float_packed']:.2e} | {r['top1_agree']:.4f} | "
+                   f"{r['max_abs_logit_diff']:.3f} |")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True)
     p.add_argument("--window-len", type=int, default=2048)
     p.add_argument("--decode-len", type=int, default=256)
-    p.add_argument("--num-windows", type=int, default=4)
+    p.add_argument("--num-windows", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (one: two threads of a shared 2-core machine wait on each other)")
     a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
 
     from doublesparse.eval import driver, measure
     from doublesparse.eval.cli import build_parser, channel_source, eval_windows, recorded_layer_modes
@@ -81,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "kl_float_packed": acc["kl"] / n, "top1_agree": acc["top1"] / n,
                                        "max_abs_logit_diff": acc["max_dlogit"]}
     use(True)
+    out["table_md"] = "\n".join(table(out))
     with open(a.output, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out, indent=1))
