@@ -14,6 +14,11 @@ one per decoding request); ``hf_decode_tok_s`` is the best of them. Load time: a
 ``python -m doublesparse.generate``-style process builds the engine ``--runs`` times after one
 warm-up build (so the converted-weights cache exists), timed inside the process.
 
+``--float-weights-too``: a second engine built with ``disable_cpu_packed_weights`` (decode
+through the float32 weights, bit-exact) joins every round, so the packed copies' speed-up and
+their greedy tokens against float32 are measured side by side (``float_decode_tok_s``,
+``greedy_tokens_equal_float``, ``greedy_prefix_equal_float``).
+
 Writes ``{"summary": {...}, "runs": [...], "load_runs": [...], "texts": {...}}``; the summary
 holds medians: ``decode_tok_s``, ``hf_decode_tok_s`` (and per thread count), ``prefill_tok_s``,
 ``hf_prefill_tok_s``, ``load_s``, ``decode_over_hf``.
@@ -117,6 +122,9 @@ def table(doc: dict) -> list[str]:
     head = (f"Prompt {s['prompt_tokens']} tokens, {s['new_tokens']} new tokens (greedy), {s['runs']} rounds; "
             f"decode {f(s['decode_tok_s'])} tok/s vs transformers {f(s.get('hf_decode_tok_s'))} tok/s "
             f"(best thread count); load {f(s['load_s'])} s.")
+    if s.get("float_decode_tok_s") is not None:
+        head += (f" With the float32 weights (--disable-cpu-packed-weights): decode {f(s['float_decode_tok_s'])} tok/s; "
+                 f"greedy tokens equal to them for the first {s['greedy_prefix_equal_float']} of {s['new_tokens']}.")
     out = [head, "",
            "| round | impl | threads | prefill tok/s | decode tok/s | decode CPU ms/token |", "|---|---|---|---|---|---|"]
     for r in doc["runs"]:
@@ -133,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--float-weights-too", action="store_true",
+                   help="also run the engine with --disable-cpu-packed-weights in every round")
     p.add_argument("--hf-threads", default="1,all",
                    help="comma-separated thread counts for transformers; 'none': measure ours only")
     a = p.parse_args(argv)
@@ -147,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
     loads = load_times(a.runs)
     engine = Engine(EngineConfig(enable_double_sparsity=True), progress=False)
+    exact = (Engine(EngineConfig(enable_double_sparsity=True, disable_cpu_packed_weights=True), progress=False)
+             if a.float_weights_too else None)
     ids = build_prompt(engine.tokenizer, build_parser().parse_args([]), engine.max_context_len)
     threads = [] if a.hf_threads == "none" else [None if t == "all" else int(t) for t in a.hf_threads.split(",")]
     if threads:
@@ -155,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for i in range(a.runs):
         runs.append({"round": i, "impl": "doublesparse", **ours(engine, ids, a.new_tokens)})
+        if exact is not None:
+            runs.append({"round": i, "impl": "doublesparse-float", **ours(exact, ids, a.new_tokens)})
         for t in threads:
             runs.append({"round": i, "impl": "transformers", "threads": t or torch.get_num_threads(),
                          **hf(model, ids, a.new_tokens, t)})
@@ -179,6 +193,14 @@ def main(argv: list[str] | None = None) -> int:
                "decode_cpu_ms_per_tok": med(mine, "decode_cpu_ms_per_tok"), "hf_decode_cpu_ms_per_tok_by_threads": cpu_ms}
     summary["decode_over_hf"] = summary["decode_tok_s"] / best_hf if best_hf else None
     texts = {"doublesparse": engine.tokenizer.decode(mine[0]["token_ids"])}
+    flt = [r for r in runs if r["impl"] == "doublesparse-float"]
+    if flt:
+        summary["float_decode_tok_s"] = med(flt, "decode_tok_s")
+        summary["float_decode_cpu_ms_per_tok"] = med(flt, "decode_cpu_ms_per_tok")
+        a_, b_ = mine[0]["token_ids"], flt[0]["token_ids"]
+        summary["greedy_tokens_equal_float"] = a_ == b_
+        summary["greedy_prefix_equal_float"] = next((j for j, (x, y) in enumerate(zip(a_, b_)) if x != y), len(a_))
+        texts["doublesparse-float"] = engine.tokenizer.decode(b_)
     if theirs:
         summary["greedy_tokens_equal_hf"] = all(r["token_ids"] == theirs[0]["token_ids"] for r in mine)
         texts["transformers"] = engine.tokenizer.decode(theirs[0]["token_ids"])

@@ -263,7 +263,10 @@ SUITES: dict[str, dict] = {
         "area": "cpu-embedded",
         "machine": "cpu",
         "stem": "cpu-embedded",
-        "rows": [{"name": "embedded", "cmd": "python benchmarks/cpu_embedded.py --output {out}.json --runs 3 --new-tokens 32",
+        "rows": [{"name": "embedded", "cmd": "python benchmarks/cpu_embedded.py --output {out}.json --runs 3 --new-tokens 32 --float-weights-too",
+                  "result": "{out}.json", "timeout": 3600},
+                 # CPU decode's packed weight copies against float32 (benchmarks/cpu_packed_accuracy.py)
+                 {"name": "packed-accuracy", "cmd": "python benchmarks/cpu_packed_accuracy.py --output {out}.json",
                   "result": "{out}.json", "timeout": 3600}],
     },
     # The sampling step's extras (logprobs, penalties, min_p, grammar masks) against plain
@@ -500,7 +503,8 @@ def summarize(area: str, rows: dict) -> dict:
             return {"hf_offload_longest_length": hf.get("longest_length"),
                     "hf_offload_step_ms": hf.get("median_step_ms"), **offload.summary(rows)}
         if area == "cpu-embedded":
-            return rows["embedded"]["summary"]
+            acc = rows.get("packed-accuracy", {}).get("settings")
+            return {**rows["embedded"]["summary"], **({"packed_accuracy": acc} if acc else {})}
         if area == "soak":
             r = rows["soak"]
             return {k: r.get(k) for k in ("lost_valid", "http_5xx", "duplicates_identical", "rss_growth_pct",

@@ -85,6 +85,8 @@ class EngineConfig:
     dense/sparse choice (attention/budget.py); an int: SGLang's meaning (sparse from that length).
     ``max_total_tokens`` from ``mem_fraction_static``
     (CUDA) or :data:`CPU_DEFAULT_TOTAL_TOKENS` (CPU), ``max_running_requests`` = 64.
+    ``disable_cpu_packed_weights``: a model the engine loads onto the CPU decodes with its float
+    weights instead of weight-only int4/bf16 copies (models/packed.py).
     ``kernel_tuning``: the kernels' launch parameters and choices (docs/tuning.md), handed to every
     launch of this engine only. ``tp_size``: tensor-parallel ranks (one process and device each;
     docs/parallelism.md); 1 runs in this process alone.
@@ -125,6 +127,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 32
     disable_overlap_schedule: bool = False
     disable_radix_cache: bool = False
+    disable_cpu_packed_weights: bool = False
     seed: int = 0
     tp_size: int = 1
     kernel_tuning: KernelTuning = field(default_factory=KernelTuning)
@@ -364,6 +367,9 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
     g.add_argument("--disable-radix-cache", action="store_true", default=None,
                    help="no prefix cache: every prompt prefills from scratch (default: requests "
                         "reuse the K/V and labels of cached prefixes)")
+    g.add_argument("--disable-cpu-packed-weights", action="store_true", default=None,
+                   help="CPU decode multiplies by the float weights (bit-exact, slower; default: by "
+                        "weight-only int4/bf16 copies with bf16 activations, see docs/cpu-decode.md)")
     g.add_argument("--seed", type=int, help="sampling seed of the engine")
     g.add_argument("--tp-size", type=int,
                    help="tensor parallelism: split the model over this many devices, one process each "

@@ -59,7 +59,8 @@ def load(cfg: EngineConfig, device: torch.device, progress: bool, tp=None):
             return model, None
     else:
         model = load_model(cfg.model_path, load_format=cfg.load_format, dtype=dtype, device=str(device),
-                           progress=progress, seed=cfg.seed)
+                           progress=progress, seed=cfg.seed,
+                           packed=device.type == "cpu" and not cfg.disable_cpu_packed_weights)
     if cfg.load_format == "dummy":
         try:  # a shipped config name has no tokenizer; a real folder may
             tok = load_tokenizer(cfg.model_path)

@@ -67,15 +67,23 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T (+ b)`` with ``W: [out, in]`` (the HF layout), uninitialised."""
+    """``y = x @ W.T (+ b)`` with ``W: [out, in]`` (the HF layout), uninitialised.
+
+    ``packed``: None, or a weight-only packed copy of W (models/packed.py, CPU models only) that
+    forwards of at most ``packed.max_rows`` rows (decode) multiply by instead of W.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.packed = None
 
     def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
+        if self.packed is not None and x.dim() == 2 and x.shape[0] <= self.packed.max_rows and x.device.type == "cpu":
+            y = self.packed.matmul(x)
+            return y if self.bias is None else y + self.bias
         return ops.linear(x, self.weight, self.bias, tuning)
 
     def extra_repr(self) -> str:

@@ -149,7 +149,7 @@ def _load_cached_gguf(path: Path, dtype, device, max_positions):
 
 def load_model(model_path: str | Path | None, load_format: str = "auto", dtype=None, device="cpu",
                progress: bool = True, seed: int = 0, max_positions: int | None = None,
-               weight_cache: bool = True):
+               weight_cache: bool = True, packed: bool = False):
     """Build a model with weights on ``device`` in ``dtype`` (default bf16 on CUDA, float32 on CPU;
     ``"auto"`` = the checkpoint's ``torch_dtype``).
 
@@ -158,7 +158,8 @@ def load_model(model_path: str | Path | None, load_format: str = "auto", dtype=N
     ``max_position_embeddings``). Returns the architecture's model class from the registry, in eval
     mode. Raises ``FileNotFoundError`` / ``ValueError`` naming the offending path or tensor.
     ``weight_cache``: keep a GGUF's converted weights in the cache and load them from there the
-    next time (:mod:`.weight_cache`).
+    next time (:mod:`.weight_cache`). ``packed`` (CPU): give the linear layers weight-only packed
+    copies for decode (:mod:`.packed`), a GGUF's kept in the cache too.
     """
 
     fmt, path = resolve_model_path(model_path, load_format)
@@ -166,7 +167,7 @@ def load_model(model_path: str | Path | None, load_format: str = "auto", dtype=N
     if fmt == "gguf" and weight_cache and dtype != "auto":
         model = _load_cached_gguf(path, dtype, device, max_positions)
         if model is not None:
-            return model
+            return _with_packed(model, path, packed)
     if fmt == "gguf":
         reader = open_gguf(path)
         config = gguf_config(reader)
@@ -184,7 +185,24 @@ def load_model(model_path: str | Path | None, load_format: str = "auto", dtype=N
     else:
         init_dummy_weights(model, seed=seed)
     model.source_path = path
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    return _with_packed(model, path if fmt == "gguf" and weight_cache else None, packed)
+
+
+def _with_packed(model, gguf: Path | None, packed: bool):
+    """``model``, its CPU Linear layers given packed copies when ``packed``: from the cache entry
+    of ``gguf`` when there is one, else packed now (and cached for ``gguf``)."""
+    if not packed or next(model.parameters()).device.type != "cpu":
+        return model
+    from . import weight_cache as wc
+    from .packed import pack_linears
+
+    if gguf is not None and wc.load_packed(model, gguf):
+        return model
+    pack_linears(model)
+    if gguf is not None:
+        wc.save_packed(model, gguf)
+    return model
 
 
 def load_tokenizer(model_path: str | Path | None):

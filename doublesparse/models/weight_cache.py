@@ -135,3 +135,90 @@ def save(model, gguf: Path) -> Path | None:
     except Exception as e:  # noqa: BLE001 - the load itself has succeeded
         log.warning("could not write the weight cache for %s (%s)", gguf, e)
         return None
+
+
+# ---------------------------------------------------------------------------------- packed copies
+# The packed copies of the linear layers (models/packed.py) of a CPU model live in a file of their
+# own under ``weights/packed/``, keyed like the entry above plus the torch version (the int4 layout
+# is torch's): a second load maps them instead of re-quantizing every weight.
+
+PACKED_FORMAT = 2
+
+
+def packed_entry_path(gguf: Path, dtype: torch.dtype) -> Path:
+    """Where the packed copies of ``gguf``'s model in ``dtype`` live (whether or not they exist)."""
+    e = entry_path(gguf, dtype)
+    key = hashlib.sha256(f"{e.name}|{torch.__version__}|{PACKED_FORMAT}".encode()).hexdigest()[:12]
+    return e.parent / "packed" / f"{e.name.rsplit('-', 1)[0]}-{key}.safetensors"
+
+
+def load_packed(model, gguf: Path) -> bool:
+    """Attach the cached packed copies to ``model``'s Linear layers; False (nothing attached) when
+    there is no usable entry."""
+    from .layers import Linear
+    from .packed import PackedWeight
+
+    try:
+        path = packed_entry_path(gguf, model.dtype)
+        if not path.is_file():
+            return False
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(str(path), framework="pt") as f:
+            kinds = json.loads((f.metadata() or {}).get("kinds", "null"))
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+        if not isinstance(kinds, dict) or set(kinds) != set(linears):
+            return False
+        tensors = load_file(str(path))
+        copies = {}
+        for n, m in linears.items():
+            data, scales = tensors[f"{n}.data"], tensors[f"{n}.scales"]
+            N, K = m.weight.shape
+            N16 = N + (-N % 16)
+            want = ((N16, K // 2), torch.uint8, (K // 32, N16, 2)) if kinds[n] == "int4" else ((N, K), torch.bfloat16, (0,))
+            if (tuple(data.shape), data.dtype, tuple(scales.shape)) != want or scales.dtype != torch.bfloat16:
+                return False
+            copies[n] = PackedWeight(kinds[n], data, scales, (N, K))
+        for n, p in copies.items():
+            linears[n].packed = p
+        return True
+    except Exception as e:  # noqa: BLE001 - any cache problem: pack again instead
+        log.warning("ignoring the packed weight cache entry for %s (%s)", gguf, e)
+        return False
+
+
+def save_packed(model, gguf: Path) -> Path | None:
+    """Write the packed copies of ``model``'s Linear layers as the packed entry of ``gguf``; None
+    when the GGUF is too small to be worth it or the cache cannot be written."""
+    from .layers import Linear
+
+    try:
+        if gguf.stat().st_size < MIN_GGUF_BYTES:
+            return None
+        from safetensors.torch import save_file
+
+        linears = {n: m.packed for n, m in model.named_modules() if isinstance(m, Linear) and m.packed is not None}
+        path = packed_entry_path(gguf, model.dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for n, p in linears.items():
+            tensors[f"{n}.data"], tensors[f"{n}.scales"] = p.data.contiguous(), p.scales.contiguous()
+        meta = {"kinds": json.dumps({n: p.kind for n, p in linears.items()}), "torch": torch.__version__,
+                "format": str(PACKED_FORMAT), "source": str(gguf.resolve())}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata=meta)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        prefix = path.name.rsplit("-", 1)[0] + "-"
+        for old in path.parent.glob(f"{prefix}*.safetensors"):
+            if old != path:
+                old.unlink(missing_ok=True)
+        return path
+    except Exception as e:  # noqa: BLE001 - the packing itself has succeeded
+        log.warning("could not write the packed weight cache for %s (%s)", gguf, e)
+        return None

@@ -61,3 +61,20 @@ def test_damaged_or_stale_entries_are_rebuilt(gguf, monkeypatch):
     assert calls == [1, 1] and not entry.exists()                           # the stale one is gone
     load_model(gguf, progress=False, weight_cache=False)
     assert calls == [1, 1, 1]
+
+
+def test_packed_copies_are_cached(gguf, monkeypatch):
+    from doublesparse.models import packed
+
+    first = load_model(gguf, progress=False, packed=True)
+    assert weight_cache.packed_entry_path(gguf, torch.float32).is_file()
+    kinds = {n: m.packed.kind for n, m in first.named_modules() if getattr(m, "packed", None) is not None}
+    assert kinds and "lm_head" in kinds
+    _no_gguf_parsing(monkeypatch)
+    monkeypatch.setattr(packed, "pack_linears", lambda m: pytest.fail("packed again although cached"))
+    again = load_model(gguf, progress=False, packed=True)
+    for n, m in again.named_modules():
+        if n in kinds:
+            p, q = m.packed, dict(first.named_modules())[n].packed
+            assert p.kind == q.kind and torch.equal(p.data, q.data) and torch.equal(p.scales, q.scales)
+    assert all(getattr(m, "packed", None) is None for m in load_model(gguf, progress=False).modules())

@@ -1,0 +1,83 @@
+"""Weight-only packed copies of the linear layers (models/packed.py): int4 for 4-bit grids, bf16
+elsewhere, against the plain PyTorch reference; the Linear layer uses them for decode-sized
+forwards only; the engine packs the models it loads on CPU unless told not to."""
+
+import pytest
+import torch
+
+from doublesparse.models import packed
+from doublesparse.models.layers import Linear
+from doublesparse.models.packed import pack_linears, pack_weight, reference_weight
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _grid(N: int, K: int, seed: int = 0) -> torch.Tensor:
+    """A weight whose groups of 32 are 16-level grids, as a GGUF Q4_1 tensor dequantizes to."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K // 32, 32), generator=g).float()
+    q[..., 3], q[..., 17] = 0, 15                       # Q4_1 maps each group's min / max to 0 / 15
+    step = torch.rand(N, K // 32, 1, generator=g) * 0.02 + 1e-3
+    lo = torch.randn(N, K // 32, 1, generator=g) * 0.1
+    w = (q * step + lo).view(N, K)
+    w[0, :32] = 0.25                                    # a group of equal weights (step 0)
+    return w
+
+
+def _check(p, w, T, seed=1):
+    x = torch.randn(T, w.shape[1], generator=torch.Generator().manual_seed(seed))
+    ref = x.bfloat16().float() @ reference_weight(w).T
+    y = p.matmul(x)
+    assert y.shape == (T, w.shape[0]) and y.dtype == torch.float32
+    # the kernels round their output to bf16 (8 bits): the rest is the summation order
+    torch.testing.assert_close(y, ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("N,K,T", [(37, 96, 1), (9, 64, 3), (130, 160, 5), (16, 32, 16)])
+def test_int4_for_grids_matches_reference(N, K, T):
+    w = _grid(N, K)
+    p = pack_weight(w)
+    assert p.kind == "int4"
+    # the grid is kept: only its scale and offset are rounded to bf16
+    assert (reference_weight(w) - w).abs().max() <= 2 ** -8 * w.abs().max()
+    _check(p, w, T)
+
+
+@pytest.mark.parametrize("N,K,T", [(37, 96, 1), (11, 50, 3)])
+def test_bf16_elsewhere_matches_reference(N, K, T):
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(2)) * 0.05
+    p = pack_weight(w)
+    assert p.kind == "bf16"
+    assert torch.equal(reference_weight(w), w.bfloat16().float())
+    _check(p, w, T)
+    near = _grid(16, 64)
+    near[5, 7] += 0.3 * (near[5, :32].amax() - near[5, :32].amin()) / 15    # off the grid
+    assert pack_weight(near).kind == "bf16"
+
+
+def test_linear_uses_the_copy_for_decode_sized_forwards_only():
+    lin = Linear(64, 48, bias=True)
+    lin.weight.data = _grid(48, 64)
+    lin.bias.data = torch.randn(48)
+    pack_linears(torch.nn.Sequential(lin))
+    assert lin.packed.kind == "int4"
+    x = torch.randn(packed.MAX_ROWS + 1, 64)
+    full = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    assert torch.equal(lin(x), full)                                       # prefill: float weights
+    small = lin(x[:3])
+    torch.testing.assert_close(small, lin.packed.matmul(x[:3]) + lin.bias, rtol=0, atol=0)
+    assert not torch.equal(small, full[:3])
+
+
+def test_engine_packs_what_it_loads_on_cpu_unless_disabled(monkeypatch):
+    from doublesparse.config import EngineConfig
+    from doublesparse.engine import setup
+
+    seen = []
+    monkeypatch.setattr("doublesparse.models.load_model", lambda *a, **k: seen.append(k["packed"]) or None)
+    monkeypatch.setattr("doublesparse.models.load_tokenizer", lambda *a, **k: None)
+    cpu = torch.device("cpu")
+    setup.load(EngineConfig(), cpu, False)
+    setup.load(EngineConfig(disable_cpu_packed_weights=True), cpu, False)
+    setup.load(EngineConfig(), torch.device("meta"), False)
+    assert seen == [True, False, False]
