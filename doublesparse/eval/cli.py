@@ -143,15 +143,16 @@ def recorded_layer_modes(args, model) -> tuple[str, ...]:
 
 def settings_for(args, head_dim: int = 64, max_context: int | None = None,
                  layer_modes: tuple[str, ...] = ()) -> list[Setting]:
-    """Dense, the engine's default, then the preset or the ``--types/--modes/--rs/--k-fracs``
-    grid with the improvement variants of group_sum; each setting once."""
+    """Dense, the engine's default (with the label dtype the engine picks on ``args.device``),
+    then the preset or the ``--types/--modes/--rs/--k-fracs`` grid with the improvement variants
+    of group_sum; each setting once."""
     if any(x is not None for x in (args.types, args.modes, args.rs, args.k_fracs)):
         g = grid(args.types or ("q", "k", "qk"), args.modes or ("per_head", "group_sum", "group_max"),
                  args.rs or (8, 16, 32), args.k_fracs or (1 / 32, 1 / 16, 1 / 8))
         body = g + [BASELINE] + improvements(BASELINE)
     else:
         body = preset("small" if args.small else "full")
-    first = [DENSE, default_setting(head_dim, max_context, layer_modes)]
+    first = [DENSE, default_setting(head_dim, max_context, layer_modes, getattr(args, "device", "cpu"))]
     if getattr(args, "default_only", False):
         return first
     names = getattr(args, "settings", None)
