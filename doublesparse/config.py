@@ -83,8 +83,8 @@ class EngineConfig:
     ``ds_heavy_token_min`` its lower bound, and each step keeps the fewest selected tokens whose
     estimated attention reaches ``ds_budget_top_p``. ``ds_sparse_decode_threshold`` = None: the automatic
     dense/sparse choice (attention/budget.py); an int: SGLang's meaning (sparse from that length).
-    ``ds_label_dtype`` = "auto": fp8 labels on GPUs that convert e4m3 natively, else bf16
-    (:meth:`label_dtype_for`).
+    ``ds_label_dtype`` = "auto": fp8 labels on GPUs that convert e4m3 natively for models without
+    a K bias, else bf16 (:meth:`label_dtype_for`).
     ``max_total_tokens`` from ``mem_fraction_static``
     (CUDA) or :data:`CPU_DEFAULT_TOTAL_TOKENS` (CPU), ``max_running_requests`` = 64.
     ``kernel_tuning``: the kernels' launch parameters and choices (docs/tuning.md), handed to every
@@ -199,15 +199,20 @@ class EngineConfig:
         also overrides every recorded one.)"""
         return DEFAULT_SELECTION_MODE if self.ds_selection_mode == "auto" else self.ds_selection_mode
 
-    def label_dtype_for(self, device) -> str:
+    def label_dtype_for(self, device, k_bias: bool = False) -> str:
         """The label pool's dtype on ``device`` ("bf16" or "fp8"): ``ds_label_dtype``, or for
         "auto" fp8 (e4m3, 1 byte) on NVIDIA GPUs of compute capability 8.9 and later, whose
         store and score kernels convert e4m3 in hardware, else bf16. Labels are read for every
         token every sparse step: fp8 halves those bytes (Llama-3.1-8B at 3 x 60K on an H200:
         DS step 5.88 -> 5.72 ms, results/bench-one-batch-h200.md) at unchanged accuracy on
-        SmolLM2-135M (docs/accuracy.md)."""
+        SmolLM2-135M (docs/accuracy.md). ``k_bias``: the model's K projection has a bias (Qwen2):
+        "auto" keeps bf16 there, since a bias shifts whole channels (Qwen2.5-Coder-1.5B's layer-0
+        K bias reaches 354) to where e4m3 at scale 1 steps by 32, coarser than the differences
+        between tokens that the scores rank by."""
         if self.ds_label_dtype != "auto":
             return self.ds_label_dtype
+        if k_bias:
+            return "bf16"
         import torch
         dev = torch.device(device)
         # ROCm also reports device type "cuda"; its fp8 is another format (e4m3fnuz)
@@ -324,7 +329,8 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
                         "for every layer")
     g.add_argument("--ds-label-dtype", choices=LABEL_DTYPE_CHOICES,
                    help="label cache dtype; auto (default): fp8 (e4m3) on NVIDIA GPUs of compute "
-                        "capability 8.9+ (Ada, Hopper and later), else bf16")
+                        "capability 8.9+ (Ada, Hopper and later) unless the model's K projection "
+                        "has a bias (Qwen2), else bf16")
     g.add_argument("--ds-num-sink", type=int, help="first tokens always selected (default: 4, at most k/8)")
     g.add_argument("--ds-num-recent", type=int, help="last tokens always selected (default: 32, at most k/4)")
     g.add_argument("--ds-batch-parts", type=int,

@@ -142,9 +142,9 @@ def recorded_layer_modes(args, model) -> tuple[str, ...]:
 
 
 def settings_for(args, head_dim: int = 64, max_context: int | None = None,
-                 layer_modes: tuple[str, ...] = ()) -> list[Setting]:
-    """Dense, the engine's default (with the label dtype the engine picks on ``args.device``),
-    then the preset or the ``--types/--modes/--rs/--k-fracs`` grid with the improvement variants
+                 layer_modes: tuple[str, ...] = (), k_bias: bool = False) -> list[Setting]:
+    """Dense, the engine's default (with the label dtype the engine picks on ``args.device`` for
+    a model with or without a K bias, ``k_bias``), then the preset or the ``--types/--modes/--rs/--k-fracs`` grid with the improvement variants
     of group_sum; each setting once."""
     if any(x is not None for x in (args.types, args.modes, args.rs, args.k_fracs)):
         g = grid(args.types or ("q", "k", "qk"), args.modes or ("per_head", "group_sum", "group_max"),
@@ -152,7 +152,7 @@ def settings_for(args, head_dim: int = 64, max_context: int | None = None,
         body = g + [BASELINE] + improvements(BASELINE)
     else:
         body = preset("small" if args.small else "full")
-    first = [DENSE, default_setting(head_dim, max_context, layer_modes, getattr(args, "device", "cpu"))]
+    first = [DENSE, default_setting(head_dim, max_context, layer_modes, getattr(args, "device", "cpu"), k_bias)]
     if getattr(args, "default_only", False):
         return first
     names = getattr(args, "settings", None)
@@ -190,7 +190,7 @@ def run(args, model=None, tokenizer=None) -> dict:
     L = resolve_lengths(args, ctx)
     window_len, decode_len, num_windows, lens = L["window_len"], L["decode_len"], L["num_windows"], L["lens"]
     settings = settings_for(args, int(c.head_dim), int(c.max_position_embeddings),
-                            recorded_layer_modes(args, model))
+                            recorded_layer_modes(args, model), bool(getattr(c, "attention_bias", False)))
     channels_for, source = channel_source(args, model)
     progress = not args.quiet
     dims = (int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim))

@@ -32,9 +32,11 @@ def test_auto_label_dtype_per_gpu(monkeypatch, capability, hip, want):
     cfg = EngineConfig()
     assert cfg.ds_label_dtype == "auto"
     assert cfg.label_dtype_for(CUDA) == want == cfg.label_dtype_for("cuda:0")
+    assert cfg.label_dtype_for(CUDA, k_bias=True) == "bf16"  # a K bias (Qwen2): bf16 under auto
     # an explicit dtype is kept on every device
     for d in ("bf16", "fp8"):
         assert EngineConfig(ds_label_dtype=d).label_dtype_for(CUDA) == d
+        assert EngineConfig(ds_label_dtype=d).label_dtype_for(CUDA, k_bias=True) == d
 
 
 def test_auto_label_dtype_on_cpu_and_flags():
@@ -63,6 +65,9 @@ def test_pools_bytes_and_cost_model_follow_the_label_dtype(monkeypatch, label, w
     p = ds_params(cfg, plan, num_q_heads=32, device=CUDA)
     assert p.policy.cost.label_bytes_per_token == plan.label_bytes_per_token
     assert p.policy.cost.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    qwen2 = SimpleNamespace(**vars(LLAMA), attention_bias=True)
+    biased = plan_memory(cfg, qwen2, torch.bfloat16, CUDA, max_ctx=131072, heavy_channel_num=16)
+    assert biased.label_dtype == (torch.bfloat16 if label == "auto" else want_dtype)
 
 
 def test_fp8_labels_move_the_automatic_choice_only_slightly(monkeypatch):

@@ -18,9 +18,11 @@ def hopper(monkeypatch):
 def test_default_setting_label_follows_the_device(hopper):
     cpu, gpu = default_setting(64), default_setting(64, device="cuda")
     assert cpu.label == "bf16" and gpu.label == "fp8"
+    assert default_setting(64, device="cuda", k_bias=True) == cpu
     assert gpu.name == cpu.name.replace("/min", "/fp8/min") and gpu.name.endswith("/fp8/min512")
     args = build_parser().parse_args(["--default-only", "--device", "cuda"])
     assert settings_for(args, 64) == [DENSE, gpu]
+    assert settings_for(args, 64, k_bias=True) == [DENSE, cpu]
 
 
 @pytest.mark.parametrize("device, first, other", [("cpu", "bf16", "fp8"), ("cuda", "fp8", "bf16")])
