@@ -72,12 +72,15 @@ def test_pools_bytes_and_cost_model_follow_the_label_dtype(monkeypatch, label, w
 
 def test_fp8_labels_move_the_automatic_choice_only_slightly(monkeypatch):
     """Fewer label bytes make sparse decode pay from slightly shorter lengths; with the tuning's
-    H200 figures, one Llama-3.1-8B request still decodes densely at 16K (the speedup map's
-    'dense' cells stay dense) and sparsely at 32K."""
+    H200 figures, the speedup map's 'dense' cells (1 x 4K-16K, 4 x 4K, over their 24 decode
+    steps) stay dense and one request decodes sparsely from below 32K."""
     _gpu(monkeypatch, (9, 0))
     starts = {}
     for label in ("bf16", "fp8"):
         cfg = EngineConfig(max_total_tokens=1000, ds_label_dtype=label)
         plan = plan_memory(cfg, LLAMA, torch.bfloat16, CUDA, max_ctx=131072, heavy_channel_num=16)
-        starts[label] = sparse_from(ds_params(cfg, plan, 32, CUDA).policy, 131072)
-    assert 16384 + 64 < starts["fp8"] < starts["bf16"] < 32768
+        policy = ds_params(cfg, plan, 32, CUDA).policy
+        starts[label] = sparse_from(policy, 131072)
+        assert not policy.plan([4096 + 24] * 4)[1] and policy.plan([4096] * 8)[1]
+    assert (starts["fp8"], starts["bf16"]) == (17134, 17747)
+    assert 16384 + 24 < starts["fp8"] < starts["bf16"] < 32768
