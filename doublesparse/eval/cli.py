@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ import torch
 import doublesparse
 from doublesparse import preflight
 from doublesparse.calibrate.texts import EVAL_PLAYS, encode, read_texts
+from doublesparse.config import LABEL_DTYPES
 from doublesparse.cli_common import (
     Parser,
     UsageError,
@@ -96,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only dense, the default and these settings of the preset (names as in the report)")
     p.add_argument("--default-only", action="store_true",
                    help="only dense and the engine's default Double Sparsity setting")
+    p.add_argument("--label-dtypes", nargs="+", default=None, choices=LABEL_DTYPES,
+                   help="the engine's default setting once with each of these label dtypes, the first "
+                        "in the default's place (default: the dtype the engine picks on --device)")
     p.add_argument("--no-text", action="store_true")
     p.add_argument("--no-retrieval", action="store_true")
     p.add_argument("--no-fidelity", action="store_true", help="skip per-layer attention fidelity")
@@ -152,7 +157,9 @@ def settings_for(args, head_dim: int = 64, max_context: int | None = None,
         body = g + [BASELINE] + improvements(BASELINE)
     else:
         body = preset("small" if args.small else "full")
-    first = [DENSE, default_setting(head_dim, max_context, layer_modes, getattr(args, "device", "cpu"), k_bias)]
+    default = default_setting(head_dim, max_context, layer_modes, getattr(args, "device", "cpu"), k_bias)
+    labels = getattr(args, "label_dtypes", None) or [default.label]
+    first = [DENSE] + [replace(default, label=x) for x in dict.fromkeys(labels)]
     if getattr(args, "default_only", False):
         return first
     names = getattr(args, "settings", None)

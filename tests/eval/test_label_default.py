@@ -23,6 +23,9 @@ def test_default_setting_label_follows_the_device(hopper):
     args = build_parser().parse_args(["--default-only", "--device", "cuda"])
     assert settings_for(args, 64) == [DENSE, gpu]
     assert settings_for(args, 64, k_bias=True) == [DENSE, cpu]
+    # --label-dtypes: the default once per dtype, in that order
+    args = build_parser().parse_args(["--default-only", "--label-dtypes", "bf16", "fp8"])
+    assert settings_for(args, 64) == [DENSE, cpu, gpu]
 
 
 @pytest.mark.parametrize("device, first, other", [("cpu", "bf16", "fp8"), ("cuda", "fp8", "bf16")])
