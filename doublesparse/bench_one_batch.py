@@ -175,6 +175,12 @@ def unfit(parts, bs: int, input_len: int, output_len: int) -> str | None:
     return None
 
 
+def _label_dtype(plan) -> str | None:
+    """The label pool's dtype as resolved on this device (``--ds-label-dtype auto``), e.g.
+    "float8_e4m3fn"; None without labels."""
+    return str(plan.label_dtype).removeprefix("torch.") if plan.heavy_channel_num else None
+
+
 def fill_random(parts, seed: int) -> None:
     """Random K, V and label values in every slot of the pools (a prompt's cache, for timing)."""
     g = torch.Generator(device=parts.device).manual_seed(seed)
@@ -308,7 +314,7 @@ def _main(argv: list[str]) -> int:
     print(parts.plan.describe())
     if parts.ds is not None:
         print(f"Double Sparsity: k={parts.ds.heavy_token_num}, r={parts.plan.heavy_channel_num}, "
-              f"mode={parts.ds.mode}; channels: {parts.channel_source}")
+              f"labels {_label_dtype(parts.plan)}, mode={parts.ds.mode}; channels: {parts.channel_source}")
     else:
         print(f"attention: {parts.backend.name} (dense decode)")
     wbytes = weight_bytes(parts.model)
@@ -346,7 +352,7 @@ def _main(argv: list[str]) -> int:
         out = dict(command=cmd, config=dataclasses.asdict(cfg), device=str(dev), copy_bandwidth=bw,
                    weight_bytes=wbytes, channel_source=parts.channel_source,
                    heavy_token_num=parts.ds.heavy_token_num if parts.ds else None,
-                   heavy_channel_num=parts.plan.heavy_channel_num or None,
+                   heavy_channel_num=parts.plan.heavy_channel_num or None, label_dtype=_label_dtype(parts.plan),
                    cuda_graphs=[list(k) for k in sorted(parts.runner.graphs)], kernel_tuning=dataclasses.asdict(cfg.kernel_tuning),
                    results=results)
         with open(args.result_json, "w") as f:

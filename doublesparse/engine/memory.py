@@ -98,7 +98,8 @@ def plan_memory(cfg: EngineConfig, model_config, kv_dtype: torch.dtype, device: 
     ``mem_fraction_static * total`` memory not in use yet (weights are already loaded) minus
     ``reserved_bytes`` (workspace) and one prefill chunk's transient memory; on CPU :data:`CPU_DEFAULT_TOTAL_TOKENS` capped at
     :data:`CPU_POOL_BYTES`."""
-    label_dtype = LABEL_TORCH_DTYPES[cfg.ds_label_dtype] if heavy_channel_num else None
+    k_bias = bool(getattr(model_config, "attention_bias", False))
+    label_dtype = LABEL_TORCH_DTYPES[cfg.label_dtype_for(device, k_bias)] if heavy_channel_num else None
     max_reqs = cfg.resolved_max_running_requests
     probe = MemoryPlan(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
                        heavy_channel_num, kv_dtype, label_dtype, 1, max_reqs, max_ctx,

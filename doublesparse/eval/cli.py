@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ import torch
 import doublesparse
 from doublesparse import preflight
 from doublesparse.calibrate.texts import EVAL_PLAYS, encode, read_texts
+from doublesparse.config import LABEL_DTYPES
 from doublesparse.cli_common import (
     Parser,
     UsageError,
@@ -96,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only dense, the default and these settings of the preset (names as in the report)")
     p.add_argument("--default-only", action="store_true",
                    help="only dense and the engine's default Double Sparsity setting")
+    p.add_argument("--label-dtypes", nargs="+", default=None, choices=LABEL_DTYPES,
+                   help="the engine's default setting once with each of these label dtypes, the first "
+                        "in the default's place (default: the dtype the engine picks on --device)")
     p.add_argument("--no-text", action="store_true")
     p.add_argument("--no-retrieval", action="store_true")
     p.add_argument("--no-fidelity", action="store_true", help="skip per-layer attention fidelity")
@@ -142,16 +147,19 @@ def recorded_layer_modes(args, model) -> tuple[str, ...]:
 
 
 def settings_for(args, head_dim: int = 64, max_context: int | None = None,
-                 layer_modes: tuple[str, ...] = ()) -> list[Setting]:
-    """Dense, the engine's default, then the preset or the ``--types/--modes/--rs/--k-fracs``
-    grid with the improvement variants of group_sum; each setting once."""
+                 layer_modes: tuple[str, ...] = (), k_bias: bool = False) -> list[Setting]:
+    """Dense, the engine's default (with the label dtype the engine picks on ``args.device`` for
+    a model with or without a K bias, ``k_bias``), then the preset or the ``--types/--modes/--rs/--k-fracs`` grid with the improvement variants
+    of group_sum; each setting once."""
     if any(x is not None for x in (args.types, args.modes, args.rs, args.k_fracs)):
         g = grid(args.types or ("q", "k", "qk"), args.modes or ("per_head", "group_sum", "group_max"),
                  args.rs or (8, 16, 32), args.k_fracs or (1 / 32, 1 / 16, 1 / 8))
         body = g + [BASELINE] + improvements(BASELINE)
     else:
         body = preset("small" if args.small else "full")
-    first = [DENSE, default_setting(head_dim, max_context, layer_modes)]
+    default = default_setting(head_dim, max_context, layer_modes, getattr(args, "device", "cpu"), k_bias)
+    labels = getattr(args, "label_dtypes", None) or [default.label]
+    first = [DENSE] + [replace(default, label=x) for x in dict.fromkeys(labels)]
     if getattr(args, "default_only", False):
         return first
     names = getattr(args, "settings", None)
@@ -189,7 +197,7 @@ def run(args, model=None, tokenizer=None) -> dict:
     L = resolve_lengths(args, ctx)
     window_len, decode_len, num_windows, lens = L["window_len"], L["decode_len"], L["num_windows"], L["lens"]
     settings = settings_for(args, int(c.head_dim), int(c.max_position_embeddings),
-                            recorded_layer_modes(args, model))
+                            recorded_layer_modes(args, model), bool(getattr(c, "attention_bias", False)))
     channels_for, source = channel_source(args, model)
     progress = not args.quiet
     dims = (int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim))

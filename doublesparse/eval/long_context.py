@@ -96,9 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan(keys, head_dim: int, max_context: int, layer_modes=()) -> list[Setting]:
-    """The settings named by ``keys`` (see ``--settings``), dense first."""
-    default = default_setting(head_dim, max_context, layer_modes)
+def plan(keys, head_dim: int, max_context: int, layer_modes=(), device: str = "cpu",
+         k_bias: bool = False) -> list[Setting]:
+    """The settings named by ``keys`` (see ``--settings``), dense first; the default with the
+    label dtype the engine picks on ``device`` (``k_bias``: the model's K projection has a bias)."""
+    default = default_setting(head_dim, max_context, layer_modes, device, k_bias)
     out = {
         "dense": [DENSE],
         "default": [default],
@@ -188,7 +190,8 @@ def run(args) -> dict:
     ctx = int(getattr(c, "max_position_embeddings", 4096))
     dims = (int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim))
     channels_for, source = channel_source(args, model)
-    settings = plan(args.settings, dims[3], ctx, recorded_layer_modes(args, model))
+    settings = plan(args.settings, dims[3], ctx, recorded_layer_modes(args, model), args.device,
+                    bool(getattr(model.config, "attention_bias", False)))
     lengths = sorted({min(n, ctx) for n in args.lengths})
     res = {
         "tool": f"doublesparse {doublesparse.__version__} eval.long_context",

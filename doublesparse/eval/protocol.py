@@ -9,7 +9,8 @@ still fits before the deadline, and ``results.json`` + ``table.md`` are rewritte
 (``plot.png`` after every part), so a kill loses at most the unit in flight:
 
   a. text (ppl, KL(dense||DS), top-1): dense, the engine default, plain group_sum (the baseline)
-     (with ``--label-dtypes bf16 fp8`` also the default and its k = ctx/8 with fp8 labels)
+     (the default with the label dtype the engine picks on ``--device``; with ``--label-dtypes bf16
+     fp8`` also the default with the other label dtype and its k = ctx/8 with both)
   b. retrieval, the same three settings, ``--retrieval-trials`` per (length, depth)
   c. text for the rest: improvement variants, the default's line over r and k, the r/k/type/mode
      grid; then retrieval for the improvement variants
@@ -71,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--rs", type=int, nargs="+", default=[16, 8, 32])
     a("--k-fracs", type=float, nargs="+", default=[1 / 16, 1 / 32, 1 / 8])
     a("--label-dtypes", nargs="+", default=["bf16"], choices=LABEL_DTYPES,
-      help="with fp8: parts a and b also run the default and its k = ctx/8 with fp8 labels (and the "
-           "latter in bf16), right after the first three settings")
+      help="with fp8: parts a and b also run the default with the other label dtype (the default's "
+           "is the engine's on --device) and its k = ctx/8 with both, right after the first three "
+           "settings")
     a("--fidelity-stride", type=int, default=1, help="fidelity on every n-th decoded token")
     a("--impl", default="auto", choices=["auto", "triton", "torch"],
       help="kernels (auto: Triton on CUDA; triton on CPU needs TRITON_INTERPRET=1)")
@@ -133,14 +135,16 @@ def log(budget: Budget, msg: str) -> None:
     print(f"[{budget.elapsed():6.1f}s | {max(budget.left(), 0):5.0f}s left] {msg}", flush=True)
 
 
-def plan_settings(args, head_dim: int, layer_modes: tuple[str, ...] = ()) -> dict:
+def plan_settings(args, head_dim: int, layer_modes: tuple[str, ...] = (), k_bias: bool = False) -> dict:
     """The setting lists of each part, most important first (the default with the channel
-    config's recorded per-layer modes, as the engine runs it)."""
-    default = default_setting(head_dim, layer_modes=layer_modes)
+    config's recorded per-layer modes and the label dtype the engine picks on the device, as the
+    engine runs it; ``k_bias``: the model's K projection has a bias)."""
+    default = default_setting(head_dim, layer_modes=layer_modes, device=args.device, k_bias=k_bias)
     first = [DENSE, default, BASELINE]
     if "fp8" in args.label_dtypes:
+        other = "bf16" if default.label == "fp8" else "fp8"
         wide = replace(default, k_frac=1 / 8)
-        first += [replace(default, label="fp8"), wide, replace(wide, label="fp8")]
+        first += [replace(default, label=other), wide, replace(wide, label=other)]
     variants = improvements(BASELINE) + [replace(BASELINE, mode="per_head")]
     line = [replace(default, r=r, k_frac=f) for r in args.rs for f in args.k_fracs]
     text_rest = unique(variants + line + grid(args.types, args.modes, args.rs, args.k_fracs))
@@ -183,7 +187,7 @@ def run(args, budget: Budget) -> dict:
     ctx = int(getattr(c, "max_position_embeddings", 4096))
     channels_for, source = channel_source(args, model)
     dims = (int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim))
-    P = plan_settings(args, dims[3], recorded_layer_modes(args, model))
+    P = plan_settings(args, dims[3], recorded_layer_modes(args, model), bool(getattr(c, "attention_bias", False)))
     L = dict(window_len=min(args.window_len, ctx), decode_len=args.decode_len, num_windows=args.num_windows,
              lens=sorted({min(n, ctx - retrieval.ANSWER_TOKENS) for n in args.retrieval_lens}),
              depths=args.retrieval_depths, trials=args.retrieval_trials)

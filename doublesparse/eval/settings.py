@@ -149,12 +149,14 @@ BASELINE = Setting("ds", "qk", "group_sum", 16, 1 / 16)
 
 
 def default_setting(head_dim: int = 64, max_context: int | None = None,
-                    layer_modes: tuple[str, ...] = ()) -> Setting:
+                    layer_modes: tuple[str, ...] = (), device: str = "cpu", k_bias: bool = False) -> Setting:
     """The engine's default Double Sparsity decode (``EngineConfig`` defaults) where it decodes
     sparsely: its channel type and selection mode (``layer_modes``: the channel config's recorded
     per-layer modes, which the engine's default uses; one mode when they agree), r = min(16,
     head_dim/4), each request's k = its length x the ratio, clamped to [min, max] (the max from
-    the model's ``max_context`` when given), 4 sink + 32 recent tokens."""
+    the model's ``max_context`` when given), 4 sink + 32 recent tokens, and the label dtype the
+    engine picks on ``device`` for a model with (``k_bias``) or without a K bias
+    (``EngineConfig.label_dtype_for``: fp8 on recent NVIDIA GPUs, else bf16)."""
     from doublesparse.config import EngineConfig
 
     cfg = EngineConfig()
@@ -164,7 +166,8 @@ def default_setting(head_dim: int = 64, max_context: int | None = None,
     mode = modes[0] if modes and len(set(modes)) == 1 else cfg.selection_mode_fallback
     return Setting("ds", cfg.ds_heavy_channel_type, mode, cfg.heavy_channel_num(head_dim),
                    cfg.ds_heavy_token_ratio, num_sink=sink, num_recent=recent, k_min=b.k_min,
-                   k_max=b.k_max if max_context else 0, layer_modes=modes if len(set(modes)) > 1 else ())
+                   label=cfg.label_dtype_for(device, k_bias), k_max=b.k_max if max_context else 0,
+                   layer_modes=modes if len(set(modes)) > 1 else ())
 
 
 def unique(settings) -> list[Setting]:

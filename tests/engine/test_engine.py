@@ -352,6 +352,7 @@ def test_bench_one_batch_dummy(tmp_path, capsys, warmup):
     assert "weight-based default" in text
     r = json.loads(out.read_text())
     assert r["results"][0]["sparse_steps"] == 3 and r["results"][0]["median_step_bytes"] > r["weight_bytes"]
+    assert r["label_dtype"] == "bfloat16" and "labels bfloat16" in text  # --ds-label-dtype auto on CPU
 
 
 @pytest.mark.parametrize("ds", [False, True])
