@@ -106,6 +106,17 @@ class Server:
         return self.proc.returncode
 
 
+def fake_in_process(extra: dict | None = None, **config) -> "InProcessServer":
+    """The fake engine's server in this process: what ``Server(backend_args("fake", extra))``
+    serves, without a process that imports torch again. ``config``: ServerConfig fields."""
+    from doublesparse.server.app import create_app
+    from doublesparse.server.config import ServerConfig
+    from doublesparse.server.fake_engine import FakeEngine
+
+    engine = FakeEngine(**{**FAKE_KW, "max_total_tokens": 8192, **(extra or {})})
+    return InProcessServer(create_app(engine, ServerConfig(api_key=KEY, **config)))
+
+
 def backend_args(kind: str, extra: dict | None = None) -> list[str]:
     if kind == "fake":
         return ["--engine-factory", FAKE, "--engine-kwargs", json.dumps({**FAKE_KW, **(extra or {})}),
