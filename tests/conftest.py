@@ -66,13 +66,12 @@ def _module_fixtures(item, module: str) -> list[str]:
             if any(d.scope in _SHARED_SCOPES and d.baseid == module for d in info.name2fixturedefs.get(n) or ())]
 
 
-@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture parameters
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Group for ``--dist loadgroup``: tests that share module-scoped fixtures of their own module
     (a server, a loaded checkpoint) get one ``xdist_group``, so the fixtures are built on one
     worker only; each instance of a parametrized fixture (``srv[fake]``, ``srv[real]``) is its
-    own group. Conftest fixtures (``one_thread``) are cheap and do not group. The server tests
-    move to the front, so no worker starts a long server test when the others are done."""
+    own group. Conftest fixtures (``one_thread``) are cheap and do not group."""
     by_module: dict[str, list] = {}
     for item in items:
         module = item.nodeid.split("::", 1)[0]
@@ -91,6 +90,19 @@ def pytest_collection_modifyitems(config, items):
                 root[find(n)] = find(names[0])
         for item, names in used:
             params = getattr(getattr(item, "callspec", None), "params", {})
-            inst = ",".join(f"{n}={params[n]}" for n in sorted(names) if n in params)
-            item.add_marker(pytest.mark.xdist_group(f"{module}::{min(map(find, names))}[{inst}]"))
-    items.sort(key=lambda it: not it.nodeid.startswith(_FIRST))
+            inst = ",".join(f"{n}={params[n]}" for n in sorted(names) if n in params).replace("@", "_")
+            # no "]" or "@" in the name: xdist reads the group after the id's last "@", past any "]"
+            item.add_marker(pytest.mark.xdist_group(f"{module}::{min(map(find, names))}/{inst}"))
+
+
+class _ServerTestsFirst:
+    """The server tests move to the front (after pytest's own reordering by fixture parameters),
+    so no worker starts a long server test when the others are done."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        items.sort(key=lambda it: not it.nodeid.startswith(_FIRST))
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_ServerTestsFirst(), "server-tests-first")
