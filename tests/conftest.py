@@ -90,8 +90,9 @@ def pytest_collection_modifyitems(config, items):
                 root[find(n)] = find(names[0])
         for item, names in used:
             params = getattr(getattr(item, "callspec", None), "params", {})
-            inst = ",".join(f"{n}={params[n]}" for n in sorted(names) if n in params).replace("@", "_")
+            inst = ",".join(f"{n}={params[n]}" for n in sorted(names) if n in params)
             # no "]" or "@" in the name: xdist reads the group after the id's last "@", past any "]"
+            inst = inst.replace("@", "_").replace("]", ")")
             item.add_marker(pytest.mark.xdist_group(f"{module}::{min(map(find, names))}/{inst}"))
 
 
