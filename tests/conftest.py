@@ -2,6 +2,11 @@
 
 The variable must be set before any @triton.jit function is defined, i.e. before doublesparse's
 kernel modules are imported, which is why it lives here at collection time.
+
+Under pytest-xdist (the README's ``-n auto --dist loadgroup``), each worker runs with its share of
+the cores (two workers of two OpenMP threads each on a 2-core box spin-wait on each other), and the
+tests that share a module-scoped fixture of their own module (a server, a loaded checkpoint) run
+on one worker, so that fixture is built once (:func:`pytest_collection_modifyitems`).
 """
 
 import os
@@ -15,6 +20,28 @@ if not torch.cuda.is_available():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _worker_threads() -> int | None:
+    """Intra-op threads of one xdist worker (None outside xdist): the cores split evenly."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers <= 1:
+        return None
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+_THREADS = _worker_threads()
+if _THREADS is not None:
+    torch.set_num_threads(_THREADS)
+    # server subprocesses started by the tests inherit it (torch reads it at import)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown without the plugin
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core on a CPU machine; one on a GPU machine, whose tests are
+    not written to share the device (``-n N`` still asks for N)."""
+    return 1 if torch.cuda.is_available() else None  # None: xdist's own count (the cores)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Run a module single-threaded (``pytestmark = pytest.mark.usefixtures("one_thread")``):
@@ -24,3 +51,59 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+_SHARED_SCOPES = ("module", "package", "session")
+_FIRST = "tests/server/"  # tests that start servers: the longest waits, scheduled before the rest
+
+
+def _module_fixtures(item, module: str) -> list[str]:
+    """Names of the module-scoped fixtures defined in ``module`` that ``item`` uses."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    return [n for n in item.fixturenames
+            if any(d.scope in _SHARED_SCOPES and d.baseid == module for d in info.name2fixturedefs.get(n) or ())]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the groups into the test ids
+def pytest_collection_modifyitems(config, items):
+    """Group for ``--dist loadgroup``: tests that share module-scoped fixtures of their own module
+    (a server, a loaded checkpoint) get one ``xdist_group``, so the fixtures are built on one
+    worker only; each instance of a parametrized fixture (``srv[fake]``, ``srv[real]``) is its
+    own group. Conftest fixtures (``one_thread``) are cheap and do not group."""
+    by_module: dict[str, list] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        names = _module_fixtures(item, module)
+        if names:
+            by_module.setdefault(module, []).append((item, names))
+    for module, used in by_module.items():
+        root = {n: n for _, names in used for n in names}  # union-find: fixtures used together
+
+        def find(n):
+            while root[n] != n:
+                n = root[n]
+            return n
+        for _, names in used:
+            for n in names[1:]:
+                root[find(n)] = find(names[0])
+        for item, names in used:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            inst = ",".join(f"{n}={params[n]}" for n in sorted(names) if n in params)
+            # no "]" or "@" in the name: xdist reads the group after the id's last "@", past any "]"
+            inst = inst.replace("@", "_").replace("]", ")")
+            item.add_marker(pytest.mark.xdist_group(f"{module}::{min(map(find, names))}/{inst}"))
+
+
+class _ServerTestsFirst:
+    """The server tests move to the front (after pytest's own reordering by fixture parameters),
+    so no worker starts a long server test when the others are done."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        items.sort(key=lambda it: not it.nodeid.startswith(_FIRST))
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_ServerTestsFirst(), "server-tests-first")

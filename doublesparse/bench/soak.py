@@ -1,6 +1,7 @@
 """``python -m doublesparse.bench.soak``: a mixed load against a running server for a fixed time.
 
-Every worker loops until the deadline, each time sending one request of a kind drawn by weight:
+Every worker loops until the deadline (or, with ``--requests N``, for N requests: the same mix
+whatever the machine's speed), each time sending one request of a kind drawn by weight:
 valid completions and streamed chat requests, oversize prompts and malformed bodies (which must get
 a 4xx), streams the client drops after their first tokens, greedy duplicates of one fixed request
 (which must all give the same text), and bursts of long prompts that fill the KV pool (which must
@@ -118,6 +119,7 @@ async def _refused(c: httpx.AsyncClient, t: Tally, raw: bytes, path="/v1/complet
 
 
 async def worker(c: httpx.AsyncClient, t: Tally, rng: random.Random, deadline: float, args) -> None:
+    """Requests until ``deadline`` (monotonic seconds), or ``args.requests`` of them when set."""
     kinds, weights = zip(*KINDS.items())
     words = "the of and to a in that is was he for it with as his on be at by".split()
 
@@ -130,7 +132,9 @@ async def worker(c: httpx.AsyncClient, t: Tally, rng: random.Random, deadline: f
     def chat(p):
         return {"prompt": p} if args.token_ids else {"messages": [{"role": "user", "content": p}]}
 
-    while time.monotonic() < deadline:
+    sent = 0
+    while (sent < args.requests) if args.requests else (time.monotonic() < deadline):
+        sent += 1
         kind = rng.choices(kinds, weights)[0]
         t.count(kind)
         text = prompt(rng.randrange(5, args.prompt_words))
@@ -177,16 +181,25 @@ async def run(args) -> dict:
         before = await _metric(c, "doublesparse_requests_total")
         start = time.monotonic()
         deadline = start + args.duration
+        done = asyncio.Event()
 
         async def sample_rss():
-            while time.monotonic() < deadline:
+            while not done.is_set():
                 if args.server_pid and (b := rss_bytes(args.server_pid)) is not None:
                     t.rss.append((time.monotonic() - start, b))
-                await asyncio.sleep(1.0)
+                try:
+                    await asyncio.wait_for(done.wait(), 1.0)
+                except asyncio.TimeoutError:
+                    pass
 
-        rng = random.Random(args.seed)
-        await asyncio.gather(sample_rss(), *(worker(c, t, random.Random(rng.random()), deadline, args)
-                                             for _ in range(args.concurrency)))
+        async def load():
+            rng = random.Random(args.seed)
+            await asyncio.gather(*(worker(c, t, random.Random(rng.random()), deadline, args)
+                                   for _ in range(args.concurrency)))
+            done.set()
+
+        await asyncio.gather(sample_rss(), load())
+        seconds = time.monotonic() - start
         for _ in range(100):  # the server finishes dropped streams in its own time
             h = (await c.get("/health")).json()
             if h.get("in_flight") == 0 and h.get("running") == 0 and h.get("waiting") == 0:
@@ -197,10 +210,10 @@ async def run(args) -> dict:
     ended = ('status="stop"', 'status="length"', 'status="disconnected"', 'status="abort"')
     served = sum(v - before.get(k, 0.0) for k, v in after.items() if any(e in k for e in ended))
     expected = t.valid_ok + t.sent.get("disconnect", 0)
-    half = [b for s, b in t.rss if s >= args.duration / 2]
+    half = [b for s, b in t.rss if s >= seconds / 2]
     lat = t.latencies
     return {
-        "minutes": args.duration / 60, "concurrency": args.concurrency, "sent": t.sent,
+        "minutes": seconds / 60, "concurrency": args.concurrency, "sent": t.sent,
         "valid_ok": t.valid_ok, "lost_valid": len(t.valid_lost), "lost_examples": t.valid_lost[:10],
         "http_5xx": t.http_5xx, "wrong_refusals": t.wrong_4xx[:10],
         "duplicates": len(t.duplicates), "duplicates_identical": int(len(set(t.duplicates)) <= 1),
@@ -217,6 +230,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
     p.add_argument("--api-key", default=None)
     p.add_argument("--duration", type=float, default=120.0, help="seconds of load")
+    p.add_argument("--requests", type=int, default=0,
+                   help="each client sends this many requests, then stops (instead of --duration)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--prompt-words", type=int, default=60)

@@ -10,6 +10,9 @@ shipped in ``doublesparse/configs/models``).
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -248,20 +251,31 @@ def _gguf_tokenizer_cached(gguf_file: Path):
     st = gguf_file.stat()
     key = hashlib.sha256(f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     folder = cache_dir() / "tokenizers" / f"{gguf_file.stem}-{key}"
+    damaged = False
     if (folder / "ok").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         except Exception:  # a damaged cache entry: rebuild from the GGUF below
-            pass
+            damaged = True
     tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True)
+    tmp = None
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tok.save_pretrained(str(folder))
-        copy = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        # written and verified in a private folder, then renamed into place: a process loading
+        # the same GGUF meanwhile never reads a half-written entry
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp"))
+        tok.save_pretrained(str(tmp))
+        copy = AutoTokenizer.from_pretrained(str(tmp), local_files_only=True)
         if _fingerprint(copy) == _fingerprint(tok):
-            (folder / "ok").write_text("verified against the GGUF tokenizer\n")
-    except Exception:  # read-only home, full disk, ...: just use the GGUF-built tokenizer
+            (tmp / "ok").write_text("verified against the GGUF tokenizer\n")
+            if damaged or (folder.is_dir() and not (folder / "ok").is_file()):
+                shutil.rmtree(folder, ignore_errors=True)
+            os.rename(tmp, folder)  # fails if another process has put its entry there first
+    except Exception:  # read-only home, full disk, an entry already there: use the GGUF-built one
         pass
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 

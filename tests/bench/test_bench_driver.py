@@ -63,14 +63,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("suite", sorted(bench_run.SUITES))
-def test_dry_run_prints_the_commands(suite, tmp_path):
+def test_dry_run_prints_the_commands(suite, tmp_path, capsys):
     raw = tmp_path.resolve() / "raw"
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), suite, "--dry-run",
-                          "--out", str(tmp_path), "--raw", str(raw)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    assert bench_run.main([suite, "--dry-run", "--out", str(tmp_path), "--raw", str(raw)]) == 0
+    stdout = capsys.readouterr().out
     rows = bench_run.suite_commands(suite, raw)
     for r in rows:
-        assert r["cmd"] in out.stdout
+        assert r["cmd"] in stdout
+    assert not list(tmp_path.iterdir()), "a dry run writes nothing"
+
+
+def test_dry_run_as_a_script(tmp_path):
+    """``python benchmarks/run.py`` itself (the suites above run through main() in-process)."""
+    raw = tmp_path.resolve() / "raw"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "attention", "--dry-run",
+                          "--out", str(tmp_path), "--raw", str(raw)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert all(r["cmd"] in out.stdout for r in bench_run.suite_commands("attention", raw))
     assert not list(tmp_path.iterdir()), "a dry run writes nothing"
 
 

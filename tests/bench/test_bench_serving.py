@@ -8,12 +8,12 @@ import pytest
 
 from doublesparse import bench_serving as B
 from doublesparse.bench import serving_workload as W
-from server_utils import KEY, Server, backend_args
+from server_utils import KEY, fake_in_process
 
 
 @pytest.fixture(scope="module")
 def srv():
-    s = Server(backend_args("fake", {"step_delay": 0.002}))
+    s = fake_in_process({"step_delay": 0.002})
     yield s
     s.stop()
 

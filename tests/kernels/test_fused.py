@@ -198,6 +198,8 @@ def test_bad_arguments_raise_value_error():
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 100), (576, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv(m, n, k, bias):
+    if DEVICE == "cpu" and bias and n * k > 37 * 100:
+        pytest.skip("interpreter time: the bias epilogue is one add per output; (37, 100) covers it")
     g = _gen(m, n, k, bias)
     wide = _rand(g, m, k + 8)
     x = wide[:, :k]                                   # strided rows

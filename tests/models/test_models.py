@@ -123,8 +123,10 @@ def test_gguf_tokenizer_cache_matches_the_gguf(tmp_path, monkeypatch):
     text = "ROMEO. But soft! what light through yonder window breaks? 4711 \u00e9\n"
     assert second.encode(text) == first.encode(text)
     assert loader._fingerprint(second) == loader._fingerprint(first)
-    (entry / "tokenizer.json").write_text("{ broken")  # a damaged entry falls back to the GGUF
+    (entry / "tokenizer.json").write_text("{ broken")  # a damaged entry falls back to the GGUF ...
     assert load_tokenizer(None).encode(text) == first.encode(text)
+    assert [p.name for p in (tmp_path / "tokenizers").iterdir()] == [entry.name]  # ... and is rewritten
+    assert (entry / "ok").is_file() and json.loads((entry / "tokenizer.json").read_text())
 
 
 # ---- tiny models of every architecture vs transformers --------------------------------------------

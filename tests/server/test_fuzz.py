@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_utils import AUTH, Server, backend_args
+from server_utils import AUTH, fake_in_process
 
 FIELDS = ["prompt", "messages", "text", "input_ids", "sampling_params", "model", "max_tokens",
           "max_completion_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "n", "seed",
@@ -29,7 +29,7 @@ PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/generate"]
 
 @pytest.fixture(scope="module")
 def fake_server():
-    s = Server(backend_args("fake"))
+    s = fake_in_process()
     yield s
     s.stop()
 

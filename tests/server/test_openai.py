@@ -11,13 +11,11 @@ spend most of this module's time importing torch again.
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import openai
 import pytest
 
-from server_utils import KEY, Server, free_port
+from server_utils import KEY, InProcessServer
 
 U = [{"role": "user", "content": "What is the weather?"}]
 WEATHER = [{"type": "function", "function": {
@@ -28,26 +26,13 @@ WEATHER = [{"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def srv():
-    import uvicorn
-
     from doublesparse.server.app import create_app
     from doublesparse.server.config import ServerConfig
     from doublesparse.testing import tiny_engine
 
-    port = free_port()
-    app = create_app(tiny_engine(max_total_tokens=16384), ServerConfig(api_key=KEY, port=port))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started:
-        assert thread.is_alive() and time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    s = Server.__new__(Server)  # its health / wait_idle helpers, on this server's url
-    s.url = f"http://127.0.0.1:{port}"
+    s = InProcessServer(create_app(tiny_engine(max_total_tokens=16384), ServerConfig(api_key=KEY)))
     yield s
-    server.should_exit = True
-    thread.join(30)
+    s.stop()
 
 
 @pytest.fixture(scope="module")

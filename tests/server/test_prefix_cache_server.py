@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx
 import pytest
-from server_utils import AUTH, KEY, Server, free_port
+from server_utils import AUTH, KEY, InProcessServer
 
 from doublesparse import bench_serving as B
 from doublesparse.server.app import create_app
@@ -17,44 +15,10 @@ from doublesparse.server.config import ServerConfig
 from doublesparse.testing import tiny_engine
 
 
-class InProcessServer:
-    """uvicorn in a thread of this process (the modules are loaded already: starts at once)."""
-
-    def __init__(self, engine):
-        import uvicorn
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        app = create_app(engine, ServerConfig(api_key=KEY))
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), (
-                "server did not start"
-            )
-            time.sleep(0.02)
-
-    health, wait_idle, metric = Server.health, Server.wait_idle, Server.metric
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def srv():
-    s = InProcessServer(
-        tiny_engine(
-            device="cpu",
-            max_total_tokens=3000,
-            context_length=1024,
-            chunked_prefill_size=64,
-        )
-    )
+    engine = tiny_engine(device="cpu", max_total_tokens=3000, context_length=1024, chunked_prefill_size=64)
+    s = InProcessServer(create_app(engine, ServerConfig(api_key=KEY)))
     yield s
     s.stop()
 

@@ -1,4 +1,5 @@
-"""End-to-end tests of the HTTP server: a real server process on 127.0.0.1 per backend.
+"""End-to-end tests of the HTTP server: a real server process on 127.0.0.1 per backend (the
+fake-only tests of the app's queueing, naming and failure handling serve it in this process).
 
 Two backends run the same checks:
   * "fake": ``doublesparse.server.fake_engine.FakeEngine`` (milliseconds per step), proving the
@@ -18,7 +19,7 @@ import openai
 import pytest
 
 from server_utils import (AUTH, FAKE_KW, KEY, REAL_KW, RealEngine, Server,  # noqa: F401
-                          backend_args)
+                          backend_args, fake_in_process)
 
 
 @pytest.fixture(scope="module", params=["fake", "real"])
@@ -274,7 +275,7 @@ def test_metrics_move(srv):
 # ------------------------------------------------------------------------------ fake-only
 def test_full_kv_pool_queues_and_abort_while_waiting():
     """Pool of 600 slots, requests of ~310: one runs, the next waits; nothing fails."""
-    s = Server(backend_args("fake", {"max_total_tokens": 600, "step_delay": 0.004}))
+    s = fake_in_process({"max_total_tokens": 600, "step_delay": 0.004})
     try:
         body = {"prompt": "x" * 10, "max_tokens": 300, "ignore_eos": True}
 
@@ -331,7 +332,7 @@ def test_per_request_double_sparsity(srv):
 
 
 def test_per_request_double_sparsity_unsupported_engine_and_model_name():
-    s = Server(backend_args("fake", {"per_request_ds": False}) + ["--served-model-name", "ds/tiny"])
+    s = fake_in_process({"per_request_ds": False}, served_model_name="ds/tiny")
     try:
         c = client(s)
         assert [m.id for m in c.models.list().data] == ["ds/tiny"]
@@ -348,7 +349,7 @@ def test_per_request_double_sparsity_unsupported_engine_and_model_name():
 
 
 def test_engine_failure_fails_only_that_batch():
-    s = Server(backend_args("fake", {"fail_marker": "BOOM"}))
+    s = fake_in_process({"fail_marker": "BOOM"})
     try:
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "BOOM", "max_tokens": 3},
                        headers=AUTH, timeout=30)
