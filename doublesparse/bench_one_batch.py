@@ -22,7 +22,8 @@ import time
 import torch
 
 from .cli_common import Parser, UsageError, run_main
-from .config import SchedulerConfig, add_cli_args
+from .config import SchedulerConfig
+from .config_flags import add_cli_args
 from .engine.scheduler import Scheduler
 from .engine.transfer import to_device, to_host_async
 

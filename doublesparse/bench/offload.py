@@ -89,7 +89,7 @@ def gather_bandwidth(device, slots: int = 1 << 20, heads: int = 8, head_dim: int
 # ------------------------------------------------------------------------------------ real text
 def build_parser() -> argparse.ArgumentParser:
     from ..cli_common import Parser
-    from ..config import add_cli_args
+    from ..config_flags import add_cli_args
     p = Parser(prog="python -m doublesparse.bench.offload", description=__doc__.split("\n\n")[2])
     p.add_argument("--input-len", type=int, default=8000)
     p.add_argument("--output-len", type=int, default=128)
