@@ -187,7 +187,7 @@ class EngineConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
                 raise ValueError(f"{name} must be a positive number of GiB, got {v!r}")
         if self.enable_ds_offload and self.tp_size > 1:
-            raise ValueError("--enable-ds-offload runs on one device; it cannot be combined with "
+            raise ValueError("--enable-ds-offload runs on a single GPU; it cannot be combined with "
                              f"--tp-size {self.tp_size}")
         if self.enable_ds_offload and self.attention_backend == "dense":
             raise ValueError("--enable-ds-offload decodes with Double Sparsity; it contradicts "
