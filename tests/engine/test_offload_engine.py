@@ -105,3 +105,18 @@ def test_offload_on_cuda_equals_in_gpu_ds(fetch, prefetch):
     got = e.generate(prompts, sp)
     assert [w["text"] for w in want] == [x["text"] for x in got]
     assert e.parts.backend.fetch_stats()["misses"] > 0
+
+
+def test_offload_with_packed_cpu_weights():
+    """A CPU model with packed decode copies (the default of a CPU load) offloads as in-GPU DS."""
+    from doublesparse.models.packed import pack_linears
+
+    m = tiny_llama(seed=3, num_q_heads=4, num_kv_heads=2, max_position_embeddings=1024)
+    n = pack_linears(m)
+    assert n["bf16"] + n["int4"] > 0
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (33, 80)]
+    sp = {"max_new_tokens": 6, "temperature": 0}
+    want = _engine(m).generate(prompts, sp)
+    got = _engine(m, enable_ds_offload=True, ds_offload_hot_tokens=24).generate(prompts, sp)
+    assert [w["text"] for w in want] == [x["text"] for x in got]
