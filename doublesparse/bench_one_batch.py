@@ -255,7 +255,7 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
     if fill == "random":  # no prefill ran: no prefill numbers
         prefill_lat = 0.0
     res = dict(batch_size=bs, input_len=input_len, output_len=output_len, decode_overlapped=overlap,
-               fill=fill, prefill_latency=prefill_lat,
+               weight_bytes=wbytes, fill=fill, prefill_latency=prefill_lat,
                prefill_throughput=bs * input_len / prefill_lat if prefill_lat else None,
                decode_latencies=lats,
                decode_step_bytes=step_bytes, sparse_steps=sum(sparse), decode_steps=len(lats))
@@ -324,7 +324,8 @@ def _main(argv: list[str]) -> int:
               f"labels {_label_dtype(parts.plan)}, mode={parts.ds.mode}; channels: {parts.channel_source}")
     else:
         print(f"attention: {parts.backend.name} (dense decode)")
-    wbytes = weight_bytes(parts.model)
+    # the top-level figure is the first batch size's (on a CPU, packed copies serve batches of <= 16 rows)
+    wbytes = weight_bytes(parts.model, args.batch_size[0])
     # As in the engine: on CUDA, step i+1 is launched before step i's tokens are read.
     overlap = dev.type == "cuda" and not cfg.disable_overlap_schedule
     print("decode: overlap schedule (--disable-overlap-schedule: one step at a time)" if overlap
