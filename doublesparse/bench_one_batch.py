@@ -22,7 +22,8 @@ import time
 import torch
 
 from .cli_common import Parser, UsageError, run_main
-from .config import SchedulerConfig, add_cli_args
+from .config import SchedulerConfig
+from .config_flags import add_cli_args
 from .engine.scheduler import Scheduler
 from .engine.transfer import to_device, to_host_async
 
@@ -91,15 +92,21 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes * iters / sec
 
 
-def weight_bytes(model) -> int:
+def weight_bytes(model, rows: int | None = None) -> int:
     """Bytes of weights one decode step reads: all parameters except an untied input embedding
-    (decode gathers B rows of it)."""
+    (decode gathers B rows of it). ``rows``: the step's batch; a CPU linear layer whose packed
+    copy serves that many rows (models/packed.py) counts the copy's bytes instead of its weight's."""
+    from .models.layers import Linear
+    packed = {} if rows is None else {
+        id(m.weight): m.packed for m in model.modules()
+        if isinstance(m, Linear) and m.packed is not None and rows <= m.packed.max_rows}
     total = 0
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, prm in model.named_parameters():
         if "embed_tokens" in name and not tied:
             continue
-        total += prm.numel() * prm.element_size()
+        p = packed.get(id(prm))
+        total += p.nbytes if p is not None else prm.numel() * prm.element_size()
     for name, buf in model.named_buffers():
         if buf.is_floating_point() is False and buf.dtype in (torch.uint8, torch.int8):
             total += buf.numel() * buf.element_size()  # packed quantised weights, if any
@@ -248,7 +255,7 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
     if fill == "random":  # no prefill ran: no prefill numbers
         prefill_lat = 0.0
     res = dict(batch_size=bs, input_len=input_len, output_len=output_len, decode_overlapped=overlap,
-               fill=fill, prefill_latency=prefill_lat,
+               weight_bytes=wbytes, fill=fill, prefill_latency=prefill_lat,
                prefill_throughput=bs * input_len / prefill_lat if prefill_lat else None,
                decode_latencies=lats,
                decode_step_bytes=step_bytes, sparse_steps=sum(sparse), decode_steps=len(lats))
@@ -317,7 +324,8 @@ def _main(argv: list[str]) -> int:
               f"labels {_label_dtype(parts.plan)}, mode={parts.ds.mode}; channels: {parts.channel_source}")
     else:
         print(f"attention: {parts.backend.name} (dense decode)")
-    wbytes = weight_bytes(parts.model)
+    # the top-level figure is the first batch size's (on a CPU, packed copies serve batches of <= 16 rows)
+    wbytes = weight_bytes(parts.model, args.batch_size[0])
     # As in the engine: on CUDA, step i+1 is launched before step i's tokens are read.
     overlap = dev.type == "cuda" and not cfg.disable_overlap_schedule
     print("decode: overlap schedule (--disable-overlap-schedule: one step at a time)" if overlap
@@ -330,7 +338,7 @@ def _main(argv: list[str]) -> int:
     if not args.skip_warmup and warm_bs is not None:
         print("Warmup ...")
         run_case(parts, warm_bs, warm_len, warm_out,
-                 cfg.seed + 1, 0, bw, wbytes, verbose=False, chunk=cfg.chunked_prefill_size, overlap=overlap,
+                 cfg.seed + 1, 0, bw, weight_bytes(parts.model, warm_bs), verbose=False, chunk=cfg.chunked_prefill_size, overlap=overlap,
                  fill=args.fill)
     results = []
     for bs, il, ol in itertools.product(args.batch_size, args.input_len, args.output_len):
@@ -344,9 +352,9 @@ def _main(argv: list[str]) -> int:
         if args.profile:
             from .bench.profile_step import profile_decode
             profile = lambda rows, nxt, pos: profile_decode(parts, rows, nxt, pos, args.profile_json)  # noqa: E731
-        results.append(run_case(parts, bs, il, ol, cfg.seed, args.log_decode_step, bw, wbytes,
-                                chunk=cfg.chunked_prefill_size, profile=profile, overlap=overlap,
-                                fill=args.fill))
+        results.append(run_case(parts, bs, il, ol, cfg.seed, args.log_decode_step, bw,
+                                weight_bytes(parts.model, bs), chunk=cfg.chunked_prefill_size, profile=profile,
+                                overlap=overlap, fill=args.fill))
     if args.result_json:
         cmd = "python -m doublesparse.bench_one_batch " + " ".join(argv)
         out = dict(command=cmd, config=dataclasses.asdict(cfg), device=str(dev), copy_bandwidth=bw,

@@ -14,7 +14,7 @@ import sys
 import time
 
 from .cli_common import Parser, UsageError, run_main
-from .config import add_cli_args
+from .config_flags import add_cli_args
 from .preflight import check_engine_config, engine_config_from_cli, sampling_from_cli
 
 DEFAULT_PLAY = "macbeth_gut"

@@ -138,10 +138,11 @@ def check_engine_config(cfg) -> None:
 
 
 def engine_config_from_cli(ns, **defaults):
-    """``config.from_cli_args`` with its validation errors spelled as the flags that caused them."""
+    """``config_flags.from_cli_args`` with its validation errors spelled as the flags that caused them."""
     from dataclasses import fields
 
-    from .config import EngineConfig, from_cli_args
+    from .config import EngineConfig
+    from .config_flags import from_cli_args
 
     try:
         return from_cli_args(ns, **defaults)

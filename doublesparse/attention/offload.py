@@ -59,7 +59,8 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
                 raise ValueError("--enable-ds-offload does not support --ds-budget-mode top_p")
             if any(ds.mode_of(i) == "per_head" for i in range(len(memory.k))):
                 raise ValueError("--enable-ds-offload needs a group selection mode (group_max or "
-                                 "group_sum): per_head selects per query head and the hot set is per KV head")
+                                 "group_sum): per_head selects per query head and the hot set is per KV head "
+                                 "(--ds-selection-mode group_max overrides a channel config's per_head layers)")
         kw = {} if tuning is None else {"tuning": tuning}
         super().__init__(memory, num_q_heads, head_dim, sm_scale, impl, workspace, channels, ds, **kw)
         if hot is None or hot.capacity < self.ds.heavy_token_num:

@@ -23,7 +23,7 @@ import sys
 import torch
 
 from .. import bench_one_batch as bob
-from ..config import from_cli_args
+from ..config_flags import from_cli_args
 
 
 def build_parser():

@@ -89,7 +89,7 @@ def gather_bandwidth(device, slots: int = 1 << 20, heads: int = 8, head_dim: int
 # ------------------------------------------------------------------------------------ real text
 def build_parser() -> argparse.ArgumentParser:
     from ..cli_common import Parser
-    from ..config import add_cli_args
+    from ..config_flags import add_cli_args
     p = Parser(prog="python -m doublesparse.bench.offload", description=__doc__.split("\n\n")[2])
     p.add_argument("--input-len", type=int, default=8000)
     p.add_argument("--output-len", type=int, default=128)
@@ -126,7 +126,9 @@ def _run(cfg, ids: list[int], out_len: int) -> dict:
         now = time.perf_counter()
         times.append(now - last)
         last = now
-    res = dict(tokens=tokens, median_step_s=statistics.median(times[2:]) if len(times) > 3 else None)
+    res = dict(tokens=tokens, median_step_s=statistics.median(times[2:]) if len(times) > 3 else None,
+               # --ds-label-dtype auto resolved on this device (fp8 on GPUs of compute capability 8.9+)
+               label_dtype=str(e.parts.plan.label_dtype).removeprefix("torch."))
     if cfg.enable_ds_offload:
         lens = [[len(ids) + i + 1] for i in range(len(tokens) - 1)]
         res["offload"] = offload_step_stats(e.parts.backend, stats0, e.parts.backend.fetch_stats(), lens)
@@ -179,7 +181,8 @@ def _main(argv: list[str]) -> int:
                    reuse_bytes_per_step=reuse, no_reuse_bytes_per_step=no,
                    hit_rate=runs["offload_reuse"]["offload"]["hit_rate"],
                    next_layer_bytes_per_step=runs["offload_reuse_next_layer"]["offload"]["host_bytes_per_step"],
-                   step_s={n: r["median_step_s"] for n, r in runs.items()})
+                   step_s={n: r["median_step_s"] for n, r in runs.items()},
+                   label_dtype=runs["offload_reuse"]["label_dtype"])
     print(f"outputs identical to in-GPU DS: {same}; bytes per step with reuse / without: "
           f"{summary['reuse_bytes_fraction']}")
     if args.result_json:

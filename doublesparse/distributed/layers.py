@@ -64,7 +64,7 @@ class RowParallelLinear(Linear):
         nn.Module.__init__(m)
         m.in_features, m.out_features = linear.in_features, linear.out_features
         m.weight, m.bias, m.comm = linear.weight, None, comm
-        m.packed = None  # the rank's slice is never packed (tensor-parallel loads keep their dtype)
+        m.packed = None  # the loader packs the rank's slice after filling it (CPU loads)
         return m
 
     def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:

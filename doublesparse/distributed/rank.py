@@ -24,8 +24,14 @@ class RankContext:
         return self.comm.rank
 
     def load_model(self, cfg, device, dtype, progress: bool):
-        return load_shard(cfg.model_path, cfg.load_format, dtype, str(device), self.comm, seed=cfg.seed,
-                          progress=progress and self.rank == 0)
+        model = load_shard(cfg.model_path, cfg.load_format, dtype, str(device), self.comm, seed=cfg.seed,
+                           progress=progress and self.rank == 0)
+        if str(device) == "cpu" and not cfg.disable_cpu_packed_weights:
+            # as a --tp-size 1 load does: a slice of a 4-bit grid along N, or along K at multiples
+            # of the group, is the same grid, so every --tp-size multiplies by the same weights
+            from ..models.packed import pack_linears
+            pack_linears(model)
+        return model
 
     def shard_model(self, model, device):
         """This rank's part of a full model built by the caller."""

@@ -229,7 +229,8 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         memory, backend = build_offload(cfg, plan, device, ds, mc, channels, ws)
         ds = backend.ds  # its policy: sparse whenever a request is longer than its k
         log.info("DS-Offload: K/V of %d tokens in host memory (%.1f GiB), hot set %d rows per "
-                 "request, layer and KV head, fetch %s", plan.max_total_tokens,
+                 "request, layer and KV head, fetch %s; prefix cache off (the hot set is per request)",
+                 plan.max_total_tokens,
                  memory.kv_store.nbytes / 2**30, backend.hot.capacity, backend.fetch)
     else:
         memory = KVMemory(plan, device) if tp is None else tp.memory(plan, device)

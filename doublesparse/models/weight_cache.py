@@ -113,28 +113,34 @@ def save(model, gguf: Path) -> Path | None:
         size = sum(t.numel() * t.element_size() for t in _state(model).values())
         if gguf.stat().st_size < MIN_GGUF_BYTES or size > MAX_ENTRY_BYTES:
             return None
-        from safetensors.torch import save_file
-
         path = entry_path(gguf, model.dtype)
-        path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"config": _config_json(model.config), "dtype": str(model.dtype),
                 "format": str(CACHE_FORMAT), "source": str(gguf.resolve())}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file({n: t.cpu().contiguous() for n, t in _state(model).items()}, tmp, metadata=meta)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        prefix = path.name.rsplit("-", 1)[0] + "-"
-        for old in path.parent.glob(f"{prefix}*.safetensors"):
-            if old != path:
-                old.unlink(missing_ok=True)
-        return path
+        return _write_entry(path, {n: t.cpu().contiguous() for n, t in _state(model).items()}, meta)
     except Exception as e:  # noqa: BLE001 - the load itself has succeeded
         log.warning("could not write the weight cache for %s (%s)", gguf, e)
         return None
+
+
+def _write_entry(path: Path, tensors: dict, meta: dict) -> Path:
+    """Write ``tensors`` to ``path`` atomically (a temporary file renamed over it), then remove the
+    entries of the same model under older keys (another dtype, torch version or format)."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    prefix = path.name.rsplit("-", 1)[0] + "-"
+    for old in path.parent.glob(f"{prefix}*.safetensors"):
+        if old != path:
+            old.unlink(missing_ok=True)
+    return path
 
 
 # ---------------------------------------------------------------------------------- packed copies
@@ -196,29 +202,14 @@ def save_packed(model, gguf: Path) -> Path | None:
     try:
         if gguf.stat().st_size < MIN_GGUF_BYTES:
             return None
-        from safetensors.torch import save_file
-
         linears = {n: m.packed for n, m in model.named_modules() if isinstance(m, Linear) and m.packed is not None}
         path = packed_entry_path(gguf, model.dtype)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for n, p in linears.items():
             tensors[f"{n}.data"], tensors[f"{n}.scales"] = p.data.contiguous(), p.scales.contiguous()
         meta = {"kinds": json.dumps({n: p.kind for n, p in linears.items()}), "torch": torch.__version__,
                 "format": str(PACKED_FORMAT), "source": str(gguf.resolve())}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        prefix = path.name.rsplit("-", 1)[0] + "-"
-        for old in path.parent.glob(f"{prefix}*.safetensors"):
-            if old != path:
-                old.unlink(missing_ok=True)
-        return path
+        return _write_entry(path, tensors, meta)
     except Exception as e:  # noqa: BLE001 - the packing itself has succeeded
         log.warning("could not write the packed weight cache for %s (%s)", gguf, e)
         return None

@@ -1,6 +1,6 @@
 """``doublesparse serve`` / ``python -m doublesparse.launch_server``.
 
-Engine flags come from ``doublesparse.config`` (mirroring SGLang's names) when it is available;
+Engine flags come from ``doublesparse.config_flags`` (mirroring SGLang's names) when it is available;
 server flags are ours. SIGTERM/SIGINT flip the app into draining mode: new requests get 503
 "draining" and /health reports it while the accepted requests finish (at most
 ``--graceful-shutdown-timeout`` seconds); then uvicorn stops accepting connections and runs the
@@ -26,13 +26,13 @@ log = logging.getLogger("doublesparse.server")
 
 def _engine_config_module():
     try:
-        return importlib.import_module("doublesparse.config")
+        return importlib.import_module("doublesparse.config_flags")
     except ImportError:
         return None
 
 
 def _fallback_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Minimal engine flags for when doublesparse.config is not importable (e.g. fake engine)."""
+    """Minimal engine flags for when doublesparse.config_flags is not importable (e.g. fake engine)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model-path", default=None)
     g.add_argument("--max-total-tokens", type=int, default=None)

@@ -6,7 +6,8 @@ import math
 import pytest
 
 from doublesparse.attention.budget import DENSE, DecodeCost, DecodePolicy, TokenBudget
-from doublesparse.config import EngineConfig, add_cli_args, from_cli_args
+from doublesparse.config import EngineConfig
+from doublesparse.config_flags import add_cli_args, from_cli_args
 
 # Llama-3.1-8B-like costs per token (all 32 layers): K+V 128 KiB, r=16 bf16 labels 8 KiB, selected
 # rows the same as K+V; an H200-like bandwidth and 32 x 15 us of fixed sparse time per step.

@@ -114,3 +114,38 @@ def test_llama70b_config_splits_over_8():
     assert abs(c.num_params / 1e9 - 70.55) < 0.01
     local = Shard(c, 7, 8).local_config()
     assert (local.num_q_heads, local.num_kv_heads, local.intermediate_size) == (8, 1, 3584)
+
+
+def test_cpu_shards_are_packed_like_the_tp1_model(tmp_path):
+    from doublesparse.config import EngineConfig
+    from doublesparse.distributed.loading import shard_model
+    from doublesparse.distributed.rank import RankContext
+    from doublesparse.models.layers import Linear
+    from doublesparse.models.packed import GROUP, reference_weight
+    from doublesparse.testing import tiny_llama
+
+    def linears(m):
+        return {n: x for n, x in m.named_modules() if isinstance(x, Linear)}
+
+    # a --tp-size 2 CPU load packs every rank's linears, as --tp-size 1 does; the flag opts out
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_family_hf_config("mixtral", max_position_embeddings=256)))
+    for off in (False, True):
+        cfg = EngineConfig(model_path=str(path), load_format="dummy", disable_cpu_packed_weights=off)
+        part = RankContext(Collectives(1, 2)).load_model(cfg, torch.device("cpu"), None, False)
+        assert all((x.packed is None) == off for x in linears(part).values())
+    # weights on 4-bit grids (a GGUF Q4 model): each rank's int4 copy holds its slice of TP 1's
+    full = tiny_llama()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for x in linears(full).values():
+            N, K = x.weight.shape
+            q = torch.randint(0, 16, (N, K // GROUP, GROUP), generator=g).float()
+            x.weight.copy_((q * torch.rand(N, K // GROUP, 1, generator=g) - 0.5).view(N, K))
+    for r in range(2):
+        part = shard_model(full, Collectives(r, 2))
+        for name, x in linears(part).items():
+            if name == "lm_head":  # tied to the embedding: never a grid, bf16 on either side
+                continue
+            assert torch.equal(reference_weight(x.weight),
+                               part.shard.tensor(name + ".weight", reference_weight(linears(full)[name].weight))), name

@@ -270,7 +270,8 @@ def test_kernel_tuning_file_flag(tmp_path):
     import dataclasses
     import json
 
-    from doublesparse.config import EngineConfig, add_cli_args, from_cli_args
+    from doublesparse.config import EngineConfig
+    from doublesparse.config_flags import add_cli_args, from_cli_args
     from doublesparse.kernels.tuning import KernelTuning
     f = tmp_path / "t.json"
     f.write_text(json.dumps({"score_impl": "mma", "select_block_n": 512}))
@@ -294,7 +295,8 @@ def test_kernel_tuning_file_flag(tmp_path):
 def test_config_cli_roundtrip_and_derivations():
     import argparse
 
-    from doublesparse.config import EngineConfig, add_cli_args, from_cli_args
+    from doublesparse.config import EngineConfig
+    from doublesparse.config_flags import add_cli_args, from_cli_args
     p = add_cli_args(argparse.ArgumentParser())
     ns = p.parse_args(["--enable-double-sparsity", "--ds-heavy-token-num", "64", "--ds-label-dtype", "fp8",
                        "--max-total-tokens", "1000", "--disable-cuda-graph", "--attention-backend", "torch"])
@@ -499,7 +501,7 @@ def test_smollm2_cohort_equals_interleave(smol):
 def test_prefill_schedule_flag_reaches_engine_and_server():
     import argparse
 
-    from doublesparse.config import add_cli_args, from_cli_args
+    from doublesparse.config_flags import add_cli_args, from_cli_args
     from doublesparse.server.cli import build_parser, engine_kwargs
     p = add_cli_args(argparse.ArgumentParser())
     assert from_cli_args(p.parse_args([])).prefill_schedule == "interleave"

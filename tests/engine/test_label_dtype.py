@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from doublesparse.attention.decode_choice import sparse_from
-from doublesparse.config import EngineConfig, add_cli_args, from_cli_args
+from doublesparse.config import EngineConfig
+from doublesparse.config_flags import add_cli_args, from_cli_args
 from doublesparse.engine.memory import plan_memory
 from doublesparse.engine.setup import ds_params
 

@@ -6,7 +6,7 @@ import torch
 
 from doublesparse.config import EngineConfig
 from doublesparse.engine.engine import Engine
-from doublesparse.testing import ByteTokenizer, tiny_llama
+from doublesparse.testing import ByteTokenizer, tiny_family, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,6 +65,23 @@ def test_offload_refusals(model):
         _engine(model, gpu_memory_budget_gb=0.0001)
     with pytest.raises(ValueError, match="ds-offload-host-memory-gb"):
         _engine(model, enable_ds_offload=True, ds_offload_host_memory_gb=0.0001)
+    with pytest.raises(ValueError, match="MLA"):
+        _engine(tiny_family("deepseek_v2", max_position_embeddings=256), enable_ds_offload=True,
+                ds_heavy_channel_num=None)
+    with pytest.raises(ValueError, match="tp-size 2"):
+        EngineConfig(enable_ds_offload=True, tp_size=2)
+
+
+def test_offload_with_fp8_labels(model):
+    """fp8 labels (what ``--ds-label-dtype auto`` picks on recent GPUs) live in the device pool
+    of an offloading engine as in in-GPU DS: the same greedy tokens."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (45, 90)]
+    sp = {"max_new_tokens": 6, "temperature": 0}
+    want = _engine(model, ds_label_dtype="fp8").generate(prompts, sp)
+    e = _engine(model, ds_label_dtype="fp8", enable_ds_offload=True, ds_offload_hot_tokens=24)
+    assert e.parts.memory.label[0].dtype == torch.float8_e4m3fn
+    assert [w["text"] for w in want] == [x["text"] for x in e.generate(prompts, sp)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -88,3 +105,18 @@ def test_offload_on_cuda_equals_in_gpu_ds(fetch, prefetch):
     got = e.generate(prompts, sp)
     assert [w["text"] for w in want] == [x["text"] for x in got]
     assert e.parts.backend.fetch_stats()["misses"] > 0
+
+
+def test_offload_with_packed_cpu_weights():
+    """A CPU model with packed decode copies (the default of a CPU load) offloads as in-GPU DS."""
+    from doublesparse.models.packed import pack_linears
+
+    m = tiny_llama(seed=3, num_q_heads=4, num_kv_heads=2, max_position_embeddings=1024)
+    n = pack_linears(m)
+    assert n["bf16"] + n["int4"] > 0
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (33, 80)]
+    sp = {"max_new_tokens": 6, "temperature": 0}
+    want = _engine(m).generate(prompts, sp)
+    got = _engine(m, enable_ds_offload=True, ds_offload_hot_tokens=24).generate(prompts, sp)
+    assert [w["text"] for w in want] == [x["text"] for x in got]

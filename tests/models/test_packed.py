@@ -81,3 +81,18 @@ def test_engine_packs_what_it_loads_on_cpu_unless_disabled(monkeypatch):
     setup.load(EngineConfig(disable_cpu_packed_weights=True), cpu, False)
     setup.load(EngineConfig(), torch.device("meta"), False)
     assert seen == [True, False, False]
+
+
+def test_decode_weight_bytes_count_the_packed_copies():
+    # bench_one_batch's byte floor: a batch the packed copies serve reads them, a larger one the floats
+    from doublesparse.bench_one_batch import weight_bytes
+    from doublesparse.models import packed as packed_mod
+    from doublesparse.testing import tiny_llama
+
+    m = tiny_llama()
+    floats = weight_bytes(m)
+    pack_linears(m)
+    packed = sum(x.packed.nbytes for x in m.modules() if getattr(x, "packed", None) is not None)
+    assert weight_bytes(m, 1) < floats == weight_bytes(m, packed_mod.MAX_ROWS + 1) == weight_bytes(m)
+    assert weight_bytes(m, packed_mod.MAX_ROWS) == floats - sum(
+        x.weight.numel() * 4 for x in m.modules() if getattr(x, "packed", None) is not None) + packed
