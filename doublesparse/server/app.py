@@ -64,6 +64,8 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
                               "channels_calibrated": s.get("channels_calibrated")}
         if not st.worker.alive:
             body["status"] = "engine_dead"
+            if st.worker.fatal is not None:  # e.g. a tensor-parallel rank that exited
+                body["error"] = str(st.worker.fatal)
         elif st.draining:
             body["status"] = "draining"
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)

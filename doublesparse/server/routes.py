@@ -28,7 +28,9 @@ async def _begin(st: ServerState, request: Request, schema):
         raise APIError("server is draining: it finishes the requests it accepted and takes no new "
                        "ones", status=503, type="server_error", code="draining")
     if not st.worker.alive:
-        raise APIError("engine is not running", status=503, type="server_error")
+        why = f": {st.worker.fatal}" if st.worker.fatal is not None else ""
+        raise APIError("engine is not running" + why, status=503, type="server_error",
+                       code="engine_dead")
     req = P.parse(schema, await read_body(request, st.cfg.max_body_bytes))
     P.unsupported(req)
     model = getattr(req, "model", None)
