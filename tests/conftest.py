@@ -53,7 +53,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-_SHARED_SCOPES = ("module", "package", "session")
+_PER_TEST_SCOPES = ("function", "class")  # every wider scope is built once and shared
 _FIRST = "tests/server/"  # tests that start servers: the longest waits, scheduled before the rest
 
 
@@ -63,7 +63,7 @@ def _module_fixtures(item, module: str) -> list[str]:
     if info is None:
         return []
     return [n for n in item.fixturenames
-            if any(d.scope in _SHARED_SCOPES and d.baseid == module for d in info.name2fixturedefs.get(n) or ())]
+            if any(d.scope not in _PER_TEST_SCOPES and d.baseid == module for d in info.name2fixturedefs.get(n) or ())]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the groups into the test ids
