@@ -6,8 +6,8 @@ weights, on the eval text, for dense decode and the engine's default Double Spar
 
 The windows are prefilled with the float weights (as the engine prefills), then their last
 ``--decode-len`` tokens are decoded teacher-forced through ``doublesparse.eval``'s decode path
-twice: with the float32 weights and with the packed copies (every decode row through them; a
-row's result does not depend on how many rows share the forward). Reports per setting:
+twice: with the float32 weights and with the packed copies (a decode forward multiplies by them
+whatever its row count; a row's result does not depend on how many rows share the forward). Reports per setting:
 perplexity of each and their relative difference, mean KL(float || packed) in nats, top-1
 agreement, and the largest logit difference.
 """
@@ -62,8 +62,6 @@ def main(argv: list[str] | None = None) -> int:
                                        recorded_layer_modes(args, model))]
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
     copies = [m.packed for m in linears]
-    for cp in copies:
-        cp.max_rows = 1 << 30
 
     def use(packed: bool):
         for m, cp in zip(linears, copies):

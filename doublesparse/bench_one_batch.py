@@ -92,14 +92,12 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes * iters / sec
 
 
-def weight_bytes(model, rows: int | None = None) -> int:
+def weight_bytes(model) -> int:
     """Bytes of weights one decode step reads: all parameters except an untied input embedding
-    (decode gathers B rows of it). ``rows``: the step's batch; a CPU linear layer whose packed
-    copy serves that many rows (models/packed.py) counts the copy's bytes instead of its weight's."""
+    (decode gathers B rows of it); a CPU linear layer with a packed copy (models/packed.py, which
+    decode multiplies by) counts the copy's bytes instead of its weight's."""
     from .models.layers import Linear
-    packed = {} if rows is None else {
-        id(m.weight): m.packed for m in model.modules()
-        if isinstance(m, Linear) and m.packed is not None and rows <= m.packed.max_rows}
+    packed = {id(m.weight): m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None}
     total = 0
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, prm in model.named_parameters():
@@ -324,8 +322,7 @@ def _main(argv: list[str]) -> int:
               f"labels {_label_dtype(parts.plan)}, mode={parts.ds.mode}; channels: {parts.channel_source}")
     else:
         print(f"attention: {parts.backend.name} (dense decode)")
-    # the top-level figure is the first batch size's (on a CPU, packed copies serve batches of <= 16 rows)
-    wbytes = weight_bytes(parts.model, args.batch_size[0])
+    wbytes = weight_bytes(parts.model)
     # As in the engine: on CUDA, step i+1 is launched before step i's tokens are read.
     overlap = dev.type == "cuda" and not cfg.disable_overlap_schedule
     print("decode: overlap schedule (--disable-overlap-schedule: one step at a time)" if overlap
@@ -338,7 +335,7 @@ def _main(argv: list[str]) -> int:
     if not args.skip_warmup and warm_bs is not None:
         print("Warmup ...")
         run_case(parts, warm_bs, warm_len, warm_out,
-                 cfg.seed + 1, 0, bw, weight_bytes(parts.model, warm_bs), verbose=False, chunk=cfg.chunked_prefill_size, overlap=overlap,
+                 cfg.seed + 1, 0, bw, weight_bytes(parts.model), verbose=False, chunk=cfg.chunked_prefill_size, overlap=overlap,
                  fill=args.fill)
     results = []
     for bs, il, ol in itertools.product(args.batch_size, args.input_len, args.output_len):
@@ -353,7 +350,7 @@ def _main(argv: list[str]) -> int:
             from .bench.profile_step import profile_decode
             profile = lambda rows, nxt, pos: profile_decode(parts, rows, nxt, pos, args.profile_json)  # noqa: E731
         results.append(run_case(parts, bs, il, ol, cfg.seed, args.log_decode_step, bw,
-                                weight_bytes(parts.model, bs), chunk=cfg.chunked_prefill_size, profile=profile,
+                                weight_bytes(parts.model), chunk=cfg.chunked_prefill_size, profile=profile,
                                 overlap=overlap, fill=args.fill))
     if args.result_json:
         cmd = "python -m doublesparse.bench_one_batch " + " ".join(argv)

@@ -46,18 +46,19 @@ def plain_backend():
     return FastCausal()
 
 
-def make_batch(attn, logits_indices):
+def make_batch(attn, logits_indices, mode: str = "prefill"):
     try:
         from doublesparse.models.simple_attention import SimpleBatch
     except ImportError:
-        return _Batch(attn, logits_indices)
-    return SimpleBatch(attn, logits_indices)
+        return _Batch(attn, logits_indices, mode)
+    return SimpleBatch(attn, logits_indices, mode)
 
 
 @dataclass
 class _Batch:
     attn: object
     logits_indices: torch.Tensor
+    mode: str = "prefill"
 
 
 class StatsAttention:

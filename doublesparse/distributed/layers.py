@@ -18,6 +18,7 @@ from torch import nn
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from ..models.layers import GatedMLP, Linear
 from ..models.moe import SparseMoE
+from ..models.packed import HEAD_EXACT_TOP
 from .shard import Shard, vocab_block
 
 
@@ -67,8 +68,8 @@ class RowParallelLinear(Linear):
         m.packed = None  # the loader packs the rank's slice after filling it (CPU loads)
         return m
 
-    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
-        return self.comm.all_reduce(super().forward(x, tuning))
+    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING, decode: bool = False) -> torch.Tensor:
+        return self.comm.all_reduce(super().forward(x, tuning, decode))
 
 
 class ParallelSparseMoE(SparseMoE):
@@ -82,8 +83,8 @@ class ParallelSparseMoE(SparseMoE):
         moe.comm = comm
         return moe
 
-    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
-        return self.comm.all_reduce(super().forward(x, tuning))
+    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING, decode: bool = False) -> torch.Tensor:
+        return self.comm.all_reduce(super().forward(x, tuning, decode))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -110,11 +111,12 @@ class ParallelLMHead(Linear):
     logits block is gathered so that every rank returns the full ``[N, V]``."""
 
     def __init__(self, vocab_size: int, hidden: int, comm: Collectives, device=None, dtype=None):
-        super().__init__(hidden, vocab_block(vocab_size, comm.size), device=device, dtype=dtype)
+        super().__init__(hidden, vocab_block(vocab_size, comm.size), device=device, dtype=dtype,
+                         exact_top=HEAD_EXACT_TOP)
         self.vocab_size, self.comm = vocab_size, comm
 
-    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
-        return self.comm.gather_columns(super().forward(x, tuning))[:, : self.vocab_size]
+    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING, decode: bool = False) -> torch.Tensor:
+        return self.comm.gather_columns(super().forward(x, tuning, decode))[:, : self.vocab_size]
 
 
 def parallelize(model: nn.Module, full_config, comm: Collectives) -> nn.Module:

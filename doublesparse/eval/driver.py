@@ -171,9 +171,9 @@ class DecodeAttention:
         return out
 
 
-def _batch(attn, logits_indices=None):
+def _batch(attn, logits_indices=None, mode: str = "prefill"):
     from doublesparse.calibrate.stats import make_batch
-    return make_batch(attn, logits_indices)
+    return make_batch(attn, logits_indices, mode)
 
 
 @torch.inference_mode()
@@ -207,7 +207,7 @@ def decode_tokens(model, pools: Pools, setting: Setting, channels, tokens: list[
     rows_t = torch.tensor(rows, device=dev)
     pos_t = torch.tensor(pos, device=dev)
     attn = DecodeAttention(pools, setting, channels, rows_t, pos_t, heavy_tokens, observer)
-    logits = model(torch.tensor(ids, device=dev), pos_t, _batch(attn)).float()
+    logits = model(torch.tensor(ids, device=dev), pos_t, _batch(attn, mode="decode")).float()
     if k_stats is not None:
         k_stats.append((attn.k_sum, attn.k_rows))
     return logits

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..kernels import ops
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
+from .packed import refine_top
 
 
 def fused_impl(flag, x: torch.Tensor) -> str | None:
@@ -70,19 +71,27 @@ class Linear(nn.Module):
     """``y = x @ W.T (+ b)`` with ``W: [out, in]`` (the HF layout), uninitialised.
 
     ``packed``: None, or a weight-only packed copy of W (models/packed.py, CPU models only) that
-    forwards of at most ``packed.max_rows`` rows (decode) multiply by instead of W.
+    CPU forwards multiply by instead of W: an int4 copy in decode forwards (``decode=True``), a
+    bf16 copy in every forward. Both kernels give each row the same result whatever the other
+    rows are, so a request's greedy tokens do not depend on the batch it decodes in.
+    ``exact_top``: for an LM head, how many largest outputs per row a bf16 copy recomputes in
+    float32 (``packed.refine_top``).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None,
+                 exact_top: int = 0):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.exact_top = in_features, out_features, exact_top
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.packed = None
 
-    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2 and x.shape[0] <= self.packed.max_rows and x.device.type == "cpu":
-            y = self.packed.matmul(x)
+    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING, decode: bool = False) -> torch.Tensor:
+        p = self.packed
+        if p is not None and x.dim() == 2 and x.device.type == "cpu" and (decode or p.kind == "bf16"):
+            y = p.matmul(x)
+            if self.exact_top and p.kind == "bf16":
+                y = refine_top(y, x, self.weight, self.exact_top)
             return y if self.bias is None else y + self.bias
         return ops.linear(x, self.weight, self.bias, tuning)
 
@@ -99,10 +108,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, device=device, dtype=dtype)
         self.down_proj = Linear(intermediate, hidden, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, tuning)               # [T, 2I]
+    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING, decode: bool = False) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, tuning, decode)       # [T, 2I]
         impl = fused_impl(tuning.fused_silu_mul, gate_up) if gate_up.dim() == 2 else None
         if impl is not None:
-            return self.down_proj(ops.silu_mul(gate_up, impl=impl, tuning=tuning), tuning)
+            return self.down_proj(ops.silu_mul(gate_up, impl=impl, tuning=tuning), tuning, decode)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up, tuning)
+        return self.down_proj(F.silu(gate) * up, tuning, decode)

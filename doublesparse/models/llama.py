@@ -17,6 +17,7 @@ from ..attention.base import AttentionBackend
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from .config import ModelConfig
 from .layers import GatedMLP, Linear, RMSNorm, fused_impl
+from .packed import HEAD_EXACT_TOP
 from .rope import RotaryEmbedding
 
 
@@ -24,6 +25,12 @@ def _tuning(batch) -> KernelTuning:
     # The engine's ForwardBatch carries its kernel tuning; batches built elsewhere (calibration,
     # eval) run the defaults.
     return getattr(batch, "tuning", DEFAULT_TUNING)
+
+
+def is_decode(batch) -> bool:
+    """Whether the forward decodes (one new token per request): CPU linear layers then multiply
+    by their packed int4 copies (models/packed.py); prefill forwards keep the float weights."""
+    return getattr(batch, "mode", "prefill") == "decode"
 
 
 def _fused_store(attn, x: torch.Tensor, tuning: KernelTuning) -> str | None:
@@ -55,9 +62,8 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch) -> torch.Tensor:
         """x: [T, H] -> [T, H]; the backend sees contiguous q: [T, Hq, D], k/v: [T, Hkv, D] in the weight dtype
         (fused path: v stays a strided view of the qkv output, k is None at decode)."""
-        T = x.shape[0]
-        tuning = _tuning(batch)
-        q, k, v = self.qkv_proj(x, tuning).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        T, tuning, decode = x.shape[0], _tuning(batch), is_decode(batch)
+        q, k, v = self.qkv_proj(x, tuning, decode).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_q_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -77,7 +83,7 @@ class LlamaAttention(nn.Module):
             v = v.contiguous()
             q, k = rope(positions, q, k)
             out = attn.forward(self.layer_id, q, k, v, batch)  # [T, Hq, D]
-        return self.o_proj(out.reshape(T, self.q_size), tuning)
+        return self.o_proj(out.reshape(T, self.q_size), tuning, decode)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -98,7 +104,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h, residual = self.input_norm(x, residual, tuning)
         h, residual = self.post_attn_norm(self.attn(h, positions, rope, batch), residual, tuning)
-        return self.mlp(h, tuning), residual
+        return self.mlp(h, tuning, is_decode(batch)), residual
 
 
 def init_decoder(model: "LlamaModel", config: ModelConfig, layer_cls, device, dtype,
@@ -110,7 +116,7 @@ def init_decoder(model: "LlamaModel", config: ModelConfig, layer_cls, device, dt
                                       _weight=torch.empty(c.vocab_size, c.hidden_size, device=device, dtype=dtype))
     model.layers = nn.ModuleList(layer_cls(c, i, device=device, dtype=dtype) for i in range(c.num_layers))
     model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device=device, dtype=dtype)
-    model.lm_head = Linear(c.hidden_size, c.vocab_size, device=device, dtype=dtype)
+    model.lm_head = Linear(c.hidden_size, c.vocab_size, device=device, dtype=dtype, exact_top=HEAD_EXACT_TOP)
     if c.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rope = rope
@@ -170,7 +176,7 @@ class LlamaModel(nn.Module):
             if idx is not None:
                 x = x.index_select(0, idx)
             x = self.norm(x, tuning=tuning)
-        return self.lm_head(x, tuning).float()
+        return self.lm_head(x, tuning, is_decode(batch)).float()
 
     def extra_repr(self) -> str:
         c = self.config

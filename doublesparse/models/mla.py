@@ -26,7 +26,7 @@ from torch import nn
 from ..kernels.latent import latent_value_dim
 from .config import ModelConfig
 from .layers import Linear, RMSNorm
-from .llama import LlamaDecoderLayer, LlamaModel, _tuning, init_decoder
+from .llama import LlamaDecoderLayer, LlamaModel, _tuning, init_decoder, is_decode
 from .moe_config import MLAConfig, yarn_mscale
 from .moe_model import moe_or_dense_mlp
 from .rope import RotaryEmbedding
@@ -105,15 +105,15 @@ class MLAAttention(nn.Module):
         # the backends scale scores by latent_dim ** -0.5; MLA wants softmax_scale
         self.q_scale = m.softmax_scale * math.sqrt(m.latent_dim)
 
-    def absorbed_query(self, x: torch.Tensor, positions: torch.Tensor, rope, tuning):
+    def absorbed_query(self, x: torch.Tensor, positions: torch.Tensor, rope, tuning, decode: bool = False):
         """x: [T, H] -> (q [T, heads, latent_dim] pre-scaled, latent [T, 1, latent_dim]), model dtype."""
         T, m, nh = x.shape[0], self.mla, self.num_heads
         if m.q_lora_rank is None:
-            q = self.q_proj(x, tuning)
+            q = self.q_proj(x, tuning, decode)
         else:
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x, tuning), tuning=tuning), tuning)
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x, tuning, decode), tuning=tuning), tuning, decode)
         q_nope, q_rope = q.view(T, nh, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        c_kv, k_rope = self.kv_a_proj(x, tuning).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        c_kv, k_rope = self.kv_a_proj(x, tuning, decode).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_norm(c_kv.contiguous(), tuning=tuning)
         q_rope, k_rope = rope(positions, _rotate_half_order(q_rope), _rotate_half_order(k_rope)[:, None])
         w_uk = self.kv_b_proj.weight.view(nh, -1, m.kv_lora_rank)[:, :m.qk_nope_head_dim]   # [nh, dn, R]
@@ -125,12 +125,12 @@ class MLAAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope, batch) -> torch.Tensor:
         """x: [T, H] -> [T, H]; the backend sees q [T, heads, 576], k = v = latent [T, 1, 576]."""
         T, m, nh = x.shape[0], self.mla, self.num_heads
-        tuning = _tuning(batch)
-        q, latent = self.absorbed_query(x, positions, rope, tuning)
+        tuning, decode = _tuning(batch), is_decode(batch)
+        q, latent = self.absorbed_query(x, positions, rope, tuning, decode)
         out = batch.attn.forward(self.layer_id, q, latent, latent, batch)                   # [T, nh, 576]
         w_uv = self.kv_b_proj.weight.view(nh, -1, m.kv_lora_rank)[:, m.qk_nope_head_dim:]  # [nh, dv, R]
         o = torch.bmm(out[..., :m.kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2))      # [nh, T, dv]
-        return self.o_proj(o.transpose(0, 1).reshape(T, nh * m.v_head_dim), tuning)
+        return self.o_proj(o.transpose(0, 1).reshape(T, nh * m.v_head_dim), tuning, decode)
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):

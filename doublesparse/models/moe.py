@@ -102,14 +102,14 @@ class SparseMoE(nn.Module):
         logits = F.linear(x.float(), w.float()) if self.moe.router_fp32 else F.linear(x, w)
         return route(logits, self.moe)
 
-    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
-        """x: [T, H] -> [T, H]."""
+    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING, decode: bool = False) -> torch.Tensor:
+        """x: [T, H] -> [T, H]; ``decode``: as in :class:`~doublesparse.models.layers.Linear`."""
         E, inter = self.moe.num_experts, self.moe.intermediate_size
         weights, ids = self.router(x)
         y = run_experts(x, self.w13.view(E, 2 * inter, self.hidden), self.w2.view(E, self.hidden, inter),
                         weights, ids, tuning)
         if self.shared is not None:
-            y = y + self.shared(x, tuning)
+            y = y + self.shared(x, tuning, decode)
         return y
 
     def extra_repr(self) -> str:

@@ -13,10 +13,16 @@ each :class:`~doublesparse.models.layers.Linear` of a CPU model gets a packed co
 * bf16 otherwise (e.g. SmolLM2's tied Q8_0 embedding as the LM head), through oneDNN's
   prepacked bf16 GEMM where torch has it (AMX / AVX512-BF16 CPUs), else ``F.linear`` in bf16.
 
-The packed copy serves forwards of at most :data:`MAX_ROWS` rows (decode steps, the last rows of
-a prefill); larger ones (prefill) keep the float weights, where the float GEMM is faster. The
+Decode forwards multiply by the int4 copies; prefill forwards keep the float weights, where the
+float GEMM is about twice as fast from ~32 rows on. A bf16 copy serves every forward (oneDNN's
+bf16 GEMM is faster than the float one at any row count). Both kernels give a row the same result
+whatever rows share the forward, so a request's tokens do not depend on its batch (the float GEMM
+does not promise that, which is why the choice follows the forward's kind, not its size). The
 activations are rounded to bf16 for the packed kernels and the outputs come back in the input's
-dtype; the residual stream stays in float32. docs/cpu-decode.md gives the speed and accuracy on
+dtype; the residual stream stays in float32. An LM head's bf16 copy rounds the logits to bf16
+(steps of 0.125 at |logit| 16-32, so ties are common): :func:`refine_top` recomputes each row's
+largest ones in float32 from the float weight rows, which is what greedy decoding and the top
+logprobs read. docs/cpu-decode.md gives the speed and accuracy on
 the embedded model. :func:`reference_weight` is the plain PyTorch reference of a packed copy.
 """
 
@@ -29,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 GROUP = 32           # int4 group size along K (GGUF's legacy block size)
-MAX_ROWS = 16        # forwards of more rows use the float weights (measured crossover ~16-32 rows)
 GRID_TOL = 1e-3      # int4 repack: largest error allowed, in units of the group's step
+HEAD_EXACT_TOP = 16  # logits per row an LM head's bf16 copy recomputes in float32 (refine_top)
 
 
 @dataclass
@@ -42,8 +48,6 @@ class PackedWeight:
     offset at code 8: ``w = (q - 8) * scale + offset``).
     kind "bf16": ``data`` the bf16 weight ``[N, K]``, ``scales`` empty; ``prepacked`` its oneDNN
     layout (built here, not stored: it is an opaque tensor), or None where torch lacks oneDNN.
-    ``max_rows``: the largest forward it serves (a teacher-forced measurement of decode, which
-    runs many decode rows in one forward, raises it: each row's result is the same).
     """
 
     kind: str
@@ -51,7 +55,6 @@ class PackedWeight:
     scales: torch.Tensor
     shape: tuple[int, int]
     prepacked: torch.Tensor | None = None
-    max_rows: int = MAX_ROWS   # forwards of more rows use the float weights
 
     def __post_init__(self):
         if self.kind == "bf16" and self.prepacked is None and torch.backends.mkldnn.is_available():
@@ -73,6 +76,16 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def refine_top(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
+    """y: [T, N] float32, ``x @ W.T`` through a bf16 copy; x: [T, K], weight: W [N, K] float32.
+    Returns y with each row's k largest entries recomputed from W's rows in float32 (a bf16 output
+    is within one bf16 step of the exact value, so the exact maximum is among them unless more than
+    k entries sit within two steps of it). Row by row: a row's result ignores the other rows."""
+    idx = y.topk(min(k, y.shape[1]), dim=-1).indices                     # [T, k]
+    exact = (x.to(weight.dtype)[:, None, :] * weight[idx]).sum(-1)       # [T, k]
+    return y.scatter(1, idx, exact.to(y.dtype))
 
 
 def _grid_codes(w: torch.Tensor):
@@ -138,12 +151,12 @@ def reference_weight(weight: torch.Tensor) -> torch.Tensor:
 def pack_linears(model: nn.Module) -> dict[str, int]:
     """Give every CPU :class:`~doublesparse.models.layers.Linear` of ``model`` its packed copy
     (``module.packed``); the float weights stay (prefill, calibration, the weight cache).
-    Returns ``{"int4": n, "bf16": n, "bytes": packed bytes}``."""
-    from .layers import Linear
-
+    Returns ``{"int4": n, "bf16": n, "bytes": packed bytes}``. (A Linear is known by its
+    ``packed`` slot: layers.py imports this module, so this one does not import it back.)"""
     out = {"int4": 0, "bf16": 0, "bytes": 0}
     for m in model.modules():
-        if isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.dim() == 2:
+        w = getattr(m, "weight", None)
+        if hasattr(m, "packed") and isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dim() == 2:
             m.packed = pack_weight(m.weight)
             out[m.packed.kind] += 1
             out["bytes"] += m.packed.nbytes

@@ -44,10 +44,12 @@ class CausalAttention:
 
 @dataclass
 class SimpleBatch:
-    """The minimal ``batch`` the model needs: an attention backend and the rows to produce logits for."""
+    """The minimal ``batch`` the model needs: an attention backend, the rows to produce logits for,
+    and the forward's kind ("decode": CPU layers multiply by their packed copies, models/packed.py)."""
 
     attn: Any
     logits_indices: torch.Tensor | None = None
+    mode: str = "prefill"
 
 
 def forward_sequence(model, input_ids: torch.Tensor, attn: Any = None, last_only: bool = False) -> torch.Tensor:

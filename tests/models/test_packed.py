@@ -1,11 +1,11 @@
 """Weight-only packed copies of the linear layers (models/packed.py): int4 for 4-bit grids, bf16
-elsewhere, against the plain PyTorch reference; the Linear layer uses them for decode-sized
-forwards only; the engine packs the models it loads on CPU unless told not to."""
+elsewhere, against the plain PyTorch reference; the Linear layer uses int4 copies in decode forwards
+only and bf16 ones in all; a row's result does not depend on its batch; the engine packs the
+models it loads on CPU unless told not to."""
 
 import pytest
 import torch
 
-from doublesparse.models import packed
 from doublesparse.models.layers import Linear
 from doublesparse.models.packed import pack_linears, pack_weight, reference_weight
 
@@ -55,18 +55,39 @@ def test_bf16_elsewhere_matches_reference(N, K, T):
     assert pack_weight(near).kind == "bf16"
 
 
-def test_linear_uses_the_copy_for_decode_sized_forwards_only():
+def test_linear_uses_the_int4_copy_in_decode_forwards_only():
     lin = Linear(64, 48, bias=True)
     lin.weight.data = _grid(48, 64)
     lin.bias.data = torch.randn(48)
     pack_linears(torch.nn.Sequential(lin))
     assert lin.packed.kind == "int4"
-    x = torch.randn(packed.MAX_ROWS + 1, 64)
+    x = torch.randn(3, 64)
     full = torch.nn.functional.linear(x, lin.weight, lin.bias)
     assert torch.equal(lin(x), full)                                       # prefill: float weights
-    small = lin(x[:3])
-    torch.testing.assert_close(small, lin.packed.matmul(x[:3]) + lin.bias, rtol=0, atol=0)
-    assert not torch.equal(small, full[:3])
+    small = lin(x, decode=True)
+    torch.testing.assert_close(small, lin.packed.matmul(x) + lin.bias, rtol=0, atol=0)
+    assert not torch.equal(small, full)
+
+
+def test_bf16_copy_serves_every_forward():
+    lin = Linear(64, 40)
+    lin.weight.data = torch.randn(40, 64)
+    pack_linears(torch.nn.Sequential(lin))
+    assert lin.packed.kind == "bf16"
+    x = torch.randn(37, 64)
+    assert torch.equal(lin(x), lin.packed.matmul(x)) and torch.equal(lin(x, decode=True), lin(x))
+
+
+@pytest.mark.parametrize("kind", ["int4", "bf16"])
+def test_a_rows_result_does_not_depend_on_the_other_rows(kind):
+    # what makes greedy decode independent of the batch a request shares
+    w = _grid(48, 64) if kind == "int4" else torch.randn(48, 64)
+    p = pack_weight(w)
+    assert p.kind == kind
+    x = torch.randn(41, 64)
+    alone = torch.cat([p.matmul(x[i:i + 1]) for i in range(41)])
+    for m in (2, 5, 16, 17, 33, 41):
+        assert torch.equal(p.matmul(x[:m]), alone[:m]), m
 
 
 def test_engine_packs_what_it_loads_on_cpu_unless_disabled(monkeypatch):
@@ -84,15 +105,13 @@ def test_engine_packs_what_it_loads_on_cpu_unless_disabled(monkeypatch):
 
 
 def test_decode_weight_bytes_count_the_packed_copies():
-    # bench_one_batch's byte floor: a batch the packed copies serve reads them, a larger one the floats
+    # bench_one_batch's byte floor: decode reads the packed copies
     from doublesparse.bench_one_batch import weight_bytes
-    from doublesparse.models import packed as packed_mod
     from doublesparse.testing import tiny_llama
 
     m = tiny_llama()
     floats = weight_bytes(m)
     pack_linears(m)
     packed = sum(x.packed.nbytes for x in m.modules() if getattr(x, "packed", None) is not None)
-    assert weight_bytes(m, 1) < floats == weight_bytes(m, packed_mod.MAX_ROWS + 1) == weight_bytes(m)
-    assert weight_bytes(m, packed_mod.MAX_ROWS) == floats - sum(
+    assert weight_bytes(m) == floats - sum(
         x.weight.numel() * 4 for x in m.modules() if getattr(x, "packed", None) is not None) + packed

@@ -109,33 +109,67 @@ def test_native_generate(srv):
     assert json.loads(lines[-2][6:])["text"] == r["text"]
 
 
+# How far apart two tokens' offline logprobs may be where the real engine's greedy tokens part
+# from the offline ones. A decode row's result does not depend on its batch (models/packed.py),
+# but a prompt's K/V do, slightly: the float32 prefill GEMM rounds differently for another row
+# count, and a prefix-cache hit computes the prompt in other pieces. The decode's bf16 activations
+# carry that on: up to 0.09 nats in a token's logprob between these prompts prefilled together
+# and one at a time (the parting tokens were 0.024 and 0.027 apart there).
+NEAR_TIE = 0.2
+
+
 def test_32_concurrent_clients_match_offline_greedy(srv, reference_engine):
+    """Each concurrent client gets the offline greedy tokens of its own prompt (no mix-ups
+    between requests). The real engine's tokens may part from the offline ones only at a near-tie
+    of the offline logprobs (both tokens within NEAR_TIE nats, the server's among the offline top
+    3); the fake's must be equal."""
     prompts = [f"Request number {i}: tell me about {w}" for i, w in
                enumerate(["kings", "ships", "storms", "wine"] * 8)]
-    n = 8 if srv.kind == "fake" else 4
+    real = srv.kind == "real"
+    n = 4 if real else 8
 
     async def one(ac, p, i):
-        body = {"prompt": p, "max_tokens": n, "temperature": 0, "stream": i % 2 == 0}
+        body = {"prompt": p, "max_tokens": n, "temperature": 0, "stream": i % 2 == 0,
+                **({"logprobs": 3} if real else {})}
         if not body["stream"]:
             r = await ac.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-        text = ""
+            ch = r.json()["choices"][0]
+            return ch["text"], ch["logprobs"]["tokens"] if real else None
+        text, toks = "", []
         async with ac.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             async for ln in r.aiter_lines():
                 if ln.startswith("data: ") and ln != "data: [DONE]":
-                    text += json.loads(ln[6:])["choices"][0]["text"]
-        return text
+                    ch = json.loads(ln[6:])["choices"][0]
+                    text += ch["text"]
+                    toks += (ch.get("logprobs") or {}).get("tokens", [])
+        return text, toks
 
     async def all_():
         async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=300) as ac:
             return await asyncio.gather(*(one(ac, p, i) for i, p in enumerate(prompts)))
 
     got = asyncio.run(all_())
-    ref = offline_greedy(reference_engine, prompts, n)
-    for p, g, r in zip(prompts, got, ref):
-        assert g == r, p
+    if not real:
+        for p, (g, _), r in zip(prompts, got, offline_greedy(reference_engine, prompts, n)):
+            assert g == r, p
+        return
+    from doublesparse.server.logprobs import TokenText
+    tt = TokenText(reference_engine.tokenizer)
+    ref = reference_engine.generate(prompts, {"max_new_tokens": n, "temperature": 0.0, "logprobs": 3})
+    parted = 0
+    for p, (text, toks), r in zip(prompts, got, ref):
+        want = [tt.text(i) for i in r["token_ids"]]
+        if toks == want:
+            assert text == r["text"], p
+            continue
+        t = next(t for t, (a, b) in enumerate(zip(toks, want)) if a != b)
+        lp, top = r["logprobs"][t]
+        alt = {tt.text(i): v for i, v in top}
+        assert toks[t] in alt and lp - alt[toks[t]] <= NEAR_TIE, (p, t, toks, want, r["logprobs"][t])
+        parted += 1
+    assert parted <= 8, f"{parted} of 32 requests parted from the offline tokens"
     srv.wait_idle()
 
 
