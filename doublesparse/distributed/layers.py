@@ -63,7 +63,7 @@ class RowParallelLinear(Linear):
             raise ValueError("a row-parallel linear with a bias would add it once per rank")
         m = cls.__new__(cls)
         nn.Module.__init__(m)
-        m.in_features, m.out_features = linear.in_features, linear.out_features
+        m.in_features, m.out_features, m.exact_top = linear.in_features, linear.out_features, linear.exact_top
         m.weight, m.bias, m.comm = linear.weight, None, comm
         m.packed = None  # the loader packs the rank's slice after filling it (CPU loads)
         return m

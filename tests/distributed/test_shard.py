@@ -149,3 +149,14 @@ def test_cpu_shards_are_packed_like_the_tp1_model(tmp_path):
                 continue
             assert torch.equal(reference_weight(x.weight),
                                part.shard.tensor(name + ".weight", reference_weight(linears(full)[name].weight))), name
+
+
+def test_packed_cpu_load_decodes_at_tp2(tmp_path):
+    # the ranks' packed copies serve their forwards, through the wrapped row-parallel layers too
+    from doublesparse import bench_one_batch
+
+    out = tmp_path / "r.json"
+    rc = bench_one_batch.main(["--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu",
+                               "--tp-size", "2", "--batch-size", "2", "--input-len", "40", "--output-len", "3",
+                               "--skip-warmup", "--copy-bytes", "1000000", "--result-json", str(out)])
+    assert rc == 0 and json.loads(out.read_text())["results"][0]["median_step_bytes"] > 0
