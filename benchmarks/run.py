@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is loaded
 import cpu_embedded  # noqa: E402
+import decode_cost  # noqa: E402
 import offload  # noqa: E402
 import prefix_cache  # noqa: E402
 import speedup_map  # noqa: E402
@@ -54,6 +55,8 @@ _LONGCHAT = f"{_ONE_BATCH} --model-path longchat-7b-v1.5-32k --input-len 20000 -
 _SMOL = ("python -m doublesparse.bench_one_batch --profile --model-path /root/m/smollm2.gguf --batch-size 1 "
          "--input-len 8000 --output-len 128")
 _DS = "--enable-double-sparsity --ds-heavy-channel-num"
+_COST = ("python -m doublesparse.bench_one_batch --device cpu --batch-size 1 --input-len 1024 2048 4096 8000 "
+         "--output-len 16 --fill random --warmup-input-len 256 --enable-double-sparsity")
 
 
 def _one_batch_row(name: str, cmd: str) -> dict:
@@ -268,6 +271,14 @@ SUITES: dict[str, dict] = {
                  # CPU decode's packed weight copies against float32 (benchmarks/cpu_packed_accuracy.py)
                  {"name": "packed-accuracy", "cmd": "python benchmarks/cpu_packed_accuracy.py --output {out}.json",
                   "result": "{out}.json", "timeout": 3600}],
+    },
+    # The automatic dense/sparse choice's figures on this CPU (benchmarks/decode_cost.py): the
+    # embedded model at batch 1, every step dense, then every step sparse.
+    "decode-cost": {
+        "area": "decode-cost",
+        "machine": "cpu",
+        "rows": [_one_batch_row(name, f"{_COST} --ds-sparse-decode-threshold {t}")
+                 for name, t in (("dense", 1 << 30), ("sparse", 0))],
     },
     # The sampling step's extras (logprobs, penalties, min_p, grammar masks) against plain
     # sampling, per batch size, on the device (no model forward in it).
@@ -502,6 +513,8 @@ def summarize(area: str, rows: dict) -> dict:
             hf = rows.get("hf-offloaded-cache", {}).get("summary", {})
             return {"hf_offload_longest_length": hf.get("longest_length"),
                     "hf_offload_step_ms": hf.get("median_step_ms"), **offload.summary(rows)}
+        if area == "decode-cost":
+            return decode_cost.figures(rows["dense"], rows["sparse"])
         if area == "cpu-embedded":
             acc = rows.get("packed-accuracy", {}).get("settings")
             return {**rows["embedded"]["summary"], **({"packed_accuracy": acc} if acc else {})}
@@ -630,6 +643,10 @@ def markdown(doc: dict) -> str:
         L += _table_one_batch({n: d for n, d in rows.items() if n.startswith("prefill-")}) + [""]
     elif area == "serving":
         L += _table_serving(rows) + [""]
+    elif area == "decode-cost":
+        L += [decode_cost.__doc__.split("\n\n")[1].replace("\n", " "), "",
+              *decode_cost.table(rows["dense"], rows["sparse"]), "",
+              f"As KernelTuning fields: `{json.dumps(doc['summary'].get('kernel_tuning'))}`", ""]
     elif area == "models":
         note = ("Decode step of one static batch (dummy weights, pools filled with random values) against "
                 "its byte floor: the weights every step reads, the routed experts the batch touches "

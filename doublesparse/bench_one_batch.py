@@ -355,7 +355,8 @@ def _main(argv: list[str]) -> int:
     if args.result_json:
         cmd = "python -m doublesparse.bench_one_batch " + " ".join(argv)
         out = dict(command=cmd, config=dataclasses.asdict(cfg), device=str(dev), copy_bandwidth=bw,
-                   weight_bytes=wbytes, channel_source=parts.channel_source,
+                   weight_bytes=wbytes, num_layers=parts.model.config.num_layers,
+                   channel_source=parts.channel_source,
                    heavy_token_num=parts.ds.heavy_token_num if parts.ds else None,
                    heavy_channel_num=parts.plan.heavy_channel_num or None, label_dtype=_label_dtype(parts.plan),
                    cuda_graphs=[list(k) for k in sorted(parts.runner.graphs)], kernel_tuning=dataclasses.asdict(cfg.kernel_tuning),

@@ -172,3 +172,24 @@ def test_prefix_cache_suite_in_two_parts_merges(tmp_path, monkeypatch):
     assert s["speedup_vs_disabled"] == pytest.approx(6.0) and s["hit_rate"] == 0.93
     assert s["eviction_run_failed"] == 0 and s["commit"] == "abc" and s["device"] and s["date"]
     assert len(s["commands"]) == 3 and "| radix-cache | 15.0 |" in (tmp_path / "prefix-cache-t.md").read_text()
+
+
+def test_decode_cost_figures_recover_a_known_machine():
+    """The decode-cost suite's fit returns the bandwidth and per-layer overhead the steps were made with."""
+    import decode_cost  # run.py put benchmarks/ on the path
+
+    bw, t0, over, L = 12e9, 0.004, 250e-6, 30
+
+    def doc(sparse):
+        rs = []
+        for n in (1024, 2048, 4096, 8000):
+            b = 123_000_000 + n * (2_000 if sparse else 46_000)
+            rs.append({"input_len": n, "median_step_bytes": b, "decode_steps": 15, "sparse_steps": 15 if sparse else 0,
+                       "median_decode_latency": t0 + b / bw + (L * over if sparse else 0.0)})
+        return {"device": "cpu", "num_layers": L, "results": rs}
+
+    s = decode_cost.figures(doc(False), doc(True))
+    assert abs(s["bandwidth_gbs"] - 12) < 1e-6 and abs(s["ds_step_overhead_us_per_layer"] - 250) < 1e-6
+    assert s["kernel_tuning"] == {"cpu_decode_bandwidth_gbs": 12.0, "cpu_ds_step_overhead_us_per_layer": 250.0}
+    assert s["sparse_all_sparse"] and s["dense_sparse_steps"] == 0
+    assert len(decode_cost.table(doc(False), doc(True))) == 6
