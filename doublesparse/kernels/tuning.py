@@ -111,11 +111,12 @@ class KernelTuning:
     # The automatic dense/sparse choice of a decode step (attention/budget.py): the bandwidth the
     # decode kernels reach, and the fixed time the sparse path's extra launches (score, select)
     # add to a step per layer; on CUDA (H200: copy bandwidth; the extra time of the DS step over
-    # its byte floor beside dense's, at 1 x 16K) and on the CPU's PyTorch path.
+    # its byte floor beside dense's, at 1 x 16K) and on the CPU's PyTorch path (2-core CPU machine,
+    # `python benchmarks/run.py decode-cost`, which measures them on any machine).
     decode_bandwidth_gbs: float = 4240.0
     ds_step_overhead_us_per_layer: float = 15.0
-    cpu_decode_bandwidth_gbs: float = 10.0
-    cpu_ds_step_overhead_us_per_layer: float = 300.0
+    cpu_decode_bandwidth_gbs: float = 5.17
+    cpu_ds_step_overhead_us_per_layer: float = 477.0
 
     def __post_init__(self):
         def bad(name, want):
