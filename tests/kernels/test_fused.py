@@ -394,6 +394,33 @@ from doublesparse.kernels.triton import ds_topp
 comp(ds_topp.topp_mass_kernel, dict(NUM_PROGS=8, BLOCK_N=1024), dict(i32, part_ptr="*fp32"), num_warps=4)
 comp(ds_topp.topp_keep_kernel, dict(NUM_PROGS=8, P_P=8, K_P=512), dict(i32, part_ptr="*fp32", out_slot_ptr="*i32",
      row_k_ptr="*i32"), dict(top_p="fp32"), num_warps=8)
+
+# Kernels no GPU has run yet, at their launchers' settings: compiled, and (where Triton ships
+# cuobjdump) without a stack, i.e. without spilled registers.
+import os, re, subprocess, tempfile
+def no_spill(k):
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"]); f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    stack = [int(x) for x in re.findall(r"STACK:(\d+)", out)]
+    assert stack and max(stack) == 0, (k.name, out)
+from doublesparse.kernels.triton import host_gather, latent_attn, moe
+moe_ptrs = dict(rows_ptr="*i64", bexp_ptr="*i32", wt_ptr="*fp32", o_ptr="*fp32")
+for topk in (2, 8):  # Mixtral, Qwen3-MoE / DeepSeek-V2
+    no_spill(comp(moe._gate_up_kernel, dict(K=topk, BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), moe_ptrs, num_warps=4))
+no_spill(comp(moe._down_kernel, dict(BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), moe_ptrs, num_warps=4))
+for has_sel in (False, True):  # DeepSeek-V2-Lite: 16 heads, latent 512 + 64
+    no_spill(comp(latent_attn.latent_attn_kernel, dict(DN=512, DR=64, HAS_SEL=has_sel, NUM_SPLITS=8, BLOCK_H=16,
+              BLOCK_N=32, DOT_F32=False), dict(req_to_token_ptr="*i32", req_idx_ptr="*i32", seq_lens_ptr="*i32",
+              sel_ptr="*i32", part_o_ptr="*fp32", part_lse_ptr="*fp32", heavy_ks_ptr="*i32"),
+              dict(sm_scale="fp32"), num_warps=8, num_stages=2))
+for d in (64, 128, 576):  # DS-Offload's gather between page-locked host memory and the device
+    bd = triton.next_power_of_2(d)
+    no_spill(comp(host_gather.copy_rows_kernel, dict(D=d, BLOCK_E=max(2, host_gather.ELEMS_PER_PROGRAM // bd), BLOCK_D=bd),
+                  dict(src_row_ptr="*i64", dst_row_ptr="*i64", head_ptr="*i64", valid_ptr="*i8"), num_warps=4))
 '''
 
 
