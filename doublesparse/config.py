@@ -313,8 +313,7 @@ class EngineConfig:
         return SchedulerConfig(max_running_requests=self.resolved_max_running_requests,
                                chunked_prefill_size=self.chunked_prefill_size,
                                prefill_schedule=self.prefill_schedule,
-                               # offloaded requests do not share slots: the hot set is per request
-                               disable_radix_cache=self.disable_radix_cache or self.enable_ds_offload)
+                               disable_radix_cache=self.disable_radix_cache)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -43,9 +43,28 @@ def test_offload_generates_what_in_gpu_ds_generates(model, fetch, prefetch):
     assert all((t == -1).all() for t in e.parts.backend.hot.tags)
 
 
+def test_offload_with_the_prefix_cache(model):
+    """Prefix hits (two running requests sharing one) and evictions in a 420-slot host store: the
+    same greedy tokens as in-GPU DS with its prefix cache, the same hits and evictions."""
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (90, 120, 150)]
+    sp = {"max_new_tokens": 8, "temperature": 0}
+    ref = _engine(model, disable_radix_cache=False, max_total_tokens=420)
+    off = _engine(model, disable_radix_cache=False, max_total_tokens=420, enable_ds_offload=True,
+                  ds_offload_hot_tokens=24)
+    for i in range(6):
+        batch = [docs[i % 3] + [i + 3] * (i + 1), docs[(i + 1) % 3][: 50 + 10 * i] + [7], docs[i % 3] + [9]]
+        assert [r["text"] for r in ref.generate(batch, sp)] == [r["text"] for r in off.generate(batch, sp)], i
+    a, b = ref.stats(), off.stats()
+    assert b["prefix_cache_hit_tokens"] == a["prefix_cache_hit_tokens"] > 500
+    assert b["prefix_cache_evicted_tokens"] == a["prefix_cache_evicted_tokens"] > 0
+    off.flush_cache()
+    assert off.parts.memory.slots.num_used == 0 and all((t == -1).all() for t in off.parts.backend.hot.tags)
+
+
 def test_offload_flags():
     cfg = EngineConfig(enable_ds_offload=True)
-    assert cfg.use_double_sparsity and cfg.scheduler_config().disable_radix_cache
+    assert cfg.use_double_sparsity and not cfg.scheduler_config().disable_radix_cache
     with pytest.raises(ValueError, match="contradicts"):
         EngineConfig(enable_ds_offload=True, attention_backend="dense")
     with pytest.raises(ValueError, match="ds_offload_fetch"):
