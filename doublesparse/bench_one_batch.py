@@ -190,7 +190,8 @@ def fill_random(parts, seed: int) -> None:
     """Random K, V and label values in every slot of the pools (a prompt's cache, for timing)."""
     g = torch.Generator(device=parts.device).manual_seed(seed)
     m = parts.memory
-    for pool in (*m.k, *m.v, *(x for x in m.label if x is not None)):
+    tier = (*getattr(m.kv_store, "device_k", ()), *getattr(m.kv_store, "device_v", ()))  # DS-Offload's
+    for pool in (*m.k, *m.v, *tier, *(x for x in m.label if x is not None)):
         for chunk in pool.split(1 << 16):  # bounded float32 temporaries (the pools fill the GPU)
             # converted on the device: a host pool (DS-Offload) then receives half the bytes
             chunk.copy_(torch.randn(chunk.shape, generator=g, device=parts.device, dtype=torch.float32)

@@ -95,7 +95,9 @@ class EngineConfig:
     docs/parallelism.md); 1 runs in this process alone.
     ``enable_ds_offload`` and the ``ds_offload_*`` fields: K/V in host
     memory, labels and a hot set on the device (docs/offload.md); ``ds_offload_hot_tokens`` = None:
-    2 x the largest top-k; ``ds_offload_host_memory_gb`` = None: 64 GiB on CUDA, 1 on CPU.
+    2 x the largest top-k; ``ds_offload_host_memory_gb`` = None: 64 GiB on CUDA, 1 on CPU;
+    ``ds_offload_device_tokens``: slots whose K/V stay in device memory, for the requests that fit
+    there when admitted (0: every request's K/V in host memory).
     ``gpu_memory_budget_gb``: weights + device pools + hot set + workspace must fit (None: no check).
     """
 
@@ -138,6 +140,7 @@ class EngineConfig:
     enable_ds_offload: bool = False
     ds_offload_host_memory_gb: float | None = None
     ds_offload_hot_tokens: int | None = None
+    ds_offload_device_tokens: int = 0
     ds_offload_fetch: str = "reuse"
     ds_offload_prefetch: str = "none"
     gpu_memory_budget_gb: float | None = None
@@ -182,6 +185,12 @@ class EngineConfig:
         if self.ds_offload_prefetch != "none" and self.ds_offload_fetch != "reuse":
             raise ValueError("--ds-offload-prefetch next-layer needs --ds-offload-fetch reuse")
         _check_pos("ds_offload_hot_tokens", self.ds_offload_hot_tokens)
+        d = self.ds_offload_device_tokens
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError(f"ds_offload_device_tokens must be a non-negative int, got {d!r}")
+        if d and self.ds_offload_fetch == "full-kv":
+            raise ValueError("--ds-offload-device-tokens needs --ds-offload-fetch reuse or no-reuse (full-kv "
+                             "reads every token from host memory)")
         for name in ("ds_offload_host_memory_gb", "gpu_memory_budget_gb"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):

@@ -104,6 +104,10 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
     g.add_argument("--ds-offload-host-memory-gb", type=float, metavar="GiB",
                    help="most host memory the offloaded K/V may take; sizes the host store when "
                         "--max-total-tokens is not given (default: 64 on CUDA, 1 on CPU)")
+    g.add_argument("--ds-offload-device-tokens", type=int,
+                   help="K/V slots kept in GPU memory: a request whose tokens fit there when admitted keeps its "
+                        "K/V on the GPU (its hot-set misses are device copies), the others go to host memory "
+                        "(default: 0, every request offloaded)")
     g.add_argument("--ds-offload-hot-tokens", type=int,
                    help="hot-set rows per request, layer and KV head (default: 2 x the largest top-k)")
     g.add_argument("--ds-offload-fetch", choices=OFFLOAD_FETCH,

@@ -24,7 +24,7 @@ import dataclasses
 import torch
 
 from ..kernels import ops
-from ..kernels.host_copy import copy_rows
+from ..kernels.host_copy import copy_to_tiers
 from ..kernels import torch_ops
 from .budget import DENSE, DecodePolicy
 from .double_sparsity import DoubleSparsityBackend, row_budgets
@@ -94,8 +94,16 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         rows = slots.long()[:, None].expand(N, H)
         heads = torch.arange(H, device=k.device)[None, :].expand(N, H)
         ok = torch.ones(N, H, dtype=torch.bool, device=k.device)
-        copy_rows(k, v, m.k[layer_id], m.v[layer_id], torch.arange(N, device=k.device)[:, None].expand(N, H),
-                  rows, heads, ok, impl="triton" if self._triton else "torch")
+        copy_to_tiers(k, v, torch.arange(N, device=k.device)[:, None].expand(N, H), self.tiers(layer_id),
+                      rows, heads, ok, impl="triton" if self._triton else "torch")
+
+    def tiers(self, layer_id):
+        """Where layer ``layer_id``'s K/V live: engine/host_kv.py's HostKVStore.tiers, or the
+        memory's own ``k``/``v`` lists when it has no such store (no device tier)."""
+        store = getattr(self.memory, "kv_store", None)
+        if store is not None:
+            return store.tiers(layer_id)
+        return self.memory.k[layer_id], self.memory.v[layer_id], None, None, 0
 
     # ------------------------------------------------------------------------------ decode
     def decode_attention(self, layer_id, q, batch):
@@ -128,8 +136,7 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
     def _hot_rows(self, layer_id, req_idx, slots, valid):
         """Hot rows of the wanted slots, after fetching the misses. [B, Hkv, K] int32."""
         hot, fetch = self.hot.lookup(layer_id, req_idx, slots, valid, reuse=self.fetch == "reuse")
-        m = self.memory
-        self.hot.fetch(layer_id, m.k[layer_id], m.v[layer_id], slots, hot, fetch,
+        self.hot.fetch(layer_id, self.tiers(layer_id), slots, hot, fetch,
                        impl="triton" if self._triton else "torch")
         return hot
 
@@ -138,7 +145,6 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         and fetch the rows of that guessed selection now; on CUDA on a side stream, so that the copy
         overlaps the rest of the previous layer (the layer's own lookup joins it and fixes up its
         misses). The outputs do not depend on it: only what is resident when the layer runs."""
-        m = self.memory
         if self._triton:
             slots, valid, _ = self._select_triton(layer_id, q, batch, ks)
         else:
@@ -148,13 +154,13 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         hot, fetch = self.hot.lookup(layer_id, batch.req_idx, slots.long(), valid, predicted=True)
         impl = "triton" if self._triton else "torch"
         if not q.is_cuda:
-            self.hot.fetch(layer_id, m.k[layer_id], m.v[layer_id], slots.long(), hot, fetch, impl=impl)
+            self.hot.fetch(layer_id, self.tiers(layer_id), slots.long(), hot, fetch, impl=impl)
             return
         main = torch.cuda.current_stream(q.device)
         side = self._prefetch_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            self.hot.fetch(layer_id, m.k[layer_id], m.v[layer_id], slots.long(), hot, fetch, impl=impl)
+            self.hot.fetch(layer_id, self.tiers(layer_id), slots.long(), hot, fetch, impl=impl)
         # kept alive until the join: the side stream reads them
         self._inflight[layer_id] = (slots, hot, fetch)
 

@@ -116,13 +116,14 @@ class HotSet:
             self.counters[1].add_(miss.sum())
         return hot, miss
 
-    def fetch(self, layer: int, host_k, host_v, slots, hot, fetch, impl: str = "auto") -> None:
-        """Copy the K/V rows of the ``fetch`` entries from the host store ([S, Hkv, D] x2) into
-        their hot rows (slots, hot, fetch as from :meth:`lookup`)."""
-        from ..kernels.host_copy import copy_rows
+    def fetch(self, layer: int, tiers, slots, hot, fetch, impl: str = "auto") -> None:
+        """Copy the K/V rows of the ``fetch`` entries from the store (``tiers``: the layer's
+        ``HostKVStore.tiers``: host rows, and device-tier rows where there is one) into their hot
+        rows (slots, hot, fetch as from :meth:`lookup`)."""
+        from ..kernels.host_copy import copy_from_tiers
         heads = self._heads.expand_as(slots)
-        copy_rows(host_k, host_v, self.k[layer], self.v[layer], slots, hot, heads.contiguous(),
-                  fetch.contiguous(), impl=impl)
+        copy_from_tiers(tiers, self.k[layer], self.v[layer], slots, hot, heads.contiguous(),
+                        fetch.contiguous(), impl=impl)
 
     def stats(self) -> dict:
         """Counters so far (one host sync: call outside the decode loop)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.host_copy import copy_rows
+from ..kernels.host_copy import copy_from_tiers
 from .prefill import _attention_lse, _repeat_kv, _use_split, prefill_sdpa
 
 
@@ -31,7 +31,8 @@ class OffloadPrefill:
 
     def prefill_attention(self, layer_id, q, k, v, batch) -> torch.Tensor:
         out = torch.empty_like(q)
-        kp, vp = self.memory.k[layer_id], self.memory.v[layer_id]
+        tiers = self.tiers(layer_id)
+        kp, vp = tiers[0], tiers[1]
         for s in batch.attn_meta.segments:
             qs = q[s.q_start: s.q_start + s.q_len].transpose(0, 1)
             if s.kv_slots is None:
@@ -40,27 +41,28 @@ class OffloadPrefill:
                 o = prefill_sdpa(qs, ks, vs, 0, self.sm_scale, tuning=self.tuning)
             elif s.prefix_len > self.prefix_block and (not q.is_cuda or _use_split(qs, True)):
                 o = self._blocked_prefix(qs, k[s.q_start: s.q_start + s.q_len], v[s.q_start: s.q_start + s.q_len],
-                                         kp, vp, s.kv_slots[:s.prefix_len])
+                                         tiers, s.kv_slots[:s.prefix_len])
             else:
                 # the cached prefix and this chunk, gathered from the host store (one layer at a time)
-                ks, vs = self._gather(kp, vp, s.kv_slots, q)
+                ks, vs = self._gather(tiers, s.kv_slots, q)
                 o = prefill_sdpa(qs, ks, vs, s.prefix_len, self.sm_scale, s.mask, self.tuning)
             out[s.q_start: s.q_start + s.q_len] = o.transpose(0, 1)
         return out
 
-    def _blocked_prefix(self, qs, k, v, kp, vp, prefix_slots):
+    def _blocked_prefix(self, qs, k, v, tiers, prefix_slots):
         """A chunk's attention over a long cached prefix, ``prefix_block`` tokens of it on the device
         at a time: each block against the chunk's queries (the query group folded into the rows,
         no mask), then the chunk against itself (causal), merged by their log-sum-exps in float32.
         qs [Hq, n, D]; k, v [n, Hkv, D] the chunk's own rows -> [Hq, n, D] in qs's dtype. The
         merge rounds differently from one call over the whole prefix (the unblocked path)."""
         Hq, n, D = qs.shape
+        kp, vp = tiers[0], tiers[1]
         Hkv = kp.shape[1]
         G = Hq // Hkv
         qs = qs.contiguous()
         acc = lse = None
         for a in range(0, prefix_slots.numel(), self.prefix_block):
-            kb, vb = self._gather(kp, vp, prefix_slots[a:a + self.prefix_block], qs)
+            kb, vb = self._gather(tiers, prefix_slots[a:a + self.prefix_block], qs)
             ob, lb = _attention_lse(qs.view(Hkv, G * n, D), kb, vb, False, self.sm_scale)
             acc, lse = _merge(acc, lse, ob.reshape(Hq, n, D).float(), lb.reshape(Hq, n, 1))
         ks = k.to(kp.dtype).to(qs.dtype).transpose(0, 1)
@@ -71,10 +73,12 @@ class OffloadPrefill:
         acc, _ = _merge(acc, lse, o2.float(), l2)
         return acc.to(qs.dtype)
 
-    def _gather(self, kp, vp, slots, q):
-        """K/V rows of ``slots`` [n] from the host store -> ([Hkv, n, D], [Hkv, n, D]) in q's dtype
-        on q's device (CUDA: one gather kernel reading pinned memory, no staging copy)."""
-        if not self._triton:
+    def _gather(self, tiers, slots, q):
+        """K/V rows of ``slots`` [n] from the store (``tiers``: HostKVStore.tiers of the layer) ->
+        ([Hkv, n, D], [Hkv, n, D]) in q's dtype on q's device (CUDA: one gather kernel reading
+        pinned memory, no staging copy; a device tier adds one from the device pools)."""
+        kp, vp, dk, _, n_dev = tiers
+        if not self._triton and dk is None:
             idx = slots.to(kp.device)
             return (kp[idx].to(q.device, q.dtype).transpose(0, 1), vp[idx].to(q.device, q.dtype).transpose(0, 1))
         n, H, D = slots.numel(), kp.shape[1], kp.shape[2]
@@ -83,6 +87,6 @@ class OffloadPrefill:
         src = slots.to(q.device).long()[:, None].expand(n, H)
         dst = torch.arange(n, device=q.device)[:, None].expand(n, H)
         heads = torch.arange(H, device=q.device)[None, :].expand(n, H)
-        copy_rows(kp, vp, ks, vs, src, dst, heads, torch.ones(n, H, dtype=torch.bool, device=q.device),
-                  impl="triton")
+        copy_from_tiers(tiers, ks, vs, src, dst, heads, torch.ones(n, H, dtype=torch.bool, device=q.device),
+                        impl="triton" if self._triton else "torch")
         return ks.to(q.dtype).transpose(0, 1), vs.to(q.dtype).transpose(0, 1)

@@ -200,8 +200,12 @@ class Engine:
             outs.extend(self._collect(launched))
             return outs
         plan = p.scheduler.schedule()
+        hits = {h.rid: h.num_tokens for h in plan.prefix_hits}
         for rid in plan.admitted:
-            self._reqs[rid].row = p.memory.rows.alloc()
+            r = self._reqs[rid]
+            r.row = p.memory.rows.alloc()
+            # DS-Offload's device tier takes the request if its new tokens fit there
+            p.memory.place_row(r.row, len(r.prompt_ids) + r.params.max_new_tokens - hits.get(rid, 0))
         rows = {rid: r.row for rid, r in self._reqs.items() if r.row is not None}
         prefix_cache.apply_admission(p.memory, plan, rows)
         for hit in plan.prefix_hits:

@@ -5,8 +5,11 @@ host, page-locked when the engine runs on CUDA (device kernels read and write it
 addressing: kernels/triton/host_gather.py); on CPU a plain second buffer. Slot numbers are the
 engine's (memory.KVMemory), so the device label pool and this store are indexed alike.
 
-It is a separate object from the pools so that other holders (the prefix cache's host tier) can
-keep tokens in it later; today the engine's slot allocator owns every slot.
+Device tier (``device_tokens`` > 0): slots ``1 .. device_tokens`` keep their K/V in device pools
+``device_k[layer], device_v[layer]`` : ``[device_tokens + 1, Hkv, D]`` (indexed by slot), the
+others in the host tensors at row ``slot - device_tokens``. Requests the engine places there
+(memory.KVMemory.place_row) decode like the offloaded ones, through the hot set, but their misses
+are device copies; kernels/host_copy.py's tiered copies route each row by its slot.
 """
 
 from __future__ import annotations
@@ -20,13 +23,20 @@ DEFAULT_HOST_GB = {"cuda": 64.0, "cpu": 1.0}
 
 
 class HostKVStore:
-    """num_slots slots (slot 0: the padding slot, zero) of K and V for num_layers layers."""
+    """num_slots slots (slot 0: the padding slot, zero) of K and V for num_layers layers, the
+    first ``device_tokens`` of them (after slot 0) in device pools on ``device``."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, pin: bool):
+                 dtype: torch.dtype, pin: bool, device_tokens: int = 0, device=None):
         self.num_slots = int(num_slots)
         self.pinned = bool(pin)
-        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.device_tokens = int(device_tokens)
+        dshape = (self.device_tokens + 1, num_kv_heads, head_dim)
+        self.device_k = [torch.zeros(dshape, dtype=dtype, device=device) for _ in range(num_layers)] \
+            if self.device_tokens else []
+        self.device_v = [torch.zeros(dshape, dtype=dtype, device=device) for _ in range(num_layers)] \
+            if self.device_tokens else []
+        shape = (self.num_slots - self.device_tokens, num_kv_heads, head_dim)
         # empty, not zeros: a slot is written before any read; only the padding slot is read unwritten
         self.k = [_host_empty(shape, dtype, pin) for _ in range(num_layers)]
         self.v = [_host_empty(shape, dtype, pin) for _ in range(num_layers)]
@@ -42,7 +52,15 @@ class HostKVStore:
 
     @property
     def nbytes(self) -> int:
+        """Bytes in host memory."""
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def tiers(self, layer: int) -> tuple:
+        """(host k, host v, device k, device v, device_tokens) of one layer, as the tiered copies
+        of kernels/host_copy.py take them (the device pools None without a device tier)."""
+        dk = self.device_k[layer] if self.device_tokens else None
+        dv = self.device_v[layer] if self.device_tokens else None
+        return self.k[layer], self.v[layer], dk, dv, self.device_tokens
 
 
 def host_tokens(max_total_tokens: int | None, host_memory_gb: float | None, device_type: str,

@@ -123,27 +123,43 @@ def plan_memory(cfg: EngineConfig, model_config, kv_dtype: torch.dtype, device: 
 
 
 class SlotAllocator:
-    """Free list of token slots 1..n as a host int64 tensor; ``in_use`` catches double frees."""
+    """Free lists of token slots 1..n as host int64 tensors; ``in_use`` catches double frees.
 
-    def __init__(self, num_usable: int):
+    ``device_tier``: slots 1..device_tier form a second list (DS-Offload's device tier,
+    engine/host_kv.py), allocated with ``alloc(n, on_device=True)``; the others by default."""
+
+    def __init__(self, num_usable: int, device_tier: int = 0):
         self.size = num_usable
-        self.free_slots = torch.arange(1, num_usable + 1, dtype=torch.int64)
+        self.device_tier = int(device_tier)
+        self.free_slots = torch.arange(self.device_tier + 1, num_usable + 1, dtype=torch.int64)
+        self.free_device = torch.arange(1, self.device_tier + 1, dtype=torch.int64)
         self.in_use = torch.zeros(num_usable + 1, dtype=torch.bool)
         self.in_use[0] = True  # padding slot: never allocatable, never freeable
 
     @property
     def num_free(self) -> int:
-        return int(self.free_slots.numel())
+        return int(self.free_slots.numel()) + int(self.free_device.numel())
+
+    @property
+    def num_free_device(self) -> int:
+        return int(self.free_device.numel())
 
     @property
     def num_used(self) -> int:
         return self.size - self.num_free
 
-    def alloc(self, n: int) -> torch.Tensor:
-        """``[n]`` int64 host tensor of distinct free slots; OutOfSlots if fewer are free."""
-        if n > self.num_free:
-            raise OutOfSlots(f"asked for {n} KV slots, {self.num_free} of {self.size} free")
-        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+    def alloc(self, n: int, on_device: bool = False) -> torch.Tensor:
+        """``[n]`` int64 host tensor of distinct free slots (of the device tier when
+        ``on_device``); OutOfSlots if fewer are free."""
+        pool = self.free_device if on_device else self.free_slots
+        if n > pool.numel():
+            where = "device-tier " if on_device else ""
+            raise OutOfSlots(f"asked for {n} {where}KV slots, {pool.numel()} of {self.size} free")
+        out, rest = pool[:n], pool[n:]
+        if on_device:
+            self.free_device = rest
+        else:
+            self.free_slots = rest
         self.in_use[out] = True
         return out
 
@@ -156,6 +172,10 @@ class SlotAllocator:
         if torch.unique(slots).numel() != slots.numel():
             raise ValueError("freeing the same KV slot twice in one call")
         self.in_use[slots] = False
+        dev = slots <= self.device_tier
+        if bool(dev.any()):
+            self.free_device = torch.cat([self.free_device, slots[dev]])
+            slots = slots[~dev]
         self.free_slots = torch.cat([self.free_slots, slots])
 
 
@@ -214,8 +234,41 @@ class KVMemory:
         rows, ctx = plan.max_reqs + 1, plan.max_ctx
         self.req_to_token = torch.zeros(rows, ctx, dtype=torch.int32, device=self.device)
         self.req_to_token_host = torch.zeros(rows, ctx, dtype=torch.int32)
-        self.slots = SlotAllocator(plan.max_total_tokens)
+        tier = int(getattr(kv_store, "device_tokens", 0))
+        self.slots = SlotAllocator(plan.max_total_tokens, device_tier=tier)
         self.rows = RowAllocator(plan.max_reqs)
+        # DS-Offload's device tier: which rows keep their new tokens there, and how many
+        # device-tier slots each may still take (promised at admission, so allocation never fails)
+        self.row_on_device = torch.zeros(rows, dtype=torch.bool)
+        self._promised: dict[int, int] = {}
+
+    def place_row(self, row: int, tokens: int) -> bool:
+        """Put request row ``row``, which will allocate up to ``tokens`` new slots, in the device
+        tier if the tier's free slots not promised to other rows hold them; returns whether it
+        did (always False without a device tier)."""
+        if not self.slots.device_tier or self.slots.num_free_device - sum(self._promised.values()) < tokens:
+            return False
+        self.row_on_device[row] = True
+        self._promised[row] = int(tokens)
+        return True
+
+    def _alloc(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        if not self._promised:
+            return self.slots.alloc(n)
+        dev = self.row_on_device[rows]
+        slots = torch.empty(n, dtype=torch.int64)
+        nd = int(dev.sum())
+        if nd:
+            slots[dev] = self.slots.alloc(nd, on_device=True)
+            for r, c in zip(*torch.unique(rows[dev], return_counts=True)):
+                self._promised[int(r)] = max(0, self._promised[int(r)] - int(c))
+        if nd < n:
+            slots[~dev] = self.slots.alloc(n - nd)
+        return slots
+
+    def _unplace(self, row: int) -> None:
+        self._promised.pop(row, None)
+        self.row_on_device[row] = False
 
     def assign(self, rows: torch.Tensor, positions: torch.Tensor, num_new: int,
                write_device: bool = True) -> torch.Tensor:
@@ -223,7 +276,7 @@ class KVMemory:
         them in req_to_token (host copy always; the device copy unless ``write_device`` is False,
         for a caller whose launches write it, as the decode graphs do). Returns the slots
         ``[num_new]`` int64 on the host."""
-        slots = self.slots.alloc(num_new)
+        slots = self._alloc(rows, num_new)
         self.req_to_token_host[rows, positions] = slots.to(torch.int32)
         if not write_device:
             return slots
@@ -240,6 +293,7 @@ class KVMemory:
         if length > start:
             self.slots.free(self.req_to_token_host[row, start:length].to(torch.int64))
         self.req_to_token_host[row, :length] = 0
+        self._unplace(row)
         self.rows.free(row)
 
     def release_row(self, row: int, start: int = 0) -> None:
@@ -252,6 +306,7 @@ class KVMemory:
         if held.numel():
             self.slots.free(self.req_to_token_host[row, held].to(torch.int64))
         self.req_to_token_host[row] = 0
+        self._unplace(row)
         self.rows.free(row)
 
     # ------------------------------------------------------------ prefix-cache row plumbing
@@ -284,6 +339,7 @@ class KVMemory:
     @property
     def nbytes(self) -> int:
         """Bytes of the pools on the device (K/V in a host store not counted)."""
-        kv = [] if self.kv_store is not None else [*self.k, *(() if self.plan.latent else self.v)]
+        kv = [*getattr(self.kv_store, "device_k", ()), *getattr(self.kv_store, "device_v", ())] \
+            if self.kv_store is not None else [*self.k, *(() if self.plan.latent else self.v)]
         t = [*kv, *(x for x in self.label if x is not None), self.req_to_token]
         return sum(x.numel() * x.element_size() for x in t)

@@ -25,7 +25,9 @@ def plan_offload_memory(cfg, model_config, kv_dtype, device: torch.device, max_c
         raise ValueError("--enable-ds-offload supports models with K and V heads (not MLA latent pools)")
     per_token = HostKVStore.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype)
     tokens = host_tokens(cfg.max_total_tokens, cfg.ds_offload_host_memory_gb, device.type, per_token)
-    return plan_memory(cfg.replace(max_total_tokens=tokens), mc, kv_dtype, device, max_ctx, r)
+    # the device tier's slots come first (1 .. device tokens), the host store's after them
+    return plan_memory(cfg.replace(max_total_tokens=tokens + cfg.ds_offload_device_tokens), mc, kv_dtype,
+                       device, max_ctx, r)
 
 
 def hot_tokens(cfg, heavy_token_num: int) -> int:
@@ -41,7 +43,8 @@ def build_offload(cfg, plan: MemoryPlan, device: torch.device, ds, mc, channels,
     """(memory, backend) of an offloading engine: K/V in a host store (pinned on CUDA), labels
     in the device pool, a hot set of ``hot_tokens`` rows per request row (padding row included)."""
     store = HostKVStore(plan.num_layers, plan.num_slots, plan.num_kv_heads, plan.head_dim,
-                        plan.kv_dtype, pin=device.type == "cuda")
+                        plan.kv_dtype, pin=device.type == "cuda", device_tokens=cfg.ds_offload_device_tokens,
+                        device=device)
     memory = KVMemory(plan, device, kv_store=store)
     C = hot_tokens(cfg, ds.heavy_token_num)
     if device.type == "cuda":

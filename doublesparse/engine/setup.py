@@ -248,7 +248,11 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
     runner = (ModelRunner if tp is None else tp.runner)(
         model, memory, backend, device, use_cuda_graph=cfg.use_cuda_graph,
         graph_max_bs=cfg.cuda_graph_max_bs, tuning=cfg.kernel_tuning)
-    scheduler = Scheduler(cfg.scheduler_config(), plan.max_total_tokens, max_ctx)
+    # DS-Offload's device tier is on top of the host store: admission counts the host store's
+    # slots only, so every request fits there whichever tier the engine puts it in
+    scheduler = Scheduler(cfg.scheduler_config(),
+                          plan.max_total_tokens - (cfg.ds_offload_device_tokens if cfg.enable_ds_offload else 0),
+                          max_ctx)
     return EngineParts(model, tokenizer, device, max_ctx, plan, memory, backend, runner, scheduler,
                        ds, choice.source if choice else None, ws,
                        choice.calibrated if choice else None)

@@ -50,3 +50,27 @@ def copy_rows(src_k, src_v, dst_k, dst_v, src_rows, dst_rows, heads, valid, impl
     from .triton.host_gather import copy_rows as _copy
     flat = lambda t: t.reshape(-1)  # noqa: E731
     _copy(src_k, src_v, dst_k, dst_v, flat(src_rows), flat(dst_rows), flat(heads), flat(valid))
+
+
+def copy_from_tiers(tiers, dst_k, dst_v, slots, dst_rows, heads, valid, impl: str = "auto") -> None:
+    """:func:`copy_rows` from a tiered store: ``tiers`` = (host k, host v, device k, device v,
+    device_tokens) as ``engine.host_kv.HostKVStore.tiers`` gives them; ``slots`` are slot numbers,
+    those up to ``device_tokens`` read from the device pools (at the slot), the others from the
+    host tensors (at ``slot - device_tokens``). Without a device tier, one copy_rows call."""
+    hk, hv, dk, dv, n_dev = tiers
+    if dk is None:
+        return copy_rows(hk, hv, dst_k, dst_v, slots, dst_rows, heads, valid, impl)
+    ok, on_dev = valid.to(torch.bool), slots <= n_dev
+    copy_rows(dk, dv, dst_k, dst_v, torch.where(on_dev, slots, 0), dst_rows, heads, ok & on_dev, impl)
+    copy_rows(hk, hv, dst_k, dst_v, torch.where(on_dev, 0, slots - n_dev), dst_rows, heads, ok & ~on_dev, impl)
+
+
+def copy_to_tiers(src_k, src_v, src_rows, tiers, slots, heads, valid, impl: str = "auto") -> None:
+    """:func:`copy_rows` into a tiered store (see :func:`copy_from_tiers`): entry e's row
+    ``src_rows[e]`` goes to slot ``slots[e]`` of whichever tier holds that slot."""
+    hk, hv, dk, dv, n_dev = tiers
+    if dk is None:
+        return copy_rows(src_k, src_v, hk, hv, src_rows, slots, heads, valid, impl)
+    ok, on_dev = valid.to(torch.bool), slots <= n_dev
+    copy_rows(src_k, src_v, dk, dv, src_rows, torch.where(on_dev, slots, 0), heads, ok & on_dev, impl)
+    copy_rows(src_k, src_v, hk, hv, src_rows, torch.where(on_dev, 0, slots - n_dev), heads, ok & ~on_dev, impl)

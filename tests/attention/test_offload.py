@@ -111,7 +111,7 @@ def test_hot_set_lookup_and_reset():
     for step, want_miss in ((1, 10), (2, 0)):
         hot.tick()
         rows, fetch = hot.lookup(0, req, slots, valid)
-        hot.fetch(0, hk, hv, slots, rows, fetch, impl="torch")
+        hot.fetch(0, (hk, hv, None, None, 0), slots, rows, fetch, impl="torch")
         assert int(fetch.sum()) == want_miss
         h = torch.arange(2)[None, :, None].expand_as(slots)
         assert torch.equal(hot.k[0][rows.long(), h][valid], hk[slots, h][valid])
@@ -142,6 +142,33 @@ def test_copy_rows_kernel_matches_reference():
     copy_rows_ref(src_k, src_v, dst[2], dst[3], src_rows, dst_rows, heads, valid)
     assert torch.equal(dst[0], dst[2]) and torch.equal(dst[1], dst[3])
     assert dst[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_tiered_copies_route_each_slot(impl):
+    """A device tier of 7 slots before a host store of 11: rows come from and go to the tier of
+    their slot (host rows at slot - 7), masked entries move nothing; as one flat store would."""
+    if impl == "triton" and torch.cuda.is_available():
+        pytest.skip("interpreter twin on CPU tensors; on a GPU the CUDA tests cover it")
+    from doublesparse.kernels.host_copy import copy_from_tiers, copy_to_tiers
+    g = torch.Generator().manual_seed(2)
+    flat_k, flat_v = torch.randn(19, 3, 24, generator=g), torch.randn(19, 3, 24, generator=g)
+    tiers = (flat_k[7:].clone(), flat_v[7:].clone(), flat_k[:8].clone(), flat_v[:8].clone(), 7)
+    tiers[0][0] = tiers[1][0] = 0                       # each tier's padding row
+    slots = torch.tensor([[1, 8, 18], [7, 12, 3]])      # [E/3, 3] entries, both tiers in each row
+    heads = torch.tensor([[0, 1, 2], [2, 0, 1]])
+    valid = torch.tensor([[True, True, False], [True, True, True]])
+    dst = torch.arange(6).view(2, 3)
+    got_k, got_v = torch.zeros(6, 3, 24), torch.zeros(6, 3, 24)
+    copy_from_tiers(tiers, got_k, got_v, slots, dst, heads, valid, impl=impl)
+    want_k, want_v = torch.zeros(6, 3, 24), torch.zeros(6, 3, 24)
+    copy_rows_ref(flat_k, flat_v, want_k, want_v, slots.flatten(), dst.flatten(), heads.flatten(), valid.flatten())
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    new_k, new_v = torch.randn(6, 3, 24, generator=g), torch.randn(6, 3, 24, generator=g)
+    copy_to_tiers(new_k, new_v, dst, tiers, slots, heads, valid, impl=impl)
+    copy_rows_ref(new_k, new_v, flat_k, flat_v, dst.flatten(), slots.flatten(), heads.flatten(), valid.flatten())
+    assert torch.equal(tiers[2][1:], flat_k[1:8]) and torch.equal(tiers[0][1:], flat_k[8:])
+    assert torch.equal(tiers[3][1:], flat_v[1:8]) and torch.equal(tiers[1][1:], flat_v[8:])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter twin on CPU tensors; on a GPU the CUDA tests cover it")
@@ -184,7 +211,7 @@ def test_full_kv_and_prefix_gather_triton():
     kp, vp = off.memory.k[0], off.memory.v[0]
     slots = torch.tensor([3, 1, 7, 2, 9])
     q = torch.zeros(1, 9, 16)
-    ks, vs = off._gather(kp, vp, slots, q)
+    ks, vs = off._gather((kp, vp, None, None, 0), slots, q)
     assert torch.equal(ks, kp[slots].transpose(0, 1)) and torch.equal(vs, vp[slots].transpose(0, 1))
 
 

@@ -62,6 +62,35 @@ def test_offload_with_the_prefix_cache(model):
     assert off.parts.memory.slots.num_used == 0 and all((t == -1).all() for t in off.parts.backend.hot.tags)
 
 
+def test_device_tier_and_host_requests_in_one_batch(model):
+    """With a 300-token device tier, the first requests admitted keep their K/V on the device and
+    the rest go to the host store; they decode in the same steps (and, with the prefix cache,
+    reuse each other's cached prefixes across the tiers). Tokens equal in-GPU DS's."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (100, 60, 130, 90)]
+    sp = {"max_new_tokens": 12, "temperature": 0}
+    for cache in (False, True):
+        kw = dict(disable_radix_cache=not cache, max_total_tokens=1200)
+        ref = _engine(model, **kw)
+        off = _engine(model, enable_ds_offload=True, ds_offload_hot_tokens=24, ds_offload_device_tokens=300, **kw)
+        mem = off.parts.memory
+        assert mem.slots.num_free_device == 300 and off.parts.scheduler.token_capacity == 1200
+        for batch in (prompts, [p[:70] + [4, 5] for p in prompts]):
+            rids = [off.add_request(x, sp) for x in batch]
+            placed, got = {}, {}
+            while off.has_unfinished():
+                for o in off.step():
+                    got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                for rid in rids:
+                    r = off._reqs.get(rid)
+                    if r is not None and r.row is not None:
+                        placed[rid] = bool(mem.row_on_device[r.row])
+            assert [got[r] for r in rids] == [w["token_ids"] for w in ref.generate(batch, sp)]
+            assert set(placed.values()) == {True, False}, placed   # both tiers in the same steps
+        off.flush_cache()
+        assert mem.slots.num_used == 0 and mem.slots.num_free_device == 300 and not mem._promised
+
+
 def test_offload_flags():
     cfg = EngineConfig(enable_ds_offload=True)
     assert cfg.use_double_sparsity and not cfg.scheduler_config().disable_radix_cache
@@ -104,10 +133,12 @@ def test_offload_with_fp8_labels(model):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fetch,prefetch", [("reuse", "none"), ("reuse", "next-layer"), ("no-reuse", "none")])
-def test_offload_on_cuda_equals_in_gpu_ds(fetch, prefetch):
+@pytest.mark.parametrize("fetch,prefetch,tier", [("reuse", "none", 0), ("reuse", "next-layer", 0),
+                                                 ("no-reuse", "none", 0), ("reuse", "none", 400)])
+def test_offload_on_cuda_equals_in_gpu_ds(fetch, prefetch, tier):
     """On the GPU, with CUDA graphs and the overlap schedule: K/V in page-locked host memory, the
-    host-gather kernel, the Triton select and attention over the hot set give in-GPU DS's tokens."""
+    host-gather kernel, the Triton select and attention over the hot set give in-GPU DS's tokens;
+    with a 400-token device tier the 40- and 333-token requests keep their K/V on the GPU."""
     m = tiny_llama(seed=2, num_q_heads=8, num_kv_heads=2, head_dim=64, max_position_embeddings=2048,
                    dtype=torch.bfloat16, device="cuda")
     kw = dict(model=m, tokenizer=ByteTokenizer(), progress=False, device="cuda", max_total_tokens=4096,
@@ -119,7 +150,7 @@ def test_offload_on_cuda_equals_in_gpu_ds(fetch, prefetch):
     sp = {"max_new_tokens": 16, "temperature": 0}
     want = Engine(**kw).generate(prompts, sp)
     e = Engine(**kw, enable_ds_offload=True, ds_offload_hot_tokens=80, ds_offload_fetch=fetch,
-               ds_offload_prefetch=prefetch)
+               ds_offload_prefetch=prefetch, ds_offload_device_tokens=tier)
     assert e.parts.memory.k[0].device.type == "cpu" and e.parts.memory.k[0].is_pinned()
     got = e.generate(prompts, sp)
     assert [w["text"] for w in want] == [x["text"] for x in got]
