@@ -191,3 +191,20 @@ def test_abort_mid_prefill_leaves_its_computed_prefix(model, overlap):
     )
     assert toks == ref
     assert_empty(e)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize("ds", [False, True], ids=["dense", "ds"])
+def test_moe_and_mla_families_with_the_cache(arch, ds):
+    """The MoE families and DeepSeek-V2's latent pools (one 576-wide row per token, its labels
+    from the latent) reuse cached prefixes as Llama does: the same greedy tokens as without."""
+    from doublesparse.testing import tiny_family
+
+    m = tiny_family(arch, max_position_embeddings=512)
+    kw = dict(enable_double_sparsity=True, ds_heavy_token_num=16) if ds else {}
+    ref = run(engine(m, disable_radix_cache=True, **kw), WAVES)
+    e = engine(m, **kw)
+    got = run(e, WAVES)
+    assert [t for t, _ in got] == [t for t, _ in ref]
+    assert e.stats()["prefix_cache_hit_tokens"] > 100
+    assert_empty(e)
