@@ -200,10 +200,10 @@ def start(cfg, model=None, group=None) -> RankContext:
         raise ValueError("--ds-channel-config-path auto calibrates on one device: run `doublesparse "
                          "calibrate` (or this command with --tp-size 1) once and pass the config it writes")
     if model is not None:
-        check_tp(model.config, cfg.tp_size)
+        check_tp(model.config, cfg.tp_size, cfg.use_double_sparsity)
     else:  # before any process starts: a model the sizes do not fit is one line, not N tracebacks
         from ..models import load_config
-        check_tp(load_config(cfg.model_path, cfg.load_format), cfg.tp_size)
+        check_tp(load_config(cfg.model_path, cfg.load_format), cfg.tp_size, cfg.use_double_sparsity)
     device_type = "cuda" if str(cfg.resolved_device).startswith("cuda") else "cpu"
     if model is not None and not cfg.device:
         device_type = model.embed_tokens.weight.device.type

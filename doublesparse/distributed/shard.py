@@ -10,7 +10,12 @@ Layout (Megatron-style, as SGLang and vLLM shard the same families):
   * each routed expert's FFN is split the same way (every rank holds every expert, a slice of its
     intermediate width; the router is replicated), which keeps the expert kernels unchanged;
   * embedding and LM head rows are split over the vocabulary in blocks of ``ceil(V / tp)``, the
-    last rank's block padded with zero rows.
+    last rank's block padded with zero rows;
+  * latent attention (MLA): the query heads split as above (``q_proj`` / ``q_b_proj`` rows,
+    ``kv_b_proj`` rows, ``o_proj`` columns of a rank's heads); the latent projection, its norm and
+    the latent pool (one 576-wide "KV head") are replicated, so every rank stores every token's
+    latent and attends its own heads over it. Double Sparsity on MLA selects once per token for
+    all heads, which the split would make a per-rank choice: it runs with ``--tp-size 1`` only.
 Intermediate widths need not divide evenly (:func:`split`); head counts must.
 """
 
@@ -32,12 +37,14 @@ def vocab_block(vocab_size: int, size: int) -> int:
     return -(-vocab_size // size)
 
 
-def check_tp(config, size: int) -> None:
-    """ValueError saying why ``config`` cannot run on ``size`` ranks."""
+def check_tp(config, size: int, double_sparsity: bool = False) -> None:
+    """ValueError saying why ``config`` cannot run on ``size`` ranks (with Double Sparsity when
+    ``double_sparsity``)."""
     c = config
-    if getattr(c, "mla", None) is not None:
-        raise ValueError(f"{c.name}: tensor parallelism does not cover latent attention (MLA) models yet; "
-                         "run it with --tp-size 1")
+    if getattr(c, "mla", None) is not None and double_sparsity and size > 1:
+        raise ValueError(f"{c.name}: Double Sparsity on latent attention (MLA) selects one set of tokens for all "
+                         f"query heads, which --tp-size {size} splits over ranks; run it with --tp-size 1, or "
+                         "--tp-size with dense decode (--no-enable-double-sparsity)")
     if c.num_q_heads % size:
         raise ValueError(f"--tp-size {size} does not divide the {c.num_q_heads} query heads of {c.name}")
     if c.num_kv_heads % size and size % c.num_kv_heads:
@@ -98,6 +105,16 @@ class Shard:
         q, k, v = t.split([c.q_size, c.kv_size, c.kv_size], dim=0)
         return torch.cat([q[q0 * D: q1 * D], k[k0 * D: k1 * D], v[k0 * D: k1 * D]])
 
+    def _latent_heads(self, t: torch.Tensor, owner: str, mla) -> torch.Tensor:
+        """An MLA projection's part of this rank's query heads: rows of q (per head
+        ``qk_head_dim``) and of ``kv_b_proj`` (per head ``dn + dv``), columns of ``o_proj``
+        (per head ``dv``)."""
+        q0, q1 = self.q_range
+        nh = self.config.num_q_heads
+        if owner == "o_proj":
+            return t.reshape(t.shape[0], nh, mla.v_head_dim)[:, q0:q1].reshape(t.shape[0], -1)
+        return t.reshape(nh, -1, *t.shape[1:])[q0:q1].reshape(-1, *t.shape[1:])
+
     def _ffn_rows(self, t: torch.Tensor, experts: int, blocks: int = 1) -> torch.Tensor:
         """Gate | up rows -> this rank's slice of each intermediate block. Experts' ``w13``
         ``[E * 2 * I, H]`` holds per expert gate rows then up rows; a gated MLP of ``blocks``
@@ -127,9 +144,11 @@ class Shard:
         router) come back as they are."""
         leaf = name.rsplit(".", 2)
         owner, last = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", name)
-        moe = self.config.moe
+        moe, mla = self.config.moe, getattr(self.config, "mla", None)
         if owner in ("embed_tokens", "lm_head"):
             return self._vocab(full)
+        if mla is not None and owner in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj"):
+            return self._latent_heads(full, owner, mla)
         if owner == "qkv_proj":
             return self._heads(full, 0)
         if owner == "o_proj":

@@ -74,12 +74,14 @@ def test_refusals():
     with pytest.raises(ValueError, match="KV heads"):
         check_tp(tiny_config(num_q_heads=12, num_kv_heads=3), 4)
     with pytest.raises(ValueError, match="MLA"):
-        check_tp(tiny_family("deepseek_v2").config, 2)
+        check_tp(tiny_family("deepseek_v2").config, 2, double_sparsity=True)
+    check_tp(tiny_family("deepseek_v2").config, 2)   # dense decode splits its heads
 
 
-def test_dummy_shards_are_slices_of_the_tp1_dummy_model(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_dummy_shards_are_slices_of_the_tp1_dummy_model(tmp_path, arch):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(tiny_family_hf_config("qwen3_moe", max_position_embeddings=256)))
+    path.write_text(json.dumps(tiny_family_hf_config(arch, max_position_embeddings=256)))
     full = dict(load_model(path, load_format="dummy", seed=3).named_parameters())
     for r in range(2):
         part = load_shard(path, "dummy", None, "cpu", Collectives(r, 2), seed=3)

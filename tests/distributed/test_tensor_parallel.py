@@ -54,6 +54,15 @@ def test_moe(group, arch, ds):
                **(DS if ds else {}))
 
 
+def test_latent_attention_dense(group):
+    """DeepSeek-V2 (MLA + routed and shared experts, a dense first layer): its 4 query heads split
+    over 2 ranks, the latent replicated; prefix-cache hits included (extend)."""
+    model = tiny_family("deepseek_v2", max_position_embeddings=512)
+    check_same(model, group, 2, steps=3)
+    with pytest.raises(ValueError, match="MLA"):
+        engine(model, group, 2, **DS)
+
+
 def test_dead_rank_is_an_error_not_a_hang(group, llama):
     e = engine(llama, group, 2)
     e.generate([[5, 6, 7]], {**GREEDY, "max_new_tokens": 2})
