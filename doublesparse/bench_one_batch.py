@@ -311,11 +311,17 @@ def _main(argv: list[str]) -> int:
     print(f"copy bandwidth: {bw / 1e9:.1f} GB/s ({dev})")
     tp = None
     if cfg.tp_size > 1:  # ranks 1.. in their own processes; pools, bytes and floor below are rank 0's
-        import atexit
         from .distributed.group import start
         tp = start(cfg)
-        atexit.register(tp.close)
         print(f"tensor parallel: {cfg.tp_size} ranks; weights, pools and step bytes below are per rank")
+    try:
+        return _bench(args, argv, cfg, dev, bw, tp, build_parts)
+    finally:
+        if tp is not None:  # the other ranks stop and this process leaves the group
+            tp.close()
+
+
+def _bench(args, argv, cfg, dev, bw, tp, build_parts) -> int:
     parts = build_parts(cfg, progress=True, tp=tp)
     print(parts.plan.describe())
     if parts.ds is not None:
