@@ -4,6 +4,7 @@
     python benchmarks/kernel_resources.py --select [--consts '{"LOOP_STAGES": 2}']
     python benchmarks/kernel_resources.py --histogram
     python benchmarks/kernel_resources.py --sass DIR
+    python benchmarks/kernel_resources.py --families
 
 Uses Triton's own compiler and the cuobjdump its NVIDIA backend ships (no GPU needed). The shapes
 are Llama-3.1-8B's (32 q / 8 KV heads, d 128, r 16, group_max, bf16 labels); pointer and stride
@@ -17,7 +18,10 @@ CUDA C++ score and select (kernels/cuda/) instead, which this does not compile. 
 also counts the asynchronous copies (cp.async) in the PTX. ``--select``: the three top-k select
 phases with their SASS instruction and barrier counts; ``--consts`` overrides constexprs of
 select_kernel. ``--histogram``: SASS instructions of a bare ``tl.histogram`` of 4096 keys per
-program (4 warps) at 256 down to 16 bins, per 32 keys a thread handles.
+program (4 warps) at 256 down to 16 bins, per 32 keys a thread handles. ``--families``: the
+kernels of the MoE experts (Mixtral top-2, top-8), the latent attention (16 to 128 heads per program) and
+DS-Offload's host gather (D 64 / 128 / 576, the launcher's program size and 32 entries),
+at their launchers' settings.
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ PTRS = dict(q_ptr="*bf16", label_ptr="*bf16", scale_ptr="*fp32", scores_ptr="*fp
             v_cache_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16")
 
 
-def compile_sm90(fn, consts, **opts):
+def compile_sm90(fn, consts, ptrs=None, **opts):
     names = fn.arg_names
-    sig = {n: "constexpr" if n in consts else PTRS.get(n, "*i32") if n.endswith("_ptr")
+    types = {**PTRS, **(ptrs or {})}
+    sig = {n: "constexpr" if n in consts else types.get(n, "*i32") if n.endswith("_ptr")
            else "fp32" if n == "sm_scale" else "i32" for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n.endswith("_ptr") or n.startswith("stride_")}
@@ -165,6 +170,30 @@ def dump_sass(t: KernelTuning, out_dir: str):
         print(f"{name}: {len(sass(k))} SASS instructions -> {out_dir}/{name}.sass")
 
 
+def families():
+    """Registers and stack of the MoE, latent-attention and host-gather kernels (see module doc)."""
+    from doublesparse.kernels.triton import host_gather, latent_attn, moe
+
+    bf16 = dict(x_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", rows_ptr="*i64", wt_ptr="*fp32", o_ptr="*fp32",
+                q_ptr="*bf16", kv_ptr="*bf16", src_k_ptr="*bf16", src_v_ptr="*bf16", dst_k_ptr="*bf16",
+                dst_v_ptr="*bf16", src_row_ptr="*i64", dst_row_ptr="*i64", head_ptr="*i64", valid_ptr="*i8")
+    for topk in (2, 8):
+        k = compile_sm90(moe._gate_up_kernel, dict(K=topk, BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), bf16,
+                         num_warps=4)
+        print(f"moe gate_up (top-{topk}, 4 warps): {resources(k)}")
+    k = compile_sm90(moe._down_kernel, dict(BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), bf16, num_warps=4)
+    print(f"moe down (4 warps): {resources(k)}")
+    for bh in (16, 32, 64, 128):  # 16: DeepSeek-V2-Lite's heads; 128: DeepSeek-V2's in one program
+        k = compile_sm90(latent_attn.latent_attn_kernel, dict(DN=512, DR=64, HAS_SEL=True, NUM_SPLITS=8,
+                         BLOCK_H=bh, BLOCK_N=32, DOT_F32=False), bf16, num_warps=8, num_stages=2)
+        print(f"latent_attn ({bh} heads per program, DS selection, 8 warps): {resources(k)}")
+    for d in (64, 128, 576):
+        bd = triton.next_power_of_2(d)
+        for be in sorted({min(host_gather.MAX_ENTRIES, max(2, host_gather.ELEMS_PER_PROGRAM // bd)), 32}):
+            k = compile_sm90(host_gather.copy_rows_kernel, dict(D=d, BLOCK_E=be, BLOCK_D=bd), bf16, num_warps=4)
+            print(f"host gather D={d}, {be} entries per program (4 warps): {resources(k)}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tuning", metavar="FILE.json", default=None,
@@ -174,8 +203,12 @@ def main():
     ap.add_argument("--consts", default="{}", help="JSON constexprs of select_kernel for --select")
     ap.add_argument("--histogram", action="store_true")
     ap.add_argument("--sass", metavar="DIR", help="write the separate DS kernels' SASS to DIR (to diff two trees)")
+    ap.add_argument("--families", action="store_true", help="the MoE, latent-attention and host-gather kernels")
     a = ap.parse_args()
     t = KernelTuning.from_json(a.tuning) if a.tuning else KernelTuning()
+    if a.families:
+        families()
+        return
     if a.sass:
         dump_sass(t, a.sass)
         return

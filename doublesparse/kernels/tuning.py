@@ -97,6 +97,9 @@ class KernelTuning:
     # Decode projections of at most this many rows (<= 16) and larger bf16 / fp16 weights run
     # through the one-launch split-K GEMM; 0 = never.
     skinny_max_rows: int = 4
+    # Query heads one latent-attention program holds (latent_attn.py); more heads run as several
+    # programs per (request, split), each reading the latent rows again.
+    latent_max_heads: int = 64
 
     # Fused layer kernels on CUDA (models/layers.py, models/llama.py): "auto" = on CUDA tensors,
     # True = also on CPU (the Triton interpreter: tests), False = the PyTorch ops.
@@ -148,7 +151,7 @@ class KernelTuning:
                      "score_cuda_tc_tiles", "score_cuda_tc_max_heads_per_warp", "select_block_n",
                      "select_warps", "select_programs_per_sm", "select_loop_stages", "compact_loop_stages",
                      "hist_block_n", "hist_programs_per_sm", "topp_block_n", "topp_programs_per_sm",
-                     "topp_warps", "topp_keep_warps"):
+                     "topp_warps", "topp_keep_warps", "latent_max_heads"):
             if getattr(self, name) < 1:
                 bad(name, "at least 1")
         if self.score_cuda_tc_depth < 2:

@@ -9,12 +9,16 @@ from kernel_utils import budgets, make_case, make_ws, rel_err
 
 from doublesparse.kernels import ops
 from doublesparse.kernels.latent import latent_split
+from doublesparse.kernels.tuning import KernelTuning
 
 
-@pytest.mark.parametrize("ds", [False, True])
-def test_latent_pool_decode_matches_torch(ds):
+@pytest.mark.parametrize("ds,heads", [(False, None), (True, None), (True, 37)])
+def test_latent_pool_decode_matches_torch(ds, heads):
+    """heads 37 with 16 per program: three head blocks per (request, split), the last partly filled."""
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     hq, d = (16, 576) if DEVICE == "cuda" else (5, 48)   # 5 heads: a partly filled head block
+    hq = heads or hq
+    tuning = KernelTuning(latent_max_heads=16)
     dn, _ = latent_split(d)
     c = make_case([37, 90, 13], hq, 1, d, r=8, dtype=dtype, device=DEVICE, seed=3)
     kv = c.k_cache  # one pool for K and V, as MemoryPlan.latent makes it
@@ -23,11 +27,11 @@ def test_latent_pool_decode_matches_torch(ds):
         ks = budgets(c, 16)
         args = (c.q, kv, kv, c.label_cache, c.label_scale, c.channels, c.req_to_token, c.req_idx, c.seq_lens,
                 c.sm_scale, ks, 16)
-        got = ops.ds_decode(*args, ws=ws, impl="triton")
+        got = ops.ds_decode(*args, ws=ws, impl="triton", tuning=tuning)
         want = ops.ds_decode(*args, impl="torch")
     else:
         args = (c.q, kv, kv, c.req_to_token, c.req_idx, c.seq_lens, c.sm_scale)
-        got = ops.dense_decode(*args, ws=ws, impl="triton")
+        got = ops.dense_decode(*args, ws=ws, impl="triton", tuning=tuning)
         want = ops.dense_decode(*args, impl="torch")
     assert rel_err(got[..., :dn], want[..., :dn]) < (2e-2 if dtype == torch.bfloat16 else 1e-4)
 

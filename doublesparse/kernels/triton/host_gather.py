@@ -40,23 +40,24 @@ def copy_rows_kernel(
              v.to(dst_v_ptr.dtype.element_ty), mask=m2)
 
 
-# Values of K (and as many of V) one program moves. Each lane holds a pointer per value, so
-# 32 entries x 128 values on 4 warps needed 255 registers and spilled 176 bytes on sm_90 (576-wide
-# rows: 968); 1024 needs 56 registers at D = 128, which lets many more programs per SM keep
-# loads over PCIe in flight. Chosen from the compiled register use, not timed on a GPU.
-ELEMS_PER_PROGRAM = 1024
+# Values of K (and as many of V) one program moves, and at most this many entries: each lane
+# holds a pointer per value, so 32 entries of 576-wide rows (MLA-sized) need 254 registers and
+# spill 504 bytes on sm_90, while 32 entries of 64 or 128 values (the shapes the GPU tests ran)
+# take 32 / 64 registers (`python benchmarks/kernel_resources.py --families`). Not timed on a GPU.
+ELEMS_PER_PROGRAM = 4096
+MAX_ENTRIES = 32
 
 
 def copy_rows(src_k, src_v, dst_k, dst_v, src_rows, dst_rows, heads, valid, block_e: int | None = None):
     """Launch over ``E`` entries (flat int tensors on the launching device; ``valid`` bool or
     int8). No checks beyond shapes here: kernels/host_copy.py checks. ``block_e``: entries per
-    program (default: :data:`ELEMS_PER_PROGRAM` values' worth, at least 2)."""
+    program (default: :data:`ELEMS_PER_PROGRAM` values' worth, 2 to :data:`MAX_ENTRIES`)."""
     E = src_rows.numel()
     if E == 0:
         return
     D = src_k.shape[2]
     BD = triton.next_power_of_2(D)
-    block_e = block_e or max(2, ELEMS_PER_PROGRAM // BD)
+    block_e = block_e or min(MAX_ENTRIES, max(2, ELEMS_PER_PROGRAM // BD))
     valid = valid.view(torch.int8) if valid.dtype == torch.bool else valid
     copy_rows_kernel[(triton.cdiv(E, block_e),)](
         src_k, src_v, dst_k, dst_v, src_rows, dst_rows, heads, valid, E,

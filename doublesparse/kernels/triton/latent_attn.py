@@ -36,6 +36,7 @@ def latent_attn_kernel(
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
+    h0 = tl.program_id(2) * BLOCK_H   # this program's block of query heads
     seq_len = tl.load(seq_lens_ptr + b)
     req = tl.load(req_idx_ptr + b).to(tl.int64)
     if HAS_SEL:
@@ -49,7 +50,7 @@ def latent_attn_kernel(
     start = split * per_split
     end = tl.minimum(start + per_split, n)
 
-    heads = tl.arange(0, BLOCK_H)
+    heads = h0 + tl.arange(0, BLOCK_H)
     hmask = heads < G
     dn = tl.arange(0, DN)
     dr = DN + tl.arange(0, DR)
@@ -96,9 +97,13 @@ def latent_attn_kernel(
 
 
 def latent_attention(q, kv_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out, sel, heavy_ks, max_k,
-                     num_splits: int, block_n: int = 32, num_warps: int = 8, num_stages: int = 2):
+                     num_splits: int, block_n: int = 32, num_warps: int = 8, num_stages: int = 2,
+                     max_heads: int = 64):
     """q: [B, Hq, D]; kv_cache: [S, 1, D] (the latent pool); sel: [B, 1, K] int32 selected slots or
-    None (heavy_ks: [B] int32 then). Fills ``out`` [B, Hq, D] (columns < DN) and returns it."""
+    None (heavy_ks: [B] int32 then). Fills ``out`` [B, Hq, D] (columns < DN) and returns it.
+    ``max_heads``: query heads per program (a power of two, at least 16); more run as several
+    programs. DeepSeek-V2's 128 heads in one program would need 256 KB of shared memory, over the
+    227 KB an sm_90 block may use (`python benchmarks/kernel_resources.py --families`)."""
     B, Hq, D = q.shape
     DN, DR = latent_split(D)
     po, pl = ws.part_o, ws.part_lse
@@ -106,12 +111,13 @@ def latent_attention(q, kv_cache, req_to_token, req_idx, seq_lens, sm_scale, ws,
     if out is None:
         out = torch.empty_like(q)
     S = num_splits
-    latent_attn_kernel[(B, S)](
+    BH = min(max(16, triton.next_power_of_2(Hq)), max(16, triton.next_power_of_2(max_heads)))
+    latent_attn_kernel[(B, S, triton.cdiv(Hq, BH))](
         q, kv_cache, req_to_token, req_idx, seq_lens, sel if has_sel else seq_lens, po, pl,
         float(sm_scale), heavy_ks if has_sel else seq_lens, int(max_k),
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0), sel.stride(0) if has_sel else 0,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        Hq, DN=DN, DR=DR, HAS_SEL=has_sel, NUM_SPLITS=S, BLOCK_H=max(16, triton.next_power_of_2(Hq)),
+        Hq, DN=DN, DR=DR, HAS_SEL=has_sel, NUM_SPLITS=S, BLOCK_H=BH,
         BLOCK_N=block_n, DOT_F32=_INTERPRET, num_warps=num_warps, num_stages=num_stages,
     )
     merge_kernel[(B, Hq)](

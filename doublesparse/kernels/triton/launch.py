@@ -85,7 +85,7 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
         if row_ks is not None:
             heavy_ks = row_ks[:, 0].contiguous()
         return latent_attention(q, k_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out, sel,
-                                heavy_ks, max_k, num_splits)
+                                heavy_ks, max_k, num_splits, max_heads=tuning.latent_max_heads)
     block_n = _attn_block_n(B * rows, q.device, tuning)
     G = Hq // k_cache.shape[1]
     S = num_splits
