@@ -169,9 +169,10 @@ def _decode_overlapped(runner, rows, nxt, input_len, steps, dev):
 def unfit(parts, bs: int, input_len: int, output_len: int) -> str | None:
     """Why a case cannot run on these pools, or None."""
     need = bs * (input_len + output_len)
-    if need > parts.memory.slots.num_free:
+    free = parts.memory.slots.num_free - parts.memory.slots.num_free_device  # the device tier is extra
+    if need > free:
         return (f"batch {bs} x ({input_len}+{output_len}) = {need} tokens does not fit the KV pool "
-                f"({parts.memory.slots.num_free} free); raise --max-total-tokens")
+                f"({free} free); raise --max-total-tokens")
     if input_len + output_len > parts.max_context_len:
         return (f"input_len + output_len = {input_len + output_len} exceeds the context "
                 f"{parts.max_context_len}; pass --context-length or shorter lengths")
@@ -216,6 +217,8 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
     V = parts.model.config.vocab_size
     ids = torch.randint(0, V, (bs, input_len), generator=g).tolist()
     rows = [mem.rows.alloc() for _ in range(bs)]
+    for r in rows:  # DS-Offload's device tier takes the requests that fit, as the engine's admission
+        mem.place_row(r, input_len + output_len)
     say = print if verbose else (lambda *a, **k: None)
     try:
         _sync(dev)
@@ -316,6 +319,10 @@ def _main(argv: list[str]) -> int:
         print(f"tensor parallel: {cfg.tp_size} ranks; weights, pools and step bytes below are per rank")
     try:
         return _bench(args, argv, cfg, dev, bw, tp, build_parts)
+    except BaseException as e:
+        if tp is not None:  # ranks may wait in a collective rank 0 will never join: stop them now
+            tp.abort(e)
+        raise
     finally:
         if tp is not None:  # the other ranks stop and this process leaves the group
             tp.close()

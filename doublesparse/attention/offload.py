@@ -274,8 +274,11 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         return super().decode_bytes(seq_lens_host)
 
     def fetch_stats(self) -> dict:
-        """Hot-set counters so far, with host->device bytes (one host sync)."""
+        """Hot-set counters so far, with host->device bytes (one host sync); rows fetched from a
+        device tier are device copies, counted in ``device_bytes`` instead."""
         s = self.hot.stats()
         p = self.memory.plan
-        s["bytes"] = (s["misses"] + s["prefetched"]) * 2 * p.head_dim * p.kv_dtype.itemsize
+        row = 2 * p.head_dim * p.kv_dtype.itemsize
+        s["bytes"] = (s["misses"] + s["prefetched"] - s["device_fetched"]) * row
+        s["device_bytes"] = s["device_fetched"] * row
         return s

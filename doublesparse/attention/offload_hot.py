@@ -42,8 +42,9 @@ class HotSet:
         self.where = [torch.full((num_slots, H), -1, dtype=torch.int32, device=self.device) for _ in range(L)]
         self.clock = torch.zeros((), dtype=torch.int32, device=self.device)
         # hits, misses (K+V row pairs per KV head), decode steps, rows prefetched for a predicted
-        # selection: device counters, read by benchmarks
-        self.counters = torch.zeros(4, dtype=torch.int64, device=self.device)
+        # selection, rows fetched from a device tier (of the misses and prefetches): device
+        # counters, read by benchmarks
+        self.counters = torch.zeros(5, dtype=torch.int64, device=self.device)
         self._heads = torch.arange(H, device=self.device)[None, :, None]
 
     @property
@@ -122,10 +123,12 @@ class HotSet:
         rows (slots, hot, fetch as from :meth:`lookup`)."""
         from ..kernels.host_copy import copy_from_tiers
         heads = self._heads.expand_as(slots)
+        if tiers[2] is not None:
+            self.counters[4].add_((fetch & (slots <= tiers[4])).sum())
         copy_from_tiers(tiers, self.k[layer], self.v[layer], slots, hot, heads.contiguous(),
                         fetch.contiguous(), impl=impl)
 
     def stats(self) -> dict:
         """Counters so far (one host sync: call outside the decode loop)."""
-        h, m, steps, pre = (int(x) for x in self.counters.tolist())
-        return {"hits": h, "misses": m, "steps": steps, "prefetched": pre}
+        h, m, steps, pre, dev = (int(x) for x in self.counters.tolist())
+        return {"hits": h, "misses": m, "steps": steps, "prefetched": pre, "device_fetched": dev}

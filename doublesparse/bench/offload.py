@@ -38,7 +38,8 @@ def offload_step_stats(backend, before: dict, after: dict, seq_lens_per_step: li
     return dict(fetch=backend.fetch, prefetch=backend.prefetch, hot_tokens=backend.hot.capacity, steps=steps,
                 hits=hits, misses=misses, prefetched=after["prefetched"] - before["prefetched"],
                 hit_rate=hits / (hits + misses) if hits + misses else None,
-                host_bytes_per_step=per_step)
+                host_bytes_per_step=per_step,
+                device_tier_bytes_per_step=(after["device_bytes"] - before["device_bytes"]) / steps)
 
 
 def describe(stats: dict) -> str:

@@ -258,12 +258,12 @@ class KVMemory:
         dev = self.row_on_device[rows]
         slots = torch.empty(n, dtype=torch.int64)
         nd = int(dev.sum())
+        if nd < n:  # first: the host store is the one that could run short (then nothing is taken)
+            slots[~dev] = self.slots.alloc(n - nd)
         if nd:
             slots[dev] = self.slots.alloc(nd, on_device=True)
             for r, c in zip(*torch.unique(rows[dev], return_counts=True)):
                 self._promised[int(r)] = max(0, self._promised[int(r)] - int(c))
-        if nd < n:
-            slots[~dev] = self.slots.alloc(n - nd)
         return slots
 
     def _unplace(self, row: int) -> None:

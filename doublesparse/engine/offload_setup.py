@@ -42,9 +42,15 @@ def hot_tokens(cfg, heavy_token_num: int) -> int:
 def build_offload(cfg, plan: MemoryPlan, device: torch.device, ds, mc, channels, workspace):
     """(memory, backend) of an offloading engine: K/V in a host store (pinned on CUDA), labels
     in the device pool, a hot set of ``hot_tokens`` rows per request row (padding row included)."""
+    n_dev = cfg.ds_offload_device_tokens
+    if n_dev and device.type == "cuda":
+        need = 2 * plan.num_layers * (n_dev + 1) * plan.num_kv_heads * plan.head_dim * plan.kv_dtype.itemsize
+        free = torch.cuda.mem_get_info(device)[0]
+        if need > free:
+            raise ValueError(f"the DS-Offload device tier of {n_dev} tokens needs {need / GIB:.1f} GiB, "
+                             f"{free / GIB:.1f} GiB are free: lower --ds-offload-device-tokens")
     store = HostKVStore(plan.num_layers, plan.num_slots, plan.num_kv_heads, plan.head_dim,
-                        plan.kv_dtype, pin=device.type == "cuda", device_tokens=cfg.ds_offload_device_tokens,
-                        device=device)
+                        plan.kv_dtype, pin=device.type == "cuda", device_tokens=n_dev, device=device)
     memory = KVMemory(plan, device, kv_store=store)
     C = hot_tokens(cfg, ds.heavy_token_num)
     if device.type == "cuda":

@@ -8,6 +8,10 @@ Double Sparsity label in every layer, so sharing the slot shares all three.
 Ownership of a request row's positions ``[0, num_cached)``: the first ``SchedRequest.cached``
 belong to the cache (locked for the request, freed only by eviction), the rest to the request
 (freed when it ends, unless it leaves them in the cache then).
+
+A request in DS-Offload's device tier (``memory.row_on_device``) caches none of its own tokens:
+the tier's slots go back to the tier when it ends, so that cached prefixes, which only eviction
+frees, never fill the tier; it may still start from a cached prefix (in the host store).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def cache_prefill(memory, scheduler, chunks, rows: dict) -> None:
         return
     for c in chunks:
         row = rows[c.rid]
+        if memory.row_on_device[row]:
+            continue
         remap = scheduler.cache_prefill(c.rid, c.end, memory.row_slots(row, c.end))
         if remap is not None:
             memory.free_row_range(row, remap.start, remap.stop)
@@ -66,6 +72,11 @@ def release_request(
         shared = scheduler.cache_finished(rid, [], None)[0]
         scheduler.finish(rid)
         memory.release_row(row, start=shared)
+        return
+    if memory.row_on_device[row]:
+        shared = scheduler.cache_finished(rid, [], None)[0]
+        scheduler.finish(rid)
+        memory.release(row, num_cached, start=shared)
         return
     n = min(num_cached, len(token_ids))
     shared, dup_start, dup_stop = scheduler.cache_finished(

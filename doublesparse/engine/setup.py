@@ -228,10 +228,12 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         from .offload_setup import build_offload
         memory, backend = build_offload(cfg, plan, device, ds, mc, channels, ws)
         ds = backend.ds  # its policy: sparse whenever a request is longer than its k
-        log.info("DS-Offload: K/V of %d tokens in host memory (%.1f GiB), hot set %d rows per "
-                 "request, layer and KV head, fetch %s; prefix cache off (the hot set is per request)",
-                 plan.max_total_tokens,
-                 memory.kv_store.nbytes / 2**30, backend.hot.capacity, backend.fetch)
+        n_dev = cfg.ds_offload_device_tokens
+        log.info("DS-Offload: K/V of %d tokens in host memory (%.1f GiB)%s, hot set %d rows per "
+                 "request, layer and KV head, fetch %s; prefix cache %s",
+                 plan.max_total_tokens - n_dev, memory.kv_store.nbytes / 2**30,
+                 f", a device tier of {n_dev} tokens" if n_dev else "", backend.hot.capacity, backend.fetch,
+                 "off" if cfg.disable_radix_cache else "on (cached prefixes in the host store)")
     else:
         memory = KVMemory(plan, device) if tp is None else tp.memory(plan, device)
         backend = create_backend(cfg.resolved_attention_backend, use_double_sparsity=ds is not None, ds=ds,

@@ -90,9 +90,11 @@ class Linear(nn.Module):
         p = self.packed
         if p is not None and x.dim() == 2 and x.device.type == "cpu" and (decode or p.kind == "bf16"):
             y = p.matmul(x)
-            if self.exact_top and p.kind == "bf16":
-                y = refine_top(y, x, self.weight, self.exact_top)
-            return y if self.bias is None else y + self.bias
+            if self.bias is not None:
+                y = y + self.bias
+            if self.exact_top and p.kind == "bf16" and self.weight.dtype == torch.float32:
+                y = refine_top(y, x, self.weight, self.exact_top, self.bias)
+            return y
         return ops.linear(x, self.weight, self.bias, tuning)
 
     def extra_repr(self) -> str:

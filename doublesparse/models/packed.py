@@ -78,13 +78,17 @@ class PackedWeight:
         return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
 
 
-def refine_top(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
-    """y: [T, N] float32, ``x @ W.T`` through a bf16 copy; x: [T, K], weight: W [N, K] float32.
-    Returns y with each row's k largest entries recomputed from W's rows in float32 (a bf16 output
-    is within one bf16 step of the exact value, so the exact maximum is among them unless more than
-    k entries sit within two steps of it). Row by row: a row's result ignores the other rows."""
+def refine_top(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, k: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y: [T, N] float32, ``x @ W.T (+ bias)`` through a bf16 copy; x: [T, K], weight: W [N, K]
+    float32, bias: [N] or None. Returns y with each row's k largest entries recomputed from W's
+    rows in float32 (a bf16 output is within one bf16 step of the exact value, so the exact
+    maximum is among them unless more than k entries sit within two steps of it). Row by row: a
+    row's result ignores the other rows."""
     idx = y.topk(min(k, y.shape[1]), dim=-1).indices                     # [T, k]
     exact = (x.to(weight.dtype)[:, None, :] * weight[idx]).sum(-1)       # [T, k]
+    if bias is not None:
+        exact = exact + bias[idx]
     return y.scatter(1, idx, exact.to(y.dtype))
 
 

@@ -1,6 +1,8 @@
 """The engine with --enable-ds-offload: K/V in a host store (on CPU a second buffer), labels and
 the hot set on the device; greedy tokens equal in-GPU Double Sparsity's, flags are checked."""
 
+import json
+
 import pytest
 import torch
 
@@ -64,8 +66,9 @@ def test_offload_with_the_prefix_cache(model):
 
 def test_device_tier_and_host_requests_in_one_batch(model):
     """With a 300-token device tier, the first requests admitted keep their K/V on the device and
-    the rest go to the host store; they decode in the same steps (and, with the prefix cache,
-    reuse each other's cached prefixes across the tiers). Tokens equal in-GPU DS's."""
+    the rest go to the host store; they decode in the same steps. With the prefix cache, the
+    offloaded ones' prompts are cached and the next batch (all in the tier, which its first
+    requests left free) starts from them. Tokens equal in-GPU DS's."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (100, 60, 130, 90)]
     sp = {"max_new_tokens": 12, "temperature": 0}
@@ -75,7 +78,7 @@ def test_device_tier_and_host_requests_in_one_batch(model):
         off = _engine(model, enable_ds_offload=True, ds_offload_hot_tokens=24, ds_offload_device_tokens=300, **kw)
         mem = off.parts.memory
         assert mem.slots.num_free_device == 300 and off.parts.scheduler.token_capacity == 1200
-        for batch in (prompts, [p[:70] + [4, 5] for p in prompts]):
+        for i, batch in enumerate((prompts, [p[:70] + [4, 5] for p in prompts])):
             rids = [off.add_request(x, sp) for x in batch]
             placed, got = {}, {}
             while off.has_unfinished():
@@ -86,7 +89,10 @@ def test_device_tier_and_host_requests_in_one_batch(model):
                     if r is not None and r.row is not None:
                         placed[rid] = bool(mem.row_on_device[r.row])
             assert [got[r] for r in rids] == [w["token_ids"] for w in ref.generate(batch, sp)]
-            assert set(placed.values()) == {True, False}, placed   # both tiers in the same steps
+            if i == 0:
+                assert set(placed.values()) == {True, False}, placed   # both tiers in the same steps
+            elif cache:   # device-tier requests cache nothing: the tier is free again between batches
+                assert all(placed.values()) and off.stats()["prefix_cache_hit_tokens"] > 0
         off.flush_cache()
         assert mem.slots.num_used == 0 and mem.slots.num_free_device == 300 and not mem._promised
 
@@ -170,3 +176,16 @@ def test_offload_with_packed_cpu_weights():
     want = _engine(m).generate(prompts, sp)
     got = _engine(m, enable_ds_offload=True, ds_offload_hot_tokens=24).generate(prompts, sp)
     assert [w["text"] for w in want] == [x["text"] for x in got]
+
+
+def test_bench_one_batch_places_requests_in_the_device_tier(tmp_path):
+    from doublesparse import bench_one_batch
+    out = tmp_path / "r.json"
+    rc = bench_one_batch.main(["--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu",
+                               "--batch-size", "2", "--input-len", "60", "--output-len", "4", "--skip-warmup",
+                               "--copy-bytes", "1000000", "--enable-ds-offload", "--ds-offload-device-tokens", "100",
+                               "--ds-heavy-token-num", "16", "--ds-selection-mode", "group_max",
+                               "--max-total-tokens", "130", "--result-json", str(out)])
+    assert rc == 0   # 2 x 64 tokens: one request in the 100-token tier, one in the 130-token store
+    off = json.loads(out.read_text())["results"][0]["offload"]
+    assert off["device_tier_bytes_per_step"] > 0 and off["host_bytes_per_step"] > 0

@@ -115,3 +115,19 @@ def test_decode_weight_bytes_count_the_packed_copies():
     packed = sum(x.packed.nbytes for x in m.modules() if getattr(x, "packed", None) is not None)
     assert weight_bytes(m) == floats - sum(
         x.weight.numel() * 4 for x in m.modules() if getattr(x, "packed", None) is not None) + packed
+
+
+def test_head_copy_recomputes_its_largest_logits_in_float32():
+    # a bf16 LM head copy (exact_top) with a bias: each row's 16 largest are x @ W.T + b in float32
+    lin = Linear(64, 500, bias=True, exact_top=16)
+    g = torch.Generator().manual_seed(4)
+    lin.weight.data, lin.bias.data = torch.randn(500, 64, generator=g), torch.randn(500, generator=g) * 3
+    pack_linears(torch.nn.Sequential(lin))
+    assert lin.packed.kind == "bf16"
+    x = torch.randn(7, 64, generator=g)
+    y, ref = lin(x, decode=True), x @ lin.weight.T + lin.bias
+    top = ref.topk(3, dim=-1).indices
+    torch.testing.assert_close(y.gather(1, top), ref.gather(1, top), rtol=0, atol=1e-4)
+    assert torch.equal(y.argmax(-1), ref.argmax(-1))
+    rest = torch.ones_like(y, dtype=torch.bool).scatter(1, y.topk(16, dim=-1).indices, False)
+    assert (y - ref)[rest].abs().max() > 1e-3          # the others stay bf16-rounded
