@@ -11,7 +11,8 @@ server: the driver starts it, waits for ``/health``, runs the row and stops the 
 next row needs another one (or none).
 
 Writes ``<out>/<area>-<machine>.json`` (``suite``, ``commands``, ``commit`` (git rev-parse HEAD),
-``machine`` (the GPU's name from torch, else the CPU), ``date``, ``summary`` and ``rows``: each
+``machine`` (the GPU's name from torch, else the CPU), ``date``, ``kernel_tuning`` (the
+KernelTuning defaults the rows ran with), ``summary`` and ``rows``: each
 row's JSON output under its name) and ``<out>/<area>-<machine>.md`` (the same, as tables).
 ``--dry-run`` prints the commands and runs nothing. ``--render FILE.json`` rewrites the markdown
 of an existing result file.
@@ -625,6 +626,14 @@ def _table_serving(rows: dict) -> list[str]:
     return L
 
 
+def _default_tuning() -> dict:
+    """The tree's KernelTuning defaults: what every row ran with (no suite row passes
+    --kernel-tuning; the rows that take one record their own as well)."""
+    import dataclasses
+    from doublesparse.kernels.tuning import KernelTuning
+    return dataclasses.asdict(KernelTuning())
+
+
 def markdown(doc: dict) -> str:
     area, rows = doc["area"], doc["rows"]
     L = [f"# {doc['suite']} on {doc['machine']}", "",
@@ -752,7 +761,8 @@ def main(argv: list[str] | None = None) -> int:
         results = {**{k: v for k, v in prev["rows"].items() if k not in results}, **results}
         commands = [c for c in prev["commands"] if c not in commands] + commands
     doc = {"suite": a.suite, "area": suite["area"], "commands": commands, "commit": commit, "machine": machine,
-           "date": date, "summary": summarize(suite["area"], results), "rows": results}
+           "date": date, "kernel_tuning": _default_tuning(), "summary": summarize(suite["area"], results),
+           "rows": results}
     if suite["area"] in ("models", "prefix-cache", "accuracy-long", "offload"):  # the summary names its provenance itself
         doc["summary"].update(commands=commands, date=date, device=machine, commit=commit)
     if suite["area"] == "cpu-embedded":  # its summary names where it came from too
