@@ -13,9 +13,10 @@ each :class:`~doublesparse.models.layers.Linear` of a CPU model gets a packed co
 * bf16 otherwise (e.g. SmolLM2's tied Q8_0 embedding as the LM head), through oneDNN's
   prepacked bf16 GEMM where torch has it (AMX / AVX512-BF16 CPUs), else ``F.linear`` in bf16.
 
-Decode forwards multiply by the int4 copies; prefill forwards keep the float weights, where the
-float GEMM is about twice as fast from ~32 rows on. A bf16 copy serves every forward (oneDNN's
-bf16 GEMM is faster than the float one at any row count). Both kernels give a row the same result
+Decode forwards multiply by the int4 copies; prefill forwards keep the float weights (a prefill
+computes many rows per weight it reads, and the int4 kernel's time grows with the rows). A bf16
+copy serves every forward, so the logits of a prompt's last token come from the same copy
+whatever the prefill batch. Both kernels give a row the same result
 whatever rows share the forward, so a request's tokens do not depend on its batch (the float GEMM
 does not promise that, which is why the choice follows the forward's kind, not its size). The
 activations are rounded to bf16 for the packed kernels and the outputs come back in the input's
