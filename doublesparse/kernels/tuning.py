@@ -118,8 +118,8 @@ class KernelTuning:
     # `python benchmarks/run.py decode-cost`, which measures them on any machine).
     decode_bandwidth_gbs: float = 4240.0
     ds_step_overhead_us_per_layer: float = 15.0
-    cpu_decode_bandwidth_gbs: float = 5.17
-    cpu_ds_step_overhead_us_per_layer: float = 477.0
+    cpu_decode_bandwidth_gbs: float = 6.26
+    cpu_ds_step_overhead_us_per_layer: float = 442.0
 
     def __post_init__(self):
         def bad(name, want):
