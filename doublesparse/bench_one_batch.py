@@ -308,7 +308,6 @@ def _main(argv: list[str]) -> int:
     if cfg.max_total_tokens is None and not cfg.resolved_device.startswith("cuda"):
         need = max(b * (i + o) for b, i, o in itertools.product(args.batch_size, args.input_len, args.output_len))
         cfg = cfg.replace(max_total_tokens=need)
-    from .engine.setup import build_parts
     dev = torch.device(cfg.resolved_device)
     bw = copy_bandwidth(dev, args.copy_bytes)
     print(f"copy bandwidth: {bw / 1e9:.1f} GB/s ({dev})")
@@ -318,7 +317,7 @@ def _main(argv: list[str]) -> int:
         tp = start(cfg)
         print(f"tensor parallel: {cfg.tp_size} ranks; weights, pools and step bytes below are per rank")
     try:
-        return _bench(args, argv, cfg, dev, bw, tp, build_parts)
+        return _bench(args, argv, cfg, dev, bw, tp)
     except BaseException as e:
         if tp is not None:  # ranks may wait in a collective rank 0 will never join: stop them now
             tp.abort(e)
@@ -328,7 +327,8 @@ def _main(argv: list[str]) -> int:
             tp.close()
 
 
-def _bench(args, argv, cfg, dev, bw, tp, build_parts) -> int:
+def _bench(args, argv, cfg, dev, bw, tp) -> int:
+    from .engine.setup import build_parts
     parts = build_parts(cfg, progress=True, tp=tp)
     print(parts.plan.describe())
     if parts.ds is not None:

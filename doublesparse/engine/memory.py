@@ -240,20 +240,20 @@ class KVMemory:
         # DS-Offload's device tier: which rows keep their new tokens there, and how many
         # device-tier slots each may still take (promised at admission, so allocation never fails)
         self.row_on_device = torch.zeros(rows, dtype=torch.bool)
-        self._promised: dict[int, int] = {}
+        self.promised = torch.zeros(rows, dtype=torch.int64)
 
     def place_row(self, row: int, tokens: int) -> bool:
         """Put request row ``row``, which will allocate up to ``tokens`` new slots, in the device
         tier if the tier's free slots not promised to other rows hold them; returns whether it
         did (always False without a device tier)."""
-        if not self.slots.device_tier or self.slots.num_free_device - sum(self._promised.values()) < tokens:
+        if not self.slots.device_tier or self.slots.num_free_device - int(self.promised.sum()) < tokens:
             return False
         self.row_on_device[row] = True
-        self._promised[row] = int(tokens)
+        self.promised[row] = int(tokens)
         return True
 
     def _alloc(self, rows: torch.Tensor, n: int) -> torch.Tensor:
-        if not self._promised:
+        if not self.slots.device_tier:
             return self.slots.alloc(n)
         dev = self.row_on_device[rows]
         slots = torch.empty(n, dtype=torch.int64)
@@ -262,12 +262,11 @@ class KVMemory:
             slots[~dev] = self.slots.alloc(n - nd)
         if nd:
             slots[dev] = self.slots.alloc(nd, on_device=True)
-            for r, c in zip(*torch.unique(rows[dev], return_counts=True)):
-                self._promised[int(r)] = max(0, self._promised[int(r)] - int(c))
+            self.promised.index_add_(0, rows[dev], torch.full((nd,), -1, dtype=torch.int64)).clamp_(min=0)
         return slots
 
     def _unplace(self, row: int) -> None:
-        self._promised.pop(row, None)
+        self.promised[row] = 0
         self.row_on_device[row] = False
 
     def assign(self, rows: torch.Tensor, positions: torch.Tensor, num_new: int,

@@ -52,6 +52,12 @@ def copy_rows(src_k, src_v, dst_k, dst_v, src_rows, dst_rows, heads, valid, impl
     _copy(src_k, src_v, dst_k, dst_v, flat(src_rows), flat(dst_rows), flat(heads), flat(valid))
 
 
+def _by_tier(slots, valid, n_dev):
+    """Entries split by the tier of their slot: (device rows, device mask, host rows, host mask)."""
+    ok, on_dev = valid.to(torch.bool), slots <= n_dev
+    return torch.where(on_dev, slots, 0), ok & on_dev, torch.where(on_dev, 0, slots - n_dev), ok & ~on_dev
+
+
 def copy_from_tiers(tiers, dst_k, dst_v, slots, dst_rows, heads, valid, impl: str = "auto") -> None:
     """:func:`copy_rows` from a tiered store: ``tiers`` = (host k, host v, device k, device v,
     device_tokens) as ``engine.host_kv.HostKVStore.tiers`` gives them; ``slots`` are slot numbers,
@@ -60,9 +66,9 @@ def copy_from_tiers(tiers, dst_k, dst_v, slots, dst_rows, heads, valid, impl: st
     hk, hv, dk, dv, n_dev = tiers
     if dk is None:
         return copy_rows(hk, hv, dst_k, dst_v, slots, dst_rows, heads, valid, impl)
-    ok, on_dev = valid.to(torch.bool), slots <= n_dev
-    copy_rows(dk, dv, dst_k, dst_v, torch.where(on_dev, slots, 0), dst_rows, heads, ok & on_dev, impl)
-    copy_rows(hk, hv, dst_k, dst_v, torch.where(on_dev, 0, slots - n_dev), dst_rows, heads, ok & ~on_dev, impl)
+    d_rows, d_ok, h_rows, h_ok = _by_tier(slots, valid, n_dev)
+    copy_rows(dk, dv, dst_k, dst_v, d_rows, dst_rows, heads, d_ok, impl)
+    copy_rows(hk, hv, dst_k, dst_v, h_rows, dst_rows, heads, h_ok, impl)
 
 
 def copy_to_tiers(src_k, src_v, src_rows, tiers, slots, heads, valid, impl: str = "auto") -> None:
@@ -71,6 +77,6 @@ def copy_to_tiers(src_k, src_v, src_rows, tiers, slots, heads, valid, impl: str 
     hk, hv, dk, dv, n_dev = tiers
     if dk is None:
         return copy_rows(src_k, src_v, hk, hv, src_rows, slots, heads, valid, impl)
-    ok, on_dev = valid.to(torch.bool), slots <= n_dev
-    copy_rows(src_k, src_v, dk, dv, src_rows, torch.where(on_dev, slots, 0), heads, ok & on_dev, impl)
-    copy_rows(src_k, src_v, hk, hv, src_rows, torch.where(on_dev, 0, slots - n_dev), heads, ok & ~on_dev, impl)
+    d_rows, d_ok, h_rows, h_ok = _by_tier(slots, valid, n_dev)
+    copy_rows(src_k, src_v, dk, dv, src_rows, d_rows, heads, d_ok, impl)
+    copy_rows(src_k, src_v, hk, hv, src_rows, h_rows, heads, h_ok, impl)

@@ -94,7 +94,7 @@ def test_device_tier_and_host_requests_in_one_batch(model):
             elif cache:   # device-tier requests cache nothing: the tier is free again between batches
                 assert all(placed.values()) and off.stats()["prefix_cache_hit_tokens"] > 0
         off.flush_cache()
-        assert mem.slots.num_used == 0 and mem.slots.num_free_device == 300 and not mem._promised
+        assert mem.slots.num_used == 0 and mem.slots.num_free_device == 300 and not mem.promised.any() and not mem.row_on_device.any()
 
 
 def test_offload_flags():
