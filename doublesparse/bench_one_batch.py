@@ -169,7 +169,7 @@ def _decode_overlapped(runner, rows, nxt, input_len, steps, dev):
 def unfit(parts, bs: int, input_len: int, output_len: int) -> str | None:
     """Why a case cannot run on these pools, or None."""
     need = bs * (input_len + output_len)
-    free = parts.memory.slots.num_free - parts.memory.slots.num_free_device  # the device tier is extra
+    free = parts.memory.slots.num_free_host  # DS-Offload's device tier is extra
     if need > free:
         return (f"batch {bs} x ({input_len}+{output_len}) = {need} tokens does not fit the KV pool "
                 f"({free} free); raise --max-total-tokens")
@@ -349,7 +349,7 @@ def _bench(args, argv, cfg, dev, bw, tp) -> int:
     if not args.skip_warmup and warm_bs is not None:
         print("Warmup ...")
         run_case(parts, warm_bs, warm_len, warm_out,
-                 cfg.seed + 1, 0, bw, weight_bytes(parts.model), verbose=False, chunk=cfg.chunked_prefill_size, overlap=overlap,
+                 cfg.seed + 1, 0, bw, wbytes, verbose=False, chunk=cfg.chunked_prefill_size, overlap=overlap,
                  fill=args.fill)
     results = []
     for bs, il, ol in itertools.product(args.batch_size, args.input_len, args.output_len):
@@ -364,7 +364,7 @@ def _bench(args, argv, cfg, dev, bw, tp) -> int:
             from .bench.profile_step import profile_decode
             profile = lambda rows, nxt, pos: profile_decode(parts, rows, nxt, pos, args.profile_json)  # noqa: E731
         results.append(run_case(parts, bs, il, ol, cfg.seed, args.log_decode_step, bw,
-                                weight_bytes(parts.model), chunk=cfg.chunked_prefill_size, profile=profile,
+                                wbytes, chunk=cfg.chunked_prefill_size, profile=profile,
                                 overlap=overlap, fill=args.fill))
     if args.result_json:
         cmd = "python -m doublesparse.bench_one_batch " + " ".join(argv)

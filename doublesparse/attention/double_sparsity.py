@@ -100,7 +100,8 @@ class DoubleSparsityBackend(AttentionBackend):
         self.ds = ds
         # DENSE as a 0-dim device tensor, made here (not during a graph capture, where it would be
         # filled only on replay) for row_budgets.
-        self._dense = torch.full((), DENSE, dtype=torch.int32, device=memory.k[0].device)
+        # (on the labels' device: an offloading backend's K pool is in host memory)
+        self._dense = torch.full((), DENSE, dtype=torch.int32, device=memory.label[0].device)
         self._streams: list = []   # side streams for batch parts 1.. (created on first use)
         self._parts: dict = {}     # batch size -> [(a, b, workspace views over rows a:b)]
 

@@ -25,8 +25,9 @@ import torch
 
 from ..kernels import ops
 from ..kernels.host_copy import copy_to_tiers
+from ..kernels.reference import store_labels_ref
 from ..kernels import torch_ops
-from .budget import DENSE, DecodePolicy
+from .budget import DecodePolicy
 from .double_sparsity import DoubleSparsityBackend, row_budgets
 from .offload_hot import HotSet
 from .offload_prefill import OffloadPrefill
@@ -69,8 +70,6 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         self.fetch = fetch
         self.prefetch = prefetch
         self._device = memory.label[0].device
-        # the base class made DENSE on the K pool's device: here the host
-        self._dense = torch.full((), DENSE, dtype=torch.int32, device=self._device)
         self._inflight: dict = {}   # layer -> tensors a side-stream prefetch into it still reads
         self._prefetch_stream = (torch.cuda.Stream(self._device)
                                  if prefetch != "none" and self._device.type == "cuda" else None)
@@ -85,11 +84,7 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
 
     def store(self, layer_id, k, v, slots) -> None:
         m = self.memory
-        lab, ch = m.label[layer_id], self.channels[layer_id]
-        g = torch.gather(k.float(), 2, ch.long()[None].expand(k.shape[0], -1, -1))
-        if lab.dtype == torch.float8_e4m3fn:
-            g = (g / m.label_scale[layer_id].float()).clamp(-448.0, 448.0)
-        lab[slots.long()] = g.to(lab.dtype)
+        store_labels_ref(m.label[layer_id], m.label_scale[layer_id], k, slots, self.channels[layer_id])
         N, H = k.shape[0], k.shape[1]
         rows = slots.long()[:, None].expand(N, H)
         heads = torch.arange(H, device=k.device)[None, :].expand(N, H)

@@ -46,10 +46,6 @@ class HostKVStore:
         for t in (*self.k, *self.v):
             t[0].zero_()
 
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
     @property
     def nbytes(self) -> int:
         """Bytes in host memory."""

@@ -145,6 +145,16 @@ class SlotAllocator:
         return int(self.free_device.numel())
 
     @property
+    def num_free_host(self) -> int:
+        """Free slots outside the device tier (all of them without one)."""
+        return int(self.free_slots.numel())
+
+    @property
+    def host_size(self) -> int:
+        """Slots outside the device tier: what admission may promise (every request fits there)."""
+        return self.size - self.device_tier
+
+    @property
     def num_used(self) -> int:
         return self.size - self.num_free
 

@@ -23,7 +23,7 @@ def plan_offload_memory(cfg, model_config, kv_dtype, device: torch.device, max_c
     mc = model_config
     if getattr(mc, "mla", None) is not None:
         raise ValueError("--enable-ds-offload supports models with K and V heads (not MLA latent pools)")
-    per_token = HostKVStore.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype)
+    per_token = mc.kv_bytes_per_token(torch.empty((), dtype=kv_dtype).element_size())
     tokens = host_tokens(cfg.max_total_tokens, cfg.ds_offload_host_memory_gb, device.type, per_token)
     # the device tier's slots come first (1 .. device tokens), the host store's after them
     return plan_memory(cfg.replace(max_total_tokens=tokens + cfg.ds_offload_device_tokens), mc, kv_dtype,
@@ -44,7 +44,7 @@ def build_offload(cfg, plan: MemoryPlan, device: torch.device, ds, mc, channels,
     in the device pool, a hot set of ``hot_tokens`` rows per request row (padding row included)."""
     n_dev = cfg.ds_offload_device_tokens
     if n_dev and device.type == "cuda":
-        need = 2 * plan.num_layers * (n_dev + 1) * plan.num_kv_heads * plan.head_dim * plan.kv_dtype.itemsize
+        need = (n_dev + 1) * plan.kv_bytes_per_token
         free = torch.cuda.mem_get_info(device)[0]
         if need > free:
             raise ValueError(f"the DS-Offload device tier of {n_dev} tokens needs {need / GIB:.1f} GiB, "

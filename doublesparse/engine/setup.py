@@ -228,10 +228,10 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         from .offload_setup import build_offload
         memory, backend = build_offload(cfg, plan, device, ds, mc, channels, ws)
         ds = backend.ds  # its policy: sparse whenever a request is longer than its k
-        n_dev = cfg.ds_offload_device_tokens
+        n_dev = memory.slots.device_tier
         log.info("DS-Offload: K/V of %d tokens in host memory (%.1f GiB)%s, hot set %d rows per "
                  "request, layer and KV head, fetch %s; prefix cache %s",
-                 plan.max_total_tokens - n_dev, memory.kv_store.nbytes / 2**30,
+                 memory.slots.host_size, memory.kv_store.nbytes / 2**30,
                  f", a device tier of {n_dev} tokens" if n_dev else "", backend.hot.capacity, backend.fetch,
                  "off" if cfg.disable_radix_cache else "on (cached prefixes in the host store)")
     else:
@@ -252,9 +252,7 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         graph_max_bs=cfg.cuda_graph_max_bs, tuning=cfg.kernel_tuning)
     # DS-Offload's device tier is on top of the host store: admission counts the host store's
     # slots only, so every request fits there whichever tier the engine puts it in
-    scheduler = Scheduler(cfg.scheduler_config(),
-                          plan.max_total_tokens - (cfg.ds_offload_device_tokens if cfg.enable_ds_offload else 0),
-                          max_ctx)
+    scheduler = Scheduler(cfg.scheduler_config(), memory.slots.host_size, max_ctx)
     return EngineParts(model, tokenizer, device, max_ctx, plan, memory, backend, runner, scheduler,
                        ds, choice.source if choice else None, ws,
                        choice.calibrated if choice else None)

@@ -39,10 +39,16 @@ def store_ref(k_cache, v_cache, label_cache, label_scale, k, v, slots, channels)
     k_cache[slots] = k.to(k_cache.dtype)
     v_cache[slots] = v.to(v_cache.dtype)
     if label_cache is not None:
-        lab = torch.gather(k.float(), 2, channels.long()[None].expand(k.shape[0], -1, -1))
-        if label_cache.dtype == torch.float8_e4m3fn:
-            lab = (lab / label_scale.float()).clamp(-448.0, 448.0)
-        label_cache[slots] = lab.to(label_cache.dtype)
+        store_labels_ref(label_cache, label_scale, k, slots, channels)
+
+
+def store_labels_ref(label_cache, label_scale, k, slots, channels) -> None:
+    """Write the labels of k ``[N, Hkv, D]`` (its ``channels [Hkv, r]``, fp8 pools scaled by
+    ``label_scale``) into ``label_cache`` at ``slots [N]`` (in place)."""
+    lab = torch.gather(k.float(), 2, channels.long()[None].expand(k.shape[0], -1, -1))
+    if label_cache.dtype == torch.float8_e4m3fn:
+        lab = (lab / label_scale.float()).clamp(-448.0, 448.0)
+    label_cache[slots.long()] = lab.to(label_cache.dtype)
 
 
 def gather_tokens(cache, req_to_token, req_idx, b: int, n: int):

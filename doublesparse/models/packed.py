@@ -38,6 +38,7 @@ from torch import nn
 GROUP = 32           # int4 group size along K (GGUF's legacy block size)
 GRID_TOL = 1e-3      # int4 repack: largest error allowed, in units of the group's step
 HEAD_EXACT_TOP = 16  # logits per row an LM head's bf16 copy recomputes in float32 (refine_top)
+INT4_ROW_BLOCK = 16  # torch's CPU int4 layout packs weight rows in blocks of this many
 
 
 @dataclass
@@ -135,7 +136,7 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
     if kind == "bf16":
         return PackedWeight(kind, q, scales, tuple(weight.shape))
     N, K = q.shape
-    pad = -N % 16   # torch's int4 layout packs rows in sixteens: zero rows fill the last one
+    pad = -N % INT4_ROW_BLOCK   # zero rows fill the last block
     if pad:
         q = torch.cat([q, q.new_zeros(pad, K)])
         scales = torch.cat([scales, scales.new_zeros(K // GROUP, pad, 2)], 1)

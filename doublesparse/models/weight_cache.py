@@ -162,7 +162,7 @@ def load_packed(model, gguf: Path) -> bool:
     """Attach the cached packed copies to ``model``'s Linear layers; False (nothing attached) when
     there is no usable entry."""
     from .layers import Linear
-    from .packed import PackedWeight
+    from .packed import GROUP, INT4_ROW_BLOCK, PackedWeight
 
     try:
         path = packed_entry_path(gguf, model.dtype)
@@ -181,8 +181,8 @@ def load_packed(model, gguf: Path) -> bool:
         for n, m in linears.items():
             data, scales = tensors[f"{n}.data"], tensors[f"{n}.scales"]
             N, K = m.weight.shape
-            N16 = N + (-N % 16)
-            want = ((N16, K // 2), torch.uint8, (K // 32, N16, 2)) if kinds[n] == "int4" else ((N, K), torch.bfloat16, (0,))
+            N16 = N + (-N % INT4_ROW_BLOCK)
+            want = ((N16, K // 2), torch.uint8, (K // GROUP, N16, 2)) if kinds[n] == "int4" else ((N, K), torch.bfloat16, (0,))
             if (tuple(data.shape), data.dtype, tuple(scales.shape)) != want or scales.dtype != torch.bfloat16:
                 return False
             copies[n] = PackedWeight(kinds[n], data, scales, (N, K))
