@@ -50,7 +50,7 @@ def rows() -> list[dict]:
             _row("4x120k-in-gpu-dense", base)]
     out.append(_row("host-gather", "python -m doublesparse.bench.offload --gather-only", 300))
     out.append({"name": "smollm2-8k-text", "result": "{out}.json", "timeout": 600,
-                "cmd": "python -m doublesparse.bench.offload --model-path /root/m/smollm2.gguf --input-len 8000 "
+                "cmd": "python -m doublesparse.bench.offload --input-len 8000 "
                        "--output-len 128 --result-json {out}.json"})
     return out
 

@@ -15,7 +15,8 @@ _SERVER = (
     f"--context-length 33792 --port {PORT} --log-level info --graceful-shutdown-timeout 10 "
     "--enable-double-sparsity --chunked-prefill-size 8192"
 )
-SERVER = f"{_SERVER} --max-total-tokens 540672 --max-running-requests 16"
+# 16 full windows (71 GB of KV): on a card under 120 GB the server sizes its pool to the card
+SERVER = f"{_SERVER} {{pool:540672:120}} --max-running-requests 16"
 SERVER_DISABLED = f"{SERVER} --disable-radix-cache"
 SERVER_SMALL_POOL = f"{_SERVER} --max-total-tokens 135000 --max-running-requests 4"
 _CLIENT = (

@@ -2,6 +2,8 @@
 
     python benchmarks/run.py SUITE [--out results/] [--machine NAME] [--dry-run] [--only ROW ...]
     python benchmarks/run.py --list
+    python benchmarks/run.py stage --suite SUITE      # on a networked machine: what SUITE needs, in transfers
+    python benchmarks/run.py unstage [--partial-ok]   # on the GPU machine: unpack what arrived
 
 Each suite (``SUITES`` below) is a list of rows; a row is one command of the package, run as a
 subprocess from the repository root. ``{out}`` in a command is replaced by a path under the raw
@@ -19,7 +21,12 @@ of an existing result file.
 
 To add a suite, add an entry to ``SUITES``: ``area`` (the result files' name), optional
 ``machine`` (a fixed machine label, e.g. ``cpu`` for a run that never uses the GPU) and ``rows``.
-``{gpus}`` in a command is replaced by the number of GPUs of the machine (tensor-parallel rows).
+``{gpus}`` in a command is replaced by the number of GPUs of the machine (tensor-parallel rows),
+``{pool:TOKENS:GB}`` by ``--max-total-tokens TOKENS`` on a card of at least GB gigabytes (else by
+nothing: the engine sizes its pool to the card). A row with ``min_gb`` above the card's memory is
+skipped with why; a row with ``lane`` runs beside the main lane (a thread of its own); a suite with
+``budget_s`` starts no row past that many seconds (``--budget-s`` overrides); ``needs`` names what
+``stage`` packs for a machine without network (benchmarks/stage.py).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -40,9 +48,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is loaded
 import cpu_embedded  # noqa: E402
 import decode_cost  # noqa: E402
+import gpu_check  # noqa: E402
 import offload  # noqa: E402
 import prefix_cache  # noqa: E402
 import speedup_map  # noqa: E402
+import stage  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +63,7 @@ _ONE_BATCH = ("python -m doublesparse.bench_one_batch --profile --load-format du
 _LLAMA = f"{_ONE_BATCH} --model-path llama-3.1-8b --input-len 60000 --max-total-tokens 190000"
 _LONGCHAT = f"{_ONE_BATCH} --model-path longchat-7b-v1.5-32k --input-len 20000 --max-total-tokens 70000"
 # SmolLM2's rows read the embedded model's GGUF, staged on the machine (benchmarks/README.md)
-_SMOL = ("python -m doublesparse.bench_one_batch --profile --model-path /root/m/smollm2.gguf --batch-size 1 "
+_SMOL = ("python -m doublesparse.bench_one_batch --profile --batch-size 1 "
          "--input-len 8000 --output-len 128")
 _DS = "--enable-double-sparsity --ds-heavy-channel-num"
 _COST = ("python -m doublesparse.bench_one_batch --device cpu --batch-size 1 --input-len 1024 2048 4096 8000 "
@@ -65,10 +75,11 @@ def _one_batch_row(name: str, cmd: str) -> dict:
 
 
 # The serving workload: 100 requests of 32768 + 1024 tokens, 16 in flight, dummy Llama-3.1-8B, on a
-# server whose KV pool holds exactly 16 full windows; DS with r = 16, k = prompt / 16.
+# server whose KV pool holds exactly 16 full windows (71 GB: a card of 120 GB or more; a smaller one
+# sizes the pool to its memory, see expand); DS with r = 16, k = prompt / 16.
 _PORT = 30000
 _SERVER = (f"python -m doublesparse.launch_server --model-path llama-3.1-8b --load-format dummy "
-           f"--context-length 33792 --max-total-tokens 540672 --max-running-requests 16 --port {_PORT} "
+           f"--context-length 33792 {{pool:540672:120}} --max-running-requests 16 --port {_PORT} "
            "--log-level info --graceful-shutdown-timeout 10 --chunked-prefill-size 32768 --prefill-schedule cohort")
 _SERVER_DS = f"{_SERVER} {_DS} 16 --ds-heavy-token-num 2048"
 _CLIENT = (f"python -m doublesparse.bench_serving --base-url http://127.0.0.1:{_PORT} --endpoint generate "
@@ -95,7 +106,7 @@ _SERVER_SOAK = (f"python -m doublesparse.launch_server --model-path llama-3.1-8b
 
 
 _LONG = "python -m doublesparse.eval.long_context --device cuda --budget-s 540"
-_EVAL_DEFAULT = ("doublesparse eval --model-path /root/m/smollm2.gguf --device cuda --default-only "
+_EVAL_DEFAULT = ("doublesparse eval --device cuda --default-only "
                  "--no-fidelity")
 
 
@@ -108,10 +119,11 @@ def _serving_row(name: str, server: str, cmd: str, timeout: int = 600) -> dict:
 # Double Sparsity (default flags) against dense. Mixtral's context is 32768 positions in all.
 _FAMILY = ("python -m doublesparse.bench.family_decode --load-format dummy --fill random --warmup-input-len 1024 "
            "--output-len 64 --floor-steps 8")
-_FAMILY_CASES = {  # row stem -> model, batch, prompt, KV pool tokens
-    "dsv2-lite-128k-bs4": ("deepseek-v2-lite", 4, 131072, 525000),
-    "qwen3-moe-32k-bs8": ("qwen3-30b-a3b", 8, 32768, 263000),
-    "mixtral-32k-bs8": ("mixtral-8x7b-v0.1", 8, 32640, 262000),
+_FAMILY_CASES = {  # row stem -> model, batch, prompt, KV pool tokens, card memory it needs (GB)
+    "dsv2-lite-128k-bs4": ("deepseek-v2-lite", 4, 131072, 525000, 0),
+    # 61 GB of weights + 26 GB of KV; Mixtral: 93 GB of weights
+    "qwen3-moe-32k-bs8": ("qwen3-30b-a3b", 8, 32768, 263000, 120),
+    "mixtral-32k-bs8": ("mixtral-8x7b-v0.1", 8, 32640, 262000, 120),
 }
 # summary key stem -> row stem
 _FAMILY_KEYS = {"dsv2_lite": "dsv2-lite-128k-bs4", "qwen3_moe": "qwen3-moe-32k-bs8", "mixtral": "mixtral-32k-bs8"}
@@ -129,29 +141,29 @@ _HF_OFFLOAD = ("python -m doublesparse.bench.hf_offload --model-path llama-3.1-8
 # dense and Double Sparsity with default flags. Figures are rank 0's (weights, bytes, floor per rank).
 _TP = ("python -m doublesparse.bench_one_batch --load-format dummy --warmup-input-len 1024 --output-len 64 "
        "--chunked-prefill-size 16384")
-_TP_CASES = {  # row stem -> model, tp, batch, prompt, KV pool tokens
-    "llama70b-60k-bs8": ("llama-3.1-70b", "{gpus}", 8, 60000, 481000),
-    "llama70b-120k-bs4": ("llama-3.1-70b", "{gpus}", 4, 120000, 481000),
-    "mixtral-tp2-32k-bs16": ("mixtral-8x7b-v0.1", "2", 16, 32640, 524000),
+_TP_CASES = {  # row stem -> model, tp, batch, prompt, KV pool tokens, card memory it needs (GB)
+    "llama70b-60k-bs8": ("llama-3.1-70b", "{gpus}", 8, 60000, 481000, 0),
+    "llama70b-120k-bs4": ("llama-3.1-70b", "{gpus}", 4, 120000, 481000, 0),
+    "mixtral-tp2-32k-bs16": ("mixtral-8x7b-v0.1", "2", 16, 32640, 524000, 120),
 }
 
 
 def _tp_rows() -> list[dict]:
     rows = []
-    for stem, (model, tp, bs, n, pool) in _TP_CASES.items():
+    for stem, (model, tp, bs, n, pool, gb) in _TP_CASES.items():
         cmd = (f"{_TP} --model-path {model} --tp-size {tp} --batch-size {bs} --input-len {n} "
                f"--max-total-tokens {pool}")
-        rows += [{**_one_batch_row(f"{stem}-dense", cmd), "timeout": 1800},
-                 {**_one_batch_row(f"{stem}-ds", f"{cmd} --enable-double-sparsity"), "timeout": 1800}]
+        rows += [{**_one_batch_row(f"{stem}-dense", cmd), "timeout": 1800, "min_gb": gb},
+                 {**_one_batch_row(f"{stem}-ds", f"{cmd} --enable-double-sparsity"), "timeout": 1800, "min_gb": gb}]
     return rows
 
 
 def _family_rows() -> list[dict]:
     rows = []
-    for stem, (model, bs, n, pool) in _FAMILY_CASES.items():
+    for stem, (model, bs, n, pool, gb) in _FAMILY_CASES.items():
         cmd = f"{_FAMILY} --model-path {model} --batch-size {bs} --input-len {n} --max-total-tokens {pool}"
-        rows += [{**_one_batch_row(f"{stem}-dense", cmd), "timeout": 900},
-                 {**_one_batch_row(f"{stem}-ds", f"{cmd} --enable-double-sparsity"), "timeout": 900}]
+        rows += [{**_one_batch_row(f"{stem}-dense", cmd), "timeout": 900, "min_gb": gb},
+                 {**_one_batch_row(f"{stem}-ds", f"{cmd} --enable-double-sparsity"), "timeout": 900, "min_gb": gb}]
     return rows
 
 
@@ -255,7 +267,7 @@ SUITES: dict[str, dict] = {
             _one_batch_row("smollm2-8k-bs1-ds-top-p",
                            f"{_SMOL} --enable-double-sparsity --ds-budget-mode top_p --ds-heavy-token-min 128"),
             {"name": "accuracy-text-8192", "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600,
-             "cmd": "doublesparse eval --model-path /root/m/smollm2.gguf --device cuda --no-retrieval "
+             "cmd": "doublesparse eval --device cuda --no-retrieval "
                     "--window-len 8192 --decode-len 256 --num-windows 8 --no-fidelity --settings "
                     "qk/group_max/r16/k1:16/s4w32 qk/group_max/r16/k1:8/s4w32 "
                     "qk/group_max/r16/k1:8/s4w32/p0.9min128 qk/group_max/r16/k1:8/s4w32/p0.98min128 -o {out}"},
@@ -298,10 +310,13 @@ SUITES: dict[str, dict] = {
             *[{"name": f"qwen15b-{n // 1024}k", "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600,
                "cmd": f"{_LONG} --model-path qwen2.5-coder-1.5b --lengths {n} -o {{out}}"} for n in (16384, 32768)],
             {"name": "smollm2-8k", "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600,
-             "cmd": f"{_LONG} --model-path /root/m/smollm2.gguf --lengths 8192 --parts text --settings dense "
+             "cmd": f"{_LONG} --lengths 8192 --parts text --settings dense "
                     "default --num-windows 8 -o {out}"},
         ],
     },
+    # The GPU build in one device command: the test suite on the GPU, then one small row of each
+    # GPU suite sized to the card (benchmarks/gpu_check.py), within a 540 s budget.
+    "gpu-check": {"area": "gpu-check", "budget_s": gpu_check.BUDGET_S, "rows": gpu_check.rows(_serving_row)},
     # The CPU preset of the accuracy protocol (few settings, 1K contexts): `doublesparse eval --small`.
     "accuracy-small": {
         "area": "accuracy",
@@ -311,6 +326,21 @@ SUITES: dict[str, dict] = {
     },
 }
 
+
+# What each GPU suite needs on a machine without network (``run.py stage --suite NAME``,
+# benchmarks/stage.py): "wheels" the Python packages a bare GPU image may lack (the server's, the
+# tests'), "smollm2" the embedded model, "texts" the evaluation plays, "plots" matplotlib, "qwen"
+# the fetched Qwen2.5-Coder-1.5B.
+_NEEDS = {
+    "attention": ("wheels",), "one-batch": ("wheels", "smollm2"), "sampling": ("wheels",),
+    "speedup-map": ("wheels", "smollm2", "texts", "plots"), "models": ("wheels",), "tp": ("wheels",),
+    "offload": ("wheels", "smollm2", "texts"), "soak": ("wheels",), "serving": ("wheels",),
+    "prefix-cache": ("wheels",), "accuracy": ("wheels", "smollm2", "texts", "plots"),
+    "top-p": ("wheels", "smollm2", "texts"), "accuracy-long": ("wheels", "qwen", "smollm2", "texts", "plots"),
+    "gpu-check": ("wheels", "smollm2", "texts"),
+}
+for _name, _needs in _NEEDS.items():
+    SUITES[_name]["needs"] = _needs
 
 # --- environment -----------------------------------------------------------------------------
 
@@ -361,15 +391,43 @@ def git_commit() -> str:
 
 # --- commands --------------------------------------------------------------------------------
 
-def expand(suite: dict, raw: Path) -> list[dict]:
-    """The suite's rows with ``{out}`` filled in: argv lists and the paths to read back."""
+def card_gb() -> float:
+    """Memory of the first GPU in GB (0 without one): what the suites size their rows by."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / 1e9
+    except Exception:  # no torch: a CPU
+        pass
+    return 0.0
+
+
+_POOL = re.compile(r"\{pool:(\d+):(\d+)\}")
+
+
+def _fill(cmd: str, out: str, gb: float) -> str:
+    """``{out}``, ``{gpus}`` and ``{pool:TOKENS:GB}`` of a command: the last becomes
+    ``--max-total-tokens TOKENS`` on a card of at least GB gigabytes, else nothing (the engine then
+    sizes its pool to the card's memory)."""
+    cmd = cmd.replace("{out}", out)
+    if "{gpus}" in cmd:
+        cmd = cmd.replace("{gpus}", str(_gpu_count()))
+    return _POOL.sub(lambda m: f"--max-total-tokens {m[1]}" if gb >= int(m[2]) else "", cmd)
+
+
+def expand(suite: dict, raw: Path, gb: float | None = None) -> list[dict]:
+    """The suite's rows with ``{out}`` filled in: argv lists and the paths to read back. ``gb``:
+    the card's memory (default: this machine's); a row whose ``min_gb`` exceeds it gets ``skip``,
+    the reason it is not run."""
+    gb = card_gb() if gb is None else gb
     rows = []
     for row in suite["rows"]:
         out = str(raw / row["name"])
-        cmd = row["cmd"].replace("{out}", out)
-        if "{gpus}" in cmd:
-            cmd = cmd.replace("{gpus}", str(_gpu_count()))
-        r = dict(row, cmd=cmd, result=row["result"].replace("{out}", out), server=row.get("server"))
+        cmd = _fill(row["cmd"], out, gb)
+        server = _fill(row["server"], out, gb) if row.get("server") else None
+        r = dict(row, cmd=cmd, result=row["result"].replace("{out}", out), server=server)
+        if row.get("min_gb", 0) > gb:
+            r["skip"] = f"needs a card of >= {row['min_gb']} GB, this one has {gb:.0f} GB"
         if "md" in row:
             r["md"] = row["md"].replace("{out}", out)
         r["argv"] = shlex.split(r["cmd"])
@@ -433,20 +491,54 @@ class Server:
         self.log.close()
 
 
-def run_rows(rows: list[dict], raw: Path) -> dict:
+def run_rows(rows: list[dict], raw: Path, deadline: float | None = None) -> dict:
+    """Run the rows in order (a row with ``lane`` set runs with the other rows of its lane, in a
+    thread beside the main lane: e.g. server rows beside the tests) -> {name: the row's JSON}.
+    ``deadline`` (time.time()): a row is not started when fewer than its ``min_s`` (30) seconds
+    are left, and its timeout is cut to what is left."""
+    lanes: dict = {}
+    for r in rows:
+        lanes.setdefault(r.get("lane"), []).append(r)
+    results: dict = {}
+    threads = [threading.Thread(target=lambda rs=rs: results.update(_run_lane(rs, raw, deadline)))
+               for lane, rs in lanes.items() if lane is not None]
+    for t in threads:
+        t.start()
+    results.update(_run_lane(lanes.get(None, []), raw, deadline))
+    for t in threads:
+        t.join()
+    return {r["name"]: results[r["name"]] for r in rows}
+
+
+def _run_lane(rows: list[dict], raw: Path, deadline: float | None) -> dict:
     results: dict = {}
     server = None
     try:
         for r in rows:
+            left = None if deadline is None else deadline - time.time()
+            why = r.get("skip") or (f"not run: {max(left, 0):.0f} s of the suite's budget left"
+                                    if left is not None and left < r.get("min_s", 30) else None)
+            if why:
+                print(f"[run] {r['name']}: skipped ({why})", flush=True)
+                results[r["name"]] = {"skipped": why}
+                continue
             if server and server.argv != r["server_argv"]:
                 server.stop()
                 server = None
-            if r["server_argv"] and server is None:
-                server = Server(r["server_argv"], raw / f"server-{r['name']}.log")
+            try:
+                if r["server_argv"] and server is None:
+                    server = Server(r["server_argv"], raw / f"server-{r['name']}.log")
+            except RuntimeError as e:
+                print(f"[run] {r['name']}: {e}", flush=True)
+                results[r["name"]] = {"error": str(e)}
+                continue
+            timeout = r.get("timeout")
+            if left is not None:
+                timeout = min(timeout or left, max(left, 1))
             print(f"[run] {r['name']}: {r['cmd']}", flush=True)
             t0 = time.time()
             try:
-                rc = subprocess.run(_python_argv(r["argv"]), cwd=ROOT, env=_env(), timeout=r.get("timeout")).returncode
+                rc = subprocess.run(_python_argv(r["argv"]), cwd=ROOT, env=_env(), timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
             path = Path(r["result"])
@@ -457,6 +549,7 @@ def run_rows(rows: list[dict], raw: Path) -> dict:
                 entry["error"] = f"exit {rc}"
             if r.get("md") and Path(r["md"]).is_file():
                 entry["table_md"] = Path(r["md"]).read_text()
+            entry.setdefault("wall_s", round(time.time() - t0, 1))
             print(f"[run] {r['name']}: exit {rc} after {time.time() - t0:.0f} s", flush=True)
             results[r["name"]] = entry
     finally:
@@ -666,6 +759,8 @@ def markdown(doc: dict) -> str:
         L += [prefix_cache.NOTE, "", *prefix_cache.table(rows), ""]
     elif area == "offload":
         L += [offload.NOTE, "", *offload.table(rows), ""]
+    elif area == "gpu-check":
+        L += [gpu_check.NOTE, "", *gpu_check.table(rows), ""]
     elif area == "cpu-embedded" and "embedded" in rows and "runs" in rows["embedded"]:
         L += cpu_embedded.table(rows["embedded"])
     for n, d in rows.items():
@@ -700,6 +795,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--list", action="store_true", help="list the suites and their rows")
     p.add_argument("--render", type=Path, default=None, metavar="JSON", help="rewrite the markdown of a result file")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no row after this many seconds (default: the suite's own budget, if any)")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows (and commands) of an existing result file that this run does not redo: "
                         "a suite run in parts with --only, e.g. one device command per part")
@@ -712,6 +809,11 @@ def suite_commands(name: str, raw: Path | None = None) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["stage"]:  # staging for a machine without network: benchmarks/stage.py
+        return stage.stage_main(argv[1:], {name: s.get("needs", ()) for name, s in SUITES.items()})
+    if argv[:1] == ["unstage"]:
+        return stage.unstage_main(argv[1:])
     p = build_parser()
     a = p.parse_args(argv)
     if a.render:  # the summary again from the rows, then the markdown
@@ -740,16 +842,21 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run:
         server = None
         for r in rows:
+            if r.get("skip"):
+                print(f"# {r['name']}: skipped ({r['skip']})")
+                continue
             if r["server"] and r["server"] != server:
                 print(f"# server (up while the rows below run): {r['server']}")
             server = r.get("server")
-            print(r["cmd"])
+            print(r["cmd"] + (f"   # lane {r['lane']}" if r.get("lane") else ""))
         print(f"# writes {a.out / stem}.json and .md")
         return 0
     raw.mkdir(parents=True, exist_ok=True)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     commit = a.commit or git_commit()
-    results = run_rows(rows, raw)
+    started = time.time()
+    budget = a.budget_s if a.budget_s is not None else suite.get("budget_s")
+    results = run_rows(rows, raw, deadline=None if budget is None else time.time() + budget)
     commands = []
     for r in rows:
         if r["server"] and r["server"] not in commands:
@@ -763,6 +870,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"suite": a.suite, "area": suite["area"], "commands": commands, "commit": commit, "machine": machine,
            "date": date, "kernel_tuning": _default_tuning(), "summary": summarize(suite["area"], results),
            "rows": results}
+    if suite["area"] == "gpu-check":
+        doc["summary"] = gpu_check.summary(results, machine, time.time() - started)
     if suite["area"] in ("models", "prefix-cache", "accuracy-long", "offload"):  # the summary names its provenance itself
         doc["summary"].update(commands=commands, date=date, device=machine, commit=commit)
     if suite["area"] == "cpu-embedded":  # its summary names where it came from too

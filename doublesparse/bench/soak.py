@@ -174,6 +174,15 @@ async def _metric(c: httpx.AsyncClient, name: str) -> dict:
     return out
 
 
+async def _metric_rss(c: httpx.AsyncClient) -> int | None:
+    """The server's resident memory from its ``/metrics`` (``process_resident_memory_bytes``)."""
+    try:
+        v = (await _metric(c, "process_resident_memory_bytes")).get("")
+    except httpx.HTTPError:
+        return None
+    return int(v) if v is not None else None
+
+
 async def run(args) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     t = Tally()
@@ -185,7 +194,8 @@ async def run(args) -> dict:
 
         async def sample_rss():
             while not done.is_set():
-                if args.server_pid and (b := rss_bytes(args.server_pid)) is not None:
+                b = rss_bytes(args.server_pid) if args.server_pid else await _metric_rss(c)
+                if b is not None:
                     t.rss.append((time.monotonic() - start, b))
                 try:
                     await asyncio.wait_for(done.wait(), 1.0)
@@ -238,7 +248,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--oversize-words", type=int, default=40000, help="a prompt past any context here")
     p.add_argument("--burst-size", type=int, default=6)
     p.add_argument("--burst-words", type=int, default=1500, help="words of each burst prompt")
-    p.add_argument("--server-pid", type=int, default=None, help="for the RSS samples")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="read its RSS from /proc (default: the server's /metrics process_resident_memory_bytes)")
     p.add_argument("--vocab-size", type=int, default=32000, help="with --token-ids: ids below this")
     p.add_argument("--token-ids", action="store_true",
                    help="prompts as token ids (a model without a tokenizer: --load-format dummy)")

@@ -41,6 +41,12 @@ HEAD_EXACT_TOP = 16  # logits per row an LM head's bf16 copy recomputes in float
 INT4_ROW_BLOCK = 16  # torch's CPU int4 layout packs weight rows in blocks of this many
 
 
+def _onednn_bf16() -> bool:
+    """Whether oneDNN's bf16 GEMM runs on this CPU (it needs AVX512-BF16, AVX-NE-CONVERT or
+    AVX-512 BW/VL/DQ; on an AVX2-only CPU its weight reorder raises)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 @dataclass
 class PackedWeight:
     """A packed copy of a weight ``[N, K]``.
@@ -59,7 +65,7 @@ class PackedWeight:
     prepacked: torch.Tensor | None = None
 
     def __post_init__(self):
-        if self.kind == "bf16" and self.prepacked is None and torch.backends.mkldnn.is_available():
+        if self.kind == "bf16" and self.prepacked is None and _onednn_bf16():
             self.prepacked = torch.ops.mkldnn._reorder_linear_weight(self.data, 1)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

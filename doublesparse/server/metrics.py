@@ -9,7 +9,7 @@ process (tests) without duplicate-metric errors.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client import disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -101,6 +101,8 @@ class _EngineCollector:
 class ServerMetrics:
     def __init__(self, worker) -> None:
         r = self.registry = CollectorRegistry()
+        # process_resident_memory_bytes and friends (Linux): what a soak watches for growth
+        ProcessCollector(registry=r)
         self.requests = Counter(P + "requests", "Finished HTTP generation requests",
                                 ["endpoint", "status"], registry=r)
         self.rejected = Counter(P + "rejected_requests", "Requests refused with an error body",

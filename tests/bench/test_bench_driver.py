@@ -69,7 +69,7 @@ def test_dry_run_prints_the_commands(suite, tmp_path, capsys):
     stdout = capsys.readouterr().out
     rows = bench_run.suite_commands(suite, raw)
     for r in rows:
-        assert r["cmd"] in stdout
+        assert (f"{r['name']}: skipped" if r.get("skip") else r["cmd"]) in stdout
     assert not list(tmp_path.iterdir()), "a dry run writes nothing"
 
 
@@ -193,3 +193,49 @@ def test_decode_cost_figures_recover_a_known_machine():
     assert s["kernel_tuning"] == {"cpu_decode_bandwidth_gbs": 12.0, "cpu_ds_step_overhead_us_per_layer": 250.0}
     assert s["sparse_all_sparse"] and s["dense_sparse_steps"] == 0
     assert len(decode_cost.table(doc(False), doc(True))) == 6
+
+
+def test_rows_sized_to_the_card():
+    """``{pool:TOKENS:GB}`` pins the pool on a card of GB or more and leaves it to the engine on a
+    smaller one; a row needing more memory than the card has is skipped with why."""
+    suite = bench_run.SUITES["prefix-cache"]
+    big = bench_run.expand(suite, Path("raw"), gb=141)
+    small = bench_run.expand(suite, Path("raw"), gb=80)
+    assert "--max-total-tokens 540672" in big[1]["server"] and "--max-total-tokens" not in small[1]["server"]
+    rows = {r["name"]: r for r in bench_run.expand(bench_run.SUITES["models"], Path("raw"), gb=80)}
+    assert "needs a card of >= 120 GB" in rows["mixtral-32k-bs8-ds"]["skip"]
+    assert "skip" not in rows["dsv2-lite-128k-bs4-ds"]
+    assert all("skip" not in r for r in bench_run.expand(bench_run.SUITES["models"], Path("raw"), gb=141))
+
+
+def test_gpu_check_lanes_budget_and_summary(tmp_path, monkeypatch):
+    """The gpu-check driver on the CPU with stand-in rows: a lane runs beside the main one, a row
+    that cannot start within the budget is recorded as not run, the summary counts the tests."""
+    def row(name, doc, sleep=0.0, **kw):
+        code = f"import json, sys, time; time.sleep({sleep}); json.dump({doc!r}, open(sys.argv[1], 'w'))"
+        return {"name": name, "cmd": f"python -c {shlex.quote(code)} {{out}}.json", "result": "{out}.json", **kw}
+
+    tests = {"passed": 10, "failed": 0, "skipped": 2, "failures": [], "failed_only_sharing_the_card": [],
+             "workers": 4, "ended": "exit 0", "wall_s": 1.0}
+    suite = {"area": "gpu-check", "budget_s": 20, "rows": [
+        row("tests", tests, 1.0, min_s=0.1), row("soak", {"lost_valid": 0, "http_5xx": 0}, 1.0, lane="server", min_s=0.1),
+        row("late", {}, 0.0, min_s=60), row("too-big", {}, min_gb=10 ** 6)]}
+    monkeypatch.setitem(bench_run.SUITES, "gpu-check", suite)
+    t0 = __import__("time").time()
+    assert bench_run.main(["gpu-check", "--out", str(tmp_path), "--machine", "t", "--commit", "abc"]) == 0
+    assert __import__("time").time() - t0 < 30
+    doc = json.loads((tmp_path / "gpu-check-t.json").read_text())
+    s = doc["summary"]
+    assert (s["passed"], s["failed"], s["skipped"]) == (10, 0, 2) and s["card"] and s["wall_min"] >= 0
+    assert s["rows"]["soak"] == "ok" and s["soak"]["lost_valid"] == 0
+    assert s["rows"]["late"].startswith("skipped: not run") and "needs a card" in s["rows"]["too-big"]
+    assert "| soak | ok |" in (tmp_path / "gpu-check-t.md").read_text()
+
+
+def test_gpu_check_reads_pytest_output():
+    gpu_check = importlib.import_module("gpu_check")
+    text = ("[gw0] [ 10%] PASSED tests/a.py::test_x \n[gw1] [ 20%] FAILED tests/a.py::test_y[1-2] \n"
+            "[gw1] [ 30%] SKIPPED tests/b.py::test_z \ntests/a.py::test_w PASSED\n"
+            "[gw0] [ 40%] ERROR tests/a.py::test_x \n")
+    assert gpu_check.parse_pytest(text) == {"tests/a.py::test_x": "ERROR", "tests/a.py::test_y[1-2]": "FAILED",
+                                            "tests/b.py::test_z": "SKIPPED", "tests/a.py::test_w": "PASSED"}

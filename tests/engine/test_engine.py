@@ -354,7 +354,10 @@ def test_bench_one_batch_dummy(tmp_path, capsys, warmup):
     assert "weight-based default" in text
     r = json.loads(out.read_text())
     assert r["results"][0]["sparse_steps"] == 3 and r["results"][0]["median_step_bytes"] > r["weight_bytes"]
-    assert r["label_dtype"] == "bfloat16" and "labels bfloat16" in text  # --ds-label-dtype auto on CPU
+    # --ds-label-dtype auto: bf16 on CPU, fp8 on GPUs that convert e4m3 in hardware
+    from doublesparse.config import EngineConfig
+    want = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}[EngineConfig().label_dtype_for("cuda" if torch.cuda.is_available() else "cpu")]
+    assert r["label_dtype"] == want and f"labels {want}" in text
 
 
 @pytest.mark.parametrize("ds", [False, True])
