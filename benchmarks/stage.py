@@ -212,13 +212,14 @@ def _cut(src: Path, start: int, length: int, dest: Path) -> str:
 
 
 def pack(items: Sequence[Item], out: Path, room_bytes: int) -> list[Transfer]:
-    """Write the items' pieces and the manifest into fresh ``out/t00``, ``out/t01``, ... (smallest
-    items first, so the early transfers already complete most of them)."""
+    """Write the items' pieces and the manifest into fresh ``out/t00``, ``out/t01``, ... (largest
+    items first, so the small ones travel whole with the last transfer, the one that runs the suite:
+    if the machine was given back between transfers, only the large items are short)."""
     if room_bytes <= 0:
         raise StageError("no room left in a transfer for the staged files: raise --max-mib")
     for old in out.glob("t[0-9]*"):
         shutil.rmtree(old)
-    items = sorted(items, key=lambda i: i.source.stat().st_size)
+    items = sorted(items, key=lambda i: -i.source.stat().st_size)
     sizes = [i.source.stat().st_size for i in items]
     entries = []
     for item, size, chunks in zip(items, sizes, layout(sizes, room_bytes)):
