@@ -169,7 +169,7 @@ def _decode_overlapped(runner, rows, nxt, input_len, steps, dev):
 def unfit(parts, bs: int, input_len: int, output_len: int) -> str | None:
     """Why a case cannot run on these pools, or None."""
     need = bs * (input_len + output_len)
-    free = parts.memory.slots.num_free_host  # DS-Offload's device tier is extra
+    free = parts.memory.slots.admission_free  # DS-Offload's device tier is extra
     if need > free:
         return (f"batch {bs} x ({input_len}+{output_len}) = {need} tokens does not fit the KV pool "
                 f"({free} free); raise --max-total-tokens")
@@ -191,7 +191,7 @@ def fill_random(parts, seed: int) -> None:
     """Random K, V and label values in every slot of the pools (a prompt's cache, for timing)."""
     g = torch.Generator(device=parts.device).manual_seed(seed)
     m = parts.memory
-    tier = (*getattr(m.kv_store, "device_k", ()), *getattr(m.kv_store, "device_v", ()))  # DS-Offload's
+    tier = getattr(m, "device_tier_pools", ())  # DS-Offload's (engine/offload_memory.py)
     for pool in (*m.k, *m.v, *tier, *(x for x in m.label if x is not None)):
         for chunk in pool.split(1 << 16):  # bounded float32 temporaries (the pools fill the GPU)
             # converted on the device: a host pool (DS-Offload) then receives half the bytes
@@ -218,7 +218,7 @@ def run_case(parts, bs: int, input_len: int, output_len: int, seed: int, log_eve
     ids = torch.randint(0, V, (bs, input_len), generator=g).tolist()
     rows = [mem.rows.alloc() for _ in range(bs)]
     for r in rows:  # DS-Offload's device tier takes the requests that fit, as the engine's admission
-        mem.place_row(r, input_len + output_len)
+        mem.admit_row(r, input_len + output_len)
     say = print if verbose else (lambda *a, **k: None)
     try:
         _sync(dev)

@@ -37,11 +37,11 @@ PREFETCH_MODES = ("none", "next-layer")
 
 
 class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
-    """memory: KVMemory whose ``k``/``v`` are the host store's tensors ([S, Hkv, D] per layer, on
-    the host: pinned on CUDA) and whose labels are on the device; hot: a :class:`HotSet` on the
-    device; fetch: one of :data:`FETCH_MODES`. A request decodes sparsely iff it is longer than
-    its k (no dense/sparse cost choice: a dense request longer than the hot set could not be
-    served from it)."""
+    """memory: OffloadKVMemory (engine/offload_memory.py) whose ``k``/``v`` are the host store's
+    tensors ([S, Hkv, D] per layer, on the host: pinned on CUDA) and whose labels are on the
+    device; hot: a :class:`HotSet` on the device; fetch: one of :data:`FETCH_MODES`. A request
+    decodes sparsely iff it is longer than its k (no dense/sparse cost choice: a dense request
+    longer than the hot set could not be served from it)."""
 
     name = "double_sparsity_offload"
 
@@ -93,11 +93,11 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
                       rows, heads, ok, impl="triton" if self._triton else "torch")
 
     def tiers(self, layer_id):
-        """Where layer ``layer_id``'s K/V live: engine/host_kv.py's HostKVStore.tiers, or the
-        memory's own ``k``/``v`` lists when it has no such store (no device tier)."""
-        store = getattr(self.memory, "kv_store", None)
-        if store is not None:
-            return store.tiers(layer_id)
+        """Where layer ``layer_id``'s K/V live: the memory's ``tiers`` (engine/offload_memory.py's
+        OffloadKVMemory), or its own ``k``/``v`` lists for a memory without them (no device tier)."""
+        tiers = getattr(self.memory, "tiers", None)
+        if tiers is not None:
+            return tiers(layer_id)
         return self.memory.k[layer_id], self.memory.v[layer_id], None, None, 0
 
     # ------------------------------------------------------------------------------ decode

@@ -204,8 +204,8 @@ class Engine:
         for rid in plan.admitted:
             r = self._reqs[rid]
             r.row = p.memory.rows.alloc()
-            # DS-Offload's device tier takes the request if its new tokens fit there
-            p.memory.place_row(r.row, len(r.prompt_ids) + r.params.max_new_tokens - hits.get(rid, 0))
+            # a tiered memory (DS-Offload's device tier) places the row by its new tokens
+            p.memory.admit_row(r.row, len(r.prompt_ids) + r.params.max_new_tokens - hits.get(rid, 0))
         rows = {rid: r.row for rid, r in self._reqs.items() if r.row is not None}
         prefix_cache.apply_admission(p.memory, plan, rows)
         for hit in plan.prefix_hits:

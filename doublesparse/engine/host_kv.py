@@ -3,12 +3,12 @@
 Layout (per layer): ``k[layer], v[layer]`` : ``[num_slots, Hkv, D]`` in the model dtype, on the
 host, page-locked when the engine runs on CUDA (device kernels read and write it through unified
 addressing: kernels/triton/host_gather.py); on CPU a plain second buffer. Slot numbers are the
-engine's (memory.KVMemory), so the device label pool and this store are indexed alike.
+engine's (offload_memory.OffloadKVMemory), so the device label pool and this store are indexed alike.
 
 Device tier (``device_tokens`` > 0): slots ``1 .. device_tokens`` keep their K/V in device pools
 ``device_k[layer], device_v[layer]`` : ``[device_tokens + 1, Hkv, D]`` (indexed by slot), the
 others in the host tensors at row ``slot - device_tokens``. Requests the engine places there
-(memory.KVMemory.place_row) decode like the offloaded ones, through the hot set, but their misses
+(offload_memory.OffloadKVMemory.admit_row) decode like the offloaded ones, through the hot set, but their misses
 are device copies; kernels/host_copy.py's tiered copies route each row by its slot.
 """
 

@@ -123,55 +123,47 @@ def plan_memory(cfg: EngineConfig, model_config, kv_dtype: torch.dtype, device: 
 
 
 class SlotAllocator:
-    """Free lists of token slots 1..n as host int64 tensors; ``in_use`` catches double frees.
+    """Free list of token slots 1..n as a host int64 tensor; ``in_use`` catches double frees.
 
-    ``device_tier``: slots 1..device_tier form a second list (DS-Offload's device tier,
-    engine/host_kv.py), allocated with ``alloc(n, on_device=True)``; the others by default."""
+    A subclass with a second free list (engine/offload_memory.py) routes freed slots through the
+    :meth:`_give_back` hook and narrows the ``admission_*`` counts."""
 
-    def __init__(self, num_usable: int, device_tier: int = 0):
+    def __init__(self, num_usable: int):
         self.size = num_usable
-        self.device_tier = int(device_tier)
-        self.free_slots = torch.arange(self.device_tier + 1, num_usable + 1, dtype=torch.int64)
-        self.free_device = torch.arange(1, self.device_tier + 1, dtype=torch.int64)
+        self.free_slots = torch.arange(1, num_usable + 1, dtype=torch.int64)
         self.in_use = torch.zeros(num_usable + 1, dtype=torch.bool)
         self.in_use[0] = True  # padding slot: never allocatable, never freeable
 
     @property
     def num_free(self) -> int:
-        return int(self.free_slots.numel()) + int(self.free_device.numel())
-
-    @property
-    def num_free_device(self) -> int:
-        return int(self.free_device.numel())
-
-    @property
-    def num_free_host(self) -> int:
-        """Free slots outside the device tier (all of them without one)."""
         return int(self.free_slots.numel())
-
-    @property
-    def host_size(self) -> int:
-        """Slots outside the device tier: what admission may promise (every request fits there)."""
-        return self.size - self.device_tier
 
     @property
     def num_used(self) -> int:
         return self.size - self.num_free
 
-    def alloc(self, n: int, on_device: bool = False) -> torch.Tensor:
-        """``[n]`` int64 host tensor of distinct free slots (of the device tier when
-        ``on_device``); OutOfSlots if fewer are free."""
-        pool = self.free_device if on_device else self.free_slots
-        if n > pool.numel():
-            where = "device-tier " if on_device else ""
-            raise OutOfSlots(f"asked for {n} {where}KV slots, {pool.numel()} of {self.size} free")
-        out, rest = pool[:n], pool[n:]
-        if on_device:
-            self.free_device = rest
-        else:
-            self.free_slots = rest
-        self.in_use[out] = True
+    @property
+    def admission_size(self) -> int:
+        """Slots the scheduler's admission may promise to requests: all of them here."""
+        return self.size
+
+    @property
+    def admission_free(self) -> int:
+        """Free slots among those :attr:`admission_size` counts."""
+        return self.num_free
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """``[n]`` int64 host tensor of distinct free slots; OutOfSlots if fewer are free."""
+        out, self.free_slots = self._take(self.free_slots, n, "")
         return out
+
+    def _take(self, pool: torch.Tensor, n: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the first ``n`` slots of free list ``pool``, marked in use; the rest of the list)."""
+        if n > pool.numel():
+            raise OutOfSlots(f"asked for {n} {what}KV slots, {pool.numel()} of {self.size} free")
+        out = pool[:n]
+        self.in_use[out] = True
+        return out, pool[n:]
 
     def free(self, slots: torch.Tensor) -> None:
         slots = slots.to(torch.int64).flatten().cpu()
@@ -182,10 +174,10 @@ class SlotAllocator:
         if torch.unique(slots).numel() != slots.numel():
             raise ValueError("freeing the same KV slot twice in one call")
         self.in_use[slots] = False
-        dev = slots <= self.device_tier
-        if bool(dev.any()):
-            self.free_device = torch.cat([self.free_device, slots[dev]])
-            slots = slots[~dev]
+        self._give_back(slots)
+
+    def _give_back(self, slots: torch.Tensor) -> None:
+        """Put freed slots ``[n]`` (int64, host, checked) back on their free list."""
         self.free_slots = torch.cat([self.free_slots, slots])
 
 
@@ -216,24 +208,17 @@ class RowAllocator:
 
 
 class KVMemory:
-    """All pools of one engine. Tensors are created once; decode buffers point into them."""
+    """All pools of one engine. Tensors are created once; decode buffers point into them.
 
-    def __init__(self, plan: MemoryPlan, device: torch.device | str, kv_store=None):
-        """kv_store: an object with ``k``, ``v`` lists of ``[num_slots, Hkv, D]`` tensors that
-        hold K/V instead of device pools (the host store of DS-Offload, engine/host_kv.py)."""
+    Subclasses put parts elsewhere through the ``_make_*`` factories and the row hooks below
+    (DS-Offload: engine/offload_memory.py; tensor parallelism: distributed/steps.py); the
+    defaults here are the whole in-GPU memory."""
+
+    def __init__(self, plan: MemoryPlan, device: torch.device | str):
         self.plan = plan
         self.device = torch.device(device)
-        L, S, H, D = plan.num_layers, plan.num_slots, plan.num_kv_heads, plan.head_dim
-        kw = dict(dtype=plan.kv_dtype, device=self.device)
-        self.kv_store = kv_store
-        # called with a request row before its slots are freed (DS-Offload forgets its hot rows)
-        self.row_release_hooks: list = []
-        if kv_store is not None:
-            self.k, self.v = kv_store.k, kv_store.v
-        else:
-            # zeros, not empty: the padding slot must hold finite values (padded rows attend to it)
-            self.k = [torch.zeros(S, H, D, **kw) for _ in range(L)]
-            self.v = self.k if plan.latent else [torch.zeros(S, H, D, **kw) for _ in range(L)]
+        L, S, H = plan.num_layers, plan.num_slots, plan.num_kv_heads
+        self.k, self.v = self._make_kv()
         if plan.heavy_channel_num:
             r = plan.heavy_channel_num
             self.label = [torch.zeros(S, H, r, dtype=plan.label_dtype, device=self.device) for _ in range(L)]
@@ -244,40 +229,37 @@ class KVMemory:
         rows, ctx = plan.max_reqs + 1, plan.max_ctx
         self.req_to_token = torch.zeros(rows, ctx, dtype=torch.int32, device=self.device)
         self.req_to_token_host = torch.zeros(rows, ctx, dtype=torch.int32)
-        tier = int(getattr(kv_store, "device_tokens", 0))
-        self.slots = SlotAllocator(plan.max_total_tokens, device_tier=tier)
+        self.slots = self._make_slots()
         self.rows = RowAllocator(plan.max_reqs)
-        # DS-Offload's device tier: which rows keep their new tokens there, and how many
-        # device-tier slots each may still take (promised at admission, so allocation never fails)
-        self.row_on_device = torch.zeros(rows, dtype=torch.bool)
-        self.promised = torch.zeros(rows, dtype=torch.int64)
 
-    def place_row(self, row: int, tokens: int) -> bool:
-        """Put request row ``row``, which will allocate up to ``tokens`` new slots, in the device
-        tier if the tier's free slots not promised to other rows hold them; returns whether it
-        did (always False without a device tier)."""
-        if not self.slots.device_tier or self.slots.num_free_device - int(self.promised.sum()) < tokens:
-            return False
-        self.row_on_device[row] = True
-        self.promised[row] = int(tokens)
+    def _make_kv(self) -> tuple[list, list]:
+        """(k, v): per layer ``[num_slots, Hkv, D]`` in the model dtype on the device; v is k for
+        a latent (MLA) pool."""
+        plan = self.plan
+        L, S, H, D = plan.num_layers, plan.num_slots, plan.num_kv_heads, plan.head_dim
+        kw = dict(dtype=plan.kv_dtype, device=self.device)
+        # zeros, not empty: the padding slot must hold finite values (padded rows attend to it)
+        k = [torch.zeros(S, H, D, **kw) for _ in range(L)]
+        return k, k if plan.latent else [torch.zeros(S, H, D, **kw) for _ in range(L)]
+
+    def _make_slots(self) -> SlotAllocator:
+        return SlotAllocator(self.plan.max_total_tokens)
+
+    # ------------------------------------------------------------------- request-row hooks
+    def admit_row(self, row: int, tokens: int) -> None:
+        """Request row ``row`` was admitted and will allocate up to ``tokens`` new slots. One
+        pool here, so nothing to decide (a memory with several K/V pools picks the row's)."""
+
+    def caches_row(self, row: int) -> bool:
+        """Whether the tokens ``row`` writes may enter the prefix cache (always here)."""
         return True
 
-    def _alloc(self, rows: torch.Tensor, n: int) -> torch.Tensor:
-        if not self.slots.device_tier:
-            return self.slots.alloc(n)
-        dev = self.row_on_device[rows]
-        slots = torch.empty(n, dtype=torch.int64)
-        nd = int(dev.sum())
-        if nd < n:  # first: the host store is the one that could run short (then nothing is taken)
-            slots[~dev] = self.slots.alloc(n - nd)
-        if nd:
-            slots[dev] = self.slots.alloc(nd, on_device=True)
-            self.promised.index_add_(0, rows[dev], torch.full((nd,), -1, dtype=torch.int64)).clamp_(min=0)
-        return slots
+    def _forget_row(self, row: int) -> None:
+        """``row`` is about to give back its slots and itself (nothing to forget here)."""
 
-    def _unplace(self, row: int) -> None:
-        self.promised[row] = 0
-        self.row_on_device[row] = False
+    def _alloc(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """``[n]`` int64 host slots for the new tokens of ``rows`` ``[n]`` (one pool here)."""
+        return self.slots.alloc(n)
 
     def assign(self, rows: torch.Tensor, positions: torch.Tensor, num_new: int,
                write_device: bool = True) -> torch.Tensor:
@@ -297,25 +279,21 @@ class KVMemory:
     def release(self, row: int, length: int, start: int = 0) -> None:
         """Free a finished request's slots at positions ``[start, length)`` and its row (the
         first ``start`` belong to the prefix cache, which frees them on eviction)."""
-        for hook in self.row_release_hooks:
-            hook(row)
+        self._forget_row(row)
         if length > start:
             self.slots.free(self.req_to_token_host[row, start:length].to(torch.int64))
         self.req_to_token_host[row, :length] = 0
-        self._unplace(row)
         self.rows.free(row)
 
     def release_row(self, row: int, start: int = 0) -> None:
         """Free every slot recorded for ``row`` from position ``start`` on and the row itself,
         whatever its length: after a step failed, a request may hold slots past the length the
         engine had counted."""
-        for hook in self.row_release_hooks:
-            hook(row)
+        self._forget_row(row)
         held = self.req_to_token_host[row, start:].nonzero()[:, 0] + start
         if held.numel():
             self.slots.free(self.req_to_token_host[row, held].to(torch.int64))
         self.req_to_token_host[row] = 0
-        self._unplace(row)
         self.rows.free(row)
 
     # ------------------------------------------------------------ prefix-cache row plumbing
@@ -345,10 +323,12 @@ class KVMemory:
         if values:
             self.slots.free(torch.cat([v.reshape(-1) for v in values]))
 
+    def _device_kv(self) -> list:
+        """The K/V tensors this memory holds on the device (a latent pool once)."""
+        return [*self.k, *(() if self.plan.latent else self.v)]
+
     @property
     def nbytes(self) -> int:
-        """Bytes of the pools on the device (K/V in a host store not counted)."""
-        kv = [*getattr(self.kv_store, "device_k", ()), *getattr(self.kv_store, "device_v", ())] \
-            if self.kv_store is not None else [*self.k, *(() if self.plan.latent else self.v)]
-        t = [*kv, *(x for x in self.label if x is not None), self.req_to_token]
+        """Bytes of the pools on the device."""
+        t = [*self._device_kv(), *(x for x in self.label if x is not None), self.req_to_token]
         return sum(x.numel() * x.element_size() for x in t)

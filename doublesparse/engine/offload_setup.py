@@ -4,6 +4,7 @@ to a GPU memory budget (``--gpu-memory-budget-gb``, standing for a smaller card)
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -11,6 +12,9 @@ from ..attention.offload import OffloadDSBackend
 from ..attention.offload_hot import HotSet
 from .host_kv import GIB, HostKVStore, host_tokens
 from .memory import KVMemory, MemoryPlan, plan_memory
+from .offload_memory import OffloadKVMemory
+
+log = logging.getLogger("doublesparse.engine")
 
 
 _LOWER = ("lower --max-total-tokens, --max-running-requests, --ds-offload-hot-tokens or the largest top-k "
@@ -40,8 +44,10 @@ def hot_tokens(cfg, heavy_token_num: int) -> int:
 
 
 def build_offload(cfg, plan: MemoryPlan, device: torch.device, ds, mc, channels, workspace):
-    """(memory, backend) of an offloading engine: K/V in a host store (pinned on CUDA), labels
-    in the device pool, a hot set of ``hot_tokens`` rows per request row (padding row included)."""
+    """(memory, backend) of an offloading engine: an :class:`OffloadKVMemory` with K/V in a host
+    store (pinned on CUDA) and labels in the device pool, and the offload backend with a hot set
+    of ``hot_tokens`` rows per request row (padding row included). build_parts injects both in
+    place of the in-GPU memory and backend."""
     n_dev = cfg.ds_offload_device_tokens
     if n_dev and device.type == "cuda":
         need = (n_dev + 1) * plan.kv_bytes_per_token
@@ -51,7 +57,7 @@ def build_offload(cfg, plan: MemoryPlan, device: torch.device, ds, mc, channels,
                              f"{free / GIB:.1f} GiB are free: lower --ds-offload-device-tokens")
     store = HostKVStore(plan.num_layers, plan.num_slots, plan.num_kv_heads, plan.head_dim,
                         plan.kv_dtype, pin=device.type == "cuda", device_tokens=n_dev, device=device)
-    memory = KVMemory(plan, device, kv_store=store)
+    memory = OffloadKVMemory(plan, device, store)
     C = hot_tokens(cfg, ds.heavy_token_num)
     if device.type == "cuda":
         need = HotSet.bytes_for(plan.num_layers, plan.max_reqs + 1, C, plan.num_kv_heads, plan.head_dim,
@@ -67,6 +73,11 @@ def build_offload(cfg, plan: MemoryPlan, device: torch.device, ds, mc, channels,
     backend = OffloadDSBackend(memory, mc.num_q_heads, mc.head_dim, impl=impl, workspace=workspace,
                                channels=channels, ds=ds, tuning=cfg.kernel_tuning, hot=hot,
                                fetch=cfg.ds_offload_fetch, prefetch=cfg.ds_offload_prefetch)
+    log.info("DS-Offload: K/V of %d tokens in host memory (%.1f GiB)%s, hot set %d rows per "
+             "request, layer and KV head, fetch %s; prefix cache %s",
+             memory.slots.admission_size, store.nbytes / 2**30,
+             f", a device tier of {n_dev} tokens" if n_dev else "", hot.capacity, backend.fetch,
+             "off" if cfg.disable_radix_cache else "on (cached prefixes in the host store)")
     return memory, backend
 
 

@@ -9,9 +9,8 @@ Ownership of a request row's positions ``[0, num_cached)``: the first ``SchedReq
 belong to the cache (locked for the request, freed only by eviction), the rest to the request
 (freed when it ends, unless it leaves them in the cache then).
 
-A request in DS-Offload's device tier (``memory.row_on_device``) caches none of its own tokens:
-the tier's slots go back to the tier when it ends, so that cached prefixes, which only eviction
-frees, never fill the tier; it may still start from a cached prefix (in the host store).
+A request whose row ``memory.caches_row`` refuses (one in DS-Offload's device tier:
+engine/offload_memory.py) caches none of its own tokens; it may still start from a cached prefix.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ def cache_prefill(memory, scheduler, chunks, rows: dict) -> None:
         return
     for c in chunks:
         row = rows[c.rid]
-        if memory.row_on_device[row]:
+        if not memory.caches_row(row):
             continue
         remap = scheduler.cache_prefill(c.rid, c.end, memory.row_slots(row, c.end))
         if remap is not None:
@@ -73,7 +72,7 @@ def release_request(
         scheduler.finish(rid)
         memory.release_row(row, start=shared)
         return
-    if memory.row_on_device[row]:
+    if not memory.caches_row(row):
         shared = scheduler.cache_finished(rid, [], None)[0]
         scheduler.finish(rid)
         memory.release(row, num_cached, start=shared)

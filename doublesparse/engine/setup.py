@@ -228,12 +228,6 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         from .offload_setup import build_offload
         memory, backend = build_offload(cfg, plan, device, ds, mc, channels, ws)
         ds = backend.ds  # its policy: sparse whenever a request is longer than its k
-        n_dev = memory.slots.device_tier
-        log.info("DS-Offload: K/V of %d tokens in host memory (%.1f GiB)%s, hot set %d rows per "
-                 "request, layer and KV head, fetch %s; prefix cache %s",
-                 memory.slots.host_size, memory.kv_store.nbytes / 2**30,
-                 f", a device tier of {n_dev} tokens" if n_dev else "", backend.hot.capacity, backend.fetch,
-                 "off" if cfg.disable_radix_cache else "on (cached prefixes in the host store)")
     else:
         memory = KVMemory(plan, device) if tp is None else tp.memory(plan, device)
         backend = create_backend(cfg.resolved_attention_backend, use_double_sparsity=ds is not None, ds=ds,
@@ -250,9 +244,9 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
     runner = (ModelRunner if tp is None else tp.runner)(
         model, memory, backend, device, use_cuda_graph=cfg.use_cuda_graph,
         graph_max_bs=cfg.cuda_graph_max_bs, tuning=cfg.kernel_tuning)
-    # DS-Offload's device tier is on top of the host store: admission counts the host store's
-    # slots only, so every request fits there whichever tier the engine puts it in
-    scheduler = Scheduler(cfg.scheduler_config(), memory.slots.host_size, max_ctx)
+    # all slots in-GPU; with DS-Offload the host store's only (its device tier is on top, so
+    # every request fits whichever tier the memory puts it in)
+    scheduler = Scheduler(cfg.scheduler_config(), memory.slots.admission_size, max_ctx)
     return EngineParts(model, tokenizer, device, max_ctx, plan, memory, backend, runner, scheduler,
                        ds, choice.source if choice else None, ws,
                        choice.calibrated if choice else None)
