@@ -38,9 +38,12 @@ _SERVER = (f"python -m doublesparse.launch_server --model-path llama-3.1-8b --lo
            "--log-level warning --graceful-shutdown-timeout 10 --enable-double-sparsity --chunked-prefill-size 8192")
 _CLIENT = (f"python -m doublesparse.bench_serving --base-url http://127.0.0.1:{PORT} --endpoint generate "
            "--request-rate inf --disable-tqdm --progress-interval 20 --result-json {out}.json")
+# an explicit pool: the server lane holds part of the card meanwhile, so the engine's own sizing
+# (which wants a whole 128K context) could come up short
 _ONE = ("python -m doublesparse.bench_one_batch --load-format dummy --warmup-input-len 1024 --output-len 16 "
         "--cuda-graph-max-bs 4 --result-json {out}.json")
-_MAP = f"{_ONE} --model-path llama-3.1-8b --batch-size 1 4 --input-len 8192 32768 --fill random --skip-unfit"
+_POOL = "--max-total-tokens 140000"
+_MAP = f"{_ONE} {_POOL} --model-path llama-3.1-8b --batch-size 1 4 --input-len 8192 32768 --fill random --skip-unfit"
 
 
 def _row(name: str, cmd: str, timeout: int = 120, **kw) -> dict:
@@ -68,7 +71,7 @@ def rows(serving_row) -> list[dict]:
              "--warmup-input-len 1024 --output-len 16 --floor-steps 4 --cuda-graph-max-bs 4 "
              "--model-path deepseek-v2-lite --batch-size 2 --input-len 16384 --max-total-tokens 40000 "
              "--enable-double-sparsity --result-json {out}.json", **lane),
-        _row("one-batch", f"{_ONE} --model-path llama-3.1-8b --batch-size 2 --input-len 8192 "
+        _row("one-batch", f"{_ONE} {_POOL} --model-path llama-3.1-8b --batch-size 2 --input-len 8192 "
              "--enable-double-sparsity"),
         _row("speedup-map-dense", _MAP),
         _row("speedup-map-ds", f"{_MAP} --enable-double-sparsity"),
@@ -80,21 +83,26 @@ def rows(serving_row) -> list[dict]:
 
 # --- the test row -----------------------------------------------------------------------------
 
-_LINE = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(tests/\S+)")
+_OUTCOMES = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
+_XDIST = re.compile(rf"^\[gw\d+\] (?:\[\s*\d+%\] )?({_OUTCOMES}) (tests/.+?)\s*$")
+_PLAIN = re.compile(rf"^(tests/\S.*?) ({_OUTCOMES})(?: |$)")
 
 
 def parse_pytest(text: str) -> dict[str, str]:
-    """``{test id: outcome}`` from pytest's ``-v`` output (xdist's ``[gwN] [ n%] OUTCOME id`` lines
-    and plain ``id OUTCOME`` ones); a test's last outcome wins (an error at teardown after a pass)."""
+    """``{test id: outcome}`` from pytest's ``-v`` output (xdist's ``[gwN] [ n%] OUTCOME id`` lines,
+    ids as pytest takes them back: xdist's ``@group`` suffix dropped; and plain ``id OUTCOME``
+    lines); a failure sticks (an error at teardown after a pass)."""
     out: dict[str, str] = {}
     for line in text.splitlines():
-        m = _LINE.search(line)
+        m = _XDIST.match(line)
         if m:
-            out[m[2]] = m[1] if out.get(m[2]) not in ("FAILED", "ERROR") else out[m[2]]
+            test, outcome = re.sub(r"@tests/[^\[\]]*$", "", m[2]), m[1]
+        elif (m := _PLAIN.match(line)) is not None:
+            test, outcome = m[1], m[2]
+        else:
             continue
-        m = re.match(r"(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", line)
-        if m:
-            out[m[1]] = m[2] if out.get(m[1]) not in ("FAILED", "ERROR") else out[m[1]]
+        if out.get(test) not in ("FAILED", "ERROR"):
+            out[test] = outcome
     return out
 
 
@@ -115,12 +123,14 @@ def run_tests(result: Path, workers: int, timeout: float) -> dict:
     """The whole test suite on ``workers`` workers, then its failures one at a time."""
     t0 = time.time()
     log = result.with_suffix(".log")
-    outcome, how = _pytest(["-n", str(workers), "--dist", "loadgroup", "tests"], log, timeout)
+    # a test that faults the GPU ends its worker (tests/conftest.py); xdist starts another
+    restart = ["--max-worker-restart", "1000"]
+    outcome, how = _pytest(["-n", str(workers), "--dist", "loadgroup", *restart, "tests"], log, timeout)
     bad = sorted(t for t, o in outcome.items() if o in ("FAILED", "ERROR"))
     alone: dict[str, str] = {}
     left = timeout - (time.time() - t0)
     if bad and left > 20:
-        alone, how_alone = _pytest(["-p", "no:xdist", *bad], log.with_suffix(".alone.log"), left)
+        alone, how_alone = _pytest(["-n", "1", *restart, *bad], log.with_suffix(".alone.log"), left)
         how += f"; failures again one at a time: {how_alone}"
     failed = [t for t in bad if alone.get(t, outcome[t]) in ("FAILED", "ERROR")]
     count = lambda *k: sum(o in k for o in outcome.values())  # noqa: E731

@@ -107,3 +107,36 @@ class _ServerTestsFirst:
 
 def pytest_configure(config):
     config.pluginmanager.register(_ServerTestsFirst(), "server-tests-first")
+    _CONFIG[:] = [config]
+
+
+
+# A CUDA fault (an illegal address, a device-side assert) leaves the process's CUDA context unusable:
+# every later test in that process would fail for it. Under pytest-xdist the worker exits once that
+# test's reports are sent, and xdist starts a fresh one (``--max-worker-restart``); without xdist the
+# run stops, naming the test.
+_CUDA_FAULTS = ("illegal memory access", "misaligned address", "unspecified launch failure",
+                "device-side assert", "illegal instruction")
+_FAULTED = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if call.excinfo is not None and rep.failed and any(f in str(call.excinfo.value) for f in _CUDA_FAULTS):
+        item.config.stash[_FAULTED] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logfinish(nodeid, location):
+    config = _CONFIG[0] if _CONFIG else None
+    if config is None or config.stash.get(_FAULTED, None) is None:
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os._exit(3)
+    pytest.exit(f"the CUDA context is lost after {config.stash[_FAULTED]}: the remaining tests cannot run "
+                "in this process", returncode=1)
+
+
+_CONFIG: list = []

@@ -238,4 +238,5 @@ def test_gpu_check_reads_pytest_output():
             "[gw1] [ 30%] SKIPPED tests/b.py::test_z \ntests/a.py::test_w PASSED\n"
             "[gw0] [ 40%] ERROR tests/a.py::test_x \n")
     assert gpu_check.parse_pytest(text) == {"tests/a.py::test_x": "ERROR", "tests/a.py::test_y[1-2]": "FAILED",
-                                            "tests/b.py::test_z": "SKIPPED", "tests/a.py::test_w": "PASSED"}
+                                            "tests/b.py::test_z": "SKIPPED", "tests/a.py::test_w": "PASSED",
+                                            "tests/c.py::test_v[a b - c]": "PASSED"}
