@@ -235,7 +235,8 @@ def test_gpu_check_lanes_budget_and_summary(tmp_path, monkeypatch):
 def test_gpu_check_reads_pytest_output():
     gpu_check = importlib.import_module("gpu_check")
     text = ("[gw0] [ 10%] PASSED tests/a.py::test_x \n[gw1] [ 20%] FAILED tests/a.py::test_y[1-2] \n"
-            "[gw1] [ 30%] SKIPPED tests/b.py::test_z \ntests/a.py::test_w PASSED\n"
+            "[gw1] [ 30%] SKIPPED tests/b.py::test_z@tests/b.py::srv/ \ntests/a.py::test_w PASSED\n"
+            "[gw2] [ 35%] PASSED tests/c.py::test_v[a b - c] \n"
             "[gw0] [ 40%] ERROR tests/a.py::test_x \n")
     assert gpu_check.parse_pytest(text) == {"tests/a.py::test_x": "ERROR", "tests/a.py::test_y[1-2]": "FAILED",
                                             "tests/b.py::test_z": "SKIPPED", "tests/a.py::test_w": "PASSED",
