@@ -17,7 +17,8 @@ FIELDS = ["prompt", "messages", "text", "input_ids", "sampling_params", "model",
           "max_completion_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "n", "seed",
           "stop", "stream", "stream_options", "presence_penalty", "frequency_penalty", "ignore_eos",
           "stop_token_ids", "enable_double_sparsity", "ds_heavy_token_num", "logprobs",
-          "top_logprobs", "echo", "tools", "best_of", "suffix", "rid", "role", "content"]
+          "top_logprobs", "echo", "tools", "best_of", "suffix", "rid", "role", "content",
+          "repetition_penalty", "min_p"]
 SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.integers(-3, 40)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
 VALUES = st.recursive(SCALARS, lambda c: st.lists(c, max_size=4)
@@ -71,26 +72,36 @@ def test_fuzzing_leaves_a_concurrent_stream_intact(fake_server):
     assert fake_server.health()["status"] == "ok"
 
 
+TINY = st.sampled_from([5e-38, 1e-45, 1e-300, 1e-7, 1e-6, 1e6, 3e38, 1e300])
 SAMPLING = st.fixed_dictionaries({}, optional={
-    "temperature": SCALARS, "top_p": SCALARS, "top_k": SCALARS, "seed": SCALARS,
-    "max_new_tokens": SCALARS, "stop_token_ids": st.lists(st.integers(-2**70, 2**70), max_size=3)})
+    "temperature": SCALARS | TINY, "top_p": SCALARS | TINY, "top_k": SCALARS, "seed": SCALARS,
+    "max_new_tokens": SCALARS, "stop_token_ids": st.lists(st.integers(-2**70, 2**70), max_size=3),
+    "repetition_penalty": SCALARS | TINY, "min_p": SCALARS | TINY,
+    "frequency_penalty": SCALARS | TINY, "presence_penalty": SCALARS | TINY})
 
 
 @settings(max_examples=300, deadline=None)
 @given(kw=SAMPLING)
 def test_sampling_params_either_refused_or_sampleable(kw):
-    """What SamplingParams accepts, the batched sampler can run (with another request beside it)."""
+    """What SamplingParams accepts, the batched sampler can run after the penalties (with another
+    request beside it), on logits as large as a model's: no inf/NaN probabilities."""
     import torch
 
-    from doublesparse.engine.sampler import make_generator, sample
+    from doublesparse.engine.sampler import apply_penalties, make_generator, sample
     from doublesparse.engine.sampling_params import SamplingParams
 
     try:
         p = SamplingParams(**{k: v for k, v in kw.items() if v is not None})
     except ValueError:
         return
-    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    logits = 40 * torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
     params = [p, SamplingParams(temperature=0.7, seed=1)]
+    f32 = [[float(getattr(q, f)) for q in params] for f in
+           ("repetition_penalty", "frequency_penalty", "presence_penalty")]
+    counts = torch.zeros(2, 50)
+    counts[:, :10] = 3
+    logits = apply_penalties(logits, counts, torch.zeros(2, 50, dtype=torch.bool),
+                             *(torch.tensor(v, dtype=torch.float32) for v in f32))
     gens = [None if q.greedy else make_generator(q.seed or 0, "cpu") for q in params]
     out = sample(logits, params, gens)
     assert out.shape == (2,) and 0 <= int(out.min()) and int(out.max()) < 50
