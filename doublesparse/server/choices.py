@@ -5,11 +5,17 @@ All fan-out happens here, so siblings reach the engine as ordinary requests with
 (a prefix cache shares their prompt's KV). Choice ``index`` follows OpenAI and vLLM: prompt ``i``'s
 ``j``-th sample is ``i * n + j``. A seeded request gives sample ``j`` the seed ``seed + j`` (so the
 samples differ, and the response is reproducible).
+
+A fanned-out request (more than one sibling) is watched as a whole from the moment it is accepted:
+one task waits for the client's ``http.disconnect`` and then aborts every sibling in one engine
+command, whether they are still queued, running, or streaming. Siblings share the request's id
+as their fair-admission group, so the engine admits them in turn with other requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -20,6 +26,7 @@ from doublesparse.server.protocol import APIError
 from doublesparse.server.tools import parse_tool_calls
 
 _I64 = 2**63 - 1
+log = logging.getLogger("doublesparse.server")
 
 
 @dataclass
@@ -54,9 +61,39 @@ def sibling_params(sp: dict, j: int) -> dict:
     return {**sp, "seed": s if s <= _I64 else sp["seed"] - j}
 
 
+class Guard:
+    """Aborts every sibling of a fanned-out request when its client disconnects; runs from
+    acceptance until the response ends (``stop``)."""
+
+    def __init__(self, request, choices: list[Choice], worker) -> None:
+        self.request, self.choices, self.worker = request, choices, worker
+        self.task = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        # the body has been read already, so the next ASGI message can only be a disconnect
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass
+        for c in self.choices:
+            c.gen.disconnected = True
+        cancel_all(self.choices, self.worker)
+
+    def stop(self) -> None:
+        self.task.cancel()
+
+
+def cancel_all(choices: list[Choice], worker) -> None:
+    """End every unfinished sibling, with one abort command for all of them."""
+    live = [c.gen for c in choices if not c.gen._done]
+    worker.abort_many([g.rid for g in live if g._started])
+    for g in live:
+        g.cancel(notify=False)
+
+
 async def start(make: Callable[..., Generation], rid: str, fo: Fanout, sp: dict,
-                request) -> list[Choice]:
-    """Submit every sibling; if one is refused, abort those already started."""
+                request, worker) -> tuple[list[Choice], Guard | None]:
+    """Submit every sibling; if one is refused, abort those already started. A lone request
+    waits for its first token (engine refusals become a clean error before any header); a
+    fan-out waits only until the engine took each sibling, watched for a disconnect throughout."""
     per = fo.best_of
     many = len(fo.prompts) * per > 1
     if fo.best_of > fo.n and "logprobs" not in sp:
@@ -67,20 +104,26 @@ async def start(make: Callable[..., Generation], rid: str, fo: Fanout, sp: dict,
             g = make(f"{rid}-{i * per + j}" if many else rid, ids, sibling_params(sp, j),
                      request, watch=not many)
             choices.append(Choice(i * per + j, g, fo.echo_texts[i], i, len(fo.echo_texts[i])))
+    guard = Guard(request, choices, worker) if many and request is not None else None
     # all submitted at once (each start() submits before its first await), so the engine
     # schedules the siblings' prefills together
     try:
-        results = await asyncio.gather(*(c.gen.start() for c in choices), return_exceptions=True)
+        results = await asyncio.gather(*(c.gen.start(wait_first=not many) for c in choices),
+                                       return_exceptions=True)
     except BaseException:  # cancelled (the client left): nobody will read these
-        for c in choices:
-            c.gen.cancel()
+        _end(choices, guard, worker)
         raise
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
-        for c in choices:
-            c.gen.cancel()
+        _end(choices, guard, worker)
         raise failed[0]
-    return choices
+    return choices, guard
+
+
+def _end(choices: list[Choice], guard: Guard | None, worker) -> None:
+    if guard is not None:
+        guard.stop()
+    cancel_all(choices, worker)
 
 
 def usage(fo: Fanout, choices: list[Choice]) -> dict:
@@ -93,26 +136,18 @@ def usage(fo: Fanout, choices: list[Choice]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp}
 
 
-async def collect(choices: list[Choice], request) -> None:
-    """Run every sibling to the end; a disconnect or a failure aborts all of them."""
-    watch = None
-    if len(choices) > 1 and request is not None:
-        watch = asyncio.create_task(_watch(request, choices))
+async def collect(choices: list[Choice], guard: Guard | None, worker) -> None:
+    """Run every sibling to the end; a disconnect (the guard) or a failure aborts all of them."""
     try:
         await asyncio.gather(*(c.gen.collect() for c in choices))
     finally:
-        if watch is not None:
-            watch.cancel()
-        for c in choices:
-            c.gen.cancel()
+        _end(choices, guard, worker)
 
 
-async def _watch(request, choices: list[Choice]) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    for c in choices:
-        c.gen.disconnected = True
-        c.gen.cancel()
+def log_stream_error(e: APIError, rid: str) -> None:
+    """Errors sent after the headers (an error event) are logged like a 5xx response."""
+    if e.status >= 500:
+        log.error("request %s: %d %s in its stream: %s", rid, e.status, e.code or e.type, e.message)
 
 
 def best(fo: Fanout, choices: list[Choice]) -> list[Choice]:
@@ -149,7 +184,7 @@ def response_choice(fo: Fanout, c: Choice, tt: TokenText | None) -> dict:
 
 
 async def stream(fo: Fanout, choices: list[Choice], base: dict, include_usage: bool,
-                 tt: TokenText | None):
+                 tt: TokenText | None, guard: Guard | None, worker):
     """OpenAI chunk stream of all choices, in the order their tokens arrive; errors after the
     headers went out travel as an error event."""
     q: asyncio.Queue = asyncio.Queue()
@@ -189,6 +224,7 @@ async def stream(fo: Fanout, choices: list[Choice], base: dict, include_usage: b
         while live:
             c, delta, ids, lps, end = await q.get()
             if isinstance(end, APIError):
+                log_stream_error(end, base["id"])
                 yield sse(end.body())
                 break
             if end == "end":
@@ -205,6 +241,7 @@ async def stream(fo: Fanout, choices: list[Choice], base: dict, include_usage: b
             if include_usage:
                 yield sse({**base, "choices": [], "usage": usage(fo, choices)})
     finally:
+        _end(choices, guard, worker)  # before the pumps stop: one abort for all that still run
         for t in tasks:
             t.cancel()
     yield "data: [DONE]\n\n"

@@ -9,6 +9,7 @@ a decode step and the engine never waits for the network.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import queue
 import threading
@@ -28,6 +29,13 @@ class Finished:
     rejected: bool = False  # True: add_request refused it (client's fault), not a step failure
 
 
+class Accepted:
+    """Event pushed when the engine took the request (only to handles that asked: ``ack``)."""
+
+
+ACCEPTED = Accepted()
+
+
 @dataclass
 class RequestHandle:
     """What a handler holds for one in-flight request; ``events`` receives StepOutputs."""
@@ -36,6 +44,7 @@ class RequestHandle:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
+    ack: bool = False  # push ACCEPTED once the engine took it (fan-out: no wait for a token)
 
     def push(self, items: list[Any]) -> None:  # runs on the event loop
         for it in items:
@@ -63,6 +72,8 @@ class EngineWorker:
         self.in_flight = 0  # requests accepted by handlers and not yet finished (event loop only)
         self.step_errors = 0
         self.fatal: BaseException | None = None
+        self.closed: str | None = None  # set by abort_all: later adds end at once with this reason
+        self._groups = _takes_group(engine)
 
     # --- called from the event loop -------------------------------------------------------
     def start(self) -> None:
@@ -73,13 +84,26 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.fatal is None
 
-    def submit(self, rid: str, prompt_ids: list[int], sampling_params: Any) -> RequestHandle:
-        handle = RequestHandle(rid, asyncio.get_running_loop())
-        self._cmds.put(("add", handle, prompt_ids, sampling_params))
+    def submit(self, rid: str, prompt_ids: list[int], sampling_params: Any,
+               group: str | None = None, ack: bool = False) -> RequestHandle:
+        """``group``: the client request it belongs to (fair admission among fanned-out
+        siblings and other requests), for engines that take one."""
+        handle = RequestHandle(rid, asyncio.get_running_loop(), ack=ack)
+        self._cmds.put(("add", handle, prompt_ids, sampling_params, group))
         return handle
 
     def abort(self, rid: str) -> None:
-        self._cmds.put(("abort", rid))
+        self._cmds.put(("abort", (rid,), "abort"))
+
+    def abort_many(self, rids: list[str]) -> None:
+        """One command for a whole fan-out: its siblings leave the engine together."""
+        if rids:
+            self._cmds.put(("abort", tuple(rids), "abort"))
+
+    def abort_all(self, reason: str) -> None:
+        """End every request now with ``reason`` (e.g. "shutdown" at the drain deadline), and
+        every request submitted later too. Thread-safe."""
+        self._cmds.put(("abort_all", reason))
 
     def call(self, fn, *args) -> "asyncio.Future":
         """Run ``fn(engine, *args)`` on the engine thread (e.g. an offline reference)."""
@@ -136,23 +160,26 @@ class EngineWorker:
     def _handle_cmd(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, handle, prompt_ids, sp = cmd
-            if self.fatal is not None:
-                handle.loop.call_soon_threadsafe(handle.push, [Finished("error", self.fatal)])
+            _, handle, prompt_ids, sp, group = cmd
+            if self.fatal is not None or self.closed is not None:
+                end = Finished("error", self.fatal) if self.fatal is not None else Finished(self.closed)
+                handle.loop.call_soon_threadsafe(handle.push, [end])
                 return
+            kw = {"group": group} if group is not None and self._groups else {}
             try:
-                self.engine.add_request(prompt_ids, sp, request_id=handle.rid)
+                self.engine.add_request(prompt_ids, sp, request_id=handle.rid, **kw)
             except Exception as e:  # engine-side validation: answer this request only
                 handle.loop.call_soon_threadsafe(handle.push, [Finished("error", e, rejected=True)])
                 return
             self._handles[handle.rid] = handle
+            if handle.ack:
+                handle.loop.call_soon_threadsafe(handle.push, [ACCEPTED])
         elif kind == "abort":
-            handle = self._handles.pop(cmd[1], None)
-            if handle is None:
-                return  # already finished: nothing holds slots any more
-            self._safe(self.engine.abort, cmd[1])
-            handle.loop.call_soon_threadsafe(handle.push, [Finished("abort")])
-            self._refresh_stats(force=True)  # so /metrics shows the freed KV right away
+            _, rids, reason = cmd
+            self._abort(rids, reason)
+        elif kind == "abort_all":
+            self.closed = cmd[1]
+            self._abort(list(self._handles), cmd[1])
         elif kind == "call":
             _, fut, fn, args = cmd
             try:
@@ -161,6 +188,18 @@ class EngineWorker:
                 fut.get_loop().call_soon_threadsafe(_set_exc, fut, e)
             else:
                 fut.get_loop().call_soon_threadsafe(_set_result, fut, res)
+
+    def _abort(self, rids, reason: str) -> None:
+        freed = False
+        for rid in rids:
+            handle = self._handles.pop(rid, None)
+            if handle is None:
+                continue  # already finished: nothing holds slots any more
+            self._safe(self.engine.abort, rid)
+            handle.loop.call_soon_threadsafe(handle.push, [Finished(reason)])
+            freed = True
+        if freed:
+            self._refresh_stats(force=True)  # so /metrics shows the freed KV right away
 
     def _dispatch(self, outs: list) -> None:
         grouped: dict[str, list] = {}
@@ -207,6 +246,13 @@ class EngineWorker:
         except Exception:
             log.exception("engine call %s failed", getattr(fn, "__name__", fn))
             return default
+
+
+def _takes_group(engine: Any) -> bool:
+    try:
+        return "group" in inspect.signature(engine.add_request).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _set_result(fut: asyncio.Future, res: Any) -> None:
