@@ -26,6 +26,8 @@ from doublesparse.server.protocol import APIError
 from doublesparse.server.tools import parse_tool_calls
 
 _I64 = 2**63 - 1
+SUBMIT_CHUNK = 64  # siblings handed to the engine thread between yields to the event loop
+COLLECT_CHUNK = 32  # finished siblings read between yields
 log = logging.getLogger("doublesparse.server")
 
 
@@ -93,24 +95,37 @@ async def start(make: Callable[..., Generation], rid: str, fo: Fanout, sp: dict,
                 request, worker) -> tuple[list[Choice], Guard | None]:
     """Submit every sibling; if one is refused, abort those already started. A lone request
     waits for its first token (engine refusals become a clean error before any header); a
-    fan-out waits only until the engine took each sibling, watched for a disconnect throughout."""
+    fan-out only until the engine took each prompt's first sibling, watched for a disconnect
+    throughout."""
     per = fo.best_of
     many = len(fo.prompts) * per > 1
     if fo.best_of > fo.n and "logprobs" not in sp:
         sp = {**sp, "logprobs": 0}  # best_of ranks samples by their cumulative logprob
     choices: list[Choice] = []
-    for i, ids in enumerate(fo.prompts):
-        for j in range(per):
-            g = make(f"{rid}-{i * per + j}" if many else rid, ids, sibling_params(sp, j),
-                     request, watch=not many)
-            choices.append(Choice(i * per + j, g, fo.echo_texts[i], i, len(fo.echo_texts[i])))
     guard = Guard(request, choices, worker) if many and request is not None else None
-    # all submitted at once (each start() submits before its first await), so the engine
-    # schedules the siblings' prefills together
     try:
-        results = await asyncio.gather(*(c.gen.start(wait_first=not many) for c in choices),
+        for i, ids in enumerate(fo.prompts):
+            for j in range(per):
+                g = make(f"{rid}-{i * per + j}" if many else rid, ids, sibling_params(sp, j),
+                         request, watch=not many)
+                choices.append(Choice(i * per + j, g, fo.echo_texts[i], i, len(fo.echo_texts[i])))
+                if len(choices) % SUBMIT_CHUNK == 0:
+                    await asyncio.sleep(0)
+        if not many:
+            await choices[0].gen.start()
+            return choices, guard
+        # Each prompt's first sibling waits until the engine took it (the engine's refusals
+        # depend on the prompt and parameters, which its siblings share, so they become a clean
+        # error before any header). Siblings go out in chunks, so other requests' submissions
+        # interleave with a fan-out of thousands instead of queueing behind all of it.
+        lead = [c for c in choices if c.index % per == 0]
+        for k in range(0, len(choices), SUBMIT_CHUNK):
+            for c in choices[k:k + SUBMIT_CHUNK]:
+                c.gen.submit(ack=c.index % per == 0)
+            await asyncio.sleep(0)
+        results = await asyncio.gather(*(c.gen.first_event() for c in lead if c.gen._started),
                                        return_exceptions=True)
-    except BaseException:  # cancelled (the client left): nobody will read these
+    except BaseException:  # a refusal, or cancelled (the client left): nobody will read these
         _end(choices, guard, worker)
         raise
     failed = [r for r in results if isinstance(r, BaseException)]
@@ -136,10 +151,27 @@ def usage(fo: Fanout, choices: list[Choice]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp}
 
 
+async def _spawn(choices: list[Choice], fn) -> list[asyncio.Task]:
+    """A task per choice, created ``SUBMIT_CHUNK`` at a time with a yield to the event loop in
+    between: 16,384 tasks at once would hold up every other request for most of a second."""
+    tasks: list[asyncio.Task] = []
+    for k in range(0, len(choices), SUBMIT_CHUNK):
+        tasks += [asyncio.create_task(fn(c)) for c in choices[k:k + SUBMIT_CHUNK]]
+        if len(choices) > SUBMIT_CHUNK:
+            await asyncio.sleep(0)
+    return tasks
+
+
 async def collect(choices: list[Choice], guard: Guard | None, worker) -> None:
-    """Run every sibling to the end; a disconnect (the guard) or a failure aborts all of them."""
+    """Run every sibling to the end; a disconnect (the guard) or a failure aborts all of them.
+    One sibling after another, not a task each: events queue up per sibling meanwhile, and the
+    event loop gets a turn every ``COLLECT_CHUNK`` siblings, so the backlog of a 16K fan-out is
+    read in small pieces between other requests' work."""
     try:
-        await asyncio.gather(*(c.gen.collect() for c in choices))
+        for k, c in enumerate(choices):
+            await c.gen.collect()
+            if k % COLLECT_CHUNK == COLLECT_CHUNK - 1:
+                await asyncio.sleep(0)
     finally:
         _end(choices, guard, worker)
 
@@ -213,13 +245,16 @@ async def stream(fo: Fanout, choices: list[Choice], base: dict, include_usage: b
         c.offset = out["text_offset"][-1] + len(out["tokens"][-1])
         return out
 
-    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    tasks: list[asyncio.Task] = []
     try:
-        for c in choices:
+        tasks = await _spawn(choices, pump)
+        for k, c in enumerate(choices):
             if fo.chat:
                 yield chunk(c, {"delta": {"role": "assistant", "content": ""}}, None)
             elif c.prefix:
                 yield chunk(c, {"text": c.prefix}, None)
+            if k % SUBMIT_CHUNK == SUBMIT_CHUNK - 1:
+                await asyncio.sleep(0)  # let other requests run between chunks of a fan-out
         live = len(choices)
         while live:
             c, delta, ids, lps, end = await q.get()

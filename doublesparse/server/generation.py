@@ -53,17 +53,26 @@ class Generation:
 
     async def start(self, wait_first: bool = True) -> None:
         """Submit and wait for the first event, so engine-side refusals still become a clean
-        4xx/5xx before any streaming headers go out. ``wait_first=False`` (fan-out) waits only
-        until the engine took the request: thousands of siblings do not wait for a token each."""
-        if self._done:  # cancelled before it was submitted
-            return
+        4xx/5xx before any streaming headers go out. ``wait_first=False`` waits only until the
+        engine took the request (a fan-out's lead sibling: no wait for a token)."""
+        if self.submit(ack=not wait_first):
+            await self.first_event()
+
+    def submit(self, ack: bool = False) -> bool:
+        """Hand the request to the engine thread (False: it was cancelled before). ``ack``: the
+        engine answers ACCEPTED once it took it. A fan-out submits most siblings this way alone:
+        their refusals, if any, arrive through ``events``."""
+        if self._done:
+            return False
         self._started = True
         self.metrics.in_flight.inc()
         self.worker.in_flight += 1
-        self._handle = self.worker.submit(self.rid, self.prompt_ids, self.sp, self.group,
-                                          ack=not wait_first)
+        self._handle = self.worker.submit(self.rid, self.prompt_ids, self.sp, self.group, ack=ack)
         if self.request is not None and self.watch:
             self._watch = asyncio.create_task(self._watch_disconnect())
+        return True
+
+    async def first_event(self) -> None:
         try:
             first = await self._handle.events.get()
         except BaseException:  # cancelled while waiting: nobody will read it

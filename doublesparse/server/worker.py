@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,11 +62,17 @@ class EngineWorker:
     """
 
     STATS_INTERVAL = 0.05  # refresh the stats snapshot at most 20x/s while decoding
+    ADDS_PER_PASS = 64  # requests handed to the engine between two steps
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[str, RequestHandle] = {}  # engine thread only
+        # adds not yet handed to the engine, by group (round robin, like the engine's admission):
+        # a 16K fan-out's adds take ~0.5 s of engine time, and a request sent meanwhile must
+        # not wait behind all of them; an abort drops a parked add on the spot
+        self._parked: OrderedDict[str, deque] = OrderedDict()
+        self._parked_rids: dict[str, RequestHandle] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.snapshot: dict = {}  # latest engine.stats(); replaced whole, so readers never see half
@@ -124,9 +131,11 @@ class EngineWorker:
         last_stats, failures = 0.0, 0
         while True:
             busy = self._safe(self.engine.has_unfinished, default=False)
-            if self._stop.is_set() and not busy and not self._handles and self._cmds.empty():
+            if (self._stop.is_set() and not busy and not self._handles and not self._parked
+                    and self._cmds.empty()):
                 break
-            self._drain(block=not busy)
+            self._drain(block=not busy and not self._parked)
+            self._add_parked(self.ADDS_PER_PASS)
             if self._safe(self.engine.has_unfinished, default=False):
                 try:
                     outs = self.engine.step()
@@ -146,40 +155,60 @@ class EngineWorker:
         self._refresh_stats()
 
     def _drain(self, block: bool) -> None:
+        """Take every queued command: adds are parked, the rest handled at once."""
         try:
             cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
         except queue.Empty:
             return
         while True:
-            self._handle_cmd(cmd)
+            if cmd[0] == "add":
+                _, handle, _, _, group = cmd
+                self._parked.setdefault(group or handle.rid, deque()).append(cmd)
+                self._parked_rids[handle.rid] = handle
+            else:
+                self._handle_cmd(cmd)
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
 
+    def _add_parked(self, limit: int) -> None:
+        """Hand up to ``limit`` parked adds to the engine, one group after another."""
+        n = 0
+        while self._parked and n < limit:
+            group, cmds = next(iter(self._parked.items()))
+            cmd = cmds.popleft()
+            if cmds:
+                self._parked.move_to_end(group)
+            else:
+                del self._parked[group]
+            if self._parked_rids.pop(cmd[1].rid, None) is not None:  # else aborted meanwhile
+                self._add(*cmd[1:])
+                n += 1
+
+    def _add(self, handle: RequestHandle, prompt_ids, sp, group) -> None:
+        if self.fatal is not None or self.closed is not None:
+            end = Finished("error", self.fatal) if self.fatal is not None else Finished(self.closed)
+            handle.loop.call_soon_threadsafe(handle.push, [end])
+            return
+        kw = {"group": group} if group is not None and self._groups else {}
+        try:
+            self.engine.add_request(prompt_ids, sp, request_id=handle.rid, **kw)
+        except Exception as e:  # engine-side validation: answer this request only
+            handle.loop.call_soon_threadsafe(handle.push, [Finished("error", e, rejected=True)])
+            return
+        self._handles[handle.rid] = handle
+        if handle.ack:
+            handle.loop.call_soon_threadsafe(handle.push, [ACCEPTED])
+
     def _handle_cmd(self, cmd: tuple) -> None:
         kind = cmd[0]
-        if kind == "add":
-            _, handle, prompt_ids, sp, group = cmd
-            if self.fatal is not None or self.closed is not None:
-                end = Finished("error", self.fatal) if self.fatal is not None else Finished(self.closed)
-                handle.loop.call_soon_threadsafe(handle.push, [end])
-                return
-            kw = {"group": group} if group is not None and self._groups else {}
-            try:
-                self.engine.add_request(prompt_ids, sp, request_id=handle.rid, **kw)
-            except Exception as e:  # engine-side validation: answer this request only
-                handle.loop.call_soon_threadsafe(handle.push, [Finished("error", e, rejected=True)])
-                return
-            self._handles[handle.rid] = handle
-            if handle.ack:
-                handle.loop.call_soon_threadsafe(handle.push, [ACCEPTED])
-        elif kind == "abort":
+        if kind == "abort":
             _, rids, reason = cmd
             self._abort(rids, reason)
         elif kind == "abort_all":
             self.closed = cmd[1]
-            self._abort(list(self._handles), cmd[1])
+            self._abort([*self._handles, *self._parked_rids], cmd[1])
         elif kind == "call":
             _, fut, fn, args = cmd
             try:
@@ -192,6 +221,10 @@ class EngineWorker:
     def _abort(self, rids, reason: str) -> None:
         freed = False
         for rid in rids:
+            parked = self._parked_rids.pop(rid, None)
+            if parked is not None:  # never reached the engine
+                parked.loop.call_soon_threadsafe(parked.push, [Finished(reason)])
+                continue
             handle = self._handles.pop(rid, None)
             if handle is None:
                 continue  # already finished: nothing holds slots any more
