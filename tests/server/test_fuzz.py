@@ -1,5 +1,6 @@
 """Property-based fuzzing of the HTTP endpoints: arbitrary JSON bodies never get a 5xx, and a
-stream running meanwhile finishes untouched."""
+stream and a /generate with a client rid running meanwhile finish untouched, while the burst also
+reuses that rid and drops fanned-out requests mid-flight."""
 
 from __future__ import annotations
 
@@ -62,14 +63,36 @@ def test_fuzzing_leaves_a_concurrent_stream_intact(fake_server):
             lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
         got["finish"] = json.loads(lines[-1][6:])["choices"][0]["finish_reason"]
 
-    t = threading.Thread(target=stream)
-    t.start()
+    def original():  # a /generate whose rid the burst's collisions reuse
+        body = {"text": "keep", "rid": "fuzz-rid", "sampling_params": {
+            "max_new_tokens": 200, "ignore_eos": True, "temperature": 0}}
+        r = httpx.post(fake_server.url + "/generate", json=body, headers=AUTH, timeout=120)
+        got["rid"] = r.json()["meta_info"]["completion_tokens"]
+
+    ts = [threading.Thread(target=stream), threading.Thread(target=original)]
+    for t in ts:
+        t.start()
+
+    def hit(path, body):
+        _post_checked(fake_server, path, body)
+        if body.get("rid") is not None:  # and a collision with the running original
+            _post_checked(fake_server, "/generate", {**body, "rid": "fuzz-rid"})
+        if isinstance(body.get("n"), int) and 1 < body["n"] <= 40:  # a fan-out whose client leaves
+            try:
+                httpx.post(fake_server.url + "/v1/completions", headers=AUTH, timeout=0.05,
+                           json={"prompt": ["x", "y"], "n": body["n"], "max_tokens": 300,
+                                 "ignore_eos": True})
+            except httpx.TimeoutException:
+                pass
+
     burst = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))(
-        given(path=PATHS, body=BODIES)(lambda path, body: _post_checked(fake_server, path, body)))
+        given(path=PATHS, body=BODIES)(hit))
     burst()
-    t.join(120)
-    assert got.get("finish") == "length"
+    for t in ts:
+        t.join(120)
+    assert got.get("finish") == "length" and got.get("rid") == 200
     assert fake_server.health()["status"] == "ok"
+    fake_server.wait_idle(timeout=30)  # every dropped fan-out left the engine
 
 
 TINY = st.sampled_from([5e-38, 1e-45, 1e-300, 1e-7, 1e-6, 1e6, 3e38, 1e300])
