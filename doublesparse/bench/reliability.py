@@ -50,7 +50,7 @@ def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "doublesparse.launch_server", "--port", str(port),
            "--log-level", "info", "--max-choices-per-request", "0", "--max-requests-per-client", "0",
            "--graceful-shutdown-timeout", str(args.shutdown_timeout),
-           *(FAKE if args.engine == "fake" else REAL)]
+           *(FAKE if args.engine == "fake" else REAL), *args.server_args.split()]
     proc = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -68,11 +68,13 @@ def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("server did not start")
 
 
-async def _idle(c: httpx.AsyncClient, timeout: float = 600) -> float:
+async def _idle(c: httpx.AsyncClient, timeout: float = 600, others=lambda: 0) -> float:
+    """Seconds until the server holds no request but ``others()`` (still-running probes)."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
         h = (await c.get("/health")).json()
-        if h["in_flight"] == 0 and h["running"] == 0 and h["waiting"] == 0:
+        k = others()
+        if h["in_flight"] <= k and h["running"] <= k and h["waiting"] == 0:
             return time.perf_counter() - t0
         await asyncio.sleep(0.02)
     return float("inf")
@@ -92,21 +94,27 @@ async def fanout(c: httpx.AsyncClient, args) -> dict:
             "n": args.fanout_n, "max_tokens": 16, "ignore_eos": True, "temperature": 0.8}
     fan = asyncio.create_task(c.post("/v1/completions", json=body, timeout=None))
     t_sent = time.perf_counter()
-    await asyncio.sleep(0.5)
-    busy = []
-    while time.perf_counter() - t_sent < args.hold - idle * 2:
-        busy.append(await _latency(c))
+    busy: list[float] = []
+
+    async def normal_requests():  # one after another while the fan-out's client is there
+        await asyncio.sleep(0.5)
+        while time.perf_counter() - t_sent < args.hold - idle:
+            busy.append(await _latency(c))
+
+    probe = asyncio.create_task(normal_requests())
+    await asyncio.sleep(args.hold - (time.perf_counter() - t_sent))
     peak = (await c.get("/health")).json()
-    fan.cancel()  # the client hangs up: the connection closes
+    fan.cancel()  # the client hangs up at --hold: the connection closes
     t_left = time.perf_counter()
     try:
         await fan
     except (asyncio.CancelledError, httpx.HTTPError):
         pass
-    await _idle(c)
+    await _idle(c, others=lambda: 0 if probe.done() else 1)
     done = time.perf_counter() - t_left
+    await probe  # a normal request still running finishes
     return {"choices": args.fanout_prompts * args.fanout_n, "hold_s": args.hold,
-            "queued_at_hangup": peak["waiting"] + peak["running"],
+            "engine_queue_at_hangup": peak["waiting"] + peak["running"],
             "engine_done_s": round(done, 3), "idle_latency_s": round(idle, 3),
             "busy_latencies_s": [round(x, 3) for x in busy],
             "busy_latency_max_s": round(max(busy), 3) if busy else None,
@@ -161,6 +169,19 @@ def shutdown(proc: subprocess.Popen, url: str, args) -> dict:
             "process_exit_s": round(exit_s, 3), "exit_code": rc}
 
 
+def _soak(url: str, args) -> dict:
+    s = soak.parse_args(["--base-url", url, "--requests", str(args.soak_requests),
+                         "--concurrency", "8", "--oversize-words", "3000",
+                         "--burst-words", "700" if args.engine == "real" else "300",
+                         "--burst-size", "4", "--seed", "1"])
+    r = asyncio.run(soak.run(s))
+    out = {k: r[k] for k in ("sent", "lost_valid", "lost_examples", "http_5xx", "wrong_refusals",
+                             "fanout_disconnects", "rid_collisions", "rid_collisions_intact",
+                             "metrics_consistent", "minutes")}
+    out["requests"] = sum(r["sent"].values())
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m doublesparse.bench.reliability",
                                 description=__doc__.splitlines()[0])
@@ -172,27 +193,26 @@ def main(argv=None) -> int:
     p.add_argument("--soak-requests", type=int, default=640, help="per client (8 clients)")
     p.add_argument("--shutdown-timeout", type=float, default=3.0)
     p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--server-args", default="", help="more server flags, e.g. '--max-running-requests 4'")
+    p.add_argument("--phases", default="fanout,rid,soak,shutdown", help="which of them to run")
     p.add_argument("--result-json", default=None)
     args = p.parse_args(argv)
+    phases = set(args.phases.split(","))
     log_path = Path(tempfile.mkdtemp()) / "server.log"
     proc, url = start_server(args, log_path)
     res: dict = {"engine": args.engine}
     try:
-        async def phases():
+        async def run_phases():
             async with httpx.AsyncClient(base_url=url, timeout=600) as c:
-                res["fanout"] = await fanout(c, args)
-                res["rid_collision"] = await rid_collisions(c, args)
-        asyncio.run(phases())
-        s = soak.parse_args(["--base-url", url, "--requests", str(args.soak_requests),
-                             "--concurrency", "8", "--oversize-words", "3000",
-                             "--burst-words", "700" if args.engine == "real" else "300",
-                             "--burst-size", "4", "--seed", "1"])
-        r = asyncio.run(soak.run(s))
-        res["soak"] = {k: r[k] for k in ("sent", "lost_valid", "lost_examples", "http_5xx",
-                                         "wrong_refusals", "fanout_disconnects", "rid_collisions",
-                                         "rid_collisions_intact", "metrics_consistent", "minutes")}
-        res["soak"]["requests"] = sum(r["sent"].values())
-        res["shutdown"] = shutdown(proc, url, args)
+                if "fanout" in phases:
+                    res["fanout"] = await fanout(c, args)
+                if "rid" in phases:
+                    res["rid_collision"] = await rid_collisions(c, args)
+        asyncio.run(run_phases())
+        if "soak" in phases:
+            res["soak"] = _soak(url, args)
+        if "shutdown" in phases:
+            res["shutdown"] = shutdown(proc, url, args)
     finally:
         if proc.poll() is None:
             proc.kill()
