@@ -163,7 +163,8 @@ def summary(rows: dict, card: str, wall_s: float) -> dict:
     return {"card": card, "wall_min": round(wall_s / 60, 2), "passed": t.get("passed"), "failed": t.get("failed"),
             "skipped": t.get("skipped"), "rows_ok": sum(v == "ok" for v in status.values()),
             "rows_failed": [n for n, v in status.items() if v != "ok"], "rows": status,
-            "soak": {k: soak.get(k) for k in ("lost_valid", "http_5xx", "duplicates_identical",
+            "soak": {k: soak.get(k) for k in ("lost_valid", "http_5xx", "fanout_disconnects",
+                                              "rid_collisions_intact", "duplicates_identical",
                                               "metrics_consistent", "rss_growth_pct", "minutes")}}
 
 

@@ -614,7 +614,8 @@ def summarize(area: str, rows: dict) -> dict:
             return {**rows["embedded"]["summary"], **({"packed_accuracy": acc} if acc else {})}
         if area == "soak":
             r = rows["soak"]
-            return {k: r.get(k) for k in ("lost_valid", "http_5xx", "duplicates_identical", "rss_growth_pct",
+            return {k: r.get(k) for k in ("lost_valid", "http_5xx", "fanout_disconnects", "rid_collisions",
+                                          "rid_collisions_intact", "duplicates_identical", "rss_growth_pct",
                                           "metrics_consistent", "minutes")}
         if area == "top-p":
             med = {n: r["results"][0]["median_decode_latency"] for n, r in rows.items() if r.get("results")}

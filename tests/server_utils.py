@@ -132,6 +132,7 @@ class InProcessServer:
     def __init__(self, app, timeout: float = 60.0) -> None:
         import uvicorn
 
+        self.app = app
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))

@@ -4,10 +4,13 @@ Every worker loops until the deadline (or, with ``--requests N``, for N requests
 whatever the machine's speed), each time sending one request of a kind drawn by weight:
 valid completions and streamed chat requests, oversize prompts and malformed bodies (which must get
 a 4xx), streams the client drops after their first tokens, greedy duplicates of one fixed request
-(which must all give the same text), and bursts of long prompts that fill the KV pool (which must
-queue and complete). Reports lost valid requests, 5xx answers, whether the duplicates agree,
-latency percentiles of valid requests, the server's RSS growth over the run's second half, and
-whether ``/metrics`` counted what the client saw.
+(which must all give the same text), bursts of long prompts that fill the KV pool (which must
+queue and complete), fanned-out completions (prompts x n) whose client hangs up while they run
+(every sibling must leave the engine), and ``/generate`` requests whose ``rid`` a second request
+reuses and then drops (the duplicate must get a 400 and the original all its tokens). Reports
+lost valid requests, 5xx answers, whether the duplicates agree, latency percentiles of valid
+requests, the server's RSS growth over the run's second half, and whether ``/metrics`` counted
+what the client saw (each sibling of a fan-out is one request there).
 """
 
 from __future__ import annotations
@@ -27,10 +30,13 @@ import httpx
 from ..bench_serving import pct
 
 KINDS = {"valid": 5, "stream": 3, "oversize": 1, "malformed": 2, "disconnect": 1, "duplicate": 2,
-         "burst": 1}
+         "burst": 1, "fanout_disconnect": 1, "rid_collision": 1}
 MALFORMED = [b"{not json", b"[1, 2]", b'{"prompt": 5}', b'{"prompt": "hi", "max_tokens": "x"}',
              b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_k": 1180591620717411303424}',
-             b'{"prompt": "hi", "top_p": 1e-300}', b'{"messages": []}']
+             b'{"prompt": "hi", "top_p": 1e-300}', b'{"messages": []}',
+             b'{"prompt": "hi", "repetition_penalty": 5e-38, "temperature": 1}',
+             b'{"prompt": "hi", "repetition_penalty": 1e-45}', b'{"prompt": "hi", "n": 129}',
+             b'{"prompt": "hi", "best_of": 2, "n": 3}']
 DUPLICATE = {"prompt": "Count slowly: one, two,", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
@@ -44,6 +50,10 @@ class Tally:
     latencies: list = field(default_factory=list)
     duplicates: list = field(default_factory=list)
     rss: list = field(default_factory=list)          # (seconds since start, bytes)
+    fanout_disconnects: int = 0     # fanned-out requests whose client hung up while they ran
+    fanout_siblings: int = 0        # their engine requests (each ends once in /metrics)
+    rid_collisions: int = 0         # originals whose rid a second request reused
+    rid_intact: int = 0             # ... that still got every token
 
     def count(self, kind: str) -> None:
         self.sent[kind] = self.sent.get(kind, 0) + 1
@@ -118,9 +128,75 @@ async def _refused(c: httpx.AsyncClient, t: Tally, raw: bytes, path="/v1/complet
         t.wrong_4xx.append(f"{raw[:60]!r}: {r.status_code}")
 
 
-async def worker(c: httpx.AsyncClient, t: Tally, rng: random.Random, deadline: float, args) -> None:
-    """Requests until ``deadline`` (monotonic seconds), or ``args.requests`` of them when set."""
+async def _fanout_disconnect(c: httpx.AsyncClient, t: Tally, body: dict, hold: float) -> None:
+    """A fanned-out request whose client hangs up after ``hold`` seconds."""
+    k = len(body["prompt"]) * body["n"]
+    try:
+        r = await asyncio.wait_for(c.post("/v1/completions", json=body), hold)
+    except asyncio.TimeoutError:  # the client leaves: the server must drop every sibling
+        t.fanout_disconnects += 1
+        t.fanout_siblings += k
+        return
+    except httpx.HTTPError as e:
+        t.valid_lost.append(f"fan-out: {type(e).__name__}")
+        return
+    if r.status_code >= 500:
+        t.http_5xx += 1
+    if r.status_code != 200:
+        t.valid_lost.append(f"fan-out: {r.status_code} {r.text[:120]}")
+        return
+    t.fanout_siblings += k  # finished before the client left: each sibling ended normally
+
+
+async def _rid_collision(c: httpx.AsyncClient, t: Tally, body: dict, rid: str) -> None:
+    """A streamed /generate with ``rid``; meanwhile a second one reuses the rid (a 400 is owed)
+    and hangs up. The original must still get all its tokens."""
+    want = body["sampling_params"]["max_new_tokens"]
+    last, dup = None, None
+    t0 = time.perf_counter()
+    try:
+        async with c.stream("POST", "/generate", json={**body, "rid": rid, "stream": True}) as r:
+            if r.status_code != 200:
+                t.http_5xx += r.status_code >= 500
+                t.valid_lost.append(f"rid original: {r.status_code}")
+                return
+            async for ln in r.aiter_lines():
+                if not ln.startswith("data: {"):
+                    continue
+                last = json.loads(ln[6:])
+                if dup is None:  # the duplicate: read its status, then hang up
+                    async with c.stream("POST", "/generate", json={**body, "rid": rid}) as d:
+                        dup = d.status_code
+    except (httpx.HTTPError, asyncio.TimeoutError) as e:
+        t.valid_lost.append(f"rid collision: {type(e).__name__}")
+        return
+    t.rid_collisions += 1
+    if dup is not None and dup >= 500:
+        t.http_5xx += 1
+    if dup != 400:
+        t.wrong_4xx.append(f"duplicate rid: {dup if dup is not None else 'not sent'}")
+    meta = (last or {}).get("meta_info") or {}
+    if "error" in (last or {}) or meta.get("completion_tokens") != want:
+        t.valid_lost.append(f"rid original cut: {json.dumps(last)[:160]}")
+        return
+    t.rid_intact += 1
+    t.valid_ok += 1
+    t.latencies.append(time.perf_counter() - t0)
+
+
+def kind_sequence(seed: int, client: int):
+    """The kinds client ``client`` sends, in order (its own stream of draws, so the sequence does
+    not depend on the other arguments)."""
+    rng = random.Random(f"{seed}-{client}")
     kinds, weights = zip(*KINDS.items())
+    while True:
+        yield rng.choices(kinds, weights)[0]
+
+
+async def worker(c: httpx.AsyncClient, t: Tally, rng: random.Random, deadline: float, args,
+                 client: int = 0) -> None:
+    """Requests until ``deadline`` (monotonic seconds), or ``args.requests`` of them when set."""
+    next_kind = kind_sequence(args.seed, client)
     words = "the of and to a in that is was he for it with as his on be at by".split()
 
     def prompt(n: int):
@@ -135,7 +211,7 @@ async def worker(c: httpx.AsyncClient, t: Tally, rng: random.Random, deadline: f
     sent = 0
     while (sent < args.requests) if args.requests else (time.monotonic() < deadline):
         sent += 1
-        kind = rng.choices(kinds, weights)[0]
+        kind = next(next_kind)
         t.count(kind)
         text = prompt(rng.randrange(5, args.prompt_words))
         sample = {"temperature": rng.choice([0, 0.7, 1.0]), "top_p": rng.choice([1.0, 0.9]),
@@ -162,6 +238,16 @@ async def worker(c: httpx.AsyncClient, t: Tally, rng: random.Random, deadline: f
             long = prompt(args.burst_words)
             await asyncio.gather(*(_valid(c, t, {"prompt": long, "max_tokens": 2, "temperature": 0})
                                    for _ in range(args.burst_size)))
+        elif kind == "fanout_disconnect":
+            body = {"prompt": [prompt(rng.randrange(5, args.prompt_words))
+                               for _ in range(args.fanout_prompts)],
+                    "n": args.fanout_n, "max_tokens": 200, "ignore_eos": True, "temperature": 0.7}
+            await _fanout_disconnect(c, t, body, args.fanout_hold)
+        elif kind == "rid_collision":
+            key = "input_ids" if args.token_ids else "text"
+            body = {key: prompt(rng.randrange(5, args.prompt_words)), "sampling_params": {
+                "max_new_tokens": args.max_tokens + 8, "ignore_eos": True, "temperature": 0}}
+            await _rid_collision(c, t, body, f"soak-{client}-{sent}")
 
 
 async def _metric(c: httpx.AsyncClient, name: str) -> dict:
@@ -204,8 +290,8 @@ async def run(args) -> dict:
 
         async def load():
             rng = random.Random(args.seed)
-            await asyncio.gather(*(worker(c, t, random.Random(rng.random()), deadline, args)
-                                   for _ in range(args.concurrency)))
+            await asyncio.gather(*(worker(c, t, random.Random(rng.random()), deadline, args, i)
+                                   for i in range(args.concurrency)))
             done.set()
 
         await asyncio.gather(sample_rss(), load())
@@ -219,13 +305,16 @@ async def run(args) -> dict:
     # A dropped stream ends on the server as "disconnected", or finished if it was done first.
     ended = ('status="stop"', 'status="length"', 'status="disconnected"', 'status="abort"')
     served = sum(v - before.get(k, 0.0) for k, v in after.items() if any(e in k for e in ended))
-    expected = t.valid_ok + t.sent.get("disconnect", 0)
+    # a collided original is in valid_ok; a fan-out is one request per sibling there
+    expected = t.valid_ok + t.sent.get("disconnect", 0) + t.fanout_siblings
     half = [b for s, b in t.rss if s >= seconds / 2]
     lat = t.latencies
     return {
         "minutes": seconds / 60, "concurrency": args.concurrency, "sent": t.sent,
         "valid_ok": t.valid_ok, "lost_valid": len(t.valid_lost), "lost_examples": t.valid_lost[:10],
         "http_5xx": t.http_5xx, "wrong_refusals": t.wrong_4xx[:10],
+        "fanout_disconnects": t.fanout_disconnects, "rid_collisions": t.rid_collisions,
+        "rid_collisions_intact": t.rid_intact,
         "duplicates": len(t.duplicates), "duplicates_identical": int(len(set(t.duplicates)) <= 1),
         "latency_s": {q: pct(lat, q) for q in (50, 90, 99)},
         "rss_growth_pct": 100 * (half[-1] / half[0] - 1) if len(half) >= 2 else None,
@@ -248,6 +337,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--oversize-words", type=int, default=40000, help="a prompt past any context here")
     p.add_argument("--burst-size", type=int, default=6)
     p.add_argument("--burst-words", type=int, default=1500, help="words of each burst prompt")
+    p.add_argument("--fanout-prompts", type=int, default=4, help="prompts of a fanned-out request")
+    p.add_argument("--fanout-n", type=int, default=8, help="n of a fanned-out request")
+    p.add_argument("--fanout-hold", type=float, default=0.5,
+                   help="seconds before a fanned-out request's client hangs up")
     p.add_argument("--server-pid", type=int, default=None,
                    help="read its RSS from /proc (default: the server's /metrics process_resident_memory_bytes)")
     p.add_argument("--vocab-size", type=int, default=32000, help="with --token-ids: ids below this")
@@ -265,7 +358,8 @@ def main(argv=None) -> int:
     print(json.dumps(res, indent=1))
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(res, indent=1) + "\n")
-    ok = res["lost_valid"] == 0 and res["http_5xx"] == 0 and res["duplicates_identical"] and res["metrics_consistent"]
+    ok = (res["lost_valid"] == 0 and res["http_5xx"] == 0 and res["duplicates_identical"]
+          and res["metrics_consistent"] and not res["wrong_refusals"])
     return 0 if ok else 1
 
 

@@ -63,6 +63,7 @@ class Engine:
         self.tokenizer = p.tokenizer
         self.max_context_len = p.max_context_len
         self._inbox: collections.deque = collections.deque()
+        self._inbox_by_rid: dict[str, Request] = {}  # the inbox by id: aborting there is O(1)
         self._abort_inbox: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
@@ -102,8 +103,11 @@ class Engine:
                 raise ValueError(f"per-request ds_heavy_token_num={sp.ds_heavy_token_num} is not "
                                  f"supported: the engine decodes every request with {have}")
 
-    def add_request(self, prompt, sampling_params=None, request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Raises ValueError (RequestRefused) if it can never run."""
+    def add_request(self, prompt, sampling_params=None, request_id: str | None = None,
+                    group: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError (RequestRefused) if it can never run.
+        ``group``: requests sharing one (a client request's fanned-out samples) are admitted in
+        turn with other groups' (see :mod:`doublesparse.engine.scheduler`); None: its own."""
         sp = SamplingParams.from_any(sampling_params)
         self._check_ds_overrides(sp)
         ids = self._encode(prompt)
@@ -127,7 +131,8 @@ class Engine:
             raise
         req = Request(rid, ids, sp, gen, frozenset(stop_ids),
                    Detokenizer(self.tokenizer, sp.stop, sp.skip_special_tokens), time.perf_counter(),
-                   sampling=state)
+                   sampling=state, group=group)
+        self._inbox_by_rid[rid] = req
         self._inbox.append(req)
         return rid
 
@@ -158,13 +163,13 @@ class Engine:
         if rid in self._reqs:
             self._pending.append(self._finish(self._reqs[rid], "abort", []))
             return
-        for req in list(self._inbox):
-            if req.rid == rid:
-                self._inbox.remove(req)
-                with self._lock:
-                    self._known.discard(rid)
-                self._pending.append(StepOutput(rid, [], "", True, "abort", len(req.prompt_ids), 0,
-                                                meta=request_meta(req)))
+        req = self._inbox_by_rid.pop(rid, None)
+        if req is not None:  # still in the inbox: the drain skips it
+            req.finish_reason = "abort"
+            with self._lock:
+                self._known.discard(rid)
+            self._pending.append(StepOutput(rid, [], "", True, "abort", len(req.prompt_ids), 0,
+                                            meta=request_meta(req)))
 
     def has_unfinished(self) -> bool:
         return bool(self._inbox) or bool(self._reqs) or bool(self._pending) or self._inflight is not None
@@ -180,7 +185,11 @@ class Engine:
             self._abort_now(self._abort_inbox.popleft())
         while self._inbox:
             req = self._inbox.popleft()
-            p.scheduler.add(req.rid, len(req.prompt_ids), req.params.max_new_tokens, req.prompt_ids)
+            if req.finish_reason is not None:  # aborted in the inbox
+                continue
+            self._inbox_by_rid.pop(req.rid, None)
+            p.scheduler.add(req.rid, len(req.prompt_ids), req.params.max_new_tokens, req.prompt_ids,
+                            req.group)
             self._reqs[req.rid] = req
         outs, self._pending = self._pending, []
         if self._inflight is not None and any(
@@ -430,7 +439,7 @@ class Engine:
         tokens found in the cache / of all admitted prompts; ``prefix_cache_evicted_tokens``: cached
         tokens evicted to make room."""
         p, c, s = self.parts, self.counters, self.parts.scheduler
-        return dict(running=s.num_running, waiting=s.num_waiting + len(self._inbox),
+        return dict(running=s.num_running, waiting=s.num_waiting + len(self._inbox_by_rid),
                     kv_used_tokens=p.memory.slots.num_used - s.evictable_tokens,
                     kv_total_tokens=p.memory.slots.size, kv_cached_tokens=s.cached_tokens,
                     kv_reserved_tokens=s.reserved_tokens,

@@ -47,6 +47,7 @@ class Request:
     launched: int = 0              # output tokens sampled or being sampled on the device
     error: str | None = None       # set when this request's own sampling failed: it ends "error"
     sampling: RequestSampling | None = None  # penalties' history, grammar matcher
+    group: str | None = None       # fair-admission group (its client request); None: its own
 
 
 @dataclass

@@ -17,6 +17,11 @@ import numpy as np
 TOP_K_MAX = 2**31 - 1
 # Smallest top_p whose float32 value is not 0 (the sampler's arithmetic is float32).
 TOP_P_MIN = float(np.finfo(np.float32).tiny)
+# Repetition penalties outside [1e-6, 1e6] are refused: the sampler divides a seen token's logit by
+# the penalty and then by the temperature (clamped at 1e-6), and below ~1e-30 that overflows float32
+# for ordinary logits (5e-38 gave inf - inf = NaN probabilities); 1e6 keeps the same margin on the
+# multiplying side. Far beyond any useful penalty (HF and vLLM users stay within 0.5-2).
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 1e-6, 1e6
 # Seeds are reduced to 48 bits for torch.Generator; beyond int64 they are refused.
 _INT64_MAX = 2**63 - 1
 # Most alternatives per token that logprobs may ask for (OpenAI's top_logprobs limit).
@@ -34,7 +39,7 @@ class SamplingParams:
     enable_double_sparsity / ds_heavy_token_num: per-request overrides are only accepted when they
     agree with the engine (the decode kernels take one top-k per batch); otherwise ValueError.
     min_p in [0, 1]: drop tokens less likely than min_p times the most likely one (after
-    temperature). repetition_penalty > 0 (1 = off): logits of tokens seen in the prompt or output
+    temperature). repetition_penalty in [1e-6, 1e6] (1 = off): logits of tokens seen in the prompt or output
     are divided by it when positive, multiplied when negative (HF/vLLM). frequency_penalty /
     presence_penalty in [-2, 2] (0 = off): subtract count * frequency + (count > 0) * presence
     from the logits of output tokens (OpenAI). logprobs: None = off; k in [0, 20] returns the
@@ -104,8 +109,11 @@ class SamplingParams:
     def _check_extras(self) -> None:
         if not 0.0 <= _finite(self.min_p, "min_p", "a finite number in [0, 1]") <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not 0.0 < _finite(self.repetition_penalty, "repetition_penalty", "a finite number > 0"):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        rp = _finite(self.repetition_penalty, "repetition_penalty", "a finite number > 0")
+        if not REPETITION_PENALTY_MIN <= rp <= REPETITION_PENALTY_MAX:
+            raise ValueError(f"repetition_penalty must be in [{REPETITION_PENALTY_MIN:g}, "
+                             f"{REPETITION_PENALTY_MAX:g}] (float32 overflows beyond), "
+                             f"got {self.repetition_penalty!r}")
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             if not -2.0 <= _finite(v, name, "a finite number in [-2, 2]") <= 2.0:
@@ -163,4 +171,5 @@ def _finite(x, name: str, what: str) -> float:
     return v
 
 
-__all__ = ["LOGPROBS_MAX", "SamplingParams", "TOP_K_MAX", "TOP_P_MIN"]
+__all__ = ["LOGPROBS_MAX", "REPETITION_PENALTY_MAX", "REPETITION_PENALTY_MIN", "SamplingParams",
+           "TOP_K_MAX", "TOP_P_MIN"]

@@ -1,7 +1,13 @@
 """Continuous-batching scheduler. Plain Python (no torch): it decides, the engine executes.
 
 Policy
-  * Admission is FCFS and reserves ``prompt_len + max_new_tokens`` KV tokens up front, so a running
+  * Admission is fair across groups (the siblings of one fanned-out client request share a group;
+    :mod:`doublesparse.engine.fair_queue`): round robin over groups, FCFS within one, so one
+    request's thousands of siblings cannot starve a request that arrives behind them. With one
+    request per group it is FCFS. While any request runs, the last free running slot goes only to
+    a group with nothing running, so a newcomer is admitted at once rather than after a sibling
+    finishes (a lone fan-out runs at most ``max_running_requests - 1`` at a time).
+  * Admission reserves ``prompt_len + max_new_tokens`` KV tokens up front, so a running
     request can never run out of cache mid-decode (no preemption needed). A request that can never
     fit (pool or context too small) is refused at ``add``; one that does not fit *now* waits, and
     requests behind it wait too (no overtaking, so a big request is not starved).
@@ -37,10 +43,11 @@ Prefix cache (on unless ``disable_radix_cache``; :mod:`doublesparse.engine.radix
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from ..config import SchedulerConfig
+from .fair_queue import FairQueue
 from .radix_cache import RadixCache
 
 
@@ -58,6 +65,7 @@ class SchedRequest:
     state: str = "waiting"      # waiting -> prefill -> decode
     cached: int = 0             # leading tokens held for it in the prefix cache (locked)
     node: object = None         # the cache node ending its locked prefix
+    group: str = ""             # fair-admission group (its client request); "" -> its own rid
 
     @property
     def reserve(self) -> int:
@@ -122,8 +130,9 @@ class Scheduler:
         self.config = config
         self.token_capacity = int(token_capacity)
         self.max_context_len = int(max_context_len)
-        self.waiting: deque[SchedRequest] = deque()
+        self.waiting: FairQueue[SchedRequest] = FairQueue()
         self.running: OrderedDict[str, SchedRequest] = OrderedDict()
+        self.group_running: Counter = Counter()  # group -> its running requests
         self.reserved_tokens = 0    # private slots promised to running requests (not in the cache)
         self.cache = None if config.disable_radix_cache else RadixCache()
         self.hit_tokens = 0         # prompt tokens admission found in the cache
@@ -149,16 +158,18 @@ class Scheduler:
                 f"the KV pool ({self.token_capacity} tokens); raise --max-total-tokens / "
                 "--mem-fraction-static or shorten the request")
 
-    def add(self, rid: str, prompt_len: int, max_new_tokens: int, prompt_ids=None) -> None:
+    def add(self, rid: str, prompt_len: int, max_new_tokens: int, prompt_ids=None,
+            group: str | None = None) -> None:
         """``prompt_ids``: the prompt's token ids, for the prefix cache (without them the request
-        neither uses nor fills it)."""
-        if rid in self.running or any(r.rid == rid for r in self.waiting):
+        neither uses nor fills it). ``group``: its fair-admission group (None: a group of its own)."""
+        if rid in self.running or rid in self.waiting:
             raise ValueError(f"request id {rid!r} is already scheduled")
         self.check(prompt_len, max_new_tokens)
         if prompt_ids is not None and len(prompt_ids) != prompt_len:
             raise ValueError(f"prompt_len {prompt_len} but {len(prompt_ids)} prompt ids")
         ids = list(prompt_ids) if prompt_ids is not None and self.cache is not None else None
-        self.waiting.append(SchedRequest(rid, int(prompt_len), int(max_new_tokens), ids))
+        g = group or rid
+        self.waiting.add(rid, g, SchedRequest(rid, int(prompt_len), int(max_new_tokens), ids, group=g))
 
     @property
     def cached_tokens(self) -> int:
@@ -210,15 +221,26 @@ class Scheduler:
                 take(r)
         hits: list[PrefixHit] = []
         evicted: list = []
-        while budget > 0 and self.waiting and self._fits(self.waiting[0]):
-            r = self.waiting.popleft()
+        while budget > 0 and self.waiting:
+            r = self.waiting.head(self._last_slot_skip())
+            if r is None or not self._fits(r):
+                break
+            self.waiting.take(r.rid)
             r.state = "prefill"
             self.running[r.rid] = r
+            self.group_running[r.group] += 1
             self._admit(r, hits, evicted)
             admitted.append(r.rid)
             take(r)
         return StepPlan(tuple(chunks), () if hold else decode, tuple(admitted), tuple(hits),
                         tuple(evicted))
+
+    def _last_slot_skip(self):
+        """While requests run and one running slot is left, it is kept for a group with nothing
+        running: ``skip(group)`` for the admission pick, else None."""
+        if not self.running or len(self.running) != self.config.max_running_requests - 1:
+            return None
+        return lambda g: self.group_running[g] > 0
 
     def _admit(self, r: SchedRequest, hits: list, evicted: list) -> None:
         """Lock ``r``'s cached prefix, reserve the rest, evict what the reservation needs."""
@@ -277,15 +299,17 @@ class Scheduler:
         unknown)."""
         r = self.running.pop(rid, None)
         if r is not None:
+            self.group_running[r.group] -= 1
+            if self.group_running[r.group] <= 0:
+                del self.group_running[r.group]
             self.reserved_tokens -= r.reserve - r.cached
             if r.node is not None:
                 self.cache.unlock(r.node)
                 r.node = None
             return r.state
-        for i, w in enumerate(self.waiting):
-            if w.rid == rid:
-                del self.waiting[i]
-                return "waiting"
+        if rid in self.waiting:
+            self.waiting.remove(rid)
+            return "waiting"
         return None
 
     # ------------------------------------------------------------------------- prefix cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,12 +14,22 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from doublesparse.server.config import ServerConfig
+from doublesparse.server.http import new_id
 from doublesparse.server.metrics import stat
 from doublesparse.server.protocol import APIError
 from doublesparse.server.routes import register_generation_routes
 from doublesparse.server.state import ServerState
 
 OPEN_PATHS = {"/health"}  # liveness probes work without the key
+log = logging.getLogger("doublesparse.server")
+
+
+def request_id(request: Request) -> str:
+    """The id a route gave the request (its response id), else a new one for the log."""
+    state = request.scope.setdefault("state", {})
+    if "request_id" not in state:
+        state["request_id"] = new_id("req")
+    return state["request_id"]
 
 
 def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
@@ -38,9 +49,24 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
     app.state.server = st
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
+    async def _api_error(request: Request, e: APIError):
         st.metrics.rejected.labels(str(e.status)).inc()
-        return e.response()
+        if e.status < 500:
+            return e.response()
+        rid = request_id(request)  # every 5xx leaves a line naming its request
+        log.error("request %s: %s %s -> %d %s: %s", rid, request.method, request.url.path,
+                  e.status, e.code or e.type, e.message)
+        return e.response({"X-Request-Id": rid})
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        st.metrics.rejected.labels("500").inc()
+        rid = request_id(request)
+        # (Starlette re-raises it after this answer, so the server logs the traceback once)
+        log.error("request %s: %s %s -> 500: %s: %s", rid, request.method, request.url.path,
+                  type(e).__name__, e)
+        return APIError(f"internal error ({type(e).__name__}); request id {rid}", status=500,
+                        type="server_error").response({"X-Request-Id": rid})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):

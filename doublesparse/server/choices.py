@@ -5,11 +5,17 @@ All fan-out happens here, so siblings reach the engine as ordinary requests with
 (a prefix cache shares their prompt's KV). Choice ``index`` follows OpenAI and vLLM: prompt ``i``'s
 ``j``-th sample is ``i * n + j``. A seeded request gives sample ``j`` the seed ``seed + j`` (so the
 samples differ, and the response is reproducible).
+
+A fanned-out request (more than one sibling) is watched as a whole from the moment it is accepted:
+one task waits for the client's ``http.disconnect`` and then aborts every sibling in one engine
+command, whether they are still queued, running, or streaming. Siblings share the request's id
+as their fair-admission group, so the engine admits them in turn with other requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -20,6 +26,9 @@ from doublesparse.server.protocol import APIError
 from doublesparse.server.tools import parse_tool_calls
 
 _I64 = 2**63 - 1
+SUBMIT_CHUNK = 64  # siblings handed to the engine thread between yields to the event loop
+COLLECT_CHUNK = 32  # finished siblings read between yields
+log = logging.getLogger("doublesparse.server")
 
 
 @dataclass
@@ -54,33 +63,82 @@ def sibling_params(sp: dict, j: int) -> dict:
     return {**sp, "seed": s if s <= _I64 else sp["seed"] - j}
 
 
+class Guard:
+    """Aborts every sibling of a fanned-out request when its client disconnects; runs from
+    acceptance until the response ends (``stop``)."""
+
+    def __init__(self, request, choices: list[Choice], worker) -> None:
+        self.request, self.choices, self.worker = request, choices, worker
+        self.task = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        # the body has been read already, so the next ASGI message can only be a disconnect
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass
+        for c in self.choices:
+            c.gen.disconnected = True
+        cancel_all(self.choices, self.worker)
+
+    def stop(self) -> None:
+        self.task.cancel()
+
+
+def cancel_all(choices: list[Choice], worker) -> None:
+    """End every unfinished sibling, with one abort command for all of them."""
+    live = [c.gen for c in choices if not c.gen._done]
+    worker.abort_many([g.rid for g in live if g._started])
+    for g in live:
+        g.cancel(notify=False)
+
+
 async def start(make: Callable[..., Generation], rid: str, fo: Fanout, sp: dict,
-                request) -> list[Choice]:
-    """Submit every sibling; if one is refused, abort those already started."""
+                request, worker) -> tuple[list[Choice], Guard | None]:
+    """Submit every sibling; if one is refused, abort those already started. A lone request
+    waits for its first token (engine refusals become a clean error before any header); a
+    fan-out only until the engine took each prompt's first sibling, watched for a disconnect
+    throughout."""
     per = fo.best_of
     many = len(fo.prompts) * per > 1
     if fo.best_of > fo.n and "logprobs" not in sp:
         sp = {**sp, "logprobs": 0}  # best_of ranks samples by their cumulative logprob
     choices: list[Choice] = []
-    for i, ids in enumerate(fo.prompts):
-        for j in range(per):
-            g = make(f"{rid}-{i * per + j}" if many else rid, ids, sibling_params(sp, j),
-                     request, watch=not many)
-            choices.append(Choice(i * per + j, g, fo.echo_texts[i], i, len(fo.echo_texts[i])))
-    # all submitted at once (each start() submits before its first await), so the engine
-    # schedules the siblings' prefills together
+    guard = Guard(request, choices, worker) if many and request is not None else None
     try:
-        results = await asyncio.gather(*(c.gen.start() for c in choices), return_exceptions=True)
-    except BaseException:  # cancelled (the client left): nobody will read these
-        for c in choices:
-            c.gen.cancel()
+        for i, ids in enumerate(fo.prompts):
+            for j in range(per):
+                g = make(f"{rid}-{i * per + j}" if many else rid, ids, sibling_params(sp, j),
+                         request, watch=not many)
+                choices.append(Choice(i * per + j, g, fo.echo_texts[i], i, len(fo.echo_texts[i])))
+                if len(choices) % SUBMIT_CHUNK == 0:
+                    await asyncio.sleep(0)
+        if not many:
+            await choices[0].gen.start()
+            return choices, guard
+        # Each prompt's first sibling waits until the engine took it (the engine's refusals
+        # depend on the prompt and parameters, which its siblings share, so they become a clean
+        # error before any header). Siblings go out in chunks, so other requests' submissions
+        # interleave with a fan-out of thousands instead of queueing behind all of it.
+        lead = [c for c in choices if c.index % per == 0]
+        for k in range(0, len(choices), SUBMIT_CHUNK):
+            for c in choices[k:k + SUBMIT_CHUNK]:
+                c.gen.submit(ack=c.index % per == 0)
+            await asyncio.sleep(0)
+        results = await asyncio.gather(*(c.gen.first_event() for c in lead if c.gen._started),
+                                       return_exceptions=True)
+    except BaseException:  # a refusal, or cancelled (the client left): nobody will read these
+        _end(choices, guard, worker)
         raise
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
-        for c in choices:
-            c.gen.cancel()
+        _end(choices, guard, worker)
         raise failed[0]
-    return choices
+    return choices, guard
+
+
+def _end(choices: list[Choice], guard: Guard | None, worker) -> None:
+    if guard is not None:
+        guard.stop()
+    cancel_all(choices, worker)
 
 
 def usage(fo: Fanout, choices: list[Choice]) -> dict:
@@ -93,26 +151,35 @@ def usage(fo: Fanout, choices: list[Choice]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp}
 
 
-async def collect(choices: list[Choice], request) -> None:
-    """Run every sibling to the end; a disconnect or a failure aborts all of them."""
-    watch = None
-    if len(choices) > 1 and request is not None:
-        watch = asyncio.create_task(_watch(request, choices))
+async def _spawn(choices: list[Choice], fn) -> list[asyncio.Task]:
+    """A task per choice, created ``SUBMIT_CHUNK`` at a time with a yield to the event loop in
+    between: 16,384 tasks at once would hold up every other request for most of a second."""
+    tasks: list[asyncio.Task] = []
+    for k in range(0, len(choices), SUBMIT_CHUNK):
+        tasks += [asyncio.create_task(fn(c)) for c in choices[k:k + SUBMIT_CHUNK]]
+        if len(choices) > SUBMIT_CHUNK:
+            await asyncio.sleep(0)
+    return tasks
+
+
+async def collect(choices: list[Choice], guard: Guard | None, worker) -> None:
+    """Run every sibling to the end; a disconnect (the guard) or a failure aborts all of them.
+    One sibling after another, not a task each: events queue up per sibling meanwhile, and the
+    event loop gets a turn every ``COLLECT_CHUNK`` siblings, so the backlog of a 16K fan-out is
+    read in small pieces between other requests' work."""
     try:
-        await asyncio.gather(*(c.gen.collect() for c in choices))
+        for k, c in enumerate(choices):
+            await c.gen.collect()
+            if k % COLLECT_CHUNK == COLLECT_CHUNK - 1:
+                await asyncio.sleep(0)
     finally:
-        if watch is not None:
-            watch.cancel()
-        for c in choices:
-            c.gen.cancel()
+        _end(choices, guard, worker)
 
 
-async def _watch(request, choices: list[Choice]) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    for c in choices:
-        c.gen.disconnected = True
-        c.gen.cancel()
+def log_stream_error(e: APIError, rid: str) -> None:
+    """Errors sent after the headers (an error event) are logged like a 5xx response."""
+    if e.status >= 500:
+        log.error("request %s: %d %s in its stream: %s", rid, e.status, e.code or e.type, e.message)
 
 
 def best(fo: Fanout, choices: list[Choice]) -> list[Choice]:
@@ -149,7 +216,7 @@ def response_choice(fo: Fanout, c: Choice, tt: TokenText | None) -> dict:
 
 
 async def stream(fo: Fanout, choices: list[Choice], base: dict, include_usage: bool,
-                 tt: TokenText | None):
+                 tt: TokenText | None, guard: Guard | None, worker):
     """OpenAI chunk stream of all choices, in the order their tokens arrive; errors after the
     headers went out travel as an error event."""
     q: asyncio.Queue = asyncio.Queue()
@@ -178,17 +245,21 @@ async def stream(fo: Fanout, choices: list[Choice], base: dict, include_usage: b
         c.offset = out["text_offset"][-1] + len(out["tokens"][-1])
         return out
 
-    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    tasks: list[asyncio.Task] = []
     try:
-        for c in choices:
+        tasks = await _spawn(choices, pump)
+        for k, c in enumerate(choices):
             if fo.chat:
                 yield chunk(c, {"delta": {"role": "assistant", "content": ""}}, None)
             elif c.prefix:
                 yield chunk(c, {"text": c.prefix}, None)
+            if k % SUBMIT_CHUNK == SUBMIT_CHUNK - 1:
+                await asyncio.sleep(0)  # let other requests run between chunks of a fan-out
         live = len(choices)
         while live:
             c, delta, ids, lps, end = await q.get()
             if isinstance(end, APIError):
+                log_stream_error(end, base["id"])
                 yield sse(end.body())
                 break
             if end == "end":
@@ -205,6 +276,7 @@ async def stream(fo: Fanout, choices: list[Choice], base: dict, include_usage: b
             if include_usage:
                 yield sse({**base, "choices": [], "usage": usage(fo, choices)})
     finally:
+        _end(choices, guard, worker)  # before the pumps stop: one abort for all that still run
         for t in tasks:
             t.cancel()
     yield "data: [DONE]\n\n"

@@ -3,7 +3,10 @@
 Engine flags come from ``doublesparse.config_flags`` (mirroring SGLang's names) when it is available;
 server flags are ours. SIGTERM/SIGINT flip the app into draining mode: new requests get 503
 "draining" and /health reports it while the accepted requests finish (at most
-``--graceful-shutdown-timeout`` seconds); then uvicorn stops accepting connections and runs the
+``--graceful-shutdown-timeout`` seconds, counted from the signal). At the deadline the requests
+still running are cut: the engine drops them, each stream ends with an error event (code
+``shutdown``) and ``[DONE]``, a waiting non-streamed request gets a 503. Then uvicorn stops
+accepting connections (waiting at most a second for responses still being written) and runs the
 lifespan shutdown that stops the engine thread. A second signal stops at once.
 """
 
@@ -22,6 +25,8 @@ from doublesparse.cli_common import Parser, UsageError, run_main, with_flag_name
 from doublesparse.server.config import ServerConfig
 
 log = logging.getLogger("doublesparse.server")
+DEFAULT_DRAIN_S = 300.0  # drain limit without --graceful-shutdown-timeout
+CUT_GRACE_S = 0.5        # after the deadline: for cut streams' last events, then for uvicorn
 
 
 def _engine_config_module():
@@ -93,6 +98,7 @@ def serve(engine: Any, cfg: ServerConfig, sock=None) -> None:
     import uvicorn
 
     from doublesparse.server.app import create_app
+    from doublesparse.server.generation import SHUTDOWN
 
     app = create_app(engine, cfg)
     state = app.state.server
@@ -110,9 +116,16 @@ def serve(engine: Any, cfg: ServerConfig, sock=None) -> None:
 
         def _drain_then_exit(self, sig, frame):
             limit = cfg.graceful_shutdown_timeout
-            deadline = time.monotonic() + (300.0 if limit is None else limit)
+            deadline = time.monotonic() + (DEFAULT_DRAIN_S if limit is None else limit)
             while state.worker.in_flight > 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
+                time.sleep(0.02)
+            if state.worker.in_flight > 0:  # the deadline: cut the rest, each with its last word
+                log.warning("graceful shutdown: cutting %d requests still in flight",
+                            state.worker.in_flight)
+                state.worker.abort_all(SHUTDOWN)
+                cut = time.monotonic() + CUT_GRACE_S
+                while state.worker.in_flight > 0 and time.monotonic() < cut:
+                    time.sleep(0.01)
             super().handle_exit(sig, frame)
             # uvicorn re-raises captured signals after shutdown (exit status -15); a completed
             # drain is a clean exit, so report 0 instead.
@@ -120,8 +133,9 @@ def serve(engine: Any, cfg: ServerConfig, sock=None) -> None:
             if isinstance(captured, list):
                 captured.clear()
 
+    # the drain above already waited; uvicorn only lets the last bytes go out
     ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                          timeout_graceful_shutdown=cfg.graceful_shutdown_timeout,
+                          timeout_graceful_shutdown=CUT_GRACE_S,
                           timeout_keep_alive=5, access_log=False)
     port = sock.getsockname()[1] if sock is not None else cfg.port
     log.info("serving %s on http://%s:%d; %s", state.model_name, cfg.host, port,

@@ -25,14 +25,22 @@ class ServerConfig:
     max_new_tokens_limit: int | None = None
     # Default max_tokens of /v1/completions when the client sends none (OpenAI's default is 16).
     default_completion_tokens: int = 16
-    # Seconds to wait for in-flight requests after SIGTERM before giving up (None: wait forever).
+    # Seconds to let in-flight requests finish after SIGTERM; at the deadline the rest are cut
+    # (streams end with an error event and [DONE]) and the server exits (None: up to 300 s).
     graceful_shutdown_timeout: float | None = None
+    # Engine requests one OpenAI request may fan out into: prompts x max(n, best_of) (None: no
+    # bound beyond 128 prompts and n, best_of <= 128).
+    max_choices_per_request: int | None = 1024
+    # Engine requests one client (peer address) may have accepted and unfinished; past it, 429
+    # (None: no bound).
+    max_requests_per_client: int | None = 4096
     log_level: str = "info"
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("max_body_bytes", "default_completion_tokens", "max_new_tokens_limit"):
+        for name in ("max_body_bytes", "default_completion_tokens", "max_new_tokens_limit",
+                     "max_choices_per_request", "max_requests_per_client"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
@@ -57,7 +65,17 @@ class ServerConfig:
                        default=ServerConfig.default_completion_tokens,
                        help="max_tokens of /v1/completions requests that give none")
         g.add_argument("--graceful-shutdown-timeout", type=float, default=None,
-                       help="seconds to let in-flight requests finish after SIGTERM (default: no limit)")
+                       help="seconds to let in-flight requests finish after SIGTERM; then the rest "
+                            "are cut (streams get an error event and [DONE]) and the server exits "
+                            "(default: 300)")
+        g.add_argument("--max-choices-per-request", type=_limit,
+                       default=ServerConfig.max_choices_per_request,
+                       help="most samples one request may ask for: prompts x max(n, best_of); "
+                            "past it, 400 (0: no bound; default %(default)s)")
+        g.add_argument("--max-requests-per-client", type=_limit,
+                       default=ServerConfig.max_requests_per_client,
+                       help="most samples one client address may have queued or running; past "
+                            "it, 429 (0: no bound; default %(default)s)")
         g.add_argument("--log-level", default=ServerConfig.log_level, type=str.lower, choices=LOG_LEVELS)
 
     @classmethod
@@ -67,4 +85,14 @@ class ServerConfig:
             max_body_bytes=ns.max_body_bytes, max_new_tokens_limit=ns.max_new_tokens_limit,
             default_completion_tokens=ns.default_completion_tokens,
             graceful_shutdown_timeout=ns.graceful_shutdown_timeout, log_level=ns.log_level,
+            max_choices_per_request=ns.max_choices_per_request,
+            max_requests_per_client=ns.max_requests_per_client,
         )
+
+
+def _limit(text: str) -> int | None:
+    """A count flag where 0 means no bound."""
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no bound), got {v}")
+    return v or None

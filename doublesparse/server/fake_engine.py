@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from ..engine.fair_queue import FairQueue
 from ..engine.request import StepOutput
 
 EOS_ID = 2
@@ -77,11 +79,14 @@ class _Req:
     rng: random.Random
     out_ids: list[int] = field(default_factory=list)
     text: str = ""
+    group: str = ""
 
 
 class FakeEngine:
     """Continuous-batching toy engine. KV slots are reserved up front (prompt + max_new_tokens),
-    so a full pool makes new requests wait instead of failing mid-generation."""
+    so a full pool makes new requests wait instead of failing mid-generation. Admission is the
+    real scheduler's: fair across groups (round robin, :class:`FairQueue`), the last running slot
+    kept for a group with nothing running, no overtaking of a head that does not fit."""
 
     sampling_params_cls = FakeSamplingParams
 
@@ -104,15 +109,17 @@ class FakeEngine:
         self.step_delay = float(step_delay or 0.0)
         self.max_running = max_running_requests
         self.enable_ds = enable_double_sparsity is not False
-        self.waiting: list[_Req] = []
+        self.waiting: FairQueue[_Req] = FairQueue()
         self.running: list[_Req] = []
+        self.group_running: Counter = Counter()
         self.kv_used = 0
         self.counters = dict(decode_steps_total=0, decode_steps_sparse=0, prompt_tokens_total=0,
                              generation_tokens_total=0)
         self._next_id = 0
 
     # --- contract -------------------------------------------------------------------------
-    def add_request(self, prompt, sampling_params, request_id: str | None = None) -> str:
+    def add_request(self, prompt, sampling_params, request_id: str | None = None,
+                    group: str | None = None) -> str:
         sp = sampling_params if isinstance(sampling_params, FakeSamplingParams) else \
             FakeSamplingParams(**dict(sampling_params or {}))
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -124,24 +131,37 @@ class FakeEngine:
             self._next_id += 1
             request_id = f"fake-{self._next_id}"
         seed = sp.seed if sp.seed is not None else hash(request_id)
-        self.waiting.append(_Req(request_id, ids, sp, len(ids), random.Random(seed)))
+        if request_id in self.waiting or any(r.rid == request_id for r in self.running):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.waiting.add(request_id, group or request_id,
+                         _Req(request_id, ids, sp, len(ids), random.Random(seed), group=group or request_id))
         return request_id
 
     def abort(self, request_id: str) -> None:
-        for q in (self.waiting, self.running):
-            for r in list(q):
-                if r.rid == request_id:
-                    q.remove(r)
-                    if q is self.running:
-                        self.kv_used -= self._need(r)
+        if request_id in self.waiting:
+            self.waiting.remove(request_id)
+            return
+        for r in self.running:
+            if r.rid == request_id:
+                self._release(r)
+                return
+
+    def _release(self, r: _Req) -> None:
+        self.running.remove(r)
+        self.kv_used -= self._need(r)
+        self.group_running[r.group] -= 1
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def step(self) -> list[FakeStepOutput]:
-        while self.waiting and len(self.running) < self.max_running and \
-                self.kv_used + self._need(self.waiting[0]) <= self.kv_total:
-            r = self.waiting.pop(0)  # FIFO admission: the head waits until it fits
+        while self.waiting and len(self.running) < self.max_running:
+            last = 0 < len(self.running) == self.max_running - 1
+            r = self.waiting.head((lambda g: self.group_running[g] > 0) if last else None)
+            if r is None or self.kv_used + self._need(r) > self.kv_total:
+                break  # the head waits until it fits
+            self.waiting.take(r.rid)
+            self.group_running[r.group] += 1
             self.kv_used += self._need(r)
             self.counters["prompt_tokens_total"] += r.prompt_len
             self.running.append(r)
@@ -177,8 +197,7 @@ class FakeEngine:
             if finish is None and len(r.out_ids) >= r.sp.max_new_tokens:
                 finish = "length"
             if finish:
-                self.running.remove(r)
-                self.kv_used -= self._need(r)
+                self._release(r)
             outs.append(FakeStepOutput(r.rid, [tok], delta, finish is not None, finish,
                                        r.prompt_len, len(r.out_ids)))
         return outs

@@ -4,25 +4,32 @@
 engine forgets the request when the client goes away: a watcher on the ASGI receive channel
 aborts on ``http.disconnect`` (this also covers requests still waiting for KV slots, which
 produce no output that a failed send could reveal), and leaving the iterator early aborts too.
+A fanned-out request's siblings share one watcher instead (:mod:`doublesparse.server.choices`).
+
+``rid`` is the engine's id, always made by the server: a client's own ``rid`` is only a label
+(:mod:`doublesparse.server.admission`), so no client can name another's request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 
 from doublesparse.server.protocol import APIError
-from doublesparse.server.worker import EngineWorker, Finished
+from doublesparse.server.worker import ACCEPTED, EngineWorker, Finished
+
+SHUTDOWN = "shutdown"  # finish reason of requests cut at the graceful-shutdown deadline
 
 
 class Generation:
     def __init__(self, worker: EngineWorker, metrics, endpoint: str, rid: str,
                  prompt_ids: list[int], sampling_params: dict, request: Request | None,
-                 watch: bool = True) -> None:
+                 watch: bool = True, group: str | None = None) -> None:
         self.worker, self.metrics, self.endpoint, self.rid = worker, metrics, endpoint, rid
+        self.group = group                   # fair-admission group: the client request's id
         self.prompt_ids, self.sp, self.request = prompt_ids, sampling_params, request
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
@@ -41,16 +48,38 @@ class Generation:
         self._t0 = (state or {}).get("t_arrival") or time.perf_counter()
         self._t_first: float | None = None
         self._done = False
+        self._started = False
+        self.on_finish: list[Callable[[], None]] = []  # run once when it ends, however it ends
 
-    async def start(self) -> None:
+    async def start(self, wait_first: bool = True) -> None:
         """Submit and wait for the first event, so engine-side refusals still become a clean
-        4xx/5xx before any streaming headers go out."""
+        4xx/5xx before any streaming headers go out. ``wait_first=False`` waits only until the
+        engine took the request (a fan-out's lead sibling: no wait for a token)."""
+        if self.submit(ack=not wait_first):
+            await self.first_event()
+
+    def submit(self, ack: bool = False) -> bool:
+        """Hand the request to the engine thread (False: it was cancelled before). ``ack``: the
+        engine answers ACCEPTED once it took it. A fan-out submits most siblings this way alone:
+        their refusals, if any, arrive through ``events``."""
+        if self._done:
+            return False
+        self._started = True
         self.metrics.in_flight.inc()
         self.worker.in_flight += 1
-        self._handle = self.worker.submit(self.rid, self.prompt_ids, self.sp)
+        self._handle = self.worker.submit(self.rid, self.prompt_ids, self.sp, self.group, ack=ack)
         if self.request is not None and self.watch:
             self._watch = asyncio.create_task(self._watch_disconnect())
-        first = await self._handle.events.get()
+        return True
+
+    async def first_event(self) -> None:
+        try:
+            first = await self._handle.events.get()
+        except BaseException:  # cancelled while waiting: nobody will read it
+            self.cancel()
+            raise
+        if first is ACCEPTED:
+            return
         if isinstance(first, Finished) and first.finish_reason == "error":
             self._finish("error")
             e = first.error
@@ -99,6 +128,10 @@ class Generation:
                     self._finish(ended.finish_reason)
                     if ended.finish_reason == "error":
                         raise APIError(f"engine error: {ended.error}", status=500, type="server_error")
+                    if ended.finish_reason == SHUTDOWN:
+                        raise APIError("the server is shutting down: this request was cut at the "
+                                       "graceful-shutdown deadline", status=503,
+                                       type="server_error", code=SHUTDOWN)
         finally:
             if not self._done:  # consumer left early (disconnect, cancellation): free the slots
                 self.worker.abort(self.rid)
@@ -124,10 +157,12 @@ class Generation:
             self._finish(getattr(ev, "finish_reason", None) or "stop")
         return delta, ids
 
-    def cancel(self) -> None:
-        """Abort a request that started but whose events nobody will read (a sibling failed)."""
+    def cancel(self, notify: bool = True) -> None:
+        """Abort a request whose events nobody will read (a sibling failed, the client left).
+        ``notify=False``: the caller aborts it in the engine itself (one command for many)."""
         if not self._done:
-            self.worker.abort(self.rid)
+            if notify and self._started:
+                self.worker.abort(self.rid)
             self._finish("abort")
 
     async def collect(self) -> str:
@@ -142,6 +177,10 @@ class Generation:
         self.finish_reason = reason
         if self._watch is not None:
             self._watch.cancel()
+        for fn in self.on_finish:
+            fn()
+        if not self._started:
+            return
         self.metrics.in_flight.dec()
         self.worker.in_flight -= 1
         now = time.perf_counter()

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal, Union
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from doublesparse.engine.sampling_params import LOGPROBS_MAX, TOP_K_MAX, TOP_P_MIN
+from doublesparse.engine.sampling_params import (LOGPROBS_MAX, REPETITION_PENALTY_MIN, TOP_K_MAX,
+                                                 TOP_P_MIN)
 
 # Bounds are what the engine can represent (float32 sampling, int64 ids and counts), so nothing
 # that passes here can fail later inside a batched step. Floats refuse NaN and infinities.
@@ -30,17 +31,21 @@ class APIError(Exception):
     """An error that maps one-to-one onto an HTTP response with an OpenAI-style body."""
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self, extra_headers: dict[str, str] | None = None) -> JSONResponse:
+        headers = {**self.headers, **(extra_headers or {})}
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def from_validation_error(e: ValidationError) -> APIError:
@@ -111,7 +116,8 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, **_PENALTY)
     frequency_penalty: float = Field(0.0, **_PENALTY)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    # below the minimum, float32 sampling overflows (see sampling_params)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_MIN, le=10.0, allow_inf_nan=False)
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     response_format: ResponseFormat | None = None
     ignore_eos: bool = False

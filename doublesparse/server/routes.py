@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from doublesparse.server import choices as C
+from doublesparse.server.admission import client_key
 from doublesparse.server import protocol as P
 from doublesparse.server import tools as T
 from doublesparse.server.generation import Generation
@@ -54,12 +55,18 @@ def _chat_encode(tok, messages: list[dict], tools: list[dict] | None = None) -> 
 MAX_PROMPTS = 128
 
 
-async def _prompts(st: ServerState, prompt: Any, param: str) -> list[list[int]]:
-    """A completions ``prompt`` (one or a list, text or token ids) -> token ids per prompt."""
-    many = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+def _prompt_list(prompt: Any) -> tuple[list, bool]:
+    """A completions ``prompt`` as a list of prompts, and whether it was sent as a list."""
+    many = bool(isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)))
     items = list(prompt) if many else [prompt]
     if len(items) > MAX_PROMPTS:
-        raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", param=param)
+        raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", param="prompt")
+    return items, many
+
+
+async def _prompts(st: ServerState, prompt: Any, param: str) -> list[list[int]]:
+    """A completions ``prompt`` (one or a list, text or token ids) -> token ids per prompt."""
+    items, many = _prompt_list(prompt)
     return [await _prompt_ids(st, p, f"{param}.{i}" if many else param)
             for i, p in enumerate(items)]
 
@@ -131,6 +138,8 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await _begin(st, request, P.CompletionRequest)
+        # refuse an oversized fan-out before tokenizing its prompts
+        st.admission.check_choices(len(_prompt_list(req.prompt)[0]), req.n, req.best_of)
         prompts = await _prompts(st, req.prompt, "prompt")
         max_new = min(_max_new(st, len(ids), req.max_tokens, st.cfg.default_completion_tokens,
                                "max_tokens", "prompt") for ids in prompts)
@@ -143,6 +152,7 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await _begin(st, request, P.ChatCompletionRequest)
+        st.admission.check_choices(1, req.n, None)
         for i, m in enumerate(req.messages):
             if m.content is None and m.role != "assistant":
                 raise APIError(f"messages.{i}.content is required for role '{m.role}'",
@@ -176,13 +186,24 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
                            param="sampling_params.n", code="unsupported")
         max_new = _max_new(st, len(ids), sp_in.max_new_tokens, None,
                            "sampling_params.max_new_tokens", "text")
-        g = make_generation(st, "generate", req.rid or new_id("gen"), ids,
-                            _sampling(st, sp_in, max_new), request)
+        sp = _sampling(st, sp_in, max_new)
+        rid, client = new_id("gen"), client_key(request)  # the engine's id is always ours
+        label = req.rid if req.rid is not None else rid
+        _tag(request, rid if req.rid is None else f"{rid} (rid {req.rid!r})")
+        releases = [st.admission.claim_rid(client, req.rid)] if req.rid is not None else []
+        try:
+            releases.append(st.admission.acquire(client, 1))
+        except APIError:
+            for release in releases:
+                release()
+            raise
+        g = make_generation(st, "generate", rid, ids, sp, request)
+        g.on_finish += releases
         await g.start()
 
         def out() -> dict:
             return {"text": g.text, "meta_info": {
-                "id": g.rid, "prompt_tokens": g.prompt_tokens,
+                "id": label, "prompt_tokens": g.prompt_tokens,
                 "completion_tokens": g.completion_tokens,
                 "finish_reason": {"type": g.finish_reason} if g.finish_reason else None,
                 "e2e_latency": time.perf_counter() - g._t0}}
@@ -198,6 +219,7 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
                 if g.completion_tokens == 0:
                     yield sse(out())
             except APIError as e:
+                C.log_stream_error(e, rid)
                 yield sse(e.body())
             yield "data: [DONE]\n\n"
         return stream_response(native_stream())
@@ -231,21 +253,39 @@ def _token_text(st: ServerState):
     return st._token_text
 
 
+def _tag(request: Request, rid: str) -> None:
+    """Name the request in the scope, for the log line of any 5xx it gets."""
+    request.scope.setdefault("state", {})["request_id"] = rid
+
+
 async def _run_openai(st: ServerState, request: Request, req: Any, fo: C.Fanout, sp: dict):
     rid = new_id("chatcmpl" if fo.chat else "cmpl")
+    _tag(request, rid)
+    k = len(fo.prompts) * fo.best_of
+    release = st.admission.acquire(client_key(request), k)  # 429 past the client's share
+    made = 0
 
     def make(sub_rid, ids, sp_j, req_, watch=True):
-        return make_generation(st, "chat" if fo.chat else "completions", sub_rid, ids, sp_j, req_,
-                               watch=watch)
+        nonlocal made
+        g = make_generation(st, "chat" if fo.chat else "completions", sub_rid, ids, sp_j, req_,
+                            watch=watch, group=rid)
+        g.on_finish.append(release)
+        made += 1
+        return g
 
-    choices = await C.start(make, rid, fo, sp, request)
+    try:
+        choices, guard = await C.start(make, rid, fo, sp, request, st.worker)
+    except BaseException:
+        for _ in range(k - made):  # choices never made hold no share
+            release()
+        raise
     base = {"id": rid, "object": "chat.completion.chunk" if fo.chat else "text_completion",
             "created": int(time.time()), "model": st.model_name}
     tt = _token_text(st) if fo.want_logprobs else None
     if req.stream:
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return stream_response(C.stream(fo, choices, base, include, tt))
-    await C.collect(choices, request)
+        return stream_response(C.stream(fo, choices, base, include, tt, guard, st.worker))
+    await C.collect(choices, guard, st.worker)
     for c in choices:
         if c.gen.finish_reason == "error":
             raise APIError("engine error: the engine failed this request", status=500,
@@ -256,5 +296,6 @@ async def _run_openai(st: ServerState, request: Request, req: Any, fo: C.Fanout,
 
 
 def make_generation(st: ServerState, endpoint: str, rid: str, ids: list[int], sp: dict,
-                    request: Request, watch: bool = True) -> Generation:
-    return Generation(st.worker, st.metrics, endpoint, rid, ids, sp, request, watch=watch)
+                    request: Request, watch: bool = True, group: str | None = None) -> Generation:
+    return Generation(st.worker, st.metrics, endpoint, rid, ids, sp, request, watch=watch,
+                      group=group)

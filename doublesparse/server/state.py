@@ -8,6 +8,7 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from doublesparse.server.admission import Admission
 from doublesparse.server.config import ServerConfig
 from doublesparse.server.metrics import ServerMetrics
 from doublesparse.server.worker import EngineWorker
@@ -31,6 +32,7 @@ class ServerState:
         self.ds_supported = engine_supports_ds(engine)
         self.vocab_size = vocab_size(engine)
         self.draining = False
+        self.admission = Admission(cfg.max_choices_per_request, cfg.max_requests_per_client)
 
     async def tokenize(self, fn, *args) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self.tok_pool, fn, *args)

@@ -9,10 +9,12 @@ a decode step and the engine never waits for the network.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import queue
 import threading
 import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,13 @@ class Finished:
     rejected: bool = False  # True: add_request refused it (client's fault), not a step failure
 
 
+class Accepted:
+    """Event pushed when the engine took the request (only to handles that asked: ``ack``)."""
+
+
+ACCEPTED = Accepted()
+
+
 @dataclass
 class RequestHandle:
     """What a handler holds for one in-flight request; ``events`` receives StepOutputs."""
@@ -36,6 +45,7 @@ class RequestHandle:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
+    ack: bool = False  # push ACCEPTED once the engine took it (fan-out: no wait for a token)
 
     def push(self, items: list[Any]) -> None:  # runs on the event loop
         for it in items:
@@ -52,17 +62,25 @@ class EngineWorker:
     """
 
     STATS_INTERVAL = 0.05  # refresh the stats snapshot at most 20x/s while decoding
+    ADDS_PER_PASS = 64  # requests handed to the engine between two steps
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[str, RequestHandle] = {}  # engine thread only
+        # adds not yet handed to the engine, by group (round robin, like the engine's admission):
+        # a 16K fan-out's adds take ~0.5 s of engine time, and a request sent meanwhile must
+        # not wait behind all of them; an abort drops a parked add on the spot
+        self._parked: OrderedDict[str, deque] = OrderedDict()
+        self._parked_rids: dict[str, RequestHandle] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.snapshot: dict = {}  # latest engine.stats(); replaced whole, so readers never see half
         self.in_flight = 0  # requests accepted by handlers and not yet finished (event loop only)
         self.step_errors = 0
         self.fatal: BaseException | None = None
+        self.closed: str | None = None  # set by abort_all: later adds end at once with this reason
+        self._groups = _takes_group(engine)
 
     # --- called from the event loop -------------------------------------------------------
     def start(self) -> None:
@@ -73,13 +91,26 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.fatal is None
 
-    def submit(self, rid: str, prompt_ids: list[int], sampling_params: Any) -> RequestHandle:
-        handle = RequestHandle(rid, asyncio.get_running_loop())
-        self._cmds.put(("add", handle, prompt_ids, sampling_params))
+    def submit(self, rid: str, prompt_ids: list[int], sampling_params: Any,
+               group: str | None = None, ack: bool = False) -> RequestHandle:
+        """``group``: the client request it belongs to (fair admission among fanned-out
+        siblings and other requests), for engines that take one."""
+        handle = RequestHandle(rid, asyncio.get_running_loop(), ack=ack)
+        self._cmds.put(("add", handle, prompt_ids, sampling_params, group))
         return handle
 
     def abort(self, rid: str) -> None:
-        self._cmds.put(("abort", rid))
+        self._cmds.put(("abort", (rid,), "abort"))
+
+    def abort_many(self, rids: list[str]) -> None:
+        """One command for a whole fan-out: its siblings leave the engine together."""
+        if rids:
+            self._cmds.put(("abort", tuple(rids), "abort"))
+
+    def abort_all(self, reason: str) -> None:
+        """End every request now with ``reason`` (e.g. "shutdown" at the drain deadline), and
+        every request submitted later too. Thread-safe."""
+        self._cmds.put(("abort_all", reason))
 
     def call(self, fn, *args) -> "asyncio.Future":
         """Run ``fn(engine, *args)`` on the engine thread (e.g. an offline reference)."""
@@ -100,9 +131,11 @@ class EngineWorker:
         last_stats, failures = 0.0, 0
         while True:
             busy = self._safe(self.engine.has_unfinished, default=False)
-            if self._stop.is_set() and not busy and not self._handles and self._cmds.empty():
+            if (self._stop.is_set() and not busy and not self._handles and not self._parked
+                    and self._cmds.empty()):
                 break
-            self._drain(block=not busy)
+            self._drain(block=not busy and not self._parked)
+            self._add_parked(self.ADDS_PER_PASS)
             if self._safe(self.engine.has_unfinished, default=False):
                 try:
                     outs = self.engine.step()
@@ -122,37 +155,60 @@ class EngineWorker:
         self._refresh_stats()
 
     def _drain(self, block: bool) -> None:
+        """Take every queued command: adds are parked, the rest handled at once."""
         try:
             cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
         except queue.Empty:
             return
         while True:
-            self._handle_cmd(cmd)
+            if cmd[0] == "add":
+                _, handle, _, _, group = cmd
+                self._parked.setdefault(group or handle.rid, deque()).append(cmd)
+                self._parked_rids[handle.rid] = handle
+            else:
+                self._handle_cmd(cmd)
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
 
+    def _add_parked(self, limit: int) -> None:
+        """Hand up to ``limit`` parked adds to the engine, one group after another."""
+        n = 0
+        while self._parked and n < limit:
+            group, cmds = next(iter(self._parked.items()))
+            cmd = cmds.popleft()
+            if cmds:
+                self._parked.move_to_end(group)
+            else:
+                del self._parked[group]
+            if self._parked_rids.pop(cmd[1].rid, None) is not None:  # else aborted meanwhile
+                self._add(*cmd[1:])
+                n += 1
+
+    def _add(self, handle: RequestHandle, prompt_ids, sp, group) -> None:
+        if self.fatal is not None or self.closed is not None:
+            end = Finished("error", self.fatal) if self.fatal is not None else Finished(self.closed)
+            handle.loop.call_soon_threadsafe(handle.push, [end])
+            return
+        kw = {"group": group} if group is not None and self._groups else {}
+        try:
+            self.engine.add_request(prompt_ids, sp, request_id=handle.rid, **kw)
+        except Exception as e:  # engine-side validation: answer this request only
+            handle.loop.call_soon_threadsafe(handle.push, [Finished("error", e, rejected=True)])
+            return
+        self._handles[handle.rid] = handle
+        if handle.ack:
+            handle.loop.call_soon_threadsafe(handle.push, [ACCEPTED])
+
     def _handle_cmd(self, cmd: tuple) -> None:
         kind = cmd[0]
-        if kind == "add":
-            _, handle, prompt_ids, sp = cmd
-            if self.fatal is not None:
-                handle.loop.call_soon_threadsafe(handle.push, [Finished("error", self.fatal)])
-                return
-            try:
-                self.engine.add_request(prompt_ids, sp, request_id=handle.rid)
-            except Exception as e:  # engine-side validation: answer this request only
-                handle.loop.call_soon_threadsafe(handle.push, [Finished("error", e, rejected=True)])
-                return
-            self._handles[handle.rid] = handle
-        elif kind == "abort":
-            handle = self._handles.pop(cmd[1], None)
-            if handle is None:
-                return  # already finished: nothing holds slots any more
-            self._safe(self.engine.abort, cmd[1])
-            handle.loop.call_soon_threadsafe(handle.push, [Finished("abort")])
-            self._refresh_stats(force=True)  # so /metrics shows the freed KV right away
+        if kind == "abort":
+            _, rids, reason = cmd
+            self._abort(rids, reason)
+        elif kind == "abort_all":
+            self.closed = cmd[1]
+            self._abort([*self._handles, *self._parked_rids], cmd[1])
         elif kind == "call":
             _, fut, fn, args = cmd
             try:
@@ -161,6 +217,22 @@ class EngineWorker:
                 fut.get_loop().call_soon_threadsafe(_set_exc, fut, e)
             else:
                 fut.get_loop().call_soon_threadsafe(_set_result, fut, res)
+
+    def _abort(self, rids, reason: str) -> None:
+        freed = False
+        for rid in rids:
+            parked = self._parked_rids.pop(rid, None)
+            if parked is not None:  # never reached the engine
+                parked.loop.call_soon_threadsafe(parked.push, [Finished(reason)])
+                continue
+            handle = self._handles.pop(rid, None)
+            if handle is None:
+                continue  # already finished: nothing holds slots any more
+            self._safe(self.engine.abort, rid)
+            handle.loop.call_soon_threadsafe(handle.push, [Finished(reason)])
+            freed = True
+        if freed:
+            self._refresh_stats(force=True)  # so /metrics shows the freed KV right away
 
     def _dispatch(self, outs: list) -> None:
         grouped: dict[str, list] = {}
@@ -207,6 +279,13 @@ class EngineWorker:
         except Exception:
             log.exception("engine call %s failed", getattr(fn, "__name__", fn))
             return default
+
+
+def _takes_group(engine: Any) -> bool:
+    try:
+        return "group" in inspect.signature(engine.add_request).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _set_result(fut: asyncio.Future, res: Any) -> None:
