@@ -394,15 +394,15 @@ def unstage(partial_ok: bool = False, stage_dir: Path = ROOT / ".stage", spool: 
 # ---- command line -------------------------------------------------------------------------------
 
 
-def stage_main(argv: Sequence[str], suite_needs: Mapping[str, Sequence[str]] | Sequence[str] = ()) -> int:
-    """``stage [--suite NAME] [--needs NEED ...] [--max-mib 60]``; ``suite_needs``: each suite's needs
-    (a mapping) or the needs of the suite at hand (a list)."""
+def stage_main(argv: Sequence[str], suite_needs: Mapping[str, Sequence[str]] | None = None) -> int:
+    """``stage [--suite NAME] [--needs NEED ...] [--max-mib 60]``; ``suite_needs``: each suite's
+    needs (benchmarks/run.py's suites)."""
     p = argparse.ArgumentParser(prog="stage")
     p.add_argument("--suite")
     p.add_argument("--needs", nargs="+", default=[], choices=sorted(NEEDS))
     p.add_argument("--max-mib", type=float, default=60)
     args = p.parse_args(argv)
-    table = suite_needs if isinstance(suite_needs, Mapping) else {args.suite: suite_needs}
+    table = suite_needs or {}
     if args.suite is not None and args.suite not in table:
         p.error(f"unknown suite {args.suite!r}")
     needs = [*args.needs, *table.get(args.suite, ())]

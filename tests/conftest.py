@@ -107,8 +107,6 @@ class _ServerTestsFirst:
 
 def pytest_configure(config):
     config.pluginmanager.register(_ServerTestsFirst(), "server-tests-first")
-    _CONFIG[:] = [config]
-
 
 
 # A CUDA fault (an illegal address, a device-side assert) leaves the process's CUDA context unusable:
@@ -128,15 +126,13 @@ def pytest_runtest_makereport(item, call):
         item.config.stash[_FAULTED] = item.nodeid
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_runtest_logfinish(nodeid, location):
-    config = _CONFIG[0] if _CONFIG else None
-    if config is None or config.stash.get(_FAULTED, None) is None:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield  # the test ran and its reports were logged (under xdist: sent to the controller)
+    faulted = item.config.stash.get(_FAULTED, None)
+    if faulted is None:
         return
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os._exit(3)
-    pytest.exit(f"the CUDA context is lost after {config.stash[_FAULTED]}: the remaining tests cannot run "
-                "in this process", returncode=1)
-
-
-_CONFIG: list = []
+    pytest.exit(f"the CUDA context is lost after {faulted}: the remaining tests cannot run in this process",
+                returncode=1)

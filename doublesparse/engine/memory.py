@@ -246,9 +246,11 @@ class KVMemory:
         return SlotAllocator(self.plan.max_total_tokens)
 
     # ------------------------------------------------------------------- request-row hooks
-    def admit_row(self, row: int, tokens: int) -> None:
-        """Request row ``row`` was admitted and will allocate up to ``tokens`` new slots. One
-        pool here, so nothing to decide (a memory with several K/V pools picks the row's)."""
+    def admit_row(self, row: int, tokens: int) -> bool:
+        """Request row ``row`` was admitted and will allocate up to ``tokens`` new slots; returns
+        whether it went to a second K/V pool. One pool here, so never (a memory with several K/V
+        pools, engine/offload_memory.py, picks the row's)."""
+        return False
 
     def caches_row(self, row: int) -> bool:
         """Whether the tokens ``row`` writes may enter the prefix cache (always here)."""

@@ -145,7 +145,7 @@ def test_stage_main_takes_a_suite_s_needs(monkeypatch, capsys):
     monkeypatch.setattr(stage, "stage", fake_stage)
     assert stage.stage_main(["--suite", "serving", "--max-mib", "50"], {"serving": ["wheels", "smollm2"]}) == 0
     assert seen == {"needs": ["wheels", "smollm2"], "max_mib": 50.0}
-    assert stage.stage_main(["--needs", "texts"], ["qwen"]) == 0
+    assert stage.stage_main(["--needs", "texts", "qwen"]) == 0
     assert seen["needs"] == ["texts", "qwen"]
     with pytest.raises(SystemExit):
         stage.stage_main(["--suite", "nope"], {"serving": ["wheels"]})
