@@ -127,6 +127,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a non-empty string, got {v!r}")
         if self.json_schema is not None and self.ebnf is not None:
             raise ValueError("give at most one of json_schema and ebnf")
+        # numbers given as numeric strings ("0.5", as pydantic's lax mode takes them) are kept as
+        # floats, so the sampler's comparisons and tensors never see a str
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
