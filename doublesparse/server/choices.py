@@ -10,12 +10,18 @@ A fanned-out request (more than one sibling) is watched as a whole from the mome
 one task waits for the client's ``http.disconnect`` and then aborts every sibling in one engine
 command, whether they are still queued, running, or streaming. Siblings share the request's id
 as their fair-admission group, so the engine admits them in turn with other requests.
+
+Only a window of a fan-out's siblings is in the engine at a time (each prompt's first sibling, and
+up to ``window`` of the others, the next one submitted as one ends): the engine thread never spends
+its time taking in thousands of adds while other requests wait, and an abandoned fan-out leaves
+little behind to abort.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -39,6 +45,7 @@ class Choice:
     prompt_i: int = 0
     offset: int = 0               # text length sent so far (completions' text_offset)
     held: list = field(default_factory=list)   # text kept back until the end (tool parsing)
+    feeder: "Feeder | None" = None  # the fan-out's submission window, shared by its siblings
 
 
 @dataclass
@@ -83,8 +90,33 @@ class Guard:
         self.task.cancel()
 
 
+class Feeder:
+    """Submits a fan-out's siblings in order, keeping at most ``window`` of them unfinished in the
+    engine: each one's end (read by the consumer, or cancelled) submits the next. Consumers read
+    siblings in index order, and every sibling before an unsubmitted one has ended, so the window
+    always has room for the one being waited on."""
+
+    def __init__(self, pending: list[Choice], window: int) -> None:
+        self.pending = deque(pending)
+        self.room = max(1, int(window))
+        self.stopped = False
+
+    def fill(self) -> None:
+        while self.room > 0 and self.pending and not self.stopped:
+            g = self.pending.popleft().gen
+            if g.submit():
+                self.room -= 1
+                g.on_finish.append(self._freed)
+
+    def _freed(self) -> None:
+        self.room += 1
+        self.fill()
+
+
 def cancel_all(choices: list[Choice], worker) -> None:
     """End every unfinished sibling, with one abort command for all of them."""
+    if choices and choices[0].feeder is not None:
+        choices[0].feeder.stopped = True  # no sibling is submitted while the others are cancelled
     live = [c.gen for c in choices if not c.gen._done]
     worker.abort_many([g.rid for g in live if g._started])
     for g in live:
@@ -92,11 +124,11 @@ def cancel_all(choices: list[Choice], worker) -> None:
 
 
 async def start(make: Callable[..., Generation], rid: str, fo: Fanout, sp: dict,
-                request, worker) -> tuple[list[Choice], Guard | None]:
-    """Submit every sibling; if one is refused, abort those already started. A lone request
-    waits for its first token (engine refusals become a clean error before any header); a
-    fan-out only until the engine took each prompt's first sibling, watched for a disconnect
-    throughout."""
+                request, worker, window: int = 256) -> tuple[list[Choice], Guard | None]:
+    """Submit the siblings (a fan-out's in a :class:`Feeder` of ``window``); if one is refused,
+    abort those already started. A lone request waits for its first token (engine refusals become
+    a clean error before any header); a fan-out only until the engine took each prompt's first
+    sibling, watched for a disconnect throughout."""
     per = fo.best_of
     many = len(fo.prompts) * per > 1
     if fo.best_of > fo.n and "logprobs" not in sp:
@@ -114,15 +146,18 @@ async def start(make: Callable[..., Generation], rid: str, fo: Fanout, sp: dict,
         if not many:
             await choices[0].gen.start()
             return choices, guard
-        # Each prompt's first sibling waits until the engine took it (the engine's refusals
-        # depend on the prompt and parameters, which its siblings share, so they become a clean
-        # error before any header). Siblings go out in chunks, so other requests' submissions
-        # interleave with a fan-out of thousands instead of queueing behind all of it.
+        # Each prompt's first sibling goes out at once and waits until the engine took it (the
+        # engine's refusals depend on the prompt and parameters, which its siblings share, so
+        # they become a clean error before any header); the others through the window.
         lead = [c for c in choices if c.index % per == 0]
-        for k in range(0, len(choices), SUBMIT_CHUNK):
-            for c in choices[k:k + SUBMIT_CHUNK]:
-                c.gen.submit(ack=c.index % per == 0)
+        feeder = Feeder([c for c in choices if c.index % per], window)
+        for c in choices:
+            c.feeder = feeder
+        for k in range(0, len(lead), SUBMIT_CHUNK):
+            for c in lead[k:k + SUBMIT_CHUNK]:
+                c.gen.submit(ack=True)
             await asyncio.sleep(0)
+        feeder.fill()
         results = await asyncio.gather(*(c.gen.first_event() for c in lead if c.gen._started),
                                        return_exceptions=True)
     except BaseException:  # a refusal, or cancelled (the client left): nobody will read these

@@ -49,6 +49,7 @@ class Generation:
         self._t_first: float | None = None
         self._done = False
         self._started = False
+        self._submitted = asyncio.Event()    # set once submitted, or ended before it
         self.on_finish: list[Callable[[], None]] = []  # run once when it ends, however it ends
 
     async def start(self, wait_first: bool = True) -> None:
@@ -68,6 +69,7 @@ class Generation:
         self.metrics.in_flight.inc()
         self.worker.in_flight += 1
         self._handle = self.worker.submit(self.rid, self.prompt_ids, self.sp, self.group, ack=ack)
+        self._submitted.set()
         if self.request is not None and self.watch:
             self._watch = asyncio.create_task(self._watch_disconnect())
         return True
@@ -103,6 +105,8 @@ class Generation:
         event loop falls behind the engine (many streams), it sends fewer, larger chunks instead
         of falling further behind one token at a time.
         """
+        if self._handle is None:  # a fan-out sibling still outside its window
+            await self._submitted.wait()
         try:
             while not self._done:
                 batch = [self._pending.pop(0) if self._pending else await self._handle.events.get()]
@@ -175,6 +179,7 @@ class Generation:
             return
         self._done = True
         self.finish_reason = reason
+        self._submitted.set()
         if self._watch is not None:
             self._watch.cancel()
         for fn in self.on_finish:

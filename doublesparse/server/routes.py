@@ -274,7 +274,7 @@ async def _run_openai(st: ServerState, request: Request, req: Any, fo: C.Fanout,
         return g
 
     try:
-        choices, guard = await C.start(make, rid, fo, sp, request, st.worker)
+        choices, guard = await C.start(make, rid, fo, sp, request, st.worker, st.fanout_window)
     except BaseException:
         for _ in range(k - made):  # choices never made hold no share
             release()

@@ -33,6 +33,10 @@ class ServerState:
         self.vocab_size = vocab_size(engine)
         self.draining = False
         self.admission = Admission(cfg.max_choices_per_request, cfg.max_requests_per_client)
+        # siblings of one fan-out in the engine at once: enough to fill its batch twice over
+        running = getattr(getattr(engine, "config", None), "max_running_requests", None) \
+            or getattr(engine, "max_running", None) or 64
+        self.fanout_window = max(256, 2 * int(running))
 
     async def tokenize(self, fn, *args) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self.tok_pool, fn, *args)

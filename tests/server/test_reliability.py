@@ -175,3 +175,65 @@ def test_graceful_shutdown_cuts_streams_at_the_deadline():
         assert json.loads(lines[-2][6:])["error"]["code"] == "shutdown"
     log = s.proc.stdout.read()
     assert "Traceback" not in log, log
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_fanout_runs_through_its_window(srv, stream):
+    """A fan-out larger than its window: at most the prompts' first siblings plus ``window``
+    others are in the engine at once, and every choice still ends with all its tokens."""
+    st = srv.app.state.server
+    srv.wait_idle()
+    saved, st.fanout_window = st.fanout_window, 6
+    peak = {"n": 0}
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            h = srv.health()
+            peak["n"] = max(peak["n"], h["waiting"] + h["running"])
+            time.sleep(0.005)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        body = {"prompt": ["a", "b", "c"], "n": 13, "max_tokens": 7, "ignore_eos": True,
+                "temperature": 0, "stream": stream}
+        if stream:
+            ends: dict = {}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=AUTH,
+                              timeout=60) as r:
+                for ln in r.iter_lines():
+                    if ln.startswith("data: {"):
+                        for c in json.loads(ln[6:])["choices"]:
+                            if c["finish_reason"]:
+                                ends[c["index"]] = c["finish_reason"]
+            assert ends == {i: "length" for i in range(39)}
+        else:
+            r = httpx.post(srv.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+            got = r.json()["choices"]
+            assert sorted(c["index"] for c in got) == list(range(39))
+            assert all(c["finish_reason"] == "length" for c in got)
+            assert r.json()["usage"]["completion_tokens"] == 39 * 7
+    finally:
+        stop.set()
+        t.join()
+        st.fanout_window = saved
+    assert 0 < peak["n"] <= 3 + 6
+    srv.wait_idle()
+
+
+def test_fanout_window_left_behind_when_its_client_leaves(srv):
+    """Siblings never submitted are dropped with the rest when the client leaves."""
+    st = srv.app.state.server
+    srv.wait_idle()
+    saved, st.fanout_window = st.fanout_window, 5
+    before = _disconnected(srv)
+    try:
+        body = {"prompt": ["x", "y"], "n": 60, **LONG}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json=body, headers=AUTH, timeout=0.3)
+        h = srv.wait_idle(timeout=20)
+    finally:
+        st.fanout_window = saved
+    assert h["kv_used_tokens"] == 0
+    assert 0 < _disconnected(srv) - before <= 2 + 5  # only the submitted ones reached the engine
