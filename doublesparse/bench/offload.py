@@ -50,16 +50,30 @@ def describe(stats: dict) -> str:
 
 
 # ------------------------------------------------------------------------------- host gather
-def gather_bandwidth(device, slots: int = 1 << 20, heads: int = 8, head_dim: int = 128, rows: int = 1 << 20,
-                     reps: int = 5) -> dict:
-    """GB/s of the host-gather kernel moving ``rows`` random (slot, head) K+V rows ([head_dim] bf16
-    each) from a page-locked store of ``slots`` tokens into a device buffer, beside one contiguous
-    page-locked -> device copy of the same bytes (CUDA only)."""
+def host_store(slots: int = 1 << 20, heads: int = 8, head_dim: int = 128, pin_mode: str = "register"):
+    """A one-layer page-locked store of ``slots`` tokens filled with random bf16 values."""
     from ..engine.host_kv import HostKVStore
+    store = HostKVStore(1, slots, heads, head_dim, torch.bfloat16, pin=True, pin_mode=pin_mode)
+    store.k[0].uniform_(-1, 1)
+    store.v[0].uniform_(-1, 1)
+    return store
+
+
+def gather_bandwidth(device, store=None, rows: int = 1 << 20, reps: int = 5, row: str = "head") -> dict:
+    """GB/s of the host-gather kernel moving random K+V rows from a page-locked store of ``slots``
+    tokens (``pin_mode``: engine/host_kv.PIN_MODES) into a device buffer, beside one contiguous
+    page-locked -> device copy of the same bytes (CUDA only). ``row`` "head": ``rows`` rows of one
+    (token, KV head), ``head_dim`` bf16 values each (what the decode fetches: each KV head selects
+    its own tokens); "token": the same bytes as rows of one token's ``heads`` heads together
+    (``heads * head_dim`` values: what a selection shared by all KV heads would fetch). ``store``:
+    from :func:`host_store` (default: its defaults)."""
     from ..kernels.host_copy import copy_rows
-    store = HostKVStore(1, slots, heads, head_dim, torch.bfloat16, pin=True)
-    store.k[0].normal_()
-    store.v[0].normal_()
+    store = store or host_store()
+    sk, sv = store.k[0], store.v[0]
+    slots, heads, head_dim = sk.shape
+    if row == "token":
+        sk, sv = sk.view(slots, 1, heads * head_dim), sv.view(slots, 1, heads * head_dim)
+        rows, heads, head_dim = rows // heads, 1, heads * head_dim
     dst_k = torch.empty(rows // heads + 1, heads, head_dim, dtype=torch.bfloat16, device=device)
     dst_v = torch.empty_like(dst_k)
     g = torch.Generator(device=device).manual_seed(0)
@@ -78,13 +92,55 @@ def gather_bandwidth(device, slots: int = 1 << 20, heads: int = 8, head_dim: int
         torch.cuda.synchronize(device)
         return (time.perf_counter() - t) / reps
 
-    gather_s = timed(lambda: copy_rows(store.k[0], store.v[0], dst_k, dst_v, src, dst, head, ok))
-    flat = store.k[0].view(-1)[: nbytes // 2]
+    gather_s = timed(lambda: copy_rows(sk, sv, dst_k, dst_v, src, dst, head, ok))
+    flat = sk.reshape(-1)[: nbytes // 2]
     buf = torch.empty(flat.shape, dtype=flat.dtype, device=device)
     copy_s = timed(lambda: buf.copy_(flat, non_blocking=True))
-    ok_vals = torch.equal(dst_k[dst[:64], head[:64]].cpu(), store.k[0][src[:64].cpu(), head[:64].cpu()])
-    return dict(rows=rows, bytes=nbytes, gather_ms=gather_s * 1e3, gather_gb_s=nbytes / gather_s / 1e9,
-                copy_ms=copy_s * 1e3, copy_gb_s=nbytes / copy_s / 1e9, values_checked=ok_vals)
+    ok_vals = torch.equal(dst_k[dst[:64], head[:64]].cpu(), sk[src[:64].cpu(), head[:64].cpu()])
+    return dict(pin_mode=store.pin_mode, row=row, row_bytes=head_dim * 2, rows=rows, bytes=nbytes,
+                gather_ms=gather_s * 1e3, gather_gb_s=nbytes / gather_s / 1e9,
+                copy_ms=copy_s * 1e3, copy_gb_s=nbytes / copy_s / 1e9, values_checked=ok_vals,
+                anon_huge_pages_mb=_meminfo_mb("AnonHugePages"))
+
+
+def gather_sweep(device) -> dict:
+    """The host layout's real choices at the decode's fetch sizes: each page-locking mode x per-head
+    or per-token rows, at 32K and 128K (token, head) rows a call (1 x 500K and 4 x 120K requests'
+    k = 4096 selections of 8 KV heads: one layer's misses with no reuse)."""
+    from ..engine.host_kv import PIN_MODES
+    out = {}
+    for mode in PIN_MODES:
+        store = host_store(pin_mode=mode)
+        for row in ("head", "token"):
+            for n in (1 << 15, 1 << 17):
+                r = gather_bandwidth(device, store, rows=n, row=row)
+                out[f"{mode}/{row}/{n}"] = r
+                print(f"{mode:16s} {row:5s} rows of {r['row_bytes']:5d} B x {r['rows']:7d}: gather "
+                      f"{r['gather_gb_s']:5.1f} GB/s, contiguous copy {r['copy_gb_s']:5.1f} GB/s, "
+                      f"AnonHugePages {r['anon_huge_pages_mb']} MB; values "
+                      f"{'ok' if r['values_checked'] else 'WRONG'}", flush=True)
+        del store
+        torch.cuda.empty_cache()
+    return out
+
+
+def _meminfo_mb(key: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return None
+
+
+def _thp_setting() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 # ------------------------------------------------------------------------------------ real text
@@ -151,14 +207,15 @@ def _main(argv: list[str]) -> int:
     if args.gather_only:
         if not torch.cuda.is_available():
             raise SystemExit("--gather-only needs CUDA")
-        res = {f"rows_{n}": gather_bandwidth(torch.device("cuda"), rows=n) for n in (1 << 14, 1 << 18, 1 << 20)}
-        for name, r in res.items():
-            print(f"{name}: gather {r['gather_gb_s']:.1f} GB/s ({r['gather_ms']:.3f} ms), contiguous copy "
-                  f"{r['copy_gb_s']:.1f} GB/s; values {'ok' if r['values_checked'] else 'WRONG'}")
+        res = gather_sweep(torch.device("cuda"))
+        best = max(res.values(), key=lambda r: r["gather_gb_s"] if r["row"] == "head" else 0)
+        summary = dict(host_gather_gb_s=best["gather_gb_s"], host_gather_pin_mode=best["pin_mode"],
+                       thp=_thp_setting())
+        print(f"best per-head gather: {best['gather_gb_s']:.1f} GB/s ({best['pin_mode']}); THP: {summary['thp']}")
         if args.result_json:
             with open(args.result_json, "w") as f:
                 json.dump(dict(command="python -m doublesparse.bench.offload " + " ".join(argv),
-                               device=torch.cuda.get_device_name(), summary=res), f, indent=1)
+                               device=torch.cuda.get_device_name(), summary=summary, runs=res), f, indent=1)
         return 0 if all(r["values_checked"] for r in res.values()) else 1
     cfg = engine_config_from_cli(args, enable_double_sparsity=True, ds_sparse_decode_threshold=0,
                                  disable_radix_cache=True, max_running_requests=1)

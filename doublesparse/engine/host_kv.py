@@ -14,12 +14,22 @@ are device copies; kernels/host_copy.py's tiered copies route each row by its sl
 
 from __future__ import annotations
 
+import math
+import mmap
 import weakref
 
 import torch
 
 GIB = 1 << 30
 DEFAULT_HOST_GB = {"cuda": 64.0, "cpu": 1.0}
+HUGE_PAGE = 2 << 20
+# How the host store is page-locked (the GPU reads it in place, so the backing sets the GPU-side
+# page size a random row read pays a translation for):
+#   "register"        : pageable memory from torch, registered with cudaHostRegister
+#   "register-thp"    : anonymous memory on 2 MiB boundaries advised as transparent huge pages,
+#                       then registered (huge pages where the kernel grants them)
+#   "cuda-host-alloc" : torch's pinned allocator (cudaHostAlloc; rounds each block up to a power of two)
+PIN_MODES = ("register", "register-thp", "cuda-host-alloc")
 
 
 class HostKVStore:
@@ -27,9 +37,13 @@ class HostKVStore:
     first ``device_tokens`` of them (after slot 0) in device pools on ``device``."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, pin: bool, device_tokens: int = 0, device=None):
+                 dtype: torch.dtype, pin: bool, device_tokens: int = 0, device=None,
+                 pin_mode: str = "register"):
+        if pin_mode not in PIN_MODES:
+            raise ValueError(f"pin_mode must be one of {PIN_MODES}, got {pin_mode!r}")
         self.num_slots = int(num_slots)
         self.pinned = bool(pin)
+        self.pin_mode = pin_mode
         self.device_tokens = int(device_tokens)
         dshape = (self.device_tokens + 1, num_kv_heads, head_dim)
         self.device_k = [torch.zeros(dshape, dtype=dtype, device=device) for _ in range(num_layers)] \
@@ -38,9 +52,10 @@ class HostKVStore:
             if self.device_tokens else []
         shape = (self.num_slots - self.device_tokens, num_kv_heads, head_dim)
         # empty, not zeros: a slot is written before any read; only the padding slot is read unwritten
-        self.k = [_host_empty(shape, dtype, pin) for _ in range(num_layers)]
-        self.v = [_host_empty(shape, dtype, pin) for _ in range(num_layers)]
-        if pin:
+        mode = pin_mode if pin else None
+        self.k = [_host_empty(shape, dtype, mode) for _ in range(num_layers)]
+        self.v = [_host_empty(shape, dtype, mode) for _ in range(num_layers)]
+        if pin and pin_mode != "cuda-host-alloc":
             # unregistered with the store (the pools that use the tensors hold the store too)
             weakref.finalize(self, _unregister, [t.data_ptr() for t in (*self.k, *self.v)])
         for t in (*self.k, *self.v):
@@ -76,12 +91,14 @@ def host_tokens(max_total_tokens: int | None, host_memory_gb: float | None, devi
     return cap
 
 
-def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:
-    """A host tensor, page-locked when ``pin``: allocated pageable and registered with CUDA (torch's
-    pinned allocator rounds every block up to a power of two, which would nearly double a store of
-    a few GiB per layer)."""
-    t = torch.empty(shape, dtype=dtype)
-    if not pin or t.numel() == 0:
+def _host_empty(shape, dtype, pin_mode: str | None) -> torch.Tensor:
+    """A host tensor, page-locked as ``pin_mode`` says (:data:`PIN_MODES`; None: pageable). The
+    default registers pageable memory with CUDA because torch's pinned allocator rounds every block
+    up to a power of two, which would nearly double a store of a few GiB per layer."""
+    if pin_mode == "cuda-host-alloc":
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    t = _thp_empty(shape, dtype) if pin_mode == "register-thp" else torch.empty(shape, dtype=dtype)
+    if pin_mode is None or t.numel() == 0:
         return t
     cudart = torch.cuda.cudart()
     ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
@@ -90,6 +107,18 @@ def _host_empty(shape, dtype, pin: bool) -> torch.Tensor:
         raise RuntimeError(f"could not page-lock {nbytes / GIB:.2f} GiB of host memory for the K/V store "
                            f"(cudaHostRegister error {int(err)}); lower --ds-offload-host-memory-gb")
     return t
+
+
+def _thp_empty(shape, dtype) -> torch.Tensor:
+    """An uninitialised host tensor on a 2 MiB boundary of an anonymous mapping advised as
+    transparent huge pages (the tensor keeps the mapping alive)."""
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % HUGE_PAGE
+    return raw[off:off + n].view(dtype).view(shape)
 
 
 def _unregister(ptrs: list[int]) -> None:

@@ -236,11 +236,25 @@ def test_blocked_prefix_prefill_matches_one_call():
     torch.testing.assert_close(blocked, whole, atol=2e-5, rtol=2e-5)
 
 
+def test_huge_page_host_memory_is_aligned_and_kept_alive():
+    import gc
+
+    from doublesparse.engine.host_kv import HUGE_PAGE, HostKVStore, _thp_empty
+    t = _thp_empty((1001, 3, 64), torch.bfloat16)
+    gc.collect()
+    assert t.data_ptr() % HUGE_PAGE == 0 and t.shape == (1001, 3, 64)
+    t.fill_(1.5)
+    assert float(t.float().sum()) == 1.5 * t.numel()
+    with pytest.raises(ValueError, match="pin_mode"):
+        HostKVStore(1, 11, 3, 64, torch.bfloat16, pin=False, pin_mode="mlock")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_copy_rows_through_page_locked_host_memory():
+@pytest.mark.parametrize("pin_mode", ["register", "register-thp", "cuda-host-alloc"])
+def test_copy_rows_through_page_locked_host_memory(pin_mode):
     """On the GPU the kernel reads and writes the page-locked host store directly (no staging)."""
     from doublesparse.engine.host_kv import HostKVStore
-    store = HostKVStore(1, 101, 3, 64, torch.bfloat16, pin=True)
+    store = HostKVStore(1, 101, 3, 64, torch.bfloat16, pin=True, pin_mode=pin_mode)
     assert store.k[0].is_pinned()
     g = torch.Generator().manual_seed(1)
     store.k[0].copy_(torch.randn(101, 3, 64, generator=g))
@@ -254,7 +268,7 @@ def test_copy_rows_through_page_locked_host_memory():
     copy_rows(store.k[0], store.v[0], dk, dv, *cuda)                    # host -> device
     torch.cuda.synchronize()
     assert torch.equal(dk.cpu()[ok], store.k[0][src, heads][ok]) and torch.equal(dv.cpu()[ok], store.v[0][src, heads][ok])
-    back = HostKVStore(1, 101, 3, 64, torch.bfloat16, pin=True)
+    back = HostKVStore(1, 101, 3, 64, torch.bfloat16, pin=True, pin_mode=pin_mode)
     copy_rows(dk, dv, back.k[0], back.v[0], cuda[1], cuda[0], cuda[2], cuda[3])   # device -> host
     torch.cuda.synchronize()
     assert torch.equal(back.k[0][src, heads][ok], store.k[0][src, heads][ok])
