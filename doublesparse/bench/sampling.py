@@ -1,13 +1,15 @@
-"""What the sampling step's extras cost on the device: logprobs, penalties, min_p and grammar
-masks, against plain sampling, per batch size. One timed step is what ``engine.request.sample_isolated`` runs
-for a batch (``request_sampling.sample_requests``) plus the copy of its tokens (and logprobs) to
-the host; the model's forward is not in it.
+"""What the sampling step's extras cost on the device: logprobs, penalties, min_p, logit_bias,
+min_tokens' masks and grammar masks, against plain sampling, per batch size. One timed step is
+what ``engine.request.sample_isolated`` runs for a batch (``request_sampling.sample_requests``)
+plus the copy of its tokens (and logprobs) to the host; the model's forward is not in it.
 
     python -m doublesparse.bench.sampling [--vocab 128256] [--batch-sizes 1 16 64]
                                           [--iters 30] [--json F] [--md F]
 
 The grammar rows use the embedded SmolLM2 tokenizer's vocabulary (ids past it are masked) with a
-JSON-object grammar whose matchers stand inside a string value, its most permissive state.
+JSON-object grammar whose matchers stand inside a string value, its most permissive state;
+``json-object`` is ``response_format`` json_object 40 tokens before its budget ends (every step
+then also restricts the tokens to those that leave room to close).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..engine.request_sampling import RequestSampling, sample_requests
+from ..engine.request_sampling import RequestSampling, needs_state, sample_requests
 from ..engine.sampler import make_generator
 from ..engine.sampling_params import SamplingParams
 
@@ -33,6 +35,9 @@ CONFIGS = {
                   "presence_penalty": 0.5},
     "min-p": {**SAMPLED, "min_p": 0.05},
     "json-grammar": {**SAMPLED, "json_schema": '{"type": "object"}'},
+    "json-object": {**SAMPLED, "json_object": True, "max_new_tokens": 40},
+    "logit-bias-100": {**SAMPLED, "logit_bias": {i: 1.0 for i in range(0, 1000, 10)}},
+    "min-tokens": {**SAMPLED, "min_tokens": 1000},
     "all-but-grammar": {**SAMPLED, "logprobs": 5, "repetition_penalty": 1.1,
                         "frequency_penalty": 0.5, "min_p": 0.05},
 }
@@ -55,12 +60,12 @@ def time_config(name: str, B: int, V: int, dev: torch.device, iters: int, gramma
     """Median milliseconds of one sampling step of B requests with CONFIGS[name]."""
     g = torch.Generator().manual_seed(B)
     logits = (torch.randn(B, V, generator=g) * 3).to(dev)
-    sp = SamplingParams(max_new_tokens=1024, **CONFIGS[name])
+    sp = SamplingParams(**{"max_new_tokens": 1024, **CONFIGS[name]})
     reqs = []
     for i in range(B):
         prompt = torch.randint(0, V, (1000,), generator=g).tolist()
-        state = RequestSampling(sp, prompt, V, dev, grammar) if (sp.penalized or sp.constrained) \
-            else None
+        state = RequestSampling(sp, prompt, V, dev, grammar, stop_ids=(0, 1, 2)) \
+            if needs_state(sp) else None
         if state is not None and state.matcher is not None:
             state.matcher.accept_string('{"text": "')
         reqs.append(SimpleNamespace(params=sp, sampling=state,
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--md", default=None, help="write a markdown table here")
     a = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    grammar = _grammar(a.vocab) if "json-grammar" in a.configs else None
+    grammar = _grammar(a.vocab) if {"json-grammar", "json-object"} & set(a.configs) else None
     rows = [{"config": c, "batch_size": B, "ms": time_config(c, B, a.vocab, dev, a.iters, grammar)}
             for B in a.batch_sizes for c in a.configs]
     base = {r["batch_size"]: r["ms"] for r in rows if r["config"] == "sampled"}

@@ -110,6 +110,10 @@ class Engine:
         turn with other groups' (see :mod:`doublesparse.engine.scheduler`); None: its own."""
         sp = SamplingParams.from_any(sampling_params)
         self._check_ds_overrides(sp)
+        V = self.model_config.vocab_size
+        if sp.logit_bias and sp.logit_bias[-1][0] >= V:
+            raise ValueError(f"logit_bias names token {sp.logit_bias[-1][0]}, past the "
+                             f"vocabulary ({V} tokens)")
         ids = self._encode(prompt)
         self.parts.scheduler.check(len(ids), sp.max_new_tokens)
         with self._lock:
@@ -145,7 +149,7 @@ class Engine:
         if sp.constrained and self._grammar is None:
             eos = sorted(set(self.model_config.eos_token_ids or ()))
             self._grammar = GrammarBackend(self.tokenizer, V, eos)
-        return RequestSampling(sp, ids, V, self.parts.device, self._grammar)
+        return RequestSampling(sp, ids, V, self.parts.device, self._grammar, stop_ids)
 
     def abort(self, request_id: str) -> None:
         """Abort a request. Its KV is freed at once when no step is running (the server calls this
@@ -355,7 +359,9 @@ class Engine:
             reason = "stop"
             delta = r.detok.flush()
         else:
-            delta, hit = r.detok.push(r.output_ids)
+            # stop strings match from the token after min_tokens on (vLLM's rule)
+            delta, hit = r.detok.push(r.output_ids,
+                                      match_stop=len(r.output_ids) > r.params.min_tokens)
             if hit:
                 reason = "stop"
             elif len(r.output_ids) >= r.params.max_new_tokens:

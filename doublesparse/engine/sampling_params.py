@@ -45,8 +45,14 @@ class SamplingParams:
     from the logits of output tokens (OpenAI). logprobs: None = off; k in [0, 20] returns the
     sampled token's log-probability and the k most likely alternatives, from the model's own
     distribution (raw logits: before penalties, temperature, filtering and grammar masks).
-    json_schema / ebnf: constrain the output to a JSON schema (a JSON string) or an EBNF grammar
-    (xgrammar's dialect); at most one of them.
+    json_schema / ebnf / regex / json_object: constrain the output to a JSON schema (a JSON
+    string), an EBNF grammar (xgrammar's dialect), a regular expression, or any JSON object that
+    closes within max_new_tokens (:mod:`json_object`); at most one of them.
+    min_tokens in [0, max_new_tokens]: the stop token ids (EOS unless ignore_eos, and
+    stop_token_ids) cannot be sampled, and stop strings do not match, until min_tokens tokens were
+    generated (vLLM's rule); a grammar that allows nothing but its end still ends.
+    logit_bias: {token id: bias in [-100, 100]} (or the pairs) added to the logits before
+    penalties, masks and sampling (OpenAI); kept as sorted (id, bias) pairs.
     """
 
     max_new_tokens: int = 128
@@ -67,6 +73,10 @@ class SamplingParams:
     logprobs: int | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    regex: str | None = None
+    json_object: bool = False
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -121,12 +131,19 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= LOGPROBS_MAX):
             raise ValueError(f"logprobs must be an integer in [0, {LOGPROBS_MAX}], got {self.logprobs!r}")
-        for name in ("json_schema", "ebnf"):
+        for name in ("json_schema", "ebnf", "regex"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v.strip()):
                 raise ValueError(f"{name} must be a non-empty string, got {v!r}")
-        if self.json_schema is not None and self.ebnf is not None:
-            raise ValueError("give at most one of json_schema and ebnf")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
+        given = [n for n in ("json_schema", "ebnf", "regex") if getattr(self, n) is not None]
+        if len(given) + self.json_object > 1:
+            raise ValueError("give at most one of json_schema, ebnf, regex and json_object")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens="
+                             f"{self.max_new_tokens}], got {self.min_tokens!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         # numbers given as numeric strings ("0.5", as pydantic's lax mode takes them) are kept as
         # floats, so the sampler's comparisons and tensors never see a str
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
@@ -145,7 +162,8 @@ class SamplingParams:
 
     @property
     def constrained(self) -> bool:
-        return self.json_schema is not None or self.ebnf is not None
+        return (self.json_schema is not None or self.ebnf is not None or self.regex is not None
+                or self.json_object)
 
     @classmethod
     def from_any(cls, x: "SamplingParams | dict | None") -> "SamplingParams":
@@ -160,6 +178,32 @@ class SamplingParams:
                 raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(names)}")
             return cls(**{k: v for k, v in x.items() if v is not None or k in ("top_k", "seed")})
         raise ValueError(f"sampling_params must be a SamplingParams or a dict, got {type(x).__name__}")
+
+
+def _logit_bias(x) -> tuple[tuple[int, float], ...]:
+    """{id: bias} or (id, bias) pairs -> sorted pairs; ids are ints >= 0 (or their decimal
+    strings, as JSON keys are), biases finite in [-100, 100]."""
+    if x is None:
+        return ()
+    try:
+        pairs = list(x.items()) if isinstance(x, dict) else [tuple(p) for p in x]
+    except TypeError:
+        raise ValueError(f"logit_bias must map token ids to biases, got {x!r}") from None
+    out = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, got {x!r}")
+        k, v = pair
+        tid = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k
+        if not _is_int(tid) or not 0 <= tid <= _INT64_MAX:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
+        if tid in out:
+            raise ValueError(f"logit_bias names token {tid} twice")
+        b = _finite(v, "logit_bias", "a finite number in [-100, 100] per token")
+        if not -100.0 <= b <= 100.0:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r}")
+        out[tid] = b
+    return tuple(sorted(out.items()))
 
 
 def _is_int(x) -> bool:

@@ -62,9 +62,13 @@ class Detokenizer:
         # a U+FFFD left inside is a byte sequence that can never form a character
         return after[len(before) :].replace(REPLACEMENT, "")
 
-    def _commit(self, new: str) -> bool:
-        """Append new text; cut it at the first stop string. Returns whether one was hit."""
+    def _commit(self, new: str, match_stop: bool = True) -> bool:
+        """Append new text; cut it at the first stop string (when ``match_stop``). Returns
+        whether one was hit."""
         if not new:
+            return False
+        if not match_stop:
+            self.text += new
             return False
         longest = max((len(s) for s in self.stop), default=0)
         # a stop string not found before can only end in the new text
@@ -86,11 +90,13 @@ class Detokenizer:
                     break
         return safe
 
-    def push(self, output_ids: list[int]) -> tuple[str, bool]:
+    def push(self, output_ids: list[int], match_stop: bool = True) -> tuple[str, bool]:
+        """``match_stop`` False: the new text is not searched for stop strings (a stop string
+        that ends later is still found, from where the last search left off)."""
         if self.tokenizer is None or self.stopped:
             return "", self.stopped
         self._ids = list(output_ids)
-        if self._commit(self._take(final=False)):
+        if self._commit(self._take(final=False), match_stop):
             return "", True
         safe = self._safe_len()
         if safe <= self.sent:
