@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-# The language: one JSON object, whitespace bounded per gap (a model that only emits newlines
-# still leaves room to close). The tracker below follows exactly this grammar.
+# The language: one JSON object, at most 20 whitespace characters per gap (blank lines cannot
+# fill the budget). JsonTracker follows exactly this grammar.
 GRAMMAR = r"""
 root ::= object
 object ::= "{" ws ( "}" | member ( ws "," ws member )* ws "}" )
@@ -30,7 +30,8 @@ member ::= string ws ":" ws value
 value ::= object | array | string | number | "true" | "false" | "null"
 array ::= "[" ws ( "]" | value ( ws "," ws value )* ws "]" )
 string ::= "\"" char* "\""
-char ::= [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] )
+char ::= [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" hex hex hex hex )
+hex ::= [0-9a-fA-F]
 number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [+-]? [0-9]+ )?
 ws ::= [ \n\t]{0,20}
 """

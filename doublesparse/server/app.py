@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from doublesparse.server.config import ServerConfig
+from doublesparse.server.fields import IGNORED_HEADER
 from doublesparse.server.http import new_id
 from doublesparse.server.metrics import stat
 from doublesparse.server.protocol import APIError
@@ -129,9 +130,11 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
 
 
 class FrontDoor:
-    """Pure ASGI middleware: stamps the arrival time (TTFT counts from here) and checks the API
-    key before any routing or body reading. Pure ASGI rather than ``@app.middleware`` because
-    the latter re-wraps every streamed chunk, which costs per-token overhead under load."""
+    """Pure ASGI middleware: stamps the arrival time (TTFT counts from here), checks the API
+    key before any routing or body reading, and adds the ``X-Ignored-Fields`` header to the
+    response of a request whose route noted ignored fields (:mod:`doublesparse.server.fields`).
+    Pure ASGI rather than ``@app.middleware`` because the latter re-wraps every streamed chunk,
+    which costs per-token overhead under load."""
 
     def __init__(self, app, api_key: str | None) -> None:
         self.app, self.key = app, (api_key or "").encode() or None
@@ -147,4 +150,19 @@ class FrontDoor:
                                    status=401, code="invalid_api_key")
                     await err.response()(scope, receive, send)
                     return
+            if scope["method"] == "POST":
+                send = _with_ignored_header(scope, send)
         await self.app(scope, receive, send)
+
+
+def _with_ignored_header(scope, send):
+    """``send`` that adds the header a route left in the scope to the response's start."""
+    async def wrapped(message):
+        if message["type"] == "http.response.start":
+            value = scope["state"].get("ignored_fields")
+            if value:
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (IGNORED_HEADER.lower().encode(),
+                                                   value.encode("latin-1"))]}
+        await send(message)
+    return wrapped

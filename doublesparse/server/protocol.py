@@ -2,8 +2,9 @@
 
 Validation is strict (no "5" -> 5 coercion) so wrong types are refused instead of guessed at, and
 every failure becomes ``{"error": {"message", "type", "param", "code"}}`` with the offending
-field in ``param``. Unknown fields are ignored, as OpenAI-compatible servers commonly do, so
-clients that send e.g. ``user`` keep working.
+field in ``param``. Fields no model here declares are kept aside (``extra_fields``), so that
+:mod:`doublesparse.server.fields` can refuse the ones this server knows but does not serve and
+report the others as ignored.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from doublesparse.engine.sampling_params import (LOGPROBS_MAX, REPETITION_PENALTY_MIN, TOP_K_MAX,
                                                  TOP_P_MIN)
+from doublesparse.server.request_base import BIAS, GRAMMAR_TEXT, OutputFields, logit_bias_keys
+from doublesparse.server.request_base import Strict as _Strict
 
 # Bounds are what the engine can represent (float32 sampling, int64 ids and counts), so nothing
 # that passes here can fail later inside a batched step. Floats refuse NaN and infinities.
@@ -75,10 +78,6 @@ def _field_path(loc: tuple) -> list:
     return out
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
 def _top_p_float32(v: float) -> float:
     if v < TOP_P_MIN:
         raise ValueError(f"must be at least {TOP_P_MIN:.3g}: smaller values round to 0 in float32")
@@ -101,7 +100,7 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(OutputFields):
     """Sampling fields shared by both OpenAI endpoints (OpenAI names plus SGLang/vLLM extensions)."""
 
     model: str | None = None
@@ -213,8 +212,19 @@ class NativeSamplingParams(_Strict):
     n: int = Field(1, ge=1, le=_I64)
     enable_double_sparsity: bool | None = None
     ds_heavy_token_num: int | None = Field(None, gt=0, le=_I64)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_MIN, le=10.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, **_PENALTY)
+    presence_penalty: float = Field(0.0, **_PENALTY)
+    min_new_tokens: int = Field(0, ge=0, le=_I64)
+    logit_bias: dict[str, BIAS] | None = None
+    skip_special_tokens: bool = True
+    json_schema: str | None = GRAMMAR_TEXT
+    regex: str | None = GRAMMAR_TEXT
+    ebnf: str | None = GRAMMAR_TEXT
 
     _check_top_p = field_validator("top_p")(_top_p_float32)
+    _check_bias = field_validator("logit_bias")(logit_bias_keys)
 
 
 class GenerateRequest(_Strict):
@@ -262,8 +272,9 @@ def unsupported(req: BaseModel) -> None:
 
 
 def sampling_extras(req: BaseModel) -> dict:
-    """Engine sampling parameters for the penalties, min_p, logprobs and response_format, set
-    only when they differ from the defaults (so engines without them still serve the rest)."""
+    """Engine sampling parameters for the penalties, min_p and logprobs, set only when they
+    differ from the defaults (so engines without them still serve the rest). response_format
+    and the other structured outputs: :func:`doublesparse.server.fields.engine_fields`."""
     sp = {}
     for f, off in (("min_p", 0.0), ("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
                    ("presence_penalty", 0.0)):
@@ -274,12 +285,6 @@ def sampling_extras(req: BaseModel) -> dict:
         lp = (req.top_logprobs or 0) if lp else None
     if lp is not None:
         sp["logprobs"] = lp
-    rf = getattr(req, "response_format", None)
-    if rf is not None and rf.type == "json_object":
-        sp["json_schema"] = '{"type": "object"}'
-    elif rf is not None and rf.type == "json_schema":
-        import json
-        sp["json_schema"] = json.dumps(rf.json_schema.schema_)
     return sp
 
 

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from doublesparse.server import choices as C
+from doublesparse.server import fields as F
 from doublesparse.server.admission import client_key
 from doublesparse.server import protocol as P
 from doublesparse.server import tools as T
@@ -34,6 +35,7 @@ async def _begin(st: ServerState, request: Request, schema):
         raise APIError("engine is not running" + why, status=503, type="server_error",
                        code="engine_dead")
     req = P.parse(schema, await read_body(request, st.cfg.max_body_bytes))
+    F.note_ignored(request, F.screen(req))
     P.unsupported(req)
     model = getattr(req, "model", None)
     if model is not None and model != st.model_name:
@@ -115,15 +117,14 @@ def _max_new(st: ServerState, n_prompt: int, asked: int | None, default: int | N
     return asked
 
 
-def _sampling(st: ServerState, req: Any, max_new: int) -> dict:
+def _sampling(st: ServerState, req: Any, max_new: int, prefix: str = "") -> dict:
     sp = {"max_new_tokens": max_new, "temperature": req.temperature, "top_p": req.top_p,
           "top_k": req.top_k, "stop": P.stop_list(req.stop),
           "stop_token_ids": list(req.stop_token_ids or []), "ignore_eos": req.ignore_eos}
     if req.seed is not None:
         sp["seed"] = req.seed
     sp.update(P.sampling_extras(req))
-    if "json_schema" in sp:
-        _check_schema(sp["json_schema"])
+    sp.update(F.engine_fields(req, max_new, st.vocab_size, prefix))
     for f in ("enable_double_sparsity", "ds_heavy_token_num"):
         v = getattr(req, f, None)
         if v is None:
@@ -187,7 +188,7 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
                            param="sampling_params.n", code="unsupported")
         max_new = _max_new(st, len(ids), sp_in.max_new_tokens, None,
                            "sampling_params.max_new_tokens", "text")
-        sp = _sampling(st, sp_in, max_new)
+        sp = _sampling(st, sp_in, max_new, "sampling_params.")
         rid, client = new_id("gen"), client_key(request)  # the engine's id is always ours
         label = req.rid if req.rid is not None else rid
         _tag(request, rid if req.rid is None else f"{rid} (rid {req.rid!r})")
@@ -224,22 +225,6 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
                 yield sse(e.body())
             yield "data: [DONE]\n\n"
         return stream_response(native_stream())
-
-
-def _check_schema(schema: str) -> None:
-    """Refuse a response_format the engine could not constrain to, naming the field, before the
-    request reaches the engine."""
-    try:
-        import xgrammar as xgr
-    except Exception:
-        raise APIError("response_format json_object/json_schema needs constrained decoding, and "
-                       "the xgrammar package is not installed", param="response_format",
-                       code="unsupported") from None
-    try:
-        xgr.Grammar.from_json_schema(schema, any_whitespace=False)
-    except Exception as e:
-        raise APIError(f"response_format: the JSON schema is not usable: {e}",
-                       param="response_format.json_schema.schema") from None
 
 
 def _echo_text(st: ServerState, prompt: Any, i: int) -> str:

@@ -99,6 +99,7 @@ def test_regex(model):
     outs = _run(e, [{"max_new_tokens": 20, "temperature": 1.0, "seed": s,
                      "regex": r"(yes|no)\. [0-9]{3}"} for s in range(4)])
     for o in outs:
-        assert re.fullmatch(r"(yes|no)\. [0-9]{3}", o["text"]) and o["meta"]["finish_reason"] == "stop"
+        assert re.fullmatch(r"(yes|no)\. [0-9]{3}", o["text"])
+        assert o["meta"]["finish_reason"] == "stop"
     with pytest.raises(ValueError, match="invalid regular expression"):
         e.add_request(PROMPT, {"regex": "(a"})

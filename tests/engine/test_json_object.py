@@ -113,4 +113,5 @@ def test_engine_json_object_finishes_with_stop_and_parses():
     outs = e.generate([[5, 9, 200, 33]] * len(sps), sps)
     for sp, o in zip(sps, outs):
         assert o["meta"]["finish_reason"] == "stop", (sp, o["text"])
-        assert isinstance(json.loads(o["text"]), dict) and len(o["token_ids"]) <= sp["max_new_tokens"]
+        assert isinstance(json.loads(o["text"]), dict)
+        assert len(o["token_ids"]) <= sp["max_new_tokens"]

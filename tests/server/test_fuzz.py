@@ -19,7 +19,10 @@ FIELDS = ["prompt", "messages", "text", "input_ids", "sampling_params", "model",
           "stop", "stream", "stream_options", "presence_penalty", "frequency_penalty", "ignore_eos",
           "stop_token_ids", "enable_double_sparsity", "ds_heavy_token_num", "logprobs",
           "top_logprobs", "echo", "tools", "best_of", "suffix", "rid", "role", "content",
-          "repetition_penalty", "min_p"]
+          "repetition_penalty", "min_p", "logit_bias", "min_tokens", "min_new_tokens",
+          "skip_special_tokens", "response_format", "json_schema", "regex", "ebnf", "guided_json",
+          "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "json",
+          "choice", "grammar", "json_object", "use_beam_search", "user", "no_stop_trim"]
 SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.integers(-3, 40)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
 VALUES = st.recursive(SCALARS, lambda c: st.lists(c, max_size=4)
@@ -100,22 +103,31 @@ SAMPLING = st.fixed_dictionaries({}, optional={
     "temperature": SCALARS | TINY, "top_p": SCALARS | TINY, "top_k": SCALARS, "seed": SCALARS,
     "max_new_tokens": SCALARS, "stop_token_ids": st.lists(st.integers(-2**70, 2**70), max_size=3),
     "repetition_penalty": SCALARS | TINY, "min_p": SCALARS | TINY,
-    "frequency_penalty": SCALARS | TINY, "presence_penalty": SCALARS | TINY})
+    "frequency_penalty": SCALARS | TINY, "presence_penalty": SCALARS | TINY,
+    "min_tokens": SCALARS, "logit_bias": st.dictionaries(st.integers(-3, 60) | st.text(max_size=3),
+                                                        SCALARS | TINY, max_size=4)})
 
 
 @settings(max_examples=300, deadline=None)
 @given(kw=SAMPLING)
 def test_sampling_params_either_refused_or_sampleable(kw):
-    """What SamplingParams accepts, the batched sampler can run after the penalties (with another
-    request beside it), on logits as large as a model's: no inf/NaN probabilities."""
+    """What SamplingParams accepts (and the engine, which refuses logit_bias ids past the
+    vocabulary), the batched sampler can run after the penalties, biases and min_tokens' masks
+    (with another request beside it), on logits as large as a model's: no inf/NaN
+    probabilities."""
+    from types import SimpleNamespace
+
     import torch
 
-    from doublesparse.engine.sampler import apply_penalties, make_generator, sample
+    from doublesparse.engine.request_sampling import RequestSampling, sample_requests
+    from doublesparse.engine.sampler import apply_penalties, make_generator
     from doublesparse.engine.sampling_params import SamplingParams
 
     try:
         p = SamplingParams(**{k: v for k, v in kw.items() if v is not None})
     except ValueError:
+        return
+    if any(i >= 50 for i, _ in p.logit_bias):
         return
     logits = 40 * torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
     params = [p, SamplingParams(temperature=0.7, seed=1)]
@@ -125,6 +137,10 @@ def test_sampling_params_either_refused_or_sampleable(kw):
     counts[:, :10] = 3
     logits = apply_penalties(logits, counts, torch.zeros(2, 50, dtype=torch.bool),
                              *(torch.tensor(v, dtype=torch.float32) for v in f32))
-    gens = [None if q.greedy else make_generator(q.seed or 0, "cpu") for q in params]
-    out = sample(logits, params, gens)
+    reqs = [SimpleNamespace(params=q, generator=None if q.greedy else make_generator(q.seed or 0, "cpu"),
+                            sampling=RequestSampling(q, [1, 2], 50, "cpu", stop_ids=(0, 3)))
+            for q in params]
+    out, _ = sample_requests(logits, reqs)
     assert out.shape == (2,) and 0 <= int(out.min()) and int(out.max()) < 50
+    if p.min_tokens:
+        assert int(out[0]) not in (0, 3)
