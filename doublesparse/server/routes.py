@@ -18,7 +18,7 @@ from doublesparse.server.admission import client_key
 from doublesparse.server import protocol as P
 from doublesparse.server import tools as T
 from doublesparse.server.generation import Generation
-from doublesparse.server.http import new_id, read_body, sse, stream_response
+from doublesparse.server.http import client_message, new_id, read_body, sse, stream_response
 from doublesparse.server.metrics import stat
 from doublesparse.server.protocol import APIError
 from doublesparse.server.state import ServerState
@@ -239,7 +239,7 @@ def _check_schema(schema: str) -> None:
     try:
         xgr.Grammar.from_json_schema(schema, any_whitespace=False)
     except Exception as e:
-        raise APIError(f"response_format: the JSON schema is not usable: {e}",
+        raise APIError(f"response_format: the JSON schema is not usable: {client_message(e)}",
                        param="response_format.json_schema.schema") from None
 
 

@@ -21,6 +21,7 @@ import json
 import re
 import uuid
 
+from doublesparse.server.http import client_message
 from doublesparse.server.protocol import APIError, ChatCompletionRequest
 
 # a block the model closed, or one cut off by the end of the text (EOS right after the object)
@@ -97,7 +98,7 @@ def forced_call_grammar(req: ChatCompletionRequest) -> str | None:
                                xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
                                xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
     except Exception as e:
-        raise APIError(f"a tool's parameters are not a usable JSON schema: {e}",
+        raise APIError(f"a tool's parameters are not a usable JSON schema: {client_message(e)}",
                        param="tools") from None
     return str(g)
 
