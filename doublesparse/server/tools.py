@@ -10,7 +10,7 @@ grammar (one call, whose arguments follow the function's JSON schema); "none" re
 Under "auto" small models often drop the tags: Qwen2.5-Coder-1.5B answers a tool request with
 the bare object, or the object in a ```json fence. A message that is nothing but such objects,
 each naming one of the request's tools and carrying an ``arguments`` object, is read as calls
-too (as Ollama does); anything else around them keeps the text as content. The tool's answer
+too; anything else around them keeps the text as content. The tool's answer
 goes back as a ``tool`` message, which the template renders (Qwen: ``<tool_response>`` blocks in
 a user turn) after the assistant turn that holds the calls.
 """
