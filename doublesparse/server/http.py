@@ -25,10 +25,12 @@ def client_message(e: BaseException) -> str:
 
 
 def check_json_body(request: Request) -> None:
-    """Bodies are JSON: refuse another declared media type with 415 rather than guess. As in
-    FastAPI (which vLLM and SGLang serve through), a request without Content-Type is read as
-    JSON, and ``application/json`` or any ``application/*+json`` is; ``text/plain`` is not, which
-    also keeps a web page from posting to the server without a CORS preflight."""
+    """Bodies are JSON: refuse another declared media type with 415 rather than guess. Only
+    ``application/json`` and ``application/*+json`` are read as JSON, as FastAPI (which vLLM and
+    SGLang serve through) reads them; ``text/plain`` (what a web page can post without a CORS
+    preflight) is not. A body without the header is read as JSON, as FastAPI does with
+    ``strict_content_type=False`` (its newest versions refuse it by default): clients that post a
+    JSON string without one, ``requests.post(url, data=json.dumps(body))``, keep working."""
     declared = request.headers.get("content-type")
     if not declared:
         return
