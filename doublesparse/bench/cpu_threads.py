@@ -60,7 +60,7 @@ def others_cores(seconds: float = 1.0) -> float | None:
     load = CoreLoad()
     time.sleep(seconds)
     load.free_cores(os.cpu_count() or 1)
-    return None if load._prev is None else round(load.others, 2)
+    return round(load.others, 2) if load.measured else None
 
 
 def prompt_ids(tok, n: int, salt: int) -> list[int]:

@@ -103,6 +103,11 @@ class CoreLoad:
         self.others = 0.0              # cores' worth of CPU others used in the last interval
         self.taken = 0                 # cores counted as taken
 
+    @property
+    def measured(self) -> bool:
+        """Whether ``others`` comes from a measured interval (False without ``/proc``)."""
+        return self._measured
+
     def free_cores(self, max_threads: int) -> int:
         """Threads a step may use: ``max_threads`` less the cores others took (at least 1)."""
         cap = max_threads

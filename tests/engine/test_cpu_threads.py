@@ -126,4 +126,4 @@ def test_proc_readings_are_sane_where_there_is_proc():
     while time.monotonic() - t0 < 0.3:          # this process's own work is not "others"
         x += 1
     n = os.cpu_count() or 1
-    assert 1 <= load.free_cores(n) <= n and load.others >= 0
+    assert 1 <= load.free_cores(n) <= n and load.others >= 0 and load.measured
