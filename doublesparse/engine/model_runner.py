@@ -145,10 +145,7 @@ class ModelRunner:
                              logits_indices=torch.arange(B, device=self.device), attn=self.backend,
                              tuning=self.tuning, ds_k=ds_k, ds_sparse=sparse)
         self.backend.plan(batch)
-        if self.cpu_threads is None:
-            return self.model(batch.input_ids, batch.positions, batch)
-        with _cpu_threads(self.cpu_threads.prefill(torch.get_num_threads())):
-            return self.model(batch.input_ids, batch.positions, batch)
+        return self.model(batch.input_ids, batch.positions, batch)
 
     # ------------------------------------------------------------------------------- graphs
     def _make_inputs(self) -> None:
