@@ -53,8 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-unfit", action="store_true",
                    help="skip the (batch, input, output) cases that do not fit the KV pool or the "
                         "context instead of stopping")
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch CPU threads (1 is much faster on a busy machine: decode is many tiny ops)")
     add_cli_args(p)
     return p
 
@@ -294,8 +292,6 @@ def _main(argv: list[str]) -> int:
         bad = [v for v in getattr(args, flag) if v < 1]
         if bad:
             raise UsageError(f"--{flag.replace('_', '-')} {bad[0]}: must be >= 1")
-    if args.cpu_threads is not None and args.cpu_threads < 1:
-        raise UsageError(f"--cpu-threads {args.cpu_threads}: must be >= 1")
     max_bs = max(args.batch_size)
     cfg = engine_config_from_cli(args, max_running_requests=args.max_running_requests or max_bs,
                                  cuda_graph_max_bs=args.cuda_graph_max_bs or max_bs)
@@ -303,8 +299,8 @@ def _main(argv: list[str]) -> int:
     if cfg.tp_size > 1 and args.fill == "random":
         raise UsageError("--fill random fills this process's pools only; with --tp-size > 1 leave it out "
                          "(the prompts are prefilled on every rank)")
-    if args.cpu_threads:
-        torch.set_num_threads(args.cpu_threads)
+    if cfg.cpu_threads:  # loading and sampling too, not only the engine's steps
+        torch.set_num_threads(cfg.cpu_threads)
     if cfg.max_total_tokens is None and not cfg.resolved_device.startswith("cuda"):
         need = max(b * (i + o) for b, i, o in itertools.product(args.batch_size, args.input_len, args.output_len))
         cfg = cfg.replace(max_total_tokens=need)

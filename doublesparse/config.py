@@ -90,6 +90,9 @@ class EngineConfig:
     (CUDA) or :data:`CPU_DEFAULT_TOTAL_TOKENS` (CPU), ``max_running_requests`` = 64.
     ``disable_cpu_packed_weights``: a model the engine loads onto the CPU decodes with its float
     weights instead of weight-only int4/bf16 copies (models/packed.py).
+    ``cpu_threads``: intra-op threads of every CPU step; None: chosen per step from the other
+    processes' load on the cores and, for small decode batches, measured step times
+    (engine/cpu_threads.py).
     ``kernel_tuning``: the kernels' launch parameters and choices (docs/tuning.md), handed to every
     launch of this engine only. ``tp_size``: tensor-parallel ranks (one process and device each;
     docs/parallelism.md); 1 runs in this process alone.
@@ -133,6 +136,7 @@ class EngineConfig:
     disable_overlap_schedule: bool = False
     disable_radix_cache: bool = False
     disable_cpu_packed_weights: bool = False
+    cpu_threads: int | None = None
     seed: int = 0
     tp_size: int = 1
     kernel_tuning: KernelTuning = field(default_factory=KernelTuning)
@@ -170,6 +174,7 @@ class EngineConfig:
         _check_pos("cuda_graph_max_bs", self.cuda_graph_max_bs, allow_none=False)
         _check_pos("ds_batch_parts", self.ds_batch_parts)
         _check_pos("tp_size", self.tp_size, allow_none=False)
+        _check_pos("cpu_threads", self.cpu_threads)
         if not isinstance(self.kernel_tuning, KernelTuning):
             raise ValueError(f"kernel_tuning must be a KernelTuning, got {type(self.kernel_tuning).__name__}")
         if not 0.0 < float(self.mem_fraction_static) < 1.0:

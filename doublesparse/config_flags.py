@@ -90,6 +90,10 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
     g.add_argument("--disable-cpu-packed-weights", action="store_true", default=None,
                    help="CPU decode multiplies by the float weights (bit-exact, slower; default: by "
                         "weight-only int4/bf16 copies with bf16 activations, see docs/cpu-decode.md)")
+    g.add_argument("--cpu-threads", type=int, metavar="N",
+                   help="intra-op threads of every CPU step (default: per step, the cores other "
+                        "processes leave free; a small decode batch also times 1 thread against "
+                        "them)")
     g.add_argument("--seed", type=int, help="sampling seed of the engine")
     g.add_argument("--tp-size", type=int,
                    help="tensor parallelism: split the model over this many devices, one process each "

@@ -41,8 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--quiet", action="store_true", help="print only the answer")
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch CPU threads (1 is much faster on a busy machine: decode is many tiny ops)")
     add_cli_args(p, enable_double_sparsity=True)
     return p
 
@@ -95,14 +93,12 @@ def _main(argv: list[str]) -> int:
     sp = sampling_from_cli(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_p=args.top_p, top_k=args.top_k, stop=tuple(args.stop or ()),
                            ignore_eos=args.ignore_eos, seed=cfg.seed)
-    if args.cpu_threads is not None and args.cpu_threads < 1:
-        raise UsageError(f"--cpu-threads {args.cpu_threads}: must be >= 1 (leave it out for torch's default)")
     if args.play_tokens < 0:
         raise UsageError(f"--play-tokens {args.play_tokens}: must be >= 0")
     check_engine_config(cfg)
-    if args.cpu_threads:
+    if cfg.cpu_threads:  # loading and sampling too, not only the engine's steps
         import torch
-        torch.set_num_threads(args.cpu_threads)
+        torch.set_num_threads(cfg.cpu_threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from .engine import Engine
     t0 = time.perf_counter()

@@ -66,7 +66,7 @@ def files(tmp_path_factory):
         (["--max-total-tokens", "-3"], "--max-total-tokens must be an integer >= 1"),
         (["--ds-heavy-token-ratio", "2"], "--ds-heavy-token-ratio must be in (0, 1]"),
         (["--device", "tpu:0"], "--device 'tpu:0'"),
-        (["--cpu-threads", "0"], "--cpu-threads 0"),
+        (["--cpu-threads", "0"], "--cpu-threads must be an integer >= 1"),
         (["--max-new-tokens", "x"], ("argument --max-new-tokens", "--help")),
     ],
 )

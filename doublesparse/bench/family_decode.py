@@ -107,11 +107,11 @@ def floor(parts, res: dict, bw: float, static: int, observed: list[dict]) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.cpu_threads:
-        torch.set_num_threads(args.cpu_threads)
     bs, il, ol = args.batch_size[0], args.input_len[0], args.output_len[0]
     cfg = from_cli_args(args, max_running_requests=args.max_running_requests or bs,
                         cuda_graph_max_bs=args.cuda_graph_max_bs or bs)
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
     if cfg.tp_size > 1:  # its floor observes the routers of one process's model
         raise SystemExit("bench.family_decode runs on one device; for tensor parallelism use "
                          "python -m doublesparse.bench_one_batch --tp-size N")

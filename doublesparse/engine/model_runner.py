@@ -17,14 +17,14 @@ import torch
 
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from ..attention.budget import DENSE
-from .cpu_threads import ThreadChooser
+from .cpu_threads import CpuThreads
 from .forward_batch import ForwardBatch
 from .transfer import to_device
 
 
 @contextlib.contextmanager
 def _cpu_threads(n: int):
-    """Run with ``n`` intra-op threads (CPU decode; the choice: engine/cpu_threads.py)."""
+    """Run with ``n`` intra-op threads (CPU steps; the choice: engine/cpu_threads.py)."""
     old = torch.get_num_threads()
     if n == old:
         yield
@@ -48,10 +48,12 @@ def graph_buckets(max_bs: int) -> list[int]:
 class ModelRunner:
     """model: callable ``model(input_ids [T], positions [T], batch) -> logits [N, V] float32``;
     memory: KVMemory; backend: AttentionBackend over that memory; tuning: the kernels' launch
-    parameters, handed to the model on every ForwardBatch."""
+    parameters, handed to the model on every ForwardBatch; cpu_threads: the intra-op threads of
+    every CPU step (None: chosen per step from the cores' load, engine/cpu_threads.py)."""
 
     def __init__(self, model, memory, backend, device, use_cuda_graph: bool = False,
-                 graph_max_bs: int = 32, tuning: KernelTuning = DEFAULT_TUNING):
+                 graph_max_bs: int = 32, tuning: KernelTuning = DEFAULT_TUNING,
+                 cpu_threads: int | None = None):
         self.model = model
         self.tuning = tuning
         self.memory = memory
@@ -60,7 +62,7 @@ class ModelRunner:
         self.graph_max_bs = min(graph_max_bs, memory.plan.max_reqs)
         self.graphs: dict[tuple[int, bool], tuple] = {}  # (bucket, sparse) -> graph
         self._inputs = None  # (device buffer, pinned host buffer, its int64 / int32 numpy views, event)
-        self.cpu_threads = ThreadChooser()  # CPU decode: one thread or all, by measured step time
+        self.cpu_threads = CpuThreads(cpu_threads) if self.device.type == "cpu" else None
         if use_cuda_graph and self.device.type == "cuda":
             self.capture_graphs()
 
@@ -88,7 +90,10 @@ class ModelRunner:
             logits_indices=to_device(idx, dev), attn=self.backend, rows_host=tuple(rows),
             extend_prefix_lens=tuple(prefix_lens), extend_lens=tuple(lens), tuning=self.tuning)
         self.backend.plan(batch)
-        return self.model(batch.input_ids, batch.positions, batch)
+        if self.cpu_threads is None:
+            return self.model(batch.input_ids, batch.positions, batch)
+        with _cpu_threads(self.cpu_threads.prefill(torch.get_num_threads())):
+            return self.model(batch.input_ids, batch.positions, batch)
 
     # ------------------------------------------------------------------------------- decode
     @torch.inference_mode()
@@ -109,8 +114,8 @@ class ModelRunner:
             return self._replay_packed((bucket, sparse), B, tokens, positions, slots.numpy(), rows, ks)
         host = self.host_inputs(tokens, pos_t, slots, row_t)
         ds_k = to_device(torch.tensor(ks, dtype=torch.int32), self.device) if ks is not None else None
-        if self.device.type == "cpu":
-            n = self.cpu_threads.pick(B, torch.get_num_threads())
+        if self.cpu_threads is not None:
+            n = self.cpu_threads.decode(B, torch.get_num_threads())
             t0 = time.perf_counter()
             with _cpu_threads(n):
                 out = self._decode_eager(B, host, tokens, ds_k, sparse)

@@ -243,7 +243,7 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
                            cfg.kernel_tuning)
     runner = (ModelRunner if tp is None else tp.runner)(
         model, memory, backend, device, use_cuda_graph=cfg.use_cuda_graph,
-        graph_max_bs=cfg.cuda_graph_max_bs, tuning=cfg.kernel_tuning)
+        graph_max_bs=cfg.cuda_graph_max_bs, tuning=cfg.kernel_tuning, cpu_threads=cfg.cpu_threads)
     # all slots in-GPU; with DS-Offload the host store's only (its device tier is on top, so
     # every request fits whichever tier the memory puts it in)
     scheduler = Scheduler(cfg.scheduler_config(), memory.slots.admission_size, max_ctx)

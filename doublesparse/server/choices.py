@@ -61,6 +61,7 @@ class Fanout:
     want_logprobs: bool           # the client asked (best_of may ask internally too)
     tools: bool = False           # parse <tool_call> blocks out of the text
     parallel_tool_calls: bool = True
+    tool_names: frozenset = frozenset()   # the request's tools: bare call objects naming them count
 
 
 def sibling_params(sp: dict, j: int) -> dict:
@@ -243,7 +244,7 @@ def response_choice(fo: Fanout, c: Choice, tt: TokenText | None) -> dict:
     msg: dict[str, Any] = {"role": "assistant", "content": g.text}
     finish = g.finish_reason
     if fo.tools:
-        msg["content"], calls = parse_tool_calls(g.text, fo.parallel_tool_calls)
+        msg["content"], calls = parse_tool_calls(g.text, fo.parallel_tool_calls, fo.tool_names)
         if calls:
             msg["tool_calls"] = calls
             finish = "tool_calls" if finish == "stop" else finish
@@ -322,7 +323,8 @@ def _final(fo: Fanout, c: Choice, chunk) -> str:
     if not fo.tools:
         return chunk(c, {"delta": {}} if fo.chat else {"text": ""}, g.finish_reason)
     # tools: the whole message at the end, parsed (tool-call markup is never streamed raw)
-    content, calls = parse_tool_calls("".join(c.held), fo.parallel_tool_calls)
+    content, calls = parse_tool_calls("".join(c.held), fo.parallel_tool_calls,
+                                     fo.tool_names)
     delta: dict[str, Any] = {"content": content}
     finish = g.finish_reason
     if calls:

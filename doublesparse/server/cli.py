@@ -1,7 +1,8 @@
 """``doublesparse serve`` / ``python -m doublesparse.launch_server``.
 
 Engine flags come from ``doublesparse.config_flags`` (mirroring SGLang's names) when it is available;
-server flags are ours. SIGTERM/SIGINT flip the app into draining mode: new requests get 503
+server flags are ours. The port is bound and answers before the model has loaded (``/health``: 503
+``loading``, server/loading.py). SIGTERM/SIGINT flip the app into draining mode: new requests get 503
 "draining" and /health reports it while the accepted requests finish (at most
 ``--graceful-shutdown-timeout`` seconds, counted from the signal). At the deadline the requests
 still running are cut: the engine drops them, each stream ends with an error event (code
@@ -19,7 +20,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from doublesparse.cli_common import Parser, UsageError, run_main, with_flag_names
 from doublesparse.server.config import ServerConfig
@@ -92,29 +93,44 @@ def build_engine(ns: argparse.Namespace) -> Any:
     return factory(**kwargs)
 
 
-def serve(engine: Any, cfg: ServerConfig, sock=None) -> None:
-    """Serve until stopped; ``sock``: the listening socket bound beforehand (else uvicorn binds
-    ``cfg.host:cfg.port`` itself)."""
+def serve(build: Callable[[], Any], cfg: ServerConfig, sock=None) -> None:
+    """Serve until stopped; ``build()`` makes the engine, on a thread of its own while the server
+    already answers (``/health``: 503 ``loading``; see server/loading.py). ``sock``: the listening
+    socket bound beforehand (else uvicorn binds ``cfg.host:cfg.port`` itself). A failed load stops
+    the server and raises its error here."""
     import uvicorn
 
-    from doublesparse.server.app import create_app
     from doublesparse.server.generation import SHUTDOWN
+    from doublesparse.server.loading import LoadingApp
 
-    app = create_app(engine, cfg)
-    state = app.state.server
+    port = sock.getsockname()[1] if sock is not None else cfg.port
+    server: uvicorn.Server | None = None
+
+    def ready(app) -> None:
+        st = app.state.server
+        # the snapshot is the engine's own stats, taken as the engine thread started: the line
+        # says what /health and /metrics say
+        log.info("serving %s on http://%s:%d; %s", st.model_name, cfg.host, port,
+                 decode_mode_line(st.worker.snapshot))
+
+    def failed(_: BaseException) -> None:
+        server.should_exit = True
+
+    loading = LoadingApp(build, cfg, on_ready=ready, on_failure=failed)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            if state.draining:  # a second signal: stop now
+            state = loading.state
+            if state is None or state.draining:  # still loading, or a second signal: stop now
                 super().handle_exit(sig, frame)
                 return
             # Keep accepting connections while the accepted requests finish, so that new ones get
             # a 503 "draining" (and /health says so) instead of a refused connection; then stop.
             state.draining = True
-            threading.Thread(target=self._drain_then_exit, args=(sig, frame), name="drain",
+            threading.Thread(target=self._drain_then_exit, args=(state, sig, frame), name="drain",
                              daemon=True).start()
 
-        def _drain_then_exit(self, sig, frame):
+        def _drain_then_exit(self, state, sig, frame):
             limit = cfg.graceful_shutdown_timeout
             deadline = time.monotonic() + (DEFAULT_DRAIN_S if limit is None else limit)
             while state.worker.in_flight > 0 and time.monotonic() < deadline:
@@ -134,18 +150,23 @@ def serve(engine: Any, cfg: ServerConfig, sock=None) -> None:
                 captured.clear()
 
     # the drain above already waited; uvicorn only lets the last bytes go out
-    ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                          timeout_graceful_shutdown=CUT_GRACE_S,
+    ucfg = uvicorn.Config(loading, host=cfg.host, port=port, log_level=cfg.log_level,
+                          timeout_graceful_shutdown=CUT_GRACE_S, lifespan="on",
                           timeout_keep_alive=5, access_log=False)
-    port = sock.getsockname()[1] if sock is not None else cfg.port
-    log.info("serving %s on http://%s:%d; %s", state.model_name, cfg.host, port,
-             decode_mode_line(state.worker.snapshot))
-    _Server(ucfg).run(sockets=[sock] if sock is not None else None)
+    log.info("loading the model; http://%s:%d/health answers 503 'loading' until it is ready",
+             cfg.host, port)
+    server = _Server(ucfg)
+    server.run(sockets=[sock] if sock is not None else None)
+    if loading.error is not None:
+        raise loading.error
 
 
 def decode_mode_line(stats: dict) -> str:
-    """One line saying how decode runs: the mode, the budget and where the channels came from."""
-    if not stats.get("double_sparsity"):
+    """One line saying how decode runs: the mode, the budget and where the channels came from
+    (from the engine's stats, as /health reports them)."""
+    if "double_sparsity" not in stats:
+        return "decode: mode not reported by the engine"
+    if not stats["double_sparsity"]:
         return "decode: dense (Double Sparsity off)"
     return (f"decode: Double Sparsity, {stats.get('decode_policy')}; r={stats.get('heavy_channel_num')} "
             f"label channels from {stats.get('channel_source')}")
@@ -174,11 +195,9 @@ def _main(argv: list[str]) -> int:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = build_engine(ns)
-    except BaseException:
+        serve(lambda: build_engine(ns), cfg, sock)
+    finally:
         sock.close()
-        raise
-    serve(engine, cfg, sock)
     return 0
 
 

@@ -93,9 +93,14 @@ class FakeEngine:
     def __init__(self, max_total_tokens: int | None = 4096, max_context_len: int = 2048,
                  step_delay: float = 0.005, max_running_requests: int = 64,
                  enable_double_sparsity: bool | None = True, per_request_ds: bool = True,
-                 fail_marker: str | None = None, **_: object) -> None:
+                 fail_marker: str | None = None, load_delay: float = 0.0,
+                 load_error: str | None = None, **_: object) -> None:
         # fail_marker: step() raises while a prompt containing it runs (engine-failure tests).
         self.fail_marker = fail_marker
+        # load_delay / load_error: a model that takes that long to load / then fails (ValueError)
+        time.sleep(float(load_delay or 0.0))
+        if load_error:
+            raise ValueError(load_error)
         # per_request_ds=False mimics an engine whose SamplingParams lacks the DS overrides.
         if not per_request_ds:
             self.sampling_params_cls = _PlainSamplingParams

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 
+from doublesparse.server.http import client_message
 from doublesparse.server.protocol import APIError
 from doublesparse.server.worker import ACCEPTED, EngineWorker, Finished
 
@@ -86,7 +87,7 @@ class Generation:
             self._finish("error")
             e = first.error
             if first.rejected and isinstance(e, (ValueError, TypeError)):
-                raise APIError(f"engine rejected the request: {e}")
+                raise APIError(f"engine rejected the request: {client_message(e)}")
             raise APIError(f"engine error: {e}", status=500, type="server_error")
         if getattr(first, "finish_reason", None) == "error":  # ended by its own failed step
             self._absorb(first)

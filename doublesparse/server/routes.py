@@ -161,8 +161,9 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
                                param=f"messages.{i}.content")
         tools = T.active_tools(req, st.tokenizer)
         grammar = T.forced_call_grammar(req) if tools else None
+        messages = T.template_messages(req)
         try:
-            ids = await st.tokenize(_chat_encode, st.tokenizer, T.template_messages(req), tools)
+            ids = await st.tokenize(_chat_encode, st.tokenizer, messages, tools)
         except Exception as e:  # templates raise on orders they do not support
             raise APIError(f"could not apply the chat template: {e}", param="messages") from None
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -172,7 +173,8 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
         if grammar is not None:
             sp["ebnf"] = grammar
         fo = C.Fanout([ids], [""], req.n, req.n, chat=True, want_logprobs=req.logprobs,
-                      tools=tools is not None, parallel_tool_calls=req.parallel_tool_calls)
+                      tools=tools is not None, parallel_tool_calls=req.parallel_tool_calls,
+                      tool_names=frozenset(t["function"]["name"] for t in tools or ()))
         return await _run_openai(st, request, req, fo, sp)
 
     @app.post("/generate")

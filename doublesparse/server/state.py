@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from doublesparse.server.admission import Admission
 from doublesparse.server.config import ServerConfig
 from doublesparse.server.metrics import ServerMetrics
+from doublesparse.server.tools import repair_chat_template
 from doublesparse.server.worker import EngineWorker
 
 DS_FIELDS = ("enable_double_sparsity", "ds_heavy_token_num")
+log = logging.getLogger("doublesparse.server")
 
 
 class ServerState:
@@ -24,6 +27,9 @@ class ServerState:
         self.worker = EngineWorker(engine)
         self.metrics = ServerMetrics(self.worker)
         self.tokenizer = engine.tokenizer
+        if repair_chat_template(self.tokenizer):
+            log.info("chat template: restored the single braces of its tool-call example "
+                     "(Qwen2.5-Coder's template doubles them, and the model copies them)")
         # One tokenizer thread: keeps chat templating and encoding off both the event loop and
         # the engine thread, and serialises access (HF fast tokenizers dislike concurrent use).
         self.tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
