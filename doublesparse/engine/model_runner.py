@@ -67,17 +67,23 @@ class ModelRunner:
     # ------------------------------------------------------------------------------ prefill
     @torch.inference_mode()
     def prefill(self, rows: list[int], prefix_lens: list[int], chunks: list[list[int]],
-                want_logits: list[bool]) -> torch.Tensor:
+                want_logits: list[bool], all_logits: list[bool] | None = None) -> torch.Tensor:
         """Compute new prompt tokens ``chunks[i]`` of request row ``rows[i]`` at positions
-        ``prefix_lens[i] ..``. Returns logits ``[sum(want_logits), V]`` float32, one per request
-        that wants them (its chunk's last token), in order."""
+        ``prefix_lens[i] ..``. Returns logits ``[N, V]`` float32, in chunk order: every token's
+        of chunk ``i`` when ``all_logits[i]`` (prompt logprobs), else its last token's when
+        ``want_logits[i]``, else none."""
         lens = [len(c) for c in chunks]
         T = sum(lens)
         row_t = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), torch.tensor(lens))
         pos = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(prefix_lens, lens)])
         slots = self.memory.assign(row_t, pos, T)
         ends = torch.tensor(lens).cumsum(0) - 1
-        idx = ends[torch.tensor(want_logits, dtype=torch.bool)]
+        if all_logits is None or not any(all_logits):
+            idx = ends[torch.tensor(want_logits, dtype=torch.bool)]
+        else:
+            parts = [torch.arange(e - n + 1, e + 1) if a else torch.tensor([e] if w else [], dtype=torch.int64)
+                     for e, n, w, a in zip(ends.tolist(), lens, want_logits, all_logits)]
+            idx = torch.cat(parts)
         dev = self.device
         batch = ForwardBatch(
             mode="prefill",
