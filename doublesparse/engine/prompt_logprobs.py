@@ -40,7 +40,7 @@ def split(logits: torch.Tensor, reqs: list, chunks: list, sampled: list[bool]):
     (logits to sample [sum(sampled), V], packed logprobs [M, LOGPROB_COLS] float64 on the
     device or None when M = 0, spans: [(request, rows of it among the M)] in order).
     """
-    sel, idx, targets, spans = [], [], [], []
+    sel, pieces, spans = [], [], []
     off = 0
     for r, c, s in zip(reqs, chunks, sampled):
         if not wants(r):
@@ -50,20 +50,19 @@ def split(logits: torch.Tensor, reqs: list, chunks: list, sampled: list[bool]):
             continue
         n = c.end - c.start
         m = min(c.end, len(r.prompt_ids) - 1) - c.start  # positions that predict a prompt token
-        idx.extend(range(off, off + m))
-        targets.extend(r.prompt_ids[c.start + 1:c.start + 1 + m])
+        for i in range(0, m, _BLOCK):  # views of the logits: no [M, V] copy
+            j = min(m, i + _BLOCK)
+            pieces.append((off + i, off + j, r.prompt_ids[c.start + 1 + i:c.start + 1 + j]))
         spans.append((r, m))
         if s:
             sel.append(off + n - 1)
         off += n
     dev = logits.device
     sample_logits = logits[to_device(torch.tensor(sel, dtype=torch.int64), dev)]
-    if not idx:
+    if not pieces:
         return sample_logits, None, spans
-    rows = logits[to_device(torch.tensor(idx, dtype=torch.int64), dev)]
-    tgt = to_device(torch.tensor(targets, dtype=torch.int64), dev)
-    packed = torch.cat([token_logprobs(rows[i:i + _BLOCK], tgt[i:i + _BLOCK], LOGPROBS_MAX)
-                        for i in range(0, len(idx), _BLOCK)])
+    packed = torch.cat([token_logprobs(logits[a:b], to_device(torch.tensor(t, dtype=torch.int64), dev),
+                                       LOGPROBS_MAX) for a, b, t in pieces])
     assert packed.shape[1] == LOGPROB_COLS
     return sample_logits, packed, spans
 

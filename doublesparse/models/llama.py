@@ -27,6 +27,24 @@ def _tuning(batch) -> KernelTuning:
     return getattr(batch, "tuning", DEFAULT_TUNING)
 
 
+def _head_split(head, x: torch.Tensor, exact: tuple[int, ...], tuning, decode: bool) -> torch.Tensor:
+    """Logits [N, V] float32 of x [N, H]: rows ``exact`` through the head's own weight (every
+    logit of them is read: prompt logprobs), the others as without them, so their values do not
+    depend on whether such rows share the forward. Every tensor-parallel rank makes the same
+    calls (``exact`` is host data)."""
+    n = x.shape[0]
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[list(exact)] = True
+    mask = mask.to(x.device)
+    ye = head(x[mask], tuning, decode, exact=True).float()
+    if len(exact) == n:
+        return ye
+    y = torch.empty(n, ye.shape[1], dtype=torch.float32, device=x.device)
+    y[mask] = ye
+    y[~mask] = head(x[~mask], tuning, decode).float()
+    return y
+
+
 def is_decode(batch) -> bool:
     """Whether the forward decodes (one new token per request): CPU linear layers then multiply
     by their packed int4 copies (models/packed.py); prefill forwards keep the float weights."""
@@ -176,7 +194,10 @@ class LlamaModel(nn.Module):
             if idx is not None:
                 x = x.index_select(0, idx)
             x = self.norm(x, tuning=tuning)
-        return self.lm_head(x, tuning, is_decode(batch)).float()
+        exact = getattr(batch, "exact_logits_rows", ())
+        if not exact:
+            return self.lm_head(x, tuning, is_decode(batch)).float()
+        return _head_split(self.lm_head, x, exact, tuning, is_decode(batch))
 
     def extra_repr(self) -> str:
         c = self.config

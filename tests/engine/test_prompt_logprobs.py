@@ -36,9 +36,11 @@ class _Causal:
 
 
 @torch.inference_mode()
-def reference(model, ids: list[int]) -> torch.Tensor:
-    """log_softmax of one full causal forward: [len(ids), V] float64."""
-    b = types.SimpleNamespace(attn=_Causal(), logits_indices=None)
+def reference(model, ids: list[int], exact: bool = False) -> torch.Tensor:
+    """log_softmax of one full causal forward: [len(ids), V] float64 (``exact``: every row from
+    the LM head's own weight, as prompt logprobs are, not a CPU model's bf16 copy)."""
+    b = types.SimpleNamespace(attn=_Causal(), logits_indices=None,
+                              exact_logits_rows=tuple(range(len(ids))) if exact else ())
     logits = model(torch.tensor(ids), torch.arange(len(ids)), b)
     return torch.log_softmax(logits.double(), dim=-1)
 
@@ -127,29 +129,30 @@ def test_abort_while_scoring(model):
 
 
 # ------------------------------------------------------------------------- embedded SmolLM2
-@pytest.fixture(scope="module")
-def smol():
+def _smollm2() -> None:
     try:
         from doublesparse.assets import smollm2_gguf_path
         smollm2_gguf_path()
     except Exception:
         pytest.skip("embedded SmolLM2 unavailable")
-    from doublesparse.models import load_model, load_tokenizer
-    return load_model(None, progress=False), load_tokenizer(None)
 
 
-def test_smollm2_prompt_logprobs_dense_and_ds(smol):
-    m, tok = smol
-    ids = tok.encode("To be, or not to be, that is the question: Whether 'tis nobler in the mind "
-                     "to suffer the slings and arrows of outrageous fortune")
-    ref = reference(m, ids)
+def test_smollm2_prompt_logprobs_dense_and_ds():
+    """As served on the CPU (packed weights): the prompt's logprobs are the float32 LM head's, not
+    its bf16 copy's, and Double Sparsity changes nothing (its prefill is dense)."""
+    _smollm2()
+    kw = dict(device="cpu", max_total_tokens=2048, context_length=2048, progress=False)
+    dense = Engine(enable_double_sparsity=False, chunked_prefill_size=9, **kw)
+    assert dense.parts.model.lm_head.packed is not None  # the copy the exact rows bypass
+    ids = dense.tokenizer.encode("To be, or not to be, that is the question: Whether 'tis nobler in "
+                                 "the mind to suffer the slings and arrows of outrageous fortune")
     sp = {**GREEDY, "max_new_tokens": 0, "prompt_logprobs": 5}
-    dense = Engine(model=m, tokenizer=tok, max_total_tokens=2048, progress=False,
-                   chunked_prefill_size=9).generate(ids, sp)[0]
-    check(dense["prompt_logprobs"], ids, ref, 5, atol=2e-3)
-    ds = Engine(model=m, tokenizer=tok, max_total_tokens=2048, enable_double_sparsity=True,
-                ds_heavy_token_num=16, ds_sparse_decode_threshold=0,
-                progress=False).generate(ids, sp)[0]
-    # the prefill is dense with Double Sparsity on: the same numbers
-    for a, b in zip(dense["prompt_logprobs"][1:], ds["prompt_logprobs"][1:]):
-        assert a[0] == pytest.approx(b[0], abs=2e-3)
+    out = dense.generate(ids, sp)[0]
+    check(out["prompt_logprobs"], ids, reference(dense.parts.model, ids, exact=True), 5, atol=1e-3)
+    ds = Engine(enable_double_sparsity=True, ds_heavy_token_num=16, ds_sparse_decode_threshold=0, **kw)
+    got = ds.generate(ids, sp)[0]["prompt_logprobs"]
+    assert [e[0] for e in got[1:]] == pytest.approx([e[0] for e in out["prompt_logprobs"][1:]], abs=1e-4)
+    # and the first sampled token of a scoring request is the same as without scoring
+    a = dense.generate(ids, {**GREEDY, "max_new_tokens": 3})[0]
+    b = dense.generate(ids, {**GREEDY, "max_new_tokens": 3, "prompt_logprobs": 1})[0]
+    assert a["token_ids"] == b["token_ids"]
