@@ -41,17 +41,18 @@ _METRIC = re.compile(r'^doublesparse_(requests_total|rejected_requests_total|dec
                      r'sparse_decode_steps_total|prompt_tokens_total)(\{[^}]*\})? ([0-9.e+-]+)$')
 
 
-def _get(url: str, timeout: float = 10.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def _get(url: str, api_key: str | None = None, timeout: float = 10.0) -> bytes:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
         return r.read()
 
 
-def scrape(base_url: str) -> dict:
+def scrape(base_url: str, api_key: str | None = None) -> dict:
     """The server's request, prompt-token and decode-step counters: {"served", "failed",
     "refused", "prompt_tokens", "decode_steps", "sparse_decode_steps"}."""
     out = dict(served=0.0, failed=0.0, refused=0.0, prompt_tokens=0.0, decode_steps=0.0,
                sparse_decode_steps=0.0)
-    for line in _get(base_url + "/metrics").decode().splitlines():
+    for line in _get(base_url + "/metrics", api_key).decode().splitlines():
         m = _METRIC.match(line)
         if not m:
             continue
@@ -83,43 +84,53 @@ def _results_file(output_dir: Path) -> Path | None:
     return files[-1] if files else None
 
 
-def answers(output_dir: Path) -> dict[str, dict[int, object]]:
-    """Each task's per-sample outcome from lm-eval's sample logs: doc id -> the headline metric."""
-    out: dict[str, dict[int, object]] = {}
+def answers(output_dir: Path) -> tuple[dict[str, list], dict[str, list]]:
+    """From lm-eval's sample logs, in doc order: each task's per-sample headline metric, and
+    each generate-until task's generations (for comparing two servers item by item)."""
+    scores: dict[str, dict[int, object]] = {}
+    texts: dict[str, dict[int, str]] = {}
     for f in output_dir.rglob("samples_*.jsonl"):
         task = re.sub(r"^samples_(.*)_[0-9T:.-]+$", r"\1", f.stem)
         metric = HEADLINE.get(task, "").split(",")[0]
         for line in f.read_text().splitlines():
             s = json.loads(line)
-            out.setdefault(task, {})[int(s["doc_id"])] = s.get(metric)
-    return out
+            scores.setdefault(task, {})[int(s["doc_id"])] = s.get(metric)
+            if metric == "exact_match":
+                texts.setdefault(task, {})[int(s["doc_id"])] = s["resps"][0][0]
+    order = lambda d: {t: [v for _, v in sorted(x.items())] for t, x in d.items()}  # noqa: E731
+    return order(scores), order(texts)
 
 
 def run(a: argparse.Namespace) -> dict:
     from doublesparse.models import load_tokenizer
 
     base = a.base_url.rstrip("/")
-    model = json.loads(_get(base + "/v1/models"))["data"][0]["id"]
-    health = json.loads(_get(base + "/health"))
+    model = json.loads(_get(base + "/v1/models", a.api_key))["data"][0]["id"]
+    health = json.loads(_get(base + "/health", a.api_key))
     out_dir = Path(a.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok_dir = out_dir / "tokenizer"
     load_tokenizer(a.model_path).save_pretrained(str(tok_dir))
-    before = scrape(base)
+    before = scrape(base, a.api_key)
     cmd = lm_eval_command(base, model, tok_dir, a.tasks, out_dir / "lm_eval", a.limit, a.batch_size)
     print("[lmeval] " + shlex.join(cmd), flush=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
-    t0 = time.time()
+    if a.api_key:
+        env["OPENAI_API_KEY"] = a.api_key  # what local-completions sends as its bearer token
+    t0, load0 = time.time(), os.getloadavg()[0]
     try:
         rc = subprocess.run(cmd, env=env, timeout=a.timeout).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
     wall = time.time() - t0
-    after = scrape(base)
+    after = scrape(base, a.api_key)
     delta = {k: after[k] - before[k] for k in after}
     row = {"label": a.label, "model": model, "decode": health.get("decode"),
            "command": shlex.join(cmd), "lm_eval_exit": rc, "wall_s": round(wall, 1),
+           # the machine's 1-minute load average as lm-eval started and ended: other work on the
+           # cores stretches the wall time (the scores do not depend on it)
+           "load_avg": [round(load0, 2), round(os.getloadavg()[0], 2)],
            "requests": int(delta["served"] + delta["failed"]),
            "errors": int(delta["failed"] + delta["refused"]) + (rc != 0),
            "mean_prompt_tokens": round(delta["prompt_tokens"] / max(delta["served"], 1), 1),
@@ -133,7 +144,7 @@ def run(a: argparse.Namespace) -> dict:
         row["scores"] = {t: doc["results"][t].get(HEADLINE.get(t, "")) for t in doc["results"]}
         row["samples"] = {t: n["effective"] for t, n in doc.get("n-samples", {}).items()}
         row["lm_eval_version"] = doc.get("lm_eval_version")
-        row["answers"] = {t: [v for _, v in sorted(d.items())] for t, d in answers(out_dir / "lm_eval").items()}
+        row["answers"], row["generations"] = answers(out_dir / "lm_eval")
     else:
         row["error"] = f"lm-eval exit {rc}"
     return row
@@ -143,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m doublesparse.bench.lmeval", description=__doc__.splitlines()[0])
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:30000")
     p.add_argument("--label", default="", help="a name for this server in the result")
+    p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     p.add_argument("--model-path", default=None, help="the served model, for its tokenizer (default: the embedded SmolLM2)")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     p.add_argument("--limit", type=int, default=None, help="samples per task (default all)")
