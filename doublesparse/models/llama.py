@@ -33,15 +33,22 @@ def _head_split(head, x: torch.Tensor, exact: tuple[int, ...], tuning, decode: b
     depend on whether such rows share the forward. Every tensor-parallel rank makes the same
     calls (``exact`` is host data)."""
     n = x.shape[0]
-    mask = torch.zeros(n, dtype=torch.bool)
-    mask[list(exact)] = True
-    mask = mask.to(x.device)
-    ye = head(x[mask], tuning, decode, exact=True).float()
-    if len(exact) == n:
+    ex = set(exact)
+    rest = [i for i in range(n) if i not in ex]
+
+    def rows(ids: list[int]) -> torch.Tensor:
+        # index tensors, not a bool mask (whose indexing syncs), copied pinned and asynchronously
+        t = torch.tensor(ids, dtype=torch.int64)
+        return t.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else t
+
+    ie = rows(sorted(ex))
+    ye = head(x.index_select(0, ie), tuning, decode, exact=True).float()
+    if not rest:
         return ye
+    io = rows(rest)
     y = torch.empty(n, ye.shape[1], dtype=torch.float32, device=x.device)
-    y[mask] = ye
-    y[~mask] = head(x[~mask], tuning, decode).float()
+    y.index_copy_(0, ie, ye)
+    y.index_copy_(0, io, head(x.index_select(0, io), tuning, decode).float())
     return y
 
 
