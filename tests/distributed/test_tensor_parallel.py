@@ -63,19 +63,6 @@ def test_latent_attention_dense(group):
         engine(model, group, 2, **DS)
 
 
-def test_dead_rank_is_an_error_not_a_hang(group, llama):
-    e = engine(llama, group, 2)
-    e.generate([[5, 6, 7]], {**GREEDY, "max_new_tokens": 2})
-    os.kill(group.procs[0].pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    with pytest.raises(TPError, match=r"rank 1 \(pid \d+\) exited with code -9"):
-        e.generate([[5, 6, 7]], {**GREEDY, "max_new_tokens": 2})
-    assert time.monotonic() - t0 < 10
-    with pytest.raises(TPError):  # the server's reset after a failed step: the engine is dead
-        e.fail_running(RuntimeError("step failed"))
-    e.close()
-
-
 def test_prompt_logprobs(group, llama):
     """A scoring request's rows take the LM head's second call on every rank: the same prompt
     logprobs and tokens as tp_size 1, beside a request that does not score."""
@@ -90,3 +77,17 @@ def test_prompt_logprobs(group, llama):
             assert x[0] == pytest.approx(y[0], abs=1e-4)
     finally:
         par.close()
+
+
+def test_dead_rank_is_an_error_not_a_hang(group, llama):
+    e = engine(llama, group, 2)
+    e.generate([[5, 6, 7]], {**GREEDY, "max_new_tokens": 2})
+    os.kill(group.procs[0].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(TPError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        e.generate([[5, 6, 7]], {**GREEDY, "max_new_tokens": 2})
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(TPError):  # the server's reset after a failed step: the engine is dead
+        e.fail_running(RuntimeError("step failed"))
+    e.close()
+
