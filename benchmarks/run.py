@@ -26,7 +26,8 @@ To add a suite, add an entry to ``SUITES``: ``area`` (the result files' name), o
 nothing: the engine sizes its pool to the card). A row with ``min_gb`` above the card's memory is
 skipped with why; a row with ``lane`` runs beside the main lane (a thread of its own); a suite with
 ``budget_s`` starts no row past that many seconds (``--budget-s`` overrides); ``needs`` names what
-``stage`` packs for a machine without network (benchmarks/stage.py).
+``stage`` packs for a machine without network (benchmarks/stage.py); a row's ``env`` is added to
+the environment of its command and its server.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules,
 import cpu_embedded  # noqa: E402
 import decode_cost  # noqa: E402
 import gpu_check  # noqa: E402
+import lm_eval_suite  # noqa: E402
 import offload  # noqa: E402
 import prefix_cache  # noqa: E402
 import speedup_map  # noqa: E402
@@ -317,6 +319,10 @@ SUITES: dict[str, dict] = {
     # The GPU build in one device command: the test suite on the GPU, then one small row of each
     # GPU suite sized to the card (benchmarks/gpu_check.py), within a 540 s budget.
     "gpu-check": {"area": "gpu-check", "budget_s": gpu_check.BUDGET_S, "rows": gpu_check.rows(_serving_row)},
+    # lm-evaluation-harness's local-completions model against the server on the CPU (embedded
+    # SmolLM2): the shipped Shakespeare task, dense, DS, and DS forced sparse on generate-until
+    # (benchmarks/lm_eval_suite.py). Needs PyPI lm-eval importable by this interpreter.
+    "lm-eval": {"area": "lm-eval", "machine": "cpu", "rows": lm_eval_suite.rows(_serving_row)},
     # The CPU preset of the accuracy protocol (few settings, 1K contexts): `doublesparse eval --small`.
     "accuracy-small": {
         "area": "accuracy",
@@ -450,8 +456,9 @@ def _python_argv(argv: list[str]) -> list[str]:
     return argv
 
 
-def _env() -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def _env(extra: dict | None = None) -> dict:
+    """The commands' environment; ``extra``: a row's own ``env`` (its server's too)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra or {}))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
 
@@ -459,13 +466,13 @@ def _env() -> dict:
 class Server:
     """A `doublesparse.launch_server` process, up until stop()."""
 
-    def __init__(self, argv: list[str], log: Path, startup_s: float = 300.0):
+    def __init__(self, argv: list[str], log: Path, startup_s: float = 300.0, env: dict | None = None):
         self.argv = argv
         port = argv[argv.index("--port") + 1] if "--port" in argv else "30000"
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log, "w")
         print(f"[run] server: {shlex.join(argv)}", flush=True)
-        self.proc = subprocess.Popen(_python_argv(argv), cwd=ROOT, env=_env(), stdout=self.log,
+        self.proc = subprocess.Popen(_python_argv(argv), cwd=ROOT, env=_env(env), stdout=self.log,
                                      stderr=subprocess.STDOUT)
         t0 = time.time()
         while True:
@@ -527,7 +534,7 @@ def _run_lane(rows: list[dict], raw: Path, deadline: float | None) -> dict:
                 server = None
             try:
                 if r["server_argv"] and server is None:
-                    server = Server(r["server_argv"], raw / f"server-{r['name']}.log")
+                    server = Server(r["server_argv"], raw / f"server-{r['name']}.log", env=r.get("env"))
             except RuntimeError as e:
                 print(f"[run] {r['name']}: {e}", flush=True)
                 results[r["name"]] = {"error": str(e)}
@@ -538,7 +545,8 @@ def _run_lane(rows: list[dict], raw: Path, deadline: float | None) -> dict:
             print(f"[run] {r['name']}: {r['cmd']}", flush=True)
             t0 = time.time()
             try:
-                rc = subprocess.run(_python_argv(r["argv"]), cwd=ROOT, env=_env(), timeout=timeout).returncode
+                rc = subprocess.run(_python_argv(r["argv"]), cwd=ROOT, env=_env(r.get("env")),
+                                    timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
             path = Path(r["result"])
@@ -603,6 +611,8 @@ def summarize(area: str, rows: dict) -> dict:
             return _summary_models(rows)
         if area == "prefix-cache":
             return prefix_cache.summary(rows)
+        if area == "lm-eval":
+            return lm_eval_suite.summary(rows)
         if area == "offload":
             hf = rows.get("hf-offloaded-cache", {}).get("summary", {})
             return {"hf_offload_longest_length": hf.get("longest_length"),
@@ -762,6 +772,8 @@ def markdown(doc: dict) -> str:
         L += [offload.NOTE, "", *offload.table(rows), ""]
     elif area == "gpu-check":
         L += [gpu_check.NOTE, "", *gpu_check.table(rows), ""]
+    elif area == "lm-eval":
+        L += [lm_eval_suite.NOTE, "", *lm_eval_suite.table(rows), ""]
     elif area == "cpu-embedded" and "embedded" in rows and "runs" in rows["embedded"]:
         L += cpu_embedded.table(rows["embedded"])
     for n, d in rows.items():

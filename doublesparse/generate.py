@@ -90,6 +90,8 @@ def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     # every flag is checked before the model loads (seconds), so a typo costs milliseconds
     cfg = engine_config_from_cli(args, enable_double_sparsity=True)
+    if args.max_new_tokens < 1:  # the engine takes 0 (prefill only), which prints nothing here
+        raise UsageError(f"--max-new-tokens must be an integer >= 1, got {args.max_new_tokens}")
     sp = sampling_from_cli(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_p=args.top_p, top_k=args.top_k, stop=tuple(args.stop or ()),
                            ignore_eos=args.ignore_eos, seed=cfg.seed)

@@ -115,8 +115,9 @@ class ParallelLMHead(Linear):
                          exact_top=HEAD_EXACT_TOP)
         self.vocab_size, self.comm = vocab_size, comm
 
-    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING, decode: bool = False) -> torch.Tensor:
-        return self.comm.gather_columns(super().forward(x, tuning, decode))[:, : self.vocab_size]
+    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING, decode: bool = False,
+                exact: bool = False) -> torch.Tensor:
+        return self.comm.gather_columns(super().forward(x, tuning, decode, exact))[:, : self.vocab_size]
 
 
 def parallelize(model: nn.Module, full_config, comm: Collectives) -> nn.Module:

@@ -61,18 +61,19 @@ def pack(batch: ForwardBatch) -> tuple[tuple, torch.Tensor]:
         parts.append(batch.ds_k)
     meta = (batch.mode, batch.num_tokens, batch.batch_size, int(batch.logits_indices.numel()),
             batch.ds_k is not None, batch.rows_host, batch.extend_prefix_lens, batch.extend_lens,
-            batch.ds_sparse)
+            batch.ds_sparse, batch.exact_logits_rows)
     return meta, torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
 
 
 def unpack(meta: tuple, packed: torch.Tensor, backend, tuning) -> ForwardBatch:
-    mode, T, B, N, has_k, rows, prefix, lens, sparse = meta
+    mode, T, B, N, has_k, rows, prefix, lens, sparse, exact = meta
     ids, pos, slots, req, seq, idx, *k = packed.split([T, T, T, B, B, N] + ([B] if has_k else []))
     return ForwardBatch(mode=mode, input_ids=ids, positions=pos, out_slots=slots,
                         req_idx=req.to(torch.int32), seq_lens=seq.to(torch.int32), logits_indices=idx,
                         attn=backend, rows_host=tuple(rows), extend_prefix_lens=tuple(prefix),
                         extend_lens=tuple(lens), tuning=tuning,
-                        ds_k=k[0].to(torch.int32) if has_k else None, ds_sparse=sparse)
+                        ds_k=k[0].to(torch.int32) if has_k else None, ds_sparse=sparse,
+                        exact_logits_rows=tuple(exact))
 
 
 class BroadcastingRunner(ModelRunner):

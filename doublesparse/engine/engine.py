@@ -27,6 +27,7 @@ import torch
 from ..attention.budget import DENSE
 from ..config import EngineConfig
 from . import prefix_cache
+from . import prompt_logprobs as prompt_lp
 from .grammar import GrammarBackend
 from .request import Launched, Request, StepOutput, request_meta, sample_isolated
 from .request_sampling import LOGPROB_COLS, RequestSampling, needs_state, unpack_logprobs
@@ -135,7 +136,8 @@ class Engine:
             raise
         req = Request(rid, ids, sp, gen, frozenset(stop_ids),
                    Detokenizer(self.tokenizer, sp.stop, sp.skip_special_tokens), time.perf_counter(),
-                   sampling=state, group=group)
+                   sampling=state, group=group,
+                   prompt_logprobs=[None] if sp.prompt_logprobs is not None else None)
         self._inbox_by_rid[rid] = req
         self._inbox.append(req)
         return rid
@@ -192,7 +194,10 @@ class Engine:
             if req.finish_reason is not None:  # aborted in the inbox
                 continue
             self._inbox_by_rid.pop(req.rid, None)
-            p.scheduler.add(req.rid, len(req.prompt_ids), req.params.max_new_tokens, req.prompt_ids,
+            # prompt logprobs need every prompt token's logits, which a cached prefix lacks: such
+            # requests neither match nor fill the prefix cache (simple, and always correct)
+            cacheable = None if prompt_lp.wants(req) else req.prompt_ids
+            p.scheduler.add(req.rid, len(req.prompt_ids), req.params.max_new_tokens, cacheable,
                             req.group)
             self._reqs[req.rid] = req
         outs, self._pending = self._pending, []
@@ -239,14 +244,22 @@ class Engine:
         p = self.parts
         t0 = time.perf_counter()
         reqs_out, toks, lps = [], [], []
+        prompt_lps, prefill_only = None, []
         if plan.prefill:
             reqs = [self._reqs[c.rid] for c in plan.prefill]
+            # a prompt that ends here samples its first token, unless it asked for none
+            sampled = [c.last and r.params.max_new_tokens > 0 for r, c in zip(reqs, plan.prefill)]
+            every = [prompt_lp.wants(r) for r in reqs]
             logits = p.runner.prefill([r.row for r in reqs], [c.start for c in plan.prefill],
                                       [r.prompt_ids[c.start:c.end] for r, c in zip(reqs, plan.prefill)],
-                                      [c.last for c in plan.prefill])
+                                      sampled, every if any(every) else None)
+            if any(every):
+                logits, packed, spans = prompt_lp.split(logits, reqs, plan.prefill, sampled)
+                prompt_lps = (*to_host_async(packed), spans) if packed is not None else (None, None, spans)
             for r, c in zip(reqs, plan.prefill):
                 r.num_cached = c.end
-            done = [r for r, c in zip(reqs, plan.prefill) if c.last]
+            prefill_only = [r for r, c, s in zip(reqs, plan.prefill, sampled) if c.last and not s]
+            done = [r for r, s in zip(reqs, sampled) if s]
             if done:
                 t, lp = self._sample(logits, done)
                 lps.append((lp, len(done)))
@@ -277,12 +290,14 @@ class Engine:
             # A prefill-only step (a chunk that is not a prompt's last) samples nothing; it is
             # still collected, through one event, so that its time counts as prefill time.
             tokens, ready = to_host_async(torch.empty(0, dtype=torch.long, device=p.device))
-            return Launched([], tokens, ready, [], t0, True)
+            return Launched([], tokens, ready, [], t0, True, prompt_lps=prompt_lps,
+                            prefill_only=prefill_only)
         for r in reqs_out:
             r.launched += 1
         tokens, ready = to_host_async(torch.cat(toks) if len(toks) > 1 else toks[0])
         sparse = [None] * (len(reqs_out) - len(dec)) + (sparse_rows if dec else [])
-        out = Launched(reqs_out, tokens, ready, sparse, t0, bool(plan.prefill))
+        out = Launched(reqs_out, tokens, ready, sparse, t0, bool(plan.prefill), prompt_lps=prompt_lps,
+                       prefill_only=prefill_only)
         if any(lp is not None for lp, _ in lps):  # a second copy, waited on with the tokens'
             out.logprobs, out.lp_ready = to_host_async(torch.cat([
                 lp if lp is not None else torch.full((n, LOGPROB_COLS), float("nan"),
@@ -317,6 +332,11 @@ class Engine:
             launched.ready.synchronize()
         if launched.lp_ready is not None:
             launched.lp_ready.synchronize()
+        if launched.prompt_lps is not None:
+            host, ready, spans = launched.prompt_lps
+            if ready is not None:
+                ready.synchronize()
+            prompt_lp.attach(host.tolist() if host is not None else [], spans)
         now = time.perf_counter()
         outs = []
         decoded = sparse_any = 0
@@ -336,6 +356,11 @@ class Engine:
             if lp_rows is not None and r.params.logprobs is not None:
                 lp = unpack_logprobs(lp_rows[i], r.params.logprobs)
             outs.append(self._on_token(r, tok, now, lp))
+        for r in launched.prefill_only:  # max_new_tokens 0: the prompt is done, nothing to sample
+            if r.finish_reason is None:
+                out = self._finish(r, "length", [])
+                out.prompt_logprobs = prompt_lp.take(r)
+                outs.append(out)
         c = self.counters
         if decoded:
             c["decode_steps"] += 1
@@ -371,9 +396,10 @@ class Engine:
         if reason:
             out = self._finish(r, reason, [tok], delta)
             out.logprobs = lps
+            out.prompt_logprobs = prompt_lp.take(r)
             return out
         return StepOutput(r.rid, [tok], delta, False, None, len(r.prompt_ids), len(r.output_ids),
-                          logprobs=lps)
+                          logprobs=lps, prompt_logprobs=prompt_lp.take(r))
 
     def _finish(self, r: Request, reason: str, new_ids: list[int], delta: str = "",
                 release_all: bool = False) -> StepOutput:
@@ -398,7 +424,8 @@ class Engine:
         ``sampling_params``: one for all, or a list. Returns, per prompt, ``{"text", "token_ids",
         "meta": {prompt_tokens, completion_tokens, finish_reason, decode_steps,
         sparse_decode_steps, e2e_latency, ttft, decode_latency}}``, plus ``"logprobs"`` (per token:
-        ``(logprob, [(id, logprob)] * k)``) for requests that asked for them."""
+        ``(logprob, [(id, logprob)] * k)``) and ``"prompt_logprobs"`` (per prompt token, None for
+        the first) for requests that asked for them."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
         sps = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -417,12 +444,14 @@ class Engine:
                     results[o.request_id]["token_ids"].extend(o.new_token_ids)
                     if o.logprobs:
                         results[o.request_id].setdefault("logprobs", []).extend(o.logprobs)
+                    if o.prompt_logprobs is not None:
+                        results[o.request_id]["prompt_logprobs"] = o.prompt_logprobs
                     if o.finished:
                         meta = dict(o.meta)
                         results[o.request_id]["text"] = meta.pop("text")
                         results[o.request_id]["meta"] = meta
         return [dict(text=results[r]["text"], token_ids=results[r]["token_ids"], meta=results[r]["meta"],
-                     **({"logprobs": results[r]["logprobs"]} if "logprobs" in results[r] else {}))
+                     **{k: results[r][k] for k in ("logprobs", "prompt_logprobs") if k in results[r]})
                 for r in rids]
 
     def close(self) -> None:

@@ -25,6 +25,9 @@ class ForwardBatch:
     Decode with Double Sparsity: ds_k [B] int32 (device), each request's top-k (attention/budget.py
     DENSE: all its tokens; None: the backend derives them on the device); ds_sparse (host): whether
     the step runs the sparse launches at all.
+    exact_logits_rows (host): rows of the N logits computed from the LM head's own weight instead of
+    a CPU model's packed copy (models/layers.py): a prompt-logprobs request's, every logit of which
+    is read.
     """
 
     mode: str
@@ -42,6 +45,7 @@ class ForwardBatch:
     tuning: KernelTuning = field(default=DEFAULT_TUNING, repr=False)
     ds_k: torch.Tensor | None = None
     ds_sparse: bool = True
+    exact_logits_rows: tuple[int, ...] = ()
 
     @property
     def batch_size(self) -> int:

@@ -69,17 +69,28 @@ class ModelRunner:
     # ------------------------------------------------------------------------------ prefill
     @torch.inference_mode()
     def prefill(self, rows: list[int], prefix_lens: list[int], chunks: list[list[int]],
-                want_logits: list[bool]) -> torch.Tensor:
+                want_logits: list[bool], all_logits: list[bool] | None = None) -> torch.Tensor:
         """Compute new prompt tokens ``chunks[i]`` of request row ``rows[i]`` at positions
-        ``prefix_lens[i] ..``. Returns logits ``[sum(want_logits), V]`` float32, one per request
-        that wants them (its chunk's last token), in order."""
+        ``prefix_lens[i] ..``. Returns logits ``[N, V]`` float32, in chunk order: every token's
+        of chunk ``i`` when ``all_logits[i]`` (prompt logprobs), else its last token's when
+        ``want_logits[i]``, else none."""
         lens = [len(c) for c in chunks]
         T = sum(lens)
         row_t = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), torch.tensor(lens))
         pos = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(prefix_lens, lens)])
         slots = self.memory.assign(row_t, pos, T)
         ends = torch.tensor(lens).cumsum(0) - 1
-        idx = ends[torch.tensor(want_logits, dtype=torch.bool)]
+        exact: tuple[int, ...] = ()
+        if all_logits is None or not any(all_logits):
+            idx = ends[torch.tensor(want_logits, dtype=torch.bool)]
+        else:
+            parts = [torch.arange(e - n + 1, e + 1) if a else torch.tensor([e] if w else [], dtype=torch.int64)
+                     for e, n, w, a in zip(ends.tolist(), lens, want_logits, all_logits)]
+            idx = torch.cat(parts)
+            # every logit of these rows is read: from the LM head's own weight, not a CPU copy
+            # rounded to bf16 (exact, and faster for many rows where the CPU lacks bf16 GEMMs)
+            starts = torch.tensor([0] + [len(p) for p in parts]).cumsum(0).tolist()
+            exact = tuple(j for p, a, s in zip(parts, all_logits, starts) if a for j in range(s, s + len(p)))
         dev = self.device
         batch = ForwardBatch(
             mode="prefill",
@@ -88,7 +99,8 @@ class ModelRunner:
             req_idx=to_device(torch.tensor(rows, dtype=torch.int32), dev),
             seq_lens=to_device(torch.tensor([p + n for p, n in zip(prefix_lens, lens)], dtype=torch.int32), dev),
             logits_indices=to_device(idx, dev), attn=self.backend, rows_host=tuple(rows),
-            extend_prefix_lens=tuple(prefix_lens), extend_lens=tuple(lens), tuning=self.tuning)
+            extend_prefix_lens=tuple(prefix_lens), extend_lens=tuple(lens), tuning=self.tuning,
+            exact_logits_rows=exact)
         self.backend.plan(batch)
         if self.cpu_threads is None:
             return self.model(batch.input_ids, batch.positions, batch)

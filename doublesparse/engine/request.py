@@ -25,6 +25,9 @@ class StepOutput:
     meta: dict | None = None       # set when finished: see Engine.generate
     # per new token, when the request asked for logprobs: (logprob, [(token id, logprob)] x k)
     logprobs: list | None = None
+    # per prompt token, on the request's first output when it asked for prompt_logprobs: None for
+    # the first token, then (logprob, [(token id, logprob)] x k) as above
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Request:
     error: str | None = None       # set when this request's own sampling failed: it ends "error"
     sampling: RequestSampling | None = None  # penalties' history, grammar matcher
     group: str | None = None       # fair-admission group (its client request); None: its own
+    prompt_logprobs: list | None = None  # being filled chunk by chunk, until sent (prompt_logprobs.take)
 
 
 @dataclass
@@ -62,6 +66,10 @@ class Launched:
     has_prefill: bool
     logprobs: torch.Tensor | None = None   # [N, LOGPROB_COLS] float64, host, when any entry asked
     lp_ready: "torch.cuda.Event | None" = None
+    # prompt logprobs of this step's prefill: ([M, LOGPROB_COLS] float64 host, event, spans), see
+    # engine/prompt_logprobs.py
+    prompt_lps: tuple | None = None
+    prefill_only: list = field(default_factory=list)  # prompts that ended here with max_new_tokens 0
 
 
 def sample_isolated(logits: torch.Tensor, reqs: list, grammar) -> tuple:

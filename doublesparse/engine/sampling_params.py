@@ -32,7 +32,8 @@ LOGPROBS_MAX = 20
 class SamplingParams:
     """How one request is decoded.
 
-    temperature: 0 = greedy. top_p in (0, 1]. top_k: <= 0 or None = off. max_new_tokens >= 1.
+    temperature: 0 = greedy. top_p in (0, 1]. top_k: <= 0 or None = off. max_new_tokens >= 0
+    (0: prefill only, nothing sampled; the request ends with finish_reason "length").
     stop: strings ending generation (not included in the text). stop_token_ids: extra ids that end
     generation (the model's EOS ids too, unless ignore_eos). seed: per-request sampling seed
     (None: derived from the engine seed and the request's arrival order).
@@ -71,6 +72,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     json_schema: str | None = None
     ebnf: str | None = None
     regex: str | None = None
@@ -87,8 +89,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         ids = () if self.stop_token_ids is None else tuple(int(i) for i in self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", ids)
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if self.max_new_tokens > _INT64_MAX:
             raise ValueError(f"max_new_tokens must be at most {_INT64_MAX}, got {self.max_new_tokens!r}")
         t = _finite(self.temperature, "temperature", "a finite number >= 0")
@@ -128,9 +130,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2.0 <= _finite(v, name, "a finite number in [-2, 2]") <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= LOGPROBS_MAX):
-            raise ValueError(f"logprobs must be an integer in [0, {LOGPROBS_MAX}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= LOGPROBS_MAX):
+                raise ValueError(f"{name} must be an integer in [0, {LOGPROBS_MAX}], got {v!r}")
         for name in ("json_schema", "ebnf", "regex"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v.strip()):

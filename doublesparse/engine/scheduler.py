@@ -144,8 +144,8 @@ class Scheduler:
         """Raise RequestRefused if such a request could never run."""
         if prompt_len <= 0:
             raise RequestRefused("the prompt is empty (0 tokens)")
-        if max_new_tokens <= 0:
-            raise RequestRefused(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if max_new_tokens < 0:
+            raise RequestRefused(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         need = prompt_len + max_new_tokens
         if need > self.max_context_len:
             raise RequestRefused(

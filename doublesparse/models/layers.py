@@ -75,7 +75,8 @@ class Linear(nn.Module):
     bf16 copy in every forward. Both kernels give each row the same result whatever the other
     rows are, so a request's greedy tokens do not depend on the batch it decodes in.
     ``exact_top``: for an LM head, how many largest outputs per row a bf16 copy recomputes in
-    float32 (``packed.refine_top``).
+    float32 (``packed.refine_top``). ``forward(exact=True)`` multiplies by W itself (an LM head's
+    rows whose every logit is read: prompt logprobs).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None,
@@ -86,9 +87,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.packed = None
 
-    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING, decode: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING, decode: bool = False,
+                exact: bool = False) -> torch.Tensor:
         p = self.packed
-        if p is not None and x.dim() == 2 and x.device.type == "cpu" and (decode or p.kind == "bf16"):
+        if p is not None and not exact and x.dim() == 2 and x.device.type == "cpu" and (decode or p.kind == "bf16"):
             y = p.matmul(x)
             if self.bias is not None:
                 y = y + self.bias

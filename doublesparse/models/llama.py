@@ -27,6 +27,31 @@ def _tuning(batch) -> KernelTuning:
     return getattr(batch, "tuning", DEFAULT_TUNING)
 
 
+def _head_split(head, x: torch.Tensor, exact: tuple[int, ...], tuning, decode: bool) -> torch.Tensor:
+    """Logits [N, V] float32 of x [N, H]: rows ``exact`` through the head's own weight (every
+    logit of them is read: prompt logprobs), the others as without them, so their values do not
+    depend on whether such rows share the forward. Every tensor-parallel rank makes the same
+    calls (``exact`` is host data)."""
+    n = x.shape[0]
+    ex = set(exact)
+    rest = [i for i in range(n) if i not in ex]
+
+    def rows(ids: list[int]) -> torch.Tensor:
+        # index tensors, not a bool mask (whose indexing syncs), copied pinned and asynchronously
+        t = torch.tensor(ids, dtype=torch.int64)
+        return t.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else t
+
+    ie = rows(sorted(ex))
+    ye = head(x.index_select(0, ie), tuning, decode, exact=True).float()
+    if not rest:
+        return ye
+    io = rows(rest)
+    y = torch.empty(n, ye.shape[1], dtype=torch.float32, device=x.device)
+    y.index_copy_(0, ie, ye)
+    y.index_copy_(0, io, head(x.index_select(0, io), tuning, decode).float())
+    return y
+
+
 def is_decode(batch) -> bool:
     """Whether the forward decodes (one new token per request): CPU linear layers then multiply
     by their packed int4 copies (models/packed.py); prefill forwards keep the float weights."""
@@ -176,7 +201,10 @@ class LlamaModel(nn.Module):
             if idx is not None:
                 x = x.index_select(0, idx)
             x = self.norm(x, tuning=tuning)
-        return self.lm_head(x, tuning, is_decode(batch)).float()
+        exact = getattr(batch, "exact_logits_rows", ())
+        if not exact:
+            return self.lm_head(x, tuning, is_decode(batch)).float()
+        return _head_split(self.lm_head, x, exact, tuning, is_decode(batch))
 
     def extra_repr(self) -> str:
         c = self.config

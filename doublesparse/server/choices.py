@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from doublesparse.server.generation import Generation
 from doublesparse.server.http import sse
-from doublesparse.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from doublesparse.server.logprobs import TokenText, chat_logprobs, completion_logprobs, echo_logprobs
 from doublesparse.server.protocol import APIError
 from doublesparse.server.tools import parse_tool_calls
 
@@ -46,6 +46,7 @@ class Choice:
     offset: int = 0               # text length sent so far (completions' text_offset)
     held: list = field(default_factory=list)   # text kept back until the end (tool parsing)
     feeder: "Feeder | None" = None  # the fan-out's submission window, shared by its siblings
+    echoed: bool = False          # streamed: the prompt went out (with echo and logprobs, late)
 
 
 @dataclass
@@ -60,6 +61,9 @@ class Fanout:
     chat: bool
     want_logprobs: bool           # the client asked (best_of may ask internally too)
     tools: bool = False           # parse <tool_call> blocks out of the text
+    # echo with logprobs: the echoed prompt carries its tokens' logprobs (the engine's prompt
+    # logprobs), ahead of the completion's
+    echo_logprobs: bool = False
     parallel_tool_calls: bool = True
     tool_names: frozenset = frozenset()   # the request's tools: bare call objects naming them count
 
@@ -236,8 +240,13 @@ def response_choice(fo: Fanout, c: Choice, tt: TokenText | None) -> dict:
     g = c.gen
     lp = None
     if fo.want_logprobs and tt is not None:
-        lp = (chat_logprobs(tt, g.token_ids, g.token_logprobs) if fo.chat else
-              completion_logprobs(tt, g.token_ids, g.token_logprobs, len(c.prefix)))
+        if fo.chat:
+            lp = chat_logprobs(tt, g.token_ids, g.token_logprobs)
+        elif fo.echo_logprobs:
+            lp = echo_logprobs(tt, fo.prompts[c.prompt_i], g.prompt_logprobs, g.token_ids,
+                               g.token_logprobs, len(c.prefix))
+        else:
+            lp = completion_logprobs(tt, g.token_ids, g.token_logprobs, len(c.prefix))
     if not fo.chat:
         return {"index": c.index, "text": c.prefix + g.text, "logprobs": lp,
                 "finish_reason": g.finish_reason}
@@ -281,14 +290,23 @@ async def stream(fo: Fanout, choices: list[Choice], base: dict, include_usage: b
         c.offset = out["text_offset"][-1] + len(out["tokens"][-1])
         return out
 
+    def echo(c: Choice) -> str:
+        """The echoed prompt; with logprobs, once its logprobs arrived (with the first output)."""
+        c.echoed = True
+        lp = None
+        if fo.echo_logprobs and tt is not None:
+            ids = fo.prompts[c.prompt_i]
+            lp = completion_logprobs(tt, ids, c.gen.prompt_logprobs or [None] * len(ids), 0)
+        return chunk(c, {"text": c.prefix}, None, lp)
+
     tasks: list[asyncio.Task] = []
     try:
         tasks = await _spawn(choices, pump)
         for k, c in enumerate(choices):
             if fo.chat:
                 yield chunk(c, {"delta": {"role": "assistant", "content": ""}}, None)
-            elif c.prefix:
-                yield chunk(c, {"text": c.prefix}, None)
+            elif c.prefix and not fo.echo_logprobs:
+                yield echo(c)
             if k % SUBMIT_CHUNK == SUBMIT_CHUNK - 1:
                 await asyncio.sleep(0)  # let other requests run between chunks of a fan-out
         live = len(choices)
@@ -298,6 +316,8 @@ async def stream(fo: Fanout, choices: list[Choice], base: dict, include_usage: b
                 log_stream_error(end, base["id"])
                 yield sse(end.body())
                 break
+            if c.prefix and not c.echoed and not fo.chat:
+                yield echo(c)
             if end == "end":
                 live -= 1
                 yield _final(fo, c, chunk)

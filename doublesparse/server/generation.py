@@ -38,6 +38,7 @@ class Generation:
         self.text = ""
         self.token_ids: list[int] = []       # every generated token id
         self.token_logprobs: list = []       # per token, when logprobs were asked for
+        self.prompt_logprobs: list | None = None  # per prompt token (None first), when asked for
         self.watch = watch                   # False: the caller watches for the disconnect
         self.disconnected = False
         self._pending: list[Any] = []
@@ -147,11 +148,17 @@ class Generation:
         ids = list(getattr(ev, "new_token_ids", None) or [])
         self.token_ids += ids
         self.token_logprobs += getattr(ev, "logprobs", None) or []
+        if getattr(ev, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = ev.prompt_logprobs
         now = time.perf_counter()
         if ids and self._t_first is None:
             self._t_first = now
             self.metrics.ttft.observe(now - self._t0)
             self.metrics.prompt_tokens.inc(self.prompt_tokens)
+        elif (self._t_first is None and getattr(ev, "finished", False)
+              and getattr(ev, "finish_reason", None) == "length"):
+            self._t_first = now  # prefill only (max_new_tokens 0): its prompt was processed too
+            self.metrics.prompt_tokens.inc(int(getattr(ev, "prompt_tokens", 0) or self.prompt_tokens))
         self.metrics.generation_tokens.inc(len(ids))
         self.completion_tokens = int(getattr(ev, "completion_tokens", 0) or
                                      self.completion_tokens + len(ids))

@@ -71,15 +71,33 @@ def chat_logprobs(tt: TokenText, ids: list[int], lps: list) -> dict:
 def completion_logprobs(tt: TokenText, ids: list[int], lps: list, offset: int) -> dict:
     """``choices[i].logprobs`` of a completion: ``offset`` is the text length before the first
     of these tokens (for ``text_offset``). ``top_logprobs`` holds the k alternatives and the
-    sampled token, as in vLLM."""
-    tokens, offsets, tops = [], [], []
-    for i, (lp, top) in zip(ids, lps):
+    sampled token, as in vLLM. An entry of ``lps`` may be None (a prompt's first token, which
+    nothing predicts): its ``token_logprobs`` and ``top_logprobs`` entries are null, as OpenAI's."""
+    tokens, offsets, token_lps, tops = [], [], [], []
+    for i, e in zip(ids, lps):
         s = tt.text(i)
         tokens.append(s)
         offsets.append(offset)
         offset += len(s)
+        if e is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        lp, top = e
         d = {tt.text(j): v for j, v in top}
         d.setdefault(s, lp)
+        token_lps.append(lp)
         tops.append(d)
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps], "top_logprobs": tops,
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def echo_logprobs(tt: TokenText, prompt_ids: list[int], prompt_lps: list | None, ids: list[int],
+                  lps: list, prompt_text_len: int) -> dict:
+    """``choices[i].logprobs`` of a completion with ``echo``: the prompt's tokens (offsets from 0)
+    then the completion's (offsets from the echoed prompt text's length), one object, as OpenAI's
+    legacy completions and vLLM return it (lm-evaluation-harness scores continuations with it).
+    ``prompt_lps`` None (the request ended before its prompt was scored): nulls."""
+    head = completion_logprobs(tt, prompt_ids, prompt_lps or [None] * len(prompt_ids), 0)
+    tail = completion_logprobs(tt, ids, lps, prompt_text_len)
+    return {k: head[k] + tail[k] for k in head}

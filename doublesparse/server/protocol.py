@@ -253,9 +253,6 @@ def unsupported(req: BaseModel) -> None:
             raise APIError(f"best_of ({best_of}) must be at least n ({req.n})", param="best_of")
         if best_of > req.n and req.stream:
             raise APIError("best_of > n cannot be streamed", param="best_of")
-    if getattr(req, "echo", False) and getattr(req, "logprobs", None) is not None:
-        raise APIError("echo with logprobs needs the prompt's logprobs, which this server does not "
-                       "compute; drop one of them", param="echo", code="unsupported")
     if getattr(req, "top_logprobs", None) is not None and not getattr(req, "logprobs", False):
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
     choice = getattr(req, "tool_choice", None)

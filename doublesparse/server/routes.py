@@ -92,8 +92,9 @@ async def _prompt_ids(st: ServerState, prompt: Any, param: str) -> list[int]:
 
 
 def _max_new(st: ServerState, n_prompt: int, asked: int | None, default: int | None,
-             param: str, prompt_param: str) -> int:
-    """Explicit values are checked, defaults are clamped: never silently shorten an ask."""
+             param: str, prompt_param: str, zero_ok: bool = False) -> int:
+    """Explicit values are checked, defaults are clamped: never silently shorten an ask.
+    ``zero_ok``: 0 (prefill only) is allowed (completions with echo)."""
     ctx, limit = st.max_context, st.cfg.max_new_tokens_limit
     kv_total = int(stat(st.worker.snapshot, "kv_total")) or None
     if ctx and n_prompt >= ctx:
@@ -103,8 +104,10 @@ def _max_new(st: ServerState, n_prompt: int, asked: int | None, default: int | N
         room = [x for x in (default, limit, ctx and ctx - n_prompt,
                             kv_total and kv_total - n_prompt) if x is not None]
         asked = max(1, min(room)) if room else 16
-    elif asked <= 0:
-        raise APIError(f"{param} must be at least 1, got {asked}", param=param)
+    elif asked < 0 or (asked == 0 and not zero_ok):
+        hint = " (0, the prompt alone, needs echo=true)" if asked == 0 and param == "max_tokens" \
+            and prompt_param == "prompt" else ""
+        raise APIError(f"{param} must be at least 1, got {asked}{hint}", param=param)
     elif limit and asked > limit:
         raise APIError(f"{param}={asked} exceeds this server's limit of {limit}", param=param)
     elif ctx and n_prompt + asked > ctx:
@@ -144,12 +147,18 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
         st.admission.check_choices(len(_prompt_list(req.prompt)[0]), req.n, req.best_of)
         prompts = await _prompts(st, req.prompt, "prompt")
         max_new = min(_max_new(st, len(ids), req.max_tokens, st.cfg.default_completion_tokens,
-                               "max_tokens", "prompt") for ids in prompts)
+                               "max_tokens", "prompt", zero_ok=req.echo) for ids in prompts)
         echo = [_echo_text(st, req.prompt, i) for i in range(len(prompts))] if req.echo else \
             [""] * len(prompts)
+        scored = req.echo and req.logprobs is not None
         fo = C.Fanout(prompts, echo, req.n, req.best_of or req.n, chat=False,
-                      want_logprobs=req.logprobs is not None)
-        return await _run_openai(st, request, req, fo, _sampling(st, req, max_new))
+                      want_logprobs=req.logprobs is not None, echo_logprobs=scored)
+        sp = _sampling(st, req, max_new)
+        if scored or max_new == 0:
+            _check_scoring(st, "echo" if scored else "max_tokens")
+        if scored:
+            sp["prompt_logprobs"] = req.logprobs  # from the prefill, dense whether or not DS is on
+        return await _run_openai(st, request, req, fo, sp)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -227,6 +236,15 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
                 yield sse(e.body())
             yield "data: [DONE]\n\n"
         return stream_response(native_stream())
+
+
+def _check_scoring(st: ServerState, param: str) -> None:
+    """echo with logprobs needs the engine's prompt logprobs, max_tokens=0 a prefill-only request:
+    engines that have prompt_logprobs do both."""
+    if "prompt_logprobs" not in st.sampling_fields:
+        what = "echo with logprobs" if param == "echo" else "max_tokens=0"
+        raise APIError(f"{what} needs prompt logprobs / prefill-only requests, which this engine "
+                       "does not support", param=param, code="unsupported")
 
 
 def _echo_text(st: ServerState, prompt: Any, i: int) -> str:

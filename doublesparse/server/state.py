@@ -36,6 +36,7 @@ class ServerState:
         self.model_name = cfg.served_model_name or default_model_name(engine)
         self.max_context = int(getattr(engine, "max_context_len", 0) or 0) or None
         self.ds_supported = engine_supports_ds(engine)
+        self.sampling_fields = engine_sampling_fields(engine)
         self.vocab_size = vocab_size(engine)
         self.draining = False
         self.admission = Admission(cfg.max_choices_per_request, cfg.max_requests_per_client)
@@ -63,18 +64,22 @@ def default_model_name(engine: Any) -> str:
     return name.replace(" ", "-") if isinstance(name, str) and name else "doublesparse-model"
 
 
-def engine_supports_ds(engine: Any) -> bool:
-    """Per-request DS overrides are honoured only if the engine's SamplingParams carries them."""
+def engine_sampling_fields(engine: Any) -> frozenset[str]:
+    """The fields of the engine's SamplingParams: what a request may ask of it."""
     cls = getattr(engine, "sampling_params_cls", None)
     if cls is None:
         try:
             from doublesparse.engine.sampling_params import SamplingParams as cls
         except Exception:
-            return False
+            return frozenset()
     if dataclasses.is_dataclass(cls):
-        names = {f.name for f in dataclasses.fields(cls)}
-    else:
-        names = set(getattr(cls, "model_fields", {}) or getattr(cls, "__annotations__", {}))
+        return frozenset(f.name for f in dataclasses.fields(cls))
+    return frozenset(getattr(cls, "model_fields", {}) or getattr(cls, "__annotations__", {}))
+
+
+def engine_supports_ds(engine: Any) -> bool:
+    """Per-request DS overrides are honoured only if the engine's SamplingParams carries them."""
+    names = engine_sampling_fields(engine)
     return all(f in names for f in DS_FIELDS)
 
 

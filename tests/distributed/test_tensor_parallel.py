@@ -12,7 +12,7 @@ import pytest
 
 from doublesparse.distributed.group import TPError, TPGroup
 from doublesparse.testing import random_channel_config, tiny_family, tiny_llama
-from tp_utils import DS, GREEDY, check_same, engine
+from tp_utils import DS, GREEDY, check_same, engine, prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,6 +63,22 @@ def test_latent_attention_dense(group):
         engine(model, group, 2, **DS)
 
 
+def test_prompt_logprobs(group, llama):
+    """A scoring request's rows take the LM head's second call on every rank: the same prompt
+    logprobs and tokens as tp_size 1, beside a request that does not score."""
+    ref, par = engine(llama), engine(llama, group, 2)
+    try:
+        ps = prompts(2, seed=4)
+        sps = [{**GREEDY, "max_new_tokens": 2, "prompt_logprobs": 2}, {**GREEDY, "max_new_tokens": 2}]
+        a, b = ref.generate(ps, sps), par.generate(ps, sps)
+        assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
+        assert len(b[0]["prompt_logprobs"]) == len(ps[0])
+        for x, y in zip(a[0]["prompt_logprobs"][1:], b[0]["prompt_logprobs"][1:]):
+            assert x[0] == pytest.approx(y[0], abs=1e-4)
+    finally:
+        par.close()
+
+
 def test_dead_rank_is_an_error_not_a_hang(group, llama):
     e = engine(llama, group, 2)
     e.generate([[5, 6, 7]], {**GREEDY, "max_new_tokens": 2})
@@ -74,3 +90,4 @@ def test_dead_rank_is_an_error_not_a_hang(group, llama):
     with pytest.raises(TPError):  # the server's reset after a failed step: the engine is dead
         e.fail_running(RuntimeError("step failed"))
     e.close()
+

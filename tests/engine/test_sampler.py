@@ -65,8 +65,11 @@ def test_temperature_matches_distribution():
     (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
-    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=-1), "max_new_tokens"),
     (dict(max_new_tokens=-3), "max_new_tokens"),
+    (dict(max_new_tokens=1.5), "max_new_tokens"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"),
+    (dict(prompt_logprobs=True), "prompt_logprobs"),
     (dict(stop=[""]), "stop"),
     (dict(ds_heavy_token_num=0), "ds_heavy_token_num"),
 ])

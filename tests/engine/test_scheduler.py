@@ -91,8 +91,10 @@ def test_refusals_are_clear():
     with pytest.raises(RequestRefused, match="empty"):
         s.add("x", 0, 4)
     with pytest.raises(RequestRefused, match="max_new_tokens"):
-        s.add("x", 4, 0)
+        s.add("x", 4, -1)
     assert not s.has_unfinished()  # a refusal leaves nothing queued
+    s.add("p", 4, 0)  # prefill only: reserves its prompt
+    assert s.schedule().prefill[0].last and s.reserved_tokens == 4
 
 
 def test_abort_waiting_and_running():

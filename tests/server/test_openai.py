@@ -182,7 +182,6 @@ def test_tool_calls(c):
     ({"prompt": "a", "n": 0}, "n"),
     ({"prompt": "a", "n": 129}, "n"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
-    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "a", "n": 2, "best_of": 1}, "best_of"),
     ({"prompt": "a", "n": 1, "best_of": 2, "stream": True}, "best_of"),
     ({"prompt": "a", "suffix": "b"}, "suffix"),
