@@ -129,6 +129,8 @@ def run(args, model=None, tokenizer=None, argv_for_meta=None) -> dict:
                            progress=not args.quiet, cpu_threads=threads,
                            recall_samples=getattr(args, "recall_samples", RECALL_SAMPLES),
                            candidates=tuple(getattr(args, "modes", None) or CANDIDATES), meta=meta, op=op)
+    if OP_KEY in cfg:
+        cfg[OP_KEY]["command"] = meta["command"]
     if args.output is None:
         args.output = str(default_output(cfg[META_KEY]["model"]))
     save_config(cfg, args.output)

@@ -89,7 +89,8 @@ class OperatingPoint:
                           ("ds_heavy_token_ratio", self.token_ratio), ("ds_heavy_token_min", self.token_min)):
             if getattr(cfg, name) is None:
                 kw[name] = val
-        if self.top_p and cfg.ds_budget_mode is None and cfg.ds_heavy_token_num is None:
+        # DS-Offload runs no top-p budget: there the point's upper bound is every request's k
+        if self.top_p and cfg.ds_budget_mode is None and cfg.ds_heavy_token_num is None and not cfg.enable_ds_offload:
             kw["ds_budget_mode"] = "top_p"
             if cfg.ds_budget_top_p is None:
                 kw["ds_budget_top_p"] = self.top_p

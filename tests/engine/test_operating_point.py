@@ -75,6 +75,7 @@ def test_flags_override_the_point_field_by_field():
     assert got.budget_mode == "ratio"
     assert p.overridden(user) == {"ds_heavy_channel_num": 8, "ds_heavy_token_min": 64,
                                   "ds_selection_mode": "group_max", "ds_budget_mode": "ratio"}
+    assert p.fill(_flags("--enable-ds-offload")).budget_mode == "ratio"     # offload runs no top-p
     fixed = p.fill(_flags("--ds-heavy-token-num", "100"))      # a fixed k keeps the fixed budget
     assert fixed.budget_mode == "fixed" and fixed.token_budget(4096).k_max == 100
     assert EngineConfig().token_budget(8192).k_min == 512    # unset and unfilled: the old fallbacks
