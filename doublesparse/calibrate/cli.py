@@ -3,7 +3,7 @@
     python -m doublesparse.calibrate [--output cfg.json] [--model-path P] [--text FILE ...]
         [--num-samples 12] [--seq-len 2048] [--device cpu] [--cpu-threads 0] [--recall-samples 4]
         [--modes group_sum group_max] [--no-operating-point] [--op-kl-target 0.015]
-        [--op-seq-len 8192] [--op-windows 2] [--op-decode-len 128] [--op-full-grid]
+        [--op-seq-len N] [--op-windows 2] [--op-decode-len 128] [--op-full-grid]
         [--from-config cfg.json]
 
 Without ``--output`` the config goes to ``doublesparse-calibrate/<model>-<date>-<time>.json`` in the
@@ -32,7 +32,7 @@ from doublesparse.cli_common import (
 )
 
 from .channels import META_KEY, MODES, read_config, save_config
-from .frontier import DECODE_LEN, KL_TARGET, NUM_WINDOWS, SEQ_LEN, OpSettings
+from .frontier import DECODE_LEN, KL_TARGET, NUM_WINDOWS, SEQ_LEN_CPU, SEQ_LEN_GPU, OpSettings
 from .pipeline import OP_KEY, RECALL_SAMPLES, build_config, point_for_config
 from .recall import CANDIDATES
 from .texts import CALIBRATION_PLAYS, read_texts
@@ -74,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--op-kl-target", type=positive_float, default=KL_TARGET,
                    help="KL(dense || DS) in nats per token the point must stay under (0.015: about +1.5 %% "
                         "perplexity)")
-    p.add_argument("--op-seq-len", type=positive_int, default=SEQ_LEN,
-                   help="tokens per measured window (capped at the model's context; longer is less "
-                        "conservative for long requests and slower)")
+    p.add_argument("--op-seq-len", type=positive_int, default=None,
+                   help=f"tokens per measured window (default: {SEQ_LEN_GPU} on a GPU, {SEQ_LEN_CPU} on a CPU; "
+                        f"capped at the model's context; longer is less conservative for long requests "
+                        f"and slower)")
     p.add_argument("--op-windows", type=positive_int, default=NUM_WINDOWS, help="measured windows")
     p.add_argument("--op-decode-len", type=positive_int, default=DECODE_LEN,
                    help="last tokens of each window decoded through the sparse path and scored")
@@ -94,7 +95,7 @@ def op_settings(args) -> OpSettings | None:
     if not getattr(args, "operating_point", True):
         return None
     try:
-        return OpSettings(getattr(args, "op_kl_target", KL_TARGET), getattr(args, "op_seq_len", SEQ_LEN),
+        return OpSettings(getattr(args, "op_kl_target", KL_TARGET), getattr(args, "op_seq_len", None),
                           getattr(args, "op_windows", NUM_WINDOWS), getattr(args, "op_decode_len", DECODE_LEN),
                           getattr(args, "op_full_grid", False))
     except ValueError as e:

@@ -44,7 +44,9 @@ from .threads import num_threads
 # ln(1.015) = 0.0149: over scored tokens, the mean KL(dense || DS) tracks the log of the
 # perplexity ratio (docs/accuracy.md), so the target holds perplexity to about +1.5 %
 KL_TARGET = 0.015
-SEQ_LEN, NUM_WINDOWS, DECODE_LEN = 8192, 2, 128
+# measured windows: as long as a GPU measures in a minute or two; on a CPU half that (a 1.5B
+# model's 8K prefill and 24 points took 30 min on 2 cores)
+SEQ_LEN_GPU, SEQ_LEN_CPU, NUM_WINDOWS, DECODE_LEN = 16384, 8192, 2, 128
 RATIOS = (1 / 32, 1 / 16, 1 / 8, 1 / 4)
 REFERENCE_RATIO = 1 / 16
 SINK_RECENT = ((4, 32), (8, 64))
@@ -57,12 +59,12 @@ RULE = ("the fewest bytes per decode step whose KL(dense || DS) <= kl_target; ti
 @dataclass(frozen=True)
 class OpSettings:
     """How the point is measured: ``kl_target`` nats per token; ``num_windows`` windows of
-    ``seq_len`` tokens (capped at the model's context), the last ``decode_len - 1`` of each
-    decoded and scored; ``full_grid``: measure every budget, not only up to the cheapest under
-    the target."""
+    ``seq_len`` tokens (None: :data:`SEQ_LEN_GPU` on a GPU, :data:`SEQ_LEN_CPU` on a CPU; capped
+    at the model's context, :meth:`length`), the last ``decode_len - 1`` of each decoded and
+    scored; ``full_grid``: measure every budget, not only up to the cheapest under the target."""
 
     kl_target: float = KL_TARGET
-    seq_len: int = SEQ_LEN
+    seq_len: int | None = None
     num_windows: int = NUM_WINDOWS
     decode_len: int = DECODE_LEN
     full_grid: bool = False
@@ -72,10 +74,15 @@ class OpSettings:
             raise ValueError(f"kl_target must be a positive number, got {self.kl_target!r}")
         for name in ("seq_len", "num_windows", "decode_len"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if (v is not None or name != "seq_len") and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.decode_len < 2 or self.decode_len >= self.seq_len:
+        if self.decode_len < 2 or self.decode_len >= (self.seq_len or SEQ_LEN_CPU):
             raise ValueError(f"decode_len must be in [2, seq_len), got {self.decode_len} for seq_len {self.seq_len}")
+
+    def length(self, device, max_context: int) -> int:
+        """The measured windows' length on ``device`` for a model of ``max_context`` tokens."""
+        n = self.seq_len or (SEQ_LEN_GPU if torch.device(device).type == "cuda" else SEQ_LEN_CPU)
+        return min(n, int(max_context))
 
     def key(self) -> dict:
         return {"kl_target": self.kl_target, "seq_len": self.seq_len, "num_windows": self.num_windows,
@@ -230,7 +237,7 @@ def choose_point(model, ids: list[int], used: list[tuple[int, int]], channel_cfg
 
     t0 = time.perf_counter()
     c = model.config
-    seq_len = min(op.seq_len, int(c.max_position_embeddings))
+    seq_len = op.length(device, int(c.max_position_embeddings))
     starts = held_apart_windows(len(ids), used, seq_len, op.num_windows)
     windows = [ids[s:s + seq_len] for s in starts]
     cache: dict = {}

@@ -21,7 +21,7 @@ import torch
 
 from ..assets import cache_dir
 from ..engine.channel_config import FORMAT_VERSION, save_config
-from .frontier import RULE, OpSettings
+from .frontier import DECODE_LEN, RULE, OpSettings
 from .pipeline import RECALL, RECALL_SAMPLES, STATISTIC, build_config
 from .recall import CANDIDATES
 from .texts import CALIBRATION_PLAYS, read_texts, text_hash
@@ -97,12 +97,14 @@ def ensure_config(model, tokenizer, model_file: str | Path | None, progress: boo
     c = model.config
     seq_len = min(SEQ_LEN, int(c.max_position_embeddings))
     key = model_sha256(model_file, model)
-    op = OpSettings()
+    device = next(model.parameters()).device
+    # the measured length depends on the device: part of the cache key
+    n = OpSettings().length(device, int(c.max_position_embeddings))
+    op = OpSettings(seq_len=n, decode_len=min(DECODE_LEN, max(2, n // 2)))
     path = cache_dir() / "channels" / f"{key[:16]}-{settings_hash(texts, NUM_SAMPLES, seq_len, op)}.json"
     if path.is_file():
         log.info("channel config: calibrated earlier, %s", path)
         return path
-    device = next(model.parameters()).device
     log.warning("channel config: calibrating %s once on the packaged text (%d x %d tokens); the "
                 "result is cached at %s", getattr(c, "name", "the model"), NUM_SAMPLES, seq_len, path)
     meta = {"texts": "given" if given else list(CALIBRATION_PLAYS),

@@ -25,10 +25,11 @@ SOURCES = ("calibrated", "shape default")
 # the EngineConfig fields a point fills, under these names in the config's "chosen" object
 POINT_FIELDS = ("ds_heavy_channel_num", "ds_heavy_token_ratio", "ds_heavy_token_min",
                 "ds_selection_mode", "ds_num_sink", "ds_num_recent", "ds_budget_top_p")
-# widest query group that keeps group_max by default; wider groups select with group_sum
-# (docs/accuracy.md "Operating point": group_max won on SmolLM2, query group 3; group_sum on the
-# query-group-6 and -7 Qwen2.5 models)
-GROUP_MAX_WIDEST = 4
+# the measured evidence of the shape rule (docs/accuracy.md, "Operating point"): group_max was the
+# better selection on SmolLM2-135M (query group 3) and Qwen2.5-Coder-1.5B (group 6); group_sum on
+# Qwen2.5-0.5B (group 7); the 1.5B needed 4x SmolLM2's token ratio for the same KL
+GROUP_MAX_WIDEST = 6
+NARROW_GROUP = 4
 
 
 @dataclass(frozen=True)
@@ -148,23 +149,24 @@ class OperatingPoint:
 
 
 def shape_default(num_q_heads: int, num_kv_heads: int, head_dim: int) -> OperatingPoint:
-    """The point of a model without a calibrated one, from its shape (docs/accuracy.md,
-    "Operating point": measured on SmolLM2-135M and Qwen2.5-Coder-1.5B):
+    """The point of a model without a calibrated one, from its shape: what calibration chose on
+    the models measured (docs/accuracy.md, "Operating point"; KL target 0.015 at 8K tokens):
 
-    - selection: ``group_max`` for query groups of at most :data:`GROUP_MAX_WIDEST` heads,
-      else ``group_sum`` (a max over many heads keeps tokens that one head wants sharply and
-      loses the ones the group shares);
-    - r = min(16, head_dim / 4);
-    - k = 1/16 of the length, at least 512, for query groups of at most 4; 1/8, at least 1024,
-      for wider groups (one token set serves more heads, so it must be larger);
+    - r = head_dim / 4 (SmolLM2-135M, head_dim 64: 16; Qwen2.5-Coder-1.5B, head_dim 128: 32;
+      at equal bytes both did better with it than with half or twice as many channels);
+    - k = 1/16 of the length, at least 512, for query groups of up to :data:`NARROW_GROUP` heads
+      (SmolLM2, group 3); 1/4, at least 2048, for wider ones (the 1.5B, group 6: one token set
+      serves more heads); the floor is the k those points were measured with (at 8K);
+    - ``group_max`` up to query groups of :data:`GROUP_MAX_WIDEST`, ``group_sum`` beyond (a max
+      over many heads keeps the tokens one head wants sharply and loses those the group shares);
     - 4 sink + 32 recent tokens.
     """
     g = max(1, num_q_heads // max(1, num_kv_heads))
-    r = min(16, max(1, head_dim // 4))
-    narrow = g <= GROUP_MAX_WIDEST
-    ratio, floor = (1 / 16, 512) if narrow else (1 / 8, 1024)
-    mode = "group_max" if narrow else "group_sum"
-    rule = f"query group {g} {'<=' if narrow else '>'} {GROUP_MAX_WIDEST}, head_dim {head_dim}"
+    r = max(1, head_dim // 4)
+    narrow = g <= NARROW_GROUP
+    ratio, floor = (1 / 16, 512) if narrow else (1 / 4, 2048)
+    mode = "group_max" if g <= GROUP_MAX_WIDEST else "group_sum"
+    rule = f"query group {g}, head_dim {head_dim}"
     return OperatingPoint(r, ratio, floor, mode, rule=rule)
 
 
@@ -231,5 +233,6 @@ def resolve(channel_cfg: dict | None, num_q_heads: int, num_kv_heads: int, head_
     return point
 
 
-__all__ = ["OP_KEY", "OP_VERSION", "POINT_FIELDS", "GROUP_MAX_WIDEST", "OperatingPoint", "shape_default",
+__all__ = ["OP_KEY", "OP_VERSION", "POINT_FIELDS", "GROUP_MAX_WIDEST", "NARROW_GROUP", "OperatingPoint",
+           "shape_default",
            "from_config", "resolve"]

@@ -26,10 +26,10 @@ def _point(**chosen):
 
 @pytest.mark.parametrize("hq,hkv,d,want", [
     (9, 3, 64, (16, 1 / 16, 512, "group_max")),      # SmolLM2-135M: query group 3
-    (12, 2, 128, (16, 1 / 8, 1024, "group_sum")),    # Qwen2.5-Coder-1.5B: group 6
-    (14, 2, 64, (16, 1 / 8, 1024, "group_sum")),     # Qwen2.5-0.5B: group 7
-    (32, 8, 128, (16, 1 / 16, 512, "group_max")),    # Llama-3.1-8B: group 4
-    (4, 2, 16, (4, 1 / 16, 512, "group_max")),       # r = head_dim / 4 for small heads
+    (12, 2, 128, (32, 1 / 4, 2048, "group_max")),    # Qwen2.5-Coder-1.5B: group 6
+    (14, 2, 64, (16, 1 / 4, 2048, "group_sum")),     # Qwen2.5-0.5B: group 7
+    (32, 8, 128, (32, 1 / 16, 512, "group_max")),    # Llama-3.1-8B: group 4
+    (4, 2, 16, (4, 1 / 16, 512, "group_max")),
 ])
 def test_shape_default(hq, hkv, d, want):
     p = op.shape_default(hq, hkv, d)
@@ -112,6 +112,6 @@ def test_engine_without_config_takes_the_shape_default():
     e = _engine(wide)
     pt = e.operating_point
     assert pt["source"] == "shape default" and pt["selection"] == "group_sum" and "query group 7" in pt["rule"]
-    assert e.parts.ds.mode == "group_sum" and e.parts.ds.policy.budget.ratio == 1 / 8
+    assert e.parts.ds.mode == "group_sum" and e.parts.ds.policy.budget.ratio == 1 / 4
     assert Engine(model=wide, tokenizer=ByteTokenizer(), progress=False,
                   max_total_tokens=1024).operating_point is None          # Double Sparsity off
