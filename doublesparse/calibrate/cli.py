@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="intra-op threads; 0 (default): per sample, whichever of torch's count and 1 "
                         "measured faster (on a shared machine 1 thread often wins)")
     p.add_argument("--recall-samples", type=nonnegative_int, default=RECALL_SAMPLES,
-                   help="windows on which each selection mode's attention recall is measured to choose "
-                        "every layer's mode (0: record no modes)")
+                   help="windows on which each selection mode's attention recall is measured; its "
+                        "per-layer choice is recorded, and is one candidate of the operating point "
+                        "(0: none)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(CANDIDATES),
                    help="selection modes a layer may get (default: the two that read the same bytes; "
                         "per_head reads num_q_heads / num_kv_heads times the K/V)")
