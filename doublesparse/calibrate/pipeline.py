@@ -43,7 +43,8 @@ def build_config(model, tokenizer, texts: list[str], num_samples: int, seq_len: 
     texts and return the channel-config dict: rankings, per-layer ``ds_mode`` keys chosen from
     the measured recall (``recall_samples`` of the windows; 0: no modes recorded) and the meta
     (``meta`` entries added); with ``op``, then the operating point measured on held-apart
-    windows of the same text (:mod:`.frontier`), its modes in the ``ds_mode`` keys."""
+    windows of the same text (:mod:`.frontier`), its modes in the ``ds_mode`` keys (not for MLA
+    models, whose bytes the candidates' cost does not describe)."""
     ids = _encode_all(tokenizer, texts)
     windows = sample_windows(ids, num_samples, seq_len)
     positions = decode_positions(seq_len)
@@ -73,7 +74,7 @@ def build_config(model, tokenizer, texts: list[str], num_samples: int, seq_len: 
     for i, m in enumerate(info.get("selection", {}).get("per_layer", [])):
         cfg[mode_key(i)] = m
     cfg[META_KEY] = meta  # the meta stays the file's last key
-    if op is not None:
+    if op is not None and getattr(c, "mla", None) is None:
         cfg = add_point(cfg, model, ids, op, device, progress, cpu_threads)
     return cfg
 
@@ -113,6 +114,9 @@ def point_for_config(cfg: dict, model, tokenizer, texts: list[str], op: OpSettin
     """An existing config (its rankings and recall unchanged) with the operating point measured
     anew: ``doublesparse calibrate --from-config``. ``texts`` must be the ones it was calibrated
     on for the held-apart windows to miss its statistics' windows (checked by hash)."""
+    if getattr(model.config, "mla", None) is not None:
+        raise ValueError("the operating point is not measured for MLA models (their decode bytes are "
+                         "one latent row per token); the engine runs its MLA default")
     meta = cfg.get(META_KEY) or {}
     for k in ("num_samples", "seq_len"):
         if k not in meta:

@@ -148,7 +148,7 @@ class OperatingPoint:
         return d
 
 
-def shape_default(num_q_heads: int, num_kv_heads: int, head_dim: int) -> OperatingPoint:
+def shape_default(num_q_heads: int, num_kv_heads: int, head_dim: int, latent: bool = False) -> OperatingPoint:
     """The point of a model without a calibrated one, from its shape: what calibration chose on
     the models measured (docs/accuracy.md, "Operating point"; KL target 0.015 at 8K tokens):
 
@@ -160,7 +160,13 @@ def shape_default(num_q_heads: int, num_kv_heads: int, head_dim: int) -> Operati
     - ``group_max`` up to query groups of :data:`GROUP_MAX_WIDEST`, ``group_sum`` beyond (a max
       over many heads keeps the tokens one head wants sharply and loses those the group shares);
     - 4 sink + 32 recent tokens.
+
+    ``latent``: an MLA model (one latent row per token, ``head_dim`` its width), where none of this
+    was measured: the engine's former defaults (r = min(16, head_dim/4), 1/16 at least 512, group_max).
     """
+    if latent:
+        return OperatingPoint(min(16, max(1, head_dim // 4)), 1 / 16, 512, "group_max",
+                              rule=f"MLA latent rows of {head_dim}: not measured, the former defaults")
     g = max(1, num_q_heads // max(1, num_kv_heads))
     r = max(1, head_dim // 4)
     narrow = g <= NARROW_GROUP
@@ -219,13 +225,14 @@ def from_config(cfg: dict, num_layers: int, head_dim: int,
 
 
 def resolve(channel_cfg: dict | None, num_q_heads: int, num_kv_heads: int, head_dim: int,
-            num_layers: int, recorded: tuple[str, ...] | None = None) -> OperatingPoint:
+            num_layers: int, recorded: tuple[str, ...] | None = None, latent: bool = False) -> OperatingPoint:
     """The calibrated point of ``channel_cfg`` if it records one, else the shape default (with
-    the config's recorded per-layer modes, where it has them: they were measured)."""
+    the config's recorded per-layer modes, where it has them: they were measured); ``latent``:
+    an MLA model (see :func:`shape_default`)."""
     point = from_config(channel_cfg, num_layers, head_dim, recorded) if channel_cfg else None
     if point is not None:
         return point
-    point = shape_default(num_q_heads, num_kv_heads, head_dim)
+    point = shape_default(num_q_heads, num_kv_heads, head_dim, latent)
     if recorded and len(recorded) == num_layers:
         mode = recorded[0] if len(set(recorded)) == 1 else "per_layer"
         point = replace(point, selection=mode, layer_modes=tuple(recorded) if mode == "per_layer" else (),

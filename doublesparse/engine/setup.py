@@ -113,7 +113,8 @@ def resolve_point(mc, path) -> OperatingPoint:
     raw = read_config(path) if path is not None else None
     L = int(mc.num_layers)
     recorded = recorded_modes(raw, L) if raw is not None else None
-    return operating_point.resolve(raw, int(mc.num_q_heads), int(mc.num_kv_heads), int(mc.head_dim), L, recorded)
+    return operating_point.resolve(raw, int(mc.num_q_heads), int(mc.num_kv_heads), int(mc.head_dim), L, recorded,
+                                   latent=getattr(mc, "mla", None) is not None)
 
 
 def resolve_channels(cfg: EngineConfig, model, mc, r: int, tokenizer=None,

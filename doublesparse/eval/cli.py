@@ -156,7 +156,7 @@ def model_point(args, model) -> OperatingPoint:
     raw = read_config(path) if path else None
     L = int(c.num_layers)
     return operating_point.resolve(raw, int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim), L,
-                                   recorded_modes(raw, L) if raw else None)
+                                   recorded_modes(raw, L) if raw else None, getattr(c, "mla", None) is not None)
 
 
 def settings_for(args, head_dim: int = 64, max_context: int | None = None,

@@ -38,6 +38,11 @@ def test_shape_default(hq, hkv, d, want):
     assert f"query group {hq // hkv}" in p.describe()
 
 
+def test_mla_keeps_the_former_defaults():
+    p = op.shape_default(16, 1, 576, latent=True)              # DeepSeek-V2-Lite's latent rows
+    assert (p.heavy_channel_num, p.token_ratio, p.token_min, p.selection) == (16, 1 / 16, 512, "group_max")
+
+
 def test_from_config_reads_and_refuses():
     p = op.from_config({op.OP_KEY: _point()}, 2, 16)
     assert (p.source, p.heavy_channel_num, p.token_ratio, p.token_min, p.selection) == ("calibrated", 4, 0.125, 24,
