@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
 
     from doublesparse.eval import driver, measure
-    from doublesparse.eval.cli import build_parser, channel_source, eval_windows, recorded_layer_modes
+    from doublesparse.eval.cli import build_parser, channel_source, eval_windows, model_point, recorded_layer_modes
     from doublesparse.eval.settings import DENSE, default_setting
     from doublesparse.models import load_model, load_tokenizer
     from doublesparse.models.layers import Linear
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     windows = eval_windows(args, tok, a.window_len, a.num_windows)
     channels_for, _ = channel_source(args, model)
     settings = [DENSE, default_setting(int(c.head_dim), int(c.max_position_embeddings),
-                                       recorded_layer_modes(args, model))]
+                                       recorded_layer_modes(args, model), point=model_point(args, model))]
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
     copies = [m.packed for m in linears]
 

@@ -22,6 +22,10 @@ CHANNEL_TYPES = ("q", "k", "qk")
 SELECTION_MODES = ("per_head", "group_sum", "group_max")
 # "auto": each layer's mode as its channel config records it (calibration measures it), else this one
 DEFAULT_SELECTION_MODE = "group_max"
+# what the budget fields mean where nothing filled them in: the engine fills every unset one from
+# the model's operating point first (engine/operating_point.py), so these serve direct callers
+# of EngineConfig's methods only
+DEFAULT_TOKEN_RATIO, DEFAULT_TOKEN_MIN, DEFAULT_TOP_P = 1 / 16, 512, 0.95
 SELECTION_MODE_CHOICES = ("auto",) + SELECTION_MODES
 LABEL_DTYPES = ("bf16", "fp8")
 # "auto": fp8 where the GPU converts e4m3 natively (EngineConfig.label_dtype_for), else bf16
@@ -76,9 +80,15 @@ class EngineConfig:
     """Everything needed to build an :class:`~doublesparse.engine.engine.Engine`.
 
     ``None`` means "derive": ``dtype`` from the checkpoint/device, ``device`` = cuda if available,
-    ``attention_backend`` from ``enable_double_sparsity``, ``ds_heavy_channel_num`` = min(16, head_dim // 4),
+    ``attention_backend`` from ``enable_double_sparsity``. The engine takes the Double Sparsity
+    fields left None (``ds_heavy_channel_num``, ``ds_heavy_token_ratio``, ``ds_heavy_token_min``,
+    ``ds_num_sink``, ``ds_num_recent``, the top-p budget) and the "auto" selection mode from the
+    model's operating point (engine/operating_point.py: the one its channel config records from
+    calibration, else one derived from its shape) and reports it as ``Engine.operating_point``;
+    the fallbacks below serve direct callers of these methods: ``ds_heavy_channel_num`` = min(16, head_dim // 4),
     ``ds_heavy_token_num`` = None: a per-request budget ``clamp(ceil(ds_heavy_token_ratio x length),
-    ds_heavy_token_min, ds_heavy_token_max)`` (max: ratio x max context); an int: that fixed k for
+    ds_heavy_token_min, ds_heavy_token_max)`` (max: ratio x max context; ratio and min where unset:
+    :data:`DEFAULT_TOKEN_RATIO`, :data:`DEFAULT_TOKEN_MIN`); an int: that fixed k for
     every request (SGLang's meaning). ``ds_budget_mode`` = None: "fixed" with
     ``ds_heavy_token_num``, else "ratio"; "top_p": that budget is each KV head's upper bound and
     ``ds_heavy_token_min`` its lower bound, and each step keeps the fewest selected tokens whose
@@ -115,11 +125,11 @@ class EngineConfig:
     ds_heavy_channel_num: int | None = None
     ds_heavy_token_num: int | None = None
     ds_heavy_channel_type: str = "qk"
-    ds_heavy_token_ratio: float = 1 / 16
-    ds_heavy_token_min: int = 512
+    ds_heavy_token_ratio: float | None = None
+    ds_heavy_token_min: int | None = None
     ds_heavy_token_max: int | None = None
     ds_budget_mode: str | None = None
-    ds_budget_top_p: float = 0.95
+    ds_budget_top_p: float | None = None
     ds_sparse_decode_threshold: int | None = None
     ds_selection_mode: str = "auto"
     ds_label_dtype: str = "auto"
@@ -162,10 +172,10 @@ class EngineConfig:
             _check_pos(name, getattr(self, name))
         _check_pos("ds_sparse_decode_threshold", self.ds_sparse_decode_threshold, allow_zero=True)
         _check_pos("seed", self.seed, allow_none=False, allow_zero=True)
-        _check_pos("ds_heavy_token_min", self.ds_heavy_token_min, allow_none=False)
+        _check_pos("ds_heavy_token_min", self.ds_heavy_token_min)
         _check_pos("ds_heavy_token_max", self.ds_heavy_token_max)
         r = self.ds_heavy_token_ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r <= 1.0:
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r <= 1.0):
             raise ValueError(f"ds_heavy_token_ratio must be in (0, 1], got {r!r}")
         for name in ("ds_num_sink", "ds_num_recent"):
             _check_pos(name, getattr(self, name), allow_none=True, allow_zero=True)
@@ -283,7 +293,7 @@ class EngineConfig:
     def _check_budget_mode(self):
         _check_choice("ds_budget_mode", self.ds_budget_mode, BUDGET_MODES, allow_none=True)
         p = self.ds_budget_top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0):
             raise ValueError(f"ds_budget_top_p must be in (0, 1], got {p!r}")
         if self.ds_budget_mode == "fixed" and not self.ds_heavy_token_num:
             raise ValueError("ds_budget_mode 'fixed' needs ds_heavy_token_num")
@@ -300,24 +310,28 @@ class EngineConfig:
         length clamped to [min, max] (min capped at max: a short-context model gets one k). In
         "top_p" mode that k is the upper bound of each KV head's k and ``ds_heavy_token_min``
         (capped the same way) its lower bound."""
-        top_p = float(self.ds_budget_top_p) if self.budget_mode == "top_p" else 0.0
+        p = DEFAULT_TOP_P if self.ds_budget_top_p is None else self.ds_budget_top_p
+        top_p = float(p) if self.budget_mode == "top_p" else 0.0
+        k_min = DEFAULT_TOKEN_MIN if self.ds_heavy_token_min is None else self.ds_heavy_token_min
+        ratio = DEFAULT_TOKEN_RATIO if self.ds_heavy_token_ratio is None else self.ds_heavy_token_ratio
         if self.ds_heavy_token_num:
             k = self.ds_heavy_token_num
-            return TokenBudget(min(self.ds_heavy_token_min, k) if top_p else k, k, 0.0, top_p)
-        k_max = self.ds_heavy_token_max or max(1, math.ceil(self.ds_heavy_token_ratio * max_context_len))
-        return TokenBudget(min(self.ds_heavy_token_min, k_max), k_max, float(self.ds_heavy_token_ratio), top_p)
+            return TokenBudget(min(k_min, k) if top_p else k, k, 0.0, top_p)
+        k_max = self.ds_heavy_token_max or max(1, math.ceil(ratio * max_context_len))
+        return TokenBudget(min(k_min, k_max), k_max, float(ratio), top_p)
 
     def heavy_token_num(self, max_context_len: int) -> int:
         """The largest k any request gets (the decode workspace's size)."""
         return self.token_budget(max_context_len).k_max
 
-    def sink_recent(self, heavy_token_num: int) -> tuple[int, int]:
-        """Tokens always selected (first, last), inside k. Default 4 sink + 32 recent, scaled down
-        for small k (at most k/8 and k/4): on SmolLM2 at 8K (H200, 8 windows) this cut KL(dense||DS)
+    def sink_recent(self, heavy_token_num: int, default: tuple[int, int] = (4, 32)) -> tuple[int, int]:
+        """Tokens always selected (first, last), inside k: ``ds_num_sink`` / ``ds_num_recent``,
+        where unset ``default`` (the operating point's; 4 sink + 32 recent) scaled down for small k
+        (at most k/8 and k/4): on SmolLM2 at 8K (H200, 8 windows) 4 + 32 cut KL(dense||DS)
         of group_max 3.7x at equal bytes, perplexity +4.6% -> +1.3% (results/accuracy-h200.md, docs/accuracy.md)."""
         k = heavy_token_num
-        sink = min(4, k // 8) if self.ds_num_sink is None else self.ds_num_sink
-        recent = min(32, k // 4) if self.ds_num_recent is None else self.ds_num_recent
+        sink = min(default[0], k // 8) if self.ds_num_sink is None else self.ds_num_sink
+        recent = min(default[1], k // 4) if self.ds_num_recent is None else self.ds_num_recent
         if sink + recent > k:
             raise ValueError(f"ds_num_sink + ds_num_recent = {sink + recent} exceeds "
                              f"ds_heavy_token_num = {k}")

@@ -33,12 +33,14 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
                    help="channel config JSON, or auto: calibrate once on the packaged text and cache the "
                         "config under the user cache, keyed by the model file's hash (default: the "
                         "packaged config for the model, else weight-based channels, reported as uncalibrated)")
-    g.add_argument("--ds-heavy-channel-num", type=int, help="label channels r (default min(16, head_dim // 4))")
+    g.add_argument("--ds-heavy-channel-num", type=int, help="label channels r (default: from the operating point)")
     g.add_argument("--ds-heavy-token-num", type=int,
                    help="a fixed top-k for every request (default: per request, see the ratio)")
     g.add_argument("--ds-heavy-token-ratio", type=float,
-                   help="per-request top-k = ratio x its length, clamped to [min, max] (default 1/16)")
-    g.add_argument("--ds-heavy-token-min", type=int, help="smallest per-request top-k (default 512)")
+                   help="per-request top-k = ratio x its length, clamped to [min, max] (default: from the "
+                        "operating point)")
+    g.add_argument("--ds-heavy-token-min", type=int,
+                   help="smallest per-request top-k (default: from the operating point)")
     g.add_argument("--ds-heavy-token-max", type=int,
                    help="largest per-request top-k (default ratio x max context)")
     g.add_argument("--ds-budget-mode", choices=BUDGET_MODES,
@@ -48,22 +50,25 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
                         "step the fewest selected tokens whose estimated attention reaches "
                         "--ds-budget-top-p")
     g.add_argument("--ds-budget-top-p", type=float, metavar="P",
-                   help="attention mass the top_p budget keeps per KV head, in (0, 1] (default 0.95)")
+                   help="attention mass the top_p budget keeps per KV head, in (0, 1] (default: the operating "
+                        "point's, else 0.95)")
     g.add_argument("--ds-heavy-channel-type", choices=CHANNEL_TYPES)
     g.add_argument("--ds-sparse-decode-threshold", type=_threshold, metavar="{auto,N}",
                    help="auto (default): decode a step sparsely when a cost model of the bytes and "
                         "fixed launch time of each path says it wins; N: sparsely for requests of at "
                         "least N tokens (and more than their k)")
     g.add_argument("--ds-selection-mode", choices=SELECTION_MODE_CHOICES,
-                   help="auto (default): each layer's mode as the channel config records it (chosen by "
-                        "calibration from measured attention recall), else group_max; a mode: that one "
-                        "for every layer")
+                   help="auto (default): the operating point's (each layer's mode as the channel config "
+                        "records it, else from the model's query-group width); a mode: that one for "
+                        "every layer")
     g.add_argument("--ds-label-dtype", choices=LABEL_DTYPE_CHOICES,
                    help="label cache dtype; auto (default): fp8 (e4m3) on NVIDIA GPUs of compute "
                         "capability 8.9+ (Ada, Hopper and later) unless the model's K projection "
                         "has a bias (Qwen2), else bf16")
-    g.add_argument("--ds-num-sink", type=int, help="first tokens always selected (default: 4, at most k/8)")
-    g.add_argument("--ds-num-recent", type=int, help="last tokens always selected (default: 32, at most k/4)")
+    g.add_argument("--ds-num-sink", type=int,
+                   help="first tokens always selected (default: from the operating point; at most k/8)")
+    g.add_argument("--ds-num-recent", type=int,
+                   help="last tokens always selected (default: from the operating point; at most k/4)")
     g.add_argument("--ds-batch-parts", type=int,
                    help="cut a sparse decode batch into this many parts, each on its own CUDA stream, "
                         "so one part's top-k select overlaps another's scoring and attention "

@@ -125,6 +125,11 @@ def _main(argv: list[str]) -> int:
     ds = ("Double Sparsity off (dense decode)" if not st["double_sparsity"] else
           f"sparse decode steps: {m['sparse_decode_steps']}/{n_dec} ({st['decode_policy']}; "
           f"r={st['heavy_channel_num']} channels, {st['channel_source']})")
+    point = getattr(engine, "operating_point", None)
+    if st["double_sparsity"] and point:
+        over = point.get("overridden") or {}
+        ds += f"\n  {point['summary']}" + ("; overridden: " + ", ".join(f"{k}={v}" for k, v in over.items())
+                                          if over else "")
     if st["double_sparsity"] and st.get("channels_calibrated") is False:
         ds += ("\n  no calibrated channel config: weight-based channels lose accuracy on some models "
                "(--ds-channel-config-path auto calibrates once and caches the config)")

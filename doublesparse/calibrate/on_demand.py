@@ -21,6 +21,7 @@ import torch
 
 from ..assets import cache_dir
 from ..engine.channel_config import FORMAT_VERSION, save_config
+from .frontier import DECODE_LEN, RULE, OpSettings
 from .pipeline import RECALL, RECALL_SAMPLES, STATISTIC, build_config
 from .recall import CANDIDATES
 from .texts import CALIBRATION_PLAYS, read_texts, text_hash
@@ -75,11 +76,12 @@ def model_sha256(model_file: str | Path | None, model=None) -> str:
     return h.hexdigest()
 
 
-def settings_hash(texts: list[str], num_samples: int, seq_len: int) -> str:
+def settings_hash(texts: list[str], num_samples: int, seq_len: int, op: OpSettings | None = None) -> str:
     """What the calibration's result depends on besides the model."""
     s = json.dumps({"text": text_hash(texts), "num_samples": num_samples, "seq_len": seq_len,
                     "statistic": STATISTIC, "recall": RECALL, "recall_samples": RECALL_SAMPLES,
-                    "candidates": list(CANDIDATES), "format": FORMAT_VERSION}, sort_keys=True)
+                    "candidates": list(CANDIDATES), "format": FORMAT_VERSION,
+                    "operating_point": dict((op or OpSettings()).key(), rule=RULE)}, sort_keys=True)
     return hashlib.sha256(s.encode()).hexdigest()[:8]
 
 
@@ -95,11 +97,14 @@ def ensure_config(model, tokenizer, model_file: str | Path | None, progress: boo
     c = model.config
     seq_len = min(SEQ_LEN, int(c.max_position_embeddings))
     key = model_sha256(model_file, model)
-    path = cache_dir() / "channels" / f"{key[:16]}-{settings_hash(texts, NUM_SAMPLES, seq_len)}.json"
+    device = next(model.parameters()).device
+    # the measured length depends on the device: part of the cache key
+    n = OpSettings().length(device, int(c.max_position_embeddings))
+    op = OpSettings(seq_len=n, decode_len=min(DECODE_LEN, max(2, n // 2)))
+    path = cache_dir() / "channels" / f"{key[:16]}-{settings_hash(texts, NUM_SAMPLES, seq_len, op)}.json"
     if path.is_file():
         log.info("channel config: calibrated earlier, %s", path)
         return path
-    device = next(model.parameters()).device
     log.warning("channel config: calibrating %s once on the packaged text (%d x %d tokens); the "
                 "result is cached at %s", getattr(c, "name", "the model"), NUM_SAMPLES, seq_len, path)
     meta = {"texts": "given" if given else list(CALIBRATION_PLAYS),
@@ -108,7 +113,8 @@ def ensure_config(model, tokenizer, model_file: str | Path | None, progress: boo
     was_training = getattr(model, "training", False)
     model.eval()
     try:
-        cfg = build_config(model, tokenizer, texts, NUM_SAMPLES, seq_len, device, progress=progress, meta=meta)
+        cfg = build_config(model, tokenizer, texts, NUM_SAMPLES, seq_len, device, progress=progress, meta=meta,
+                           op=op)
     finally:
         model.train(was_training)
         if device.type == "cuda":  # the engine sized its KV pool before: hand the activations back

@@ -117,9 +117,13 @@ def sample_windows(ids: list[int], num_samples: int, seq_len: int) -> list[list[
         raise ValueError(f"calibration text is too short: {len(ids)} tokens, but {num_samples} samples "
                          f"x {seq_len} tokens need {need}; pass more --text files or lower "
                          f"--num-samples / --seq-len")
-    slots = len(ids) // seq_len
-    starts = [(i * slots // num_samples) * seq_len for i in range(num_samples)]
-    return [ids[s: s + seq_len] for s in starts]
+    return [ids[s: s + seq_len] for s in window_starts(len(ids), num_samples, seq_len)]
+
+
+def window_starts(num_ids: int, num_samples: int, seq_len: int) -> list[int]:
+    """Where :func:`sample_windows` cuts its windows from ``num_ids`` tokens."""
+    slots = num_ids // seq_len
+    return [(i * slots // num_samples) * seq_len for i in range(num_samples)]
 
 
 @torch.inference_mode()

@@ -63,6 +63,10 @@ class Engine:
         self.model_config = p.model.config
         self.tokenizer = p.tokenizer
         self.max_context_len = p.max_context_len
+        # Double Sparsity's operating point in use (None: DS off): source "calibrated" or
+        # "shape default", r, budget, selection, sink/recent, KL target and what calibration
+        # measured, the flags that override it, and "summary" (one line); see operating_point.py
+        self.operating_point: dict | None = p.operating_point
         self._inbox: collections.deque = collections.deque()
         self._inbox_by_rid: dict[str, Request] = {}  # the inbox by id: aborting there is O(1)
         self._abort_inbox: collections.deque = collections.deque()

@@ -18,7 +18,9 @@ from ..config import EngineConfig
 from ..kernels.workspace import DecodeWorkspace
 from .memory import KVMemory, MemoryPlan, plan_memory
 from .model_runner import ModelRunner
+from . import operating_point
 from .channel_config import load_channels, packaged_config_path, read_config, recorded_modes
+from .operating_point import OperatingPoint
 from .scheduler import Scheduler
 from .weight_channels import default_channels
 
@@ -42,6 +44,8 @@ class EngineParts:
     channel_source: str | None
     workspace: DecodeWorkspace | None
     channels_calibrated: bool | None = None  # None: Double Sparsity off
+    # the operating point in use (OperatingPoint.as_dict with the flags that override it); None: DS off
+    operating_point: dict | None = None
 
     def sparse_rows(self, seq_lens: list[int]) -> list[bool]:
         """Per request of a decode step (lengths after the step): did it select tokens?"""
@@ -87,13 +91,10 @@ UNCALIBRATED = ("no calibrated channel config: using weight-based heavy channels
                 "(cached) or a config written by `doublesparse calibrate`")
 
 
-def resolve_channels(cfg: EngineConfig, model, mc, r: int, tokenizer=None,
-                     model_file: str | None = None, progress: bool = True, shard=None) -> ChannelChoice:
+def channel_config_path(cfg: EngineConfig, model, mc, tokenizer=None, model_file: str | None = None,
+                        progress: bool = True, shard=None):
     """``--ds-channel-config-path`` (``auto``: calibrated on demand, cached), else the packaged
-    config for the model, else the documented weight-based default. Modes: an explicit
-    ``--ds-selection-mode`` for every layer, else ("auto") the config's recorded per-layer modes,
-    else ``group_max``. ``shard``: a tensor-parallel rank's part (a config's channels are read
-    for the full model, then its KV heads taken; weight-based ones come from its own weights)."""
+    config for the model, else None."""
     path = cfg.ds_channel_config_path
     if path == "auto" and shard is not None:
         raise ValueError("--ds-channel-config-path auto calibrates on one device: run `doublesparse "
@@ -103,15 +104,39 @@ def resolve_channels(cfg: EngineConfig, model, mc, r: int, tokenizer=None,
         path = ensure_config(model, tokenizer, model_file, progress=progress)
     if path is None and cfg.load_format != "dummy":
         path = packaged_config_path(getattr(mc, "name", None))
-    fallback = (cfg.selection_mode_fallback,) * int(mc.num_layers)
+    return path
+
+
+def resolve_point(mc, path) -> OperatingPoint:
+    """The model's operating point: the one the channel config at ``path`` records, else the
+    shape default (with the config's recorded per-layer modes where it has them)."""
+    raw = read_config(path) if path is not None else None
+    L = int(mc.num_layers)
+    recorded = recorded_modes(raw, L) if raw is not None else None
+    return operating_point.resolve(raw, int(mc.num_q_heads), int(mc.num_kv_heads), int(mc.head_dim), L, recorded,
+                                   latent=getattr(mc, "mla", None) is not None)
+
+
+def resolve_channels(cfg: EngineConfig, model, mc, r: int, tokenizer=None,
+                     model_file: str | None = None, progress: bool = True, shard=None,
+                     path=_UNSET, point: OperatingPoint | None = None) -> ChannelChoice:
+    """Channels of the config at ``path`` (default: :func:`channel_config_path`), else the
+    documented weight-based default. Modes: an explicit ``--ds-selection-mode`` for every layer,
+    else ("auto") the operating point's (``point``, default :func:`resolve_point`): the config's
+    calibrated ones, else from the model's shape. ``shard``: a tensor-parallel rank's part (a
+    config's channels are read for the full model, then its KV heads taken; weight-based ones
+    come from its own weights)."""
+    if path is _UNSET:
+        path = channel_config_path(cfg, model, mc, tokenizer, model_file, progress, shard)
+    point = point or resolve_point(mc, path)
+    L = int(mc.num_layers)
+    explicit = cfg.ds_selection_mode != "auto"
+    modes = (cfg.ds_selection_mode,) * L if explicit else point.modes(L)
+    how = f"mode {modes[0]}" if len(set(modes)) == 1 else "modes per layer from the config"
     if path is not None:
-        raw = read_config(path)
-        recorded = recorded_modes(raw, int(mc.num_layers))
-        modes = recorded if cfg.ds_selection_mode == "auto" and recorded else fallback
         ch = load_channels(path, mc if shard is None else shard.config, cfg.ds_heavy_channel_type, r, modes)
         if shard is not None:
             ch = shard.channels(ch)
-        how = "modes per layer from the config" if modes == recorded else f"mode {modes[0]}"
         return ChannelChoice(ch, f"channel config {path} ({how})", modes, True)
     try:
         ch = default_channels(model, r, cfg.ds_heavy_channel_type)
@@ -119,14 +144,15 @@ def resolve_channels(cfg: EngineConfig, model, mc, r: int, tokenizer=None,
     except (ValueError, AttributeError, KeyError) as e:
         warnings.warn(f"default_channels failed ({e}); using the first {r} channels")
         ch, src = _first_channels(mc, r), f"first {r} channels (no usable weights)"
-    return ChannelChoice(ch, src, fallback, False)
+    return ChannelChoice(ch, src, modes, False)
 
 
 def ds_params(cfg: EngineConfig, plan: MemoryPlan, num_q_heads: int, device: torch.device,
-              modes: tuple[str, ...] | None = None) -> DSParams:
+              modes: tuple[str, ...] | None = None, sink_recent: tuple[int, int] = (4, 32)) -> DSParams:
     """Each request's budget, the dense/sparse choice (its cost model reads what a token costs in
-    these pools and the tuning's figures for this kind of device), the forced tokens and each
-    layer's selection mode (``modes``; default: the config's fallback for every layer)."""
+    these pools and the tuning's figures for this kind of device), the forced tokens (where
+    unset, ``sink_recent``: the operating point's) and each layer's selection mode (``modes``;
+    default: the config's fallback for every layer)."""
     budget = cfg.token_budget(plan.max_ctx)
     modes = tuple(modes or (cfg.selection_mode_fallback,) * plan.num_layers)
     rows = sum(num_q_heads if m == "per_head" else plan.num_kv_heads for m in modes)
@@ -138,7 +164,7 @@ def ds_params(cfg: EngineConfig, plan: MemoryPlan, num_q_heads: int, device: tor
     policy = DecodePolicy(budget, cfg.ds_sparse_decode_threshold, cost)
     main = max(dict.fromkeys(modes), key=modes.count)  # the most common; ties: the first layer's
     return DSParams(budget.k_max, main, cfg.ds_sparse_decode_threshold,
-                    *cfg.sink_recent(budget.k_min), batch_parts=cfg.ds_batch_parts or 0, policy=policy,
+                    *cfg.sink_recent(budget.k_min, sink_recent), batch_parts=cfg.ds_batch_parts or 0, policy=policy,
                     layer_modes=modes if len(set(modes)) > 1 else ())
 
 
@@ -200,7 +226,15 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
     if getattr(mc, "sliding_window", None) and mc.sliding_window < max_ctx:
         warnings.warn(f"model uses a sliding window of {mc.sliding_window}; the engine attends to the "
                       f"full context (capping the context at {mc.sliding_window} keeps it exact)")
-    ds = channels = choice = None
+    ds = channels = choice = point = None
+    user_cfg = cfg
+    if cfg.use_double_sparsity:
+        # the operating point fills the fields the user left unset; it sets r, which sizes the
+        # label pool, so it is read before the memory plan (an on-demand calibration runs here too)
+        shard = None if tp is None else tp.shard(model.full_config)
+        path = channel_config_path(cfg, model, mc, tokenizer, model_file, progress, shard)
+        point = resolve_point(mc, path)
+        cfg = point.fill(cfg)
     r = cfg.heavy_channel_num(mc.head_dim) if cfg.use_double_sparsity else 0
     if cfg.enable_ds_offload:
         from .offload_setup import plan_offload_memory
@@ -210,11 +244,11 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
     if tp is not None:
         plan = tp.agree(plan, device)
     if cfg.use_double_sparsity:
-        choice = resolve_channels(cfg, model, mc, r, tokenizer, model_file, progress,
-                                  None if tp is None else tp.shard(model.full_config))
-        ds = ds_params(cfg, plan, mc.num_q_heads, device, choice.modes)
+        choice = resolve_channels(cfg, model, mc, r, tokenizer, model_file, progress, shard, path, point)
+        ds = ds_params(cfg, plan, mc.num_q_heads, device, choice.modes, point.sink_recent)
         channels = choice.channels.to(device=device, dtype=torch.int32).contiguous()
         log.info("Double Sparsity: %s; r=%d, %s", ds.policy.describe(), r, choice.source)
+        log.info("Double Sparsity: %s%s", point.describe(), _overrides(point, user_cfg))
         if not choice.calibrated:
             log.warning("Double Sparsity: %s", UNCALIBRATED)
     max_bs = cfg.resolved_max_running_requests
@@ -249,4 +283,10 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
     scheduler = Scheduler(cfg.scheduler_config(), memory.slots.admission_size, max_ctx)
     return EngineParts(model, tokenizer, device, max_ctx, plan, memory, backend, runner, scheduler,
                        ds, choice.source if choice else None, ws,
-                       choice.calibrated if choice else None)
+                       choice.calibrated if choice else None,
+                       point.as_dict(user_cfg) if point is not None else None)
+
+
+def _overrides(point: OperatingPoint, user_cfg: EngineConfig) -> str:
+    over = point.overridden(user_cfg)
+    return ("; flags override " + ", ".join(f"{k}={v}" for k, v in over.items())) if over else ""

@@ -38,6 +38,8 @@ from doublesparse.engine.channel_config import (
     read_config,
     recorded_modes,
 )
+from doublesparse.engine import operating_point
+from doublesparse.engine.operating_point import OperatingPoint
 from doublesparse.engine.weight_channels import default_channels
 
 from . import measure, report, retrieval
@@ -146,8 +148,19 @@ def recorded_layer_modes(args, model) -> tuple[str, ...]:
     return (recorded_modes(read_config(path), int(c.num_layers)) or ()) if path else ()
 
 
+def model_point(args, model) -> OperatingPoint:
+    """The operating point the engine would run for ``model`` with this channel config: the
+    config's calibrated one, else the model's shape default."""
+    c = model.config
+    path = args.channels or packaged_config_path(getattr(c, "name", None))
+    raw = read_config(path) if path else None
+    L = int(c.num_layers)
+    return operating_point.resolve(raw, int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim), L,
+                                   recorded_modes(raw, L) if raw else None, getattr(c, "mla", None) is not None)
+
+
 def settings_for(args, head_dim: int = 64, max_context: int | None = None,
-                 layer_modes: tuple[str, ...] = (), k_bias: bool = False) -> list[Setting]:
+                 layer_modes: tuple[str, ...] = (), k_bias: bool = False, point=None) -> list[Setting]:
     """Dense, the engine's default (with the label dtype the engine picks on ``args.device`` for
     a model with or without a K bias, ``k_bias``), then the preset or the ``--types/--modes/--rs/--k-fracs`` grid with the improvement variants
     of group_sum; each setting once."""
@@ -157,7 +170,7 @@ def settings_for(args, head_dim: int = 64, max_context: int | None = None,
         body = g + [BASELINE] + improvements(BASELINE)
     else:
         body = preset("small" if args.small else "full")
-    default = default_setting(head_dim, max_context, layer_modes, getattr(args, "device", "cpu"), k_bias)
+    default = default_setting(head_dim, max_context, layer_modes, getattr(args, "device", "cpu"), k_bias, point)
     labels = getattr(args, "label_dtypes", None) or [default.label]
     first = [DENSE] + [replace(default, label=x) for x in dict.fromkeys(labels)]
     if getattr(args, "default_only", False):
@@ -196,8 +209,9 @@ def run(args, model=None, tokenizer=None) -> dict:
     ctx = int(getattr(c, "max_position_embeddings", 4096))
     L = resolve_lengths(args, ctx)
     window_len, decode_len, num_windows, lens = L["window_len"], L["decode_len"], L["num_windows"], L["lens"]
+    point = model_point(args, model)
     settings = settings_for(args, int(c.head_dim), int(c.max_position_embeddings),
-                            recorded_layer_modes(args, model), bool(getattr(c, "attention_bias", False)))
+                            recorded_layer_modes(args, model), bool(getattr(c, "attention_bias", False)), point)
     channels_for, source = channel_source(args, model)
     progress = not args.quiet
     dims = (int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim))
@@ -221,8 +235,10 @@ def run(args, model=None, tokenizer=None) -> dict:
     name = getattr(c, "name", "model")
     notes = run_notes(name, source, args.device, L, bytes_ctx, text_res is not None, ret_res is not None,
                       getattr(args, "retrieval_seed", 0))
+    notes.append(f"default: the engine's {point.describe()}")
     title = f"Double Sparsity eval: {name}"
     result = {"tool": f"doublesparse {doublesparse.__version__}", "model": name, "channels": source,
+              "operating_point": point.as_dict(),
               "window_len": window_len, "decode_len": decode_len, "num_windows": num_windows,
               "retrieval_lens": lens, "retrieval_depths": L["depths"], "retrieval_trials": L["trials"],
               "retrieval_seed": getattr(args, "retrieval_seed", 0),

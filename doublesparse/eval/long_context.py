@@ -26,7 +26,7 @@ import torch
 import doublesparse
 
 from . import driver, long_report, measure, ruler
-from .cli import _load, channel_source, eval_windows, recorded_layer_modes
+from .cli import _load, channel_source, eval_windows, model_point, recorded_layer_modes
 from .retrieval import decode_text
 from .settings import BASELINE, DENSE, Setting, default_setting, top_p_variants
 
@@ -97,10 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def plan(keys, head_dim: int, max_context: int, layer_modes=(), device: str = "cpu",
-         k_bias: bool = False) -> list[Setting]:
+         k_bias: bool = False, point=None) -> list[Setting]:
     """The settings named by ``keys`` (see ``--settings``), dense first; the default with the
     label dtype the engine picks on ``device`` (``k_bias``: the model's K projection has a bias)."""
-    default = default_setting(head_dim, max_context, layer_modes, device, k_bias)
+    default = default_setting(head_dim, max_context, layer_modes, device, k_bias, point)
     out = {
         "dense": [DENSE],
         "default": [default],
@@ -190,8 +190,9 @@ def run(args) -> dict:
     ctx = int(getattr(c, "max_position_embeddings", 4096))
     dims = (int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim))
     channels_for, source = channel_source(args, model)
+    point = model_point(args, model)
     settings = plan(args.settings, dims[3], ctx, recorded_layer_modes(args, model), args.device,
-                    bool(getattr(model.config, "attention_bias", False)))
+                    bool(getattr(model.config, "attention_bias", False)), point)
     lengths = sorted({min(n, ctx) for n in args.lengths})
     res = {
         "tool": f"doublesparse {doublesparse.__version__} eval.long_context",
@@ -212,6 +213,7 @@ def run(args) -> dict:
         "seed": args.seed,
         "settings": [s.name for s in settings],
         "default_setting": next((s.name for s in settings if s.kind == "ds"), None),
+        "operating_point": point.as_dict(),
         "text": {},
         "ruler": {},
         "ruler_answers": {},

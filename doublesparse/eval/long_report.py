@@ -63,6 +63,7 @@ def markdown(res: dict) -> str:
         f"# Long-context accuracy: {res['model']}",
         "",
         f"- channels: {res['channels']}; device: {res['device']}; default: `{res['default_setting']}`",
+        f"- the default is the engine's {(res.get('operating_point') or {}).get('summary', 'operating point')}",
         (
             f"- text: {res['num_windows']} window(s) per length from the eval plays (concatenated), "
             f"the last "
@@ -224,6 +225,11 @@ def suite_summary(rows: dict) -> dict:
         "ruler_max_drop_pts": max(drops) if drops else None,
         "smollm2_ppl_increase_pct": smol.get("ppl_increase_pct_8192"),
         "default_bytes_fraction_32k": q["32k"].get("bytes_fraction_32768"),
+        # where each model's default came from: calibrated (its KL target and what calibration
+        # measured) or its shape
+        "operating_points": {"qwen15b": next((rows.get(n, {}).get("operating_point") for n in QWEN_ROWS.values()
+                                              if rows.get(n, {}).get("operating_point")), None),
+                             "smollm2": rows.get(SMOL_ROW, {}).get("operating_point")},
         "qwen15b_per_setting": summary(res)["per_setting"] if res else {},
     }
 

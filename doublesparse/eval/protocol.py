@@ -36,7 +36,7 @@ import doublesparse
 from doublesparse.config import LABEL_DTYPES
 
 from . import measure, report, retrieval
-from .cli import _load, channel_source, eval_windows, recorded_layer_modes, run_notes
+from .cli import _load, channel_source, eval_windows, model_point, recorded_layer_modes, run_notes
 from .settings import BASELINE, DENSE, default_setting, grid, improvements, unique
 
 PRIORS = {"text": 2.0, "ret": 2.0, "fid": 5.0}  # s per unit before one is measured (compile included)
@@ -135,11 +135,12 @@ def log(budget: Budget, msg: str) -> None:
     print(f"[{budget.elapsed():6.1f}s | {max(budget.left(), 0):5.0f}s left] {msg}", flush=True)
 
 
-def plan_settings(args, head_dim: int, layer_modes: tuple[str, ...] = (), k_bias: bool = False) -> dict:
+def plan_settings(args, head_dim: int, layer_modes: tuple[str, ...] = (), k_bias: bool = False,
+                  point=None) -> dict:
     """The setting lists of each part, most important first (the default with the channel
     config's recorded per-layer modes and the label dtype the engine picks on the device, as the
     engine runs it; ``k_bias``: the model's K projection has a bias)."""
-    default = default_setting(head_dim, layer_modes=layer_modes, device=args.device, k_bias=k_bias)
+    default = default_setting(head_dim, layer_modes=layer_modes, device=args.device, k_bias=k_bias, point=point)
     first = [DENSE, default, BASELINE]
     if "fp8" in args.label_dtypes:
         other = "bf16" if default.label == "fp8" else "fp8"
@@ -187,7 +188,8 @@ def run(args, budget: Budget) -> dict:
     ctx = int(getattr(c, "max_position_embeddings", 4096))
     channels_for, source = channel_source(args, model)
     dims = (int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim))
-    P = plan_settings(args, dims[3], recorded_layer_modes(args, model), bool(getattr(c, "attention_bias", False)))
+    P = plan_settings(args, dims[3], recorded_layer_modes(args, model), bool(getattr(c, "attention_bias", False)),
+                      model_point(args, model))
     L = dict(window_len=min(args.window_len, ctx), decode_len=args.decode_len, num_windows=args.num_windows,
              lens=sorted({min(n, ctx - retrieval.ANSWER_TOKENS) for n in args.retrieval_lens}),
              depths=args.retrieval_depths, trials=args.retrieval_trials)

@@ -149,24 +149,35 @@ BASELINE = Setting("ds", "qk", "group_sum", 16, 1 / 16)
 
 
 def default_setting(head_dim: int = 64, max_context: int | None = None,
-                    layer_modes: tuple[str, ...] = (), device: str = "cpu", k_bias: bool = False) -> Setting:
-    """The engine's default Double Sparsity decode (``EngineConfig`` defaults) where it decodes
-    sparsely: its channel type and selection mode (``layer_modes``: the channel config's recorded
-    per-layer modes, which the engine's default uses; one mode when they agree), r = min(16,
-    head_dim/4), each request's k = its length x the ratio, clamped to [min, max] (the max from
-    the model's ``max_context`` when given), 4 sink + 32 recent tokens, and the label dtype the
-    engine picks on ``device`` for a model with (``k_bias``) or without a K bias
+                    layer_modes: tuple[str, ...] = (), device: str = "cpu", k_bias: bool = False,
+                    point=None) -> Setting:
+    """The engine's default Double Sparsity decode where it decodes sparsely: with ``point`` (an
+    :class:`~doublesparse.engine.operating_point.OperatingPoint`, what the engine runs: the
+    channel config's calibrated point, else the model's shape default) its r, budget (each
+    request's k = its length x the ratio, clamped to [floor, max], the max from the model's
+    ``max_context`` when given; the top-p budget where the point has one), selection and
+    sink/recent tokens; without, ``EngineConfig``'s fallbacks (r = min(16, head_dim/4), 1/16 at
+    least 512, 4 sink + 32 recent) and the modes ``layer_modes`` (the channel config's recorded
+    per-layer modes; one mode when they agree; none: group_max). Channel type qk, and the label
+    dtype the engine picks on ``device`` for a model with (``k_bias``) or without a K bias
     (``EngineConfig.label_dtype_for``: fp8 on recent NVIDIA GPUs, else bf16)."""
     from doublesparse.config import EngineConfig
 
-    cfg = EngineConfig()
-    sink, recent = cfg.sink_recent(1 << 20)  # unscaled values; Setting.sink_recent scales them
+    base = EngineConfig()
+    cfg = point.fill(base) if point is not None else base
+    sink, recent = cfg.sink_recent(1 << 20, point.sink_recent if point is not None else (4, 32))  # unscaled
     b = cfg.token_budget(max_context or (1 << 30))
+    if point is not None:
+        layer_modes = point.layer_modes
     modes = tuple(layer_modes)
-    mode = modes[0] if modes and len(set(modes)) == 1 else cfg.selection_mode_fallback
+    if point is not None and not modes:
+        mode = point.selection
+    else:
+        mode = modes[0] if modes and len(set(modes)) == 1 else cfg.selection_mode_fallback
     return Setting("ds", cfg.ds_heavy_channel_type, mode, cfg.heavy_channel_num(head_dim),
-                   cfg.ds_heavy_token_ratio, num_sink=sink, num_recent=recent, k_min=b.k_min,
+                   b.ratio, num_sink=sink, num_recent=recent, k_min=b.k_min,
                    label=cfg.label_dtype_for(device, k_bias), k_max=b.k_max if max_context else 0,
+                   top_p=b.top_p, top_p_min=b.k_min if b.top_p else 0,
                    layer_modes=modes if len(set(modes)) > 1 else ())
 
 

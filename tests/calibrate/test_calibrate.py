@@ -102,7 +102,7 @@ def test_play_split_disjoint():
 
 def _args(tmp_path, **kw):
     d = dict(model_path=None, output=str(tmp_path / "cfg.json"), text=None, num_samples=3,
-             seq_len=64, device="cpu", quiet=True)
+             seq_len=64, device="cpu", quiet=True, operating_point=False)  # the point: test_frontier.py
     d.update(kw)
     return argparse.Namespace(**d)
 

@@ -90,12 +90,15 @@ def test_calibrate_writes_loadable_config(arch, tmp_path):
     m = tiny_family(arch)
     c = m.config
     args = argparse.Namespace(model_path=None, output=str(tmp_path / "cfg.json"), text=[str(txt)], num_samples=2,
-                              seq_len=48, device="cpu", quiet=True, cpu_threads=1)
+                              seq_len=48, device="cpu", quiet=True, cpu_threads=1, op_seq_len=192, op_windows=1,
+                              op_decode_len=8)
     cli.run(args, model=m, tokenizer=ByteTokenizer(), argv_for_meta=["--text", "t.txt"])
     raw = json.loads((tmp_path / "cfg.json").read_text())
     assert len(raw["model.layers.1.self_attn.qk_proj_kv"]) == c.num_kv_heads
     assert len(raw["model.layers.1.self_attn.qk_proj_kv"][0]) == c.head_dim
     assert load_channels(tmp_path / "cfg.json", c, "qk", 4, "group_max").shape == (c.num_layers, c.num_kv_heads, 4)
+    # the operating point is measured for the MoE model, not for the MLA one (its latent bytes)
+    assert ("doublesparse_operating_point" in raw) == (c.mla is None)
 
 
 def test_mla_through_triton_kernels_matches_torch():

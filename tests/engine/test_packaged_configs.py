@@ -65,3 +65,18 @@ def test_qwen_coder_15b_config_fits_the_model():
     choice = resolve_channels(EngineConfig(), None, QWEN_CODER_15B, 16)
     assert choice.calibrated and choice.modes == modes and QWEN_FILE in choice.source
     assert tuple(choice.channels.shape) == (28, 2, 16)
+
+
+@pytest.mark.parametrize("name,shape", [
+    (QWEN_CODER_15B.name, QWEN_CODER_15B),
+    ("Smollm2 135M 8k Lc100K Mix1 Ep2", Shape(30, 9, 3, 64, "Smollm2 135M 8k Lc100K Mix1 Ep2")),
+])
+def test_packaged_configs_carry_a_measured_point(name, shape):
+    from doublesparse.engine import operating_point as op
+    from doublesparse.engine.setup import resolve_point
+    cfg = ch.read_config(ch.packaged_config_path(name))
+    rec = cfg[op.OP_KEY]
+    assert rec["target_met"] and rec["chosen"]["kl"] <= rec["kl_target"] and rec["frontier"]
+    point = resolve_point(shape, ch.packaged_config_path(name))
+    assert point.source == "calibrated" and point.heavy_channel_num == rec["chosen"]["ds_heavy_channel_num"]
+    assert point.modes(shape.num_layers) == ch.recorded_modes(cfg, shape.num_layers)
