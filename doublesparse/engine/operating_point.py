@@ -152,8 +152,10 @@ def shape_default(num_q_heads: int, num_kv_heads: int, head_dim: int, latent: bo
     """The point of a model without a calibrated one, from its shape: what calibration chose on
     the models measured (docs/accuracy.md, "Operating point"; KL target 0.015 at 8K tokens):
 
-    - r = head_dim / 4 (SmolLM2-135M, head_dim 64: 16; Qwen2.5-Coder-1.5B, head_dim 128: 32;
-      at equal bytes both did better with it than with half or twice as many channels);
+    - r = head_dim / 4 for wide query groups (Qwen2.5-Coder-1.5B, head_dim 128: 32; at equal bytes
+      it did better than half or twice as many channels), min(16, head_dim / 4) for narrow ones
+      (SmolLM2-135M, head_dim 64: 16, measured; narrow groups of head_dim 128, the Llama-3 class,
+      are not measured yet, so they keep the r their measured speedups were taken with);
     - k = 1/16 of the length, at least 512, for query groups of up to :data:`NARROW_GROUP` heads
       (SmolLM2, group 3); 1/4, at least 2048, for wider ones (the 1.5B, group 6: one token set
       serves more heads); the floor is the k those points were measured with (at 8K);
@@ -168,8 +170,8 @@ def shape_default(num_q_heads: int, num_kv_heads: int, head_dim: int, latent: bo
         return OperatingPoint(min(16, max(1, head_dim // 4)), 1 / 16, 512, "group_max",
                               rule=f"MLA latent rows of {head_dim}: not measured, the former defaults")
     g = max(1, num_q_heads // max(1, num_kv_heads))
-    r = max(1, head_dim // 4)
     narrow = g <= NARROW_GROUP
+    r = max(1, head_dim // 4) if not narrow else min(16, max(1, head_dim // 4))
     ratio, floor = (1 / 16, 512) if narrow else (1 / 4, 2048)
     mode = "group_max" if g <= GROUP_MAX_WIDEST else "group_sum"
     rule = f"query group {g}, head_dim {head_dim}"

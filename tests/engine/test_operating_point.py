@@ -28,7 +28,7 @@ def _point(**chosen):
     (9, 3, 64, (16, 1 / 16, 512, "group_max")),      # SmolLM2-135M: query group 3
     (12, 2, 128, (32, 1 / 4, 2048, "group_max")),    # Qwen2.5-Coder-1.5B: group 6
     (14, 2, 64, (16, 1 / 4, 2048, "group_sum")),     # Qwen2.5-0.5B: group 7
-    (32, 8, 128, (32, 1 / 16, 512, "group_max")),    # Llama-3.1-8B: group 4
+    (32, 8, 128, (16, 1 / 16, 512, "group_max")),    # Llama-3.1-8B: group 4 (r capped at 16)
     (4, 2, 16, (4, 1 / 16, 512, "group_max")),
 ])
 def test_shape_default(hq, hkv, d, want):
