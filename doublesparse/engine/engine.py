@@ -494,4 +494,5 @@ class Engine:
                     channels_calibrated=p.channels_calibrated,
                     heavy_token_num=p.ds.heavy_token_num if p.ds else None,
                     decode_policy=p.ds.policy.describe() if p.ds else None,
-                    heavy_channel_num=p.memory.plan.heavy_channel_num or None)
+                    heavy_channel_num=p.memory.plan.heavy_channel_num or None,
+                    operating_point=(self.operating_point or {}).get("summary"))

@@ -88,7 +88,8 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
                               "heavy_token_num": s.get("heavy_token_num"),
                               "heavy_channel_num": s.get("heavy_channel_num"),
                               "channel_source": s.get("channel_source"),
-                              "channels_calibrated": s.get("channels_calibrated")}
+                              "channels_calibrated": s.get("channels_calibrated"),
+                              "operating_point": s.get("operating_point")}
         if not st.worker.alive:
             body["status"] = "engine_dead"
             if st.worker.fatal is not None:  # e.g. a tensor-parallel rank that exited

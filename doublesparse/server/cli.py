@@ -168,8 +168,9 @@ def decode_mode_line(stats: dict) -> str:
         return "decode: mode not reported by the engine"
     if not stats["double_sparsity"]:
         return "decode: dense (Double Sparsity off)"
+    op = stats.get("operating_point")
     return (f"decode: Double Sparsity, {stats.get('decode_policy')}; r={stats.get('heavy_channel_num')} "
-            f"label channels from {stats.get('channel_source')}")
+            f"label channels from {stats.get('channel_source')}" + (f"; {op}" if op else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -353,6 +353,7 @@ def test_per_request_double_sparsity(srv):
         d = srv.health()["decode"]
         assert d["double_sparsity"] and d["heavy_token_num"] and "channel config" in d["channel_source"]
         assert d["channels_calibrated"] is True  # the packaged SmolLM2 config
+        assert "calibrated" in d["operating_point"] and "r=16" in d["operating_point"]
         assert "length" in d["policy"] and "auto" in d["policy"]  # per-request budgets, auto choice
         k = d["heavy_token_num"]
         assert post(enable_double_sparsity=True).status_code == 200

@@ -113,3 +113,4 @@ def test_startup_line_reports_double_sparsity_as_health_does():
     (line,) = [ln for ln in out.splitlines() if "serving tiny-llama on" in ln]
     assert "decode: Double Sparsity" in line and "Double Sparsity off" not in line, line
     assert f"r={health['decode']['heavy_channel_num']} " in line
+    assert health["decode"]["operating_point"] and health["decode"]["operating_point"] in line
