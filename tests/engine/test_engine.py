@@ -6,10 +6,10 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from doublesparse.engine import Engine, RequestRefused, SamplingParams
 from doublesparse.testing import ByteTokenizer, tiny_llama
+from model_utils import CausalAttention
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 MAX_POS = 512  # small, so that "maximum context length" is easy to exceed
@@ -37,20 +37,13 @@ def prompts(n, seed=0, lo=5, hi=60):
             for _ in range(n)]
 
 
-class _Causal:
-    def forward(self, layer_id, q, k, v, batch):
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           is_causal=True, enable_gqa=True)
-        return o.transpose(0, 1)
-
-
 @torch.inference_mode()
 def recompute_greedy(model, ids, n):
     ids = list(ids)
     out = []
     for _ in range(n):
         t = torch.tensor(ids)
-        b = types.SimpleNamespace(attn=_Causal(), logits_indices=torch.tensor([len(ids) - 1]))
+        b = types.SimpleNamespace(attn=CausalAttention(), logits_indices=torch.tensor([len(ids) - 1]))
         tok = int(model(t, torch.arange(len(ids)), b)[0].argmax())
         out.append(tok)
         ids.append(tok)

@@ -4,14 +4,13 @@ through chunked prefill, the overlap schedule, mixed batches, Double Sparsity (i
 dense) and the prefix cache (skipped by such requests); on the tiny random Llama and on the
 embedded SmolLM2."""
 
-import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from doublesparse.engine import Engine
 from doublesparse.testing import ByteTokenizer, tiny_llama
+from model_utils import full_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -26,23 +25,6 @@ def engine(model, **kw):
     kw.setdefault("max_total_tokens", 4096)
     kw.setdefault("ds_sparse_decode_threshold", 0)
     return Engine(model=model, tokenizer=ByteTokenizer(), progress=False, **kw)
-
-
-class _Causal:
-    def forward(self, layer_id, q, k, v, batch):
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           is_causal=True, enable_gqa=True)
-        return o.transpose(0, 1)
-
-
-@torch.inference_mode()
-def reference(model, ids: list[int], exact: bool = False) -> torch.Tensor:
-    """log_softmax of one full causal forward: [len(ids), V] float64 (``exact``: every row from
-    the LM head's own weight, as prompt logprobs are, not a CPU model's bf16 copy)."""
-    b = types.SimpleNamespace(attn=_Causal(), logits_indices=None,
-                              exact_logits_rows=tuple(range(len(ids))) if exact else ())
-    logits = model(torch.tensor(ids), torch.arange(len(ids)), b)
-    return torch.log_softmax(logits.double(), dim=-1)
 
 
 def check(prompt_lps, ids, ref, k, atol=2e-4):
@@ -80,11 +62,11 @@ def test_prompt_logprobs_equal_full_forward(model, ds, chunk, overlap):
     alone = engine(model).generate(ps[1], sps[1])[0]
     assert out[1]["token_ids"] == alone["token_ids"] and "prompt_logprobs" not in out[1]
     for i in (0, 2, 3, 4):
-        check(out[i]["prompt_logprobs"], ps[i], reference(model, ps[i]), sps[i]["prompt_logprobs"])
+        check(out[i]["prompt_logprobs"], ps[i], full_logprobs(model, ps[i]), sps[i]["prompt_logprobs"])
     assert out[2]["token_ids"] == [] and out[2]["meta"]["finish_reason"] == "length"
     assert out[2]["meta"]["completion_tokens"] == 0 and out[2]["text"] == ""
     # the sampled tokens' own logprobs continue the prompt's
-    ref3 = reference(model, ps[3] + out[3]["token_ids"])
+    ref3 = full_logprobs(model, ps[3] + out[3]["token_ids"])
     assert out[3]["logprobs"][0][0] == pytest.approx(float(ref3[len(ps[3]) - 1, out[3]["token_ids"][0]]),
                                                      abs=2e-4)
     s = e.stats()
@@ -99,7 +81,7 @@ def test_prefix_cache_is_skipped_not_wrong(model):
     e.generate(p, {**GREEDY, "max_new_tokens": 2})                 # caches p
     r = e.generate(p + [9, 10], {**GREEDY, "max_new_tokens": 1, "prompt_logprobs": 2})[0]
     assert r["meta"]["cached_tokens"] == 0
-    check(r["prompt_logprobs"], p + [9, 10], reference(model, p + [9, 10]), 2)
+    check(r["prompt_logprobs"], p + [9, 10], full_logprobs(model, p + [9, 10]), 2)
     hits = e.stats()["prefix_cache_hit_tokens"]
     again = e.generate(p + [9, 10, 11], {**GREEDY, "max_new_tokens": 1})[0]
     assert again["meta"]["cached_tokens"] == len(p)  # the first request's, not the scoring one's
@@ -148,7 +130,7 @@ def test_smollm2_prompt_logprobs_dense_and_ds():
                                  "the mind to suffer the slings and arrows of outrageous fortune")
     sp = {**GREEDY, "max_new_tokens": 0, "prompt_logprobs": 5}
     out = dense.generate(ids, sp)[0]
-    check(out["prompt_logprobs"], ids, reference(dense.parts.model, ids, exact=True), 5, atol=1e-3)
+    check(out["prompt_logprobs"], ids, full_logprobs(dense.parts.model, ids, exact=True), 5, atol=1e-3)
     ds = Engine(enable_double_sparsity=True, ds_heavy_token_num=16, ds_sparse_decode_threshold=0, **kw)
     got = ds.generate(ids, sp)[0]["prompt_logprobs"]
     assert [e[0] for e in got[1:]] == pytest.approx([e[0] for e in out["prompt_logprobs"][1:]], abs=1e-4)

@@ -7,13 +7,11 @@ logprobs: it refuses with a 400 that names the field."""
 from __future__ import annotations
 
 import json
-import types
 
 import httpx
 import pytest
-import torch
-import torch.nn.functional as F
 
+from model_utils import full_logprobs
 from server_utils import AUTH, KEY, InProcessServer, fake_in_process
 
 
@@ -32,19 +30,6 @@ def srv():
 
 def post(srv, body: dict, path: str = "/v1/completions") -> httpx.Response:
     return httpx.post(srv.url + path, json={"model": "tiny-llama", **body}, headers=AUTH, timeout=60)
-
-
-class _Causal:
-    def forward(self, layer_id, q, k, v, batch):
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           is_causal=True, enable_gqa=True)
-        return o.transpose(0, 1)
-
-
-@torch.inference_mode()
-def reference(model, ids: list[int]) -> torch.Tensor:
-    b = types.SimpleNamespace(attn=_Causal(), logits_indices=None)
-    return torch.log_softmax(model(torch.tensor(ids), torch.arange(len(ids)), b).double(), -1)
 
 
 def parse_logprobs(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
@@ -74,7 +59,7 @@ def test_echo_logprobs_shape_and_values(srv):
     assert all(t[tok] == v for tok, v, t in zip(lp["tokens"][1:], lp["token_logprobs"][1:],
                                                 lp["top_logprobs"][1:]))
     assert r.json()["usage"]["completion_tokens"] == 4 and r.json()["usage"]["prompt_tokens"] == n
-    ref = reference(srv.engine.parts.model, list(prompt.encode()))
+    ref = full_logprobs(srv.engine.parts.model, list(prompt.encode()))
     for p in range(1, n):
         assert lp["token_logprobs"][p] == pytest.approx(float(ref[p - 1, prompt.encode()[p]]), abs=2e-4)
 
@@ -87,7 +72,7 @@ def test_lm_eval_loglikelihood_request(srv):
             "seed": 1234, "echo": True}
     out = post(srv, body).json()
     got = parse_logprobs(out, [len(ctx)] * 2)
-    ref = [reference(srv.engine.parts.model, ctx + c) for c in conts]
+    ref = [full_logprobs(srv.engine.parts.model, ctx + c) for c in conts]
     for (ll, greedy), c, lps in zip(got, conts, ref):
         want = sum(float(lps[len(ctx) - 1 + j, t]) for j, t in enumerate(c))
         assert ll == pytest.approx(want, abs=1e-3)
