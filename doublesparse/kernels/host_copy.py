@@ -48,7 +48,9 @@ def copy_rows(src_k, src_v, dst_k, dst_v, src_rows, dst_rows, heads, valid, impl
     if not use:
         return copy_rows_ref(src_k, src_v, dst_k, dst_v, src_rows, dst_rows, heads, valid)
     from .triton.host_gather import copy_rows as _copy
-    flat = lambda t: t.reshape(-1)  # noqa: E731
+    # contiguous: reshape(-1) of an expanded [1, H] entry tensor is a stride-0 view (no copy),
+    # which the kernel would read past its one element (the illegal address at batch size 1)
+    flat = lambda t: t.reshape(-1).contiguous()  # noqa: E731
     _copy(src_k, src_v, dst_k, dst_v, flat(src_rows), flat(dst_rows), flat(heads), flat(valid))
 
 

@@ -144,6 +144,32 @@ def test_copy_rows_kernel_matches_reference():
     assert dst[0].abs().sum() > 0
 
 
+def test_store_of_one_token_copies_every_head():
+    """The store's entries at batch size 1: [1, H] expansions, which reshape(-1) turns into stride-0
+    views; the kernel must get them contiguous (it read past the one element: an illegal address
+    in every CUDA-graph capture at batch 1). On CPU under the interpreter, on CUDA natively."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(1, 3, 24, generator=g).to(dev), torch.randn(1, 3, 24, generator=g).to(dev)
+    pool_k, pool_v = torch.zeros(9, 3, 24, device=dev), torch.zeros(9, 3, 24, device=dev)
+    slots = torch.tensor([5], device=dev)
+    rows = torch.arange(1, device=dev)[:, None].expand(1, 3)
+    heads = torch.arange(3, device=dev)[None, :].expand(1, 3)
+    ok = torch.ones(1, 3, dtype=torch.bool, device=dev)
+    assert rows.reshape(-1).stride() == (0,)    # the trap this guards
+    copy_rows(k, v, pool_k, pool_v, rows, slots[:, None].expand(1, 3), heads, ok, impl="triton")
+    assert torch.equal(pool_k[5], k[0]) and torch.equal(pool_v[5], v[0])
+    assert pool_k[:5].abs().sum() == 0 and pool_k[6:].abs().sum() == 0
+
+
+def test_gather_launcher_refuses_strided_entries():
+    from doublesparse.kernels.triton.host_gather import copy_rows as launch
+    t = torch.zeros(4, 2, 8)
+    zero = torch.zeros(1, dtype=torch.long).expand(3)
+    with pytest.raises(ValueError, match="contiguous"):
+        launch(t, t, t, t, zero, zero.contiguous(), zero.contiguous(), torch.ones(3, dtype=torch.int8))
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_tiered_copies_route_each_slot(impl):
     """A device tier of 7 slots before a host store of 11: rows come from and go to the tier of

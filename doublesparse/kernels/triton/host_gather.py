@@ -55,6 +55,10 @@ def copy_rows(src_k, src_v, dst_k, dst_v, src_rows, dst_rows, heads, valid, bloc
     E = src_rows.numel()
     if E == 0:
         return
+    for name, t in (("src_rows", src_rows), ("dst_rows", dst_rows), ("heads", heads), ("valid", valid)):
+        if t.dim() != 1 or t.numel() != E or (E > 1 and t.stride(0) != 1):
+            raise ValueError(f"copy_rows: {name} must be a contiguous [{E}] tensor, got shape "
+                             f"{tuple(t.shape)} stride {t.stride()}")
     D = src_k.shape[2]
     BD = triton.next_power_of_2(D)
     block_e = block_e or min(MAX_ENTRIES, max(2, ELEMS_PER_PROGRAM // BD))
