@@ -65,16 +65,18 @@ def make_case(seq_lens, hq, hkv, d, r=16, dtype=torch.bfloat16, label_dtype=torc
                 1.0 / math.sqrt(d))
 
 
-def make_ws(case: Case, max_heavy_tokens=0, max_splits=8, poison=True):
+def make_ws(case: Case, max_heavy_tokens=0, max_splits=8, poison=True, layer_select=False):
     B, hq, d = case.q.shape
     ws = DecodeWorkspace(B, hq, case.k_cache.shape[1], d, case.req_to_token.shape[1],
-                         max_heavy_tokens, device=case.q.device, max_splits=max_splits)
+                         max_heavy_tokens, device=case.q.device, max_splits=max_splits,
+                         layer_select=layer_select)
     if poison:
-        ws.part_o.fill_(float("nan"))
-        ws.part_lse.fill_(float("nan"))
-        if max_heavy_tokens:
-            ws.scores.fill_(float("nan"))
-            ws.sel.fill_(-7)
+        for w in (ws, ws.layer) if ws.layer is not None else (ws,):
+            w.part_o.fill_(float("nan"))
+            w.part_lse.fill_(float("nan"))
+            if max_heavy_tokens:
+                w.scores.fill_(float("nan"))
+                w.sel.fill_(-7)
     return ws
 
 
@@ -87,7 +89,7 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 
 
 def rows_of(mode, hq, hkv):
-    return hq if mode == "per_head" else hkv
+    return hq if mode == "per_head" else 1 if mode == "layer" else hkv
 
 
 def budgets(c, k, dense_below=0):

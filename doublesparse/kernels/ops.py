@@ -100,6 +100,16 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     fit the budget, else which of them are kept is unspecified).
     Returns (or fills ``out``) [B, Hq, D] in q's dtype.
     """
+    if mode == "layer" and top_p > 0:
+        raise ValueError("the layer selection mode takes no top-p budget")
+    if _use_triton(q, impl) and mode == "layer":
+        from .triton.ds_layer import ds_decode_layer
+        o = ds_decode_layer(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
+                            seq_lens, sm_scale, heavy_token_nums, max_heavy_tokens, num_sink, num_recent,
+                            ws, out, tuning=tuning)
+        if row_counts is not None:
+            _fill_row_counts(row_counts, ws, seq_lens, heavy_token_nums, max_heavy_tokens, 0.0)
+        return o
     if _use_triton(q, impl):
         from .triton.ds_launch import ds_decode as _ds
         o = _ds(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import torch
 
-MODES = ("per_head", "group_sum", "group_max")
+# per_head: a selection per query head; group_*: per KV head, over its query group's scores
+# summed or maxed; layer: one selection per request shared by every head of the layer, over the
+# sum of all query heads' scores (DS-Offload fetches a token's K/V of all heads as one row)
+MODES = ("per_head", "group_sum", "group_max", "layer")
 
 
 def _group(hq: int, hkv: int) -> int:
@@ -75,7 +78,8 @@ def label_scores_ref(q, label_cache, label_scale, channels, req_to_token, req_id
                      sm_scale, max_len=None):
     """Approximate scores ``sm_scale * q[heavy] . label`` for every cached token.
 
-    Returns ``[B, R, max_len]`` float32 with -inf past each seq_len; R = Hq for "per_head", else Hkv.
+    Returns ``[B, R, max_len]`` float32 with -inf past each seq_len; R = Hq for "per_head", 1 for
+    "layer", else Hkv.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -83,7 +87,7 @@ def label_scores_ref(q, label_cache, label_scale, channels, req_to_token, req_id
     Hkv = label_cache.shape[1]
     G = _group(Hq, Hkv)
     max_len = int(seq_lens.max()) if max_len is None else max_len
-    R = Hq if mode == "per_head" else Hkv
+    R = Hq if mode == "per_head" else 1 if mode == "layer" else Hkv
     out = torch.full((B, R, max_len), float("-inf"), dtype=torch.float32, device=q.device)
     ch = channels.long().repeat_interleave(G, dim=0)                       # [Hq, r]
     qh = torch.gather(q.float(), 2, ch[None].expand(B, -1, -1))            # [B, Hq, r]
@@ -97,6 +101,8 @@ def label_scores_ref(q, label_cache, label_scale, channels, req_to_token, req_id
             s = s.view(Hkv, G, n).sum(1)
         elif mode == "group_max":
             s = s.view(Hkv, G, n).amax(1)
+        elif mode == "layer":
+            s = s.sum(0, keepdim=True)
         out[b, :, :n] = s
     return out
 
@@ -121,7 +127,8 @@ def topk_ref(scores, k: int):
 def sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, positions, sm_scale, keep=None):
     """Exact attention over selected positions only.
 
-    positions: ``[B, R, n]`` int; R = Hq (each query head its own set) or Hkv (shared by the group).
+    positions: ``[B, R, n]`` int; R = Hq (each query head its own set), Hkv (shared by the group)
+    or 1 (shared by the layer).
     keep: optional ``[B, R, n]`` bool, the entries each row attends to (default: all n).
     Returns ``[B, Hq, D]`` float32.
     """
@@ -134,9 +141,10 @@ def sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, positions, sm_
         row = req_to_token[req_idx[b].long()].long()
         for h in range(Hq):
             kvh = h // G
-            pos = positions[b, h if R == Hq else kvh].long()
+            r = kvh if R == Hkv else h if R == Hq else 0
+            pos = positions[b, r].long()
             if keep is not None:
-                pos = pos[keep[b, h if R == Hq else kvh]]
+                pos = pos[keep[b, r]]
             slots = row[pos]
             k = k_cache[slots, kvh].float()
             v = v_cache[slots, kvh].float()

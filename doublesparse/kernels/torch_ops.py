@@ -57,7 +57,7 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale)
 
 def label_scores(q, label_cache, label_scale, channels, start, slots, n: int, sm_scale, mode):
     """One request's approximate scores of its n cached tokens: [R, n] float32 (R = Hq per head,
-    else Hkv). q: [Hq, D]; (start, slots) as from :func:`_token_rows`."""
+    1 for the layer mode, else Hkv). q: [Hq, D]; (start, slots) as from :func:`_token_rows`."""
     Hq = q.shape[0]
     Hkv = label_cache.shape[1]
     G = _group(Hq, Hkv)
@@ -69,6 +69,8 @@ def label_scores(q, label_cache, label_scale, channels, start, slots, n: int, sm
     s = torch.matmul(qh, lab.permute(1, 2, 0)).mul_(sm_scale)                  # [Hkv, G, n]
     if mode == "per_head":
         return s.view(Hq, n)
+    if mode == "layer":
+        return s.sum((0, 1)).view(1, n)
     return s.sum(1) if mode == "group_sum" else s.amax(1)
 
 
@@ -100,6 +102,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         if num_recent:
             s[:, n - num_recent:] = float("inf")
         top = s.topk(k, dim=-1, sorted=False).indices                          # [R, k] positions
+        if mode == "layer":                                                    # one row for every KV head
+            top, raw = top.expand(Hkv, k), None if raw is None else raw.expand(Hkv, n)
         R = top.shape[0]
         sel = top + start if slots is None else slots[top]                     # [R, k] slots
         heads = torch.arange(R, device=q.device) // (G if R == Hq else 1)

@@ -24,6 +24,8 @@ class DecodeWorkspace:
     max_ctx: the longest sequence (positions) the scores buffer must hold.
     max_heavy_tokens: the largest top-k; 0 disables the Double Sparsity buffers.
     max_splits: the most split-K partitions one (request, head) row is cut into.
+    layer_select: also the buffers of the "layer" selection mode (``layer``: a workspace of the
+    mode's one virtual KV head, kernels/triton/ds_layer.py), else ``layer`` is None.
     """
 
     max_batch: int
@@ -34,6 +36,7 @@ class DecodeWorkspace:
     max_heavy_tokens: int = 0
     device: torch.device | str = "cuda"
     max_splits: int = 64
+    layer_select: bool = False
     buffers: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -46,6 +49,9 @@ class DecodeWorkspace:
             raise ValueError("max_heavy_tokens must be >= 0")
         dev = torch.device(self.device)
         B, Hq, D, S = self.max_batch, self.num_q_heads, self.head_dim, self.max_splits
+        Hkv = self.num_kv_heads
+        self.layer = (DecodeWorkspace(B, Hq // Hkv, 1, Hkv * D, self.max_ctx, self.max_heavy_tokens, dev, 1)
+                      if self.layer_select and self.max_heavy_tokens else None)
         f32 = dict(dtype=torch.float32, device=dev)
         self.buffers["part_o"] = torch.empty(B, Hq, S, D, **f32)
         self.buffers["part_lse"] = torch.empty(B, Hq, S, **f32)
@@ -91,9 +97,11 @@ class DecodeWorkspace:
         sub = object.__new__(DecodeWorkspace)
         sub.__dict__.update(self.__dict__, max_batch=b1 - b0,
                             buffers={n: (t[:, b0:b1] if n == "hist" else t[b0:b1])
-                                     for n, t in self.buffers.items()})
+                                     for n, t in self.buffers.items()},
+                            layer=None if self.layer is None else self.layer.rows(b0, b1))
         return sub
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+        own = sum(t.numel() * t.element_size() for t in self.buffers.values())
+        return own + (self.layer.nbytes if self.layer is not None else 0)

@@ -42,8 +42,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
     dev = q.device
     r = _check_labels(label_cache, label_scale, channels, k_cache, dev)
-    if mode not in MODES:
-        _fail(f"mode must be one of {MODES}, got {mode!r}")
+    if mode not in MODES or mode == "layer":
+        _fail(f"mode must be one of {MODES[:3]} (the layer mode: ds_layer.py), got {mode!r}")
     _check(heavy_token_nums, "heavy_token_nums", 1, (torch.int32,), dev)
     if heavy_token_nums.shape[0] != B:
         _fail(f"heavy_token_nums {tuple(heavy_token_nums.shape)} must be [{B}]")
