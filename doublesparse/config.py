@@ -19,7 +19,9 @@ ATTENTION_BACKENDS = ("dense", "double_sparsity", "torch")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 CHANNEL_TYPES = ("q", "k", "qk")
-SELECTION_MODES = ("per_head", "group_sum", "group_max")
+# layer: one selection per request shared by every head of a layer (DS-Offload's default: it
+# fetches a token's K/V of all heads as one row)
+SELECTION_MODES = ("per_head", "group_sum", "group_max", "layer")
 # "auto": each layer's mode as its channel config records it (calibration measures it), else this one
 DEFAULT_SELECTION_MODE = "group_max"
 # what the budget fields mean where nothing filled them in: the engine fills every unset one from
@@ -299,6 +301,8 @@ class EngineConfig:
             raise ValueError("ds_budget_mode 'fixed' needs ds_heavy_token_num")
         if self.ds_budget_mode == "ratio" and self.ds_heavy_token_num:
             raise ValueError("ds_budget_mode 'ratio' conflicts with ds_heavy_token_num (a fixed k)")
+        if self.ds_budget_mode == "top_p" and self.ds_selection_mode == "layer":
+            raise ValueError("ds_budget_mode 'top_p' does not combine with ds_selection_mode 'layer'")
 
     @property
     def budget_mode(self) -> str:

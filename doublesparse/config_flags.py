@@ -59,8 +59,9 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
                         "least N tokens (and more than their k)")
     g.add_argument("--ds-selection-mode", choices=SELECTION_MODE_CHOICES,
                    help="auto (default): the operating point's (each layer's mode as the channel config "
-                        "records it, else from the model's query-group width); a mode: that one for "
-                        "every layer")
+                        "records it, else from the model's query-group width; with --enable-ds-offload "
+                        "layer); a mode: that one for every layer (layer: one selection shared by every "
+                        "head of a layer)")
     g.add_argument("--ds-label-dtype", choices=LABEL_DTYPE_CHOICES,
                    help="label cache dtype; auto (default): fp8 (e4m3) on NVIDIA GPUs of compute "
                         "capability 8.9+ (Ada, Hopper and later) unless the model's K projection "

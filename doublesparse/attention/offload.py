@@ -12,6 +12,12 @@ Per decode step and layer:
 New tokens' K/V go to the host store (and their labels to the device pool) when they are stored;
 prefill writes each chunk's K/V there, and a chunk with a cached prefix gathers it back.
 
+Rows: with the "layer" selection mode (every head of a layer shares one selection: the default
+under DS-Offload) the hot set and every copy move a token's K (and V) of all KV heads of a layer as
+one row of Hkv * D values (2 KB for 8 heads of 128 in bf16), the piece page-locked host memory
+serves at PCIe speed; with a group mode, one row per (token, KV head) (256 B there), each KV head
+selecting its own tokens. Stores and prefix gathers always move whole tokens.
+
 ``fetch``: "reuse" (the hot set), "no-reuse" (every selected row fetched every step) or
 "full-kv" (no selection: dense attention reading each request's whole K/V from the host store
 each step, as offloaded caches do).
@@ -24,7 +30,7 @@ import dataclasses
 import torch
 
 from ..kernels import ops
-from ..kernels.host_copy import copy_to_tiers
+from ..kernels.host_copy import copy_to_tiers, token_rows
 from ..kernels.reference import store_labels_ref
 from ..kernels import torch_ops
 from .budget import DecodePolicy
@@ -34,6 +40,17 @@ from .offload_prefill import OffloadPrefill
 
 FETCH_MODES = ("reuse", "no-reuse", "full-kv")
 PREFETCH_MODES = ("none", "next-layer")
+
+
+def hot_units(ds, num_layers: int, num_kv_heads: int) -> int:
+    """Hot-set units per (request, layer) of DS-Offload under ``ds``'s modes: 1 (a row is a
+    token's K/V of every KV head) when every layer selects in the "layer" mode, else one per KV
+    head. A mix of the two is refused (one hot set serves every layer)."""
+    modes = {ds.mode_of(i) for i in range(num_layers)}
+    if "layer" in modes and len(modes) > 1:
+        raise ValueError(f"--enable-ds-offload needs one row layout for every layer: the layer selection "
+                         f"mode for all layers or for none (got {sorted(modes)}); pass --ds-selection-mode")
+    return 1 if modes == {"layer"} else int(num_kv_heads)
 
 
 class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
@@ -66,6 +83,11 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         super().__init__(memory, num_q_heads, head_dim, sm_scale, impl, workspace, channels, ds, **kw)
         if hot is None or hot.capacity < self.ds.heavy_token_num:
             raise ValueError("the hot set must hold at least the largest top-k per request")
+        Hkv = memory.plan.num_kv_heads
+        self.units = hot_units(self.ds, len(memory.k), Hkv)
+        if hot.k[0].shape[1:] != (self.units, Hkv * head_dim // self.units):
+            raise ValueError(f"the hot set's rows {tuple(hot.k[0].shape[1:])} do not fit the selection "
+                             f"({self.units} per request and layer of {Hkv * head_dim // self.units} values)")
         self.hot = hot
         self.fetch = fetch
         self.prefetch = prefetch
@@ -85,12 +107,13 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
     def store(self, layer_id, k, v, slots) -> None:
         m = self.memory
         store_labels_ref(m.label[layer_id], m.label_scale[layer_id], k, slots, self.channels[layer_id])
-        N, H = k.shape[0], k.shape[1]
-        rows = slots.long()[:, None].expand(N, H)
-        heads = torch.arange(H, device=k.device)[None, :].expand(N, H)
-        ok = torch.ones(N, H, dtype=torch.bool, device=k.device)
-        copy_to_tiers(k, v, torch.arange(N, device=k.device)[:, None].expand(N, H), self.tiers(layer_id),
-                      rows, heads, ok, impl="triton" if self._triton else "torch")
+        # whole tokens: one row of Hkv * D values each
+        N = k.shape[0]
+        kt, vt = k.reshape(N, 1, -1), v.reshape(N, 1, -1)
+        zero = torch.zeros(N, dtype=torch.long, device=k.device)
+        copy_to_tiers(kt, vt, torch.arange(N, device=k.device), token_rows(self.tiers(layer_id)),
+                      slots.long(), zero, torch.ones(N, dtype=torch.bool, device=k.device),
+                      impl="triton" if self._triton else "torch")
 
     def tiers(self, layer_id):
         """Where layer ``layer_id``'s K/V live: the memory's ``tiers`` (engine/offload_memory.py's
@@ -99,6 +122,11 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         if tiers is not None:
             return tiers(layer_id)
         return self.memory.k[layer_id], self.memory.v[layer_id], None, None, 0
+
+    def _hot_tiers(self, layer_id):
+        """The store as the hot set's rows see it: whole tokens, or per (token, KV head)."""
+        tiers = self.tiers(layer_id)
+        return token_rows(tiers) if self.units == 1 else tiers
 
     # ------------------------------------------------------------------------------ decode
     def decode_attention(self, layer_id, q, batch):
@@ -131,7 +159,7 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
     def _hot_rows(self, layer_id, req_idx, slots, valid):
         """Hot rows of the wanted slots, after fetching the misses. [B, Hkv, K] int32."""
         hot, fetch = self.hot.lookup(layer_id, req_idx, slots, valid, reuse=self.fetch == "reuse")
-        self.hot.fetch(layer_id, self.tiers(layer_id), slots, hot, fetch,
+        self.hot.fetch(layer_id, self._hot_tiers(layer_id), slots, hot, fetch,
                        impl="triton" if self._triton else "torch")
         return hot
 
@@ -149,13 +177,13 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         hot, fetch = self.hot.lookup(layer_id, batch.req_idx, slots.long(), valid, predicted=True)
         impl = "triton" if self._triton else "torch"
         if not q.is_cuda:
-            self.hot.fetch(layer_id, self.tiers(layer_id), slots.long(), hot, fetch, impl=impl)
+            self.hot.fetch(layer_id, self._hot_tiers(layer_id), slots.long(), hot, fetch, impl=impl)
             return
         main = torch.cuda.current_stream(q.device)
         side = self._prefetch_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            self.hot.fetch(layer_id, self.tiers(layer_id), slots.long(), hot, fetch, impl=impl)
+            self.hot.fetch(layer_id, self._hot_tiers(layer_id), slots.long(), hot, fetch, impl=impl)
         # kept alive until the join: the side stream reads them
         self._inflight[layer_id] = (slots, hot, fetch)
 
@@ -164,29 +192,36 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
             torch.cuda.current_stream(self._device).wait_stream(self._prefetch_stream)
 
     def _select_triton(self, layer_id, q, batch, ks):
-        """Layer ``layer_id``'s selection on the device -> (slots [B, Hkv, K] KV slots, valid
-        [B, Hkv, K] bool, n [B] tokens per row): the top-k of a sparse request, all positions of
-        a request no longer than its k."""
+        """Layer ``layer_id``'s selection on the device -> (slots [B, U, K] KV slots, valid
+        [B, U, K] bool, n [B] tokens per row; U = ``self.units``): the top-k of a sparse request,
+        all positions of a request no longer than its k."""
         from ..kernels.triton.ds_launch import ds_decode as _ds
-        m, d, ws, hot = self.memory, self.ds, self.workspace, self.hot
-        K = d.heavy_token_num
-        B, Hkv = q.shape[0], m.plan.num_kv_heads
+        from ..kernels.triton.ds_layer import layer_select
+        m, d, ws = self.memory, self.ds, self.workspace
+        K, U = d.heavy_token_num, self.units
+        B, Hkv, D = q.shape[0], m.plan.num_kv_heads, self.head_dim
         seq = batch.seq_lens
         sparse = getattr(batch, "ds_sparse", True)
-        if sparse:
+        lab = m.label[layer_id]
+        if sparse and U == 1:
+            sel = layer_select(q, lab, m.label_scale[layer_id], self.channels[layer_id], m.req_to_token,
+                               batch.req_idx, seq, self.sm_scale, ks, K, d.num_sink, d.num_recent, ws,
+                               self.tuning)
+        elif sparse:
             # the select stage reads no K/V; its checks want a K pool as long as the label pool
-            lab, hk = m.label[layer_id], hot.k[layer_id]
-            shaped = hk.as_strided((lab.shape[0], Hkv, hk.shape[2]), (0, hk.stride(1), 1))
+            # (a stride-0 view of q's memory)
+            shaped = q.as_strided((lab.shape[0], Hkv, D), (0, 0, 1))
             _ds(q, shaped, shaped, lab, m.label_scale[layer_id], self.channels[layer_id],
                 m.req_to_token, batch.req_idx, seq, self.sm_scale, ks, K, d.mode_of(layer_id),
                 d.num_sink, d.num_recent, ws, stage="select", tuning=self.tuning)
+            sel = ws.sel_slot[:B, :Hkv, :K]
         dense = seq <= ks                                                       # [B]
         ar = torch.arange(K, device=q.device)
         n = torch.where(dense, seq, ks.clamp(max=K))                            # [B]
         walked = m.req_to_token[batch.req_idx.long()[:, None], ar[None, :].clamp(max=m.req_to_token.shape[1] - 1)]
-        slots = walked[:, None, :].expand(B, Hkv, K)
+        slots = walked[:, None, :].expand(B, U, K)
         if sparse:
-            slots = torch.where(dense[:, None, None], slots, ws.sel_slot[:B, :Hkv, :K])
+            slots = torch.where(dense[:, None, None], slots, sel)
         return slots, ar[None, None, :] < n[:, None, None], n
 
     def _decode_triton(self, layer_id, q, batch, ks):
@@ -204,15 +239,17 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
             S = _sparse_splits(B, Hkv, Hkv, K, ws, q.device, self.tuning)
         else:
             S = dense_splits(B, Hkv, ws, q.device, self.tuning)
-        hk, hv = self.hot.k[layer_id], self.hot.v[layer_id]
+        D = self.head_dim
+        hk, hv = self.hot.k[layer_id].view(-1, Hkv, D), self.hot.v[layer_id].view(-1, Hkv, D)
         return _attention(q, hk, hv, m.req_to_token, batch.req_idx, n32 + 1, self.sm_scale, ws, None,
-                          rows, Hkv, n32, K, False, S, self.tuning, self.tuning.sparse_attn_stages)
+                          rows.expand(B, Hkv, K), Hkv, n32, K, False, S, self.tuning,
+                          self.tuning.sparse_attn_stages)
 
     def _select_torch(self, layer_id, q, batch, ks):
         """The PyTorch twin of the selection: torch_ops.ds_decode's scores and top-k call ->
-        (slots [B, Hkv, K], valid [B, Hkv, K], K = the widest row, host lists of lengths and ks)."""
+        (slots [B, U, K], valid [B, U, K], K = the widest row, host lists of lengths and ks)."""
         m, d = self.memory, self.ds
-        B, Hkv, dev = q.shape[0], m.plan.num_kv_heads, q.device
+        B, Hkv, dev = q.shape[0], self.units, q.device
         req_idx, seq_lens, kl = batch.req_idx.tolist(), batch.seq_lens.tolist(), ks.tolist()
         ns = [n if n <= k else k for n, k in zip(seq_lens, kl)]
         K = max(ns)
@@ -242,7 +279,8 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         Hkv = self.memory.plan.num_kv_heads
         G = Hq // Hkv
         slots, valid, seq_lens, kl = self._select_torch(layer_id, q, batch, ks)
-        rows = self._hot_rows(layer_id, batch.req_idx, slots, valid).long()
+        # [B, Hkv, K]; a token row's head h is row * Hkv + h of the [-1, D] view either way
+        rows = self._hot_rows(layer_id, batch.req_idx, slots, valid).long().expand(B, Hkv, -1)
         hk, hv = self.hot.k[layer_id].view(-1, D), self.hot.v[layer_id].view(-1, D)
         out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
         heads = torch.arange(Hkv, device=q.device)
@@ -273,7 +311,7 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         device tier are device copies, counted in ``device_bytes`` instead."""
         s = self.hot.stats()
         p = self.memory.plan
-        row = 2 * p.head_dim * p.kv_dtype.itemsize
+        row = 2 * p.head_dim * p.kv_dtype.itemsize * (p.num_kv_heads // self.units)
         s["bytes"] = (s["misses"] + s["prefetched"] - s["device_fetched"]) * row
         s["device_bytes"] = s["device_fetched"] * row
         return s

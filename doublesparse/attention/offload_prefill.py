@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.host_copy import copy_from_tiers
+from ..kernels.host_copy import copy_from_tiers, token_rows
 from .prefill import _attention_lse, _repeat_kv, _use_split, prefill_sdpa
 
 
@@ -84,9 +84,9 @@ class OffloadPrefill:
         n, H, D = slots.numel(), kp.shape[1], kp.shape[2]
         ks = torch.empty(n, H, D, dtype=kp.dtype, device=q.device)
         vs = torch.empty_like(ks)
-        src = slots.to(q.device).long()[:, None].expand(n, H)
-        dst = torch.arange(n, device=q.device)[:, None].expand(n, H)
-        heads = torch.arange(H, device=q.device)[None, :].expand(n, H)
-        copy_from_tiers(tiers, ks, vs, src, dst, heads, torch.ones(n, H, dtype=torch.bool, device=q.device),
-                        impl="triton" if self._triton else "torch")
+        # whole tokens: one row of H * D values each
+        dev = q.device
+        copy_from_tiers(token_rows(tiers), ks.view(n, 1, H * D), vs.view(n, 1, H * D), slots.to(dev).long(),
+                        torch.arange(n, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
+                        torch.ones(n, dtype=torch.bool, device=dev), impl="triton" if self._triton else "torch")
         return ks.to(q.dtype).transpose(0, 1), vs.to(q.dtype).transpose(0, 1)

@@ -206,6 +206,8 @@ def parse_channels(cfg: dict, model_config, channel_type: str, heavy_channel_num
         raise ValueError(f"channel_type must be one of {CHANNEL_TYPES}, got {channel_type!r}")
     L = _get(model_config, "num_layers", "num_hidden_layers")
     modes = (mode,) * L if isinstance(mode, str) else tuple(mode)
+    # the layer mode sums every head's scores: its KV heads' channels are ranked as group_sum's
+    modes = tuple("group_sum" if m == "layer" else m for m in modes)
     if len(modes) != L:
         raise ValueError(f"got {len(modes)} selection modes for a model of {L} layers")
     for m in set(modes):

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from ..attention.offload import OffloadDSBackend
+from ..attention.offload import OffloadDSBackend, hot_units
 from ..attention.offload_hot import HotSet
 from .host_kv import GIB, HostKVStore, host_tokens
 from .memory import KVMemory, MemoryPlan, plan_memory
@@ -59,24 +59,27 @@ def build_offload(cfg, plan: MemoryPlan, device: torch.device, ds, mc, channels,
                         plan.kv_dtype, pin=device.type == "cuda", device_tokens=n_dev, device=device)
     memory = OffloadKVMemory(plan, device, store)
     C = hot_tokens(cfg, ds.heavy_token_num)
+    # rows of whole tokens under the layer selection mode, else per (token, KV head)
+    units = hot_units(ds, plan.num_layers, plan.num_kv_heads)
+    width = plan.num_kv_heads * plan.head_dim // units
     if device.type == "cuda":
-        need = HotSet.bytes_for(plan.num_layers, plan.max_reqs + 1, C, plan.num_kv_heads, plan.head_dim,
+        need = HotSet.bytes_for(plan.num_layers, plan.max_reqs + 1, C, units, width,
                                 plan.num_slots, plan.kv_dtype.itemsize)
         free = torch.cuda.mem_get_info(device)[0]
         if need > free:
             raise ValueError(f"the DS-Offload hot set needs {need / GIB:.1f} GiB ({plan.max_reqs + 1} request rows "
                              f"x {C} tokens x {plan.num_layers} layers), {free / GIB:.1f} GiB are free: {_LOWER}")
-    hot = HotSet(plan.num_layers, plan.max_reqs + 1, C, plan.num_kv_heads, plan.head_dim, plan.num_slots,
-                 plan.kv_dtype, device)
+    hot = HotSet(plan.num_layers, plan.max_reqs + 1, C, units, width, plan.num_slots, plan.kv_dtype, device)
     memory.row_release_hooks.append(hot.reset_region)
     impl = "torch" if cfg.kernel_impl == "torch" else "auto"
     backend = OffloadDSBackend(memory, mc.num_q_heads, mc.head_dim, impl=impl, workspace=workspace,
                                channels=channels, ds=ds, tuning=cfg.kernel_tuning, hot=hot,
                                fetch=cfg.ds_offload_fetch, prefetch=cfg.ds_offload_prefetch)
-    log.info("DS-Offload: K/V of %d tokens in host memory (%.1f GiB)%s, hot set %d rows per "
-             "request, layer and KV head, fetch %s; prefix cache %s",
+    log.info("DS-Offload: K/V of %d tokens in host memory (%.1f GiB)%s, hot set %d %s per "
+             "request and layer, fetch %s; prefix cache %s",
              memory.slots.admission_size, store.nbytes / 2**30,
-             f", a device tier of {n_dev} tokens" if n_dev else "", hot.capacity, backend.fetch,
+             f", a device tier of {n_dev} tokens" if n_dev else "", hot.capacity,
+             "tokens (all KV heads)" if units == 1 else "tokens per KV head", backend.fetch,
              "off" if cfg.disable_radix_cache else "on (cached prefixes in the host store)")
     return memory, backend
 

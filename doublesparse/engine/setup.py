@@ -132,6 +132,9 @@ def resolve_channels(cfg: EngineConfig, model, mc, r: int, tokenizer=None,
     L = int(mc.num_layers)
     explicit = cfg.ds_selection_mode != "auto"
     modes = (cfg.ds_selection_mode,) * L if explicit else point.modes(L)
+    if cfg.enable_ds_offload and not explicit:
+        # DS-Offload fetches whole tokens (2 KB rows at PCIe speed) under one selection per layer
+        modes = ("layer",) * L
     how = f"mode {modes[0]}" if len(set(modes)) == 1 else "modes per layer from the config"
     if path is not None:
         ch = load_channels(path, mc if shard is None else shard.config, cfg.ds_heavy_channel_type, r, modes)
@@ -257,7 +260,9 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         ws = DecodeWorkspace(max_batch=max_bs,
                              num_q_heads=mc.num_q_heads, num_kv_heads=mc.num_kv_heads,
                              head_dim=mc.head_dim, max_ctx=max_ctx,
-                             max_heavy_tokens=ds.heavy_token_num if ds else 0, device=device)
+                             max_heavy_tokens=ds.heavy_token_num if ds else 0, device=device,
+                             layer_select=ds is not None and any(ds.mode_of(i) == "layer"
+                                                                 for i in range(plan.num_layers)))
     if cfg.enable_ds_offload:
         from .offload_setup import build_offload
         memory, backend = build_offload(cfg, plan, device, ds, mc, channels, ws)

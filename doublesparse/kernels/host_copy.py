@@ -54,6 +54,15 @@ def copy_rows(src_k, src_v, dst_k, dst_v, src_rows, dst_rows, heads, valid, impl
     _copy(src_k, src_v, dst_k, dst_v, flat(src_rows), flat(dst_rows), flat(heads), flat(valid))
 
 
+def token_rows(tiers):
+    """``tiers`` (see :func:`copy_from_tiers`) with every pool viewed ``[S, 1, Hkv * D]``: a row is a
+    token's values of every KV head, one contiguous piece (pools contiguous in their last two dims)."""
+    def whole(t):
+        return None if t is None else t.view(t.shape[0], 1, t.shape[1] * t.shape[2])
+    hk, hv, dk, dv, n_dev = tiers
+    return whole(hk), whole(hv), whole(dk), whole(dv), n_dev
+
+
 def _by_tier(slots, valid, n_dev):
     """Entries split by the tier of their slot: (device rows, device mask, host rows, host mask)."""
     ok, on_dev = valid.to(torch.bool), slots <= n_dev

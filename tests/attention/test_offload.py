@@ -47,7 +47,8 @@ def _run(seq_lens, k, capacity, impl, fetch="reuse", steps=4, seed=3, sink=1, re
         mem, S0 = _memory(c, steps, layers)
         ws = None
         if impl == "triton":  # few splits: the interpreter's time goes by program count
-            ws = DecodeWorkspace(B, Hq, Hkv, D, mem.req_to_token.shape[1], k, device="cpu", max_splits=2)
+            ws = DecodeWorkspace(B, Hq, Hkv, D, mem.req_to_token.shape[1], k, device="cpu", max_splits=2,
+                                 layer_select=mode == "layer")
         kw = dict(memory=mem, num_q_heads=Hq, head_dim=D, impl=impl, workspace=ws,
                   channels=c.channels[None].expand(layers, -1, -1))
         if which == 0 and fetch == "full-kv":
@@ -55,7 +56,9 @@ def _run(seq_lens, k, capacity, impl, fetch="reuse", steps=4, seed=3, sink=1, re
         elif which == 0:
             be = create_backend("double_sparsity", use_double_sparsity=True, ds=ds, **kw)
         else:
-            hot = HotSet(layers, mem.req_to_token.shape[0], capacity, Hkv, D, mem.k[0].shape[0], torch.float32, "cpu")
+            units = 1 if mode == "layer" else Hkv   # whole tokens, or one row per KV head
+            hot = HotSet(layers, mem.req_to_token.shape[0], capacity, units, Hkv * D // units, mem.k[0].shape[0],
+                         torch.float32, "cpu")
             be = OffloadDSBackend(ds=ds, hot=hot, fetch=fetch, prefetch=prefetch, **kw)
         backends.append(be)
         g = torch.Generator().manual_seed(seed + 100)
@@ -73,20 +76,22 @@ def _run(seq_lens, k, capacity, impl, fetch="reuse", steps=4, seed=3, sink=1, re
     return backends, outs
 
 
-def test_offload_equals_in_gpu_ds_torch():
+@pytest.mark.parametrize("mode", ["group_max", "layer"])
+def test_offload_equals_in_gpu_ds_torch(mode):
     """Odd batch, GQA 9/3, a request shorter than k (5 < 8: dense from the hot set), lengths not
     multiples of anything; capacity == k forces evictions whenever a selection changes."""
-    (_, off), (ref, got) = _run([5, 37, 70], 8, 8, "torch", steps=5)
+    (_, off), (ref, got) = _run([5, 37, 70], 8, 8, "torch", steps=5, mode=mode)
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     s = off.fetch_stats()
     assert s["hits"] > 0 and s["misses"] > 0 and s["steps"] == 5
 
 
-def test_next_layer_prefetch_keeps_outputs():
+@pytest.mark.parametrize("mode", ["group_max", "layer"])
+def test_next_layer_prefetch_keeps_outputs(mode):
     """Predicting layer l+1's selection from layer l's query and fetching it early changes what is
     resident, never the outputs; the prefetched rows count as host bytes, the fix-ups as misses."""
-    (_, off), (ref, got) = _run([5, 37, 70], 8, 9, "torch", steps=3, prefetch="next-layer", layers=2)
+    (_, off), (ref, got) = _run([5, 37, 70], 8, 9, "torch", steps=3, prefetch="next-layer", layers=2, mode=mode)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     s = off.fetch_stats()
     assert s["prefetched"] > 0 and s["hits"] > 0
@@ -198,10 +203,11 @@ def test_tiered_copies_route_each_slot(impl):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter twin on CPU tensors; on a GPU the CUDA tests cover it")
-def test_offload_equals_in_gpu_ds_triton():
+@pytest.mark.parametrize("mode", ["group_max", "layer"])
+def test_offload_equals_in_gpu_ds_triton(mode):
     """The Triton decode path (select stage, index translation, the sparse-list attention over the
     hot set) under the interpreter: tiny, two steps."""
-    (_, off), (ref, got) = _run([5, 19, 12], 8, 8, "triton", steps=2, seed=5, heads=(6, 2))
+    (_, off), (ref, got) = _run([5, 19, 12], 8, 8, "triton", steps=2, seed=5, heads=(6, 2), mode=mode)
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     assert off.fetch_stats()["misses"] > 0

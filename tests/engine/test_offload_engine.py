@@ -26,16 +26,20 @@ def _engine(model, **kw):
     return Engine(**{**base, **kw})
 
 
-@pytest.mark.parametrize("fetch,prefetch", [("reuse", "none"), ("no-reuse", "none"), ("reuse", "next-layer")])
-def test_offload_generates_what_in_gpu_ds_generates(model, fetch, prefetch):
+@pytest.mark.parametrize("fetch,prefetch,mode", [("reuse", "none", "group_max"), ("no-reuse", "none", "group_max"),
+                                                  ("reuse", "next-layer", "group_max"), ("reuse", "none", "layer"),
+                                                  ("reuse", "next-layer", "layer")])
+def test_offload_generates_what_in_gpu_ds_generates(model, fetch, prefetch, mode):
     """Three requests (13 < k, 71 and 150 tokens, prefilled in 37-token chunks from the host store)
-    decoding together; a hot set of 21 rows (k = 20) evicts at almost every step."""
+    decoding together; a hot set of 21 rows (k = 20) evicts at almost every step. In the layer
+    mode the hot set holds whole tokens (all KV heads)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (13, 71, 150)]
     sp = {"max_new_tokens": 10, "temperature": 0}
-    want = _engine(model).generate(prompts, sp)
+    want = _engine(model, ds_selection_mode=mode).generate(prompts, sp)
     e = _engine(model, enable_ds_offload=True, ds_offload_hot_tokens=21, ds_offload_fetch=fetch,
-                ds_offload_prefetch=prefetch)
+                ds_offload_prefetch=prefetch, ds_selection_mode=mode)
+    assert e.parts.backend.units == (1 if mode == "layer" else 3)
     got = e.generate(prompts, sp)
     assert [w["text"] for w in want] == [x["text"] for x in got]
     s = e.parts.backend.fetch_stats()
@@ -139,9 +143,13 @@ def test_offload_with_fp8_labels(model):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fetch,prefetch,tier", [("reuse", "none", 0), ("reuse", "next-layer", 0),
-                                                 ("no-reuse", "none", 0), ("reuse", "none", 400)])
-def test_offload_on_cuda_equals_in_gpu_ds(fetch, prefetch, tier):
+@pytest.mark.parametrize("fetch,prefetch,tier,mode", [("reuse", "none", 0, "group_max"),
+                                                      ("reuse", "next-layer", 0, "group_max"),
+                                                      ("no-reuse", "none", 0, "group_max"),
+                                                      ("reuse", "none", 400, "group_max"),
+                                                      ("reuse", "none", 0, "layer"),
+                                                      ("reuse", "next-layer", 400, "layer")])
+def test_offload_on_cuda_equals_in_gpu_ds(fetch, prefetch, tier, mode):
     """On the GPU, with CUDA graphs and the overlap schedule: K/V in page-locked host memory, the
     host-gather kernel, the Triton select and attention over the hot set give in-GPU DS's tokens;
     with a 400-token device tier the 40- and 333-token requests keep their K/V on the GPU."""
@@ -150,7 +158,7 @@ def test_offload_on_cuda_equals_in_gpu_ds(fetch, prefetch, tier):
     kw = dict(model=m, tokenizer=ByteTokenizer(), progress=False, device="cuda", max_total_tokens=4096,
               enable_double_sparsity=True, ds_heavy_token_num=64, ds_heavy_channel_num=8,
               ds_sparse_decode_threshold=0, chunked_prefill_size=256, disable_radix_cache=True,
-              ds_selection_mode="group_max", max_running_requests=4)
+              ds_selection_mode=mode, max_running_requests=4)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 333, 901)]
     sp = {"max_new_tokens": 16, "temperature": 0}
