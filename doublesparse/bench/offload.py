@@ -62,11 +62,11 @@ def host_store(slots: int = 1 << 20, heads: int = 8, head_dim: int = 128, pin_mo
 def gather_bandwidth(device, store=None, rows: int = 1 << 20, reps: int = 5, row: str = "head") -> dict:
     """GB/s of the host-gather kernel moving random K+V rows from a page-locked store of ``slots``
     tokens (``pin_mode``: engine/host_kv.PIN_MODES) into a device buffer, beside one contiguous
-    page-locked -> device copy of the same bytes (CUDA only). ``row`` "head": ``rows`` rows of one
-    (token, KV head), ``head_dim`` bf16 values each (what the decode fetches: each KV head selects
-    its own tokens); "token": the same bytes as rows of one token's ``heads`` heads together
-    (``heads * head_dim`` values: what a selection shared by all KV heads would fetch). ``store``:
-    from :func:`host_store` (default: its defaults)."""
+    page-locked -> device copy of the same bytes (CUDA only). ``row`` "token": the bytes of ``rows``
+    (token, KV head) pairs as rows of one token's ``heads`` heads together (``heads * head_dim``
+    bf16 values: what the decode fetches under the layer selection mode, DS-Offload's default);
+    "head": ``rows`` rows of one (token, KV head), ``head_dim`` values each (what it fetches under a
+    group mode, each KV head selecting its own tokens). ``store``: from :func:`host_store`."""
     from ..kernels.host_copy import copy_rows
     store = store or host_store()
     sk, sv = store.k[0], store.v[0]
@@ -122,6 +122,20 @@ def gather_sweep(device) -> dict:
         del store
         torch.cuda.empty_cache()
     return out
+
+
+def gather_summary(res: dict) -> dict:
+    """The sweep's headline: GB/s of the rows the decode fetches by default (whole tokens: the
+    layer selection mode) from a store pinned as the engine pins it, the slower of the two sizes;
+    the same for per-(token, KV head) rows (group modes)."""
+    from ..engine.host_kv import PIN_MODES
+    mode = PIN_MODES[0]
+
+    def worst(row):
+        return min(r["gather_gb_s"] for r in res.values() if r["row"] == row and r["pin_mode"] == mode)
+    return dict(host_gather_gb_s=worst("token"), host_gather_head_gb_s=worst("head"),
+                host_gather_pin_mode=mode, host_gather_row_bytes=max(r["row_bytes"] for r in res.values()),
+                thp=_thp_setting())
 
 
 def _meminfo_mb(key: str) -> int | None:
@@ -208,10 +222,10 @@ def _main(argv: list[str]) -> int:
         if not torch.cuda.is_available():
             raise SystemExit("--gather-only needs CUDA")
         res = gather_sweep(torch.device("cuda"))
-        best = max(res.values(), key=lambda r: r["gather_gb_s"] if r["row"] == "head" else 0)
-        summary = dict(host_gather_gb_s=best["gather_gb_s"], host_gather_pin_mode=best["pin_mode"],
-                       thp=_thp_setting())
-        print(f"best per-head gather: {best['gather_gb_s']:.1f} GB/s ({best['pin_mode']}); THP: {summary['thp']}")
+        summary = gather_summary(res)
+        print(f"host gather at the decode's rows (whole tokens, the engine's pin mode, the slower size): "
+              f"{summary['host_gather_gb_s']:.1f} GB/s; per-head rows (group modes) "
+              f"{summary['host_gather_head_gb_s']:.1f} GB/s; THP: {summary['thp']}")
         if args.result_json:
             with open(args.result_json, "w") as f:
                 json.dump(dict(command="python -m doublesparse.bench.offload " + " ".join(argv),
