@@ -85,6 +85,7 @@ class HotSet:
         counted apart, its hits not counted).
         """
         C = self.capacity
+        valid = valid.expand_as(slots)   # a selection's mask may come per row, [B, 1, K]
         reg = req_idx.long()[:, None, None]
         heads = self._heads
         base = reg * C

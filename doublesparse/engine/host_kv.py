@@ -57,7 +57,7 @@ class HostKVStore:
         self.v = [_host_empty(shape, dtype, mode) for _ in range(num_layers)]
         if pin and pin_mode != "cuda-host-alloc":
             # unregistered with the store (the pools that use the tensors hold the store too)
-            weakref.finalize(self, _unregister, [t.data_ptr() for t in (*self.k, *self.v)])
+            weakref.finalize(self, _unregister, [t.untyped_storage().data_ptr() for t in (*self.k, *self.v)])
         for t in (*self.k, *self.v):
             t[0].zero_()
 
@@ -101,7 +101,10 @@ def _host_empty(shape, dtype, pin_mode: str | None) -> torch.Tensor:
     if pin_mode is None or t.numel() == 0:
         return t
     cudart = torch.cuda.cudart()
-    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    # the whole storage (a huge-page tensor starts inside its mapping): torch's is_pinned asks
+    # about the storage's first byte
+    st = t.untyped_storage()
+    ptr, nbytes = st.data_ptr(), st.nbytes()
     err = cudart.cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
         raise RuntimeError(f"could not page-lock {nbytes / GIB:.2f} GiB of host memory for the K/V store "

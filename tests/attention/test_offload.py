@@ -203,11 +203,11 @@ def test_tiered_copies_route_each_slot(impl):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter twin on CPU tensors; on a GPU the CUDA tests cover it")
-@pytest.mark.parametrize("mode", ["group_max", "layer"])
-def test_offload_equals_in_gpu_ds_triton(mode):
+@pytest.mark.parametrize("mode,fetch", [("group_max", "reuse"), ("layer", "reuse"), ("group_max", "no-reuse")])
+def test_offload_equals_in_gpu_ds_triton(mode, fetch):
     """The Triton decode path (select stage, index translation, the sparse-list attention over the
     hot set) under the interpreter: tiny, two steps."""
-    (_, off), (ref, got) = _run([5, 19, 12], 8, 8, "triton", steps=2, seed=5, heads=(6, 2), mode=mode)
+    (_, off), (ref, got) = _run([5, 19, 12], 8, 8, "triton", steps=2, seed=5, heads=(6, 2), mode=mode, fetch=fetch)
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     assert off.fetch_stats()["misses"] > 0

@@ -161,9 +161,11 @@ def test_triton_path_matches_reference():
     labels where torch rounds to nearest (seen under TRITON_INTERPRET), which can flip near-tied
     selections (per_head, sink/recent) on this random model."""
     import os
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        import pytest
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    import pytest
+    if torch.cuda.is_available():
+        pytest.skip("interpreter twin on CPU tensors; on a GPU the kernel tests cover the kernels")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
     m = tiny_llama()
     ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(3)).tolist()
     ch = default_channels(m, 4)

@@ -190,7 +190,10 @@ __device__ __forceinline__ void load_row(const label_t* row, bool valid, unsigne
         v[2 * i] = w.x; v[2 * i + 1] = w.y;
     }
 #else
-    v[0] = valid ? *reinterpret_cast<const unsigned*>(row) : 0u;
+    // an odd word count (fp8 labels of an odd number of 16-channel pieces, e.g. r = 48): one word
+    // at a time, every one of them (a single load here left the others undefined)
+#pragma unroll
+    for (int i = 0; i < RW; ++i) v[i] = valid ? reinterpret_cast<const unsigned*>(row)[i] : 0u;
 #endif
 }
 
