@@ -235,6 +235,10 @@ def _main(argv: list[str]) -> int:
                                  disable_radix_cache=True, max_running_requests=1)
     if not cfg.max_total_tokens:  # pools (and the host store) for this one request, not the defaults
         cfg = cfg.replace(max_total_tokens=args.input_len + args.output_len + 16)
+    if cfg.ds_selection_mode == "auto":
+        # the in-GPU peer selects as DS-Offload does by default (one selection per layer), so that
+        # their tokens must agree
+        cfg = cfg.replace(ds_selection_mode="layer")
     check_engine_config(cfg)
     tok = load_tokenizer(cfg.model_path)
     ids = _prompt(tok, args.input_len)
