@@ -51,3 +51,19 @@ def test_dense_engine_ds_stats(model):
                                        "sparse_decode_steps": 0, "attention_recall": None}
     with pytest.raises(ValueError, match="return_ds_stats"):
         e.generate([[1, 2]], dict(SP, return_ds_stats="yes"))
+
+
+def test_recall_flags():
+    import argparse
+
+    from doublesparse.config import EngineConfig
+    from doublesparse.config_flags import add_cli_args, from_cli_args
+    ns = add_cli_args(argparse.ArgumentParser()).parse_args(
+        ["--ds-recall-sample-interval", "0", "--ds-recall-sample-rows", "2"])
+    cfg = from_cli_args(ns)
+    assert cfg.ds_recall_sample_interval == 0 and cfg.ds_recall_sample_rows == 2
+    assert EngineConfig().ds_recall_sample_interval == 64
+    with pytest.raises(ValueError, match="ds_recall_sample_interval"):
+        EngineConfig(ds_recall_sample_interval=-1)
+    with pytest.raises(ValueError, match="ds_recall_sample_rows"):
+        EngineConfig(ds_recall_sample_rows=0)
