@@ -83,6 +83,12 @@ def exact_recall(q, out, sel, valid, k_cache, v_cache, slots, sm_scale: float):
     return recall, err
 
 
+def _sel_rows(mode: str, num_q_heads: int, num_kv_heads: int) -> int:
+    """Selection rows a mode keeps per request: one per query head, one for the layer, else one
+    per KV head."""
+    return {"per_head": num_q_heads, "layer": 1}.get(mode, num_kv_heads)
+
+
 @dataclass
 class _Armed:
     layer: int
@@ -186,8 +192,10 @@ class RecallProbe:
         if self.triton:
             from ..kernels.triton.recall_stash import recall_stash
             b, ds = self.backend, self.backend.ds
-            ws = b.workspace
-            R = b.num_q_heads if ds.mode_of(layer_id) == "per_head" else b.memory.k[layer_id].shape[1]
+            ws, mode = b.workspace, ds.mode_of(layer_id)
+            R = _sel_rows(mode, b.num_q_heads, b.memory.k[layer_id].shape[1])
+            if mode == "layer":  # its one selection row lives in the virtual head's workspace
+                ws = ws.layer
             sel, rowk = (ws.topp_slot, ws.row_k) if ds.top_p > 0 else (ws.sel_slot, None)
             recall_stash(self._ctl, q, out, sel, rowk, self._q, self._o, self._sel, self._rowk, layer_id, R)
             return
@@ -224,8 +232,10 @@ class RecallProbe:
             slots = m.req_to_token[row, :n].long()
             if self.triton:
                 q, o = self._q[i], self._o[i]
-                R = b.num_q_heads if mode == "per_head" else kc.shape[1]
+                R = _sel_rows(mode, b.num_q_heads, kc.shape[1])
                 sel = self._sel[i, :R, :k]
+                if mode == "layer":
+                    sel = sel.expand(kc.shape[1], k)
                 valid = None
                 if ds.top_p > 0:
                     valid = torch.arange(k, device=q.device)[None, :] < self._rowk[i, :R, None]

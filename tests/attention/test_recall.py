@@ -73,7 +73,7 @@ def _backend(c, k, impl="torch", mode="group_max", top_p=0.0):
                           label_scale=[c.label_scale] * 2, req_to_token=c.req_to_token)
     from doublesparse.attention.budget import DecodePolicy, TokenBudget
     pol = DecodePolicy(TokenBudget(min(4, k), k, 0.0, top_p), 0)
-    ws = make_ws(c, max_heavy_tokens=k) if impl == "triton" else None
+    ws = make_ws(c, max_heavy_tokens=k, layer_select=mode == "layer") if impl == "triton" else None
     return create_backend("double_sparsity", use_double_sparsity=True, ds=DSParams(k, mode, 0, policy=pol),
                           memory=mem, num_q_heads=c.q.shape[1], head_dim=c.q.shape[2], impl=impl,
                           workspace=ws, channels=torch.stack([c.channels] * 2))
@@ -160,8 +160,9 @@ def test_sampling_interval_and_rows_bound_the_work():
     assert RecallProbe(RecallConfig(interval=0), be, 2).begin_step([1], [49], ([8], True)) is False
 
 
-@pytest.mark.parametrize("top_p", [0.0, 0.9])
-def test_triton_stash_matches_torch_path(top_p):
+@pytest.mark.parametrize("top_p,mode", [(0.0, "group_max"), (0.9, "group_max"), (0.0, "per_head"),
+                                        (0.0, "layer")])
+def test_triton_stash_matches_torch_path(top_p, mode):
     """The Triton path keeps the workspace's selection (the stash kernel, gated by the device
     control word) and measures the same recall as the PyTorch path's recomputed selection."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -170,7 +171,7 @@ def test_triton_stash_matches_torch_path(top_p):
     k = 8
     got = []
     for impl in ("torch", "triton"):
-        be = _backend(c, k, impl, top_p=top_p)
+        be = _backend(c, k, impl, mode, top_p=top_p)
         probe = RecallProbe(RecallConfig(interval=2, rows=2), be, num_layers=2)
         probe.attach(be)
         for _ in range(2):
