@@ -39,6 +39,7 @@ import os
 import platform
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import threading
@@ -63,6 +64,8 @@ ROOT = Path(__file__).resolve().parent.parent
 _ONE_BATCH = ("python -m doublesparse.bench_one_batch --profile --load-format dummy --warmup-input-len 1024 "
               "--batch-size 3 --output-len 200")
 _LLAMA = f"{_ONE_BATCH} --model-path llama-3.1-8b --input-len 60000 --max-total-tokens 190000"
+_RECALL = ("python -m doublesparse.bench_one_batch --load-format dummy --model-path llama-3.1-8b "
+           "--warmup-input-len 1024 --output-len 257 --fill random")
 _LONGCHAT = f"{_ONE_BATCH} --model-path longchat-7b-v1.5-32k --input-len 20000 --max-total-tokens 70000"
 # SmolLM2's rows read the embedded model's GGUF, staged on the machine (benchmarks/README.md)
 _SMOL = ("python -m doublesparse.bench_one_batch --profile --batch-size 1 "
@@ -274,6 +277,18 @@ SUITES: dict[str, dict] = {
                     "qk/group_max/r16/k1:16/s4w32 qk/group_max/r16/k1:8/s4w32 "
                     "qk/group_max/r16/k1:8/s4w32/p0.9min128 qk/group_max/r16/k1:8/s4w32/p0.98min128 -o {out}"},
         ],
+    },
+    # The sampled attention recall's cost (attention/recall.py): decode steps with the probe off,
+    # at its default interval and on every step; the summary compares mean step times (a sampled
+    # step is 1 in 64, so the median would hide it).
+    "recall": {
+        "area": "recall",
+        "rows": [_one_batch_row(f"llama31-8b-{shape}-ds-recall{n}",
+                                f"{_RECALL} {args} --enable-double-sparsity --ds-recall-sample-interval {n}")
+                 for shape, args in (("60k-bs3", "--batch-size 3 --input-len 60000 --max-total-tokens 190000"),
+                                     ("16k-bs32", "--batch-size 32 --input-len 16000 --max-total-tokens 520000 "
+                                                  "--skip-unfit"))
+                 for n in (0, 64, 1)],
     },
     # The embedded default on this CPU: our decode vs transformers' generate on the same GGUF and
     # prompt, side by side, and the engine's load time (benchmarks/cpu_embedded.py).
@@ -572,6 +587,23 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
+def _summary_recall(rows: dict) -> dict:
+    """recall_overhead_pct: the default interval's mean decode step over the probe-off one, less 1,
+    in percent, per shape (the worst is the summary key's value); every_step: with interval 1."""
+    mean = {n: statistics.fmean(r["results"][0]["decode_latencies"]) for n, r in rows.items()
+            if r.get("results") and r["results"][0].get("decode_latencies")}
+    out = {}
+    for shape in ("60k-bs3", "16k-bs32"):
+        base = mean.get(f"llama31-8b-{shape}-ds-recall0")
+        for n, key in ((64, "default"), (1, "every_step")):
+            got = mean.get(f"llama31-8b-{shape}-ds-recall{n}")
+            if base and got:
+                out.setdefault("by_shape", {}).setdefault(shape, {})[key] = 100 * (got / base - 1)
+    shapes = out.get("by_shape", {}).values()
+    pct = [v["default"] for v in shapes if "default" in v]
+    return {"recall_overhead_pct": max(pct) if pct else None, **out}
+
+
 def summarize(area: str, rows: dict) -> dict:
     try:
         if area in ("attention", "sampling"):
@@ -627,6 +659,8 @@ def summarize(area: str, rows: dict) -> dict:
             return {k: r.get(k) for k in ("lost_valid", "http_5xx", "fanout_disconnects", "rid_collisions",
                                           "rid_collisions_intact", "duplicates_identical", "rss_growth_pct",
                                           "metrics_consistent", "minutes")}
+        if area == "recall":
+            return _summary_recall(rows)
         if area == "top-p":
             med = {n: r["results"][0]["median_decode_latency"] for n, r in rows.items() if r.get("results")}
             acc = rows.get("accuracy-text-8192", {}).get("rows", [])

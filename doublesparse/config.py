@@ -114,6 +114,9 @@ class EngineConfig:
     ``ds_offload_device_tokens``: slots whose K/V stay in device memory, for the requests that fit
     there when admitted (0: every request's K/V in host memory).
     ``gpu_memory_budget_gb``: weights + device pools + hot set + workspace must fit (None: no check).
+    ``ds_recall_sample_interval``: every that many sparse decode steps, the exact attention of
+    ``ds_recall_sample_rows`` requests at one layer (rotating) measures the share of it the step's
+    selection captured (attention/recall.py, docs/serving-metrics.md); 0: off.
     """
 
     model_path: str | None = None
@@ -138,6 +141,8 @@ class EngineConfig:
     ds_num_sink: int | None = None
     ds_num_recent: int | None = None
     ds_batch_parts: int | None = None
+    ds_recall_sample_interval: int = 64
+    ds_recall_sample_rows: int = 4
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85
     chunked_prefill_size: int = 4096
@@ -185,6 +190,8 @@ class EngineConfig:
         _check_pos("chunked_prefill_size", self.chunked_prefill_size, allow_none=False)
         _check_pos("cuda_graph_max_bs", self.cuda_graph_max_bs, allow_none=False)
         _check_pos("ds_batch_parts", self.ds_batch_parts)
+        _check_pos("ds_recall_sample_interval", self.ds_recall_sample_interval, allow_none=False, allow_zero=True)
+        _check_pos("ds_recall_sample_rows", self.ds_recall_sample_rows, allow_none=False)
         _check_pos("tp_size", self.tp_size, allow_none=False)
         _check_pos("cpu_threads", self.cpu_threads)
         if not isinstance(self.kernel_tuning, KernelTuning):

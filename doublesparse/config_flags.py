@@ -74,6 +74,12 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
                    help="cut a sparse decode batch into this many parts, each on its own CUDA stream, "
                         "so one part's top-k select overlaps another's scoring and attention "
                         "(default: 2 from 16 requests, else 1)")
+    g.add_argument("--ds-recall-sample-interval", type=int, metavar="N",
+                   help="every N sparse decode steps, measure the attention recall of the step's selection "
+                        "exactly at one layer (rotating) for a few requests: /metrics "
+                        "doublesparse_ds_attention_recall (0: off; default 64)")
+    g.add_argument("--ds-recall-sample-rows", type=int, metavar="N",
+                   help="most requests measured per sampled step (default 4)")
     g.add_argument("--max-total-tokens", type=int,
                    help=f"KV pool size in tokens (default: from --mem-fraction-static on CUDA, "
                         f"{CPU_DEFAULT_TOTAL_TOKENS} on CPU)")

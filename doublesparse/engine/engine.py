@@ -408,6 +408,7 @@ class Engine:
     def _finish(self, r: Request, reason: str, new_ids: list[int], delta: str = "",
                 release_all: bool = False) -> StepOutput:
         r.finish_reason = reason
+        self._ds_stats(r)
         # its prompt and output stay in the prefix cache
         prefix_cache.release_request(self.parts.memory, self.parts.scheduler, r.rid, r.row,
                                      r.prompt_ids + r.output_ids, r.num_cached, failed=release_all)
@@ -422,12 +423,23 @@ class Engine:
         return StepOutput(r.rid, new_ids, delta, True, reason, len(r.prompt_ids), len(r.output_ids),
                           meta=request_meta(r))
 
+    def _ds_stats(self, r: Request) -> None:
+        """A finishing request's sampled recall (its row's samples are dropped either way, before
+        the row is reused), kept in its meta when it asked (``return_ds_stats``)."""
+        probe = self.parts.recall
+        recall = probe.take_request(r.row) if probe is not None and r.row is not None else None
+        if r.params.return_ds_stats:
+            r.ds_stats = {"double_sparsity": self.parts.ds is not None, "decode_steps": r.decode_steps,
+                          "sparse_decode_steps": r.sparse_decode_steps,
+                          "attention_recall": recall}
+
     # --------------------------------------------------------------------------- batch API
     def generate(self, prompts, sampling_params=None) -> list[dict]:
         """Run prompts to completion. ``prompts``: str, list[str], list[int] or list[list[int]];
         ``sampling_params``: one for all, or a list. Returns, per prompt, ``{"text", "token_ids",
         "meta": {prompt_tokens, completion_tokens, finish_reason, decode_steps,
-        sparse_decode_steps, e2e_latency, ttft, decode_latency}}``, plus ``"logprobs"`` (per token:
+        sparse_decode_steps, e2e_latency, ttft, decode_latency}}`` (and ``ds_stats`` where the
+        request set ``return_ds_stats``: its decode steps and sampled attention recall), plus ``"logprobs"`` (per token:
         ``(logprob, [(id, logprob)] * k)``) and ``"prompt_logprobs"`` (per prompt token, None for
         the first) for requests that asked for them."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
@@ -495,4 +507,5 @@ class Engine:
                     heavy_token_num=p.ds.heavy_token_num if p.ds else None,
                     decode_policy=p.ds.policy.describe() if p.ds else None,
                     heavy_channel_num=p.memory.plan.heavy_channel_num or None,
-                    operating_point=(self.operating_point or {}).get("summary"))
+                    operating_point=(self.operating_point or {}).get("summary"),
+                    attention_recall=p.recall.summary() if p.recall is not None else None)

@@ -52,6 +52,7 @@ class Request:
     sampling: RequestSampling | None = None  # penalties' history, grammar matcher
     group: str | None = None       # fair-admission group (its client request); None: its own
     prompt_logprobs: list | None = None  # being filled chunk by chunk, until sent (prompt_logprobs.take)
+    ds_stats: dict | None = None   # set when finished, for a request that asked (return_ds_stats)
 
 
 @dataclass
@@ -104,4 +105,5 @@ def request_meta(r: Request) -> dict:
                 sparse_decode_steps=r.sparse_decode_steps, cached_tokens=r.cached_tokens,
                 e2e_latency=now - r.t_arrival,
                 ttft=ttft, decode_latency=(now - r.t_first_token) if r.t_first_token else 0.0,
-                text=r.detok.text, **({"error": r.error} if r.error else {}))
+                text=r.detok.text, **({"error": r.error} if r.error else {}),
+                **({"ds_stats": r.ds_stats} if r.ds_stats is not None else {}))

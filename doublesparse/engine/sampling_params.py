@@ -54,6 +54,8 @@ class SamplingParams:
     generated (vLLM's rule); a grammar that allows nothing but its end still ends.
     logit_bias: {token id: bias in [-100, 100]} (or the pairs) added to the logits before
     penalties, masks and sampling (OpenAI); kept as sorted (id, bias) pairs.
+    return_ds_stats: the finished request's meta carries ``ds_stats`` (its decode steps, sparse
+    ones, and the sampled attention recall of its rows: attention/recall.py).
     """
 
     max_new_tokens: int = 128
@@ -79,6 +81,7 @@ class SamplingParams:
     json_object: bool = False
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    return_ds_stats: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -119,6 +122,8 @@ class SamplingParams:
         self._check_extras()
 
     def _check_extras(self) -> None:
+        if not isinstance(self.return_ds_stats, bool):
+            raise ValueError(f"return_ds_stats must be true or false, got {self.return_ds_stats!r}")
         if not 0.0 <= _finite(self.min_p, "min_p", "a finite number in [0, 1]") <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         rp = _finite(self.repetition_penalty, "repetition_penalty", "a finite number > 0")

@@ -46,6 +46,9 @@ class EngineParts:
     channels_calibrated: bool | None = None  # None: Double Sparsity off
     # the operating point in use (OperatingPoint.as_dict with the flags that override it); None: DS off
     operating_point: dict | None = None
+    # the sampled attention recall (attention/recall.py); None: off, or not available (DS off,
+    # DS-Offload, tensor parallelism)
+    recall: object | None = None
 
     def sparse_rows(self, seq_lens: list[int]) -> list[bool]:
         """Per request of a decode step (lengths after the step): did it select tokens?"""
@@ -280,16 +283,31 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         with torch.inference_mode():
             prefill.warmup(device, _model_dtype(model), mc.num_q_heads, mc.num_kv_heads, mc.head_dim,
                            cfg.kernel_tuning)
+    recall = _recall_probe(cfg, backend, plan, ds, tp)
     runner = (ModelRunner if tp is None else tp.runner)(
         model, memory, backend, device, use_cuda_graph=cfg.use_cuda_graph,
         graph_max_bs=cfg.cuda_graph_max_bs, tuning=cfg.kernel_tuning, cpu_threads=cfg.cpu_threads)
+    if recall is not None:
+        recall.attach_runner(runner)
     # all slots in-GPU; with DS-Offload the host store's only (its device tier is on top, so
     # every request fits whichever tier the memory puts it in)
     scheduler = Scheduler(cfg.scheduler_config(), memory.slots.admission_size, max_ctx)
     return EngineParts(model, tokenizer, device, max_ctx, plan, memory, backend, runner, scheduler,
                        ds, choice.source if choice else None, ws,
                        choice.calibrated if choice else None,
-                       point.as_dict(user_cfg) if point is not None else None)
+                       point.as_dict(user_cfg) if point is not None else None, recall)
+
+
+def _recall_probe(cfg: EngineConfig, backend, plan: MemoryPlan, ds, tp):
+    """The sampled recall, attached to the backend before any CUDA graph is captured; None where
+    it is off or not available (its exact attention reads the device K/V pools of one process)."""
+    if ds is None or not cfg.ds_recall_sample_interval or cfg.enable_ds_offload or tp is not None:
+        return None
+    from ..attention.recall import RecallConfig, RecallProbe
+    probe = RecallProbe(RecallConfig(cfg.ds_recall_sample_interval, cfg.ds_recall_sample_rows), backend,
+                        plan.num_layers)
+    probe.attach(backend)
+    return probe
 
 
 def _overrides(point: OperatingPoint, user_cfg: EngineConfig) -> str:

@@ -74,6 +74,30 @@ def label_scores(q, label_cache, label_scale, channels, start, slots, n: int, sm
     return s.sum(1) if mode == "group_sum" else s.amax(1)
 
 
+def select(q, label_cache, label_scale, channels, start, slots, n: int, k: int, sm_scale, mode,
+           num_sink=0, num_recent=0, top_p=0.0, top_p_min_k=0):
+    """One sparse request's selection: ``(sel [R, k] int64 cache slots, valid [R, k] bool or None)``
+    (R = Hq per head, else Hkv: the layer mode's one row repeated for each; valid: the entries the
+    top-p budget keeps, None without it). q: [Hq, D]; (start, slots) as from :func:`_token_rows`;
+    n > k tokens."""
+    s = label_scores(q, label_cache, label_scale, channels, start, slots, n, sm_scale, mode)
+    raw = s.clone() if top_p > 0 else None
+    if num_sink:
+        s[:, :num_sink] = float("inf")
+    if num_recent:
+        s[:, n - num_recent:] = float("inf")
+    top = s.topk(k, dim=-1, sorted=False).indices                              # [R, k] positions
+    if mode == "layer":                                                        # one row for every KV head
+        Hkv = label_cache.shape[1]
+        top, raw = top.expand(Hkv, k), None if raw is None else raw.expand(Hkv, n)
+    sel = top + start if slots is None else slots[top]                         # [R, k] slots
+    valid = None
+    if top_p > 0:
+        valid = keep_mask(raw[None], top[None], torch.tensor([n], device=q.device), top_p, top_p_min_k,
+                          num_sink, num_recent)[0]                             # [R, k] bool
+    return sel, valid
+
+
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
               seq_lens, sm_scale, heavy_token_nums, mode="group_max", num_sink=0, num_recent=0,
               top_p=0.0, top_p_min_k=0, row_counts=None):
@@ -95,26 +119,14 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             vv = _rows(v_cache, start, slots, n).transpose(0, 1)
             out[b] = _attend(q[b].float().view(Hkv, G, D), kk, vv, sm_scale).view(Hq, D)
             continue
-        s = label_scores(q[b], label_cache, label_scale, channels, start, slots, n, sm_scale, mode)
-        raw = s.clone() if top_p > 0 else None
-        if num_sink:
-            s[:, :num_sink] = float("inf")
-        if num_recent:
-            s[:, n - num_recent:] = float("inf")
-        top = s.topk(k, dim=-1, sorted=False).indices                          # [R, k] positions
-        if mode == "layer":                                                    # one row for every KV head
-            top, raw = top.expand(Hkv, k), None if raw is None else raw.expand(Hkv, n)
-        R = top.shape[0]
-        sel = top + start if slots is None else slots[top]                     # [R, k] slots
+        sel, valid = select(q[b], label_cache, label_scale, channels, start, slots, n, k, sm_scale, mode,
+                            num_sink, num_recent, top_p, top_p_min_k)
+        R = sel.shape[0]
         heads = torch.arange(R, device=q.device) // (G if R == Hq else 1)
         flat = (sel * Hkv + heads[:, None]).view(-1)                           # rows of [S * Hkv, D]
         ks = k_cache.view(-1, D).index_select(0, flat).view(R, k, D)
         vs = v_cache.view(-1, D).index_select(0, flat).view(R, k, D)
         qg = q[b].float().view(R, Hq // R, D)
-        valid = None
-        if top_p > 0:
-            valid = keep_mask(raw[None], top[None], torch.tensor([n], device=q.device), top_p, top_p_min_k,
-                              num_sink, num_recent)[0]                       # [R, k] bool
         out[b] = _attend(qg, ks, vs, sm_scale, valid).view(Hq, D)
         if row_counts is not None:
             row_counts[b] = k if valid is None else valid.sum(-1).to(row_counts.dtype)

@@ -90,6 +90,13 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
                               "channel_source": s.get("channel_source"),
                               "channels_calibrated": s.get("channels_calibrated"),
                               "operating_point": s.get("operating_point")}
+            r = s.get("attention_recall")
+            if r:
+                body["decode"]["attention_recall"] = {
+                    k: r.get(k) for k in ("sample_interval", "sampled_steps", "samples", "recall_mean",
+                                          "recall_min", "rel_error_mean")}
+                body["decode"]["attention_recall"]["layer_groups"] = {
+                    g["layers"]: (g["sum"] / g["count"] if g["count"] else None) for g in r["groups"]}
         if not st.worker.alive:
             body["status"] = "engine_dead"
             if st.worker.fatal is not None:  # e.g. a tensor-parallel rank that exited

@@ -39,6 +39,7 @@ class Generation:
         self.token_ids: list[int] = []       # every generated token id
         self.token_logprobs: list = []       # per token, when logprobs were asked for
         self.prompt_logprobs: list | None = None  # per prompt token (None first), when asked for
+        self.ds_stats: dict | None = None    # the finished request's, when it asked (return_ds_stats)
         self.watch = watch                   # False: the caller watches for the disconnect
         self.disconnected = False
         self._pending: list[Any] = []
@@ -166,6 +167,7 @@ class Generation:
         delta = getattr(ev, "text", "") or ""
         self.text += delta
         if getattr(ev, "finished", False):
+            self.ds_stats = (getattr(ev, "meta", None) or {}).get("ds_stats")
             self._finish(getattr(ev, "finish_reason", None) or "stop")
         return delta, ids
 

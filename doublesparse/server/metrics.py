@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client import disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 disable_created_metrics()  # the *_created series only add noise to every scrape
 P = "doublesparse_"
@@ -96,6 +96,30 @@ class _EngineCollector:
             c = CounterMetricFamily(P + name, doc)
             c.add_metric([], v)
             yield c
+        if s.get("attention_recall"):
+            yield from recall_metrics(s["attention_recall"])
+
+
+def recall_metrics(r: dict):
+    """The sampled attention recall (attention/recall.py; docs/serving-metrics.md): a histogram
+    per layer group of the share of the exact attention mass each sampled (request, layer)
+    selection captured, and the model's mean, minimum and output relative error."""
+    h = HistogramMetricFamily(P + "ds_attention_recall", "Share of the exact attention mass the "
+                              "sparse selection captured, per sampled request and layer",
+                              labels=["layer_group"])
+    for g in r["groups"]:
+        edges = [f"{e:g}" for e in g["buckets"]] + ["+Inf"]
+        h.add_metric([g["layers"]], list(zip(edges, g["cumulative_counts"])), g["sum"])
+    yield h
+    for name, key, doc in (
+            ("ds_attention_recall_mean", "recall_mean", "Mean sampled attention recall over all layers"),
+            ("ds_attention_recall_min", "recall_min", "Lowest sampled attention recall"),
+            ("ds_attention_output_rel_error", "rel_error_mean", "Mean relative error of the sampled "
+             "layers' attention output against exact attention")):
+        if r.get(key) is not None:
+            g = GaugeMetricFamily(P + name, doc)
+            g.add_metric([], float(r[key]))
+            yield g
 
 
 class ServerMetrics:

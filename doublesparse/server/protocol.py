@@ -233,6 +233,7 @@ class GenerateRequest(_Strict):
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     rid: str | None = None
+    return_ds_stats: bool = False  # meta_info.ds_stats: decode steps and sampled attention recall
 
 
 def parse(model: type[BaseModel], raw: bytes) -> BaseModel:

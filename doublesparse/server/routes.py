@@ -200,6 +200,11 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
         max_new = _max_new(st, len(ids), sp_in.max_new_tokens, None,
                            "sampling_params.max_new_tokens", "text")
         sp = _sampling(st, sp_in, max_new, "sampling_params.")
+        if req.return_ds_stats:
+            if "return_ds_stats" not in st.sampling_fields:
+                raise APIError("return_ds_stats is not supported by this engine", param="return_ds_stats",
+                               code="unsupported")
+            sp["return_ds_stats"] = True
         rid, client = new_id("gen"), client_key(request)  # the engine's id is always ours
         label = req.rid if req.rid is not None else rid
         _tag(request, rid if req.rid is None else f"{rid} (rid {req.rid!r})")
@@ -219,7 +224,8 @@ def register_generation_routes(app: FastAPI, st: ServerState) -> None:
                 "id": label, "prompt_tokens": g.prompt_tokens,
                 "completion_tokens": g.completion_tokens,
                 "finish_reason": {"type": g.finish_reason} if g.finish_reason else None,
-                "e2e_latency": time.perf_counter() - g._t0}}
+                "e2e_latency": time.perf_counter() - g._t0,
+                **({"ds_stats": g.ds_stats} if req.return_ds_stats and g.finish_reason else {})}}
 
         if not req.stream:
             await g.collect()

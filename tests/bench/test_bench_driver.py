@@ -241,3 +241,14 @@ def test_gpu_check_reads_pytest_output():
     assert gpu_check.parse_pytest(text) == {"tests/a.py::test_x": "ERROR", "tests/a.py::test_y[1-2]": "FAILED",
                                             "tests/b.py::test_z": "SKIPPED", "tests/a.py::test_w": "PASSED",
                                             "tests/c.py::test_v[a b - c]": "PASSED"}
+
+
+def test_recall_overhead_summary():
+    def row(step_s):
+        return {"results": [{"decode_latencies": [step_s] * 4}]}
+    rows = {"llama31-8b-60k-bs3-ds-recall0": row(1.0), "llama31-8b-60k-bs3-ds-recall64": row(1.01),
+            "llama31-8b-60k-bs3-ds-recall1": row(1.5), "llama31-8b-16k-bs32-ds-recall0": row(2.0),
+            "llama31-8b-16k-bs32-ds-recall64": row(2.04)}
+    s = bench_run.summarize("recall", rows)
+    assert s["recall_overhead_pct"] == pytest.approx(2.0)
+    assert s["by_shape"]["60k-bs3"] == pytest.approx({"default": 1.0, "every_step": 50.0})
