@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from .. import bench_one_batch as bob
+from . import one_batch as bob
 from ..config_flags import from_cli_args
 
 

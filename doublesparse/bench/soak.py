@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from ..bench_serving import pct
+from .serving import pct
 
 KINDS = {"valid": 5, "stream": 3, "oversize": 1, "malformed": 2, "disconnect": 1, "duplicate": 2,
          "burst": 1, "fanout_disconnect": 1, "rid_collision": 1}

@@ -48,10 +48,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         return _parse_with_main(argv[1][len("benchmarks/"):-3], argv[2:])  # run.py puts benchmarks/ on the path
     assert argv[:2] == ["python", "-m"], argv
     module, args = argv[2], argv[3:]
-    if module in ("doublesparse.bench_one_batch", "doublesparse.bench.family_decode", "doublesparse.bench.hf_offload",
+    # SGLang's command names are thin doors to the bench modules
+    module = {"doublesparse.bench_one_batch": "doublesparse.bench.one_batch",
+              "doublesparse.bench_serving": "doublesparse.bench.serving"}.get(module, module)
+    if module in ("doublesparse.bench.one_batch", "doublesparse.bench.family_decode", "doublesparse.bench.hf_offload",
                   "doublesparse.bench.offload", "doublesparse.bench.lmeval"):
         return importlib.import_module(module).build_parser().parse_args(args)
-    if module in ("doublesparse.bench_serving", "doublesparse.bench.soak"):
+    if module in ("doublesparse.bench.serving", "doublesparse.bench.soak"):
         return importlib.import_module(module).parse_args(args)
     if module in ("doublesparse.eval.protocol", "doublesparse.eval.long_context"):
         return importlib.import_module(module).build_parser().parse_args(args)
@@ -128,7 +131,7 @@ def test_speedup_map_summary_table_and_heatmap(tmp_path):
 
 def test_prefix_cache_summary_from_bench_serving_metrics():
     """The prefix-cache suite's summary and table read the keys bench_serving writes."""
-    from doublesparse import bench_serving as B
+    from doublesparse.bench import serving as B
 
     def metrics(ttft_cold, ttft_warm, duration, hit, lost=0):
         rs = [B.Result(ok=True, ttft=ttft_cold if i < 4 else ttft_warm, latency=2.0, output_tokens=8, group=i % 4)

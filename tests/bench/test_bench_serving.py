@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from doublesparse import bench_serving as B
+from doublesparse.bench import serving as B
 from doublesparse.bench import serving_workload as W
 from server_utils import KEY, fake_in_process
 

@@ -155,7 +155,7 @@ def test_cpu_shards_are_packed_like_the_tp1_model(tmp_path):
 
 def test_packed_cpu_load_decodes_at_tp2(tmp_path):
     # the ranks' packed copies serve their forwards, through the wrapped row-parallel layers too
-    from doublesparse import bench_one_batch
+    from doublesparse.bench import one_batch as bench_one_batch
 
     out = tmp_path / "r.json"
     rc = bench_one_batch.main(["--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu",

@@ -327,7 +327,7 @@ def test_cli_dispatch(capsys):
 def test_bench_one_batch_dummy(tmp_path, capsys, warmup):
     if importlib.util.find_spec("doublesparse.models") is None:
         pytest.skip("doublesparse.models unavailable")
-    from doublesparse import bench_one_batch
+    from doublesparse.bench import one_batch as bench_one_batch
     from doublesparse.models import shipped_configs
     if "tiny-llama" not in shipped_configs():
         pytest.skip("no tiny-llama dummy config")

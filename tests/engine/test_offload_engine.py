@@ -187,7 +187,7 @@ def test_offload_with_packed_cpu_weights():
 
 
 def test_bench_one_batch_places_requests_in_the_device_tier(tmp_path):
-    from doublesparse import bench_one_batch
+    from doublesparse.bench import one_batch as bench_one_batch
     out = tmp_path / "r.json"
     rc = bench_one_batch.main(["--model-path", "tiny-llama", "--load-format", "dummy", "--device", "cpu",
                                "--batch-size", "2", "--input-len", "60", "--output-len", "4", "--skip-warmup",

@@ -106,7 +106,7 @@ def test_engine_packs_what_it_loads_on_cpu_unless_disabled(monkeypatch):
 
 def test_decode_weight_bytes_count_the_packed_copies():
     # bench_one_batch's byte floor: decode reads the packed copies
-    from doublesparse.bench_one_batch import weight_bytes
+    from doublesparse.bench.one_batch import weight_bytes
     from doublesparse.testing import tiny_llama
 
     m = tiny_llama()

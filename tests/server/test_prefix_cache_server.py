@@ -9,7 +9,7 @@ import httpx
 import pytest
 from server_utils import AUTH, KEY, InProcessServer
 
-from doublesparse import bench_serving as B
+from doublesparse.bench import serving as B
 from doublesparse.server.app import create_app
 from doublesparse.server.config import ServerConfig
 from doublesparse.testing import tiny_engine
