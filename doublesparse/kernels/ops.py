@@ -19,7 +19,7 @@ from .tuning import DEFAULT_TUNING, KernelTuning
 from .workspace import DecodeWorkspace
 
 __all__ = ["DecodeWorkspace", "store_kv", "dense_decode", "ds_decode", "rope", "MODES", "rms_norm",
-           "add_rms_norm", "silu_mul", "rope_store", "linear"]
+           "add_rms_norm", "silu_mul", "rope_store", "linear", "moe_experts"]
 
 MODES = ref.MODES
 
@@ -211,3 +211,23 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
                                 label_scale, channels)
     return qr, (kr if return_k else None)
 
+
+
+def moe_experts(x, w13, w2, weights, ids, shared=None, impl: str = "auto",
+                tuning: KernelTuning = DEFAULT_TUNING):
+    """The routed experts of an MoE layer (+ the shared experts' output ``shared``, if given).
+
+    x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; weights: [T, K] float;
+    ids: [T, K] int; shared: [T, H] or None -> [T, H] in x's dtype. On the Triton path steps of at
+    most ``tuning.moe_decode_max_tokens`` tokens run the decode path (kernels/triton/moe_decode.py,
+    one launch pair, the sum and ``shared`` fused), larger ones the grouped GEMM (moe.py); both
+    without host syncs. The "torch" path is the float32 reference.
+    """
+    if _use_triton(x, impl):
+        from .triton.moe_decode import decode_fits, moe_decode
+        if decode_fits(x, tuning):
+            return moe_decode(x, w13, w2, weights, ids, shared, tuning=tuning)
+        from .triton.moe import fused_experts
+        y = fused_experts(x, w13, w2, weights, ids)
+        return y if shared is None else y + shared
+    return ref.moe_experts_ref(x, w13, w2, weights, ids, shared).to(x.dtype)

@@ -262,3 +262,20 @@ def rope_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_
     qr, kr = rope_ref(positions, q, cos, sin), rope_ref(positions, k, cos, sin)
     store_ref(k_cache, v_cache, label_cache, label_scale, kr, v, slots, channels)
     return qr, kr
+
+
+def moe_experts_ref(x, w13, w2, weights, ids, shared=None):
+    """The routed experts of one MoE layer, one (token, expert) assignment at a time in float32.
+    x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; weights: [T, K] float;
+    ids: [T, K] int; shared: [T, H] or None (added) -> [T, H] float32,
+    ``sum_k weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t]))``, e = ids[t, k]."""
+    T, K = ids.shape
+    inter = w13.shape[1] // 2
+    y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    for t in range(T):
+        xt = x[t].float()
+        for k in range(K):
+            w = w13[int(ids[t, k])].float()
+            h = torch.nn.functional.silu(w[:inter] @ xt) * (w[inter:] @ xt)
+            y[t] += float(weights[t, k]) * (w2[int(ids[t, k])].float() @ h)
+    return y if shared is None else y + shared.float()

@@ -100,12 +100,26 @@ class KernelTuning:
     # Query heads one latent-attention program holds (latent_attn.py); more heads run as several
     # programs per (request, split), each reading the latent rows again.
     latent_max_heads: int = 64
+    # Routed experts of an MoE layer (kernels/triton/moe_decode.py): steps of at most this many
+    # tokens (decode) take the expert-major decode path, each touched expert's weights streamed
+    # once by programs of one expert x one narrow N tile; larger ones the grouped GEMM (moe.py).
+    # 64: the decode batches the engine captures at MoE sizes give 1-16 tokens an expert, one
+    # 16-row pass; 0 = never. Its tiles: gate + up rows, down rows per program, the K step.
+    moe_decode_max_tokens: int = 64
+    moe_gate_up_block_n: int = 16
+    moe_down_block_n: int = 32
+    moe_decode_block_k: int = 256
+    moe_decode_warps: int = 4
+    moe_decode_stages: int = 3
 
     # Fused layer kernels on CUDA (models/layers.py, models/llama.py): "auto" = on CUDA tensors,
     # True = also on CPU (the Triton interpreter: tests), False = the PyTorch ops.
     fused_norm: bool | str = "auto"
     fused_silu_mul: bool | str = "auto"
     fused_rope_store: bool | str = "auto"
+    # The Triton expert paths of an MoE layer (grouped GEMM, decode path): "auto" = on CUDA, True =
+    # also on CPU (the interpreter: tests), False = the PyTorch path.
+    fused_moe: bool | str = "auto"
     # Prefill of a chunk after a cached prefix as two cuDNN calls merged by log-sum-exp
     # (attention/prefill.py): None = on CUDA for chunks of at least prefill.SPLIT_MIN_TOKENS,
     # True = wherever the inputs allow (CPU included: tests), False = never.
@@ -138,7 +152,7 @@ class KernelTuning:
             bad("score_impl", f"one of {SCORE_IMPLS}")
         if self.select_impl not in SELECT_IMPLS:
             bad("select_impl", f"one of {SELECT_IMPLS}")
-        for name in ("fused_norm", "fused_silu_mul", "fused_rope_store"):
+        for name in ("fused_norm", "fused_silu_mul", "fused_rope_store", "fused_moe"):
             v = getattr(self, name)
             if not (v == "auto" or isinstance(v, bool)):
                 bad(name, '"auto", true or false')
@@ -151,9 +165,15 @@ class KernelTuning:
                      "score_cuda_tc_tiles", "score_cuda_tc_max_heads_per_warp", "select_block_n",
                      "select_warps", "select_programs_per_sm", "select_loop_stages", "compact_loop_stages",
                      "hist_block_n", "hist_programs_per_sm", "topp_block_n", "topp_programs_per_sm",
-                     "topp_warps", "topp_keep_warps", "latent_max_heads"):
+                     "topp_warps", "topp_keep_warps", "latent_max_heads",
+                     "moe_gate_up_block_n", "moe_down_block_n", "moe_decode_block_k", "moe_decode_warps",
+                     "moe_decode_stages"):
             if getattr(self, name) < 1:
                 bad(name, "at least 1")
+        for name in ("moe_gate_up_block_n", "moe_down_block_n", "moe_decode_block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                bad(name, "a power of two of at least 16 (a tl.dot tile)")
         if self.score_cuda_tc_depth < 2:
             bad("score_cuda_tc_depth", "at least 2")
 

@@ -1,0 +1,215 @@
+"""Triton decode path of the routed experts: each touched expert's weights streamed once, no
+routing layout built on the host side or in separate launches.
+
+Why not the grouped GEMM (moe.py) at decode sizes: there a step is ~10 small device ops that sort
+the routing into 16-row blocks, two GEMM launches with 64-wide tiles (few, long programs: at 4
+tokens ~360 gate/up programs of 512 KB each, under three waves on 132 SMs), a ``[T * K, H]`` fp32
+output and then a sum and a cast. The tensor-core work wasted on padding is not the cost: 16
+padded rows are 16 flop per weight byte, ~18x under an H100's ridge.
+
+Here the grid is ``(E, N tiles)``; a program owns one expert and one narrow tile of output
+features. It finds its expert's assignments itself (one compare over the ``T * K`` routed ids,
+a prefix count to rank them), exits at once when there are none, and runs its tokens through
+its weight tile 16 rows at a time (tl.dot's minimum; decode gives 1-16 tokens an expert, so one
+pass, and weights are streamed from HBM exactly once; a 17th token re-reads the tile from L2):
+  1. gate/up: ``h[a] = silu(x[t] @ Wg[e].T) * (x[t] @ Wu[e].T)`` for assignment ``a = t * K + k``,
+     gate and up rows of the tile in one pass; h is ``[T * K, I]`` in x's dtype (L2-resident).
+  2. down: ``o[a] = weight[a] * (h[a] @ Wd[e].T)`` in fp32, then the weighted sum over the K
+     assignments of each token in the same launch: the last program of an N tile to arrive (an
+     arrival counter, reset by that program) sums its tile of ``o`` in the fixed order k = 0..K-1
+     (+ the shared experts' output when given) and writes ``y [T, H]`` in x's dtype. The counter
+     only orders programs; every value is summed in one fixed order, so results are
+     deterministic, which fp32 atomic adds into y would not be (for ~4 MB of L2 traffic at 64
+     tokens, cheaper than the separate sum launch it replaces).
+Narrow tiles (16 gate + 16 up rows, 32 down rows, 256-wide K steps, pipelined) make thousands of
+programs of 48-128 KB each: no wave tail, several programs and ~50 KB of loads in flight per SM.
+Static shapes and no host reads: capturable in a CUDA graph at a fixed T.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import _FLOAT, _INDEX, _INTERPRET, _check, _fail, pdl_kwargs
+from .pdl import enter
+from ..tuning import DEFAULT_TUNING, KernelTuning
+
+ROWS = 16  # token rows per pass: tl.dot's minimum
+
+
+@triton.jit
+def _dot_t(a, w, acc, DOT_F32: tl.constexpr):
+    """acc + a @ w.T; DOT_F32: fp32 operands, exact fp32 products (fp32 inputs, the interpreter)."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _expert_rows(ids_ptr, e, TK, TKP: tl.constexpr):
+    """(match [TKP] bool, rank [TKP] int32, count): the assignments routed to expert e."""
+    a = tl.arange(0, TKP)
+    ids = tl.load(ids_ptr + a, mask=a < TK, other=-1)
+    match = ids == e
+    m32 = match.to(tl.int32)
+    return match, tl.cumsum(m32, 0) - 1, tl.sum(m32, 0)
+
+
+@triton.jit
+def _pass_rows(match, rank, c0, count, TKP: tl.constexpr):
+    """Assignment index of the expert's tokens c0 .. c0 + ROWS - 1 ([ROWS] int32) and their mask."""
+    j = c0 + tl.arange(0, 16)
+    a = tl.arange(0, TKP)
+    sel = match[None, :] & (rank[None, :] == j[:, None])
+    return tl.sum(tl.where(sel, a[None, :], 0), 1), j < count
+
+
+@triton.jit
+def moe_decode_gate_up_kernel(
+    x_ptr, w_ptr, ids_ptr, h_ptr, TK, H, I,
+    stride_xt, stride_we, stride_wn, stride_ht,
+    K: tl.constexpr, TKP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+):
+    e = tl.program_id(0)
+    enter(PDL)  # ids and x are the kernels ahead's outputs
+    match, rank, count = _expert_rows(ids_ptr, e, TK, TKP)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
+    kk = tl.arange(0, BLOCK_K)
+    wg_base = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn
+    wu_base = wg_base + I * stride_wn
+    for c0 in range(0, count, 16):
+        rows, rmask = _pass_rows(match, rank, c0, count, TKP)
+        tok = rows // K
+        acc_g = tl.zeros([16, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([16, BLOCK_N], tl.float32)
+        for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
+            k = k0 + kk
+            km = k < H
+            wm = nmask[:, None] & km[None, :]
+            wg = tl.load(wg_base + k[None, :], mask=wm, other=0.0)
+            wu = tl.load(wu_base + k[None, :], mask=wm, other=0.0)
+            xa = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+            acc_g = _dot_t(xa, wg, acc_g, DOT_F32)
+            acc_u = _dot_t(xa, wu, acc_u, DOT_F32)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_ptr + rows[:, None] * stride_ht + n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def moe_decode_down_kernel(
+    h_ptr, w_ptr, ids_ptr, wt_ptr, o_ptr, s_ptr, y_ptr, cnt_ptr, T, TK, H, I,
+    stride_ht, stride_we, stride_wn, stride_st, stride_yt,
+    K: tl.constexpr, TKP: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    enter(PDL)  # h: the gate/up launch's output
+    match, rank, count = _expert_rows(ids_ptr, e, TK, TKP)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < H
+    kk = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn
+    for c0 in range(0, count, 16):
+        rows, rmask = _pass_rows(match, rank, c0, count, TKP)
+        acc = tl.zeros([16, BLOCK_N], tl.float32)
+        for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
+            k = k0 + kk
+            km = k < I
+            w = tl.load(w_base + k[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
+            ha = tl.load(h_ptr + rows[:, None] * stride_ht + k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+            acc = _dot_t(ha, w, acc, DOT_F32)
+        wt = tl.load(wt_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(o_ptr + rows[:, None] * H + n[None, :], acc * wt[:, None], mask=rmask[:, None] & nmask[None, :])
+    # o: [TK, H] fp32. Stores, a block barrier, then the counter's acq_rel atomic publish them to the
+    # tile's last program (as skinny.py's split-K does); every program arrives, with tokens or not.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) - 1:
+        tl.store(cnt_ptr + pid_n, 0)  # ready for the next call
+        for t0 in range(0, T, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            m = (t < T)[:, None] & nmask[None, :]
+            tot = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+            for k in tl.static_range(K):
+                tot += tl.load(o_ptr + (t * K + k)[:, None] * H + n[None, :], mask=m, other=0.0, cache_modifier=".cg")
+            if HAS_SHARED:
+                tot += tl.load(s_ptr + t[:, None] * stride_st + n[None, :], mask=m, other=0.0).to(tl.float32)
+            tl.store(y_ptr + t[:, None] * stride_yt + n[None, :], tot.to(y_ptr.dtype.element_ty), mask=m)
+
+
+# x.device (a tensor's device, so always indexed) -> int32 arrival counters per down N tile, zero
+# between calls (each tile's last program resets its own).
+_COUNTERS: dict = {}
+MAX_TOKENS = 1024  # T * K above this is prefill: moe.py's grouped GEMM (TKP sizes a register tile)
+
+
+def decode_fits(x, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
+    """Whether a step may take :func:`moe_decode`: at most ``tuning.moe_decode_max_tokens`` tokens
+    (0: never), and outside a graph capture only once an eager call on the device has made its
+    counters (the engine warms up before it captures)."""
+    on_gpu = x.is_cuda and not _INTERPRET
+    return (1 <= x.shape[0] <= tuning.moe_decode_max_tokens
+            and (x.device in _COUNTERS or not (on_gpu and torch.cuda.is_current_stream_capturing())))
+
+
+def moe_decode(x, w13, w2, weights, ids, shared=None, out=None, tuning: KernelTuning = DEFAULT_TUNING):
+    """x: [T, H] float; w13: [E, 2I, H] (per expert gate rows then up rows); w2: [E, H, I] (both
+    x's dtype, rows contiguous); weights: [T, K] float; ids: [T, K] int32/int64 in [0, E); shared:
+    [T, H] in x's dtype (the shared experts' output, added) or None; out: [T, H] in x's dtype (last
+    dim contiguous) or None -> ``out`` or a new ``[T, H]`` in x's dtype,
+    ``sum_k weights[t, k] * down(silu(gate) * up)(x[t])`` + shared, fp32 accumulation."""
+    dev = x.device
+    _check(x, "x", 2, _FLOAT, dev)
+    _check(w13, "w13", 3, (x.dtype,), dev)
+    _check(w2, "w2", 3, (x.dtype,), dev)
+    _check(ids, "ids", 2, _INDEX, dev)
+    _check(weights, "weights", 2, _FLOAT, dev)
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    inter, K = two_i // 2, ids.shape[1]
+    if w13.shape[2] != H or two_i % 2:
+        _fail(f"moe_decode: w13 {tuple(w13.shape)} must be [E, 2 * intermediate, {H}]")
+    if tuple(w2.shape) != (E, H, inter):
+        _fail(f"moe_decode: w2 {tuple(w2.shape)} must be [{E}, {H}, {inter}]")
+    if ids.shape[0] != T or tuple(weights.shape) != tuple(ids.shape):
+        _fail(f"moe_decode: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{T}, K]")
+    if not 1 <= T * K <= MAX_TOKENS:
+        _fail(f"moe_decode: {T} x {K} assignments; the kernel takes 1..{MAX_TOKENS}")
+    if shared is not None:
+        _check(shared, "shared", 2, (x.dtype,), dev)
+        if tuple(shared.shape) != (T, H):
+            _fail(f"moe_decode: shared {tuple(shared.shape)} must be [{T}, {H}]")
+    if out is not None:
+        _check(out, "out", 2, (x.dtype,), dev)
+        if tuple(out.shape) != (T, H):
+            _fail(f"moe_decode: out {tuple(out.shape)} must be [{T}, {H}]")
+    t = tuning
+    tk, tkp = T * K, triton.next_power_of_2(T * K)
+    ids, wt = ids.contiguous(), weights.reshape(-1).contiguous()
+    dot_f32 = _INTERPRET or x.dtype == torch.float32
+    common = dict(K=K, TKP=tkp, STAGES=t.moe_decode_stages, DOT_F32=dot_f32, num_warps=t.moe_decode_warps,
+                  **pdl_kwargs(dev, t))
+    h = torch.empty(tk, inter, dtype=x.dtype, device=dev)
+    moe_decode_gate_up_kernel[(E, triton.cdiv(inter, t.moe_gate_up_block_n))](
+        x, w13, ids, h, tk, H, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        BLOCK_N=t.moe_gate_up_block_n, BLOCK_K=t.moe_decode_block_k, **common)
+    tiles = triton.cdiv(H, t.moe_down_block_n)
+    cnt = _COUNTERS.get(dev)
+    if cnt is None or cnt.numel() < tiles:
+        cnt = _COUNTERS[dev] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=dev)
+    o = torch.empty(tk, H, dtype=torch.float32, device=dev)
+    y = out if out is not None else torch.empty(T, H, dtype=x.dtype, device=dev)
+    s = shared if shared is not None else y
+    moe_decode_down_kernel[(E, tiles)](
+        h, w2, ids, wt, o, s, y, cnt, T, tk, H, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), s.stride(0), y.stride(0),
+        HAS_SHARED=shared is not None, BLOCK_N=t.moe_down_block_n, BLOCK_K=t.moe_decode_block_k,
+        BLOCK_T=min(16, triton.next_power_of_2(T)), **common)
+    return y
