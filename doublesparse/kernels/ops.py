@@ -225,7 +225,7 @@ def moe_experts(x, w13, w2, weights, ids, shared=None, impl: str = "auto",
     """
     if _use_triton(x, impl):
         from .triton.moe_decode import decode_fits, moe_decode
-        if decode_fits(x, tuning):
+        if decode_fits(x, ids.shape[1], tuning):
             return moe_decode(x, w13, w2, weights, ids, shared, tuning=tuning)
         from .triton.moe import fused_experts
         y = fused_experts(x, w13, w2, weights, ids)

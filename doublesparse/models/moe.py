@@ -7,9 +7,12 @@ projection; the forward views them as ``[E, 2I, H]`` / ``[E, H, I]``.
 Two expert paths behind one call (:func:`run_experts`):
   * PyTorch (CPU, and CUDA prefill chunks): tokens sorted by expert, one GEMM pair per expert
     that received tokens. It reads the per-expert counts on the host.
-  * Triton grouped GEMM (CUDA decode; kernels/triton/moe.py): routing aligned into expert blocks
-    on the device and two grouped launches, no host syncs, so a decode step stays graph-capturable.
-    It reads each touched expert's weights once per block of tokens routed to it.
+  * Triton, through ``ops.moe_experts`` (CUDA; ``KernelTuning.fused_moe``): steps of at most
+    ``moe_decode_max_tokens`` tokens take the decode path (kernels/triton/moe_decode.py: one
+    program per expert x N tile, each touched expert's weights streamed once, the weighted sum and
+    the shared experts' output added in the down launch), larger ones up to
+    GROUPED_MAX_ASSIGNMENTS the grouped GEMM (kernels/triton/moe.py). No host syncs either way, so
+    a decode step stays graph-capturable.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import ops
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
-from .layers import GatedMLP
+from .layers import GatedMLP, fused_impl
 from .moe_config import MoEConfig
 
 
@@ -73,13 +77,16 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 GROUPED_MAX_ASSIGNMENTS = 1024
 
 
-def run_experts(x, w13, w2, weights, ids, tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
-    """The expert sum of :func:`experts_torch`; on CUDA through the Triton grouped GEMM for
-    decode-sized batches and whenever a CUDA graph is being captured (no host syncs)."""
-    if x.is_cuda and (ids.numel() <= GROUPED_MAX_ASSIGNMENTS or torch.cuda.is_current_stream_capturing()):
-        from ..kernels.triton.moe import fused_experts
-        return fused_experts(x, w13, w2, weights, ids)
-    return experts_torch(x, w13, w2, weights, ids)
+def run_experts(x, w13, w2, weights, ids, tuning: KernelTuning = DEFAULT_TUNING, shared=None) -> torch.Tensor:
+    """The expert sum of :func:`experts_torch` (+ ``shared`` [T, H], the shared experts' output);
+    where ``tuning.fused_moe`` allows (CUDA by default) through the Triton paths for decode-sized
+    batches and whenever a CUDA graph is being captured (no host syncs)."""
+    impl = fused_impl(tuning.fused_moe, x)
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if impl is not None and (ids.numel() <= GROUPED_MAX_ASSIGNMENTS or capturing):
+        return ops.moe_experts(x, w13, w2, weights, ids, shared, impl="triton", tuning=tuning)
+    y = experts_torch(x, w13, w2, weights, ids)
+    return y if shared is None else y + shared
 
 
 class SparseMoE(nn.Module):
@@ -106,11 +113,9 @@ class SparseMoE(nn.Module):
         """x: [T, H] -> [T, H]; ``decode``: as in :class:`~doublesparse.models.layers.Linear`."""
         E, inter = self.moe.num_experts, self.moe.intermediate_size
         weights, ids = self.router(x)
-        y = run_experts(x, self.w13.view(E, 2 * inter, self.hidden), self.w2.view(E, self.hidden, inter),
-                        weights, ids, tuning)
-        if self.shared is not None:
-            y = y + self.shared(x, tuning, decode)
-        return y
+        shared = self.shared(x, tuning, decode) if self.shared is not None else None
+        return run_experts(x, self.w13.view(E, 2 * inter, self.hidden), self.w2.view(E, self.hidden, inter),
+                           weights, ids, tuning, shared)
 
     def extra_repr(self) -> str:
         m = self.moe

@@ -65,7 +65,8 @@ def test_dispatch_and_torch_path():
     path is the reference; all three agree."""
     x, w13, w2, w, ids, s = _case(3, 7, 2, 40, 24, torch.float32, seed=9, shared=True)
     want = ops.moe_experts(x, w13, w2, w, ids, s, impl="torch")
-    assert md.decode_fits(x, KernelTuning()) and not md.decode_fits(x, KernelTuning(moe_decode_max_tokens=2))
+    assert md.decode_fits(x, 2) and not md.decode_fits(x, 2, KernelTuning(moe_decode_max_tokens=2))
+    assert not md.decode_fits(x, md.MAX_TOKENS)
     for t in (KernelTuning(), KernelTuning(moe_decode_max_tokens=0)):
         got = ops.moe_experts(x, w13, w2, w, ids, s, impl="triton", tuning=t)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -150,12 +150,13 @@ _COUNTERS: dict = {}
 MAX_TOKENS = 1024  # T * K above this is prefill: moe.py's grouped GEMM (TKP sizes a register tile)
 
 
-def decode_fits(x, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
-    """Whether a step may take :func:`moe_decode`: at most ``tuning.moe_decode_max_tokens`` tokens
-    (0: never), and outside a graph capture only once an eager call on the device has made its
+def decode_fits(x, top_k: int, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
+    """Whether a step of ``x.shape[0]`` tokens routed to ``top_k`` experts each may take
+    :func:`moe_decode`: at most ``tuning.moe_decode_max_tokens`` tokens (0: never) and MAX_TOKENS
+    assignments, and outside a graph capture only once an eager call on the device has made its
     counters (the engine warms up before it captures)."""
     on_gpu = x.is_cuda and not _INTERPRET
-    return (1 <= x.shape[0] <= tuning.moe_decode_max_tokens
+    return (1 <= x.shape[0] <= tuning.moe_decode_max_tokens and x.shape[0] * top_k <= MAX_TOKENS
             and (x.device in _COUNTERS or not (on_gpu and torch.cuda.is_current_stream_capturing())))
 
 
