@@ -108,8 +108,8 @@ class KernelTuning:
     moe_decode_max_tokens: int = 64
     moe_gate_up_block_n: int = 16
     moe_down_block_n: int = 32
-    moe_decode_block_k: int = 256
-    moe_decode_warps: int = 4
+    moe_decode_block_k: int = 128
+    moe_decode_warps: int = 8
     moe_decode_stages: int = 3
 
     # Fused layer kernels on CUDA (models/layers.py, models/llama.py): "auto" = on CUDA tensors,

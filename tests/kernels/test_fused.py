@@ -418,6 +418,19 @@ moe_ptrs = dict(rows_ptr="*i64", bexp_ptr="*i32", wt_ptr="*fp32", o_ptr="*fp32")
 for topk in (2, 8):  # Mixtral, Qwen3-MoE / DeepSeek-V2
     no_spill(comp(moe._gate_up_kernel, dict(K=topk, BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), moe_ptrs, num_warps=4, aligned=True))
 no_spill(comp(moe._down_kernel, dict(BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), moe_ptrs, num_warps=4, aligned=True))
+# the decode expert path at its defaults: Qwen3-30B-A3B (top-8) and DeepSeek-V2-Lite (top-6, shared
+# experts' sum) from 1 to 64 tokens (the routed-id tile TKP: 8 .. 512)
+from doublesparse.kernels.triton import moe_decode
+from doublesparse.kernels.tuning import KernelTuning
+t = KernelTuning()
+dec_ptrs = dict(ids_ptr="*i64", wt_ptr="*fp32", o_ptr="*fp32", cnt_ptr="*i32")
+for topk, tkp in ((8, 8), (8, 512), (6, 8), (6, 512)):
+    dec = dict(K=topk, TKP=tkp, STAGES=t.moe_decode_stages, DOT_F32=False, PDL=True)
+    no_spill(comp(moe_decode.moe_decode_gate_up_kernel, dict(dec, BLOCK_N=t.moe_gate_up_block_n,
+             BLOCK_K=t.moe_decode_block_k), dec_ptrs, num_warps=t.moe_decode_warps, aligned=True, launch_pdl=True))
+    no_spill(comp(moe_decode.moe_decode_down_kernel, dict(dec, HAS_SHARED=topk == 6, BLOCK_N=t.moe_down_block_n,
+             BLOCK_K=t.moe_decode_block_k, BLOCK_T=16), dec_ptrs, num_warps=t.moe_decode_warps, aligned=True,
+             launch_pdl=True))
 for has_sel, bh in ((False, 16), (True, 16), (True, 64)):  # V2-Lite's 16 heads; the most per program
     no_spill(comp(latent_attn.latent_attn_kernel, dict(DN=512, DR=64, HAS_SEL=has_sel, NUM_SPLITS=8, BLOCK_H=bh,
               BLOCK_N=32, DOT_F32=False), dict(req_to_token_ptr="*i32", req_idx_ptr="*i32", seq_lens_ptr="*i32",

@@ -40,11 +40,12 @@ ROWS = 16  # token rows per pass: tl.dot's minimum
 
 
 @triton.jit
-def _dot_t(a, w, acc, DOT_F32: tl.constexpr):
-    """acc + a @ w.T; DOT_F32: fp32 operands, exact fp32 products (fp32 inputs, the interpreter)."""
+def _dot_t(w, a, acc, DOT_F32: tl.constexpr):
+    """acc + w @ a.T ([BLOCK_N, 16]): the weight tile is the row-major left operand, loaded as it
+    lies; DOT_F32: fp32 operands, exact fp32 products (fp32 inputs, the interpreter)."""
     if DOT_F32:
-        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(a, tl.trans(w), acc)
+        return tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(w, tl.trans(a), acc)
 
 
 @triton.jit
@@ -84,8 +85,8 @@ def moe_decode_gate_up_kernel(
     for c0 in range(0, count, 16):
         rows, rmask = _pass_rows(match, rank, c0, count, TKP)
         tok = rows // K
-        acc_g = tl.zeros([16, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([16, BLOCK_N], tl.float32)
+        acc_g = tl.zeros([BLOCK_N, 16], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, 16], tl.float32)
         for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
             k = k0 + kk
             km = k < H
@@ -93,11 +94,11 @@ def moe_decode_gate_up_kernel(
             wg = tl.load(wg_base + k[None, :], mask=wm, other=0.0)
             wu = tl.load(wu_base + k[None, :], mask=wm, other=0.0)
             xa = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            acc_g = _dot_t(xa, wg, acc_g, DOT_F32)
-            acc_u = _dot_t(xa, wu, acc_u, DOT_F32)
+            acc_g = _dot_t(wg, xa, acc_g, DOT_F32)
+            acc_u = _dot_t(wu, xa, acc_u, DOT_F32)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        tl.store(h_ptr + rows[:, None] * stride_ht + n[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & nmask[None, :])
+        tl.store(h_ptr + rows[None, :] * stride_ht + n[:, None], h.to(h_ptr.dtype.element_ty),
+                 mask=rmask[None, :] & nmask[:, None])
 
 
 @triton.jit
@@ -118,15 +119,15 @@ def moe_decode_down_kernel(
     w_base = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn
     for c0 in range(0, count, 16):
         rows, rmask = _pass_rows(match, rank, c0, count, TKP)
-        acc = tl.zeros([16, BLOCK_N], tl.float32)
+        acc = tl.zeros([BLOCK_N, 16], tl.float32)
         for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
             k = k0 + kk
             km = k < I
             w = tl.load(w_base + k[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
             ha = tl.load(h_ptr + rows[:, None] * stride_ht + k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            acc = _dot_t(ha, w, acc, DOT_F32)
+            acc = _dot_t(w, ha, acc, DOT_F32)
         wt = tl.load(wt_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(o_ptr + rows[:, None] * H + n[None, :], acc * wt[:, None], mask=rmask[:, None] & nmask[None, :])
+        tl.store(o_ptr + rows[None, :] * H + n[:, None], acc * wt[None, :], mask=rmask[None, :] & nmask[:, None])
     # o: [TK, H] fp32. Stores, a block barrier, then the counter's acq_rel atomic publish them to the
     # tile's last program (as skinny.py's split-K does); every program arrives, with tokens or not.
     tl.debug_barrier()
