@@ -130,6 +130,9 @@ _FAMILY_CASES = {  # row stem -> model, batch, prompt, KV pool tokens, card memo
     "qwen3-moe-32k-bs8": ("qwen3-30b-a3b", 8, 32768, 263000, 120),
     "mixtral-32k-bs8": ("mixtral-8x7b-v0.1", 8, 32640, 262000, 120),
 }
+# The routed experts alone (bench/moe_experts.py): both models' shapes at 4, 16 and 64 tokens.
+_EXPERT_ROW = {"name": "expert-path", "cmd": "python -m doublesparse.bench.moe_experts --result-json {out}.json",
+               "result": "{out}.json", "timeout": 600}
 # summary key stem -> row stem
 _FAMILY_KEYS = {"dsv2_lite": "dsv2-lite-128k-bs4", "qwen3_moe": "qwen3-moe-32k-bs8", "mixtral": "mixtral-32k-bs8"}
 
@@ -211,7 +214,8 @@ SUITES: dict[str, dict] = {
         ],
     },
     # Mixtral, Qwen3-MoE, DeepSeek-V2-Lite: dense decode over its byte floor, DS over dense. GPU only.
-    "models": {"area": "models", "rows": _family_rows()},
+    # + the routed experts alone at 4, 16, 64 tokens: decode path and grouped GEMM against copy bandwidth.
+    "models": {"area": "models", "rows": [*_family_rows(), _EXPERT_ROW]},
     # DS-Offload and its peers on the GPU with the K/V in host memory: transformers' offloaded cache,
     # then benchmarks/offload.py's rows (Llama-3.1-8B shapes with a 1M context under a 24 GiB GPU
     # budget at 1 x 500K and 4 x 120K: DS-Offload with and without next-layer prefetch, no reuse,
@@ -729,6 +733,7 @@ def _summary_models(rows: dict) -> dict:
         s[f"{key}_dense_over_floor"] = d.get("floor", {}).get("over_floor")
         s[f"{key}_ds_over_floor"] = x.get("floor", {}).get("over_floor")
         s[f"{key}_floor_ratio"] = _ratio(d.get("floor", {}).get("floor_s"), x.get("floor", {}).get("floor_s"))
+    s["expert_path_bw_frac_min"] = rows.get(_EXPERT_ROW["name"], {}).get("summary", {}).get("expert_path_bw_frac_min")
     return s
 
 
@@ -737,6 +742,8 @@ def _table_models(rows: dict) -> list[str]:
             "cache GB | sparse steps |")
     L = [head, "|---|---|---|---|---|---|---|---|"]
     for n, d in rows.items():
+        if n == _EXPERT_ROW["name"]:
+            continue
         r = (d.get("results") or [{}])[0]
         f = r.get("floor")
         if not f or not r.get("median_decode_latency"):
@@ -800,6 +807,9 @@ def markdown(doc: dict) -> str:
                 "(counted on 8 extra eager steps), and the cache (dense: every token's KV / latent row; "
                 "DS: labels + the selected rows), over the copy bandwidth measured at start.")
         L += [note, "", *_table_models(rows), ""]
+        if rows.get(_EXPERT_ROW["name"], {}).get("rows"):
+            from doublesparse.bench.moe_experts import __doc__ as doc_, table
+            L += [doc_.split("\n\n")[1].replace("\n", " "), "", *table(rows[_EXPERT_ROW["name"]]), ""]
     elif area == "prefix-cache":
         L += [prefix_cache.NOTE, "", *prefix_cache.table(rows), ""]
     elif area == "offload":

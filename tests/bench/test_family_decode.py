@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from doublesparse.bench import family_decode
 from doublesparse.testing import tiny_family_hf_config
@@ -43,7 +44,12 @@ def test_floor_and_models_summary(tmp_path, capsys):
     assert x["floor"]["attention_bytes"] < f["attention_bytes"] and x["sparse_steps"] == 3
     assert f["static_weight_bytes"] < dense["weight_bytes"]
     rows = {f"{stem}-{v}": (dense if v == "dense" else ds) for stem in bench_run._FAMILY_CASES for v in ("dense", "ds")}
+    expert = {"model": "qwen3-30b-a3b", "tokens": 4, "touched_experts": 30, "touched_bytes": 283e6, "decode_us": 100.0,
+              "decode_gbs": 2830.0, "decode_bw_frac": 0.85, "grouped_us": 190.0, "grouped_gbs": 1490.0,
+              "grouped_bw_frac": 0.45}
+    rows["expert-path"] = {"rows": [expert], "summary": {"expert_path_bw_frac_min": 0.85}}
     s = bench_run.summarize("models", rows)
+    assert s["expert_path_bw_frac_min"] == 0.85
     for key in ("dsv2_lite_128k_bs4_ds_speedup", "dsv2_lite_dense_over_floor", "qwen3_moe_32k_bs8_ds_speedup",
                 "qwen3_moe_dense_over_floor", "mixtral_32k_bs8_ds_speedup", "mixtral_dense_over_floor"):
         assert s[key] is not None and s[key] > 0, key
@@ -51,3 +57,23 @@ def test_floor_and_models_summary(tmp_path, capsys):
            "rows": rows, "commands": ["x"]}
     md = bench_run.markdown(doc)
     assert "| dsv2-lite-128k-bs4-ds |" in md and "floor ms" in md
+    assert "| qwen3-30b-a3b | 4 | 30 | 283 | 100.0 | 2830 | 0.85 |" in md and "| expert-path |" not in md
+
+
+def test_moe_experts_bench_needs_cuda():
+    from doublesparse.bench import moe_experts
+    a = moe_experts.build_parser().parse_args(["--tokens", "4", "--models", "deepseek-v2-lite"])
+    assert a.tokens == [4] and a.models == ["deepseek-v2-lite"]
+    if not torch.cuda.is_available():
+        assert moe_experts.main(["--tokens", "4"]) == 2
+
+
+def test_moe_experts_case_on_cpu():
+    """One row of the bench at a tiny shape (the interpreter, float32: its bf16 tl.dot is not the
+    GPU's; a stand-in timer): both paths agree, bytes are the touched experts' weights."""
+    from doublesparse.bench import moe_experts
+    from doublesparse.kernels.tuning import KernelTuning
+    r = moe_experts.case("tiny", 3, KernelTuning(fused_moe=True), bw=1e9, iters=1, device="cpu",
+                         shape=(40, 24, 7, 2), timer=lambda fn, iters: fn() is not None and 1e-3, dtype=torch.float32)
+    assert 1 <= r["touched_experts"] <= 6 and r["touched_bytes"] == r["touched_experts"] * 3 * 40 * 24 * 4
+    assert r["max_rel_diff"] < 1e-4 and r["decode_gbs"] == r["touched_bytes"] / 1e-3 / 1e9
