@@ -8,8 +8,9 @@ A RESULT is one ``python -m doublesparse.bench_one_batch --profile --result-json
 ``one-batch`` suite leaves them in ``results/raw/bench-one-batch-<machine>/``), or a suite result
 (``results/bench-one-batch-<machine>.json``, written by ``benchmarks/run.py``): every row of it
 that has a profile, or one row as ``FILE.json:ROW``. Per result: the median decode latency, the
-GPU-only step time, the kernel time per step of the attention kernels (dense or Double Sparsity:
-score, select phases, attention, merge), of the projections (cuBLAS / Triton GEMM kernels with
+GPU-only step time, the kernel time per step of the attention kernels (dense, latent or Double
+Sparsity: score, select phases, attention, merge), of the routed experts (MoE), of the router's
+softmax / top-k / routing layout, of the projections (cuBLAS / Triton GEMM kernels with
 their split-K reductions) and of everything else (norms, RoPE + store, SiLU-mul, ...), per step
 and per layer, and the weights' byte floor (weight bytes / the run's copy bandwidth). With
 ``--dense``: each result's decode speedup over that run (median decode latencies, as the suite
@@ -23,8 +24,19 @@ import json
 import os
 import re
 
-ATTENTION = re.compile(r"score|hist_high|hist_low|compact|select|decode_attn|merge")
+ATTENTION = re.compile(r"score|hist_high|hist_low|compact|select|decode_attn|latent_attn|merge")
+# the routed experts' Triton kernels (decode path, grouped GEMM), checked before the projections
+EXPERTS = re.compile(r"moe_decode|_gate_up_kernel|_down_kernel")
+# the router after its gate GEMM (a projection by name): softmax, top-k, and the grouped GEMM's
+# routing layout (sort, counts, scans, searchsorted; a sampler's sort in the step would count here too)
+ROUTER = re.compile(r"softmax|topk|[Ss]ort|scatter_add|searchsorted|[Ss]can|cumsum")
 PROJECTION = re.compile(r"nvjet|gemm|gemv|splitKreduce|cutlass|sm90_xmma")
+CLASSES = (("attention", ATTENTION), ("experts", EXPERTS), ("router", ROUTER), ("projections", PROJECTION))
+
+
+def kernel_class(name: str) -> str:
+    """The class of a kernel by its name: attention, experts, router, projections or other."""
+    return next((c for c, pat in CLASSES if pat.search(name)), "other")
 
 
 def load(spec: str) -> list[tuple[str, dict, dict]]:
@@ -61,17 +73,19 @@ def main(argv=None):
         p = r.get("profile")
         if not p:
             raise SystemExit(f"{path}: no profile (run bench_one_batch with --profile)")
-        cls = {"attention": 0.0, "projections": 0.0, "other": 0.0}
+        cls = {c: 0.0 for c, _ in CLASSES} | {"other": 0.0}
         layers = 0
         for k in p["kernels"]:
             name = k["name"]
-            kind = "attention" if ATTENTION.search(name) else "projections" if PROJECTION.search(name) else "other"
-            cls[kind] += k["us_per_step"]
+            cls[kernel_class(name)] += k["us_per_step"]
             if "rope_store" in name:
                 layers = int(k["calls_per_step"])
         floor_ms = meta["weight_bytes"] / meta["copy_bandwidth"] * 1e3
+        # bench.family_decode's floor (touched experts, the cache) where the result has one
+        floor = (f"step floor {r['floor']['floor_s'] * 1e3:.3f} ms" if r.get("floor")
+                 else f"weights floor {floor_ms:.3f} ms")
         print(f"{path}: decode median {r['median_decode_latency'] * 1e3:.3f} ms, GPU step "
-              f"{p['gpu_step_median_s'] * 1e3:.3f} ms, kernels {sum(cls.values()) / 1e3:.3f} ms; weights floor {floor_ms:.3f} ms")
+              f"{p['gpu_step_median_s'] * 1e3:.3f} ms, kernels {sum(cls.values()) / 1e3:.3f} ms; {floor}")
         if sum(cls.values()) > p["gpu_step_median_s"] * 1e6:
             print("  (the kernels overlap: under PDL a kernel launched early counts its wait, e.g. the norms"
                   " and SiLU-mul behind skinny.py's GEMMs; the classes below are not additive)")

@@ -11,6 +11,9 @@ timed steps run exactly as in bench_one_batch.
 
     python -m doublesparse.bench.family_decode --model-path qwen3-30b-a3b --load-format dummy \\
         --batch-size 8 --input-len 32768 --output-len 64 --fill random --result-json r.json
+
+With ``--profile`` the result also holds one step's kernel table; ``python benchmarks/step_breakdown.py
+r.json`` then splits the step by kernel class (attention, experts, router, projections, other).
 """
 
 from __future__ import annotations
@@ -130,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_warmup and not bob.unfit(parts, bs, warm_len, 4):
         bob.run_case(parts, bs, warm_len, 4, cfg.seed + 1, 0, bw, wbytes, verbose=False,
                      chunk=cfg.chunked_prefill_size, overlap=overlap, fill=args.fill)
+    profile = None
+    if args.profile:  # the per-kernel table of one step (benchmarks/step_breakdown.py classes it)
+        from .profile_step import profile_decode
+        profile = lambda rows, nxt, pos: profile_decode(parts, rows, nxt, pos, args.profile_json)  # noqa: E731
     res = bob.run_case(parts, bs, il, ol, cfg.seed, args.log_decode_step, bw, wbytes,
-                       chunk=cfg.chunked_prefill_size, overlap=overlap, fill=args.fill)
+                       chunk=cfg.chunked_prefill_size, overlap=overlap, fill=args.fill, profile=profile)
     observed = observe_experts(parts, bs, il, args.floor_steps, cfg.seed + 2)
     res["floor"] = floor(parts, res, bw, static, observed)
     res["floor"]["observed_steps"] = observed

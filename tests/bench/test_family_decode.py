@@ -77,3 +77,24 @@ def test_moe_experts_case_on_cpu():
                          shape=(40, 24, 7, 2), timer=lambda fn, iters: fn() is not None and 1e-3, dtype=torch.float32)
     assert 1 <= r["touched_experts"] <= 6 and r["touched_bytes"] == r["touched_experts"] * 3 * 40 * 24 * 4
     assert r["max_rel_diff"] < 1e-4 and r["decode_gbs"] == r["touched_bytes"] / 1e-3 / 1e9
+
+
+def test_step_breakdown_classes(tmp_path, capsys):
+    """benchmarks/step_breakdown.py on a family_decode-shaped result: every kernel in one class."""
+    spec_b = importlib.util.spec_from_file_location("step_breakdown", ROOT / "benchmarks" / "step_breakdown.py")
+    sb = importlib.util.module_from_spec(spec_b)
+    spec_b.loader.exec_module(sb)
+    names = {"moe_decode_gate_up_kernel": "experts", "_down_kernel": "experts", "latent_attn_kernel": "attention",
+             "decode_attn_kernel": "attention", "void at::native::sbtopk::gatherTopK<float>": "router",
+             "softmax_warp_forward": "router", "skinny_gemm_kernel": "projections", "nvjet_tst_64x8": "projections",
+             "rmsnorm_kernel": "other"}
+    assert {n: sb.kernel_class(n) for n in names} == names
+    kernels = [{"name": n, "us_per_step": 10.0, "calls_per_step": 2} for n in names]
+    res = {"weight_bytes": 1e9, "copy_bandwidth": 1e12,
+           "results": [{"median_decode_latency": 2e-4, "floor": {"floor_s": 1e-4},
+                        "profile": {"gpu_step_median_s": 1.5e-4, "kernels": kernels}}]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(res))
+    sb.main([str(path)])
+    out = capsys.readouterr().out
+    assert "step floor 0.100 ms" in out and "experts        0.020 ms" in out and "router         0.020 ms" in out
