@@ -110,7 +110,7 @@ class KernelTuning:
     moe_down_block_n: int = 32
     moe_decode_block_k: int = 128
     moe_decode_warps: int = 8
-    moe_decode_stages: int = 3
+    moe_decode_stages: int = 4
 
     # Fused layer kernels on CUDA (models/layers.py, models/llama.py): "auto" = on CUDA tensors,
     # True = also on CPU (the Triton interpreter: tests), False = the PyTorch ops.

@@ -347,15 +347,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from doublesparse.kernels.triton import fused
 
-def comp(fn, consts, ptrs=(), scalars=(), aligned=False, **opts):
+def comp(fn, consts, ptrs=(), scalars=(), aligned=False, div16=(), **opts):
     """``aligned``: pointers and strides 16-divisible, as Triton specializes them at run time for
-    aligned tensors (what the register checks below need to see)."""
+    aligned tensors (what the register checks below need to see); ``div16``: int arguments so
+    specialized too (sizes that are multiples of 16 at run time: what lets a K loop pipeline)."""
     names = fn.arg_names
     sig = {n: "constexpr" if n in consts else dict(ptrs).get(n, "*bf16") if n.endswith("_ptr")
            else dict(scalars).get(n, "i32") for n in names}
     c = {(names.index(k),): v for k, v in consts.items()}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if aligned and (n.endswith("_ptr") or n.startswith("stride_"))}
+             if aligned and (n.endswith("_ptr") or n.startswith("stride_")) or n in div16}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
@@ -406,31 +407,36 @@ import os, re, subprocess, tempfile
 def no_spill(k):
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return
+        return k
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"]); f.flush()
         out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
     stack = [int(x) for x in re.findall(r"STACK:(\d+)", out)]
     assert stack and max(stack) == 0, (k.name, out)
     assert k.metadata.shared <= 227 * 1024, (k.name, k.metadata.shared)  # an sm_90 block's most
+    return k
 from doublesparse.kernels.triton import host_gather, latent_attn, moe
 moe_ptrs = dict(rows_ptr="*i64", bexp_ptr="*i32", wt_ptr="*fp32", o_ptr="*fp32")
 for topk in (2, 8):  # Mixtral, Qwen3-MoE / DeepSeek-V2
     no_spill(comp(moe._gate_up_kernel, dict(K=topk, BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), moe_ptrs, num_warps=4, aligned=True))
 no_spill(comp(moe._down_kernel, dict(BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), moe_ptrs, num_warps=4, aligned=True))
 # the decode expert path at its defaults: Qwen3-30B-A3B (top-8) and DeepSeek-V2-Lite (top-6, shared
-# experts' sum) from 1 to 64 tokens (the routed-id tile TKP: 8 .. 512)
+# experts' sum) from 1 to 64 tokens (the routed-id tile TKP: 8 .. 512); hidden and intermediate
+# sizes are multiples of 16 there, so the K loops pipeline (cp.async into shared memory)
 from doublesparse.kernels.triton import moe_decode
 from doublesparse.kernels.tuning import KernelTuning
 t = KernelTuning()
 dec_ptrs = dict(ids_ptr="*i64", wt_ptr="*fp32", o_ptr="*fp32", cnt_ptr="*i32")
 for topk, tkp in ((8, 8), (8, 512), (6, 8), (6, 512)):
     dec = dict(K=topk, TKP=tkp, STAGES=t.moe_decode_stages, DOT_F32=False, PDL=True)
-    no_spill(comp(moe_decode.moe_decode_gate_up_kernel, dict(dec, BLOCK_N=t.moe_gate_up_block_n,
-             BLOCK_K=t.moe_decode_block_k), dec_ptrs, num_warps=t.moe_decode_warps, aligned=True, launch_pdl=True))
-    no_spill(comp(moe_decode.moe_decode_down_kernel, dict(dec, HAS_SHARED=topk == 6, BLOCK_N=t.moe_down_block_n,
-             BLOCK_K=t.moe_decode_block_k, BLOCK_T=16), dec_ptrs, num_warps=t.moe_decode_warps, aligned=True,
+    gu = no_spill(comp(moe_decode.moe_decode_gate_up_kernel, dict(dec, BLOCK_N=t.moe_gate_up_block_n,
+             BLOCK_K=t.moe_decode_block_k), dec_ptrs, num_warps=t.moe_decode_warps, aligned=True, div16=("H", "I"),
              launch_pdl=True))
+    down = no_spill(comp(moe_decode.moe_decode_down_kernel, dict(dec, HAS_SHARED=topk == 6, BLOCK_N=t.moe_down_block_n,
+             BLOCK_K=t.moe_decode_block_k, BLOCK_T=16), dec_ptrs, num_warps=t.moe_decode_warps, aligned=True,
+             div16=("H", "I"), launch_pdl=True))
+    for k in (gu, down):  # its weight tiles stream through shared memory, several K steps ahead
+        assert "cp.async" in k.asm["ptx"] and k.metadata.shared >= 2 * 16 * t.moe_decode_block_k * 2, k.name
 for has_sel, bh in ((False, 16), (True, 16), (True, 64)):  # V2-Lite's 16 heads; the most per program
     no_spill(comp(latent_attn.latent_attn_kernel, dict(DN=512, DR=64, HAS_SEL=has_sel, NUM_SPLITS=8, BLOCK_H=bh,
               BLOCK_N=32, DOT_F32=False), dict(req_to_token_ptr="*i32", req_idx_ptr="*i32", seq_lens_ptr="*i32",

@@ -21,8 +21,11 @@ pass, and weights are streamed from HBM exactly once; a 17th token re-reads the 
      only orders programs; every value is summed in one fixed order, so results are
      deterministic, which fp32 atomic adds into y would not be (for ~4 MB of L2 traffic at 64
      tokens, cheaper than the separate sum launch it replaces).
-Narrow tiles (16 gate + 16 up rows, 32 down rows, 256-wide K steps, pipelined) make thousands of
-programs of 48-128 KB each: no wave tail, several programs and ~50 KB of loads in flight per SM.
+Narrow tiles (16 gate + 16 up rows, 32 down rows; the defaults of KernelTuning.moe_*) make
+thousands of programs of 48-128 KB of weights each at Qwen3-30B-A3B / DeepSeek-V2-Lite sizes, so
+no wave tail; 128-wide K steps stream through shared memory 4 stages deep (cp.async: the sizes are
+multiples of 16), and at ~104 registers x 8 warps two programs share an SM: ~48 KB of weight
+loads in flight per SM.
 Static shapes and no host reads: capturable in a CUDA graph at a fixed T.
 """
 
