@@ -213,21 +213,27 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
 
 
 
-def moe_experts(x, w13, w2, weights, ids, shared=None, impl: str = "auto",
+def moe_experts(x, w13, w2, weights, ids, shared=None, shared_w13=None, shared_w2=None, impl: str = "auto",
                 tuning: KernelTuning = DEFAULT_TUNING):
-    """The routed experts of an MoE layer (+ the shared experts' output ``shared``, if given).
+    """The routed experts of an MoE layer (+ the shared experts' output ``shared``, or their MLP
+    ``shared_w13`` / ``shared_w2``, if given).
 
     x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; weights: [T, K] float;
-    ids: [T, K] int; shared: [T, H] or None -> [T, H] in x's dtype. On the Triton path steps of at
-    most ``tuning.moe_decode_max_tokens`` tokens run the decode path (kernels/triton/moe_decode.py,
-    one launch pair, the sum and ``shared`` fused), larger ones the grouped GEMM (moe.py); both
-    without host syncs. The "torch" path is the float32 reference.
+    ids: [T, K] int; shared: [T, H] or None; shared_w13: [2Is, H] and shared_w2: [H, Is] or None
+    -> [T, H] in x's dtype. On the Triton path steps of at most ``tuning.moe_decode_max_tokens``
+    tokens run the decode path (kernels/triton/moe_decode.py: one launch pair, the sum, ``shared``
+    and the shared MLP fused), larger ones the grouped GEMM (moe.py) with the shared MLP through
+    :func:`linear`; both without host syncs. The "torch" path is the float32 reference.
     """
     if _use_triton(x, impl):
         from .triton.moe_decode import decode_fits, moe_decode
         if decode_fits(x, ids.shape[1], tuning):
-            return moe_decode(x, w13, w2, weights, ids, shared, tuning=tuning)
+            return moe_decode(x, w13, w2, weights, ids, shared, shared_w13=shared_w13, shared_w2=shared_w2,
+                              tuning=tuning)
         from .triton.moe import fused_experts
         y = fused_experts(x, w13, w2, weights, ids)
+        if shared_w13 is not None:
+            y = y + linear(silu_mul(linear(x, shared_w13, tuning=tuning), impl=impl, tuning=tuning), shared_w2,
+                           tuning=tuning)
         return y if shared is None else y + shared
-    return ref.moe_experts_ref(x, w13, w2, weights, ids, shared).to(x.dtype)
+    return ref.moe_experts_ref(x, w13, w2, weights, ids, shared, shared_w13, shared_w2).to(x.dtype)

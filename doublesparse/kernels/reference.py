@@ -264,18 +264,24 @@ def rope_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_
     return qr, kr
 
 
-def moe_experts_ref(x, w13, w2, weights, ids, shared=None):
+def moe_experts_ref(x, w13, w2, weights, ids, shared=None, shared_w13=None, shared_w2=None):
     """The routed experts of one MoE layer, one (token, expert) assignment at a time in float32.
     x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; weights: [T, K] float;
-    ids: [T, K] int; shared: [T, H] or None (added) -> [T, H] float32,
+    ids: [T, K] int; shared: [T, H] or None (added); shared_w13 [2Is, H], shared_w2 [H, Is] or
+    None: the shared experts' MLP (added, every token) -> [T, H] float32,
     ``sum_k weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t]))``, e = ids[t, k]."""
     T, K = ids.shape
-    inter = w13.shape[1] // 2
+
+    def mlp(gate_up, down, xt):
+        i = gate_up.shape[0] // 2
+        return down.float() @ (torch.nn.functional.silu(gate_up[:i].float() @ xt) * (gate_up[i:].float() @ xt))
+
     y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     for t in range(T):
         xt = x[t].float()
         for k in range(K):
-            w = w13[int(ids[t, k])].float()
-            h = torch.nn.functional.silu(w[:inter] @ xt) * (w[inter:] @ xt)
-            y[t] += float(weights[t, k]) * (w2[int(ids[t, k])].float() @ h)
+            e = int(ids[t, k])
+            y[t] += float(weights[t, k]) * mlp(w13[e], w2[e], xt)
+        if shared_w13 is not None:
+            y[t] += mlp(shared_w13, shared_w2, xt)
     return y if shared is None else y + shared.float()

@@ -111,6 +111,9 @@ class KernelTuning:
     moe_decode_block_k: int = 128
     moe_decode_warps: int = 8
     moe_decode_stages: int = 4
+    # The shared experts' MLP in the decode path's two launches (one more expert that every token
+    # takes), instead of their own three (gate_up, SiLU-mul, down) with the output added there.
+    moe_fuse_shared: bool = True
 
     # Fused layer kernels on CUDA (models/layers.py, models/llama.py): "auto" = on CUDA tensors,
     # True = also on CPU (the Triton interpreter: tests), False = the PyTorch ops.

@@ -9,8 +9,8 @@ Two expert paths behind one call (:func:`run_experts`):
     that received tokens. It reads the per-expert counts on the host.
   * Triton, through ``ops.moe_experts`` (CUDA; ``KernelTuning.fused_moe``): steps of at most
     ``moe_decode_max_tokens`` tokens take the decode path (kernels/triton/moe_decode.py: one
-    program per expert x N tile, each touched expert's weights streamed once, the weighted sum and
-    the shared experts' output added in the down launch), larger ones up to
+    program per expert x N tile, each touched expert's weights streamed once, the weighted sum in
+    the down launch, the shared experts as one more expert of both launches), larger ones up to
     GROUPED_MAX_ASSIGNMENTS the grouped GEMM (kernels/triton/moe.py). No host syncs either way, so
     a decode step stays graph-capturable.
 """
@@ -77,16 +77,27 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 GROUPED_MAX_ASSIGNMENTS = 1024
 
 
-def run_experts(x, w13, w2, weights, ids, tuning: KernelTuning = DEFAULT_TUNING, shared=None) -> torch.Tensor:
-    """The expert sum of :func:`experts_torch` (+ ``shared`` [T, H], the shared experts' output);
-    where ``tuning.fused_moe`` allows (CUDA by default) through the Triton paths for decode-sized
-    batches and whenever a CUDA graph is being captured (no host syncs)."""
+def _plain(mlp: GatedMLP | None) -> bool:
+    """Whether a shared-experts MLP is plain weights the Triton expert kernels can read."""
+    return mlp is not None and all(p.bias is None and p.packed is None for p in (mlp.gate_up_proj, mlp.down_proj))
+
+
+def run_experts(x, w13, w2, weights, ids, tuning: KernelTuning = DEFAULT_TUNING, shared_mlp: GatedMLP | None = None,
+                decode: bool = False) -> torch.Tensor:
+    """The expert sum of :func:`experts_torch` (+ ``shared_mlp(x)``, the shared experts); where
+    ``tuning.fused_moe`` allows (CUDA by default) through the Triton paths for decode-sized
+    batches and whenever a CUDA graph is being captured (no host syncs), the shared experts' MLP
+    in the same launches where ``tuning.moe_fuse_shared`` and their weights allow."""
     impl = fused_impl(tuning.fused_moe, x)
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if impl is not None and (ids.numel() <= GROUPED_MAX_ASSIGNMENTS or capturing):
+        if tuning.moe_fuse_shared and _plain(shared_mlp):
+            return ops.moe_experts(x, w13, w2, weights, ids, None, shared_mlp.gate_up_proj.weight,
+                                   shared_mlp.down_proj.weight, impl="triton", tuning=tuning)
+        shared = shared_mlp(x, tuning, decode) if shared_mlp is not None else None
         return ops.moe_experts(x, w13, w2, weights, ids, shared, impl="triton", tuning=tuning)
     y = experts_torch(x, w13, w2, weights, ids)
-    return y if shared is None else y + shared
+    return y if shared_mlp is None else y + shared_mlp(x, tuning, decode)
 
 
 class SparseMoE(nn.Module):
@@ -113,9 +124,8 @@ class SparseMoE(nn.Module):
         """x: [T, H] -> [T, H]; ``decode``: as in :class:`~doublesparse.models.layers.Linear`."""
         E, inter = self.moe.num_experts, self.moe.intermediate_size
         weights, ids = self.router(x)
-        shared = self.shared(x, tuning, decode) if self.shared is not None else None
         return run_experts(x, self.w13.view(E, 2 * inter, self.hidden), self.w2.view(E, self.hidden, inter),
-                           weights, ids, tuning, shared)
+                           weights, ids, tuning, self.shared, decode)
 
     def extra_repr(self) -> str:
         m = self.moe

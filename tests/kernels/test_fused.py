@@ -427,14 +427,14 @@ from doublesparse.kernels.triton import moe_decode
 from doublesparse.kernels.tuning import KernelTuning
 t = KernelTuning()
 dec_ptrs = dict(ids_ptr="*i64", wt_ptr="*fp32", o_ptr="*fp32", cnt_ptr="*i32")
-for topk, tkp in ((8, 8), (8, 512), (6, 8), (6, 512)):
-    dec = dict(K=topk, TKP=tkp, STAGES=t.moe_decode_stages, DOT_F32=False, PDL=True)
+for topk, tkp in ((8, 8), (8, 512), (6, 8), (6, 512)):  # DeepSeek-V2-Lite: its 2 shared experts in the launches
+    dec = dict(K=topk, TKP=tkp, SHARED_MLP=topk == 6, ALIGNED=True, STAGES=t.moe_decode_stages, DOT_F32=False, PDL=True)
     gu = no_spill(comp(moe_decode.moe_decode_gate_up_kernel, dict(dec, BLOCK_N=t.moe_gate_up_block_n,
-             BLOCK_K=t.moe_decode_block_k), dec_ptrs, num_warps=t.moe_decode_warps, aligned=True, div16=("H", "I"),
-             launch_pdl=True))
-    down = no_spill(comp(moe_decode.moe_decode_down_kernel, dict(dec, HAS_SHARED=topk == 6, BLOCK_N=t.moe_down_block_n,
+             BLOCK_K=t.moe_decode_block_k), dec_ptrs, num_warps=t.moe_decode_warps, aligned=True,
+             div16=("H", "I", "Is"), launch_pdl=True))
+    down = no_spill(comp(moe_decode.moe_decode_down_kernel, dict(dec, HAS_SHARED=topk == 8, BLOCK_N=t.moe_down_block_n,
              BLOCK_K=t.moe_decode_block_k, BLOCK_T=16), dec_ptrs, num_warps=t.moe_decode_warps, aligned=True,
-             div16=("H", "I"), launch_pdl=True))
+             div16=("H", "I", "Is"), launch_pdl=True))
     for k in (gu, down):  # its weight tiles stream through shared memory, several K steps ahead
         assert "cp.async" in k.asm["ptx"] and k.metadata.shared >= 2 * 16 * t.moe_decode_block_k * 2, k.name
 for has_sel, bh in ((False, 16), (True, 16), (True, 64)):  # V2-Lite's 16 heads; the most per program

@@ -15,7 +15,7 @@ from doublesparse.kernels.tuning import KernelTuning
 SMALL = KernelTuning(moe_gate_up_block_n=16, moe_down_block_n=16, moe_decode_block_k=16)
 
 
-def _case(T, E, K, H, inter, dtype, seed, one_expert=False, shared=False):
+def _case(T, E, K, H, inter, dtype, seed, one_expert=False, shared=False, mlp_inter=0):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, E, generator=g)
     if one_expert:
@@ -26,25 +26,35 @@ def _case(T, E, K, H, inter, dtype, seed, one_expert=False, shared=False):
     w2 = torch.randn(E, H, inter, generator=g) / inter ** 0.5
     s = torch.randn(T, H, generator=g) if shared else None
     cast = [t.to(dtype).to(DEVICE) for t in (x, w13, w2)]
-    return (*cast, w.to(DEVICE), ids.to(DEVICE), None if s is None else s.to(dtype).to(DEVICE))
+    out = (*cast, w.to(DEVICE), ids.to(DEVICE), None if s is None else s.to(dtype).to(DEVICE))
+    if not mlp_inter:
+        return out
+    sw13 = torch.randn(2 * mlp_inter, H, generator=g) / H ** 0.5
+    sw2 = torch.randn(H, mlp_inter, generator=g) / mlp_inter ** 0.5
+    return (*out, sw13.to(dtype).to(DEVICE), sw2.to(dtype).to(DEVICE))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("T", "K", "one_expert", "shared"), [(1, 2, False, False), (3, 3, False, True),
-                                                              (5, 2, True, False), (5, 3, False, False)])
-def test_moe_decode_matches_reference(T, K, one_expert, shared, dtype):
+@pytest.mark.parametrize(("T", "K", "one_expert", "shared", "mlp_inter"),
+                         [(1, 2, False, False, 0), (3, 3, False, True, 40), (5, 2, True, False, 8),
+                          (5, 3, False, False, 0)])
+def test_moe_decode_matches_reference(T, K, one_expert, shared, mlp_inter, dtype):
+    """mlp_inter: the shared experts' MLP in the same launches, wider (40) or narrower (8) than
+    the routed experts' 24."""
     E, H, inter = 7, 40, 24
-    x, w13, w2, w, ids, s = _case(T, E, K, H, inter, dtype, seed=T * 10 + K, one_expert=one_expert, shared=shared)
+    x, w13, w2, w, ids, s, *mlp = _case(T, E, K, H, inter, dtype, seed=T * 10 + K, one_expert=one_expert,
+                                        shared=shared, mlp_inter=mlp_inter)
+    sw13, sw2 = mlp or (None, None)
     touched = set(ids.flatten().tolist())
     assert len(touched) < E or T * K == 15  # experts without tokens (all 7 touched at 5 x 3)
     if one_expert:
         assert bool((ids == 3).any(1).all())
     out = torch.full((T, H), float("nan"), dtype=dtype, device=DEVICE)  # poisoned: every entry written
     for _ in range(2):  # the same counters twice: each tile's last program leaves them at zero
-        y = md.moe_decode(x, w13, w2, w, ids, s, out=out, tuning=SMALL)
+        y = md.moe_decode(x, w13, w2, w, ids, s, out=out, shared_w13=sw13, shared_w2=sw2, tuning=SMALL)
         assert y is out and not y.isnan().any()
         assert int(md._COUNTERS[x.device].abs().sum()) == 0
-    want = ref.moe_experts_ref(x, w13, w2, w, ids, s)
+    want = ref.moe_experts_ref(x, w13, w2, w, ids, s, sw13, sw2)
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(y.float(), want, rtol=tol, atol=tol * want.abs().max().item())
 
@@ -63,12 +73,12 @@ def test_moe_decode_more_tokens_than_a_pass(dtype):
 def test_dispatch_and_torch_path():
     """ops.moe_experts: decode path up to moe_decode_max_tokens, the grouped GEMM above; the torch
     path is the reference; all three agree."""
-    x, w13, w2, w, ids, s = _case(3, 7, 2, 40, 24, torch.float32, seed=9, shared=True)
-    want = ops.moe_experts(x, w13, w2, w, ids, s, impl="torch")
+    x, w13, w2, w, ids, s, sw13, sw2 = _case(3, 7, 2, 40, 24, torch.float32, seed=9, shared=True, mlp_inter=20)
+    want = ops.moe_experts(x, w13, w2, w, ids, s, sw13, sw2, impl="torch")
     assert md.decode_fits(x, 2) and not md.decode_fits(x, 2, KernelTuning(moe_decode_max_tokens=2))
     assert not md.decode_fits(x, md.MAX_TOKENS)
     for t in (KernelTuning(), KernelTuning(moe_decode_max_tokens=0)):
-        got = ops.moe_experts(x, w13, w2, w, ids, s, impl="triton", tuning=t)
+        got = ops.moe_experts(x, w13, w2, w, ids, s, sw13, sw2, impl="triton", tuning=t)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -82,5 +92,10 @@ def test_bad_arguments_raise_value_error():
         md.moe_decode(x, w13, w2, w, ids[:2])
     with pytest.raises(ValueError, match="shared"):
         md.moe_decode(x, w13, w2, w, ids, torch.zeros(3, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="come together"):
+        md.moe_decode(x, w13, w2, w, ids, shared_w13=torch.zeros(16, 40, device=DEVICE))
+    with pytest.raises(ValueError, match="shared_w13"):
+        md.moe_decode(x, w13, w2, w, ids, shared_w13=torch.zeros(16, 40, device=DEVICE),
+                      shared_w2=torch.zeros(40, 4, device=DEVICE))
     with pytest.raises(ValueError, match="moe_decode_block_k"):
         KernelTuning(moe_decode_block_k=24)

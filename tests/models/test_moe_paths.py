@@ -27,11 +27,12 @@ def _run(m, tuning):
     return [r["token_ids"] for r in out], logits
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])  # DeepSeek: the shared expert's sum fused
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])  # DeepSeek: a shared expert
 def test_triton_expert_paths_match_pytorch(arch):
     m = tiny_family(arch, max_position_embeddings=512).to(DEVICE)
     want_tokens, want = _run(m, KernelTuning(fused_moe=False))
     for tuning in (KernelTuning(fused_moe=True),                              # the decode path throughout
+                   KernelTuning(fused_moe=True, moe_fuse_shared=False),      # DeepSeek's shared MLP apart
                    KernelTuning(fused_moe=True, moe_decode_max_tokens=0)):   # the grouped GEMM
         tokens, got = _run(m, tuning)
         assert tokens == want_tokens

@@ -17,7 +17,10 @@ pass, and weights are streamed from HBM exactly once; a 17th token re-reads the 
   2. down: ``o[a] = weight[a] * (h[a] @ Wd[e].T)`` in fp32, then the weighted sum over the K
      assignments of each token in the same launch: the last program of an N tile to arrive (an
      arrival counter, reset by that program) sums its tile of ``o`` in the fixed order k = 0..K-1
-     (+ the shared experts' output when given) and writes ``y [T, H]`` in x's dtype. The counter
+     (+ the shared experts' output when given) and writes ``y [T, H]`` in x's dtype.
+  The shared experts' MLP, when given, is program row E of both launches: one more expert that
+  every token takes with weight 1 (its rows of h and o follow the T * K assignments' rows), so it
+  streams its weights in the same waves as the routed experts instead of three launches of its own. The counter
      only orders programs; every value is summed in one fixed order, so results are
      deterministic, which fp32 atomic adds into y would not be (for ~4 MB of L2 traffic at 64
      tokens, cheaper than the separate sum launch it replaces).
@@ -39,9 +42,6 @@ from .common import _FLOAT, _INDEX, _INTERPRET, _check, _fail, pdl_kwargs
 from .pdl import enter
 from ..tuning import DEFAULT_TUNING, KernelTuning
 
-ROWS = 16  # token rows per pass: tl.dot's minimum
-
-
 @triton.jit
 def _dot_t(w, a, acc, DOT_F32: tl.constexpr):
     """acc + w @ a.T ([BLOCK_N, 16]): the weight tile is the row-major left operand, loaded as it
@@ -62,32 +62,56 @@ def _expert_rows(ids_ptr, e, TK, TKP: tl.constexpr):
 
 
 @triton.jit
-def _pass_rows(match, rank, c0, count, TKP: tl.constexpr):
-    """Assignment index of the expert's tokens c0 .. c0 + ROWS - 1 ([ROWS] int32) and their mask."""
+def _pass_rows(match, rank, c0, count, is_shared, TK, TKP: tl.constexpr):
+    """Row of the expert's tokens c0 .. c0 + 15 ([16] int32) and their mask: an assignment index
+    ``t * K + k`` for a routed expert, ``TK + t`` for the shared experts (every token)."""
     j = c0 + tl.arange(0, 16)
     a = tl.arange(0, TKP)
     sel = match[None, :] & (rank[None, :] == j[:, None])
-    return tl.sum(tl.where(sel, a[None, :], 0), 1), j < count
+    rows = tl.where(is_shared, TK + j, tl.sum(tl.where(sel, a[None, :], 0), 1))
+    return rows, j < count
+
+
+@triton.jit
+def _program(ids_ptr, T, TK, E, I, Is, stride_we, stride_wn, stride_wsn,
+             TKP: tl.constexpr, SHARED_MLP: tl.constexpr, ALIGNED: tl.constexpr):
+    """This program's expert: (match, rank, count, is_shared, its intermediate size, its weights'
+    row stride, the offset of its weight matrix in elements). Program E is the shared experts'
+    (with SHARED_MLP): every token, weights at the shared pointer."""
+    e = tl.program_id(0)
+    match, rank, count = _expert_rows(ids_ptr, e, TK, TKP)
+    is_shared = SHARED_MLP & (e == E)
+    count = tl.where(is_shared, T, count)
+    inter = tl.where(is_shared, Is, I)
+    sn = tl.where(is_shared, stride_wsn, stride_wn)
+    if ALIGNED:  # the sizes and strides are multiples of 16: keeps the K loop's loads vectorized
+        inter = tl.multiple_of(inter, 16)
+        sn = tl.multiple_of(sn, 16)
+    off = tl.where(is_shared, 0, e.to(tl.int64) * stride_we)
+    return match, rank, count, is_shared, inter, sn, off
 
 
 @triton.jit
 def moe_decode_gate_up_kernel(
-    x_ptr, w_ptr, ids_ptr, h_ptr, TK, H, I,
-    stride_xt, stride_we, stride_wn, stride_ht,
-    K: tl.constexpr, TKP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+    x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, T, TK, E, H, I, Is,
+    stride_xt, stride_we, stride_wn, stride_wsn, stride_ht,
+    K: tl.constexpr, TKP: tl.constexpr, SHARED_MLP: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    e = tl.program_id(0)
     enter(PDL)  # ids and x are the kernels ahead's outputs
-    match, rank, count = _expert_rows(ids_ptr, e, TK, TKP)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < I
+    n0 = tl.program_id(1) * BLOCK_N
+    match, rank, count, is_shared, inter, sn, off = _program(
+        ids_ptr, T, TK, E, I, Is, stride_we, stride_wn, stride_wsn, TKP, SHARED_MLP, ALIGNED)
+    count = tl.where(n0 < inter, count, 0)
+    n = n0 + tl.arange(0, BLOCK_N)
+    nmask = n < inter
     kk = tl.arange(0, BLOCK_K)
-    wg_base = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn
-    wu_base = wg_base + I * stride_wn
+    wg_base = tl.where(is_shared, ws_ptr, w_ptr) + off + n[:, None] * sn
+    wu_base = wg_base + inter * sn
     for c0 in range(0, count, 16):
-        rows, rmask = _pass_rows(match, rank, c0, count, TKP)
-        tok = rows // K
+        rows, rmask = _pass_rows(match, rank, c0, count, is_shared, TK, TKP)
+        tok = tl.where(is_shared, rows - TK, rows // K)
         acc_g = tl.zeros([BLOCK_N, 16], tl.float32)
         acc_u = tl.zeros([BLOCK_N, 16], tl.float32)
         for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
@@ -106,32 +130,33 @@ def moe_decode_gate_up_kernel(
 
 @triton.jit
 def moe_decode_down_kernel(
-    h_ptr, w_ptr, ids_ptr, wt_ptr, o_ptr, s_ptr, y_ptr, cnt_ptr, T, TK, H, I,
-    stride_ht, stride_we, stride_wn, stride_st, stride_yt,
-    K: tl.constexpr, TKP: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr, DOT_F32: tl.constexpr,
-    PDL: tl.constexpr = False,
+    h_ptr, w_ptr, ws_ptr, ids_ptr, wt_ptr, o_ptr, s_ptr, y_ptr, cnt_ptr, T, TK, E, H, I, Is,
+    stride_ht, stride_we, stride_wn, stride_wsn, stride_st, stride_yt,
+    K: tl.constexpr, TKP: tl.constexpr, SHARED_MLP: tl.constexpr, ALIGNED: tl.constexpr,
+    HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    STAGES: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    e = tl.program_id(0)
     pid_n = tl.program_id(1)
     enter(PDL)  # h: the gate/up launch's output
-    match, rank, count = _expert_rows(ids_ptr, e, TK, TKP)
+    match, rank, count, is_shared, inter, sn, off = _program(
+        ids_ptr, T, TK, E, I, Is, stride_we, stride_wn, stride_wsn, TKP, SHARED_MLP, ALIGNED)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
     kk = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn
+    w_base = tl.where(is_shared, ws_ptr, w_ptr) + off + n[:, None] * sn
     for c0 in range(0, count, 16):
-        rows, rmask = _pass_rows(match, rank, c0, count, TKP)
+        rows, rmask = _pass_rows(match, rank, c0, count, is_shared, TK, TKP)
         acc = tl.zeros([BLOCK_N, 16], tl.float32)
-        for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
+        for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
             k = k0 + kk
-            km = k < I
+            km = k < inter
             w = tl.load(w_base + k[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
             ha = tl.load(h_ptr + rows[:, None] * stride_ht + k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
             acc = _dot_t(w, ha, acc, DOT_F32)
-        wt = tl.load(wt_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        routed = rmask & (rows < TK)
+        wt = tl.where(routed, tl.load(wt_ptr + rows, mask=routed, other=0.0).to(tl.float32), 1.0)
         tl.store(o_ptr + rows[None, :] * H + n[:, None], acc * wt[None, :], mask=rmask[None, :] & nmask[:, None])
-    # o: [TK, H] fp32. Stores, a block barrier, then the counter's acq_rel atomic publish them to the
+    # o: [TK (+ T), H] fp32. Stores, a block barrier, then the counter's acq_rel atomic publish them to the
     # tile's last program (as skinny.py's split-K does); every program arrives, with tokens or not.
     tl.debug_barrier()
     ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -143,6 +168,8 @@ def moe_decode_down_kernel(
             tot = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
             for k in tl.static_range(K):
                 tot += tl.load(o_ptr + (t * K + k)[:, None] * H + n[None, :], mask=m, other=0.0, cache_modifier=".cg")
+            if SHARED_MLP:
+                tot += tl.load(o_ptr + (TK + t)[:, None] * H + n[None, :], mask=m, other=0.0, cache_modifier=".cg")
             if HAS_SHARED:
                 tot += tl.load(s_ptr + t[:, None] * stride_st + n[None, :], mask=m, other=0.0).to(tl.float32)
             tl.store(y_ptr + t[:, None] * stride_yt + n[None, :], tot.to(y_ptr.dtype.element_ty), mask=m)
@@ -164,12 +191,16 @@ def decode_fits(x, top_k: int, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
             and (x.device in _COUNTERS or not (on_gpu and torch.cuda.is_current_stream_capturing())))
 
 
-def moe_decode(x, w13, w2, weights, ids, shared=None, out=None, tuning: KernelTuning = DEFAULT_TUNING):
+def moe_decode(x, w13, w2, weights, ids, shared=None, out=None, shared_w13=None, shared_w2=None,
+               tuning: KernelTuning = DEFAULT_TUNING):
     """x: [T, H] float; w13: [E, 2I, H] (per expert gate rows then up rows); w2: [E, H, I] (both
     x's dtype, rows contiguous); weights: [T, K] float; ids: [T, K] int32/int64 in [0, E); shared:
-    [T, H] in x's dtype (the shared experts' output, added) or None; out: [T, H] in x's dtype (last
-    dim contiguous) or None -> ``out`` or a new ``[T, H]`` in x's dtype,
-    ``sum_k weights[t, k] * down(silu(gate) * up)(x[t])`` + shared, fp32 accumulation."""
+    [T, H] in x's dtype (the shared experts' output, added) or None; shared_w13 [2Is, H] and
+    shared_w2 [H, Is] (x's dtype, rows contiguous): the shared experts' MLP, run in the same
+    launches as one more expert that every token takes with weight 1, or None; out: [T, H] in x's
+    dtype (last dim contiguous) or None -> ``out`` or a new ``[T, H]`` in x's dtype,
+    ``sum_k weights[t, k] * down(silu(gate) * up)(x[t])`` (+ shared) (+ the shared MLP's output),
+    fp32 accumulation."""
     dev = x.device
     _check(x, "x", 2, _FLOAT, dev)
     _check(w13, "w13", 3, (x.dtype,), dev)
@@ -187,34 +218,48 @@ def moe_decode(x, w13, w2, weights, ids, shared=None, out=None, tuning: KernelTu
         _fail(f"moe_decode: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{T}, K]")
     if not 1 <= T * K <= MAX_TOKENS:
         _fail(f"moe_decode: {T} x {K} assignments; the kernel takes 1..{MAX_TOKENS}")
-    if shared is not None:
-        _check(shared, "shared", 2, (x.dtype,), dev)
-        if tuple(shared.shape) != (T, H):
-            _fail(f"moe_decode: shared {tuple(shared.shape)} must be [{T}, {H}]")
-    if out is not None:
-        _check(out, "out", 2, (x.dtype,), dev)
-        if tuple(out.shape) != (T, H):
-            _fail(f"moe_decode: out {tuple(out.shape)} must be [{T}, {H}]")
+    for name, t_ in (("shared", shared), ("out", out)):
+        if t_ is not None:
+            _check(t_, name, 2, (x.dtype,), dev)
+            if tuple(t_.shape) != (T, H):
+                _fail(f"moe_decode: {name} {tuple(t_.shape)} must be [{T}, {H}]")
+    mlp = shared_w13 is not None
+    if mlp != (shared_w2 is not None):
+        _fail("moe_decode: shared_w13 and shared_w2 come together")
+    i_s = 0
+    if mlp:
+        _check(shared_w13, "shared_w13", 2, (x.dtype,), dev)
+        _check(shared_w2, "shared_w2", 2, (x.dtype,), dev)
+        i_s = shared_w13.shape[0] // 2
+        if shared_w13.shape[1] != H or shared_w13.shape[0] % 2 or tuple(shared_w2.shape) != (H, i_s):
+            _fail(f"moe_decode: shared_w13 {tuple(shared_w13.shape)} / shared_w2 {tuple(shared_w2.shape)} must be "
+                  f"[2 * Is, {H}] / [{H}, Is]")
     t = tuning
     tk, tkp = T * K, triton.next_power_of_2(T * K)
     ids, wt = ids.contiguous(), weights.reshape(-1).contiguous()
+    sw13 = shared_w13 if mlp else w13
+    sw2 = shared_w2 if mlp else w2
+    aligned = all(v % 16 == 0 for v in (H, inter, i_s, w13.stride(1), w2.stride(1), sw13.stride(0), sw2.stride(0)))
     dot_f32 = _INTERPRET or x.dtype == torch.float32
-    common = dict(K=K, TKP=tkp, STAGES=t.moe_decode_stages, DOT_F32=dot_f32, num_warps=t.moe_decode_warps,
-                  **pdl_kwargs(dev, t))
-    h = torch.empty(tk, inter, dtype=x.dtype, device=dev)
-    moe_decode_gate_up_kernel[(E, triton.cdiv(inter, t.moe_gate_up_block_n))](
-        x, w13, ids, h, tk, H, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        BLOCK_N=t.moe_gate_up_block_n, BLOCK_K=t.moe_decode_block_k, **common)
+    common = dict(K=K, TKP=tkp, SHARED_MLP=mlp, ALIGNED=aligned, STAGES=t.moe_decode_stages, DOT_F32=dot_f32,
+                  num_warps=t.moe_decode_warps, **pdl_kwargs(dev, t))
+    grid_e = E + int(mlp)  # program E: the shared experts
+    h = torch.empty(tk + (T if mlp else 0), max(inter, i_s), dtype=x.dtype, device=dev)
+    bn = t.moe_gate_up_block_n
+    moe_decode_gate_up_kernel[(grid_e, triton.cdiv(max(inter, i_s), bn))](
+        x, w13, sw13, ids, h, T, tk, E, H, inter, i_s,
+        x.stride(0), w13.stride(0), w13.stride(1), sw13.stride(0), h.stride(0),
+        BLOCK_N=bn, BLOCK_K=t.moe_decode_block_k, **common)
     tiles = triton.cdiv(H, t.moe_down_block_n)
     cnt = _COUNTERS.get(dev)
     if cnt is None or cnt.numel() < tiles:
         cnt = _COUNTERS[dev] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=dev)
-    o = torch.empty(tk, H, dtype=torch.float32, device=dev)
+    o = torch.empty(h.shape[0], H, dtype=torch.float32, device=dev)
     y = out if out is not None else torch.empty(T, H, dtype=x.dtype, device=dev)
     s = shared if shared is not None else y
-    moe_decode_down_kernel[(E, tiles)](
-        h, w2, ids, wt, o, s, y, cnt, T, tk, H, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), s.stride(0), y.stride(0),
+    moe_decode_down_kernel[(grid_e, tiles)](
+        h, w2, sw2, ids, wt, o, s, y, cnt, T, tk, E, H, inter, i_s,
+        h.stride(0), w2.stride(0), w2.stride(1), sw2.stride(0), s.stride(0), y.stride(0),
         HAS_SHARED=shared is not None, BLOCK_N=t.moe_down_block_n, BLOCK_K=t.moe_decode_block_k,
         BLOCK_T=min(16, triton.next_power_of_2(T)), **common)
     return y
