@@ -12,13 +12,14 @@ from doublesparse.testing import tiny_family
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _run(m, tuning):
+def _run(m, tuning, graphs: bool = False):
     logits = []
     orig = m.forward
     m.forward = lambda *a: logits.append(orig(*a)) or logits[-1]
     try:
         e = Engine(model=m, device=DEVICE, max_total_tokens=512, max_running_requests=4, chunked_prefill_size=7,
-                   disable_cuda_graph=True, kernel_tuning=tuning, progress=False)
+                   disable_cuda_graph=not graphs, cuda_graph_max_bs=4, kernel_tuning=tuning, progress=False)
+        assert bool(e.parts.runner.graphs) == graphs
         g = torch.Generator().manual_seed(3)
         prompts = [torch.randint(1, 250, (n,), generator=g).tolist() for n in (11, 4, 6)]
         out = e.generate(prompts, {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 3})
@@ -39,3 +40,13 @@ def test_triton_expert_paths_match_pytorch(arch):
         assert len(got) == len(want) > 3
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_decode_path_in_cuda_graphs(arch):
+    """Decode replayed from graphs (the decode path's counters made by the warm-up) == eager."""
+    m = tiny_family(arch, max_position_embeddings=512).to(DEVICE).to(torch.bfloat16)
+    eager, _ = _run(m, KernelTuning())
+    replayed, _ = _run(m, KernelTuning(), graphs=True)
+    assert replayed == eager
