@@ -163,7 +163,8 @@ def serve(build: Callable[[], Any], cfg: ServerConfig, sock=None) -> None:
 
 def kv_pool_line(stats: dict) -> str:
     """The KV pool's size in tokens and its dtype (an fp8 cache holds twice bf16's tokens)."""
-    return f"KV pool {stats.get('kv_total_tokens', '?')} tokens ({stats.get('kv_cache_dtype', '?')})"
+    n = stats.get("kv_total_tokens")
+    return f"KV pool {int(n) if isinstance(n, (int, float)) else '?'} tokens ({stats.get('kv_cache_dtype') or '?'})"
 
 
 def decode_mode_line(stats: dict) -> str:
