@@ -134,7 +134,7 @@ class AttentionBackend:
         x2; label_cache, label_scale and channels None without labels; the K/V scales are read only
         for an fp8 pool), in the argument order of ``ops.store_kv``."""
         m = self.memory
-        ks, vs = m.k_scale[layer_id], m.v_scale[layer_id]
+        ks, vs = self._scales(layer_id)
         if self.stores_labels:
             return (m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id], self.channels[layer_id],
                     ks, vs)
@@ -145,16 +145,24 @@ class AttentionBackend:
         kc, vc, lab, scale, ch, ks, vs = self.store_targets(layer_id)
         ops.store_kv(kc, vc, k, v, slots, lab, scale, ch, ks, vs, impl=self.impl)
 
+    def _scales(self, layer_id: int):
+        """(k_scale, v_scale) of layer ``layer_id`` ([1] float32 each), or (None, None) for a
+        memory without them (only fp8 pools need them; the kernels refuse fp8 without)."""
+        m = self.memory
+        if getattr(m, "k_scale", None) is None:
+            return None, None
+        return m.k_scale[layer_id], m.v_scale[layer_id]
+
     def kv_scales(self, layer_id: int) -> dict:
         """``k_scale`` / ``v_scale`` keyword arguments of the ops for layer ``layer_id``."""
-        m = self.memory
-        return dict(k_scale=m.k_scale[layer_id], v_scale=m.v_scale[layer_id])
+        ks, vs = self._scales(layer_id)
+        return dict(k_scale=ks, v_scale=vs)
 
     def prefill_attention(self, layer_id, q, k, v, batch) -> torch.Tensor:
         out = torch.empty_like(q)
         m = self.memory
         kp, vp = m.k[layer_id], m.v[layer_id]
-        ksc, vsc = m.k_scale[layer_id], m.v_scale[layer_id]
+        ksc, vsc = self._scales(layer_id)
         for s in batch.attn_meta.segments:
             qs = q[s.q_start: s.q_start + s.q_len].transpose(0, 1)            # [Hq, n, D]
             if s.kv_slots is None:
