@@ -32,6 +32,8 @@ SELECTION_MODE_CHOICES = ("auto",) + SELECTION_MODES
 LABEL_DTYPES = ("bf16", "fp8")
 # "auto": fp8 where the GPU converts e4m3 natively (EngineConfig.label_dtype_for), else bf16
 LABEL_DTYPE_CHOICES = ("auto",) + LABEL_DTYPES
+# SGLang's --kv-cache-dtype spellings; "auto": the model's dtype
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2")
 PREFILL_SCHEDULES = ("interleave", "cohort")
 OFFLOAD_FETCH = ("reuse", "no-reuse", "full-kv")  # attention/offload.py FETCH_MODES
 OFFLOAD_PREFETCH = ("none", "next-layer")  # attention/offload.py PREFETCH_MODES
@@ -114,6 +116,10 @@ class EngineConfig:
     ``ds_offload_device_tokens``: slots whose K/V stay in device memory, for the requests that fit
     there when admitted (0: every request's K/V in host memory).
     ``gpu_memory_budget_gb``: weights + device pools + hot set + workspace must fit (None: no check).
+    ``kv_cache_dtype``: the K/V pools' dtype, "auto" = the model's; "fp8_e4m3" / "fp8_e5m2" store
+    ``x / scale`` in fp8 with one scale per layer for K and one for V (half the bytes of bf16, so
+    twice the tokens in the same memory): from ``kv_cache_scales_path`` (JSON), else the
+    checkpoint's ``k_scale`` / ``v_scale`` tensors, else 1.0 (engine/kv_scales.py).
     ``ds_recall_sample_interval``: every that many sparse decode steps, the exact attention of
     ``ds_recall_sample_rows`` requests at one layer (rotating) measures the share of it the step's
     selection captured (attention/recall.py, docs/serving-metrics.md); 0: off.
@@ -143,6 +149,8 @@ class EngineConfig:
     ds_batch_parts: int | None = None
     ds_recall_sample_interval: int = 64
     ds_recall_sample_rows: int = 4
+    kv_cache_dtype: str = "auto"
+    kv_cache_scales_path: str | None = None
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85
     chunked_prefill_size: int = 4096
@@ -174,6 +182,10 @@ class EngineConfig:
         _check_choice("ds_selection_mode", self.ds_selection_mode, SELECTION_MODE_CHOICES)
         _check_choice("ds_label_dtype", self.ds_label_dtype, LABEL_DTYPE_CHOICES)
         _check_choice("prefill_schedule", self.prefill_schedule, PREFILL_SCHEDULES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_scales_path is not None and not self.kv_cache_fp8:
+            raise ValueError("kv_cache_scales_path is only read with an fp8 kv_cache_dtype "
+                             f"(fp8_e4m3 or fp8_e5m2), got kv_cache_dtype={self.kv_cache_dtype!r}")
         for name in ("ds_heavy_channel_num", "ds_heavy_token_num", "max_total_tokens",
                      "max_running_requests", "context_length"):
             _check_pos(name, getattr(self, name))
@@ -222,11 +234,19 @@ class EngineConfig:
         if self.enable_ds_offload and self.tp_size > 1:
             raise ValueError("--enable-ds-offload runs on a single GPU; it cannot be combined with "
                              f"--tp-size {self.tp_size}")
+        if self.enable_ds_offload and self.kv_cache_fp8:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: DS-Offload keeps K/V in the "
+                             "model's dtype; use --kv-cache-dtype auto with --enable-ds-offload")
         if self.enable_ds_offload and self.attention_backend == "dense":
             raise ValueError("--enable-ds-offload decodes with Double Sparsity; it contradicts "
                              f"--attention-backend {self.attention_backend}")
 
     # ------------------------------------------------------------------ derived (never stored)
+    @property
+    def kv_cache_fp8(self) -> bool:
+        """Whether the K/V pools hold fp8 values (with per-layer scales)."""
+        return self.kv_cache_dtype.startswith("fp8")
+
     @property
     def use_double_sparsity(self) -> bool:
         return (self.enable_double_sparsity or self.attention_backend == "double_sparsity"

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import torch_ops
+from ..kernels.reference import is_fp8_kv
 from ..engine.transfer import to_host_async
 from .budget import DENSE
 from .recall_stats import RecallStats
@@ -54,26 +55,31 @@ class RecallConfig:
                              f"{self.interval}, {self.rows}, {self.layer_groups}")
 
 
-def exact_recall(q, out, sel, valid, k_cache, v_cache, slots, sm_scale: float):
+def exact_recall(q, out, sel, valid, k_cache, v_cache, slots, sm_scale: float, k_scale=None, v_scale=None):
     """One request's recall and output error at one layer.
 
     q, out: [Hq, D] (the step's query and sparse output); sel: [R, k] int cache slots selected
     (R = Hq per head, else Hkv); valid: [R, k] bool (the entries attended to) or None (all);
     k_cache, v_cache: [S, Hkv, D]; slots: [n] int64 the request's cache slots, positions 0..n-1.
     Returns ``(recall [Hq] float32, rel_error 0-dim float32)``: per query head the exact softmax
-    mass on its row's selected tokens; the Frobenius relative error of ``out``."""
+    mass on its row's selected tokens; the Frobenius relative error of ``out``. k_scale, v_scale:
+    [1] float32 of an fp8 pool (multiplied on the device: no host sync), else None."""
     Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G, R = Hq // Hkv, sel.shape[0]
     qf = q.float()
     K = k_cache.index_select(0, slots).float()                                  # [n, Hkv, D]
     V = v_cache.index_select(0, slots).float()
+    if k_scale is not None:
+        K, V = K * k_scale, V * v_scale
     s = torch.matmul(qf.view(Hkv, G, D), K.permute(1, 2, 0)).mul_(sm_scale)   # [Hkv, G, n]
     lse = torch.logsumexp(s, -1)                                               # [Hkv, G]
     o = torch.matmul((s - lse[..., None]).exp_(), V.transpose(0, 1)).reshape(Hq, D)
     heads = torch.arange(R, device=q.device) // (G if R == Hq else 1)
     flat = (sel.long() * Hkv + heads[:, None]).view(-1)
     ksel = k_cache.view(-1, D).index_select(0, flat).view(R, -1, D).float()    # [R, k, D]
+    if k_scale is not None:
+        ksel = ksel * k_scale
     ssel = torch.matmul(qf.view(R, Hq // R, D), ksel.transpose(1, 2)).mul_(sm_scale)
     w = (ssel - lse.reshape(R, Hq // R)[..., None]).exp_()                     # [R, Hq/R, k]
     if valid is not None:
@@ -246,7 +252,8 @@ class RecallProbe:
                 sel, valid = torch_ops.select(q, m.label[a.layer], m.label_scale[a.layer],
                                               b.channels[a.layer], start, sl, n, k, b.sm_scale, mode,
                                               ds.num_sink, ds.num_recent, ds.top_p, ds.top_p_min_k)
-            recall, err = exact_recall(q, o, sel, valid, kc, vc, slots, b.sm_scale)
+            sc = (m.k_scale[a.layer], m.v_scale[a.layer]) if is_fp8_kv(kc) else (None, None)
+            recall, err = exact_recall(q, o, sel, valid, kc, vc, slots, b.sm_scale, *sc)
             res.append(torch.stack([recall.mean(), err]))
         return torch.stack(res)
 

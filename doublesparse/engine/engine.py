@@ -29,6 +29,7 @@ from ..config import EngineConfig
 from . import prefix_cache
 from . import prompt_logprobs as prompt_lp
 from .grammar import GrammarBackend
+from .memory import dtype_name
 from .request import Launched, Request, StepOutput, request_meta, sample_isolated
 from .request_sampling import LOGPROB_COLS, RequestSampling, needs_state, unpack_logprobs
 from .sampler import make_generator
@@ -493,6 +494,7 @@ class Engine:
         return dict(running=s.num_running, waiting=s.num_waiting + len(self._inbox_by_rid),
                     kv_used_tokens=p.memory.slots.num_used - s.evictable_tokens,
                     kv_total_tokens=p.memory.slots.size, kv_cached_tokens=s.cached_tokens,
+                    kv_cache_dtype=dtype_name(p.memory.plan.kv_dtype),
                     kv_reserved_tokens=s.reserved_tokens,
                     prefix_cache_hit_tokens=s.hit_tokens, prefix_cache_query_tokens=s.query_tokens,
                     prefix_cache_evicted_tokens=s.evicted_tokens,

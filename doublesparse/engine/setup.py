@@ -275,6 +275,11 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         backend = create_backend(cfg.resolved_attention_backend, use_double_sparsity=ds is not None, ds=ds,
                                  memory=memory, num_q_heads=mc.num_q_heads, head_dim=mc.head_dim,
                                  impl=cfg.kernel_impl, workspace=ws, channels=channels, tuning=cfg.kernel_tuning)
+    if cfg.kv_cache_fp8:
+        from .kv_scales import apply_scales, resolve_scales
+        k_sc, v_sc, src = resolve_scales(cfg, model_file, plan.num_layers)
+        apply_scales(memory, k_sc, v_sc)
+        log.info("fp8 KV cache (%s): per-layer scales from %s", cfg.kv_cache_dtype, src)
     log.info("%s", plan.describe())
     if cfg.gpu_memory_budget_gb is not None:
         from .offload_setup import check_gpu_budget, device_use

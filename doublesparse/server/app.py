@@ -81,7 +81,8 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
         s = st.worker.snapshot
         body = {"status": "ok", "model": st.model_name, "running": stat(s, "running"),
                 "waiting": stat(s, "waiting"), "kv_used_tokens": stat(s, "kv_used"),
-                "kv_total_tokens": stat(s, "kv_total"), "in_flight": st.worker.in_flight}
+                "kv_total_tokens": stat(s, "kv_total"), "kv_cache_dtype": s.get("kv_cache_dtype"),
+                "in_flight": st.worker.in_flight}
         if "double_sparsity" in s:
             body["decode"] = {"double_sparsity": bool(s["double_sparsity"]),
                               "policy": s.get("decode_policy"),
