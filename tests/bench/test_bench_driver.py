@@ -49,7 +49,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     assert argv[:2] == ["python", "-m"], argv
     module, args = argv[2], argv[3:]
     if module in ("doublesparse.bench_one_batch", "doublesparse.bench.family_decode", "doublesparse.bench.hf_offload",
-                  "doublesparse.bench.offload", "doublesparse.bench.lmeval"):
+                  "doublesparse.bench.offload", "doublesparse.bench.lmeval", "doublesparse.bench.adaptive"):
         return importlib.import_module(module).build_parser().parse_args(args)
     if module in ("doublesparse.bench_serving", "doublesparse.bench.soak"):
         return importlib.import_module(module).parse_args(args)
