@@ -313,6 +313,20 @@ SUITES: dict[str, dict] = {
                                                   "--skip-unfit"))
                  for n in (0, 64, 1)],
     },
+    # The adaptive budget (--ds-budget-mode adaptive, target recall 0.95) against the ratio default:
+    # perplexity and KV/label bytes read per decode step on held-out text, teacher-forced through
+    # the engine's stack (doublesparse/bench/adaptive.py); SmolLM2 at 8K (its GGUF staged) and
+    # Qwen2.5-Coder-1.5B at 16K (fetched or staged). Summary: adaptive_bytes_saving_pct (SmolLM2's),
+    # per model beside it.
+    "adaptive": {
+        "area": "adaptive",
+        "rows": [{"name": name, "result": "{out}.json", "timeout": 600,
+                  "cmd": f"python -m doublesparse.bench.adaptive {args} --decode-len 256 --target-recall 0.95 "
+                         "--result-json {out}.json"}
+                 for name, args in (("smollm2-8k", "--window-len 8192 --num-windows 8 --warmup-windows 8"),
+                                    ("qwen15b-16k", "--model-path qwen2.5-coder-1.5b --window-len 16384 "
+                                                    "--num-windows 4 --warmup-windows 4"))],
+    },
     # The embedded default on this CPU: our decode vs transformers' generate on the same GGUF and
     # prompt, side by side, and the engine's load time (benchmarks/cpu_embedded.py).
     "cpu-embedded": {
@@ -382,6 +396,7 @@ _NEEDS = {
     "prefix-cache": ("wheels",), "accuracy": ("wheels", "smollm2", "texts", "plots"),
     "top-p": ("wheels", "smollm2", "texts"), "accuracy-long": ("wheels", "qwen", "smollm2", "texts", "plots"),
     "gpu-check": ("wheels", "smollm2", "texts"), "fp8-kv": ("wheels",),
+    "adaptive": ("wheels", "smollm2", "qwen", "texts"),
 }
 for _name, _needs in _NEEDS.items():
     SUITES[_name]["needs"] = _needs
@@ -717,6 +732,12 @@ def summarize(area: str, rows: dict) -> dict:
                                           "metrics_consistent", "minutes")}
         if area == "recall":
             return _summary_recall(rows)
+        if area == "adaptive":
+            by = {n: r["summary"] for n, r in rows.items() if r.get("summary")}
+            first = by.get("smollm2-8k") or next(iter(by.values()), {})
+            return {"adaptive_bytes_saving_pct": first.get("adaptive_bytes_saving_pct"),
+                    "adaptive_ppl_no_worse": all(v["adaptive_ppl_no_worse"] for v in by.values()) if by else None,
+                    "by_model": by}
         if area == "top-p":
             med = {n: r["results"][0]["median_decode_latency"] for n, r in rows.items() if r.get("results")}
             acc = rows.get("accuracy-text-8192", {}).get("rows", [])

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from .attention.adaptive_control import DEFAULT_TARGET_RECALL, AdaptiveConfig
 from .attention.budget import BUDGET_MODES, TokenBudget
 from .kernels.tuning import KernelTuning
 
@@ -123,6 +124,10 @@ class EngineConfig:
     ``ds_recall_sample_interval``: every that many sparse decode steps, the exact attention of
     ``ds_recall_sample_rows`` requests at one layer (rotating) measures the share of it the step's
     selection captured (attention/recall.py, docs/serving-metrics.md); 0: off.
+    ``ds_budget_mode`` "adaptive": the ratio budget with a scale per layer that follows that
+    sampled recall towards ``ds_target_recall`` (None: :data:`DEFAULT_TARGET_RECALL`), within
+    [min, max] of :class:`~doublesparse.attention.adaptive_control.AdaptiveConfig` (the workspace
+    holds the largest scale's k) and the cost model (attention/adaptive.py).
     """
 
     model_path: str | None = None
@@ -141,6 +146,7 @@ class EngineConfig:
     ds_heavy_token_max: int | None = None
     ds_budget_mode: str | None = None
     ds_budget_top_p: float | None = None
+    ds_target_recall: float | None = None
     ds_sparse_decode_threshold: int | None = None
     ds_selection_mode: str = "auto"
     ds_label_dtype: str = "auto"
@@ -330,6 +336,21 @@ class EngineConfig:
             raise ValueError("ds_budget_mode 'ratio' conflicts with ds_heavy_token_num (a fixed k)")
         if self.ds_budget_mode == "top_p" and self.ds_selection_mode == "layer":
             raise ValueError("ds_budget_mode 'top_p' does not combine with ds_selection_mode 'layer'")
+        t = self.ds_target_recall
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t < 1.0):
+            raise ValueError(f"ds_target_recall must be in (0, 1), got {t!r}")
+        if t is not None and self.ds_budget_mode != "adaptive":
+            raise ValueError("ds_target_recall needs ds_budget_mode 'adaptive'")
+        if self.ds_budget_mode == "adaptive":
+            if self.ds_heavy_token_num:
+                raise ValueError("ds_budget_mode 'adaptive' scales the ratio budget; it conflicts with "
+                                 "ds_heavy_token_num (a fixed k)")
+            if not self.ds_recall_sample_interval:
+                raise ValueError("ds_budget_mode 'adaptive' follows the sampled recall: it needs "
+                                 "ds_recall_sample_interval > 0")
+            if self.enable_ds_offload or self.tp_size > 1:
+                raise ValueError("ds_budget_mode 'adaptive' needs the sampled recall, which runs with "
+                                 "the in-GPU backend on one device (not with enable_ds_offload or tp_size > 1)")
 
     @property
     def budget_mode(self) -> str:
@@ -338,7 +359,8 @@ class EngineConfig:
 
     def token_budget(self, max_context_len: int) -> TokenBudget:
         """Each request's k: the fixed ``ds_heavy_token_num`` when given, else the ratio of its
-        length clamped to [min, max] (min capped at max: a short-context model gets one k). In
+        length clamped to [min, max] (min capped at max: a short-context model gets one k; max
+        where unset: the ratio of the max context, times the largest scale in "adaptive" mode). In
         "top_p" mode that k is the upper bound of each KV head's k and ``ds_heavy_token_min``
         (capped the same way) its lower bound."""
         p = DEFAULT_TOP_P if self.ds_budget_top_p is None else self.ds_budget_top_p
@@ -348,8 +370,15 @@ class EngineConfig:
         if self.ds_heavy_token_num:
             k = self.ds_heavy_token_num
             return TokenBudget(min(k_min, k) if top_p else k, k, 0.0, top_p)
-        k_max = self.ds_heavy_token_max or max(1, math.ceil(ratio * max_context_len))
+        scale = self.adaptive_config.max_scale if self.budget_mode == "adaptive" else 1.0
+        k_max = self.ds_heavy_token_max or min(max_context_len, max(1, math.ceil(ratio * scale * max_context_len)))
         return TokenBudget(min(k_min, k_max), k_max, float(ratio), top_p)
+
+    @property
+    def adaptive_config(self) -> AdaptiveConfig:
+        """The adaptive budget's controller settings (``ds_budget_mode`` "adaptive")."""
+        t = DEFAULT_TARGET_RECALL if self.ds_target_recall is None else float(self.ds_target_recall)
+        return AdaptiveConfig(target=t)
 
     def heavy_token_num(self, max_context_len: int) -> int:
         """The largest k any request gets (the decode workspace's size)."""

@@ -48,10 +48,14 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
                         "the ratio of each request's length, clamped to [min, max]; top_p: that k as "
                         "each KV head's upper bound, --ds-heavy-token-min as its lower bound, and per "
                         "step the fewest selected tokens whose estimated attention reaches "
-                        "--ds-budget-top-p")
+                        "--ds-budget-top-p; adaptive: the ratio budget, each layer's scaled so that its "
+                        "sampled attention recall reaches --ds-target-recall (docs/serving-metrics.md)")
     g.add_argument("--ds-budget-top-p", type=float, metavar="P",
                    help="attention mass the top_p budget keeps per KV head, in (0, 1] (default: the operating "
                         "point's, else 0.95)")
+    g.add_argument("--ds-target-recall", type=float, metavar="R",
+                   help="the sampled attention recall each layer's budget aims at with --ds-budget-mode "
+                        "adaptive, in (0, 1) (default 0.95)")
     g.add_argument("--ds-heavy-channel-type", choices=CHANNEL_TYPES)
     g.add_argument("--ds-sparse-decode-threshold", type=_threshold, metavar="{auto,N}",
                    help="auto (default): decode a step sparsely when a cost model of the bytes and "

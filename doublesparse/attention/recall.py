@@ -118,6 +118,9 @@ class RecallProbe:
         self._stash: dict = {}
         # (host [N, 2], event, armed, rows whose request finished meanwhile)
         self._pending: collections.deque = collections.deque()
+        # (layer, ks of the sparse rows) -> that layer's ks, where the budget differs per layer
+        # (attention/adaptive.py); None: every layer attends to the planned k
+        self.scale_k = None
         dev = backend.memory.label[0].device
         self.triton = backend.impl == "triton" or (backend.impl == "auto" and dev.type == "cuda")
         if self.triton:
@@ -176,13 +179,20 @@ class RecallProbe:
         cand = [i for i, k in enumerate(ks) if k != DENSE]
         if not cand:
             return False
+        layer, self._next_layer = self._next_layer, (self._next_layer + 1) % self.num_layers
+        kmax = self.backend.ds.heavy_token_num
+        kl = {i: min(int(ks[i]), kmax) for i in cand}
+        if self.scale_k is not None:
+            # rows whose scaled k reaches their length decode densely at this layer: not sampled
+            kl = dict(zip(cand, self.scale_k(layer, list(kl.values()))))
+            cand = [i for i in cand if kl[i] < int(positions[i]) + 1]
+            if not cand:
+                return False
         start = self._next_row % len(cand)
         idx = (cand[start:] + cand[:start])[: self.cfg.rows]
         self._next_row += len(idx)
-        layer, self._next_layer = self._next_layer, (self._next_layer + 1) % self.num_layers
-        kmax = self.backend.ds.heavy_token_num
         self.armed = _Armed(layer, idx, [int(rows[i]) for i in idx], [int(positions[i]) + 1 for i in idx],
-                            [min(int(ks[i]), kmax) for i in idx])
+                            [kl[i] for i in idx])
         self.sampled_steps += 1
         if self.triton:
             h = self._ctl_host
@@ -279,6 +289,11 @@ class RecallProbe:
             if row in a.req_rows:
                 dropped.add(row)
         return self.stats.take_row(row)
+
+    @property
+    def pending(self) -> int:
+        """Sampled steps whose results have not reached the host tallies yet."""
+        return len(self._pending)
 
     def summary(self) -> dict:
         self.collect()

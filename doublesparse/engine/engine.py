@@ -489,7 +489,8 @@ class Engine:
         count as free: admission evicts them when it needs room); ``kv_cached_tokens``: slots
         in the prefix cache; ``prefix_cache_hit_tokens`` / ``prefix_cache_query_tokens``: prompt
         tokens found in the cache / of all admitted prompts; ``prefix_cache_evicted_tokens``: cached
-        tokens evicted to make room."""
+        tokens evicted to make room; ``budget_scale``: the adaptive budget's per-layer scales
+        (attention/adaptive.py), None in the other budget modes."""
         p, c, s = self.parts, self.counters, self.parts.scheduler
         return dict(running=s.num_running, waiting=s.num_waiting + len(self._inbox_by_rid),
                     kv_used_tokens=p.memory.slots.num_used - s.evictable_tokens,
@@ -510,4 +511,5 @@ class Engine:
                     decode_policy=p.ds.policy.describe() if p.ds else None,
                     heavy_channel_num=p.memory.plan.heavy_channel_num or None,
                     operating_point=(self.operating_point or {}).get("summary"),
-                    attention_recall=p.recall.summary() if p.recall is not None else None)
+                    attention_recall=p.recall.summary() if p.recall is not None else None,
+                    budget_scale=p.adaptive.summary() if p.adaptive is not None else None)

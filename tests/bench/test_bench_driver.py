@@ -52,7 +52,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     module = {"doublesparse.bench_one_batch": "doublesparse.bench.one_batch",
               "doublesparse.bench_serving": "doublesparse.bench.serving"}.get(module, module)
     if module in ("doublesparse.bench.one_batch", "doublesparse.bench.family_decode", "doublesparse.bench.hf_offload",
-                  "doublesparse.bench.offload", "doublesparse.bench.lmeval"):
+                  "doublesparse.bench.offload", "doublesparse.bench.lmeval", "doublesparse.bench.adaptive"):
         return importlib.import_module(module).build_parser().parse_args(args)
     if module in ("doublesparse.bench.serving", "doublesparse.bench.soak"):
         return importlib.import_module(module).parse_args(args)
