@@ -17,7 +17,10 @@ How it stays off the decode path:
   knows the armed layer and copies q and the output; the selection is computed again with
   ``torch_ops.select``, the function that decode itself selects with (same inputs, same tokens).
 * After a sampled step the exact attention runs as ordinary launches whose shapes come from
-  lengths the host knows, and the per-row results go to the host by an async copy
+  lengths the host knows: on the Triton path two calls of the decode kernels
+  (``ops.attention_lse``: over the rows' whole caches and over their selections), a head's recall
+  being ``exp(lse_selection - lse_all)``; on the PyTorch path :func:`exact_recall`. The per-row
+  results go to the host by an async copy
   (``transfer.to_host_async``); :meth:`RecallProbe.collect` folds the copies that have landed
   (an event query, never a wait), at stats time. No step ever waits for the device.
 
@@ -137,6 +140,11 @@ class RecallProbe:
         self._o = torch.zeros(n, Hq, D, dtype=torch.float32, device=dev)
         self._sel = torch.zeros(n, Hq, K, **i32)
         self._rowk = torch.zeros(n, Hq, **i32)
+        self._q_dtype = torch.float32
+        # the measurement's own split-K scratch (no Double Sparsity buffers: it reads given slots)
+        from ..kernels.workspace import DecodeWorkspace
+        Hkv = b.memory.k[0].shape[1]
+        self._ws = DecodeWorkspace(n, Hq, Hkv, D, b.workspace.max_ctx, 0, dev, 64) if b.workspace is not None else None
 
     # ------------------------------------------------------------------------- wiring
     def attach(self, backend, runner=None) -> None:
@@ -207,6 +215,7 @@ class RecallProbe:
         Triton path, selection)."""
         if self.triton:
             from ..kernels.triton.recall_stash import recall_stash
+            self._q_dtype = q.dtype   # the stash keeps float32 copies; the measurement reads q as decode did
             b, ds = self.backend, self.backend.ds
             ws, mode = b.workspace, ds.mode_of(layer_id)
             R = _sel_rows(mode, b.num_q_heads, b.memory.k[layer_id].shape[1])
@@ -239,6 +248,8 @@ class RecallProbe:
     def measure(self, a: _Armed) -> torch.Tensor:
         """[N, 2] float32 on the device: each kept row's recall (mean over query heads) and
         output relative error."""
+        if self.triton and self._ws is not None:
+            return self._measure_kernels(a)
         b, ds = self.backend, self.backend.ds
         m = b.memory
         mode = ds.mode_of(a.layer)
@@ -266,6 +277,37 @@ class RecallProbe:
             recall, err = exact_recall(q, o, sel, valid, kc, vc, slots, b.sm_scale, *sc)
             res.append(torch.stack([recall.mean(), err]))
         return torch.stack(res)
+
+    def _measure_kernels(self, a: _Armed) -> torch.Tensor:
+        """:meth:`measure` on the decode kernels: one exact attention over the kept rows' whole
+        caches and one over their selections (ops.attention_lse), each giving every query head's
+        log-sum-exp; a head's recall is ``exp(lse_selection - lse_all)``. Reads the rows' K/V once
+        each at the kernels' bandwidth, no float32 copies."""
+        from ..kernels import ops
+        from ..engine.transfer import to_device
+        b, ds, m = self.backend, self.backend.ds, self.backend.memory
+        mode = ds.mode_of(a.layer)
+        kc, vc = m.k[a.layer], m.v[a.layer]
+        N, Hkv, K = len(a.req_rows), kc.shape[1], max(a.ks)
+        dev = kc.device
+        sc = dict(k_scale=m.k_scale[a.layer], v_scale=m.v_scale[a.layer]) if is_fp8_kv(kc) else {}
+        req = to_device(torch.tensor(a.req_rows, dtype=torch.int32), dev)
+        lens = to_device(torch.tensor(a.lens, dtype=torch.int32), dev)
+        ks = to_device(torch.tensor(a.ks, dtype=torch.int32), dev)
+        q, o = self._q[:N].to(self._q_dtype), self._o[:N]
+        dense, lse_all = ops.attention_lse(q, kc, vc, m.req_to_token, req, lens, b.sm_scale, self._ws,
+                                           tuning=b.tuning, **sc)
+        R = _sel_rows(mode, b.num_q_heads, Hkv)
+        sel = self._sel[:N, :R, :K]
+        if mode == "layer":                      # the layer's one row serves every KV head
+            sel, R = sel.expand(N, Hkv, K), Hkv
+        row_ks = self._rowk[:N, :R] if ds.top_p > 0 else None
+        _, lse_sel = ops.attention_lse(q, kc, vc, m.req_to_token, req, lens, b.sm_scale, self._ws, sel=sel, ks=ks,
+                                       row_ks=row_ks, per_head=mode == "per_head", tuning=b.tuning, **sc)
+        recall = torch.exp(lse_sel - lse_all).clamp_(max=1.0).mean(-1)                     # [N]
+        d = dense.float()
+        err = torch.linalg.vector_norm(o - d, dim=(1, 2)) / torch.linalg.vector_norm(d, dim=(1, 2)).clamp_min(1e-30)
+        return torch.stack([recall, err], dim=-1)
 
     # -------------------------------------------------------------------------- host
     def collect(self) -> None:

@@ -23,7 +23,7 @@ from . import torch_ops
 from .tuning import DEFAULT_TUNING, KernelTuning
 from .workspace import DecodeWorkspace
 
-__all__ = ["DecodeWorkspace", "store_kv", "dense_decode", "ds_decode", "rope", "MODES", "rms_norm",
+__all__ = ["DecodeWorkspace", "store_kv", "dense_decode", "attention_lse", "ds_decode", "rope", "MODES", "rms_norm",
            "add_rms_norm", "silu_mul", "rope_store", "linear"]
 
 MODES = ref.MODES
@@ -74,6 +74,28 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale:
         out.copy_(o)
         return out
     return o
+
+
+def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale: float, ws=None, sel=None,
+                  ks=None, row_ks=None, per_head: bool = False, impl: str = "auto",
+                  tuning: KernelTuning = DEFAULT_TUNING, k_scale=None, v_scale=None):
+    """Exact decode attention that also gives each query head's log-sum-exp, for measurements
+    (the sampled recall: the share of a head's attention on a set of tokens is
+    ``exp(lse over the set - lse over the whole cache)``).
+
+    q: [B, Hq, D]; pools, req_to_token, req_idx, seq_lens as in :func:`dense_decode`. ``sel`` None:
+    over each request's whole cache. Else ``sel`` [B, R, K] int32 KV slots (R = Hkv, or Hq with
+    ``per_head``; a row shared by every head may come as a stride-0 expansion) and ``ks`` [B] int32:
+    each row attends to its first ``ks[b]`` slots (``row_ks`` [B, R] int32: per row). Returns
+    ``(out [B, Hq, D], lse [B, Hq] float32, natural log of the sum of exp(sm_scale * q . k))``; out
+    in q's dtype on the Triton path, float32 on the PyTorch path. ``ws``: a workspace of at least B
+    rows (no Double Sparsity buffers needed)."""
+    if _use_triton(q, impl):
+        from .triton.launch import attention_lse as _lse
+        return _lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, sel, ks, row_ks, per_head,
+                    tuning, k_scale, v_scale)
+    return torch_ops.attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, sel, ks,
+                                   row_ks, per_head, k_scale, v_scale)
 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,

@@ -66,6 +66,32 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
     return out
 
 
+def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, sel=None, ks=None,
+                  row_ks=None, per_head=False, k_scale=None, v_scale=None):
+    """See ops.attention_lse: (out [B, Hq, D] float32, lse [B, Hq] float32, natural log)."""
+    ksc, vsc = kv_scales(k_cache, k_scale, v_scale)
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = _group(Hq, Hkv)
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        for h in range(Hq):
+            kvh = h // G
+            if sel is None:
+                slots = req_to_token[int(req_idx[b]), :int(seq_lens[b])].long()
+            else:
+                r = h if per_head else kvh
+                n = int(row_ks[b, r]) if row_ks is not None else int(ks[b])
+                slots = sel[b, r, :n].long()
+            kk = k_cache[slots, kvh].float() * ksc
+            vv = v_cache[slots, kvh].float() * vsc
+            sc = (kk @ q[b, h].float()) * sm_scale
+            lse[b, h] = torch.logsumexp(sc, 0)
+            out[b, h] = torch.softmax(sc, 0) @ vv
+    return out, lse
+
+
 def label_scores(q, label_cache, label_scale, channels, start, slots, n: int, sm_scale, mode):
     """One request's approximate scores of its n cached tokens: [R, n] float32 (R = Hq per head,
     1 for the layer mode, else Hkv). q: [Hq, D]; (start, slots) as from :func:`_token_rows`."""

@@ -22,7 +22,7 @@ from .ds_score import score_mma_kernel
 from .ds_score_rows import score_kernel
 from .ds_select import select_kernel
 from .ds_topp import topp_keep_kernel, topp_mass_kernel
-from .launch import _attention, _attn_block_n, dense_splits
+from .launch import _attention, _sparse_splits
 
 
 STAGES = ("score", "hist", "select", "attend", "rest", "all")
@@ -118,15 +118,6 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
                    tuning.sparse_attn_stages, row_ks=ws.row_k if top_p > 0 else None,
                    k_scale=k_scale, v_scale=v_scale)
     return (o, sel) if return_sel else o
-
-
-def _sparse_splits(B, rows, Hkv, k, ws, dev, tuning: KernelTuning) -> int:
-    """Split-K partitions of a row of the attention over the selection, for the batch's largest
-    budget k (a row with a smaller one, or a request that decodes densely and reads its whole
-    cache, is cut into as many splits of its own length)."""
-    want = triton.cdiv(tuning.sparse_attn_programs_per_sm * _num_sms(dev), B * rows)
-    cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev, tuning)), dense_splits(B, Hkv, ws, dev, tuning))
-    return max(1, min(ws.max_splits, want, cap))
 
 
 def _mma_geometry(q, label_cache, tuning: KernelTuning) -> dict:

@@ -9,6 +9,8 @@ the per-request budgets.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 
@@ -136,6 +138,15 @@ def dense_splits(B: int, Hkv: int, ws: DecodeWorkspace, device, tuning: KernelTu
     return max(1, min(ws.max_splits, want, triton.cdiv(ws.max_ctx, _attn_block_n(B * Hkv, device, tuning))))
 
 
+def _sparse_splits(B, rows, Hkv, k, ws, dev, tuning: KernelTuning) -> int:
+    """Split-K partitions of a row of the attention over the selection, for the batch's largest
+    budget k (a row with a smaller one, or a request that decodes densely and reads its whole
+    cache, is cut into as many splits of its own length)."""
+    want = triton.cdiv(tuning.sparse_attn_programs_per_sm * _num_sms(dev), B * rows)
+    cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev, tuning)), dense_splits(B, Hkv, ws, dev, tuning))
+    return max(1, min(ws.max_splits, want, cap))
+
+
 def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out=None,
                  num_splits=None, tuning: KernelTuning = DEFAULT_TUNING, k_scale=None, v_scale=None):
     """q: [B, Hq, D]; caches [S, Hkv, D] (fp8 with k_scale, v_scale [1] float32); returns (or
@@ -144,6 +155,31 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
     S = num_splits or dense_splits(B, Hkv, ws, q.device, tuning)
     return _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                       None, Hkv, None, 0, False, S, tuning, k_scale=k_scale, v_scale=v_scale)
+
+
+def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, sel=None, ks=None,
+                  row_ks=None, per_head=False, tuning: KernelTuning = DEFAULT_TUNING, k_scale=None, v_scale=None):
+    """Decode attention and each query head's natural-log log-sum-exp of its scaled scores: ->
+    (out [B, Hq, D] in q's dtype, lse [B, Hq] float32). ``sel`` None: over each request's whole
+    cache (``seq_lens``); else over the first ``ks[b]`` slots of each selection row (``sel`` [B, R,
+    K] int32, R = Hkv, or Hq with ``per_head``; ``row_ks`` [B, R] int32: per row instead).
+    The kernels keep base-2 partials per split; the merge of their log-sum-exps is a torch op."""
+    B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, None, k_scale, v_scale)
+    if sel is None:
+        S = dense_splits(B, Hkv, ws, q.device, tuning)
+        out = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, None,
+                         None, Hkv, None, 0, False, S, tuning, k_scale=k_scale, v_scale=v_scale)
+    else:
+        R, K = sel.shape[1], sel.shape[2]
+        if sel.shape[0] != B or R != (Hq if per_head else Hkv) or ks is None or ks.shape != (B,):
+            _fail(f"attention_lse: sel must be [{B}, {Hq if per_head else Hkv}, K] with ks [{B}], got "
+                  f"{tuple(sel.shape)} and {None if ks is None else tuple(ks.shape)}")
+        S = _sparse_splits(B, R, Hkv, K, ws, q.device, tuning)
+        # a length of k + 1 with a budget of k: every request reads its selection
+        out = _attention(q, k_cache, v_cache, req_to_token, req_idx, ks + 1, sm_scale, ws, None, sel, R, ks, K,
+                         per_head, S, tuning, row_ks=row_ks, k_scale=k_scale, v_scale=v_scale)
+    lse = torch.logsumexp(ws.part_lse[:B, :Hq, :S].float() * math.log(2.0), dim=-1)
+    return out, lse
 
 
 def rope(positions, q, k, cos, sin):
