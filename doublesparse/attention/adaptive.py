@@ -76,7 +76,7 @@ class AdaptiveBudget:
 
         def decode_attention(layer_id, q, batch):
             ks = batch.ds_k
-            if ks is None or not getattr(batch, "ds_sparse", True):
+            if ks is None or not batch.ds_sparse:
                 return inner(layer_id, q, batch)
             if layer_id == 0 or self._src is not ks:  # the step's first layer
                 self._src, self._all = ks, self.layer_ks(ks)

@@ -111,13 +111,13 @@ class DoubleSparsityBackend(AttentionBackend):
         return self.ds.policy.plan(list(seq_lens_host))
 
     def decode_attention(self, layer_id, q, batch):
-        if not getattr(batch, "ds_sparse", True):
+        if not batch.ds_sparse:
             m = self.memory
             return ops.dense_decode(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx,
                                     batch.seq_lens, self.sm_scale, ws=self.workspace, impl=self.impl,
                                     tuning=self.tuning, **self.kv_scales(layer_id))
         parts = self._batch_parts(q.shape[0])
-        ks = getattr(batch, "ds_k", None)
+        ks = batch.ds_k
         if len(parts) == 1:
             return self._decode(layer_id, q, batch.req_idx, batch.seq_lens, self.workspace, ks=ks)
         out = torch.empty_like(q)

@@ -154,7 +154,7 @@ class RecallProbe:
 
         def decode_attention(layer_id, q, batch):
             out = inner(layer_id, q, batch)
-            if getattr(batch, "ds_sparse", True):
+            if batch.ds_sparse:
                 self.observe(layer_id, q, out)
             return out
 

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from doublesparse.attention.batch import ForwardBatch
+
 from kernel_utils import make_case, make_ws
 from doublesparse.attention import DSParams, create_backend
 from doublesparse.attention.budget import DENSE
@@ -81,7 +83,7 @@ def _backend(c, k, impl="torch", mode="group_max", top_p=0.0):
 
 def _step(be, probe, c, ks, layers=2):
     B = c.q.shape[0]
-    batch = SimpleNamespace(mode="decode", req_idx=c.req_idx, seq_lens=c.seq_lens, ds_sparse=True,
+    batch = ForwardBatch(mode="decode", req_idx=c.req_idx, seq_lens=c.seq_lens, ds_sparse=True,
                             ds_k=torch.tensor(ks, dtype=torch.int32))
     rows, lens = c.req_idx.tolist(), c.seq_lens.tolist()
     probe.begin_step(rows, [n - 1 for n in lens], (ks, True))
