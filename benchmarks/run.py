@@ -105,6 +105,15 @@ _MAP_60K = ("python -m doublesparse.bench_one_batch --load-format dummy --model-
             "--warmup-input-len 1024 --batch-size 3 --input-len 60000 --output-len 200 --max-total-tokens 190000")
 
 
+# The fp8 KV cache (--kv-cache-dtype fp8_e4m3) against bf16 in one run: 3 x 60K dense and DS, the
+# speedup map's dense bf16 / dense fp8 / DS fp8 cells, and the decode throughput at 32K prompts of
+# DS with each cache at the largest batch its pool holds (pools sized from the card's memory, so
+# the batches that do not fit are skipped).
+_FP8 = "--kv-cache-dtype fp8_e4m3"
+_TPUT_32K = ("python -m doublesparse.bench_one_batch --load-format dummy --model-path llama-3.1-8b "
+             "--batch-size 8 12 14 16 20 24 28 32 --input-len 32768 --output-len 24 --fill random --skip-unfit "
+             "--warmup-input-len 1024 --max-running-requests 32 --cuda-graph-max-bs 32 --enable-double-sparsity")
+
 _SERVER_SOAK = (f"python -m doublesparse.launch_server --model-path llama-3.1-8b --load-format dummy "
                 f"--context-length 33792 --max-running-requests 64 --port {_PORT} --log-level warning "
                 "--graceful-shutdown-timeout 10")
@@ -213,6 +222,20 @@ SUITES: dict[str, dict] = {
              "cmd": f"{_EVAL_DEFAULT} --no-text --retrieval-lens 2048 4096 8192 --retrieval-trials 20 -o {{out}}"},
         ],
     },
+    "fp8-kv": {
+        "area": "fp8-kv",
+        "rows": [
+            _one_batch_row("llama31-8b-60k-bs3-dense", _LLAMA),
+            _one_batch_row("llama31-8b-60k-bs3-dense-fp8", f"{_LLAMA} {_FP8}"),
+            _one_batch_row("llama31-8b-60k-bs3-ds", f"{_LLAMA} --enable-double-sparsity"),
+            _one_batch_row("llama31-8b-60k-bs3-ds-fp8", f"{_LLAMA} --enable-double-sparsity {_FP8}"),
+            _one_batch_row("map-dense", _MAP),
+            _one_batch_row("map-dense-fp8", f"{_MAP} {_FP8}"),
+            _one_batch_row("map-ds-fp8", f"{_MAP} --enable-double-sparsity {_FP8}"),
+            _one_batch_row("tput-32k-ds", _TPUT_32K),
+            _one_batch_row("tput-32k-ds-fp8", f"{_TPUT_32K} {_FP8}"),
+        ],
+    },
     # Mixtral, Qwen3-MoE, DeepSeek-V2-Lite: dense decode over its byte floor, DS over dense. GPU only.
     # + the routed experts alone at 4, 16, 64 tokens: decode path and grouped GEMM against copy bandwidth.
     "models": {"area": "models", "rows": [*_family_rows(), _EXPERT_ROW]},
@@ -294,6 +317,20 @@ SUITES: dict[str, dict] = {
                                                   "--skip-unfit"))
                  for n in (0, 64, 1)],
     },
+    # The adaptive budget (--ds-budget-mode adaptive, target recall 0.95) against the ratio default:
+    # perplexity and KV/label bytes read per decode step on held-out text, teacher-forced through
+    # the engine's stack (doublesparse/bench/adaptive.py); SmolLM2 at 8K (its GGUF staged) and
+    # Qwen2.5-Coder-1.5B at 16K (fetched or staged). Summary: adaptive_bytes_saving_pct (SmolLM2's),
+    # per model beside it.
+    "adaptive": {
+        "area": "adaptive",
+        "rows": [{"name": name, "result": "{out}.json", "timeout": 600,
+                  "cmd": f"python -m doublesparse.bench.adaptive {args} --decode-len 256 --target-recall 0.95 "
+                         "--result-json {out}.json"}
+                 for name, args in (("smollm2-8k", "--window-len 8192 --num-windows 8 --warmup-windows 8"),
+                                    ("qwen15b-16k", "--model-path qwen2.5-coder-1.5b --window-len 16384 "
+                                                    "--num-windows 4 --warmup-windows 4"))],
+    },
     # The embedded default on this CPU: our decode vs transformers' generate on the same GGUF and
     # prompt, side by side, and the engine's load time (benchmarks/cpu_embedded.py).
     "cpu-embedded": {
@@ -362,7 +399,8 @@ _NEEDS = {
     "offload": ("wheels", "smollm2", "texts"), "soak": ("wheels",), "serving": ("wheels",),
     "prefix-cache": ("wheels",), "accuracy": ("wheels", "smollm2", "texts", "plots"),
     "top-p": ("wheels", "smollm2", "texts"), "accuracy-long": ("wheels", "qwen", "smollm2", "texts", "plots"),
-    "gpu-check": ("wheels", "smollm2", "texts"),
+    "gpu-check": ("wheels", "smollm2", "texts"), "fp8-kv": ("wheels",),
+    "adaptive": ("wheels", "smollm2", "qwen", "texts"),
 }
 for _name, _needs in _NEEDS.items():
     SUITES[_name]["needs"] = _needs
@@ -608,6 +646,37 @@ def _summary_recall(rows: dict) -> dict:
     return {"recall_overhead_pct": max(pct) if pct else None, **out}
 
 
+def _summary_fp8_kv(rows: dict) -> dict:
+    """The fp8 KV cache against bf16 (the fp8-kv suite): decode speedups at 3 x 60K, dense fp8
+    over its byte floor, the speedup-map cells against dense bf16, and at 32K prompts the DS
+    decode throughput of each cache at the largest batch its pool held, and the pool tokens."""
+    med = {n: r["results"][0]["median_decode_latency"] for n, r in rows.items()
+           if n.startswith("llama31-") and r.get("results")}
+    base = med.get("llama31-8b-60k-bs3-dense")
+    s = {"fp8_kv_dense_speedup_60k_bs3": _ratio(base, med.get("llama31-8b-60k-bs3-dense-fp8")),
+         "fp8_kv_ds_speedup_60k_bs3": _ratio(base, med.get("llama31-8b-60k-bs3-ds-fp8")),
+         "fp8_kv_ds_over_ds_bf16_60k_bs3": _ratio(med.get("llama31-8b-60k-bs3-ds"),
+                                                  med.get("llama31-8b-60k-bs3-ds-fp8"))}
+    d = rows.get("llama31-8b-60k-bs3-dense-fp8", {})
+    if d.get("results"):
+        r = d["results"][0]
+        s["fp8_kv_dense_over_floor_60k_bs3"] = r["median_decode_latency"] / (r["median_step_bytes"] / d["copy_bandwidth"])
+
+    def best(name):  # (decode tok/s, batch) at the largest batch that fit the pool
+        done = [r for r in rows.get(name, {}).get("results", []) if "skipped" not in r]
+        top = max(done, key=lambda r: r["batch_size"], default=None)
+        return (top["median_decode_throughput"], top["batch_size"]) if top else (None, None)
+
+    (bf, bf_bs), (f8, f8_bs) = best("tput-32k-ds"), best("tput-32k-ds-fp8")
+    s.update(fp8_kv_ds_max_throughput_gain_32k=_ratio(f8, bf), max_batch_32k_bf16=bf_bs, max_batch_32k_fp8=f8_bs)
+    pools = [rows.get(n, {}).get("kv_pool_tokens") for n in ("tput-32k-ds", "tput-32k-ds-fp8")]
+    s["fp8_kv_pool_tokens_ratio"] = _ratio(pools[1], pools[0]) if all(pools) else None
+    for key, name in (("dense_fp8", "map-dense-fp8"), ("ds_fp8", "map-ds-fp8")):
+        if rows.get("map-dense", {}).get("results") and rows.get(name, {}).get("results"):
+            s[f"map_{key}_cells"] = speedup_map.cells(rows["map-dense"], rows[name])
+    return s
+
+
 def summarize(area: str, rows: dict) -> dict:
     try:
         if area in ("attention", "sampling"):
@@ -645,6 +714,8 @@ def summarize(area: str, rows: dict) -> dict:
                     "bs1_120k": speedup_map.at(cs, 1, 120000), **speedup_map.accuracy(rows), "cells": cs}
         if area == "models":
             return _summary_models(rows)
+        if area == "fp8-kv":
+            return _summary_fp8_kv(rows)
         if area == "prefix-cache":
             return prefix_cache.summary(rows)
         if area == "lm-eval":
@@ -665,6 +736,12 @@ def summarize(area: str, rows: dict) -> dict:
                                           "metrics_consistent", "minutes")}
         if area == "recall":
             return _summary_recall(rows)
+        if area == "adaptive":
+            by = {n: r["summary"] for n, r in rows.items() if r.get("summary")}
+            first = by.get("smollm2-8k") or next(iter(by.values()), {})
+            return {"adaptive_bytes_saving_pct": first.get("adaptive_bytes_saving_pct"),
+                    "adaptive_ppl_no_worse": all(v["adaptive_ppl_no_worse"] for v in by.values()) if by else None,
+                    "by_model": by}
         if area == "top-p":
             med = {n: r["results"][0]["median_decode_latency"] for n, r in rows.items() if r.get("results")}
             acc = rows.get("accuracy-text-8192", {}).get("rows", [])

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from .attention.adaptive_control import DEFAULT_TARGET_RECALL, AdaptiveConfig
 from .attention.budget import BUDGET_MODES, TokenBudget
 from .kernels.tuning import KernelTuning
 
@@ -32,6 +33,8 @@ SELECTION_MODE_CHOICES = ("auto",) + SELECTION_MODES
 LABEL_DTYPES = ("bf16", "fp8")
 # "auto": fp8 where the GPU converts e4m3 natively (EngineConfig.label_dtype_for), else bf16
 LABEL_DTYPE_CHOICES = ("auto",) + LABEL_DTYPES
+# SGLang's --kv-cache-dtype spellings; "auto": the model's dtype
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2")
 PREFILL_SCHEDULES = ("interleave", "cohort")
 OFFLOAD_FETCH = ("reuse", "no-reuse", "full-kv")  # attention/offload.py FETCH_MODES
 OFFLOAD_PREFETCH = ("none", "next-layer")  # attention/offload.py PREFETCH_MODES
@@ -114,9 +117,17 @@ class EngineConfig:
     ``ds_offload_device_tokens``: slots whose K/V stay in device memory, for the requests that fit
     there when admitted (0: every request's K/V in host memory).
     ``gpu_memory_budget_gb``: weights + device pools + hot set + workspace must fit (None: no check).
+    ``kv_cache_dtype``: the K/V pools' dtype, "auto" = the model's; "fp8_e4m3" / "fp8_e5m2" store
+    ``x / scale`` in fp8 with one scale per layer for K and one for V (half the bytes of bf16, so
+    twice the tokens in the same memory): from ``kv_cache_scales_path`` (JSON), else the
+    checkpoint's ``k_scale`` / ``v_scale`` tensors, else 1.0 (engine/kv_scales.py).
     ``ds_recall_sample_interval``: every that many sparse decode steps, the exact attention of
     ``ds_recall_sample_rows`` requests at one layer (rotating) measures the share of it the step's
     selection captured (attention/recall.py, docs/serving-metrics.md); 0: off.
+    ``ds_budget_mode`` "adaptive": the ratio budget with a scale per layer that follows that
+    sampled recall towards ``ds_target_recall`` (None: :data:`DEFAULT_TARGET_RECALL`), within
+    [min, max] of :class:`~doublesparse.attention.adaptive_control.AdaptiveConfig` (the workspace
+    holds the largest scale's k) and the cost model (attention/adaptive.py).
     """
 
     model_path: str | None = None
@@ -135,6 +146,7 @@ class EngineConfig:
     ds_heavy_token_max: int | None = None
     ds_budget_mode: str | None = None
     ds_budget_top_p: float | None = None
+    ds_target_recall: float | None = None
     ds_sparse_decode_threshold: int | None = None
     ds_selection_mode: str = "auto"
     ds_label_dtype: str = "auto"
@@ -143,6 +155,8 @@ class EngineConfig:
     ds_batch_parts: int | None = None
     ds_recall_sample_interval: int = 64
     ds_recall_sample_rows: int = 4
+    kv_cache_dtype: str = "auto"
+    kv_cache_scales_path: str | None = None
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85
     chunked_prefill_size: int = 4096
@@ -174,6 +188,10 @@ class EngineConfig:
         _check_choice("ds_selection_mode", self.ds_selection_mode, SELECTION_MODE_CHOICES)
         _check_choice("ds_label_dtype", self.ds_label_dtype, LABEL_DTYPE_CHOICES)
         _check_choice("prefill_schedule", self.prefill_schedule, PREFILL_SCHEDULES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_scales_path is not None and not self.kv_cache_fp8:
+            raise ValueError("kv_cache_scales_path is only read with an fp8 kv_cache_dtype "
+                             f"(fp8_e4m3 or fp8_e5m2), got kv_cache_dtype={self.kv_cache_dtype!r}")
         for name in ("ds_heavy_channel_num", "ds_heavy_token_num", "max_total_tokens",
                      "max_running_requests", "context_length"):
             _check_pos(name, getattr(self, name))
@@ -222,11 +240,19 @@ class EngineConfig:
         if self.enable_ds_offload and self.tp_size > 1:
             raise ValueError("--enable-ds-offload runs on a single GPU; it cannot be combined with "
                              f"--tp-size {self.tp_size}")
+        if self.enable_ds_offload and self.kv_cache_fp8:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: DS-Offload keeps K/V in the "
+                             "model's dtype; use --kv-cache-dtype auto with --enable-ds-offload")
         if self.enable_ds_offload and self.attention_backend == "dense":
             raise ValueError("--enable-ds-offload decodes with Double Sparsity; it contradicts "
                              f"--attention-backend {self.attention_backend}")
 
     # ------------------------------------------------------------------ derived (never stored)
+    @property
+    def kv_cache_fp8(self) -> bool:
+        """Whether the K/V pools hold fp8 values (with per-layer scales)."""
+        return self.kv_cache_dtype.startswith("fp8")
+
     @property
     def use_double_sparsity(self) -> bool:
         return (self.enable_double_sparsity or self.attention_backend == "double_sparsity"
@@ -310,6 +336,21 @@ class EngineConfig:
             raise ValueError("ds_budget_mode 'ratio' conflicts with ds_heavy_token_num (a fixed k)")
         if self.ds_budget_mode == "top_p" and self.ds_selection_mode == "layer":
             raise ValueError("ds_budget_mode 'top_p' does not combine with ds_selection_mode 'layer'")
+        t = self.ds_target_recall
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t < 1.0):
+            raise ValueError(f"ds_target_recall must be in (0, 1), got {t!r}")
+        if t is not None and self.ds_budget_mode != "adaptive":
+            raise ValueError("ds_target_recall needs ds_budget_mode 'adaptive'")
+        if self.ds_budget_mode == "adaptive":
+            if self.ds_heavy_token_num:
+                raise ValueError("ds_budget_mode 'adaptive' scales the ratio budget; it conflicts with "
+                                 "ds_heavy_token_num (a fixed k)")
+            if not self.ds_recall_sample_interval:
+                raise ValueError("ds_budget_mode 'adaptive' follows the sampled recall: it needs "
+                                 "ds_recall_sample_interval > 0")
+            if self.enable_ds_offload or self.tp_size > 1:
+                raise ValueError("ds_budget_mode 'adaptive' needs the sampled recall, which runs with "
+                                 "the in-GPU backend on one device (not with enable_ds_offload or tp_size > 1)")
 
     @property
     def budget_mode(self) -> str:
@@ -318,7 +359,8 @@ class EngineConfig:
 
     def token_budget(self, max_context_len: int) -> TokenBudget:
         """Each request's k: the fixed ``ds_heavy_token_num`` when given, else the ratio of its
-        length clamped to [min, max] (min capped at max: a short-context model gets one k). In
+        length clamped to [min, max] (min capped at max: a short-context model gets one k; max
+        where unset: the ratio of the max context, times the largest scale in "adaptive" mode). In
         "top_p" mode that k is the upper bound of each KV head's k and ``ds_heavy_token_min``
         (capped the same way) its lower bound."""
         p = DEFAULT_TOP_P if self.ds_budget_top_p is None else self.ds_budget_top_p
@@ -328,8 +370,15 @@ class EngineConfig:
         if self.ds_heavy_token_num:
             k = self.ds_heavy_token_num
             return TokenBudget(min(k_min, k) if top_p else k, k, 0.0, top_p)
-        k_max = self.ds_heavy_token_max or max(1, math.ceil(ratio * max_context_len))
+        scale = self.adaptive_config.max_scale if self.budget_mode == "adaptive" else 1.0
+        k_max = self.ds_heavy_token_max or min(max_context_len, max(1, math.ceil(ratio * scale * max_context_len)))
         return TokenBudget(min(k_min, k_max), k_max, float(ratio), top_p)
+
+    @property
+    def adaptive_config(self) -> AdaptiveConfig:
+        """The adaptive budget's controller settings (``ds_budget_mode`` "adaptive")."""
+        t = DEFAULT_TARGET_RECALL if self.ds_target_recall is None else float(self.ds_target_recall)
+        return AdaptiveConfig(target=t)
 
     def heavy_token_num(self, max_context_len: int) -> int:
         """The largest k any request gets (the decode workspace's size)."""

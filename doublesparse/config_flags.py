@@ -8,9 +8,9 @@ import dataclasses
 from dataclasses import fields
 
 from .attention.budget import BUDGET_MODES
-from .config import (ATTENTION_BACKENDS, CHANNEL_TYPES, CPU_DEFAULT_TOTAL_TOKENS, DTYPES, LABEL_DTYPE_CHOICES,
-                     LOAD_FORMATS, OFFLOAD_FETCH, OFFLOAD_PREFETCH, PREFILL_SCHEDULES, SELECTION_MODE_CHOICES,
-                     EngineConfig)
+from .config import (ATTENTION_BACKENDS, CHANNEL_TYPES, CPU_DEFAULT_TOTAL_TOKENS, DTYPES, KV_CACHE_DTYPES,
+                     LABEL_DTYPE_CHOICES, LOAD_FORMATS, OFFLOAD_FETCH, OFFLOAD_PREFETCH, PREFILL_SCHEDULES,
+                     SELECTION_MODE_CHOICES, EngineConfig)
 from .kernels.tuning import KernelTuning
 
 
@@ -48,10 +48,14 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
                         "the ratio of each request's length, clamped to [min, max]; top_p: that k as "
                         "each KV head's upper bound, --ds-heavy-token-min as its lower bound, and per "
                         "step the fewest selected tokens whose estimated attention reaches "
-                        "--ds-budget-top-p")
+                        "--ds-budget-top-p; adaptive: the ratio budget, each layer's scaled so that its "
+                        "sampled attention recall reaches --ds-target-recall (docs/serving-metrics.md)")
     g.add_argument("--ds-budget-top-p", type=float, metavar="P",
                    help="attention mass the top_p budget keeps per KV head, in (0, 1] (default: the operating "
                         "point's, else 0.95)")
+    g.add_argument("--ds-target-recall", type=float, metavar="R",
+                   help="the sampled attention recall each layer's budget aims at with --ds-budget-mode "
+                        "adaptive, in (0, 1) (default 0.95)")
     g.add_argument("--ds-heavy-channel-type", choices=CHANNEL_TYPES)
     g.add_argument("--ds-sparse-decode-threshold", type=_threshold, metavar="{auto,N}",
                    help="auto (default): decode a step sparsely when a cost model of the bytes and "
@@ -80,6 +84,13 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
                         "doublesparse_ds_attention_recall (0: off; default 64)")
     g.add_argument("--ds-recall-sample-rows", type=int, metavar="N",
                    help="most requests measured per sampled step (default 4)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="K/V cache dtype; auto: the model's; fp8_e4m3 / fp8_e5m2: fp8 values with a "
+                        "scale per layer for K and for V, twice the tokens of bf16 in the same memory "
+                        "(labels keep --ds-label-dtype; not with --enable-ds-offload or MLA models)")
+    g.add_argument("--kv-cache-scales-path", metavar="FILE.json",
+                   help="fp8 K/V scales: JSON {\"k_scale\": x or [per layer], \"v_scale\": ...} "
+                        "(default: the checkpoint's k_scale/v_scale tensors, else 1.0)")
     g.add_argument("--max-total-tokens", type=int,
                    help=f"KV pool size in tokens (default: from --mem-fraction-static on CUDA, "
                         f"{CPU_DEFAULT_TOTAL_TOKENS} on CPU)")

@@ -3,9 +3,10 @@ with plain causal attention, no pools and no decode path."""
 
 from __future__ import annotations
 
-import types
 
 import torch
+
+from doublesparse.attention.batch import ForwardBatch
 import torch.nn.functional as F
 
 
@@ -23,7 +24,6 @@ class CausalAttention:
 def full_logprobs(model, ids: list[int], exact: bool = False) -> torch.Tensor:
     """log_softmax of one full causal forward: [len(ids), V] float64 (``exact``: every row from
     the LM head's own weight, as prompt logprobs are, not a CPU model's bf16 copy)."""
-    b = types.SimpleNamespace(attn=CausalAttention(), logits_indices=None,
-                              exact_logits_rows=tuple(range(len(ids))) if exact else ())
+    b = ForwardBatch(attn=CausalAttention(), exact_logits_rows=tuple(range(len(ids))) if exact else ())
     logits = model(torch.tensor(ids), torch.arange(len(ids)), b)
     return torch.log_softmax(logits.double(), dim=-1)

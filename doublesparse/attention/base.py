@@ -22,6 +22,7 @@ import torch
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from ..kernels import ops
+from ..kernels.reference import dequant_kv, is_fp8_kv, quantize_kv
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from .prefill import prefill_sdpa
 
@@ -43,6 +44,20 @@ class PrefillSegment:
 @dataclass(frozen=True)
 class PrefillMeta:
     segments: tuple[PrefillSegment, ...]
+
+
+def as_cached(x, cache_dtype, scale, dtype):
+    """x [N, H, D] as a pool of ``cache_dtype`` holds it, read back in ``dtype``: a plain round
+    trip, or for an fp8 pool quantized with ``scale`` ([1] float32) and dequantized."""
+    if not is_fp8_kv(cache_dtype):
+        return x.to(cache_dtype).to(dtype)
+    return dequant_kv(quantize_kv(x, cache_dtype, scale), scale).to(dtype)
+
+
+def cached_rows(pool, slots, scale, dtype):
+    """Rows ``pool[slots]`` [L, H, D] in ``dtype``, an fp8 pool's dequantized (times ``scale``)."""
+    rows = pool[slots]
+    return dequant_kv(rows, scale).to(dtype) if is_fp8_kv(rows) else rows.to(dtype)
 
 
 class AttentionBackend:
@@ -115,31 +130,49 @@ class AttentionBackend:
 
     def store_targets(self, layer_id: int):
         """Where ``store`` writes layer ``layer_id``: ``(k_cache, v_cache, label_cache, label_scale,
-        channels)`` ([S, Hkv, D] x2, [S, Hkv, r], [1] f32, [Hkv, r] int32; the last three None
-        without labels), in the argument order of ``ops.store_kv``."""
+        channels, k_scale, v_scale)`` ([S, Hkv, D] x2, [S, Hkv, r], [1] f32, [Hkv, r] int32, [1] f32
+        x2; label_cache, label_scale and channels None without labels; the K/V scales are read only
+        for an fp8 pool), in the argument order of ``ops.store_kv``."""
         m = self.memory
+        ks, vs = self._scales(layer_id)
         if self.stores_labels:
-            return m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id], self.channels[layer_id]
-        return m.k[layer_id], m.v[layer_id], None, None, None
+            return (m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id], self.channels[layer_id],
+                    ks, vs)
+        return m.k[layer_id], m.v[layer_id], None, None, None, ks, vs
 
     def store(self, layer_id: int, k, v, slots) -> None:
         """k, v [N, Hkv, D] post-RoPE; slots [N] int -> pools (and K labels), one launch on CUDA."""
-        kc, vc, lab, scale, ch = self.store_targets(layer_id)
-        ops.store_kv(kc, vc, k, v, slots, lab, scale, ch, impl=self.impl)
+        kc, vc, lab, scale, ch, ks, vs = self.store_targets(layer_id)
+        ops.store_kv(kc, vc, k, v, slots, lab, scale, ch, ks, vs, impl=self.impl)
+
+    def _scales(self, layer_id: int):
+        """(k_scale, v_scale) of layer ``layer_id`` ([1] float32 each), or (None, None) for a
+        memory without them (only fp8 pools need them; the kernels refuse fp8 without)."""
+        m = self.memory
+        if getattr(m, "k_scale", None) is None:
+            return None, None
+        return m.k_scale[layer_id], m.v_scale[layer_id]
+
+    def kv_scales(self, layer_id: int) -> dict:
+        """``k_scale`` / ``v_scale`` keyword arguments of the ops for layer ``layer_id``."""
+        ks, vs = self._scales(layer_id)
+        return dict(k_scale=ks, v_scale=vs)
 
     def prefill_attention(self, layer_id, q, k, v, batch) -> torch.Tensor:
         out = torch.empty_like(q)
-        kp, vp = self.memory.k[layer_id], self.memory.v[layer_id]
+        m = self.memory
+        kp, vp = m.k[layer_id], m.v[layer_id]
+        ksc, vsc = self._scales(layer_id)
         for s in batch.attn_meta.segments:
             qs = q[s.q_start: s.q_start + s.q_len].transpose(0, 1)            # [Hq, n, D]
             if s.kv_slots is None:
-                # same values as the cache when it has the model's dtype; cast otherwise
-                ks = k[s.q_start: s.q_start + s.q_len].to(kp.dtype).to(q.dtype).transpose(0, 1)
-                vs = v[s.q_start: s.q_start + s.q_len].to(vp.dtype).to(q.dtype).transpose(0, 1)
+                # the values the cache holds (what decode will read), in q's dtype
+                ks = as_cached(k[s.q_start: s.q_start + s.q_len], kp.dtype, ksc, q.dtype).transpose(0, 1)
+                vs = as_cached(v[s.q_start: s.q_start + s.q_len], vp.dtype, vsc, q.dtype).transpose(0, 1)
                 o = prefill_sdpa(qs, ks, vs, 0, self.sm_scale, tuning=self.tuning)
             else:
-                ks = kp[s.kv_slots].to(q.dtype).transpose(0, 1)               # [Hkv, L, D]
-                vs = vp[s.kv_slots].to(q.dtype).transpose(0, 1)
+                ks = cached_rows(kp, s.kv_slots, ksc, q.dtype).transpose(0, 1)  # [Hkv, L, D]
+                vs = cached_rows(vp, s.kv_slots, vsc, q.dtype).transpose(0, 1)
                 o = prefill_sdpa(qs, ks, vs, s.prefix_len, self.sm_scale, s.mask, self.tuning)
             out[s.q_start: s.q_start + s.q_len] = o.transpose(0, 1)
         return out

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 DENSE = 2**31 - 1  # a budget no length exceeds: the row attends to every token
 
 
-BUDGET_MODES = ("fixed", "ratio", "top_p")
+# adaptive: the ratio budget with per-layer scales that follow the sampled recall (attention/adaptive.py)
+BUDGET_MODES = ("fixed", "ratio", "top_p", "adaptive")
 
 
 @dataclass(frozen=True)

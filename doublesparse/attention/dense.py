@@ -14,4 +14,4 @@ class DenseBackend(AttentionBackend):
         m = self.memory
         return ops.dense_decode(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx,
                                 batch.seq_lens, self.sm_scale, ws=self.workspace, impl=self.impl,
-                                tuning=self.tuning)
+                                tuning=self.tuning, **self.kv_scales(layer_id))

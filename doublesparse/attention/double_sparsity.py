@@ -111,13 +111,13 @@ class DoubleSparsityBackend(AttentionBackend):
         return self.ds.policy.plan(list(seq_lens_host))
 
     def decode_attention(self, layer_id, q, batch):
-        if not getattr(batch, "ds_sparse", True):
+        if not batch.ds_sparse:
             m = self.memory
             return ops.dense_decode(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx,
                                     batch.seq_lens, self.sm_scale, ws=self.workspace, impl=self.impl,
-                                    tuning=self.tuning)
+                                    tuning=self.tuning, **self.kv_scales(layer_id))
         parts = self._batch_parts(q.shape[0])
-        ks = getattr(batch, "ds_k", None)
+        ks = batch.ds_k
         if len(parts) == 1:
             return self._decode(layer_id, q, batch.req_idx, batch.seq_lens, self.workspace, ks=ks)
         out = torch.empty_like(q)
@@ -152,7 +152,7 @@ class DoubleSparsityBackend(AttentionBackend):
                              self.channels[layer_id], m.req_to_token, req_idx, seq_lens,
                              self.sm_scale, ks, d.heavy_token_num, d.mode_of(layer_id),
                              d.num_sink, d.num_recent, ws=ws, out=out, impl=self.impl, tuning=self.tuning,
-                             top_p=d.top_p, top_p_min_k=d.top_p_min_k)
+                             top_p=d.top_p, top_p_min_k=d.top_p_min_k, **self.kv_scales(layer_id))
 
     def _side_streams(self, n, device):
         while len(self._streams) < n:

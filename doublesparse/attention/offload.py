@@ -144,7 +144,7 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
             S = dense_splits(B, Hkv, self.workspace, q.device, self.tuning)
             return _attention(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx, batch.seq_lens,
                               self.sm_scale, self.workspace, None, None, Hkv, None, 0, False, S, self.tuning)
-        ks = getattr(batch, "ds_k", None)
+        ks = batch.ds_k
         if ks is None:
             ks = row_budgets(self.ds, batch.seq_lens, self._dense)
         self._join(layer_id)
@@ -201,7 +201,7 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         K, U = d.heavy_token_num, self.units
         B, Hkv, D = q.shape[0], m.plan.num_kv_heads, self.head_dim
         seq = batch.seq_lens
-        sparse = getattr(batch, "ds_sparse", True)
+        sparse = batch.ds_sparse
         lab = m.label[layer_id]
         if sparse and U == 1:
             sel = layer_select(q, lab, m.label_scale[layer_id], self.channels[layer_id], m.req_to_token,
@@ -235,7 +235,7 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         # budget of n makes the kernel take the list (the tokens and their order are the in-GPU
         # path's, dense rows included, so are the tile boundaries)
         n32 = n.to(torch.int32)
-        if getattr(batch, "ds_sparse", True):
+        if batch.ds_sparse:
             S = _sparse_splits(B, Hkv, Hkv, K, ws, q.device, self.tuning)
         else:
             S = dense_splits(B, Hkv, ws, q.device, self.tuning)

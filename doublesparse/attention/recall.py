@@ -17,7 +17,10 @@ How it stays off the decode path:
   knows the armed layer and copies q and the output; the selection is computed again with
   ``torch_ops.select``, the function that decode itself selects with (same inputs, same tokens).
 * After a sampled step the exact attention runs as ordinary launches whose shapes come from
-  lengths the host knows, and the per-row results go to the host by an async copy
+  lengths the host knows: on the Triton path two calls of the decode kernels
+  (``ops.attention_lse``: over the rows' whole caches and over their selections), a head's recall
+  being ``exp(lse_selection - lse_all)``; on the PyTorch path :func:`exact_recall`. The per-row
+  results go to the host by an async copy
   (``transfer.to_host_async``); :meth:`RecallProbe.collect` folds the copies that have landed
   (an event query, never a wait), at stats time. No step ever waits for the device.
 
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import torch_ops
+from ..kernels.reference import is_fp8_kv
 from ..engine.transfer import to_host_async
 from .budget import DENSE
 from .recall_stats import RecallStats
@@ -54,26 +58,31 @@ class RecallConfig:
                              f"{self.interval}, {self.rows}, {self.layer_groups}")
 
 
-def exact_recall(q, out, sel, valid, k_cache, v_cache, slots, sm_scale: float):
+def exact_recall(q, out, sel, valid, k_cache, v_cache, slots, sm_scale: float, k_scale=None, v_scale=None):
     """One request's recall and output error at one layer.
 
     q, out: [Hq, D] (the step's query and sparse output); sel: [R, k] int cache slots selected
     (R = Hq per head, else Hkv); valid: [R, k] bool (the entries attended to) or None (all);
     k_cache, v_cache: [S, Hkv, D]; slots: [n] int64 the request's cache slots, positions 0..n-1.
     Returns ``(recall [Hq] float32, rel_error 0-dim float32)``: per query head the exact softmax
-    mass on its row's selected tokens; the Frobenius relative error of ``out``."""
+    mass on its row's selected tokens; the Frobenius relative error of ``out``. k_scale, v_scale:
+    [1] float32 of an fp8 pool (multiplied on the device: no host sync), else None."""
     Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G, R = Hq // Hkv, sel.shape[0]
     qf = q.float()
     K = k_cache.index_select(0, slots).float()                                  # [n, Hkv, D]
     V = v_cache.index_select(0, slots).float()
+    if k_scale is not None:
+        K, V = K * k_scale, V * v_scale
     s = torch.matmul(qf.view(Hkv, G, D), K.permute(1, 2, 0)).mul_(sm_scale)   # [Hkv, G, n]
     lse = torch.logsumexp(s, -1)                                               # [Hkv, G]
     o = torch.matmul((s - lse[..., None]).exp_(), V.transpose(0, 1)).reshape(Hq, D)
     heads = torch.arange(R, device=q.device) // (G if R == Hq else 1)
     flat = (sel.long() * Hkv + heads[:, None]).view(-1)
     ksel = k_cache.view(-1, D).index_select(0, flat).view(R, -1, D).float()    # [R, k, D]
+    if k_scale is not None:
+        ksel = ksel * k_scale
     ssel = torch.matmul(qf.view(R, Hq // R, D), ksel.transpose(1, 2)).mul_(sm_scale)
     w = (ssel - lse.reshape(R, Hq // R)[..., None]).exp_()                     # [R, Hq/R, k]
     if valid is not None:
@@ -112,6 +121,9 @@ class RecallProbe:
         self._stash: dict = {}
         # (host [N, 2], event, armed, rows whose request finished meanwhile)
         self._pending: collections.deque = collections.deque()
+        # (layer, ks of the sparse rows) -> that layer's ks, where the budget differs per layer
+        # (attention/adaptive.py); None: every layer attends to the planned k
+        self.scale_k = None
         dev = backend.memory.label[0].device
         self.triton = backend.impl == "triton" or (backend.impl == "auto" and dev.type == "cuda")
         if self.triton:
@@ -128,6 +140,11 @@ class RecallProbe:
         self._o = torch.zeros(n, Hq, D, dtype=torch.float32, device=dev)
         self._sel = torch.zeros(n, Hq, K, **i32)
         self._rowk = torch.zeros(n, Hq, **i32)
+        self._q_dtype = torch.float32
+        # the measurement's own split-K scratch (no Double Sparsity buffers: it reads given slots)
+        from ..kernels.workspace import DecodeWorkspace
+        Hkv = b.memory.k[0].shape[1]
+        self._ws = DecodeWorkspace(n, Hq, Hkv, D, b.workspace.max_ctx, 0, dev, 64) if b.workspace is not None else None
 
     # ------------------------------------------------------------------------- wiring
     def attach(self, backend, runner=None) -> None:
@@ -137,7 +154,7 @@ class RecallProbe:
 
         def decode_attention(layer_id, q, batch):
             out = inner(layer_id, q, batch)
-            if getattr(batch, "ds_sparse", True):
+            if batch.ds_sparse:
                 self.observe(layer_id, q, out)
             return out
 
@@ -170,13 +187,20 @@ class RecallProbe:
         cand = [i for i, k in enumerate(ks) if k != DENSE]
         if not cand:
             return False
+        layer, self._next_layer = self._next_layer, (self._next_layer + 1) % self.num_layers
+        kmax = self.backend.ds.heavy_token_num
+        kl = {i: min(int(ks[i]), kmax) for i in cand}
+        if self.scale_k is not None:
+            # rows whose scaled k reaches their length decode densely at this layer: not sampled
+            kl = dict(zip(cand, self.scale_k(layer, list(kl.values()))))
+            cand = [i for i in cand if kl[i] < int(positions[i]) + 1]
+            if not cand:
+                return False
         start = self._next_row % len(cand)
         idx = (cand[start:] + cand[:start])[: self.cfg.rows]
         self._next_row += len(idx)
-        layer, self._next_layer = self._next_layer, (self._next_layer + 1) % self.num_layers
-        kmax = self.backend.ds.heavy_token_num
         self.armed = _Armed(layer, idx, [int(rows[i]) for i in idx], [int(positions[i]) + 1 for i in idx],
-                            [min(int(ks[i]), kmax) for i in idx])
+                            [kl[i] for i in idx])
         self.sampled_steps += 1
         if self.triton:
             h = self._ctl_host
@@ -191,6 +215,7 @@ class RecallProbe:
         Triton path, selection)."""
         if self.triton:
             from ..kernels.triton.recall_stash import recall_stash
+            self._q_dtype = q.dtype   # the stash keeps float32 copies; the measurement reads q as decode did
             b, ds = self.backend, self.backend.ds
             ws, mode = b.workspace, ds.mode_of(layer_id)
             R = _sel_rows(mode, b.num_q_heads, b.memory.k[layer_id].shape[1])
@@ -223,6 +248,8 @@ class RecallProbe:
     def measure(self, a: _Armed) -> torch.Tensor:
         """[N, 2] float32 on the device: each kept row's recall (mean over query heads) and
         output relative error."""
+        if self.triton and self._ws is not None:
+            return self._measure_kernels(a)
         b, ds = self.backend, self.backend.ds
         m = b.memory
         mode = ds.mode_of(a.layer)
@@ -246,9 +273,41 @@ class RecallProbe:
                 sel, valid = torch_ops.select(q, m.label[a.layer], m.label_scale[a.layer],
                                               b.channels[a.layer], start, sl, n, k, b.sm_scale, mode,
                                               ds.num_sink, ds.num_recent, ds.top_p, ds.top_p_min_k)
-            recall, err = exact_recall(q, o, sel, valid, kc, vc, slots, b.sm_scale)
+            sc = (m.k_scale[a.layer], m.v_scale[a.layer]) if is_fp8_kv(kc) else (None, None)
+            recall, err = exact_recall(q, o, sel, valid, kc, vc, slots, b.sm_scale, *sc)
             res.append(torch.stack([recall.mean(), err]))
         return torch.stack(res)
+
+    def _measure_kernels(self, a: _Armed) -> torch.Tensor:
+        """:meth:`measure` on the decode kernels: one exact attention over the kept rows' whole
+        caches and one over their selections (ops.attention_lse), each giving every query head's
+        log-sum-exp; a head's recall is ``exp(lse_selection - lse_all)``. Reads the rows' K/V once
+        each at the kernels' bandwidth, no float32 copies."""
+        from ..kernels import ops
+        from ..engine.transfer import to_device
+        b, ds, m = self.backend, self.backend.ds, self.backend.memory
+        mode = ds.mode_of(a.layer)
+        kc, vc = m.k[a.layer], m.v[a.layer]
+        N, Hkv, K = len(a.req_rows), kc.shape[1], max(a.ks)
+        dev = kc.device
+        sc = dict(k_scale=m.k_scale[a.layer], v_scale=m.v_scale[a.layer]) if is_fp8_kv(kc) else {}
+        req = to_device(torch.tensor(a.req_rows, dtype=torch.int32), dev)
+        lens = to_device(torch.tensor(a.lens, dtype=torch.int32), dev)
+        ks = to_device(torch.tensor(a.ks, dtype=torch.int32), dev)
+        q, o = self._q[:N].to(self._q_dtype), self._o[:N]
+        dense, lse_all = ops.attention_lse(q, kc, vc, m.req_to_token, req, lens, b.sm_scale, self._ws,
+                                           tuning=b.tuning, **sc)
+        R = _sel_rows(mode, b.num_q_heads, Hkv)
+        sel = self._sel[:N, :R, :K]
+        if mode == "layer":                      # the layer's one row serves every KV head
+            sel, R = sel.expand(N, Hkv, K), Hkv
+        row_ks = self._rowk[:N, :R] if ds.top_p > 0 else None
+        _, lse_sel = ops.attention_lse(q, kc, vc, m.req_to_token, req, lens, b.sm_scale, self._ws, sel=sel, ks=ks,
+                                       row_ks=row_ks, per_head=mode == "per_head", tuning=b.tuning, **sc)
+        recall = torch.exp(lse_sel - lse_all).clamp_(max=1.0).mean(-1)                     # [N]
+        d = dense.float()
+        err = torch.linalg.vector_norm(o - d, dim=(1, 2)) / torch.linalg.vector_norm(d, dim=(1, 2)).clamp_min(1e-30)
+        return torch.stack([recall, err], dim=-1)
 
     # -------------------------------------------------------------------------- host
     def collect(self) -> None:
@@ -272,6 +331,11 @@ class RecallProbe:
             if row in a.req_rows:
                 dropped.add(row)
         return self.stats.take_row(row)
+
+    @property
+    def pending(self) -> int:
+        """Sampled steps whose results have not reached the host tallies yet."""
+        return len(self._pending)
 
     def summary(self) -> dict:
         self.collect()

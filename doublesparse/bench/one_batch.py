@@ -369,6 +369,8 @@ def _bench(args, argv, cfg, dev, bw, tp) -> int:
                    channel_source=parts.channel_source,
                    heavy_token_num=parts.ds.heavy_token_num if parts.ds else None,
                    heavy_channel_num=parts.plan.heavy_channel_num or None, label_dtype=_label_dtype(parts.plan),
+                   kv_cache_dtype=str(parts.plan.kv_dtype).removeprefix("torch."),
+                   kv_pool_tokens=parts.plan.max_total_tokens,
                    cuda_graphs=[list(k) for k in sorted(parts.runner.graphs)], kernel_tuning=dataclasses.asdict(cfg.kernel_tuning),
                    results=results)
         with open(args.result_json, "w") as f:

@@ -9,11 +9,11 @@ magnitudes add without drift; the means are taken once at the end.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
+from ..attention.batch import ForwardBatch
 from .threads import ThreadChooser, candidates_for, num_threads
 
 
@@ -46,19 +46,9 @@ def plain_backend():
     return FastCausal()
 
 
-def make_batch(attn, logits_indices, mode: str = "prefill"):
-    try:
-        from doublesparse.models.simple_attention import SimpleBatch
-    except ImportError:
-        return _Batch(attn, logits_indices, mode)
-    return SimpleBatch(attn, logits_indices, mode)
-
-
-@dataclass
-class _Batch:
-    attn: object
-    logits_indices: torch.Tensor
-    mode: str = "prefill"
+def make_batch(attn, logits_indices, mode: str = "prefill") -> ForwardBatch:
+    """The batch a plain forward reads: its attention backend and the rows to return logits for."""
+    return ForwardBatch(mode=mode, logits_indices=logits_indices, attn=attn)
 
 
 class StatsAttention:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..engine.forward_batch import ForwardBatch
+from ..attention.batch import ForwardBatch
 from ..engine.memory import KVMemory
 from ..engine.model_runner import ModelRunner
 from ..engine.transfer import to_device

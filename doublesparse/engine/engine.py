@@ -29,6 +29,7 @@ from ..config import EngineConfig
 from . import prefix_cache
 from . import prompt_logprobs as prompt_lp
 from .grammar import GrammarBackend
+from .memory import dtype_name
 from .request import Launched, Request, StepOutput, request_meta, sample_isolated
 from .request_sampling import LOGPROB_COLS, RequestSampling, needs_state, unpack_logprobs
 from .sampler import make_generator
@@ -488,11 +489,13 @@ class Engine:
         count as free: admission evicts them when it needs room); ``kv_cached_tokens``: slots
         in the prefix cache; ``prefix_cache_hit_tokens`` / ``prefix_cache_query_tokens``: prompt
         tokens found in the cache / of all admitted prompts; ``prefix_cache_evicted_tokens``: cached
-        tokens evicted to make room."""
+        tokens evicted to make room; ``budget_scale``: the adaptive budget's per-layer scales
+        (attention/adaptive.py), None in the other budget modes."""
         p, c, s = self.parts, self.counters, self.parts.scheduler
         return dict(running=s.num_running, waiting=s.num_waiting + len(self._inbox_by_rid),
                     kv_used_tokens=p.memory.slots.num_used - s.evictable_tokens,
                     kv_total_tokens=p.memory.slots.size, kv_cached_tokens=s.cached_tokens,
+                    kv_cache_dtype=dtype_name(p.memory.plan.kv_dtype),
                     kv_reserved_tokens=s.reserved_tokens,
                     prefix_cache_hit_tokens=s.hit_tokens, prefix_cache_query_tokens=s.query_tokens,
                     prefix_cache_evicted_tokens=s.evicted_tokens,
@@ -508,4 +511,5 @@ class Engine:
                     decode_policy=p.ds.policy.describe() if p.ds else None,
                     heavy_channel_num=p.memory.plan.heavy_channel_num or None,
                     operating_point=(self.operating_point or {}).get("summary"),
-                    attention_recall=p.recall.summary() if p.recall is not None else None)
+                    attention_recall=p.recall.summary() if p.recall is not None else None,
+                    budget_scale=p.adaptive.summary() if p.adaptive is not None else None)

@@ -1,7 +1,9 @@
 """KV / label pools, the token-slot allocator and the request -> token table.
 
 Layout (per layer, see doublesparse/kernels/reference.py):
-    k[layer], v[layer] : [num_slots, Hkv, D]   model dtype
+    k[layer], v[layer] : [num_slots, Hkv, D]   --kv-cache-dtype (auto: the model dtype); fp8 pools
+                                               store x / scale
+    k_scale[layer], v_scale[layer] : [1] float32  the fp8 pools' dequant scales (engine/kv_scales.py)
     label[layer]       : [num_slots, Hkv, r]   bf16, or float8_e4m3fn storing k[channels] / scale
     label_scale[layer] : [1] float32           fp8 dequant scale (1.0 for bf16)
     req_to_token       : [max_reqs, max_ctx] int32   position -> slot, on the device
@@ -25,6 +27,12 @@ from .transfer import to_device
 
 CPU_POOL_BYTES = 1 << 30
 LABEL_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+KV_CACHE_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(cfg: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The K/V pools' dtype: ``--kv-cache-dtype``, "auto" = the model's."""
+    return KV_CACHE_TORCH_DTYPES.get(cfg.kv_cache_dtype, model_dtype)
 
 
 class OutOfSlots(RuntimeError):
@@ -39,7 +47,7 @@ class MemoryPlan:
     num_kv_heads: int
     head_dim: int
     heavy_channel_num: int          # 0: no label pool
-    kv_dtype: torch.dtype
+    kv_dtype: torch.dtype           # the K/V pools' (--kv-cache-dtype), which sizes them
     label_dtype: torch.dtype | None
     max_total_tokens: int           # usable slots (the padding slot comes on top)
     max_reqs: int                   # usable rows (the padding row comes on top)
@@ -72,8 +80,13 @@ class MemoryPlan:
     def describe(self) -> str:
         lab = (f", labels r={self.heavy_channel_num} {self.label_dtype}" if self.heavy_channel_num else "")
         return (f"KV pool: {self.max_total_tokens} tokens x {self.bytes_per_token} B "
-                f"= {self.total_bytes / 2**20:.1f} MiB ({self.kv_dtype}{lab}), "
+                f"= {self.total_bytes / 2**20:.1f} MiB (KV {dtype_name(self.kv_dtype)}{lab}), "
                 f"{self.max_reqs} request rows x {self.max_ctx} ctx")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float8_e4m3fn`` -> ``float8_e4m3fn`` (as /health and the startup line show it)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _esize(dtype) -> int:
@@ -94,16 +107,22 @@ def prefill_reserve_bytes(cfg: EngineConfig, model_config, kv_dtype: torch.dtype
 
 def plan_memory(cfg: EngineConfig, model_config, kv_dtype: torch.dtype, device: torch.device,
                 max_ctx: int, heavy_channel_num: int, reserved_bytes: int = 0) -> MemoryPlan:
-    """Size the pools: ``--max-total-tokens`` if given; else on CUDA the part of
+    """Size the pools (``kv_dtype``: the model's; the pools take ``--kv-cache-dtype``, so an fp8
+    cache holds twice the tokens of a bf16 one in the same bytes): ``--max-total-tokens`` if given; else on CUDA the part of
     ``mem_fraction_static * total`` memory not in use yet (weights are already loaded) minus
     ``reserved_bytes`` (workspace) and one prefill chunk's transient memory; on CPU :data:`CPU_DEFAULT_TOTAL_TOKENS` capped at
     :data:`CPU_POOL_BYTES`."""
     k_bias = bool(getattr(model_config, "attention_bias", False))
     label_dtype = LABEL_TORCH_DTYPES[cfg.label_dtype_for(device, k_bias)] if heavy_channel_num else None
     max_reqs = cfg.resolved_max_running_requests
+    latent = getattr(model_config, "mla", None) is not None
+    if latent and cfg.kv_cache_fp8:
+        raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r}: the MLA latent pool of "
+                         f"{getattr(model_config, 'name', 'this model')} is kept in the model's dtype; "
+                         "use --kv-cache-dtype auto")
     probe = MemoryPlan(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-                       heavy_channel_num, kv_dtype, label_dtype, 1, max_reqs, max_ctx,
-                       latent=getattr(model_config, "mla", None) is not None)
+                       heavy_channel_num, kv_cache_dtype(cfg, kv_dtype), label_dtype, 1, max_reqs, max_ctx,
+                       latent=latent)
     if cfg.max_total_tokens:
         tokens = cfg.max_total_tokens
     elif device.type == "cuda":
@@ -219,6 +238,11 @@ class KVMemory:
         self.device = torch.device(device)
         L, S, H = plan.num_layers, plan.num_slots, plan.num_kv_heads
         self.k, self.v = self._make_kv()
+        # per-layer dequant scales of fp8 pools (1.0 until engine/kv_scales.py sets them); a
+        # latent pool's V is its K, and so is its scale
+        self.k_scale = [torch.ones(1, dtype=torch.float32, device=self.device) for _ in range(L)]
+        self.v_scale = self.k_scale if plan.latent else [torch.ones(1, dtype=torch.float32, device=self.device)
+                                                         for _ in range(L)]
         if plan.heavy_channel_num:
             r = plan.heavy_channel_num
             self.label = [torch.zeros(S, H, r, dtype=plan.label_dtype, device=self.device) for _ in range(L)]

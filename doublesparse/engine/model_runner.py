@@ -18,7 +18,7 @@ import torch
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from ..attention.budget import DENSE
 from .cpu_threads import CpuThreads
-from .forward_batch import ForwardBatch
+from ..attention.batch import ForwardBatch
 from .transfer import to_device
 
 

@@ -49,6 +49,8 @@ class EngineParts:
     # the sampled attention recall (attention/recall.py); None: off, or not available (DS off,
     # DS-Offload, tensor parallelism)
     recall: object | None = None
+    # the adaptive budget's per-layer scales (attention/adaptive.py); None: another budget mode
+    adaptive: object | None = None
 
     def sparse_rows(self, seq_lens: list[int]) -> list[bool]:
         """Per request of a decode step (lengths after the step): did it select tokens?"""
@@ -275,6 +277,11 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         backend = create_backend(cfg.resolved_attention_backend, use_double_sparsity=ds is not None, ds=ds,
                                  memory=memory, num_q_heads=mc.num_q_heads, head_dim=mc.head_dim,
                                  impl=cfg.kernel_impl, workspace=ws, channels=channels, tuning=cfg.kernel_tuning)
+    if cfg.kv_cache_fp8:
+        from .kv_scales import apply_scales, resolve_scales
+        k_sc, v_sc, src = resolve_scales(cfg, model_file, plan.num_layers)
+        apply_scales(memory, k_sc, v_sc)
+        log.info("fp8 KV cache (%s): per-layer scales from %s", cfg.kv_cache_dtype, src)
     log.info("%s", plan.describe())
     if cfg.gpu_memory_budget_gb is not None:
         from .offload_setup import check_gpu_budget, device_use
@@ -284,18 +291,24 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
             prefill.warmup(device, _model_dtype(model), mc.num_q_heads, mc.num_kv_heads, mc.head_dim,
                            cfg.kernel_tuning)
     recall = _recall_probe(cfg, backend, plan, ds, tp)
+    adaptive = None
+    if ds is not None and cfg.budget_mode == "adaptive":
+        from ..attention import adaptive as adaptive_budget
+        adaptive = adaptive_budget.build(cfg.adaptive_config, backend, recall, plan, mc.num_q_heads)
     runner = (ModelRunner if tp is None else tp.runner)(
         model, memory, backend, device, use_cuda_graph=cfg.use_cuda_graph,
         graph_max_bs=cfg.cuda_graph_max_bs, tuning=cfg.kernel_tuning, cpu_threads=cfg.cpu_threads)
     if recall is not None:
         recall.attach_runner(runner)
+    if adaptive is not None:  # after the probe: its update follows the probe's end of step
+        adaptive.attach_runner(runner)
     # all slots in-GPU; with DS-Offload the host store's only (its device tier is on top, so
     # every request fits whichever tier the memory puts it in)
     scheduler = Scheduler(cfg.scheduler_config(), memory.slots.admission_size, max_ctx)
     return EngineParts(model, tokenizer, device, max_ctx, plan, memory, backend, runner, scheduler,
                        ds, choice.source if choice else None, ws,
                        choice.calibrated if choice else None,
-                       point.as_dict(user_cfg) if point is not None else None, recall)
+                       point.as_dict(user_cfg) if point is not None else None, recall, adaptive)
 
 
 def _recall_probe(cfg: EngineConfig, backend, plan: MemoryPlan, ds, tp):

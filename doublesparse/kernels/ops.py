@@ -7,6 +7,11 @@ Launch parameters and kernel choices come in a ``tuning`` argument (:class:`.tun
 the defaults when omitted); the PyTorch path ignores it.
 Every function here is free of host syncs on the Triton path, so decode can be captured in a
 CUDA graph: lengths are read from device tensors and all buffers come from a :class:`DecodeWorkspace`.
+
+K/V pools may be fp8 (``float8_e4m3fn`` / ``float8_e5m2``, ``--kv-cache-dtype``): every function that
+touches them then takes the layer's ``k_scale`` and ``v_scale`` ([1] float32 device tensors; read on
+the device, so still no host sync). Stores write ``clamp(x / scale, +-max)`` rounded to nearest even;
+readers use ``value * scale``. Labels keep their own dtype and ``label_scale``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from . import torch_ops
 from .tuning import DEFAULT_TUNING, KernelTuning
 from .workspace import DecodeWorkspace
 
-__all__ = ["DecodeWorkspace", "store_kv", "dense_decode", "ds_decode", "rope", "MODES", "rms_norm",
+__all__ = ["DecodeWorkspace", "store_kv", "dense_decode", "attention_lse", "ds_decode", "rope", "MODES", "rms_norm",
            "add_rms_norm", "silu_mul", "rope_store", "linear", "moe_experts"]
 
 MODES = ref.MODES
@@ -35,36 +40,62 @@ def _use_triton(t: torch.Tensor, impl: str) -> bool:
 
 
 def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, channels=None,
-             impl: str = "auto"):
+             k_scale=None, v_scale=None, impl: str = "auto"):
     """Write new tokens into the pools, and their K label if ``label_cache`` is given.
 
-    k_cache, v_cache: [S, Hkv, D]; k, v: [N, Hkv, D]; slots: [N] int32/int64;
+    k_cache, v_cache: [S, Hkv, D] (bf16/fp16/fp32, or fp8 with k_scale, v_scale [1] float32);
+    k, v: [N, Hkv, D]; slots: [N] int32/int64;
     label_cache: [S, Hkv, r] bf16 | float8_e4m3fn; label_scale: [1] float32 (fp8);
-    channels: [Hkv, r] int32.
+    channels: [Hkv, r] int32. The label is taken from the unquantized k.
     """
     if _use_triton(k, impl):
         from .triton.launch import store_kv as _store
-        return _store(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels)
+        return _store(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale)
     from .triton.launch import check_store_args
-    check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels)
-    ref.store_ref(k_cache, v_cache, label_cache, label_scale, k, v, slots, channels)
+    check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale)
+    ref.store_ref(k_cache, v_cache, label_cache, label_scale, k, v, slots, channels, k_scale, v_scale)
 
 
 def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale: float,
                  ws: DecodeWorkspace | None = None, out=None, impl: str = "auto",
-                 tuning: KernelTuning = DEFAULT_TUNING):
+                 tuning: KernelTuning = DEFAULT_TUNING, k_scale=None, v_scale=None):
     """Exact decode attention over each request's whole cache.
 
-    q: [B, Hq, D]; returns (or fills ``out``) [B, Hq, D] in q's dtype.
+    q: [B, Hq, D]; k_scale, v_scale: an fp8 pool's scales; returns (or fills ``out``) [B, Hq, D]
+    in q's dtype.
     """
     if _use_triton(q, impl):
         from .triton.launch import dense_decode as _dense
-        return _dense(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out, tuning=tuning)
-    o = torch_ops.dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale).to(q.dtype)
+        return _dense(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out, tuning=tuning,
+                      k_scale=k_scale, v_scale=v_scale)
+    o = torch_ops.dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
+                               k_scale, v_scale).to(q.dtype)
     if out is not None:
         out.copy_(o)
         return out
     return o
+
+
+def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale: float, ws=None, sel=None,
+                  ks=None, row_ks=None, per_head: bool = False, impl: str = "auto",
+                  tuning: KernelTuning = DEFAULT_TUNING, k_scale=None, v_scale=None):
+    """Exact decode attention that also gives each query head's log-sum-exp, for measurements
+    (the sampled recall: the share of a head's attention on a set of tokens is
+    ``exp(lse over the set - lse over the whole cache)``).
+
+    q: [B, Hq, D]; pools, req_to_token, req_idx, seq_lens as in :func:`dense_decode`. ``sel`` None:
+    over each request's whole cache. Else ``sel`` [B, R, K] int32 KV slots (R = Hkv, or Hq with
+    ``per_head``; a row shared by every head may come as a stride-0 expansion) and ``ks`` [B] int32:
+    each row attends to its first ``ks[b]`` slots (``row_ks`` [B, R] int32: per row). Returns
+    ``(out [B, Hq, D], lse [B, Hq] float32, natural log of the sum of exp(sm_scale * q . k))``; out
+    in q's dtype on the Triton path, float32 on the PyTorch path. ``ws``: a workspace of at least B
+    rows (no Double Sparsity buffers needed)."""
+    if _use_triton(q, impl):
+        from .triton.launch import attention_lse as _lse
+        return _lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, sel, ks, row_ks, per_head,
+                    tuning, k_scale, v_scale)
+    return torch_ops.attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, sel, ks,
+                                   row_ks, per_head, k_scale, v_scale)
 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
@@ -72,7 +103,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
               mode: str = "group_max", num_sink: int = 0, num_recent: int = 0,
               ws: DecodeWorkspace | None = None, out=None, impl: str = "auto",
               tuning: KernelTuning = DEFAULT_TUNING, top_p: float = 0.0, top_p_min_k: int = 0,
-              row_counts=None):
+              row_counts=None, k_scale=None, v_scale=None):
     """Double Sparsity decode: label scores -> each request's top-k on device -> exact attention
     on those tokens, with a budget per request in one batch (and one CUDA graph).
 
@@ -86,8 +117,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     tokens each row attended to (its length where the request decodes densely); for evaluation
     and benchmarks only (on the Triton path it adds device ops after the call).
 
-    q: [B, Hq, D]; pools, req_to_token, req_idx, seq_lens as in :func:`dense_decode` and
-    :mod:`.reference`. heavy_token_nums: [B] int32 on q's device, request b's budget k_b: it
+    q: [B, Hq, D]; pools (and an fp8 pool's k_scale, v_scale), req_to_token, req_idx, seq_lens as
+    in :func:`dense_decode` and :mod:`.reference`. heavy_token_nums: [B] int32 on q's device, request b's budget k_b: it
     decodes sparsely iff ``seq_lens[b] > k_b``, attending to exactly its k_b selected tokens,
     else densely in the same launches (a dense request carries any k_b >= its length, e.g.
     ``attention.budget.DENSE``). Decided on the device, no host sync.
@@ -106,7 +137,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         from .triton.ds_layer import ds_decode_layer
         o = ds_decode_layer(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
                             seq_lens, sm_scale, heavy_token_nums, max_heavy_tokens, num_sink, num_recent,
-                            ws, out, tuning=tuning)
+                            ws, out, tuning=tuning, k_scale=k_scale, v_scale=v_scale)
         if row_counts is not None:
             _fill_row_counts(row_counts, ws, seq_lens, heavy_token_nums, max_heavy_tokens, 0.0)
         return o
@@ -114,13 +145,13 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         from .triton.ds_launch import ds_decode as _ds
         o = _ds(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
                 seq_lens, sm_scale, heavy_token_nums, max_heavy_tokens, mode, num_sink, num_recent,
-                ws, out, tuning=tuning, top_p=top_p, top_p_min_k=top_p_min_k)
+                ws, out, tuning=tuning, top_p=top_p, top_p_min_k=top_p_min_k, k_scale=k_scale, v_scale=v_scale)
         if row_counts is not None:
             _fill_row_counts(row_counts, ws, seq_lens, heavy_token_nums, max_heavy_tokens, top_p)
         return o
     o = torch_ops.ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token,
                             req_idx, seq_lens, sm_scale, heavy_token_nums, mode,
-                            num_sink, num_recent, top_p, top_p_min_k, row_counts).to(q.dtype)
+                            num_sink, num_recent, top_p, top_p_min_k, row_counts, k_scale, v_scale).to(q.dtype)
     if out is not None:
         out.copy_(o)
         return out
@@ -192,8 +223,8 @@ def silu_mul(x, impl: str = "auto", tuning: KernelTuning = DEFAULT_TUNING):
 
 
 def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache=None,
-               label_scale=None, channels=None, return_k: bool = False, impl: str = "auto",
-               tuning: KernelTuning = DEFAULT_TUNING):
+               label_scale=None, channels=None, k_scale=None, v_scale=None, return_k: bool = False,
+               impl: str = "auto", tuning: KernelTuning = DEFAULT_TUNING):
     """RoPE of q and k fused with :func:`store_kv` of the rotated k (and its label) and v.
 
     positions, slots: [T] int; q: [T, Hq, D]; k, v: [T, Hkv, D] (views of the qkv GEMM output
@@ -204,13 +235,12 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
     if _use_triton(q, impl):
         from .triton.fused_launch import rope_store as _rope_store
         return _rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache,
-                           label_scale, channels, return_k, tuning=tuning)
+                           label_scale, channels, return_k, tuning=tuning, k_scale=k_scale, v_scale=v_scale)
     from .triton.launch import check_store_args
-    check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels)
+    check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale)
     qr, kr = ref.rope_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache,
-                                label_scale, channels)
+                                label_scale, channels, k_scale, v_scale)
     return qr, (kr if return_k else None)
-
 
 
 def moe_experts(x, w13, w2, weights, ids, shared=None, shared_w13=None, shared_w2=None, impl: str = "auto",

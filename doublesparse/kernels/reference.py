@@ -3,7 +3,9 @@
 They are the ground truth for the tests and the pure-PyTorch (CPU) path of the engine. Shapes follow
 the data layout of docs/design.md:
 
-    k_cache, v_cache : [S, Hkv, D]            bf16/fp16/fp32, S token slots (slot 0 = padding slot)
+    k_cache, v_cache : [S, Hkv, D]            bf16/fp16/fp32, S token slots (slot 0 = padding slot),
+                                              or float8_e4m3fn / float8_e5m2 holding k / k_scale, v / v_scale
+    k_scale, v_scale : [1] float32            only meaningful for an fp8 K/V pool (its per-layer scales)
     label_cache      : [S, Hkv, r]            bf16, or float8_e4m3fn holding k[channels] / label_scale
     label_scale      : [1] float32            only meaningful for fp8 labels
     channels         : [Hkv, r] int32         heavy channels of each KV head
@@ -36,11 +38,37 @@ def _group(hq: int, hkv: int) -> int:
     return hq // hkv
 
 
-def store_ref(k_cache, v_cache, label_cache, label_scale, k, v, slots, channels):
-    """Write k, v ``[N, Hkv, D]`` into the pools at ``slots [N]`` and the K label (in place)."""
+# fp8 K/V pool dtypes -> their largest finite value (stores clamp to it)
+KV_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def is_fp8_kv(cache) -> bool:
+    """Whether a K/V pool (or a dtype) holds fp8 values that need a scale."""
+    return (cache if isinstance(cache, torch.dtype) else cache.dtype) in KV_FP8_MAX
+
+
+def quantize_kv(x, dtype, scale):
+    """x (any float) as a K/V pool of ``dtype`` stores it: fp8 pools ``x / scale`` ([1] float32)
+    clamped to the format's largest value, rounded to nearest even; other dtypes a plain cast."""
+    if dtype not in KV_FP8_MAX:
+        return x.to(dtype)
+    m = KV_FP8_MAX[dtype]
+    return (x.float() / scale.float()).clamp(-m, m).to(dtype)
+
+
+def dequant_kv(rows, scale):
+    """Rows of a K/V pool as float32 values: fp8 ones times their scale ([1] float32)."""
+    if is_fp8_kv(rows):
+        return rows.float() * scale.float()
+    return rows.float()
+
+
+def store_ref(k_cache, v_cache, label_cache, label_scale, k, v, slots, channels, k_scale=None, v_scale=None):
+    """Write k, v ``[N, Hkv, D]`` into the pools at ``slots [N]`` and the K label (in place). The
+    label is taken from the unquantized k (its own dtype and scale, whatever the K pool's)."""
     slots = slots.long()
-    k_cache[slots] = k.to(k_cache.dtype)
-    v_cache[slots] = v.to(v_cache.dtype)
+    k_cache[slots] = quantize_kv(k, k_cache.dtype, k_scale)
+    v_cache[slots] = quantize_kv(v, v_cache.dtype, v_scale)
     if label_cache is not None:
         store_labels_ref(label_cache, label_scale, k, slots, channels)
 
@@ -60,8 +88,11 @@ def gather_tokens(cache, req_to_token, req_idx, b: int, n: int):
     return cache[slots].float()
 
 
-def dense_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale):
-    """Exact decode attention. Returns ``[B, Hq, D]`` float32."""
+def dense_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, k_scale=None,
+                     v_scale=None):
+    """Exact decode attention (over the dequantized values of an fp8 pool). Returns ``[B, Hq, D]``
+    float32."""
+    k_cache, v_cache = dequant_kv(k_cache, k_scale), dequant_kv(v_cache, v_scale)
     B, Hq, D = q.shape
     G = _group(Hq, k_cache.shape[1])
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
@@ -124,7 +155,8 @@ def topk_ref(scores, k: int):
     return torch.topk(scores, k, dim=-1).indices
 
 
-def sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, positions, sm_scale, keep=None):
+def sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, positions, sm_scale, keep=None,
+                      k_scale=None, v_scale=None):
     """Exact attention over selected positions only.
 
     positions: ``[B, R, n]`` int; R = Hq (each query head its own set), Hkv (shared by the group)
@@ -132,6 +164,7 @@ def sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, positions, sm_
     keep: optional ``[B, R, n]`` bool, the entries each row attends to (default: all n).
     Returns ``[B, Hq, D]`` float32.
     """
+    k_cache, v_cache = dequant_kv(k_cache, k_scale), dequant_kv(v_cache, v_scale)
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = _group(Hq, Hkv)
@@ -196,11 +229,13 @@ def topp_keep_ref(scores, positions, seq_len: int, top_p: float, k_min: int, num
 
 def ds_decode_ref(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
                   seq_lens, sm_scale, heavy_token_nums, mode: str = "group_max",
-                  num_sink: int = 0, num_recent: int = 0, top_p: float = 0.0, top_p_min_k: int = 0):
+                  num_sink: int = 0, num_recent: int = 0, top_p: float = 0.0, top_p_min_k: int = 0,
+                  k_scale=None, v_scale=None):
     """The whole Double Sparsity decode: score, select each request's own top-k, attend; requests
     with ``seq_len <= heavy_token_nums[b]`` decode densely. heavy_token_nums: ``[B]`` int.
     top_p > 0: each selection row then attends only to what :func:`topp_keep_ref` keeps of its
-    selection (at least ``top_p_min_k`` tokens)."""
+    selection (at least ``top_p_min_k`` tokens). k_scale, v_scale: an fp8 pool's scales."""
+    k_cache, v_cache = dequant_kv(k_cache, k_scale), dequant_kv(v_cache, v_scale)
     dense = dense_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale)
     sparse_rows = is_sparse(seq_lens, heavy_token_nums)
     if not bool(sparse_rows.any()):
@@ -256,11 +291,11 @@ def rope_ref(positions, x, cos, sin):
 
 
 def rope_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache=None,
-                   label_scale=None, channels=None):
+                   label_scale=None, channels=None, k_scale=None, v_scale=None):
     """RoPE of q and k, then :func:`store_ref` of the rotated k (with its label) and v.
     Returns the rotated ``(q [T, Hq, D], k [T, Hkv, D])`` in q's dtype."""
     qr, kr = rope_ref(positions, q, cos, sin), rope_ref(positions, k, cos, sin)
-    store_ref(k_cache, v_cache, label_cache, label_scale, kr, v, slots, channels)
+    store_ref(k_cache, v_cache, label_cache, label_scale, kr, v, slots, channels, k_scale, v_scale)
     return qr, kr
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import MODES, _group
+from .reference import MODES, _group, is_fp8_kv
 from .top_p import keep_mask
 
 
@@ -32,17 +32,28 @@ def _rows(cache, start, slots, n: int) -> torch.Tensor:
     return cache[start:start + n] if slots is None else cache.index_select(0, slots)
 
 
-def _attend(q, k, v, sm_scale, valid=None):
-    """q [H, G, D]; k, v [H, N, D] (any strides); valid: None or [H, N] bool (the entries
-    attended to) -> [H, G, D] float32."""
-    s = torch.matmul(q, k.float().transpose(1, 2)).mul_(sm_scale)
+def _attend(q, k, v, sm_scale, valid=None, scales=(1.0, 1.0)):
+    """q [H, G, D]; k, v [H, N, D] (any strides; fp8 rows times ``scales`` = (k's, v's) host
+    floats); valid: None or [H, N] bool (the entries attended to) -> [H, G, D] float32."""
+    s = torch.matmul(q, k.float().transpose(1, 2)).mul_(sm_scale * scales[0])
     if valid is not None:
         s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    return torch.matmul(s.softmax(-1), v.float())
+    o = torch.matmul(s.softmax(-1), v.float())
+    return o if scales[1] == 1.0 else o.mul_(scales[1])
 
 
-def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale):
-    """[B, Hq, D] float32."""
+def kv_scales(k_cache, k_scale, v_scale) -> tuple[float, float]:
+    """(k's, v's) dequantization factors as host floats: an fp8 pool's scales, else 1."""
+    if not is_fp8_kv(k_cache):
+        return 1.0, 1.0
+    if k_scale is None or v_scale is None:
+        raise ValueError("an fp8 K/V pool needs k_scale and v_scale ([1] float32)")
+    return float(k_scale), float(v_scale)
+
+
+def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, k_scale=None, v_scale=None):
+    """[B, Hq, D] float32; k_scale, v_scale: [1] float32, an fp8 pool's scales."""
+    sc = kv_scales(k_cache, k_scale, v_scale)
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = _group(Hq, Hkv)
@@ -51,8 +62,34 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale)
         start, slots = _token_rows(req_to_token, row, n)
         k = _rows(k_cache, start, slots, n).transpose(0, 1)                    # [Hkv, n, D]
         v = _rows(v_cache, start, slots, n).transpose(0, 1)
-        out[b] = _attend(q[b].float().view(Hkv, G, D), k, v, sm_scale).view(Hq, D)
+        out[b] = _attend(q[b].float().view(Hkv, G, D), k, v, sm_scale, scales=sc).view(Hq, D)
     return out
+
+
+def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, sel=None, ks=None,
+                  row_ks=None, per_head=False, k_scale=None, v_scale=None):
+    """See ops.attention_lse: (out [B, Hq, D] float32, lse [B, Hq] float32, natural log)."""
+    ksc, vsc = kv_scales(k_cache, k_scale, v_scale)
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = _group(Hq, Hkv)
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        for h in range(Hq):
+            kvh = h // G
+            if sel is None:
+                slots = req_to_token[int(req_idx[b]), :int(seq_lens[b])].long()
+            else:
+                r = h if per_head else kvh
+                n = int(row_ks[b, r]) if row_ks is not None else int(ks[b])
+                slots = sel[b, r, :n].long()
+            kk = k_cache[slots, kvh].float() * ksc
+            vv = v_cache[slots, kvh].float() * vsc
+            sc = (kk @ q[b, h].float()) * sm_scale
+            lse[b, h] = torch.logsumexp(sc, 0)
+            out[b, h] = torch.softmax(sc, 0) @ vv
+    return out, lse
 
 
 def label_scores(q, label_cache, label_scale, channels, start, slots, n: int, sm_scale, mode):
@@ -100,12 +137,14 @@ def select(q, label_cache, label_scale, channels, start, slots, n: int, k: int, 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
               seq_lens, sm_scale, heavy_token_nums, mode="group_max", num_sink=0, num_recent=0,
-              top_p=0.0, top_p_min_k=0, row_counts=None):
+              top_p=0.0, top_p_min_k=0, row_counts=None, k_scale=None, v_scale=None):
     """heavy_token_nums: [B] int, each request's budget (sparse iff seq_len > it). [B, Hq, D] float32.
+    k_scale, v_scale: [1] float32, an fp8 pool's scales.
     top_p > 0: the top-p budget (kernels/top_p.py); row_counts: an optional [B, R] int32 to fill
     with the tokens each selection row attended to."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    sc = kv_scales(k_cache, k_scale, v_scale)
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = _group(Hq, Hkv)
@@ -117,7 +156,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         if n <= k:
             kk = _rows(k_cache, start, slots, n).transpose(0, 1)
             vv = _rows(v_cache, start, slots, n).transpose(0, 1)
-            out[b] = _attend(q[b].float().view(Hkv, G, D), kk, vv, sm_scale).view(Hq, D)
+            out[b] = _attend(q[b].float().view(Hkv, G, D), kk, vv, sm_scale, scales=sc).view(Hq, D)
             continue
         sel, valid = select(q[b], label_cache, label_scale, channels, start, slots, n, k, sm_scale, mode,
                             num_sink, num_recent, top_p, top_p_min_k)
@@ -127,7 +166,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         ks = k_cache.view(-1, D).index_select(0, flat).view(R, k, D)
         vs = v_cache.view(-1, D).index_select(0, flat).view(R, k, D)
         qg = q[b].float().view(R, Hq // R, D)
-        out[b] = _attend(qg, ks, vs, sm_scale, valid).view(Hq, D)
+        out[b] = _attend(qg, ks, vs, sm_scale, valid, sc).view(Hq, D)
         if row_counts is not None:
             row_counts[b] = k if valid is None else valid.sum(-1).to(row_counts.dtype)
     return out

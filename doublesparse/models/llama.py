@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..attention.base import AttentionBackend
-from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
+from ..kernels.tuning import KernelTuning
 from .config import ModelConfig
 from .layers import GatedMLP, Linear, RMSNorm, fused_impl
 from .packed import HEAD_EXACT_TOP
@@ -22,9 +22,9 @@ from .rope import RotaryEmbedding
 
 
 def _tuning(batch) -> KernelTuning:
-    # The engine's ForwardBatch carries its kernel tuning; batches built elsewhere (calibration,
-    # eval) run the defaults.
-    return getattr(batch, "tuning", DEFAULT_TUNING)
+    # the engine's batches carry its kernel tuning; batches built elsewhere (calibration, eval)
+    # hold the defaults
+    return batch.tuning
 
 
 def _head_split(head, x: torch.Tensor, exact: tuple[int, ...], tuning, decode: bool) -> torch.Tensor:
@@ -55,7 +55,7 @@ def _head_split(head, x: torch.Tensor, exact: tuple[int, ...], tuning, decode: b
 def is_decode(batch) -> bool:
     """Whether the forward decodes (one new token per request): CPU linear layers then multiply
     by their packed int4 copies (models/packed.py); prefill forwards keep the float weights."""
-    return getattr(batch, "mode", "prefill") == "decode"
+    return batch.mode == "decode"
 
 
 def _fused_store(attn, x: torch.Tensor, tuning: KernelTuning) -> str | None:
@@ -189,7 +189,7 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rope, batch)
-        idx = getattr(batch, "logits_indices", None)
+        idx = batch.logits_indices
         tuning = _tuning(batch)
         if fused_impl(tuning.fused_norm, x) is not None:
             # add + norm in one launch over all T rows, then the row selection (rows are independent)
@@ -201,7 +201,7 @@ class LlamaModel(nn.Module):
             if idx is not None:
                 x = x.index_select(0, idx)
             x = self.norm(x, tuning=tuning)
-        exact = getattr(batch, "exact_logits_rows", ())
+        exact = batch.exact_logits_rows
         if not exact:
             return self.lm_head(x, tuning, is_decode(batch)).float()
         return _head_split(self.lm_head, x, exact, tuning, is_decode(batch))

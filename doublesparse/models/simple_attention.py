@@ -8,11 +8,12 @@ exactly what a serving backend would receive (after bias, qk-norm and RoPE).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from ..attention.batch import ForwardBatch
 
 
 class CausalAttention:
@@ -42,16 +43,6 @@ class CausalAttention:
         return out[0].transpose(0, 1)
 
 
-@dataclass
-class SimpleBatch:
-    """The minimal ``batch`` the model needs: an attention backend, the rows to produce logits for,
-    and the forward's kind ("decode": CPU layers multiply by their packed copies, models/packed.py)."""
-
-    attn: Any
-    logits_indices: torch.Tensor | None = None
-    mode: str = "prefill"
-
-
 def forward_sequence(model, input_ids: torch.Tensor, attn: Any = None, last_only: bool = False) -> torch.Tensor:
     """Full causal forward of one sequence. input_ids: [T] int64 -> logits [T or 1, vocab] float32."""
     input_ids = input_ids.to(model.device)
@@ -60,7 +51,7 @@ def forward_sequence(model, input_ids: torch.Tensor, attn: Any = None, last_only
     idx = torch.tensor([T - 1], device=input_ids.device) if last_only else None
     if attn is None:
         attn = CausalAttention(sliding_window=model.config.sliding_window)
-    return model(input_ids, positions, SimpleBatch(attn, idx))
+    return model(input_ids, positions, ForwardBatch(attn=attn, logits_indices=idx))
 
 
 class CachedCausalAttention(CausalAttention):
@@ -111,7 +102,7 @@ def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_tok
             n = step_ids.shape[0]
             pos = torch.arange(start, start + n, device=ids.device)
             last = torch.tensor([n - 1], device=ids.device)
-            logits = model(step_ids, pos, SimpleBatch(cache, last))
+            logits = model(step_ids, pos, ForwardBatch(attn=cache, logits_indices=last))
             start += n
         tok = logits[0].argmax()
         new.append(tok)

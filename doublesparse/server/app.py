@@ -81,7 +81,8 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
         s = st.worker.snapshot
         body = {"status": "ok", "model": st.model_name, "running": stat(s, "running"),
                 "waiting": stat(s, "waiting"), "kv_used_tokens": stat(s, "kv_used"),
-                "kv_total_tokens": stat(s, "kv_total"), "in_flight": st.worker.in_flight}
+                "kv_total_tokens": stat(s, "kv_total"), "kv_cache_dtype": s.get("kv_cache_dtype"),
+                "in_flight": st.worker.in_flight}
         if "double_sparsity" in s:
             body["decode"] = {"double_sparsity": bool(s["double_sparsity"]),
                               "policy": s.get("decode_policy"),
@@ -97,6 +98,12 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
                                           "recall_min", "rel_error_mean")}
                 body["decode"]["attention_recall"]["layer_groups"] = {
                     g["layers"]: (g["sum"] / g["count"] if g["count"] else None) for g in r["groups"]}
+            b = s.get("budget_scale")
+            if b:
+                body["decode"]["budget_scale"] = {
+                    "target_recall": b["target_recall"], "changes": b["changes"],
+                    "k_min": b["k_min"], "k_max": b["k_max"], "scales": b["scales"],
+                    "layer_groups": {g["layers"]: g["scale"] for g in b["groups"]}}
         if not st.worker.alive:
             body["status"] = "engine_dead"
             if st.worker.fatal is not None:  # e.g. a tensor-parallel rank that exited

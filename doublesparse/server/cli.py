@@ -110,8 +110,8 @@ def serve(build: Callable[[], Any], cfg: ServerConfig, sock=None) -> None:
         st = app.state.server
         # the snapshot is the engine's own stats, taken as the engine thread started: the line
         # says what /health and /metrics say
-        log.info("serving %s on http://%s:%d; %s", st.model_name, cfg.host, port,
-                 decode_mode_line(st.worker.snapshot))
+        log.info("serving %s on http://%s:%d; %s; %s", st.model_name, cfg.host, port,
+                 kv_pool_line(st.worker.snapshot), decode_mode_line(st.worker.snapshot))
 
     def failed(_: BaseException) -> None:
         server.should_exit = True
@@ -159,6 +159,12 @@ def serve(build: Callable[[], Any], cfg: ServerConfig, sock=None) -> None:
     server.run(sockets=[sock] if sock is not None else None)
     if loading.error is not None:
         raise loading.error
+
+
+def kv_pool_line(stats: dict) -> str:
+    """The KV pool's size in tokens and its dtype (an fp8 cache holds twice bf16's tokens)."""
+    n = stats.get("kv_total_tokens")
+    return f"KV pool {int(n) if isinstance(n, (int, float)) else '?'} tokens ({stats.get('kv_cache_dtype') or '?'})"
 
 
 def decode_mode_line(stats: dict) -> str:

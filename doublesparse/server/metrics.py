@@ -98,6 +98,24 @@ class _EngineCollector:
             yield c
         if s.get("attention_recall"):
             yield from recall_metrics(s["attention_recall"])
+        if s.get("budget_scale"):
+            yield from budget_scale_metrics(s["budget_scale"])
+
+
+def budget_scale_metrics(b: dict):
+    """The adaptive budget (attention/adaptive.py): each layer group's mean scale of the token
+    budget, the target recall and the scale changes since start."""
+    g = GaugeMetricFamily(P + "ds_budget_scale", "Mean scale of the token budget over the layers "
+                          "of the group (adaptive budget mode; 1: the ratio budget)", labels=["layer_group"])
+    for grp in b["groups"]:
+        g.add_metric([grp["layers"]], float(grp["scale"]))
+    yield g
+    t = GaugeMetricFamily(P + "ds_target_recall", "Sampled attention recall the adaptive budget aims at")
+    t.add_metric([], float(b["target_recall"]))
+    yield t
+    c = CounterMetricFamily(P + "ds_budget_scale_changes", "Changes of a layer's budget scale since start")
+    c.add_metric([], float(b["changes"]))
+    yield c
 
 
 def recall_metrics(r: dict):

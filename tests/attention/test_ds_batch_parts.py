@@ -6,6 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from doublesparse.attention.batch import ForwardBatch
+
 from conftest import DEVICE
 from kernel_utils import TOL, make_case, make_ws, rel_err
 from doublesparse.attention import DSParams, create_backend
@@ -42,7 +44,7 @@ def test_batch_parts_match_uncut(parts):
     k = 40
     mem = SimpleNamespace(k=[c.k_cache], v=[c.v_cache], label=[c.label_cache], label_scale=[c.label_scale],
                           req_to_token=c.req_to_token)
-    batch = SimpleNamespace(mode="decode", req_idx=c.req_idx, seq_lens=c.seq_lens)
+    batch = ForwardBatch(mode="decode", req_idx=c.req_idx, seq_lens=c.seq_lens)
     outs = []
     for n in (1, parts):
         be = create_backend("double_sparsity", use_double_sparsity=True,

@@ -6,6 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from doublesparse.attention.batch import ForwardBatch
+
 from kernel_utils import make_case
 from doublesparse.attention import DSParams, create_backend
 from doublesparse.attention.offload import OffloadDSBackend
@@ -67,7 +69,7 @@ def _run(seq_lens, k, capacity, impl, fetch="reuse", steps=4, seed=3, sink=1, re
             slots = S0 + torch.arange(B) * steps + t
             mem.req_to_token[c.req_idx.long(), lens.long()] = slots.int()
             lens = lens + 1
-            batch = SimpleNamespace(mode="decode", req_idx=c.req_idx, seq_lens=lens.clone(), out_slots=slots,
+            batch = ForwardBatch(mode="decode", req_idx=c.req_idx, seq_lens=lens.clone(), out_slots=slots,
                                     ds_sparse=sparse)
             for layer in range(layers):
                 q = torch.randn(B, Hq, D, generator=g)
@@ -261,7 +263,7 @@ def test_blocked_prefix_prefill_matches_one_call():
     g = torch.Generator().manual_seed(9)
     q = torch.randn(n, 9, 16, generator=g)
     seg = PrefillSegment(0, n, P, slots, causal_lower_right(n, P + n))
-    batch = SimpleNamespace(mode="prefill", attn_meta=PrefillMeta((seg,)))
+    batch = ForwardBatch(mode="prefill", attn_meta=PrefillMeta((seg,)))
     whole = off.prefill_attention(0, q, kp[slots[P:]], vp[slots[P:]], batch)
     off.prefix_block = 7
     blocked = off.prefill_attention(0, q, kp[slots[P:]], vp[slots[P:]], batch)

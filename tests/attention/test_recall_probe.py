@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from doublesparse.attention.batch import ForwardBatch
+
 from kernel_utils import make_case, make_ws
 from doublesparse.attention import DSParams, create_backend
 from doublesparse.attention.budget import DENSE
@@ -81,7 +83,7 @@ def _backend(c, k, impl="torch", mode="group_max", top_p=0.0):
 
 def _step(be, probe, c, ks, layers=2):
     B = c.q.shape[0]
-    batch = SimpleNamespace(mode="decode", req_idx=c.req_idx, seq_lens=c.seq_lens, ds_sparse=True,
+    batch = ForwardBatch(mode="decode", req_idx=c.req_idx, seq_lens=c.seq_lens, ds_sparse=True,
                             ds_k=torch.tensor(ks, dtype=torch.int32))
     rows, lens = c.req_idx.tolist(), c.seq_lens.tolist()
     probe.begin_step(rows, [n - 1 for n in lens], (ks, True))
@@ -169,7 +171,7 @@ def test_triton_stash_matches_torch_path(top_p, mode):
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
     c = _case([40, 33], hq=4, hkv=2, d=16, seed=5)
     k = 8
-    got = []
+    got, errs = [], []
     for impl in ("torch", "triton"):
         be = _backend(c, k, impl, mode, top_p=top_p)
         probe = RecallProbe(RecallConfig(interval=2, rows=2), be, num_layers=2)
@@ -179,9 +181,11 @@ def test_triton_stash_matches_torch_path(top_p, mode):
         st = probe.summary()
         assert st["samples"] == 2
         got.append(st["recall_mean"])
+        errs.append(st["rel_error_mean"])
         if impl == "triton":
             assert probe._ctl.tolist()[0] == -1                              # disarmed
     assert got[1] == pytest.approx(got[0], abs=2e-3)
+    assert errs[1] == pytest.approx(errs[0], abs=2e-3)
 
 
 def test_stats_histogram_and_groups():

@@ -52,7 +52,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     module = {"doublesparse.bench_one_batch": "doublesparse.bench.one_batch",
               "doublesparse.bench_serving": "doublesparse.bench.serving"}.get(module, module)
     if module in ("doublesparse.bench.one_batch", "doublesparse.bench.family_decode", "doublesparse.bench.hf_offload",
-                  "doublesparse.bench.offload", "doublesparse.bench.lmeval", "doublesparse.bench.moe_experts"):
+                  "doublesparse.bench.offload", "doublesparse.bench.lmeval", "doublesparse.bench.adaptive",
+                  "doublesparse.bench.moe_experts"):
         return importlib.import_module(module).build_parser().parse_args(args)
     if module in ("doublesparse.bench.serving", "doublesparse.bench.soak"):
         return importlib.import_module(module).parse_args(args)
@@ -255,3 +256,25 @@ def test_recall_overhead_summary():
     s = bench_run.summarize("recall", rows)
     assert s["recall_overhead_pct"] == pytest.approx(2.0)
     assert s["by_shape"]["60k-bs3"] == pytest.approx({"default": 1.0, "every_step": 50.0})
+
+
+def test_fp8_kv_summary():
+    """The fp8-kv suite's summary keys from its rows' result files (synthetic figures)."""
+    def one(lat, **kw):
+        return {"results": [{"median_decode_latency": lat, "median_step_bytes": 1e9, "batch_size": 3}],
+                "copy_bandwidth": 1e12, **kw}
+
+    def tput(pool, *fits):
+        res = [{"batch_size": b, "median_decode_throughput": t} for b, t in fits]
+        return {"results": res + [{"batch_size": 64, "skipped": "pool"}], "kv_pool_tokens": pool}
+
+    rows = {"llama31-8b-60k-bs3-dense": one(0.02), "llama31-8b-60k-bs3-dense-fp8": one(0.0125),
+            "llama31-8b-60k-bs3-ds": one(0.008), "llama31-8b-60k-bs3-ds-fp8": one(0.007),
+            "tput-32k-ds": tput(480000, (8, 900.0), (14, 1500.0)),
+            "tput-32k-ds-fp8": tput(960000, (14, 1550.0), (28, 2800.0))}
+    s = bench_run.summarize("fp8-kv", rows)
+    assert s["fp8_kv_dense_speedup_60k_bs3"] == pytest.approx(1.6)
+    assert s["fp8_kv_dense_over_floor_60k_bs3"] == pytest.approx(12.5)
+    assert s["fp8_kv_ds_max_throughput_gain_32k"] == pytest.approx(2800 / 1500)
+    assert (s["max_batch_32k_bf16"], s["max_batch_32k_fp8"]) == (14, 28)
+    assert s["fp8_kv_pool_tokens_ratio"] == 2.0

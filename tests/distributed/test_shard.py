@@ -11,7 +11,7 @@ from doublesparse.distributed.layers import Collectives
 from doublesparse.distributed.loading import build_local, load_shard
 from doublesparse.distributed.shard import Shard, check_tp, split
 from doublesparse.distributed.steps import RecordingKVMemory, apply_writes, pack, unpack
-from doublesparse.engine.forward_batch import ForwardBatch
+from doublesparse.attention.batch import ForwardBatch
 from doublesparse.engine.memory import KVMemory, MemoryPlan
 from doublesparse.models import load_model
 from doublesparse.testing import tiny_config, tiny_family, tiny_family_hf_config

@@ -2,10 +2,11 @@
 at toy sizes, fast), plus a few SmolLM2 checks."""
 
 import importlib.util
-import types
 
 import pytest
 import torch
+
+from doublesparse.attention.batch import ForwardBatch
 
 from doublesparse.engine import Engine, RequestRefused, SamplingParams
 from doublesparse.testing import ByteTokenizer, tiny_llama
@@ -43,7 +44,7 @@ def recompute_greedy(model, ids, n):
     out = []
     for _ in range(n):
         t = torch.tensor(ids)
-        b = types.SimpleNamespace(attn=CausalAttention(), logits_indices=torch.tensor([len(ids) - 1]))
+        b = ForwardBatch(attn=CausalAttention(), logits_indices=torch.tensor([len(ids) - 1]))
         tok = int(model(t, torch.arange(len(ids)), b)[0].argmax())
         out.append(tok)
         ids.append(tok)

@@ -365,7 +365,19 @@ rope_ptrs = dict(pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", slots_ptr="*i
 for hq, hkv, d, r, label, kout in ((9, 3, 64, 16, True, True), (32, 8, 128, 1, False, False)):
     comp(fused.rope_store_kernel, dict(HQ=hq, HKV=hkv, HALF=d // 2, R=r, BLOCK_HQ=triton.next_power_of_2(hq),
          BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_D2=d // 2, BLOCK_R=triton.next_power_of_2(r),
-         HAS_K_OUT=kout, HAS_LABEL=label, LABEL_FP8=label), rope_ptrs, num_warps=4, enable_fp_fusion=False)
+         HAS_K_OUT=kout, HAS_LABEL=label, LABEL_FP8=label, KV_FP8=False, FP8_MAX=0.0, FP8_MANT=0, FP8_BIAS=0,
+         INTERPRET=False), rope_ptrs, num_warps=4, enable_fp_fusion=False)
+# fp8 K/V pools (--kv-cache-dtype): the fused RoPE store, the store and the attention over them
+from doublesparse.kernels.triton import store as store_mod
+for fp8, (fmax, mant, bias) in (("*fp8e4nv", (448.0, 3, 7)), ("*fp8e5", (57344.0, 2, 15))):
+    kv8 = dict(k_cache_ptr=fp8, v_cache_ptr=fp8, k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+    q8 = dict(KV_FP8=True, FP8_MAX=fmax, FP8_MANT=mant, FP8_BIAS=bias, INTERPRET=False)
+    comp(fused.rope_store_kernel, dict(HQ=9, HKV=3, HALF=32, R=16, BLOCK_HQ=16, BLOCK_HKV=4, BLOCK_D2=32,
+         BLOCK_R=16, HAS_K_OUT=True, HAS_LABEL=True, LABEL_FP8=True, **q8), dict(rope_ptrs, **kv8), num_warps=4,
+         enable_fp_fusion=False)
+    comp(store_mod.store_kv_kernel, dict(D=128, R=16, BLOCK_T=16, BLOCK_D=128, BLOCK_R=16, HAS_LABEL=True,
+         LABEL_FP8=True, **q8), dict(kv8, slots_ptr="*i32", channels_ptr="*i32", scale_ptr="*fp32",
+         label_ptr="*fp8e4nv"), num_warps=4)
 for res in (True, False):
     comp(fused.rmsnorm_kernel, dict(HAS_RES=res, BLOCK_N=1024), scalars=dict(eps="fp32"), num_warps=4)
 comp(fused.silu_mul_kernel, dict(BLOCK=1024), num_warps=4)
@@ -396,6 +408,11 @@ for per_head in (False, True):  # over the selection, each request's own k (top-
     comp(decode_attn.decode_attn_kernel, dict(G=4, D=128, PER_HEAD=per_head, HAS_SEL=True, NUM_SPLITS=8, BLOCK_H=16,
          BLOCK_N=64, BLOCK_D=128, DOT_F32=False, ROW_KS=per_head),
          dict(i32, part_o_ptr="*fp32", part_lse_ptr="*fp32", row_ks_ptr="*i32"), dict(sm_scale="fp32"), num_warps=4)
+for fp8 in ("*fp8e4nv", "*fp8e5"):  # over an fp8 K/V pool
+    comp(decode_attn.decode_attn_kernel, dict(G=4, D=128, PER_HEAD=False, HAS_SEL=True, NUM_SPLITS=8, BLOCK_H=16,
+         BLOCK_N=64, BLOCK_D=128, DOT_F32=False, ROW_KS=False, KV_FP8=True),
+         dict(i32, part_o_ptr="*fp32", part_lse_ptr="*fp32", row_ks_ptr="*i32", k_cache_ptr=fp8, v_cache_ptr=fp8,
+              k_scale_ptr="*fp32", v_scale_ptr="*fp32"), dict(sm_scale="fp32"), num_warps=4)
 from doublesparse.kernels.triton import ds_topp
 comp(ds_topp.topp_mass_kernel, dict(NUM_PROGS=8, BLOCK_N=1024), dict(i32, part_ptr="*fp32"), num_warps=4)
 comp(ds_topp.topp_keep_kernel, dict(NUM_PROGS=8, P_P=8, K_P=512), dict(i32, part_ptr="*fp32", out_slot_ptr="*i32",

@@ -14,10 +14,12 @@ import shutil
 import pytest
 import torch
 
+from doublesparse.attention.batch import ForwardBatch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may touch the hub
 
 from doublesparse.models import (  # noqa: E402
-    CausalAttention, ModelConfig, SimpleBatch, forward_sequence, greedy_generate,
+    CausalAttention, ModelConfig, forward_sequence, greedy_generate,
     load_config,
     load_model, load_tokenizer, model_class, read_chat_template, shipped_configs,
 )
@@ -97,9 +99,9 @@ def test_logits_indices_select_rows(smollm2):
     ids = _prompt_ids(tok, 24)
     pos = torch.arange(len(ids))
     with torch.inference_mode():
-        full = ours(ids, pos, SimpleBatch(CausalAttention()))
+        full = ours(ids, pos, ForwardBatch(attn=CausalAttention()))
         idx = torch.tensor([0, 5, len(ids) - 1])
-        some = ours(ids, pos, SimpleBatch(CausalAttention(), idx))
+        some = ours(ids, pos, ForwardBatch(attn=CausalAttention(), logits_indices=idx))
     assert some.shape == (3, ours.config.vocab_size)
     torch.testing.assert_close(some, full[idx], rtol=1e-4, atol=1e-4)
 
@@ -241,7 +243,7 @@ def test_rope_scaling_matches_hf(scaling, tmp_path):
     # Positions far past the original context, where the scaled bands differ from plain RoPE.
     ids, pos = _ids(32), torch.arange(600, 632)
     with torch.inference_mode():
-        a = ours(ids, pos, SimpleBatch(CausalAttention()))
+        a = ours(ids, pos, ForwardBatch(attn=CausalAttention()))
         b = hf(ids[None], position_ids=pos[None]).logits[0]
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 

@@ -18,6 +18,8 @@ from .pdl import HAVE_GDC
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 _LABEL = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+_KV_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # an fp8 K/V pool (values / its per-layer scale)
+_KV = _FLOAT + _KV_FP8
 _INDEX = (torch.int32, torch.int64)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -39,11 +41,24 @@ def _check(t, name, ndim=None, dtypes=None, device=None, last_contig=True):
         _fail(f"{name} must be contiguous in its last dim (stride {t.stride()})")
 
 
-def _check_caches(k_cache, v_cache, dev):
-    _check(k_cache, "k_cache", 3, _FLOAT, dev)
+def _check_caches(k_cache, v_cache, dev, k_scale=None, v_scale=None):
+    _check(k_cache, "k_cache", 3, _KV, dev)
     _check(v_cache, "v_cache", 3, (k_cache.dtype,), dev)
     if v_cache.shape != k_cache.shape:
         _fail(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    if k_cache.dtype in _KV_FP8:
+        if k_scale is None or v_scale is None:
+            _fail(f"a {k_cache.dtype} K/V pool needs k_scale and v_scale ([1] float32)")
+        _check(k_scale, "k_scale", 1, (torch.float32,), dev)
+        _check(v_scale, "v_scale", 1, (torch.float32,), dev)
+
+
+def _kv_scale_args(k_cache, k_scale, v_scale):
+    """The kernels' (k_scale, v_scale, KV_FP8) arguments: the scales of an fp8 pool, else any
+    pointer (the kernels read them only under KV_FP8)."""
+    if k_cache.dtype in _KV_FP8:
+        return k_scale, v_scale, True
+    return k_cache, k_cache, False
 
 
 def _check_labels(label_cache, label_scale, channels, k_cache, dev):
@@ -71,10 +86,10 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: few programs keep CPU tests fast
 
 
-def _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out):
+def _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale=None, v_scale=None):
     dev = q.device
     _check(q, "q", 3, _FLOAT, dev)
-    _check_caches(k_cache, v_cache, dev)
+    _check_caches(k_cache, v_cache, dev, k_scale, v_scale)
     B, Hq, D = q.shape
     S, Hkv, Dk = k_cache.shape
     if Dk != D:

@@ -6,6 +6,10 @@ query head. The token list of a row is either positions 0..seq_len-1 (dense) or 
 selected tokens (sparse: their cache slots, from the select step), k being the request's own
 budget (heavy_ks[b]); which one is decided per request on the device from seq_lens and heavy_ks.
 
+An fp8 pool (KV_FP8) is read as fp8 rows converted to q's dtype (exact) for the tensor-core dots;
+its per-layer scales are applied outside the loop: k_scale into the score scale, v_scale to the
+finished output (attention is linear in V), so the inner loop does no extra multiplies.
+
 merge_kernel then merges the partials (merging in the row's last split to finish, with an arrival
 counter, measured slower at every shape and was removed).
 """
@@ -53,6 +57,7 @@ def decode_attn_kernel(
     PER_HEAD: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
     row_ks_ptr=None, stride_rkb=0, ROW_KS: tl.constexpr = False,
+    k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
 ):
     attn_split(
         tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_cache_ptr, v_cache_ptr,
@@ -61,7 +66,7 @@ def decode_attn_kernel(
         stride_rt, stride_selb, stride_selr,
         stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
         G, D, PER_HEAD, HAS_SEL, NUM_SPLITS, BLOCK_H, BLOCK_N, BLOCK_D, DOT_F32,
-        row_ks_ptr, stride_rkb, ROW_KS)
+        row_ks_ptr, stride_rkb, ROW_KS, k_scale_ptr, v_scale_ptr, KV_FP8)
 
 
 @triton.jit
@@ -78,6 +83,7 @@ def attn_split(
     PER_HEAD: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
     row_ks_ptr=None, stride_rkb=0, ROW_KS: tl.constexpr = False,
+    k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
 ):
     # Split `split` of row (b, row) (decode_attn_kernel's body). ROW_KS (the top-p budget): a
     # sparse request's row attends to the first row_ks[b, row] entries of its selection instead.
@@ -116,6 +122,8 @@ def attn_split(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=hmask[:, None] & dmask[None, :], other=0.0)
     qk_scale = sm_scale * 1.4426950408889634  # exp2-based softmax
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -131,6 +139,9 @@ def attn_split(
         k = _tile_rows(k_cache_ptr, slot, kvh, stride_kcs, stride_kch, nmask, d, dmask, FULL_D)
         # Issued before the softmax so both rows' loads are in flight together.
         v = _tile_rows(v_cache_ptr, slot, kvh, stride_vcs, stride_vch, nmask, d, dmask, FULL_D)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if DOT_F32:
             # Triton 3.6's interpreter computes bf16 dots wrongly; upcast there only.
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
@@ -151,6 +162,8 @@ def attn_split(
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(part_o_ptr + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + d[None, :],
              out, mask=hmask[:, None] & dmask[None, :])

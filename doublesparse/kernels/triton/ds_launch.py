@@ -22,7 +22,7 @@ from .ds_score import score_mma_kernel
 from .ds_score_rows import score_kernel
 from .ds_select import select_kernel
 from .ds_topp import topp_keep_kernel, topp_mass_kernel
-from .launch import _attention, _attn_block_n, dense_splits
+from .launch import _attention, _sparse_splits
 
 
 STAGES = ("score", "hist", "select", "attend", "rest", "all")
@@ -31,15 +31,16 @@ STAGES = ("score", "hist", "select", "attend", "rest", "all")
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
               seq_lens, sm_scale, heavy_token_nums, max_heavy_tokens, mode="group_max", num_sink=0,
               num_recent=0, ws=None, out=None, num_splits=None, num_progs=None, return_sel=False,
-              stage="all", tuning: KernelTuning = DEFAULT_TUNING, top_p=0.0, top_p_min_k=0):
+              stage="all", tuning: KernelTuning = DEFAULT_TUNING, top_p=0.0, top_p_min_k=0,
+              k_scale=None, v_scale=None):
     """See ops.ds_decode. ``stage`` ("score", "hist", "select", "attend", "all") runs a prefix or
     the last part only, for the stage-by-stage benchmark; "rest" runs everything after the score
     (select and attend), so that callers can order batch parts' stages across streams;
     ``return_sel`` also returns the selection ([B, rows, K] int32, row b's first
     ``heavy_token_nums[b]`` entries meaningful where it decodes sparsely). top_p > 0: the top-p
     budget's launches (ds_topp.py) run after the select (stage "select" included); the attention
-    then reads ``ws.topp_slot`` and ``ws.row_k``."""
-    B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
+    then reads ``ws.topp_slot`` and ``ws.row_k``. k_scale, v_scale: an fp8 pool's scales."""
+    B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale, v_scale)
     dev = q.device
     r = _check_labels(label_cache, label_scale, channels, k_cache, dev)
     if mode not in MODES or mode == "layer":
@@ -114,17 +115,9 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         num_splits = _sparse_splits(B, rows, Hkv, k, ws, dev, tuning)
     o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                    ws.topp_slot if top_p > 0 else sel_slot, rows, ks, k, per_head, num_splits, tuning,
-                   tuning.sparse_attn_stages, row_ks=ws.row_k if top_p > 0 else None)
+                   tuning.sparse_attn_stages, row_ks=ws.row_k if top_p > 0 else None,
+                   k_scale=k_scale, v_scale=v_scale)
     return (o, sel) if return_sel else o
-
-
-def _sparse_splits(B, rows, Hkv, k, ws, dev, tuning: KernelTuning) -> int:
-    """Split-K partitions of a row of the attention over the selection, for the batch's largest
-    budget k (a row with a smaller one, or a request that decodes densely and reads its whole
-    cache, is cut into as many splits of its own length)."""
-    want = triton.cdiv(tuning.sparse_attn_programs_per_sm * _num_sms(dev), B * rows)
-    cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev, tuning)), dense_splits(B, Hkv, ws, dev, tuning))
-    return max(1, min(ws.max_splits, want, cap))
 
 
 def _mma_geometry(q, label_cache, tuning: KernelTuning) -> dict:

@@ -59,10 +59,10 @@ def layer_select(q, label_cache, label_scale, channels, req_to_token, req_idx, s
 
 def ds_decode_layer(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
                     seq_lens, sm_scale, heavy_token_nums, max_heavy_tokens, num_sink=0, num_recent=0,
-                    ws=None, out=None, tuning: KernelTuning = DEFAULT_TUNING):
+                    ws=None, out=None, tuning: KernelTuning = DEFAULT_TUNING, k_scale=None, v_scale=None):
     """ops.ds_decode in the layer mode (no top-p budget): the shared selection, then the exact
     attention of every KV head over it (dense requests over their whole cache)."""
-    B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out)
+    B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale, v_scale)
     _check_labels(label_cache, label_scale, channels, k_cache, q.device)
     K = int(max_heavy_tokens)
     if not 0 < K <= ws.max_heavy_tokens:
@@ -72,4 +72,4 @@ def ds_decode_layer(q, k_cache, v_cache, label_cache, label_scale, channels, req
     S = _sparse_splits(B, Hkv, Hkv, K, ws, q.device, tuning)
     return _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                       sel.expand(B, Hkv, K), Hkv, heavy_token_nums, K, False, S, tuning,
-                      tuning.sparse_attn_stages)
+                      tuning.sparse_attn_stages, k_scale=k_scale, v_scale=v_scale)

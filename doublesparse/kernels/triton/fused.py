@@ -13,6 +13,7 @@ label match the reference (and each other) bit for bit.
 import triton
 import triton.language as tl
 
+from .kv_quant import quantize
 from .pdl import enter
 
 
@@ -88,12 +89,15 @@ def rope_store_kernel(
     qo_ptr, ko_ptr,                       # qo: [T, Hq, D]; ko: [T, Hkv, D] (if HAS_K_OUT)
     k_cache_ptr, v_cache_ptr, label_ptr,  # caches: [S, Hkv, D]; label: [S, Hkv, R]
     channels_ptr, scale_ptr,              # channels: [Hkv, R] int; scale: [1] f32 (fp8)
+    k_scale_ptr, v_scale_ptr,             # [1] f32 each (fp8 K/V pools)
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
     stride_qot, stride_qoh, stride_kot, stride_koh,
     stride_kcs, stride_kch, stride_vcs, stride_vch, stride_ls, stride_lh, stride_ch,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, R: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_K_OUT: tl.constexpr, HAS_LABEL: tl.constexpr, LABEL_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     enter(PDL)  # see pdl.py
@@ -117,10 +121,19 @@ def rope_store_kernel(
         # k's dtype, and the cache may have another one.
         o1 = (x1 * c - x2 * s).to(k_ptr.dtype.element_ty)
         o2 = (x2 * c + x1 * s).to(k_ptr.dtype.element_ty)
-        _store_halves(k_cache_ptr + slot * stride_kcs, stride_kch, o1, o2, HKV, HALF, BLOCK_HKV, BLOCK_D2)
         if HAS_K_OUT:
             _store_halves(ko_ptr + t * stride_kot, stride_koh, o1, o2, HKV, HALF, BLOCK_HKV, BLOCK_D2)
         v1, v2 = _load_halves(v_ptr + t * stride_vt, stride_vh, HKV, HALF, BLOCK_HKV, BLOCK_D2)
+        if KV_FP8:
+            # the rounded k (as the unfused store sees it) / its scale, clamped, to fp8
+            kd = k_cache_ptr.dtype.element_ty
+            ks = tl.load(k_scale_ptr)
+            vs = tl.load(v_scale_ptr)
+            o1 = quantize(o1, ks, kd, FP8_MAX, FP8_MANT, FP8_BIAS, INTERPRET)
+            o2 = quantize(o2, ks, kd, FP8_MAX, FP8_MANT, FP8_BIAS, INTERPRET)
+            v1 = quantize(v1, vs, kd, FP8_MAX, FP8_MANT, FP8_BIAS, INTERPRET)
+            v2 = quantize(v2, vs, kd, FP8_MAX, FP8_MANT, FP8_BIAS, INTERPRET)
+        _store_halves(k_cache_ptr + slot * stride_kcs, stride_kch, o1, o2, HKV, HALF, BLOCK_HKV, BLOCK_D2)
         _store_halves(v_cache_ptr + slot * stride_vcs, stride_vch, v1, v2, HKV, HALF, BLOCK_HKV, BLOCK_D2)
         if HAS_LABEL:
             h = tl.arange(0, BLOCK_HKV)

@@ -14,8 +14,9 @@ from .fused import lse_merge_kernel, rmsnorm_kernel, rope_store_kernel, silu_mul
 from .gemv import gemv_kernel
 from .skinny import skinny_gemm_kernel
 from ..tuning import DEFAULT_TUNING, KernelTuning
-from .common import (_FLOAT, _INDEX, _INTERPRET, _check, _check_caches, _check_labels, _fail, _num_sms,
-                     pdl_enabled, pdl_kwargs)
+from .common import (_FLOAT, _INDEX, _INTERPRET, _check, _check_caches, _check_labels, _fail, _kv_scale_args,
+                     _num_sms, pdl_enabled, pdl_kwargs)
+from .kv_quant import fp8_constexprs
 
 SILU_BLOCK = 1024
 
@@ -100,13 +101,14 @@ def lse_merge(o1, o2, lse1, lse2):
 
 
 def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache=None,
-               label_scale=None, channels=None, return_k: bool = False, tuning: KernelTuning = DEFAULT_TUNING):
+               label_scale=None, channels=None, return_k: bool = False, tuning: KernelTuning = DEFAULT_TUNING,
+               k_scale=None, v_scale=None):
     """Rotate q and k (rotate-half RoPE, fp32, rounded once to q's dtype), write rotated k, v and
     the label of rotated k into the pools at ``slots``; one launch.
 
     positions, slots: [T] int32/int64; q: [T, Hq, D]; k, v: [T, Hkv, D] (any token/head strides,
     last dim contiguous: views into the merged qkv GEMM output are fine); cos, sin: [P, D/2]
-    float32; caches and labels as in :func:`.launch.store_kv`.
+    float32; caches, labels and an fp8 pool's k_scale / v_scale as in :func:`.launch.store_kv`.
     Returns ``(q_rot [T, Hq, D] contiguous, k_rot [T, Hkv, D] contiguous or None)``.
     """
     dev = q.device
@@ -117,7 +119,7 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
     _check(slots, "slots", 1, _INDEX, dev)
     _check(cos, "cos", 2, (torch.float32,), dev)
     _check(sin, "sin", 2, (torch.float32,), dev)
-    _check_caches(k_cache, v_cache, dev)
+    _check_caches(k_cache, v_cache, dev, k_scale, v_scale)
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     if tuple(k.shape) != (T, Hkv, D) or tuple(v.shape) != (T, Hkv, D):
@@ -141,8 +143,9 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
     lab = label_cache if has_label else k_cache
     ch = channels if has_label else slots
     scale = label_scale if is_fp8 else cos
+    ks, vs, _ = _kv_scale_args(k_cache, k_scale, v_scale)
     rope_store_kernel[(T, 2)](
-        q, k, v, positions, cos, sin, slots, qo, ko_t, k_cache, v_cache, lab, ch, scale,
+        q, k, v, positions, cos, sin, slots, qo, ko_t, k_cache, v_cache, lab, ch, scale, ks, vs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         qo.stride(0), qo.stride(1), ko_t.stride(0), ko_t.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -151,6 +154,7 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
         BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HKV=triton.next_power_of_2(Hkv),
         BLOCK_D2=triton.next_power_of_2(D // 2), BLOCK_R=triton.next_power_of_2(r),
         HAS_K_OUT=return_k, HAS_LABEL=has_label, LABEL_FP8=is_fp8,
+        **fp8_constexprs(k_cache.dtype), INTERPRET=_INTERPRET,
         num_warps=4, enable_fp_fusion=False, **pdl_kwargs(dev, tuning),
     )
     return qo, ko

@@ -3,12 +3,15 @@
 import triton
 import triton.language as tl
 
+from .kv_quant import quantize
+
 
 @triton.jit
 def store_kv_kernel(
     k_ptr, v_ptr, slots_ptr,                      # k, v: [N, Hkv, D]; slots: [N]
     k_cache_ptr, v_cache_ptr, label_ptr,          # caches: [S, Hkv, D]; label: [S, Hkv, R]
     channels_ptr, scale_ptr,                      # channels: [Hkv, R] int32; scale: [1] f32
+    k_scale_ptr, v_scale_ptr,                     # [1] f32 each (fp8 K/V pools)
     N,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
@@ -16,6 +19,8 @@ def store_kv_kernel(
     D: tl.constexpr, R: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_LABEL: tl.constexpr, LABEL_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     # One program: BLOCK_T tokens of one KV head.
     pid_t = tl.program_id(0)
@@ -28,10 +33,14 @@ def store_kv_kernel(
 
     k = tl.load(k_ptr + t[:, None] * stride_kn + h * stride_kh + d[None, :], mask=m2)
     v = tl.load(v_ptr + t[:, None] * stride_vn + h * stride_vh + d[None, :], mask=m2)
-    tl.store(k_cache_ptr + slot[:, None] * stride_kcs + h * stride_kch + d[None, :],
-             k.to(k_cache_ptr.dtype.element_ty), mask=m2)
-    tl.store(v_cache_ptr + slot[:, None] * stride_vcs + h * stride_vch + d[None, :],
-             v.to(v_cache_ptr.dtype.element_ty), mask=m2)
+    if KV_FP8:
+        kq = quantize(k, tl.load(k_scale_ptr), k_cache_ptr.dtype.element_ty, FP8_MAX, FP8_MANT, FP8_BIAS, INTERPRET)
+        vq = quantize(v, tl.load(v_scale_ptr), v_cache_ptr.dtype.element_ty, FP8_MAX, FP8_MANT, FP8_BIAS, INTERPRET)
+    else:
+        kq = k.to(k_cache_ptr.dtype.element_ty)
+        vq = v.to(v_cache_ptr.dtype.element_ty)
+    tl.store(k_cache_ptr + slot[:, None] * stride_kcs + h * stride_kch + d[None, :], kq, mask=m2)
+    tl.store(v_cache_ptr + slot[:, None] * stride_vcs + h * stride_vch + d[None, :], vq, mask=m2)
 
     if HAS_LABEL:
         r = tl.arange(0, BLOCK_R)

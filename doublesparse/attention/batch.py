@@ -1,4 +1,6 @@
-"""Per-step state handed explicitly to the model and the attention backend (never a global)."""
+"""Per-step state handed explicitly to the model and the attention backend (never a global): the
+one batch type they read. The engine fills every field; a test, calibration or a plain forward
+passes only what it uses (an attention backend and the rows to return logits for)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ class ForwardBatch:
     mode: "prefill" (T new tokens of B requests, with possible cached prefix) | "decode" (T == B).
     input_ids, positions: [T] int64 (device). out_slots: [T] int64, where the new K/V go.
     req_idx: [B] int32 rows of req_to_token. seq_lens: [B] int32 tokens in cache after this step.
-    logits_indices: [N] int64 into the T tokens: whose logits the model returns.
+    logits_indices: [N] int64 into the T tokens: whose logits the model returns (None: every token's).
     attn: the AttentionBackend (the model calls ``batch.attn.forward``).
     Prefill only (host ints): rows_host, extend_prefix_lens, extend_lens.
     attn_meta: what ``attn.plan(batch)`` computed for this step.
@@ -30,14 +32,14 @@ class ForwardBatch:
     is read.
     """
 
-    mode: str
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    out_slots: torch.Tensor
-    req_idx: torch.Tensor
-    seq_lens: torch.Tensor
-    logits_indices: torch.Tensor
-    attn: Any
+    mode: str = "prefill"
+    input_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    out_slots: torch.Tensor | None = None
+    req_idx: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    logits_indices: torch.Tensor | None = None
+    attn: Any = None
     rows_host: tuple[int, ...] = ()
     extend_prefix_lens: tuple[int, ...] = ()
     extend_lens: tuple[int, ...] = ()

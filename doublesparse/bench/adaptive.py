@@ -1,0 +1,163 @@
+"""The adaptive budget against the ratio budget on held-out text: perplexity and KV-cache bytes read.
+
+    python -m doublesparse.bench.adaptive [--model-path M] --window-len 8192 --decode-len 256 \\
+        --num-windows 8 --warmup-windows 8 [--target-recall 0.95] --result-json out.json
+
+The engine's own stack (``build_parts``: operating point, channels, pools, backend, recall probe,
+adaptive budget, CUDA graphs) runs three budgets in turn on the same model: dense, the ratio
+default and ``--ds-budget-mode adaptive``. Each prefills the first ``window_len - decode_len``
+tokens of each window, then decodes the rest one step at a time, teacher-forced (every request of
+the batch feeds its text's next token), scoring each step's prediction of the following one. The
+adaptive run first decodes ``--warmup-windows`` other windows, so that its scales have settled
+(the sampled recall decides them; ``--recall-sample-interval``, default 1 here, since the
+probe's cost is not what is measured), then keeps them moving through the measured windows as a
+server would. Bytes: what each step's decode reads from the KV and label pools (the backend's
+``decode_bytes``: with the adaptive budget, each layer's scaled k), summed over the measured steps.
+
+Writes JSON: per budget ``ppl``, ``nll``, ``tokens``, ``decode_bytes``; the adaptive run's scales;
+``summary``: ``adaptive_bytes_saving_pct`` (100 x (1 - adaptive bytes / ratio bytes)),
+``ppl_increase_pct`` of each DS budget over dense, and whether the adaptive budget's perplexity
+is no worse than the ratio budget's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+
+import doublesparse
+from ..calibrate.texts import EVAL_PLAYS, encode, read_texts
+from ..config import EngineConfig
+from ..engine.setup import build_parts
+from ..eval.measure import split_windows
+
+PREFILL_CHUNK = 4096
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m doublesparse.bench.adaptive", description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M")
+    p.add_argument("--tiny", action="store_true", help="the tiny random Llama and a byte tokenizer (CPU tests)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--window-len", type=int, default=8192)
+    p.add_argument("--decode-len", type=int, default=256)
+    p.add_argument("--num-windows", type=int, default=8)
+    p.add_argument("--warmup-windows", type=int, default=8)
+    p.add_argument("--target-recall", type=float, default=0.95)
+    p.add_argument("--recall-sample-interval", type=int, default=1)
+    p.add_argument("--ds-heavy-token-min", type=int, default=None,
+                   help="both DS budgets' floor (default: the operating point's)")
+    p.add_argument("--ds-sparse-decode-threshold", type=int, default=None,
+                   help="sparse decode from this length (default: the cost model decides)")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--result-json", default=None)
+    return p
+
+
+def _windows(args, tokenizer) -> list[list[int]]:
+    ids = [t for txt in read_texts(None, EVAL_PLAYS) for t in encode(tokenizer, txt)]
+    return split_windows(ids, args.window_len, args.num_windows + args.warmup_windows)
+
+
+@torch.inference_mode()
+def score(parts, windows: list[list[int]], decode_len: int) -> dict:
+    """Prefill, then teacher-forced decode of ``windows`` as one batch; nll of the predictions of
+    the last ``decode_len - 1`` tokens and the decode bytes read."""
+    m, runner = parts.memory, parts.runner
+    rows = [m.rows.alloc() for _ in windows]
+    prefix = len(windows[0]) - decode_len
+    for row, w in zip(rows, windows):
+        for a in range(0, prefix, PREFILL_CHUNK):
+            chunk = w[a:min(prefix, a + PREFILL_CHUNK)]
+            runner.prefill([row], [a], [chunk], [False])
+    nll, n, nbytes = 0.0, 0, 0
+    for t in range(prefix, len(windows[0]) - 1):
+        toks = [w[t] for w in windows]
+        positions = [t] * len(windows)
+        logits = runner.decode(rows, toks, positions)
+        target = torch.tensor([w[t + 1] for w in windows], device=logits.device)
+        nll += float(-logits.float().log_softmax(-1).gather(1, target[:, None]).sum())
+        n += len(windows)
+        lens = [t + 1] * len(windows)
+        nbytes += (parts.backend.decode_bytes(lens) if parts.ds is not None
+                   else sum(lens) * m.plan.kv_bytes_per_token)
+    for row in rows:
+        m.release(row, len(windows[0]) - 1)  # the last token is only a target
+    return {"nll": nll / max(n, 1), "ppl": math.exp(nll / max(n, 1)), "tokens": n, "decode_bytes": nbytes}
+
+
+def run(args) -> dict:
+    t0 = time.time()
+    base = dict(context_length=args.window_len, max_running_requests=max(args.num_windows, args.warmup_windows),
+                max_total_tokens=max(args.num_windows, args.warmup_windows) * args.window_len + 64,
+                disable_cuda_graph=args.disable_cuda_graph, device=args.device,
+                ds_recall_sample_interval=args.recall_sample_interval)
+    ds = dict(enable_double_sparsity=True, ds_heavy_token_min=args.ds_heavy_token_min,
+              ds_sparse_decode_threshold=args.ds_sparse_decode_threshold)
+    if args.tiny:
+        from ..testing import ByteTokenizer, tiny_llama
+        model, tok = tiny_llama(max_position_embeddings=args.window_len, device=args.device or "cpu"), ByteTokenizer()
+    else:
+        model, tok = None, None
+    budgets = {"dense": dict(),
+               "ratio": ds,
+               "adaptive": dict(ds, ds_budget_mode="adaptive", ds_target_recall=args.target_recall)}
+    out: dict = {"tool": f"doublesparse {doublesparse.__version__} bench.adaptive", "argv": sys.argv[1:],
+                 "window_len": args.window_len, "decode_len": args.decode_len, "num_windows": args.num_windows,
+                 "warmup_windows": args.warmup_windows, "target_recall": args.target_recall, "budgets": {}}
+    windows = None
+    for name, kw in budgets.items():
+        cfg = EngineConfig(model_path=args.model_path, **{**base, **kw})
+        parts = build_parts(cfg, model=model, tokenizer=tok if model is not None else None, progress=False)
+        model, tok = parts.model, tok or parts.tokenizer
+        out.setdefault("model", getattr(model.config, "name", None))
+        windows = windows or _windows(args, tok)
+        measured, warm = windows[:args.num_windows], windows[args.num_windows:]
+        r: dict = {}
+        if name == "adaptive" and warm:
+            r["warmup"] = score(parts, warm, args.decode_len)
+        r.update(score(parts, measured, args.decode_len))
+        if parts.adaptive is not None:
+            r["budget_scale"] = parts.adaptive.summary()
+        if parts.recall is not None:
+            r["attention_recall"] = {k: v for k, v in parts.recall.summary().items() if k != "groups"}
+        if parts.ds is not None:
+            r["heavy_token_num"], r["policy"] = parts.ds.heavy_token_num, parts.ds.policy.describe()
+        out["budgets"][name] = r
+        del parts
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    b = out["budgets"]
+    out["summary"] = summary(b)
+    out["seconds"] = time.time() - t0
+    return out
+
+
+def summary(b: dict) -> dict:
+    d, r, a = b["dense"], b["ratio"], b["adaptive"]
+    return {"adaptive_bytes_saving_pct": 100 * (1 - a["decode_bytes"] / r["decode_bytes"]),
+            "ppl_dense": d["ppl"], "ppl_ratio": r["ppl"], "ppl_adaptive": a["ppl"],
+            "ppl_increase_pct": {k: 100 * (b[k]["ppl"] / d["ppl"] - 1) for k in ("ratio", "adaptive")},
+            "adaptive_ppl_no_worse": a["ppl"] <= r["ppl"],
+            "bytes_vs_dense": {k: b[k]["decode_bytes"] / d["decode_bytes"] for k in ("ratio", "adaptive")},
+            "adaptive_scales": a.get("budget_scale", {}).get("scales")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    res = run(args)
+    text = json.dumps(res, indent=1)
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            f.write(text)
+    print(json.dumps(res["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
