@@ -139,10 +139,10 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
                                         batch.seq_lens, self.sm_scale, impl="torch")
             # the dense kernel reads every token's K/V straight from pinned host memory (the
             # launcher's device checks would refuse the host pools, so it is called below them)
-            from ..kernels.triton.launch import _attention, dense_splits
+            from ..kernels.triton.launch import split_attention, dense_splits
             B, Hkv = q.shape[0], m.plan.num_kv_heads
             S = dense_splits(B, Hkv, self.workspace, q.device, self.tuning)
-            return _attention(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx, batch.seq_lens,
+            return split_attention(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx, batch.seq_lens,
                               self.sm_scale, self.workspace, None, None, Hkv, None, 0, False, S, self.tuning)
         ks = batch.ds_k
         if ks is None:
@@ -225,8 +225,8 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         return slots, ar[None, None, :] < n[:, None, None], n
 
     def _decode_triton(self, layer_id, q, batch, ks):
-        from ..kernels.triton.ds_launch import _sparse_splits
-        from ..kernels.triton.launch import _attention, dense_splits
+        from ..kernels.triton.launch import sparse_splits
+        from ..kernels.triton.launch import split_attention, dense_splits
         m, ws = self.memory, self.workspace
         K, B, Hkv = self.ds.heavy_token_num, q.shape[0], m.plan.num_kv_heads
         slots, valid, n = self._select_triton(layer_id, q, batch, ks)
@@ -236,12 +236,12 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         # path's, dense rows included, so are the tile boundaries)
         n32 = n.to(torch.int32)
         if batch.ds_sparse:
-            S = _sparse_splits(B, Hkv, Hkv, K, ws, q.device, self.tuning)
+            S = sparse_splits(B, Hkv, Hkv, K, ws, q.device, self.tuning)
         else:
             S = dense_splits(B, Hkv, ws, q.device, self.tuning)
         D = self.head_dim
         hk, hv = self.hot.k[layer_id].view(-1, Hkv, D), self.hot.v[layer_id].view(-1, Hkv, D)
-        return _attention(q, hk, hv, m.req_to_token, batch.req_idx, n32 + 1, self.sm_scale, ws, None,
+        return split_attention(q, hk, hv, m.req_to_token, batch.req_idx, n32 + 1, self.sm_scale, ws, None,
                           rows.expand(B, Hkv, K), Hkv, n32, K, False, S, self.tuning,
                           self.tuning.sparse_attn_stages)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.host_copy import copy_from_tiers, token_rows
-from .prefill import _attention_lse, _repeat_kv, _use_split, prefill_sdpa
+from .prefill import sdpa_with_lse, repeat_kv, use_split, prefill_sdpa
 
 
 def _merge(acc, lse, o, lo):
@@ -39,7 +39,7 @@ class OffloadPrefill:
                 ks = k[s.q_start: s.q_start + s.q_len].to(kp.dtype).to(q.dtype).transpose(0, 1)
                 vs = v[s.q_start: s.q_start + s.q_len].to(vp.dtype).to(q.dtype).transpose(0, 1)
                 o = prefill_sdpa(qs, ks, vs, 0, self.sm_scale, tuning=self.tuning)
-            elif s.prefix_len > self.prefix_block and (not q.is_cuda or _use_split(qs, True)):
+            elif s.prefix_len > self.prefix_block and (not q.is_cuda or use_split(qs, True)):
                 o = self._blocked_prefix(qs, k[s.q_start: s.q_start + s.q_len], v[s.q_start: s.q_start + s.q_len],
                                          tiers, s.kv_slots[:s.prefix_len])
             else:
@@ -63,13 +63,13 @@ class OffloadPrefill:
         acc = lse = None
         for a in range(0, prefix_slots.numel(), self.prefix_block):
             kb, vb = self._gather(tiers, prefix_slots[a:a + self.prefix_block], qs)
-            ob, lb = _attention_lse(qs.view(Hkv, G * n, D), kb, vb, False, self.sm_scale)
+            ob, lb = sdpa_with_lse(qs.view(Hkv, G * n, D), kb, vb, False, self.sm_scale)
             acc, lse = _merge(acc, lse, ob.reshape(Hq, n, D).float(), lb.reshape(Hq, n, 1))
         ks = k.to(kp.dtype).to(qs.dtype).transpose(0, 1)
         vs = v.to(vp.dtype).to(qs.dtype).transpose(0, 1)
         if G > 1:
-            ks, vs = _repeat_kv(qs, ks, vs)
-        o2, l2 = _attention_lse(qs, ks, vs, True, self.sm_scale)
+            ks, vs = repeat_kv(qs, ks, vs)
+        o2, l2 = sdpa_with_lse(qs, ks, vs, True, self.sm_scale)
         acc, _ = _merge(acc, lse, o2.float(), l2)
         return acc.to(qs.dtype)
 

@@ -49,7 +49,7 @@ def prefill_sdpa(q, k, v, prefix_len: int, scale: float, mask=None,
     """q: [Hq, n, D]; k, v: [Hkv, prefix_len + n, D]; mask: the segment's lower-right CausalBias when
     it has a prefix (built here if None). Returns [Hq, n, D] in q's dtype."""
     if prefix_len:
-        if _use_split(q, tuning.prefill_split_prefix):
+        if use_split(q, tuning.prefill_split_prefix):
             return _split_prefix(q, k, v, prefix_len, scale)
         if mask is None:
             mask = causal_lower_right(q.shape[1], k.shape[1])
@@ -63,7 +63,7 @@ def _fused_gqa(q) -> bool:
     return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
 
-def _repeat_kv(q, k, v):
+def repeat_kv(q, k, v):
     g = q.shape[0] // k.shape[0]
     return k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
 
@@ -77,7 +77,7 @@ def _sdpa(q, k, v, mask, scale):
     """
     gqa = k.shape[0] != q.shape[0]
     if q.is_cuda and gqa and not _fused_gqa(q):
-        k, v = _repeat_kv(q, k, v)
+        k, v = repeat_kv(q, k, v)
         gqa = False
     if mask is not None:
         return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
@@ -103,7 +103,7 @@ def _backend_order(order):
         return contextlib.nullcontext()
 
 
-def _use_split(q, split_prefix: bool | None) -> bool:
+def use_split(q, split_prefix: bool | None) -> bool:
     if split_prefix is False:
         return False
     if not q.is_cuda:
@@ -119,7 +119,7 @@ def warmup(device, dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
     """Take the split path's one-time start-up cost (about 1 s on the H200) now, not in the first
     long request's time to first token. No-op where the split would not run."""
     q = torch.randn(num_q_heads, SPLIT_MIN_TOKENS, head_dim, device=device, dtype=dtype)
-    if not _use_split(q, tuning.prefill_split_prefix):
+    if not use_split(q, tuning.prefill_split_prefix):
         return
     k = torch.randn(num_kv_heads, 2 * SPLIT_MIN_TOKENS, head_dim, device=device, dtype=dtype)
     prefill_sdpa(q, k, k, SPLIT_MIN_TOKENS, head_dim ** -0.5, tuning=tuning)
@@ -132,14 +132,14 @@ def _split_prefix(q, k, v, prefix_len, scale):
     q = q.contiguous()  # once, for both calls
     # The chunk against the prefix has no mask, so the G query heads of one KV head fold into its
     # query rows (query head h uses KV head h // G): one call over Hkv heads, no K/V repeated.
-    o1, lse1 = _attention_lse(q.view(Hkv, G * n, D), k[:, :prefix_len], v[:, :prefix_len], False, scale)
+    o1, lse1 = sdpa_with_lse(q.view(Hkv, G * n, D), k[:, :prefix_len], v[:, :prefix_len], False, scale)
     o1, lse1 = o1.reshape(Hq, n, D), lse1.reshape(Hq, n, 1)
     # The chunk against itself is causal by query position, which folding would break: repeat the
     # chunk's own K/V (n tokens, not the prefix) over the group.
     k2, v2 = k[:, prefix_len:], v[:, prefix_len:]
     if G > 1:
-        k2, v2 = _repeat_kv(q, k2, v2)
-    o2, lse2 = _attention_lse(q, k2, v2, True, scale)
+        k2, v2 = repeat_kv(q, k2, v2)
+    o2, lse2 = sdpa_with_lse(q, k2, v2, True, scale)
     if q.is_cuda:
         # One Triton pass instead of ~8 PyTorch elementwise ops: ~15 ms less kernel time per 32K
         # prompt in 16384-token chunks, measured on an H200.
@@ -151,7 +151,7 @@ def _split_prefix(q, k, v, prefix_len, scale):
     return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
 
 
-def _attention_lse(q, k, v, causal: bool, scale):
+def sdpa_with_lse(q, k, v, causal: bool, scale):
     """(out [H, n, D], natural-log log-sum-exp [H, n, 1] float32) of softmax(q k^T * scale) v,
     equal head counts. CUDA: cuDNN's kernel; CPU: the flash CPU kernel (tests)."""
     H, n, _ = q.shape

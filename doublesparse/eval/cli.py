@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(args):
+def load_model_for_eval(args):
     if args.tiny:
         from doublesparse.testing import ByteTokenizer, tiny_llama
         dtype = getattr(torch, args.dtype) if args.dtype else torch.float32
@@ -204,7 +204,7 @@ def eval_windows(args, tokenizer, window_len: int, num_windows: int) -> list[lis
 def run(args, model=None, tokenizer=None) -> dict:
     t0 = time.perf_counter()
     if model is None:
-        model, tokenizer = _load(args)
+        model, tokenizer = load_model_for_eval(args)
     c = model.config
     ctx = int(getattr(c, "max_position_embeddings", 4096))
     L = resolve_lengths(args, ctx)

@@ -26,7 +26,7 @@ import torch
 import doublesparse
 
 from . import driver, long_report, measure, ruler
-from .cli import _load, channel_source, eval_windows, model_point, recorded_layer_modes
+from .cli import load_model_for_eval, channel_source, eval_windows, model_point, recorded_layer_modes
 from .retrieval import decode_text
 from .settings import BASELINE, DENSE, Setting, default_setting, top_p_variants
 
@@ -185,7 +185,7 @@ def run(args) -> dict:
         if args.quiet
         else (lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", flush=True))
     )
-    model, tok = _load(args)
+    model, tok = load_model_for_eval(args)
     c = model.config
     ctx = int(getattr(c, "max_position_embeddings", 4096))
     dims = (int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim))

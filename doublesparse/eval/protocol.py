@@ -36,7 +36,7 @@ import doublesparse
 from doublesparse.config import LABEL_DTYPES
 
 from . import measure, report, retrieval
-from .cli import _load, channel_source, eval_windows, model_point, recorded_layer_modes, run_notes
+from .cli import load_model_for_eval, channel_source, eval_windows, model_point, recorded_layer_modes, run_notes
 from .settings import BASELINE, DENSE, default_setting, grid, improvements, unique
 
 PRIORS = {"text": 2.0, "ret": 2.0, "fid": 5.0}  # s per unit before one is measured (compile included)
@@ -183,7 +183,7 @@ def run(args, budget: Budget) -> dict:
     no_text = texts_available(args)
     if no_text:
         log(budget, f"WARNING: no eval text ({no_text}): text parts a, c-text, d are skipped")
-    model, tok = _load(args)
+    model, tok = load_model_for_eval(args)
     c = model.config
     ctx = int(getattr(c, "max_position_embeddings", 4096))
     channels_for, source = channel_source(args, model)

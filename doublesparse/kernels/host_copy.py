@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton.common import _check, _fail
+from .triton.common import check, fail
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX = (torch.int32, torch.int64)
@@ -31,20 +31,20 @@ def copy_rows(src_k, src_v, dst_k, dst_v, src_rows, dst_rows, heads, valid, impl
     "triton" or "torch". On the Triton path the entry tensors live on the launching device and
     the pools are device tensors or pinned host tensors."""
     for name, t in (("src_k", src_k), ("src_v", src_v), ("dst_k", dst_k), ("dst_v", dst_v)):
-        _check(t, name, 3, _FLOAT)
+        check(t, name, 3, _FLOAT)
     if src_k.shape != src_v.shape or dst_k.shape != dst_v.shape or src_k.shape[1:] != dst_k.shape[1:]:
-        _fail(f"copy_rows: pools disagree: src {tuple(src_k.shape)}/{tuple(src_v.shape)}, "
+        fail(f"copy_rows: pools disagree: src {tuple(src_k.shape)}/{tuple(src_v.shape)}, "
               f"dst {tuple(dst_k.shape)}/{tuple(dst_v.shape)}")
     n = src_rows.numel()
     for name, t in (("src_rows", src_rows), ("dst_rows", dst_rows), ("heads", heads)):
-        _check(t, name, None, _INDEX, last_contig=False)
+        check(t, name, None, _INDEX, last_contig=False)
         if t.numel() != n:
-            _fail(f"copy_rows: {name} has {t.numel()} entries, src_rows {n}")
+            fail(f"copy_rows: {name} has {t.numel()} entries, src_rows {n}")
     if valid.numel() != n:
-        _fail(f"copy_rows: valid has {valid.numel()} entries, src_rows {n}")
+        fail(f"copy_rows: valid has {valid.numel()} entries, src_rows {n}")
     use = impl == "triton" or (impl == "auto" and (dst_k.is_cuda or src_k.is_cuda))
     if impl not in ("auto", "triton", "torch"):
-        _fail(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+        fail(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     if not use:
         return copy_rows_ref(src_k, src_v, dst_k, dst_v, src_rows, dst_rows, heads, valid)
     from .triton.host_gather import copy_rows as _copy

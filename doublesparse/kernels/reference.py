@@ -32,7 +32,7 @@ import torch
 MODES = ("per_head", "group_sum", "group_max", "layer")
 
 
-def _group(hq: int, hkv: int) -> int:
+def group_size(hq: int, hkv: int) -> int:
     if hq % hkv != 0:
         raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
     return hq // hkv
@@ -94,7 +94,7 @@ def dense_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_sc
     float32."""
     k_cache, v_cache = dequant_kv(k_cache, k_scale), dequant_kv(v_cache, v_scale)
     B, Hq, D = q.shape
-    G = _group(Hq, k_cache.shape[1])
+    G = group_size(Hq, k_cache.shape[1])
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
     for b in range(B):
         n = int(seq_lens[b])
@@ -116,7 +116,7 @@ def label_scores_ref(q, label_cache, label_scale, channels, req_to_token, req_id
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     B, Hq, D = q.shape
     Hkv = label_cache.shape[1]
-    G = _group(Hq, Hkv)
+    G = group_size(Hq, Hkv)
     max_len = int(seq_lens.max()) if max_len is None else max_len
     R = Hq if mode == "per_head" else 1 if mode == "layer" else Hkv
     out = torch.full((B, R, max_len), float("-inf"), dtype=torch.float32, device=q.device)
@@ -167,7 +167,7 @@ def sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, positions, sm_
     k_cache, v_cache = dequant_kv(k_cache, k_scale), dequant_kv(v_cache, v_scale)
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
-    G = _group(Hq, Hkv)
+    G = group_size(Hq, Hkv)
     R = positions.shape[1]
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
     for b in range(B):

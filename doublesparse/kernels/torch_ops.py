@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import MODES, _group, is_fp8_kv
+from .reference import MODES, group_size, is_fp8_kv
 from .top_p import keep_mask
 
 
@@ -56,7 +56,7 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
     sc = kv_scales(k_cache, k_scale, v_scale)
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
-    G = _group(Hq, Hkv)
+    G = group_size(Hq, Hkv)
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
     for b, (row, n) in enumerate(zip(req_idx.tolist(), seq_lens.tolist())):
         start, slots = _token_rows(req_to_token, row, n)
@@ -72,7 +72,7 @@ def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale
     ksc, vsc = kv_scales(k_cache, k_scale, v_scale)
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
-    G = _group(Hq, Hkv)
+    G = group_size(Hq, Hkv)
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
     for b in range(B):
@@ -97,7 +97,7 @@ def label_scores(q, label_cache, label_scale, channels, start, slots, n: int, sm
     1 for the layer mode, else Hkv). q: [Hq, D]; (start, slots) as from :func:`_token_rows`."""
     Hq = q.shape[0]
     Hkv = label_cache.shape[1]
-    G = _group(Hq, Hkv)
+    G = group_size(Hq, Hkv)
     lab = _rows(label_cache, start, slots, n).float()                          # [n, Hkv, r]
     if label_cache.dtype == torch.float8_e4m3fn:
         lab = lab * float(label_scale)
@@ -147,7 +147,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     sc = kv_scales(k_cache, k_scale, v_scale)
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
-    G = _group(Hq, Hkv)
+    G = group_size(Hq, Hkv)
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
     if row_counts is not None:
         row_counts.copy_(seq_lens.long()[:, None].expand_as(row_counts).to(row_counts.dtype))

@@ -21,7 +21,7 @@ from .packed import HEAD_EXACT_TOP
 from .rope import RotaryEmbedding
 
 
-def _tuning(batch) -> KernelTuning:
+def batch_tuning(batch) -> KernelTuning:
     # the engine's batches carry its kernel tuning; batches built elsewhere (calibration, eval)
     # hold the defaults
     return batch.tuning
@@ -87,7 +87,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch) -> torch.Tensor:
         """x: [T, H] -> [T, H]; the backend sees contiguous q: [T, Hq, D], k/v: [T, Hkv, D] in the weight dtype
         (fused path: v stays a strided view of the qkv output, k is None at decode)."""
-        T, tuning, decode = x.shape[0], _tuning(batch), is_decode(batch)
+        T, tuning, decode = x.shape[0], batch_tuning(batch), is_decode(batch)
         q, k, v = self.qkv_proj(x, tuning, decode).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_q_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -123,7 +123,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, residual, positions, rope, batch):
         """(x, residual) [T, H] -> (mlp output, residual stream before it), the pre-norm residual
         stream kept apart so each add fuses into the next norm; residual None: x is the input."""
-        tuning = _tuning(batch)
+        tuning = batch_tuning(batch)
         if residual is None:
             residual, h = x, self.input_norm(x, tuning=tuning)
         else:
@@ -190,7 +190,7 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rope, batch)
         idx = batch.logits_indices
-        tuning = _tuning(batch)
+        tuning = batch_tuning(batch)
         if fused_impl(tuning.fused_norm, x) is not None:
             # add + norm in one launch over all T rows, then the row selection (rows are independent)
             x, _ = self.norm(x, residual, tuning)

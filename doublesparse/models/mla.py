@@ -26,7 +26,7 @@ from torch import nn
 from ..kernels.latent import latent_value_dim
 from .config import ModelConfig
 from .layers import Linear, RMSNorm
-from .llama import LlamaDecoderLayer, LlamaModel, _tuning, init_decoder, is_decode
+from .llama import LlamaDecoderLayer, LlamaModel, batch_tuning, init_decoder, is_decode
 from .moe_config import MLAConfig, yarn_mscale
 from .moe_model import moe_or_dense_mlp
 from .rope import RotaryEmbedding
@@ -125,7 +125,7 @@ class MLAAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope, batch) -> torch.Tensor:
         """x: [T, H] -> [T, H]; the backend sees q [T, heads, 576], k = v = latent [T, 1, 576]."""
         T, m, nh = x.shape[0], self.mla, self.num_heads
-        tuning, decode = _tuning(batch), is_decode(batch)
+        tuning, decode = batch_tuning(batch), is_decode(batch)
         q, latent = self.absorbed_query(x, positions, rope, tuning, decode)
         out = batch.attn.forward(self.layer_id, q, latent, latent, batch)                   # [T, nh, 576]
         w_uv = self.kv_b_proj.weight.view(nh, -1, m.kv_lora_rank)[:, m.qk_nope_head_dim:]  # [nh, dv, R]

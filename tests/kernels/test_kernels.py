@@ -534,7 +534,7 @@ def test_cuda_select_launch_protocol(monkeypatch):
     for name in ("hist_high", "hist_low", "compact"):
         monkeypatch.setattr(ds_launch.cuda_select, name, lambda *a, name=name: calls.append((name, a[-3:])))
     monkeypatch.setattr(ds_launch, "_use_cuda_select", lambda scores, tuning: True)
-    monkeypatch.setattr(ds_launch, "_num_sms", lambda dev: 132)
+    monkeypatch.setattr(ds_launch, "num_sms", lambda dev: 132)
     ws = DecodeWorkspace(17, 9, 3, 64, 65536, 64, device="cpu")
     sl = torch.zeros(17, dtype=torch.int32)
     rt = torch.zeros(17, 8, dtype=torch.int32)
@@ -608,7 +608,7 @@ def test_cuda_score_launch_protocol(monkeypatch):
     monkeypatch.setattr(ds_launch, "_select", lambda ws, sl, rt, ri, ks, max_k, B, rows, skip, np, stage, tuning:
                         calls.append(("select", skip)))
     monkeypatch.setattr(ds_launch, "_take_cuda", lambda knob, impl, why_not: knob == "score_impl")
-    monkeypatch.setattr(ds_launch, "_num_sms", lambda dev: 132)
+    monkeypatch.setattr(ds_launch, "num_sms", lambda dev: 132)
     c = make_case([70, 20, 301], 9, 3, 64, seed=5)
     for hist in (True, False):
         tuning = KernelTuning(score_cuda_hist=hist)
@@ -632,7 +632,7 @@ def test_score_impl_choice(monkeypatch):
     with pytest.raises(ValueError, match="score_impl"):
         KernelTuning(score_impl="fast")
     tuning = KernelTuning(score_impl="cuda")
-    monkeypatch.setattr(ds_launch, "_INTERPRET", False)
+    monkeypatch.setattr(ds_launch, "INTERPRET", False)
     monkeypatch.setattr(ds_launch, "_WARNED", set())
     monkeypatch.setattr(ds_launch.cuda_score, "why_not", lambda *a: "a test reason")
     used = []

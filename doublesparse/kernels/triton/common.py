@@ -16,104 +16,104 @@ from ..tuning import KernelTuning
 from ..workspace import DecodeWorkspace
 from .pdl import HAVE_GDC
 
-_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 _LABEL = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
-_KV_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # an fp8 K/V pool (values / its per-layer scale)
-_KV = _FLOAT + _KV_FP8
-_INDEX = (torch.int32, torch.int64)
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+KV_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # an fp8 K/V pool (values / its per-layer scale)
+_KV = FLOAT + KV_FP8
+INDEX = (torch.int32, torch.int64)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _fail(msg: str):
+def fail(msg: str):
     raise ValueError(msg)
 
 
-def _check(t, name, ndim=None, dtypes=None, device=None, last_contig=True):
+def check(t, name, ndim=None, dtypes=None, device=None, last_contig=True):
     if not isinstance(t, torch.Tensor):
-        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
-        _fail(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+        fail(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
-        _fail(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
+        fail(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
     if device is not None and t.device != device:
-        _fail(f"{name} is on {t.device}, expected {device}")
+        fail(f"{name} is on {t.device}, expected {device}")
     if last_contig and t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
-        _fail(f"{name} must be contiguous in its last dim (stride {t.stride()})")
+        fail(f"{name} must be contiguous in its last dim (stride {t.stride()})")
 
 
-def _check_caches(k_cache, v_cache, dev, k_scale=None, v_scale=None):
-    _check(k_cache, "k_cache", 3, _KV, dev)
-    _check(v_cache, "v_cache", 3, (k_cache.dtype,), dev)
+def check_caches(k_cache, v_cache, dev, k_scale=None, v_scale=None):
+    check(k_cache, "k_cache", 3, _KV, dev)
+    check(v_cache, "v_cache", 3, (k_cache.dtype,), dev)
     if v_cache.shape != k_cache.shape:
-        _fail(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
-    if k_cache.dtype in _KV_FP8:
+        fail(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    if k_cache.dtype in KV_FP8:
         if k_scale is None or v_scale is None:
-            _fail(f"a {k_cache.dtype} K/V pool needs k_scale and v_scale ([1] float32)")
-        _check(k_scale, "k_scale", 1, (torch.float32,), dev)
-        _check(v_scale, "v_scale", 1, (torch.float32,), dev)
+            fail(f"a {k_cache.dtype} K/V pool needs k_scale and v_scale ([1] float32)")
+        check(k_scale, "k_scale", 1, (torch.float32,), dev)
+        check(v_scale, "v_scale", 1, (torch.float32,), dev)
 
 
-def _kv_scale_args(k_cache, k_scale, v_scale):
+def kv_scale_args(k_cache, k_scale, v_scale):
     """The kernels' (k_scale, v_scale, KV_FP8) arguments: the scales of an fp8 pool, else any
     pointer (the kernels read them only under KV_FP8)."""
-    if k_cache.dtype in _KV_FP8:
+    if k_cache.dtype in KV_FP8:
         return k_scale, v_scale, True
     return k_cache, k_cache, False
 
 
-def _check_labels(label_cache, label_scale, channels, k_cache, dev):
+def check_labels(label_cache, label_scale, channels, k_cache, dev):
     S, Hkv, D = k_cache.shape
-    _check(label_cache, "label_cache", 3, _LABEL, dev)
+    check(label_cache, "label_cache", 3, _LABEL, dev)
     if label_cache.shape[:2] != (S, Hkv):
-        _fail(f"label_cache must be [{S}, {Hkv}, r], got {tuple(label_cache.shape)}")
+        fail(f"label_cache must be [{S}, {Hkv}, r], got {tuple(label_cache.shape)}")
     r = label_cache.shape[2]
     if not 1 <= r <= D:
-        _fail(f"heavy channel count r={r} must be in [1, head_dim={D}]")
-    _check(channels, "channels", 2, _INDEX, dev)
+        fail(f"heavy channel count r={r} must be in [1, head_dim={D}]")
+    check(channels, "channels", 2, INDEX, dev)
     if tuple(channels.shape) != (Hkv, r):
-        _fail(f"channels must be [{Hkv}, {r}] (Hkv, r), got {tuple(channels.shape)}")
+        fail(f"channels must be [{Hkv}, {r}] (Hkv, r), got {tuple(channels.shape)}")
     if label_cache.dtype == torch.float8_e4m3fn:
         if label_scale is None:
-            _fail("fp8 labels need label_scale ([1] float32)")
-        _check(label_scale, "label_scale", 1, (torch.float32,), dev)
+            fail("fp8 labels need label_scale ([1] float32)")
+        check(label_scale, "label_scale", 1, (torch.float32,), dev)
     return r
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter: few programs keep CPU tests fast
 
 
-def _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale=None, v_scale=None):
+def check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale=None, v_scale=None):
     dev = q.device
-    _check(q, "q", 3, _FLOAT, dev)
-    _check_caches(k_cache, v_cache, dev, k_scale, v_scale)
+    check(q, "q", 3, FLOAT, dev)
+    check_caches(k_cache, v_cache, dev, k_scale, v_scale)
     B, Hq, D = q.shape
     S, Hkv, Dk = k_cache.shape
     if Dk != D:
-        _fail(f"q head_dim {D} != cache head_dim {Dk}")
+        fail(f"q head_dim {D} != cache head_dim {Dk}")
     if Hq % Hkv:
-        _fail(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
-    _check(req_to_token, "req_to_token", 2, (torch.int32,), dev)
-    _check(req_idx, "req_idx", 1, _INDEX, dev)
-    _check(seq_lens, "seq_lens", 1, (torch.int32,), dev)
+        fail(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    check(req_to_token, "req_to_token", 2, (torch.int32,), dev)
+    check(req_idx, "req_idx", 1, INDEX, dev)
+    check(seq_lens, "seq_lens", 1, (torch.int32,), dev)
     if req_idx.shape[0] != B or seq_lens.shape[0] != B:
-        _fail(f"req_idx {tuple(req_idx.shape)} and seq_lens {tuple(seq_lens.shape)} must be [{B}]")
+        fail(f"req_idx {tuple(req_idx.shape)} and seq_lens {tuple(seq_lens.shape)} must be [{B}]")
     if not isinstance(ws, DecodeWorkspace):
-        _fail("ws must be a DecodeWorkspace (allocate one at the largest batch/context)")
+        fail("ws must be a DecodeWorkspace (allocate one at the largest batch/context)")
     if (ws.num_q_heads, ws.num_kv_heads, ws.head_dim) != (Hq, Hkv, D):
-        _fail(f"workspace is for heads {ws.num_q_heads}/{ws.num_kv_heads} d{ws.head_dim}, "
+        fail(f"workspace is for heads {ws.num_q_heads}/{ws.num_kv_heads} d{ws.head_dim}, "
               f"got {Hq}/{Hkv} d{D}")
     if B > ws.max_batch:
-        _fail(f"batch {B} exceeds workspace max_batch {ws.max_batch}")
+        fail(f"batch {B} exceeds workspace max_batch {ws.max_batch}")
     if ws.part_o.device != dev:
-        _fail(f"workspace is on {ws.part_o.device}, q on {dev}")
+        fail(f"workspace is on {ws.part_o.device}, q on {dev}")
     if out is not None:
-        _check(out, "out", 3, (q.dtype,), dev)
+        check(out, "out", 3, (q.dtype,), dev)
         if out.shape != q.shape:
-            _fail(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+            fail(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
     return B, Hq, Hkv, D
 
 
@@ -126,7 +126,7 @@ def _pdl_capable(device: torch.device) -> bool:
 
 def pdl_enabled(device: torch.device, tuning: KernelTuning) -> bool:
     """Whether programmatic dependent launch (pdl.py) is used on ``device``."""
-    return tuning.pdl and HAVE_GDC and not _INTERPRET and _pdl_capable(device)
+    return tuning.pdl and HAVE_GDC and not INTERPRET and _pdl_capable(device)
 
 
 def pdl_kwargs(device: torch.device, tuning: KernelTuning) -> dict:

@@ -21,7 +21,7 @@ from .pdl import enter
 
 
 @triton.jit
-def _tile_slots(sel_row, rt_row, offs, end, sparse, HAS_SEL: tl.constexpr):
+def tile_slots(sel_row, rt_row, offs, end, sparse, HAS_SEL: tl.constexpr):
     # Cache slots of a tile: from the selection (sel holds slots written by the select step,
     # zero-initialised, so even a stale entry is a valid slot) when the request decodes sparsely,
     # else walked from req_to_token. Positions past end read the padding slot 0.
@@ -135,7 +135,7 @@ def attn_split(
     for t in range(start, end, BLOCK_N):
         offs = t + ar
         nmask = offs < end
-        slot = _tile_slots(sel_row, rt_row, offs, end, sparse, HAS_SEL)
+        slot = tile_slots(sel_row, rt_row, offs, end, sparse, HAS_SEL)
         k = _tile_rows(k_cache_ptr, slot, kvh, stride_kcs, stride_kch, nmask, d, dmask, FULL_D)
         # Issued before the softmax so both rows' loads are in flight together.
         v = _tile_rows(v_cache_ptr, slot, kvh, stride_vcs, stride_vch, nmask, d, dmask, FULL_D)

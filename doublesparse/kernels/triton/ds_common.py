@@ -10,7 +10,7 @@ FP16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
-def _key16(s16):
+def key16(s16):
     # Order-preserving map of fp16 bits to [0, 65535]: flip all bits of negatives, set the sign bit
     # of positives.
     b = s16.to(tl.int16, bitcast=True).to(tl.int32)
@@ -18,28 +18,28 @@ def _key16(s16):
 
 
 @triton.jit
-def _load_block(row_ptr, offs, BLOCK_N: tl.constexpr):
+def load_block(row_ptr, offs, BLOCK_N: tl.constexpr):
     # Unmasked, so Triton vectorizes it: score rows are padded by DecodeWorkspace.SCORE_PAD, and
     # callers mask what lies past their range. offs starts at a multiple of BLOCK_N.
     return tl.load(row_ptr + tl.max_contiguous(tl.multiple_of(offs, BLOCK_N), BLOCK_N))
 
 
 @triton.jit
-def _sparse_len(seq_len, heavy_k):
+def sparse_len(seq_len, heavy_k):
     # Positions this request contributes to selection: all of them if it decodes sparsely (the
     # rule of reference.is_sparse: its length exceeds its own budget heavy_k), else none.
     return tl.where(seq_len > heavy_k, seq_len, 0)
 
 
 @triton.jit
-def _split_range(n, p, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr):
+def split_range(n, p, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr):
     per = tl.cdiv(tl.cdiv(n, NUM_PROGS), BLOCK_N) * BLOCK_N
     start = p * per
     return start, tl.minimum(start + per, n)
 
 
 @triton.jit
-def _threshold_digit(h, need):
+def threshold_digit(h, need):
     # h: [256] counts. Largest digit d with count(keys with digit >= d) >= need, and the count of
     # keys strictly above d.
     idx = tl.arange(0, 256)

@@ -17,12 +17,12 @@ from ..cuda import select as cuda_select
 from ..reference import MODES
 from ..tuning import DEFAULT_TUNING, KernelTuning
 from ..workspace import SCORE_PAD, SELECT_MAX_PROGS, TOPP_MAX_PROGS
-from .common import _INTERPRET, _check, _check_decode, _check_labels, _fail, _num_sms
+from .common import INTERPRET, check, check_decode, check_labels, fail, num_sms
 from .ds_score import score_mma_kernel
 from .ds_score_rows import score_kernel
 from .ds_select import select_kernel
 from .ds_topp import topp_keep_kernel, topp_mass_kernel
-from .launch import _attention, _sparse_splits
+from .launch import split_attention, sparse_splits
 
 
 STAGES = ("score", "hist", "select", "attend", "rest", "all")
@@ -40,28 +40,28 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     ``heavy_token_nums[b]`` entries meaningful where it decodes sparsely). top_p > 0: the top-p
     budget's launches (ds_topp.py) run after the select (stage "select" included); the attention
     then reads ``ws.topp_slot`` and ``ws.row_k``. k_scale, v_scale: an fp8 pool's scales."""
-    B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale, v_scale)
+    B, Hq, Hkv, D = check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale, v_scale)
     dev = q.device
-    r = _check_labels(label_cache, label_scale, channels, k_cache, dev)
+    r = check_labels(label_cache, label_scale, channels, k_cache, dev)
     if mode not in MODES or mode == "layer":
-        _fail(f"mode must be one of {MODES[:3]} (the layer mode: ds_layer.py), got {mode!r}")
-    _check(heavy_token_nums, "heavy_token_nums", 1, (torch.int32,), dev)
+        fail(f"mode must be one of {MODES[:3]} (the layer mode: ds_layer.py), got {mode!r}")
+    check(heavy_token_nums, "heavy_token_nums", 1, (torch.int32,), dev)
     if heavy_token_nums.shape[0] != B:
-        _fail(f"heavy_token_nums {tuple(heavy_token_nums.shape)} must be [{B}]")
+        fail(f"heavy_token_nums {tuple(heavy_token_nums.shape)} must be [{B}]")
     # Only the host bound is checked: the per-row budgets live on the device (no sync).
     k = int(max_heavy_tokens)
     if k <= 0:
-        _fail(f"max_heavy_tokens must be positive, got {k}")
+        fail(f"max_heavy_tokens must be positive, got {k}")
     if not ws.max_heavy_tokens:
-        _fail("workspace has no Double Sparsity buffers (max_heavy_tokens=0)")
+        fail("workspace has no Double Sparsity buffers (max_heavy_tokens=0)")
     if k > ws.max_heavy_tokens:
-        _fail(f"max_heavy_tokens={k} exceeds workspace max_heavy_tokens={ws.max_heavy_tokens}")
+        fail(f"max_heavy_tokens={k} exceeds workspace max_heavy_tokens={ws.max_heavy_tokens}")
     if req_to_token.shape[1] > ws.max_ctx:
-        _fail(f"req_to_token has {req_to_token.shape[1]} positions > workspace max_ctx {ws.max_ctx}")
+        fail(f"req_to_token has {req_to_token.shape[1]} positions > workspace max_ctx {ws.max_ctx}")
     if not 0.0 <= top_p <= 1.0:
-        _fail(f"top_p must be in [0, 1], got {top_p}")
+        fail(f"top_p must be in [0, 1], got {top_p}")
     if num_sink < 0 or num_recent < 0 or num_sink + num_recent > k:
-        _fail(f"need 0 <= num_sink + num_recent <= max_heavy_tokens, got {num_sink} + {num_recent} "
+        fail(f"need 0 <= num_sink + num_recent <= max_heavy_tokens, got {num_sink} + {num_recent} "
               f"(max_heavy_tokens={k})")
     ks = heavy_token_nums
     G = Hq // Hkv
@@ -69,12 +69,12 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     rows = Hq if per_head else Hkv
     scores, hist, sel, sel_slot = ws.scores, ws.hist, ws.sel, ws.sel_slot
     if tuning.max_score_block > SCORE_PAD:
-        _fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
+        fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage not in STAGES:
-        _fail(f"stage must be one of {STAGES}, got {stage!r}")
+        fail(f"stage must be one of {STAGES}, got {stage!r}")
     impl, hist_in_score, geometry = _score_impl(q, label_cache, channels, mode, tuning)
     if stage not in ("attend", "rest"):
-        nsm = _num_sms(dev)
+        nsm = num_sms(dev)
         if impl == "cuda":
             per_thread, _, tc, depth, max_hpw = geometry
             step = cuda_score.step_tokens(q, label_cache, per_thread, tc, depth, max_hpw)
@@ -112,8 +112,8 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         if stage == "select":
             return sel
     if num_splits is None:
-        num_splits = _sparse_splits(B, rows, Hkv, k, ws, dev, tuning)
-    o = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
+        num_splits = sparse_splits(B, rows, Hkv, k, ws, dev, tuning)
+    o = split_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                    ws.topp_slot if top_p > 0 else sel_slot, rows, ks, k, per_head, num_splits, tuning,
                    tuning.sparse_attn_stages, row_ks=ws.row_k if top_p > 0 else None,
                    k_scale=k_scale, v_scale=v_scale)
@@ -166,7 +166,7 @@ def _select(ws, seq_lens, req_to_token, req_idx, heavy_ks, max_k, B, rows, skip_
     is heavy_ks[b] ([B] int32 on the device), capped at max_k (<= the sel rows' length)."""
     scores, hist, info, counts, sel, sel_slot = (ws.scores, ws.hist, ws.rowinfo, ws.counts, ws.sel,
                                                  ws.sel_slot)
-    nsm = _num_sms(scores.device)
+    nsm = num_sms(scores.device)
     cuda = _use_cuda_select(scores, tuning)
 
     def progs(per_sm, block, max_progs=None):
@@ -210,7 +210,7 @@ def topp_keep(ws, seq_lens, heavy_ks, max_k, B, rows, top_p, k_min, num_sink, nu
     scores, then which of its selected tokens it keeps -> ws.topp_slot, ws.row_k."""
     scores, part = ws.scores, ws.topp_part
     block = tuning.topp_block_n
-    P = num_progs or max(1, min(triton.cdiv(tuning.topp_programs_per_sm * _num_sms(scores.device), B * rows),
+    P = num_progs or max(1, min(triton.cdiv(tuning.topp_programs_per_sm * num_sms(scores.device), B * rows),
                                 triton.cdiv(ws.max_ctx, block)))
     P = min(P, TOPP_MAX_PROGS)
     topp_mass_kernel[(B, rows, P)](
@@ -240,7 +240,7 @@ def _take_cuda(knob: str, impl: str, why_not) -> bool:
     """Whether ``impl`` (the value of tuning knob ``knob``) takes its CUDA C++ kernels: "cuda", or
     "auto" = cuda where they can run (``why_not()`` is None); never under the interpreter. "cuda"
     where they cannot warns once and the caller runs Triton."""
-    if impl not in ("cuda", "auto") or _INTERPRET:
+    if impl not in ("cuda", "auto") or INTERPRET:
         return False
     why = why_not()
     if why is None:
@@ -269,7 +269,7 @@ def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq
     """Stage 1 with ds_score.score_mma_kernel: grid (B, P), every KV head per program."""
     B = q.shape[0]
     geo = _mma_geometry(q, label_cache, tuning)
-    P = num_progs or max(1, min(triton.cdiv(tuning.mma_programs_per_sm * _num_sms(q.device), B),
+    P = num_progs or max(1, min(triton.cdiv(tuning.mma_programs_per_sm * num_sms(q.device), B),
                                 triton.cdiv(ws.max_ctx, geo["BLOCK_N"])))
     scores = ws.scores
     score_mma_kernel[(B, P)](
@@ -277,6 +277,6 @@ def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq
         scores, sm_scale, heavy_ks, num_sink, num_recent,
         q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
         req_to_token.stride(0), scores.stride(0), scores.stride(1),
-        MODE=MODES.index(mode), NUM_PROGS=P, DOT_F32=_INTERPRET, num_warps=tuning.mma_warps, **geo,
+        MODE=MODES.index(mode), NUM_PROGS=P, DOT_F32=INTERPRET, num_warps=tuning.mma_warps, **geo,
         num_stages=1,  # the loop is pipelined by hand; Triton's pipeliner would only serialize it
     )

@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 
 from ..tuning import DEFAULT_TUNING, KernelTuning
-from .common import _check_decode, _check_labels, _fail
-from .ds_launch import _sparse_splits
+from .common import check_decode, check_labels, fail
+from .launch import sparse_splits
 from .ds_launch import ds_decode as _ds
-from .launch import _attention
+from .launch import split_attention
 
 
 def layer_views(q, label_cache, channels):
@@ -43,11 +43,11 @@ def layer_select(q, label_cache, label_scale, channels, req_to_token, req_idx, s
     ``ws.layer.sel_slot``; row b's first ``heavy_token_nums[b]`` entries meaningful where it
     decodes sparsely). Arguments as ops.ds_decode's; ``ws`` built with ``layer_select=True``."""
     if getattr(ws, "layer", None) is None:
-        _fail("the layer selection mode needs a workspace built with layer_select=True")
+        fail("the layer selection mode needs a workspace built with layer_select=True")
     B, Hq, D = q.shape
     S, Hkv, _ = label_cache.shape
     if Hq % Hkv:
-        _fail(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+        fail(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
     qv, lab, ch = layer_views(q, label_cache, channels)
     # the select stage reads no K/V; its checks want a K pool as long as the label pool (a
     # stride-0 view of the virtual q's first row: no memory)
@@ -62,14 +62,14 @@ def ds_decode_layer(q, k_cache, v_cache, label_cache, label_scale, channels, req
                     ws=None, out=None, tuning: KernelTuning = DEFAULT_TUNING, k_scale=None, v_scale=None):
     """ops.ds_decode in the layer mode (no top-p budget): the shared selection, then the exact
     attention of every KV head over it (dense requests over their whole cache)."""
-    B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale, v_scale)
-    _check_labels(label_cache, label_scale, channels, k_cache, q.device)
+    B, Hq, Hkv, D = check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale, v_scale)
+    check_labels(label_cache, label_scale, channels, k_cache, q.device)
     K = int(max_heavy_tokens)
     if not 0 < K <= ws.max_heavy_tokens:
-        _fail(f"max_heavy_tokens={K} must be in [1, workspace max_heavy_tokens={ws.max_heavy_tokens}]")
+        fail(f"max_heavy_tokens={K} must be in [1, workspace max_heavy_tokens={ws.max_heavy_tokens}]")
     sel = layer_select(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, sm_scale,
                        heavy_token_nums, K, num_sink, num_recent, ws, tuning)
-    S = _sparse_splits(B, Hkv, Hkv, K, ws, q.device, tuning)
-    return _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
+    S = sparse_splits(B, Hkv, Hkv, K, ws, q.device, tuning)
+    return split_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                       sel.expand(B, Hkv, K), Hkv, heavy_token_nums, K, False, S, tuning,
                       tuning.sparse_attn_stages, k_scale=k_scale, v_scale=v_scale)

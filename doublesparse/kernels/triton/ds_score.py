@@ -19,7 +19,7 @@ head's G_P columns (sum, or max with the padding columns at -inf).
 import triton
 import triton.language as tl
 
-from .ds_common import FP16_MAX, _sparse_len, _split_range
+from .ds_common import FP16_MAX, sparse_len, split_range
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def score_mma_slice(
 ):
     # Slice p of NUM_PROGS of batch entry b's positions, every KV head (score_mma_kernel's body).
     seq_len = tl.load(seq_lens_ptr + b)
-    n = _sparse_len(seq_len, tl.load(heavy_ks_ptr + b))  # 0 for a dense request
+    n = sparse_len(seq_len, tl.load(heavy_ks_ptr + b))  # 0 for a dense request
 
     # Q: [BLOCK_C, HKV_P * G_P], block-diagonal over KV heads.
     c = tl.arange(0, BLOCK_C)
@@ -105,7 +105,7 @@ def score_mma_slice(
     gvalid = tl.arange(0, G_P) < G
     rt_row = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
     srow = scores_ptr + b * stride_sb
-    start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
+    start, end = split_range(n, p, NUM_PROGS, BLOCK_N)
     ar = tl.arange(0, BLOCK_N)
     # Software-pipelined by hand: while a tile is scored, the next tile's labels and the slots of
     # the one after are in flight. (Triton's pipeliner waits for the index load and the gather it

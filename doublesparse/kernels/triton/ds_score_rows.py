@@ -11,7 +11,7 @@ loop (cp.async), the label gather included; a plain ``range`` pipelines only loa
 import triton
 import triton.language as tl
 
-from .ds_common import FP16_MAX, _sparse_len, _split_range
+from .ds_common import FP16_MAX, sparse_len, split_range
 
 
 @triton.jit
@@ -72,7 +72,7 @@ def score_kernel(
     kvh = tl.program_id(1)
     p = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    n = _sparse_len(seq_len, tl.load(heavy_ks_ptr + b))  # 0 for a dense request
+    n = sparse_len(seq_len, tl.load(heavy_ks_ptr + b))  # 0 for a dense request
 
     r = tl.arange(0, BLOCK_R)
     rmask = r < R
@@ -94,7 +94,7 @@ def score_kernel(
     q7 = _q_at(q_row, 7, stride_qh, rmask, scale, G)
 
     req = tl.load(req_idx_ptr + b).to(tl.int64)
-    start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
+    start, end = split_range(n, p, NUM_PROGS, BLOCK_N)
     for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
         offs = t + tl.arange(0, BLOCK_N)
         nmask = offs < end

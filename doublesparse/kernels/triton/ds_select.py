@@ -28,7 +28,7 @@ phase 2 programs overwrite their own hist[1 + p] and counts.
 import triton
 import triton.language as tl
 
-from .ds_common import _key16, _load_block, _sparse_len, _split_range, _threshold_digit
+from .ds_common import key16, load_block, sparse_len, split_range, threshold_digit
 
 PHASE_NAMES = {1: "hist_high_kernel", 2: "hist_low_kernel", 3: "compact_kernel"}
 
@@ -62,14 +62,14 @@ def _keys_ahead(srow, t, end, BLOCK_N: tl.constexpr):
     # The fp16 scores of the block at t, loaded ahead of their use (past the program's range,
     # those of block 0: an address always valid, never used).
     t = tl.where(t < end, t, 0)
-    return _load_block(srow, t + tl.arange(0, BLOCK_N), BLOCK_N)
+    return load_block(srow, t + tl.arange(0, BLOCK_N), BLOCK_N)
 
 
 @triton.jit
 def _next_keys(srow, ahead, t, end, BLOCK_N: tl.constexpr):
     # The 16-bit keys of the block at t, loaded one iteration ahead (ahead), and the next block's
     # scores, whose load starts now.
-    return _key16(ahead), _keys_ahead(srow, t + BLOCK_N, end, BLOCK_N)
+    return key16(ahead), _keys_ahead(srow, t + BLOCK_N, end, BLOCK_N)
 
 
 def _phase_name(specialization) -> str:
@@ -111,9 +111,9 @@ def select_phase(
     # which binds only for a budget the host promised never to pass, and keeps the writes inside
     # the row.
     heavy_k = tl.load(heavy_ks_ptr + b)
-    n = _sparse_len(tl.load(seq_lens_ptr + b), heavy_k)
+    n = sparse_len(tl.load(seq_lens_ptr + b), heavy_k)
     heavy_k = tl.minimum(heavy_k, max_k)
-    start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
+    start, end = split_range(n, p, NUM_PROGS, BLOCK_N)
     srow = scores_ptr + b * stride_sb + row * stride_sr
     bins = tl.arange(0, 256)
     h0 = hist_ptr + b * stride_hb + row * stride_hr
@@ -125,14 +125,14 @@ def select_phase(
         hist = tl.zeros([256], tl.int32)
         for t in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
             offs = t + tl.arange(0, BLOCK_N)
-            hist += tl.histogram(_key16(_load_block(srow, offs, BLOCK_N)) >> 8, 256, mask=offs < end)
+            hist += tl.histogram(key16(load_block(srow, offs, BLOCK_N)) >> 8, 256, mask=offs < end)
         tl.atomic_add(h0 + bins, hist, mask=hist > 0, sem="relaxed")
 
     elif PHASE == 2:  # the high byte of the k-th largest key; per program, the keys above and in it
         # The loop's keys are loaded one block ahead, the first before the threshold's loads and
         # reductions, so that each load's latency overlaps other work.
         ahead = _keys_ahead(srow, start, end, BLOCK_N)
-        digit0, above0 = _threshold_digit(tl.load(h0 + bins), heavy_k)
+        digit0, above0 = threshold_digit(tl.load(h0 + bins), heavy_k)
         if p == 0:
             tl.store(info, digit0)
             tl.store(info + 1, heavy_k - above0)
@@ -166,7 +166,7 @@ def select_phase(
         pp = tl.arange(0, MAX_PROGS)
         used = pp < NUM_PROGS
         h = tl.load(hp + pp[:, None] * stride_hp + bins[None, :], mask=used[:, None], other=0)
-        digit1, above1 = _threshold_digit(tl.sum(h, 0), need0)
+        digit1, above1 = threshold_digit(tl.sum(h, 0), need0)
         thr = digit0 * 256 + digit1
         n_gt = heavy_k - need0 + above1
         ties = heavy_k - n_gt

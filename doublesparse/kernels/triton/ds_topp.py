@@ -23,7 +23,7 @@ of ``top_p * Z`` can fall either way).
 import triton
 import triton.language as tl
 
-from .ds_common import _key16, _load_block, _sparse_len, _split_range
+from .ds_common import key16, load_block, sparse_len, split_range
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -38,8 +38,8 @@ def topp_mass_kernel(
     row = tl.program_id(1)
     p = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    n = _sparse_len(seq_len, tl.load(heavy_ks_ptr + b))
-    start, end = _split_range(n, p, NUM_PROGS, BLOCK_N)
+    n = sparse_len(seq_len, tl.load(heavy_ks_ptr + b))
+    start, end = split_range(n, p, NUM_PROGS, BLOCK_N)
     srow = scores_ptr + b * stride_sb + row * stride_sr
     lo = num_sink
     hi = n - num_recent
@@ -48,7 +48,7 @@ def topp_mass_kernel(
     for t in range(start, end, BLOCK_N):
         offs = t + tl.arange(0, BLOCK_N)
         ok = (offs < end) & (offs >= lo) & (offs < hi)
-        s = tl.where(ok, _load_block(srow, offs, BLOCK_N).to(tl.float32) * LOG2E, float("-inf"))
+        s = tl.where(ok, load_block(srow, offs, BLOCK_N).to(tl.float32) * LOG2E, float("-inf"))
         # Elementwise running max and sum (one reduction at the end); a lane that has seen no
         # token keeps max -inf and sum 0 (its rescale uses 0 so that -inf - -inf never occurs).
         m_new = tl.maximum(m, s)
@@ -93,7 +93,7 @@ def topp_keep_kernel(
     s16 = tl.load(srow + pos, mask=valid, other=0.0)
     forced = valid & ((pos < num_sink) | (pos >= seq_len - num_recent))
     cand = valid & (forced == 0)
-    key = tl.where(cand, _key16(s16), -1)
+    key = tl.where(cand, key16(s16), -1)
     # The forced entries' stored scores (fp16's maximum) would overflow: exponentiate -inf there.
     w = tl.exp2(tl.where(cand, s16.to(tl.float32) * LOG2E - mx, float("-inf")))
     need_mass = top_p * z

@@ -14,8 +14,8 @@ from .fused import lse_merge_kernel, rmsnorm_kernel, rope_store_kernel, silu_mul
 from .gemv import gemv_kernel
 from .skinny import skinny_gemm_kernel
 from ..tuning import DEFAULT_TUNING, KernelTuning
-from .common import (_FLOAT, _INDEX, _INTERPRET, _check, _check_caches, _check_labels, _fail, _kv_scale_args,
-                     _num_sms, pdl_enabled, pdl_kwargs)
+from .common import (FLOAT, INDEX, INTERPRET, check, check_caches, check_labels, fail, kv_scale_args,
+                     num_sms, pdl_enabled, pdl_kwargs)
 from .kv_quant import fp8_constexprs
 
 SILU_BLOCK = 1024
@@ -33,17 +33,17 @@ def rms_norm(x, weight, eps: float, residual=None, tuning: KernelTuning = DEFAUL
     both are new contiguous tensors.
     """
     dev = x.device
-    _check(x, "x", 2, _FLOAT, dev)
+    check(x, "x", 2, FLOAT, dev)
     T, N = x.shape
-    _check(weight, "weight", 1, _FLOAT, dev)
+    check(weight, "weight", 1, FLOAT, dev)
     if weight.shape[0] != N:
-        _fail(f"rms_norm: weight has {weight.shape[0]} entries for rows of {N}")
+        fail(f"rms_norm: weight has {weight.shape[0]} entries for rows of {N}")
     out = torch.empty((T, N), dtype=x.dtype, device=dev)
     has_res = residual is not None
     if has_res:
-        _check(residual, "residual", 2, (x.dtype,), dev)
+        check(residual, "residual", 2, (x.dtype,), dev)
         if residual.shape != x.shape:
-            _fail(f"rms_norm: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+            fail(f"rms_norm: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
         res_out = torch.empty_like(out)
     else:
         residual = res_out = x  # placeholders the kernel never touches (HAS_RES=False)
@@ -60,10 +60,10 @@ def rms_norm(x, weight, eps: float, residual=None, tuning: KernelTuning = DEFAUL
 def silu_mul(x, tuning: KernelTuning = DEFAULT_TUNING):
     """x: [T, 2I] float (gate | up) -> [T, I] = silu(gate) * up in x's dtype."""
     dev = x.device
-    _check(x, "x", 2, _FLOAT, dev)
+    check(x, "x", 2, FLOAT, dev)
     T, two_i = x.shape
     if two_i % 2:
-        _fail(f"silu_mul: last dim {two_i} is not 2 * intermediate")
+        fail(f"silu_mul: last dim {two_i} is not 2 * intermediate")
     I = two_i // 2
     out = torch.empty((T, I), dtype=x.dtype, device=dev)
     if T and I:
@@ -81,13 +81,13 @@ def lse_merge(o1, o2, lse1, lse2):
     computed in fp32 and rounded once (the same math as prefill._split_prefix's PyTorch merge).
     """
     dev = o1.device
-    _check(o1, "o1", 3, _FLOAT, dev)
-    _check(o2, "o2", 3, (o1.dtype,), dev)
-    _check(lse1, "lse1", 2, (torch.float32,), dev)
-    _check(lse2, "lse2", 2, (torch.float32,), dev)
+    check(o1, "o1", 3, FLOAT, dev)
+    check(o2, "o2", 3, (o1.dtype,), dev)
+    check(lse1, "lse1", 2, (torch.float32,), dev)
+    check(lse2, "lse2", 2, (torch.float32,), dev)
     H, N, D = o1.shape
     if o2.shape != o1.shape or tuple(lse1.shape) != (H, N) or lse2.shape != lse1.shape:
-        _fail(f"lse_merge: o1 {tuple(o1.shape)}, o2 {tuple(o2.shape)}, lse1 {tuple(lse1.shape)}, "
+        fail(f"lse_merge: o1 {tuple(o1.shape)}, o2 {tuple(o2.shape)}, lse1 {tuple(lse1.shape)}, "
               f"lse2 {tuple(lse2.shape)} disagree")
     out = torch.empty((H, N, D), dtype=o1.dtype, device=dev)
     if H and N and D:
@@ -112,28 +112,28 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
     Returns ``(q_rot [T, Hq, D] contiguous, k_rot [T, Hkv, D] contiguous or None)``.
     """
     dev = q.device
-    _check(q, "q", 3, _FLOAT, dev)
-    _check(k, "k", 3, (q.dtype,), dev)
-    _check(v, "v", 3, _FLOAT, dev)
-    _check(positions, "positions", 1, _INDEX, dev)
-    _check(slots, "slots", 1, _INDEX, dev)
-    _check(cos, "cos", 2, (torch.float32,), dev)
-    _check(sin, "sin", 2, (torch.float32,), dev)
-    _check_caches(k_cache, v_cache, dev, k_scale, v_scale)
+    check(q, "q", 3, FLOAT, dev)
+    check(k, "k", 3, (q.dtype,), dev)
+    check(v, "v", 3, FLOAT, dev)
+    check(positions, "positions", 1, INDEX, dev)
+    check(slots, "slots", 1, INDEX, dev)
+    check(cos, "cos", 2, (torch.float32,), dev)
+    check(sin, "sin", 2, (torch.float32,), dev)
+    check_caches(k_cache, v_cache, dev, k_scale, v_scale)
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     if tuple(k.shape) != (T, Hkv, D) or tuple(v.shape) != (T, Hkv, D):
-        _fail(f"rope_store: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
+        fail(f"rope_store: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
     if positions.shape[0] != T or slots.shape[0] != T:
-        _fail(f"rope_store: positions {tuple(positions.shape)} / slots {tuple(slots.shape)} must be [{T}]")
+        fail(f"rope_store: positions {tuple(positions.shape)} / slots {tuple(slots.shape)} must be [{T}]")
     if Hq % Hkv:
-        _fail(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+        fail(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
     if tuple(k_cache.shape[1:]) != (Hkv, D):
-        _fail(f"k is [T, {Hkv}, {D}] but k_cache is {tuple(k_cache.shape)}")
+        fail(f"k is [T, {Hkv}, {D}] but k_cache is {tuple(k_cache.shape)}")
     if D % 2 or cos.shape[1] != D // 2 or sin.shape != cos.shape:
-        _fail(f"rope_store: cos/sin must be [max_pos, {D // 2}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
+        fail(f"rope_store: cos/sin must be [max_pos, {D // 2}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
     has_label = label_cache is not None
-    r = _check_labels(label_cache, label_scale, channels, k_cache, dev) if has_label else 1
+    r = check_labels(label_cache, label_scale, channels, k_cache, dev) if has_label else 1
     is_fp8 = has_label and label_cache.dtype == torch.float8_e4m3fn
     qo = torch.empty((T, Hq, D), dtype=q.dtype, device=dev)
     ko = torch.empty((T, Hkv, D), dtype=q.dtype, device=dev) if return_k else None
@@ -143,7 +143,7 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
     lab = label_cache if has_label else k_cache
     ch = channels if has_label else slots
     scale = label_scale if is_fp8 else cos
-    ks, vs, _ = _kv_scale_args(k_cache, k_scale, v_scale)
+    ks, vs, _ = kv_scale_args(k_cache, k_scale, v_scale)
     rope_store_kernel[(T, 2)](
         q, k, v, positions, cos, sin, slots, qo, ko_t, k_cache, v_cache, lab, ch, scale, ks, vs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
@@ -154,7 +154,7 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
         BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HKV=triton.next_power_of_2(Hkv),
         BLOCK_D2=triton.next_power_of_2(D // 2), BLOCK_R=triton.next_power_of_2(r),
         HAS_K_OUT=return_k, HAS_LABEL=has_label, LABEL_FP8=is_fp8,
-        **fp8_constexprs(k_cache.dtype), INTERPRET=_INTERPRET,
+        **fp8_constexprs(k_cache.dtype), INTERPRET=INTERPRET,
         num_warps=4, enable_fp_fusion=False, **pdl_kwargs(dev, tuning),
     )
     return qo, ko
@@ -171,7 +171,7 @@ def gemv_fits(x, weight, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
     GEMV_MAX_ROWS rows whose weights are at most ``tuning.gemv_max_bytes`` (0: never), where
     programmatic dependent launch is on (without it the kernel only matches cuBLAS)."""
     return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and pdl_enabled(x.device, tuning)
-            and x.dtype in _FLOAT and weight.dtype == x.dtype and weight.dim() == 2
+            and x.dtype in FLOAT and weight.dtype == x.dtype and weight.dim() == 2
             and weight.shape[1] <= GEMV_TILE and x.stride(-1) == 1 and weight.stride(-1) == 1
             and weight.numel() * weight.element_size() <= tuning.gemv_max_bytes)
 
@@ -179,18 +179,18 @@ def gemv_fits(x, weight, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
 def _check_projection(name, x, weight, bias, max_rows):
     """(M, N, K) of ``x @ weight.T + bias`` once the operands are checked (ValueError if not)."""
     dev = x.device
-    _check(x, "x", 2, _FLOAT, dev)
-    _check(weight, "weight", 2, (x.dtype,), dev)
+    check(x, "x", 2, FLOAT, dev)
+    check(weight, "weight", 2, (x.dtype,), dev)
     M, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K:
-        _fail(f"{name}: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+        fail(f"{name}: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
     if not 1 <= M <= max_rows:
-        _fail(f"{name}: {M} rows; the kernel takes 1..{max_rows}")
+        fail(f"{name}: {M} rows; the kernel takes 1..{max_rows}")
     if bias is not None:
-        _check(bias, "bias", 1, (x.dtype,), dev)
+        check(bias, "bias", 1, (x.dtype,), dev)
         if bias.shape[0] != N:
-            _fail(f"{name}: bias has {bias.shape[0]} entries for {N} outputs")
+            fail(f"{name}: bias has {bias.shape[0]} entries for {N} outputs")
     return M, N, K
 
 
@@ -200,11 +200,11 @@ def gemv(x, weight, bias=None, tuning: KernelTuning = DEFAULT_TUNING):
     dev = x.device
     M, N, K = _check_projection("gemv", x, weight, bias, GEMV_MAX_ROWS)
     if K > GEMV_TILE:
-        _fail(f"gemv: K={K} > {GEMV_TILE}")
+        fail(f"gemv: K={K} > {GEMV_TILE}")
     y = torch.empty((M, N), dtype=x.dtype, device=dev)
     block_k = triton.next_power_of_2(K)
     # About one program per SM or more, each a few KB of weights, all resident at once.
-    per_sm = max(1, N // _num_sms(dev))
+    per_sm = max(1, N // num_sms(dev))
     block_n = max(1, min(GEMV_TILE // block_k, 1 << (per_sm.bit_length() - 1)))
     gemv_kernel[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, N, K,
@@ -242,14 +242,14 @@ def skinny_gemm(x, weight, bias=None, split_k=None, tuning: KernelTuning = DEFAU
     dev = x.device
     M, N, K = _check_projection("skinny_gemm", x, weight, bias, SKINNY_MAX_ROWS)
     if x.dtype not in _HALF:
-        _fail(f"skinny_gemm: x is {x.dtype}; the kernel takes bf16 or fp16")
+        fail(f"skinny_gemm: x is {x.dtype}; the kernel takes bf16 or fp16")
     block_n, block_k = 64, 128
     tiles = triton.cdiv(N, block_n)
     if split_k is None:  # a power of two near two programs per SM (the H200's best)
-        per = max(1, 2 * _num_sms(dev) // tiles)
+        per = max(1, 2 * num_sms(dev) // tiles)
         split_k = min(8, 1 << (per.bit_length() - 1))
     if not 1 <= split_k <= 64:
-        _fail(f"skinny_gemm: split_k {split_k} outside 1..64")
+        fail(f"skinny_gemm: split_k {split_k} outside 1..64")
     cnt = _SKINNY_COUNTERS.get(dev)
     if cnt is None or cnt.numel() < tiles:
         cnt = _SKINNY_COUNTERS[dev] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=dev)
@@ -259,6 +259,6 @@ def skinny_gemm(x, weight, bias=None, split_k=None, tuning: KernelTuning = DEFAU
         x, weight, bias if bias is not None else weight, y, part, cnt, M, N, K,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, STAGES=3,
-        DOT_F32=_INTERPRET, num_warps=4, **pdl_kwargs(dev, tuning),
+        DOT_F32=INTERPRET, num_warps=4, **pdl_kwargs(dev, tuning),
     )
     return y

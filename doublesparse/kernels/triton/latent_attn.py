@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ..latent import latent_split
-from .common import _INTERPRET
-from .decode_attn import _tile_slots, merge_kernel
+from .common import INTERPRET
+from .decode_attn import tile_slots, merge_kernel
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def latent_attn_kernel(
     for t in range(start, end, BLOCK_N):
         offs = t + ar
         nmask = offs < end
-        slot = _tile_slots(sel_row, rt_row, offs, end, sparse, HAS_SEL)
+        slot = tile_slots(sel_row, rt_row, offs, end, sparse, HAS_SEL)
         rows = kv_ptr + slot[:, None] * stride_s
         kn = tl.load(rows + dn[None, :], mask=nmask[:, None], other=0.0)      # [BLOCK_N, DN]: K and V
         kr = tl.load(rows + dr[None, :], mask=nmask[:, None], other=0.0)      # [BLOCK_N, DR]
@@ -118,7 +118,7 @@ def latent_attention(q, kv_cache, req_to_token, req_idx, seq_lens, sm_scale, ws,
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0), sel.stride(0) if has_sel else 0,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         Hq, DN=DN, DR=DR, HAS_SEL=has_sel, NUM_SPLITS=S, BLOCK_H=BH,
-        BLOCK_N=block_n, DOT_F32=_INTERPRET, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, DOT_F32=INTERPRET, num_warps=num_warps, num_stages=num_stages,
     )
     merge_kernel[(B, Hq)](
         po, pl, out, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),

@@ -16,8 +16,8 @@ import triton
 
 from ..tuning import DEFAULT_TUNING, KernelTuning
 from ..workspace import DecodeWorkspace
-from .common import (_FLOAT, _INDEX, _INTERPRET, _KV_FP8, _check, _check_caches, _check_decode, _check_labels,
-                     _fail, _kv_scale_args, _num_sms, pdl_kwargs)
+from .common import (FLOAT, INDEX, INTERPRET, KV_FP8, check, check_caches, check_decode, check_labels,
+                     fail, kv_scale_args, num_sms, pdl_kwargs)
 from .kv_quant import fp8_constexprs
 from .decode_attn import decode_attn_kernel, merge_kernel
 from ..latent import latent_split
@@ -29,19 +29,19 @@ from .store import store_kv_kernel
 def check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale=None,
                      v_scale=None):
     dev = k.device
-    _check_caches(k_cache, v_cache, dev, k_scale, v_scale)
-    _check(k, "k", 3, _FLOAT, dev)
-    _check(v, "v", 3, _FLOAT, dev)
+    check_caches(k_cache, v_cache, dev, k_scale, v_scale)
+    check(k, "k", 3, FLOAT, dev)
+    check(v, "v", 3, FLOAT, dev)
     N, Hkv, D = k.shape
     if tuple(v.shape) != (N, Hkv, D):
-        _fail(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
+        fail(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
     if tuple(k_cache.shape[1:]) != (Hkv, D):
-        _fail(f"k is [N, {Hkv}, {D}] but k_cache is {tuple(k_cache.shape)}")
-    _check(slots, "slots", 1, _INDEX, dev)
+        fail(f"k is [N, {Hkv}, {D}] but k_cache is {tuple(k_cache.shape)}")
+    check(slots, "slots", 1, INDEX, dev)
     if slots.shape[0] != N:
-        _fail(f"slots has {slots.shape[0]} entries for {N} tokens")
+        fail(f"slots has {slots.shape[0]} entries for {N} tokens")
     if label_cache is not None:
-        _check_labels(label_cache, label_scale, channels, k_cache, dev)
+        check_labels(label_cache, label_scale, channels, k_cache, dev)
 
 
 def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, channels=None, k_scale=None,
@@ -56,7 +56,7 @@ def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, 
     r = label_cache.shape[2] if has_label else 1
     scale = label_scale if (has_label and label_scale is not None) else k_cache
     BLOCK_T = 16
-    ks, vs, _ = _kv_scale_args(k_cache, k_scale, v_scale)
+    ks, vs, _ = kv_scale_args(k_cache, k_scale, v_scale)
     store_kv_kernel[(triton.cdiv(N, BLOCK_T), Hkv)](
         k, v, slots, k_cache, v_cache, lab, ch, scale, ks, vs, N,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -65,19 +65,19 @@ def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, 
         D=D, R=r, BLOCK_T=BLOCK_T, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_R=triton.next_power_of_2(r), HAS_LABEL=has_label,
         LABEL_FP8=has_label and label_cache.dtype == torch.float8_e4m3fn,
-        **fp8_constexprs(k_cache.dtype), INTERPRET=_INTERPRET, num_warps=4,
+        **fp8_constexprs(k_cache.dtype), INTERPRET=INTERPRET, num_warps=4,
     )
 
 
 def _attn_block_n(programs_rows: int, device, tuning: KernelTuning) -> int:
     # Few (request, head) rows: short tiles and many splits keep enough loads in flight. Many rows
     # (large batches): long tiles amortize the per-tile softmax work (measured on an H200).
-    if programs_rows >= _num_sms(device):
+    if programs_rows >= num_sms(device):
         return tuning.attn_block_n_many_rows
     return tuning.attn_block_n
 
 
-def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
+def split_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                sel, rows, heavy_ks, max_k, per_head, num_splits, tuning: KernelTuning, stages=None,
                row_ks=None, k_scale=None, v_scale=None):
     """Split-K attention (+ merge) over each row's whole cache (``sel`` None) or, for requests
@@ -88,8 +88,8 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
     the output by v's)."""
     B, Hq, D = q.shape
     if v_cache is k_cache and k_cache.shape[1] == 1 and not per_head and latent_split(D):
-        if k_cache.dtype in _KV_FP8:
-            _fail("the MLA latent attention reads a bf16/fp16 latent pool, not fp8")
+        if k_cache.dtype in KV_FP8:
+            fail("the MLA latent attention reads a bf16/fp16 latent pool, not fp8")
         # an MLA latent pool (V is K's first part): its own kernel (latent_attn.py). It has one
         # selection row per request, so the top-p budget's per-row count is that request's count
         # (the keep kernel fills only the first row_ks[b, 0] entries of sel).
@@ -101,14 +101,14 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
     G = Hq // k_cache.shape[1]
     S = num_splits
     if not 1 <= S <= ws.max_splits:
-        _fail(f"num_splits={S} must be in [1, {ws.max_splits}]")
+        fail(f"num_splits={S} must be in [1, {ws.max_splits}]")
     po, pl = ws.part_o, ws.part_lse
     has_sel = sel is not None
     sel_t = sel if has_sel else seq_lens
     if out is None:
         out = torch.empty_like(q)
     block_s = triton.next_power_of_2(S)
-    ks, vs, kv_fp8 = _kv_scale_args(k_cache, k_scale, v_scale)
+    ks, vs, kv_fp8 = kv_scale_args(k_cache, k_scale, v_scale)
     decode_attn_kernel[(B, rows, S)](
         q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sel_t, po, pl, out,
         float(sm_scale), heavy_ks if has_sel else seq_lens, int(max_k),
@@ -119,7 +119,7 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
         out.stride(0), out.stride(1),
         G=G, D=D, PER_HEAD=per_head, HAS_SEL=has_sel, NUM_SPLITS=S,
         BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(D), DOT_F32=_INTERPRET,
+        BLOCK_D=triton.next_power_of_2(D), DOT_F32=INTERPRET,
         row_ks_ptr=seq_lens if row_ks is None else row_ks, stride_rkb=0 if row_ks is None else row_ks.stride(0),
         ROW_KS=row_ks is not None, k_scale_ptr=ks, v_scale_ptr=vs, KV_FP8=kv_fp8,
         num_warps=tuning.attn_warps, num_stages=stages or tuning.attn_stages,
@@ -134,15 +134,15 @@ def _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, w
 
 
 def dense_splits(B: int, Hkv: int, ws: DecodeWorkspace, device, tuning: KernelTuning) -> int:
-    want = triton.cdiv(tuning.attn_programs_per_sm * _num_sms(device), B * Hkv)
+    want = triton.cdiv(tuning.attn_programs_per_sm * num_sms(device), B * Hkv)
     return max(1, min(ws.max_splits, want, triton.cdiv(ws.max_ctx, _attn_block_n(B * Hkv, device, tuning))))
 
 
-def _sparse_splits(B, rows, Hkv, k, ws, dev, tuning: KernelTuning) -> int:
+def sparse_splits(B, rows, Hkv, k, ws, dev, tuning: KernelTuning) -> int:
     """Split-K partitions of a row of the attention over the selection, for the batch's largest
     budget k (a row with a smaller one, or a request that decodes densely and reads its whole
     cache, is cut into as many splits of its own length)."""
-    want = triton.cdiv(tuning.sparse_attn_programs_per_sm * _num_sms(dev), B * rows)
+    want = triton.cdiv(tuning.sparse_attn_programs_per_sm * num_sms(dev), B * rows)
     cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev, tuning)), dense_splits(B, Hkv, ws, dev, tuning))
     return max(1, min(ws.max_splits, want, cap))
 
@@ -151,9 +151,9 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
                  num_splits=None, tuning: KernelTuning = DEFAULT_TUNING, k_scale=None, v_scale=None):
     """q: [B, Hq, D]; caches [S, Hkv, D] (fp8 with k_scale, v_scale [1] float32); returns (or
     fills ``out``) [B, Hq, D] in q's dtype."""
-    B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale, v_scale)
+    B, Hq, Hkv, D = check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale, v_scale)
     S = num_splits or dense_splits(B, Hkv, ws, q.device, tuning)
-    return _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
+    return split_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                       None, Hkv, None, 0, False, S, tuning, k_scale=k_scale, v_scale=v_scale)
 
 
@@ -164,19 +164,19 @@ def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale
     cache (``seq_lens``); else over the first ``ks[b]`` slots of each selection row (``sel`` [B, R,
     K] int32, R = Hkv, or Hq with ``per_head``; ``row_ks`` [B, R] int32: per row instead).
     The kernels keep base-2 partials per split; the merge of their log-sum-exps is a torch op."""
-    B, Hq, Hkv, D = _check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, None, k_scale, v_scale)
+    B, Hq, Hkv, D = check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, None, k_scale, v_scale)
     if sel is None:
         S = dense_splits(B, Hkv, ws, q.device, tuning)
-        out = _attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, None,
+        out = split_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, None,
                          None, Hkv, None, 0, False, S, tuning, k_scale=k_scale, v_scale=v_scale)
     else:
         R, K = sel.shape[1], sel.shape[2]
         if sel.shape[0] != B or R != (Hq if per_head else Hkv) or ks is None or ks.shape != (B,):
-            _fail(f"attention_lse: sel must be [{B}, {Hq if per_head else Hkv}, K] with ks [{B}], got "
+            fail(f"attention_lse: sel must be [{B}, {Hq if per_head else Hkv}, K] with ks [{B}], got "
                   f"{tuple(sel.shape)} and {None if ks is None else tuple(ks.shape)}")
-        S = _sparse_splits(B, R, Hkv, K, ws, q.device, tuning)
+        S = sparse_splits(B, R, Hkv, K, ws, q.device, tuning)
         # a length of k + 1 with a budget of k: every request reads its selection
-        out = _attention(q, k_cache, v_cache, req_to_token, req_idx, ks + 1, sm_scale, ws, None, sel, R, ks, K,
+        out = split_attention(q, k_cache, v_cache, req_to_token, req_idx, ks + 1, sm_scale, ws, None, sel, R, ks, K,
                          per_head, S, tuning, row_ks=row_ks, k_scale=k_scale, v_scale=v_scale)
     lse = torch.logsumexp(ws.part_lse[:B, :Hq, :S].float() * math.log(2.0), dim=-1)
     return out, lse
@@ -184,16 +184,16 @@ def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale
 
 def rope(positions, q, k, cos, sin):
     dev = q.device
-    _check(q, "q", 3, _FLOAT, dev)
-    _check(k, "k", 3, (q.dtype,), dev)
-    _check(positions, "positions", 1, _INDEX, dev)
-    _check(cos, "cos", 2, (torch.float32,), dev)
-    _check(sin, "sin", 2, (torch.float32,), dev)
+    check(q, "q", 3, FLOAT, dev)
+    check(k, "k", 3, (q.dtype,), dev)
+    check(positions, "positions", 1, INDEX, dev)
+    check(cos, "cos", 2, (torch.float32,), dev)
+    check(sin, "sin", 2, (torch.float32,), dev)
     T, Hq, D = q.shape
     if k.shape[0] != T or k.shape[2] != D or positions.shape[0] != T:
-        _fail(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)} disagree")
+        fail(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)} disagree")
     if D % 2 or cos.shape[1] != D // 2 or sin.shape != cos.shape:
-        _fail(f"rope: cos/sin must be [max_pos, {D // 2}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
+        fail(f"rope: cos/sin must be [max_pos, {D // 2}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
     qo = torch.empty(q.shape, dtype=q.dtype, device=dev)
     ko = torch.empty(k.shape, dtype=k.dtype, device=dev)
     if T == 0:

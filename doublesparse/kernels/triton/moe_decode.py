@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _FLOAT, _INDEX, _INTERPRET, _check, _fail, pdl_kwargs
+from .common import FLOAT, INDEX, INTERPRET, check, fail, pdl_kwargs
 from .pdl import enter
 from ..tuning import DEFAULT_TUNING, KernelTuning
 
@@ -186,7 +186,7 @@ def decode_fits(x, top_k: int, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
     :func:`moe_decode`: at most ``tuning.moe_decode_max_tokens`` tokens (0: never) and MAX_TOKENS
     assignments, and outside a graph capture only once an eager call on the device has made its
     counters (the engine warms up before it captures)."""
-    on_gpu = x.is_cuda and not _INTERPRET
+    on_gpu = x.is_cuda and not INTERPRET
     return (1 <= x.shape[0] <= tuning.moe_decode_max_tokens and x.shape[0] * top_k <= MAX_TOKENS
             and (x.device in _COUNTERS or not (on_gpu and torch.cuda.is_current_stream_capturing())))
 
@@ -202,37 +202,37 @@ def moe_decode(x, w13, w2, weights, ids, shared=None, out=None, shared_w13=None,
     ``sum_k weights[t, k] * down(silu(gate) * up)(x[t])`` (+ shared) (+ the shared MLP's output),
     fp32 accumulation."""
     dev = x.device
-    _check(x, "x", 2, _FLOAT, dev)
-    _check(w13, "w13", 3, (x.dtype,), dev)
-    _check(w2, "w2", 3, (x.dtype,), dev)
-    _check(ids, "ids", 2, _INDEX, dev)
-    _check(weights, "weights", 2, _FLOAT, dev)
+    check(x, "x", 2, FLOAT, dev)
+    check(w13, "w13", 3, (x.dtype,), dev)
+    check(w2, "w2", 3, (x.dtype,), dev)
+    check(ids, "ids", 2, INDEX, dev)
+    check(weights, "weights", 2, FLOAT, dev)
     T, H = x.shape
     E, two_i, _ = w13.shape
     inter, K = two_i // 2, ids.shape[1]
     if w13.shape[2] != H or two_i % 2:
-        _fail(f"moe_decode: w13 {tuple(w13.shape)} must be [E, 2 * intermediate, {H}]")
+        fail(f"moe_decode: w13 {tuple(w13.shape)} must be [E, 2 * intermediate, {H}]")
     if tuple(w2.shape) != (E, H, inter):
-        _fail(f"moe_decode: w2 {tuple(w2.shape)} must be [{E}, {H}, {inter}]")
+        fail(f"moe_decode: w2 {tuple(w2.shape)} must be [{E}, {H}, {inter}]")
     if ids.shape[0] != T or tuple(weights.shape) != tuple(ids.shape):
-        _fail(f"moe_decode: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{T}, K]")
+        fail(f"moe_decode: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{T}, K]")
     if not 1 <= T * K <= MAX_TOKENS:
-        _fail(f"moe_decode: {T} x {K} assignments; the kernel takes 1..{MAX_TOKENS}")
+        fail(f"moe_decode: {T} x {K} assignments; the kernel takes 1..{MAX_TOKENS}")
     for name, t_ in (("shared", shared), ("out", out)):
         if t_ is not None:
-            _check(t_, name, 2, (x.dtype,), dev)
+            check(t_, name, 2, (x.dtype,), dev)
             if tuple(t_.shape) != (T, H):
-                _fail(f"moe_decode: {name} {tuple(t_.shape)} must be [{T}, {H}]")
+                fail(f"moe_decode: {name} {tuple(t_.shape)} must be [{T}, {H}]")
     mlp = shared_w13 is not None
     if mlp != (shared_w2 is not None):
-        _fail("moe_decode: shared_w13 and shared_w2 come together")
+        fail("moe_decode: shared_w13 and shared_w2 come together")
     i_s = 0
     if mlp:
-        _check(shared_w13, "shared_w13", 2, (x.dtype,), dev)
-        _check(shared_w2, "shared_w2", 2, (x.dtype,), dev)
+        check(shared_w13, "shared_w13", 2, (x.dtype,), dev)
+        check(shared_w2, "shared_w2", 2, (x.dtype,), dev)
         i_s = shared_w13.shape[0] // 2
         if shared_w13.shape[1] != H or shared_w13.shape[0] % 2 or tuple(shared_w2.shape) != (H, i_s):
-            _fail(f"moe_decode: shared_w13 {tuple(shared_w13.shape)} / shared_w2 {tuple(shared_w2.shape)} must be "
+            fail(f"moe_decode: shared_w13 {tuple(shared_w13.shape)} / shared_w2 {tuple(shared_w2.shape)} must be "
                   f"[2 * Is, {H}] / [{H}, Is]")
     t = tuning
     tk, tkp = T * K, triton.next_power_of_2(T * K)
@@ -240,7 +240,7 @@ def moe_decode(x, w13, w2, weights, ids, shared=None, out=None, shared_w13=None,
     sw13 = shared_w13 if mlp else w13
     sw2 = shared_w2 if mlp else w2
     aligned = all(v % 16 == 0 for v in (H, inter, i_s, w13.stride(1), w2.stride(1), sw13.stride(0), sw2.stride(0)))
-    dot_f32 = _INTERPRET or x.dtype == torch.float32
+    dot_f32 = INTERPRET or x.dtype == torch.float32
     common = dict(K=K, TKP=tkp, SHARED_MLP=mlp, ALIGNED=aligned, STAGES=t.moe_decode_stages, DOT_F32=dot_f32,
                   num_warps=t.moe_decode_warps, **pdl_kwargs(dev, t))
     grid_e = E + int(mlp)  # program E: the shared experts
