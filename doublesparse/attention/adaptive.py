@@ -27,7 +27,7 @@ import dataclasses
 
 import torch
 
-from ..engine.transfer import to_device
+from ..kernels.transfer import to_device
 from .adaptive_control import AdaptiveConfig, BudgetController
 from .budget import DENSE
 

@@ -38,7 +38,7 @@ import torch
 
 from ..kernels import torch_ops
 from ..kernels.reference import is_fp8_kv
-from ..engine.transfer import to_host_async
+from ..kernels.transfer import to_host_async
 from .budget import DENSE
 from .recall_stats import RecallStats
 
@@ -284,7 +284,7 @@ class RecallProbe:
         log-sum-exp; a head's recall is ``exp(lse_selection - lse_all)``. Reads the rows' K/V once
         each at the kernels' bandwidth, no float32 copies."""
         from ..kernels import ops
-        from ..engine.transfer import to_device
+        from ..kernels.transfer import to_device
         b, ds, m = self.backend, self.backend.ds, self.backend.memory
         mode = ds.mode_of(a.layer)
         kc, vc = m.k[a.layer], m.v[a.layer]

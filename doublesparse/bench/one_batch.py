@@ -25,7 +25,7 @@ from ..cli_common import Parser, UsageError, run_main
 from ..config import SchedulerConfig
 from ..config_flags import add_cli_args
 from ..engine.scheduler import Scheduler
-from ..engine.transfer import to_device, to_host_async
+from ..kernels.transfer import to_device, to_host_async
 
 
 def build_parser() -> argparse.ArgumentParser:

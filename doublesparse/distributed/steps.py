@@ -22,7 +22,7 @@ import torch
 from ..attention.batch import ForwardBatch
 from ..engine.memory import KVMemory
 from ..engine.model_runner import ModelRunner
-from ..engine.transfer import to_device
+from ..kernels.transfer import to_device
 
 
 class RecordingKVMemory(KVMemory):

@@ -36,7 +36,7 @@ from .sampler import make_generator
 from .sampling_params import SamplingParams
 from .setup import EngineParts, build_parts
 from .text import Detokenizer
-from .transfer import to_device, to_host_async
+from ..kernels.transfer import to_device, to_host_async
 
 
 class Engine:

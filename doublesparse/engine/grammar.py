@@ -21,7 +21,7 @@ import torch
 
 from .json_object import GRAMMAR as JSON_OBJECT_GRAMMAR
 from .json_object import BoundedJsonObject, ClosingTable
-from .transfer import to_device
+from ..kernels.transfer import to_device
 
 
 def xgrammar_available() -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import CPU_DEFAULT_TOTAL_TOKENS, EngineConfig
-from .transfer import to_device
+from ..kernels.transfer import to_device
 
 CPU_POOL_BYTES = 1 << 30
 LABEL_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -297,7 +297,7 @@ class KVMemory:
         self.req_to_token_host[rows, positions] = slots.to(torch.int32)
         if not write_device:
             return slots
-        # pinned + async: a pageable copy would wait for the GPU (engine/transfer.py)
+        # pinned + async: a pageable copy would wait for the GPU (kernels/transfer.py)
         self.req_to_token[to_device(rows, self.device), to_device(positions, self.device)] = \
             to_device(slots.to(torch.int32), self.device)
         return slots

@@ -19,7 +19,7 @@ from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from ..attention.budget import DENSE
 from .cpu_threads import CpuThreads
 from ..attention.batch import ForwardBatch
-from .transfer import to_device
+from ..kernels.transfer import to_device
 
 
 @contextlib.contextmanager

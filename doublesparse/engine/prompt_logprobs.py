@@ -21,7 +21,7 @@ import torch
 from .request_sampling import LOGPROB_COLS, unpack_logprobs
 from .sampler import token_logprobs
 from .sampling_params import LOGPROBS_MAX
-from .transfer import to_device
+from ..kernels.transfer import to_device
 
 # Rows of the log-softmax computed at once: bounds the [rows, V] float32 temporaries of a long
 # chunk (the logits themselves are [chunk tokens, V] already).

@@ -13,7 +13,7 @@ import torch
 
 from .sampler import apply_penalties, sample, token_logprobs
 from .sampling_params import LOGPROBS_MAX, SamplingParams
-from .transfer import to_device
+from ..kernels.transfer import to_device
 
 # Width of one row of the packed logprobs (see sampler.token_logprobs): a fixed width lets the
 # rows of a step's prefill and decode samples be concatenated into one host copy.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .sampling_params import SamplingParams
-from .transfer import to_device
+from ..kernels.transfer import to_device
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
