@@ -31,7 +31,7 @@ import time
 import torch
 
 import doublesparse
-from ..calibrate.texts import EVAL_PLAYS, encode, read_texts
+from ..texts import EVAL_PLAYS, encode, read_texts
 from ..config import EngineConfig
 from ..engine.setup import build_parts
 from ..eval.measure import split_windows

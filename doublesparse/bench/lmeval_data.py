@@ -1,5 +1,5 @@
 """The Shakespeare task's data for lm-evaluation-harness, built deterministically from the
-evaluation plays (:data:`doublesparse.calibrate.texts.EVAL_PLAYS`, never the calibration ones).
+evaluation plays (:data:`doublesparse.texts.EVAL_PLAYS`, never the calibration ones).
 
 Three short-prompt tasks over verse lines of the plays' speeches (a speaker line such as
 ``Hor.`` followed by its lines):
@@ -93,7 +93,7 @@ def _word_items(play: str, sp: list, rng: random.Random, last: bool) -> list[dic
 def build(sizes: dict[str, int] | None = None, seed: int = SEED) -> dict[str, list[dict]]:
     """Items of each task, ``sizes[task]`` of them, drawn at random from all evaluation plays."""
     from doublesparse.assets import read_play
-    from doublesparse.calibrate.texts import EVAL_PLAYS
+    from doublesparse.texts import EVAL_PLAYS
 
     sizes = dict(SIZES if sizes is None else sizes)
     rng = random.Random(seed)

@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _prompt(tokenizer, n: int) -> list[int]:
-    from ..calibrate.texts import EVAL_PLAYS, encode, read_texts
+    from ..texts import EVAL_PLAYS, encode, read_texts
     ids: list[int] = []
     for text in read_texts(None, EVAL_PLAYS):
         ids += encode(tokenizer, text)

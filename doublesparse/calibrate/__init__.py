@@ -5,7 +5,7 @@ Engine-facing API: :func:`load_channels`, :func:`default_channels`, :func:`packa
 
 from .channels import (CHANNEL_TYPES, MODES, default_channels, load_channels, packaged_config_path,
                        parse_channels, save_config, stats_to_config)
-from .texts import CALIBRATION_PLAYS, EVAL_PLAYS
+from ..texts import CALIBRATION_PLAYS, EVAL_PLAYS
 
 __all__ = ["CHANNEL_TYPES", "MODES", "default_channels", "load_channels", "packaged_config_path",
            "parse_channels", "save_config", "stats_to_config", "CALIBRATION_PLAYS", "EVAL_PLAYS"]

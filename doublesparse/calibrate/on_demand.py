@@ -24,7 +24,7 @@ from ..engine.channel_config import FORMAT_VERSION, save_config
 from .frontier import DECODE_LEN, RULE, OpSettings
 from .pipeline import RECALL, RECALL_SAMPLES, STATISTIC, build_config
 from .recall import CANDIDATES
-from .texts import CALIBRATION_PLAYS, read_texts, text_hash
+from ..texts import CALIBRATION_PLAYS, read_texts, text_hash
 
 log = logging.getLogger("doublesparse.calibrate")
 NUM_SAMPLES, SEQ_LEN = 12, 2048  # as `doublesparse calibrate`'s defaults (the packaged configs')

@@ -26,7 +26,7 @@ from .recall import (
 )
 from .frontier import OpSettings, choose_point
 from .stats import collect_stats, sample_windows, window_starts
-from .texts import encode, text_hash
+from ..texts import encode, text_hash
 
 STATISTIC = "mean over tokens of |q|, |k|, |q*k| per channel, post-RoPE (k repeated over its group)"
 RECALL_SAMPLES = 4

@@ -14,36 +14,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..attention.batch import ForwardBatch
+from ..models.simple_attention import plain_backend
 from .threads import ThreadChooser, candidates_for, num_threads
-
-
-def causal_attention(q, k, v, sm_scale: float | None = None):
-    """Causal prefill of one sequence: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``.
-
-    The inputs get a batch dim (``[1, H, T, D]``) because on CPU PyTorch only takes its fused
-    flash kernel for 4-D inputs; 3-D ones fall back to the math path, which materialises the
-    ``[Hq, T, T]`` scores (measured on 2 cores, SmolLM2 shapes, T = 2048: 0.39 s vs 0.06 s per
-    layer, which was ~70 % of calibration time).
-    """
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k.to(q.dtype), v.to(q.dtype)))
-    o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=sm_scale,
-                                                         enable_gqa=True)
-    return o[0].transpose(0, 1)
-
-
-class FastCausal:
-    """Plain causal attention backend (no KV cache, no sliding window), see :func:`causal_attention`."""
-
-    def forward(self, layer_id, q, k, v, batch):
-        return causal_attention(q, k, v)
-
-    __call__ = forward
-
-
-def plain_backend():
-    """The backend calibration delegates attention to. Not the models package's ``CausalAttention``:
-    that one passes 3-D tensors to SDPA and so runs the slow math path on CPU (same result)."""
-    return FastCausal()
 
 
 def make_batch(attn, logits_indices, mode: str = "prefill") -> ForwardBatch:

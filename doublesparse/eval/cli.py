@@ -22,7 +22,7 @@ import torch
 
 import doublesparse
 from doublesparse import preflight
-from doublesparse.calibrate.texts import EVAL_PLAYS, encode, read_texts
+from doublesparse.texts import EVAL_PLAYS, encode, read_texts
 from doublesparse.config import LABEL_DTYPES
 from doublesparse.cli_common import (
     Parser,

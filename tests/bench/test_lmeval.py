@@ -46,7 +46,7 @@ def test_speeches_stop_at_stage_directions():
 def _plays_available() -> bool:
     try:
         from doublesparse.assets import play_path
-        from doublesparse.calibrate.texts import EVAL_PLAYS
+        from doublesparse.texts import EVAL_PLAYS
         return all(play_path(p).is_file() for p in EVAL_PLAYS)
     except Exception:
         return False
@@ -58,7 +58,7 @@ def test_shipped_data_is_what_the_plays_give(tmp_path):
     for task in lmeval_data.SIZES:
         shipped = (lmeval_data.TASKS_DIR / f"{task}.jsonl").read_text()
         assert (tmp_path / f"{task}.jsonl").read_text() == shipped, task
-    from doublesparse.calibrate.texts import CALIBRATION_PLAYS
+    from doublesparse.texts import CALIBRATION_PLAYS
     for line in (lmeval_data.TASKS_DIR / "next_line.jsonl").read_text().splitlines():
         item = json.loads(line)
         assert item["play"] not in CALIBRATION_PLAYS

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from doublesparse.calibrate import channels as ch
-from doublesparse.calibrate import cli, texts
+from doublesparse import texts
+from doublesparse.calibrate import cli
 from doublesparse.calibrate.threads import ThreadChooser, candidates_for, num_threads
-from doublesparse.calibrate.stats import (StatsAttention, causal_attention, collect_stats, make_batch,
-                                          sample_windows)
+from doublesparse.calibrate.stats import StatsAttention, collect_stats, make_batch, sample_windows
+from doublesparse.models.simple_attention import causal_attention
 from doublesparse.testing import ByteTokenizer, tiny_llama
 
 

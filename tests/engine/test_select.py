@@ -96,7 +96,7 @@ def test_auto_calibrates_once_then_reads_the_cache(model, tmp_path, monkeypatch)
     plays = tmp_path / "plays"
     plays.mkdir()
     g = torch.Generator().manual_seed(2)
-    from doublesparse.calibrate.texts import CALIBRATION_PLAYS
+    from doublesparse.texts import CALIBRATION_PLAYS
     for name in CALIBRATION_PLAYS:  # 12 windows of 256 byte-tokens in all
         (plays / f"{name}.txt").write_bytes(bytes(torch.randint(32, 127, (600,), generator=g).tolist()))
     monkeypatch.setenv("DOUBLESPARSE_SHAKESPEARE_DIR", str(plays))

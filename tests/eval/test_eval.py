@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from doublesparse.calibrate.stats import make_batch, plain_backend
+from doublesparse.calibrate.stats import make_batch
+from doublesparse.models.simple_attention import plain_backend
 from doublesparse.engine.weight_channels import default_channels
 from doublesparse.eval import cli, driver, retrieval
 from doublesparse.eval.settings import DENSE, Setting, preset
@@ -298,7 +299,7 @@ def test_protocol_end_to_end_and_budget(tmp_path, monkeypatch):
 
 def test_stage_texts_and_env_override(tmp_path, monkeypatch):
     from doublesparse import assets
-    from doublesparse.calibrate.texts import EVAL_EDITIONS
+    from doublesparse.texts import EVAL_EDITIONS
     from doublesparse.eval import protocol
     src = tmp_path / "src"
     src.mkdir()
