@@ -251,15 +251,15 @@ SUITES: dict[str, dict] = {
     },
     # Tensor parallelism on a multi-GPU machine (rows above _tp_rows).
     "tp": {"area": "tp", "rows": _tp_rows()},
-    # A mixed load for 30 minutes at concurrency 32 against the DS server (prompts up to ~32K): lost
+    # A mixed load for 8 minutes (one device command) at concurrency 32 against the DS server (prompts up to ~32K): lost
     # valid requests, 5xx, duplicates, RSS growth, /metrics against the client's counts.
     "soak": {
         "area": "soak",
         "rows": [_serving_row("soak", _SERVER_SOAK,
                               f"python -m doublesparse.bench.soak --base-url http://127.0.0.1:{_PORT} "
-                              "--duration 1800 --concurrency 32 --max-tokens 64 --prompt-words 2000 "
+                              "--duration 480 --concurrency 32 --max-tokens 64 --prompt-words 2000 "
                               "--burst-words 20000 --burst-size 8 --oversize-words 60000 --token-ids "
-                              "--result-json {out}.json", 2100)],
+                              "--result-json {out}.json", 570)],
     },
     # The OpenAI-compatible server under load, dense and DS, then the malformed-request mix.
     "serving": {
