@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 
 from ..kernels import ops
 from ..kernels.tuning import KernelTuning
+from .attention import time_fn
 from .one_batch import copy_bandwidth
 
 # name -> (hidden, moe intermediate, routed experts, top-k)
@@ -30,23 +30,9 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v2-lite": (2048, 1408,
 
 
 def time_graph(fn, iters: int, reps: int = 10) -> float:
-    """Median seconds of one ``fn()`` call: ``reps`` calls captured in one CUDA graph, replayed."""
-    fn()  # eager first: compiles, and makes the decode path's counters before capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / reps)
-    return statistics.median(times)
+    """Median seconds of one ``fn()`` call: ``reps`` calls captured in one CUDA graph, replayed
+    (the eager first call in ``time_fn`` also makes the decode path's counters before capture)."""
+    return time_fn(lambda *_: fn(), reps=reps, iters=iters)
 
 
 def case(name: str, T: int, tuning: KernelTuning, bw: float, iters: int, seed: int = 0, device: str = "cuda",
