@@ -23,6 +23,8 @@ CHANNEL_TYPES = ("q", "k", "qk")
 # layer: one selection per request shared by every head of a layer (DS-Offload's default: it
 # fetches a token's K/V of all heads as one row)
 SELECTION_MODES = ("per_head", "group_sum", "group_max", "layer")
+# "auto" under DS-Offload: one selection per layer, so that a fetch moves whole tokens
+OFFLOAD_SELECTION_MODE = "layer"
 # "auto": each layer's mode as its channel config records it (calibration measures it), else this one
 DEFAULT_SELECTION_MODE = "group_max"
 # what the budget fields mean where nothing filled them in: the engine fills every unset one from

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from ..config import OFFLOAD_SELECTION_MODE
+
 
 def offload_step_stats(backend, before: dict, after: dict, seq_lens_per_step: list[list[int]]) -> dict:
     """Per-case DS-Offload figures between two ``backend.fetch_stats()`` readings. Full-KV offload
@@ -238,7 +240,7 @@ def _main(argv: list[str]) -> int:
     if cfg.ds_selection_mode == "auto":
         # the in-GPU peer selects as DS-Offload does by default (one selection per layer), so that
         # their tokens must agree
-        cfg = cfg.replace(ds_selection_mode="layer")
+        cfg = cfg.replace(ds_selection_mode=OFFLOAD_SELECTION_MODE)
     check_engine_config(cfg)
     tok = load_tokenizer(cfg.model_path)
     ids = _prompt(tok, args.input_len)

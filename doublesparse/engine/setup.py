@@ -14,7 +14,7 @@ import torch
 
 from ..attention import DSParams, create_backend, prefill
 from ..attention.budget import DecodeCost, DecodePolicy
-from ..config import EngineConfig
+from ..config import OFFLOAD_SELECTION_MODE, EngineConfig
 from ..kernels.workspace import DecodeWorkspace
 from .memory import KVMemory, MemoryPlan, plan_memory
 from .model_runner import ModelRunner
@@ -139,7 +139,7 @@ def resolve_channels(cfg: EngineConfig, model, mc, r: int, tokenizer=None,
     modes = (cfg.ds_selection_mode,) * L if explicit else point.modes(L)
     if cfg.enable_ds_offload and not explicit:
         # DS-Offload fetches whole tokens (2 KB rows at PCIe speed) under one selection per layer
-        modes = ("layer",) * L
+        modes = (OFFLOAD_SELECTION_MODE,) * L
     how = f"mode {modes[0]}" if len(set(modes)) == 1 else "modes per layer from the config"
     if path is not None:
         ch = load_channels(path, mc if shard is None else shard.config, cfg.ds_heavy_channel_type, r, modes)
