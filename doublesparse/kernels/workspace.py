@@ -52,6 +52,9 @@ class DecodeWorkspace:
         Hkv = self.num_kv_heads
         self.layer = (DecodeWorkspace(B, Hq // Hkv, 1, Hkv * D, self.max_ctx, self.max_heavy_tokens, dev, 1)
                       if self.layer_select and self.max_heavy_tokens else None)
+        if self.layer is not None:
+            # KV head h's channels sit at h * D of the virtual head's row: made once, not per step
+            self.layer.channel_offsets = torch.arange(Hkv, dtype=torch.int32, device=dev)[:, None] * D
         f32 = dict(dtype=torch.float32, device=dev)
         self.buffers["part_o"] = torch.empty(B, Hq, S, D, **f32)
         self.buffers["part_lse"] = torch.empty(B, Hq, S, **f32)

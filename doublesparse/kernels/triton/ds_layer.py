@@ -15,7 +15,6 @@ serves at PCIe speed where per-head rows (256 B) do not.
 
 from __future__ import annotations
 
-import torch
 
 from ..tuning import DEFAULT_TUNING, KernelTuning
 from .common import check_decode, check_labels, fail
@@ -24,16 +23,16 @@ from .ds_launch import ds_decode as _ds
 from .launch import split_attention
 
 
-def layer_views(q, label_cache, channels):
+def layer_views(q, label_cache, channels, offsets):
     """(q [B, G, Hkv * D], labels [S, 1, Hkv * r], channels [1, Hkv * r]) of the virtual KV head.
-    q: [B, Hq, D]; label_cache: [S, Hkv, r] contiguous in its last two dims; channels: [Hkv, r]."""
+    q: [B, Hq, D]; label_cache: [S, Hkv, r] contiguous in its last two dims; channels: [Hkv, r];
+    offsets: [Hkv, 1] int32, h * D (the layer workspace's ``channel_offsets``)."""
     B, Hq, D = q.shape
     S, Hkv, r = label_cache.shape
     G = Hq // Hkv
     qv = q.view(B, Hkv, G, D).transpose(1, 2).reshape(B, G, Hkv * D)
     lab = label_cache.view(S, 1, Hkv * r)
-    off = torch.arange(Hkv, device=channels.device, dtype=channels.dtype)[:, None] * D
-    return qv, lab, (channels + off).view(1, Hkv * r)
+    return qv, lab, (channels + offsets).view(1, Hkv * r)
 
 
 def layer_select(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, sm_scale,
@@ -48,7 +47,7 @@ def layer_select(q, label_cache, label_scale, channels, req_to_token, req_idx, s
     S, Hkv, _ = label_cache.shape
     if Hq % Hkv:
         fail(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
-    qv, lab, ch = layer_views(q, label_cache, channels)
+    qv, lab, ch = layer_views(q, label_cache, channels, ws.layer.channel_offsets)
     # the select stage reads no K/V; its checks want a K pool as long as the label pool (a
     # stride-0 view of the virtual q's first row: no memory)
     kv = qv.as_strided((S, 1, Hkv * D), (0, Hkv * D, 1))
