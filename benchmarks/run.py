@@ -24,7 +24,7 @@ To add a suite, add an entry to ``SUITES``: ``area`` (the result files' name), o
 ``{gpus}`` in a command is replaced by the number of GPUs of the machine (tensor-parallel rows),
 ``{pool:TOKENS:GB}`` by ``--max-total-tokens TOKENS`` on a card of at least GB gigabytes (else by
 nothing: the engine sizes its pool to the card). A row with ``min_gb`` above the card's memory is
-skipped with why; a row with ``lane`` runs beside the main lane (a thread of its own); a suite with
+skipped with why, as is a row with ``max_gb`` (a smaller card's variant) on a card of that much; a row with ``lane`` runs beside the main lane (a thread of its own); a suite with
 ``budget_s`` starts no row past that many seconds (``--budget-s`` overrides); ``needs`` names what
 ``stage`` packs for a machine without network (benchmarks/stage.py); a row's ``env`` is added to
 the environment of its command and its server.
@@ -133,17 +133,20 @@ def _serving_row(name: str, server: str, cmd: str, timeout: int = 600) -> dict:
 # Double Sparsity (default flags) against dense. Mixtral's context is 32768 positions in all.
 _FAMILY = ("python -m doublesparse.bench.family_decode --load-format dummy --fill random --warmup-input-len 1024 "
            "--output-len 64 --floor-steps 8")
-_FAMILY_CASES = {  # row stem -> model, batch, prompt, KV pool tokens, card memory it needs (GB)
-    "dsv2-lite-128k-bs4": ("deepseek-v2-lite", 4, 131072, 525000, 0),
-    # 61 GB of weights + 26 GB of KV; Mixtral: 93 GB of weights
-    "qwen3-moe-32k-bs8": ("qwen3-30b-a3b", 8, 32768, 263000, 120),
-    "mixtral-32k-bs8": ("mixtral-8x7b-v0.1", 8, 32640, 262000, 120),
+_FAMILY_CASES = {  # row stem -> model, batch, prompt, KV pool tokens, card memory it needs (GB), and
+    # the memory of the cards the row is for at most (GB; a bigger card runs the row above it instead)
+    "dsv2-lite-128k-bs4": ("deepseek-v2-lite", 4, 131072, 525000, 0, None),
+    # 61 GB of weights + 26 GB of KV at 8 x 32K; 13 GB at 4 x 32K fits an 80 GB card; Mixtral: 93 GB of weights
+    "qwen3-moe-32k-bs8": ("qwen3-30b-a3b", 8, 32768, 263000, 120, None),
+    "qwen3-moe-32k-bs4": ("qwen3-30b-a3b", 4, 32768, 132000, 0, 120),
+    "mixtral-32k-bs8": ("mixtral-8x7b-v0.1", 8, 32640, 262000, 120, None),
 }
 # The routed experts alone (bench/moe_experts.py): both models' shapes at 4, 16 and 64 tokens.
 _EXPERT_ROW = {"name": "expert-path", "cmd": "python -m doublesparse.bench.moe_experts --result-json {out}.json",
                "result": "{out}.json", "timeout": 600}
 # summary key stem -> row stem
-_FAMILY_KEYS = {"dsv2_lite": "dsv2-lite-128k-bs4", "qwen3_moe": "qwen3-moe-32k-bs8", "mixtral": "mixtral-32k-bs8"}
+_FAMILY_KEYS = {"dsv2_lite": ("dsv2-lite-128k-bs4",), "qwen3_moe": ("qwen3-moe-32k-bs8", "qwen3-moe-32k-bs4"),
+                "mixtral": ("mixtral-32k-bs8",)}
 
 
 # transformers' offloaded KV cache (cache_implementation="offloaded", bench/hf_offload.py), one
@@ -177,10 +180,11 @@ def _tp_rows() -> list[dict]:
 
 def _family_rows() -> list[dict]:
     rows = []
-    for stem, (model, bs, n, pool, gb) in _FAMILY_CASES.items():
+    for stem, (model, bs, n, pool, gb, below_gb) in _FAMILY_CASES.items():
         cmd = f"{_FAMILY} --model-path {model} --batch-size {bs} --input-len {n} --max-total-tokens {pool}"
-        rows += [{**_one_batch_row(f"{stem}-dense", cmd), "timeout": 900, "min_gb": gb},
-                 {**_one_batch_row(f"{stem}-ds", f"{cmd} --enable-double-sparsity"), "timeout": 900, "min_gb": gb}]
+        fit = {"timeout": 900, "min_gb": gb, **({"max_gb": below_gb} if below_gb else {})}
+        rows += [{**_one_batch_row(f"{stem}-dense", cmd), **fit},
+                 {**_one_batch_row(f"{stem}-ds", f"{cmd} --enable-double-sparsity"), **fit}]
     return rows
 
 
@@ -491,6 +495,8 @@ def expand(suite: dict, raw: Path, gb: float | None = None) -> list[dict]:
         r = dict(row, cmd=cmd, result=row["result"].replace("{out}", out), server=server)
         if row.get("min_gb", 0) > gb:
             r["skip"] = f"needs a card of >= {row['min_gb']} GB, this one has {gb:.0f} GB"
+        elif gb >= row.get("max_gb", float("inf")):
+            r["skip"] = f"sized for cards below {row['max_gb']} GB; this one ({gb:.0f} GB) runs the larger row"
         if "md" in row:
             r["md"] = row["md"].replace("{out}", out)
         r["argv"] = shlex.split(r["cmd"])
@@ -803,7 +809,9 @@ def _summary_tp(rows: dict) -> dict:
 
 def _summary_models(rows: dict) -> dict:
     s = {}
-    for key, stem in _FAMILY_KEYS.items():
+    for key, stems in _FAMILY_KEYS.items():
+        # the card-sized row that ran (an 80 GB card runs Qwen3's 4 x 32K in place of 8 x 32K)
+        stem = next((t for t in stems if rows.get(f"{t}-dense", {}).get("results")), stems[0])
         d, x = (rows.get(f"{stem}-{v}", {}).get("results", [{}])[0] for v in ("dense", "ds"))
         size = stem.split("-")[-2] + "_" + stem.split("-")[-1]  # "128k_bs4"
         s[f"{key}_{size}_ds_speedup"] = _ratio(d.get("median_decode_latency"), x.get("median_decode_latency"))

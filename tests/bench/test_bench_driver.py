@@ -209,7 +209,21 @@ def test_rows_sized_to_the_card():
     rows = {r["name"]: r for r in bench_run.expand(bench_run.SUITES["models"], Path("raw"), gb=80)}
     assert "needs a card of >= 120 GB" in rows["mixtral-32k-bs8-ds"]["skip"]
     assert "skip" not in rows["dsv2-lite-128k-bs4-ds"]
-    assert all("skip" not in r for r in bench_run.expand(bench_run.SUITES["models"], Path("raw"), gb=141))
+    # an 80 GB card runs Qwen3-MoE at 4 x 32K, a bigger one at 8 x 32K (and not the small variant)
+    assert "skip" not in rows["qwen3-moe-32k-bs4-ds"] and "skip" in rows["qwen3-moe-32k-bs8-ds"]
+    big = {r["name"]: r for r in bench_run.expand(bench_run.SUITES["models"], Path("raw"), gb=141)}
+    assert "sized for cards below 120 GB" in big["qwen3-moe-32k-bs4-dense"]["skip"]
+    assert all("skip" not in r for n, r in big.items() if "-bs4-" not in n or n.startswith("dsv2"))
+
+
+def test_models_summary_reads_the_card_sized_row():
+    """On an 80 GB card the Qwen3-MoE figures come from the 4 x 32K row."""
+    def res(lat, floor):
+        return {"results": [{"median_decode_latency": lat, "floor": {"floor_s": floor, "over_floor": lat / floor}}]}
+    rows = {"qwen3-moe-32k-bs8-dense": {"skipped": "needs a card"}, "qwen3-moe-32k-bs4-dense": res(0.016, 0.01),
+            "qwen3-moe-32k-bs4-ds": res(0.012, 0.007)}
+    s = bench_run.summarize("models", rows)
+    assert s["qwen3_moe_dense_over_floor"] == pytest.approx(1.6) and s["qwen3_moe_ds_over_floor"] == pytest.approx(12 / 7)
 
 
 def test_gpu_check_lanes_budget_and_summary(tmp_path, monkeypatch):
