@@ -260,6 +260,17 @@ async def _metric(c: httpx.AsyncClient, name: str) -> dict:
     return out
 
 
+def _every(samples: list, step: float) -> list:
+    """(seconds, MB) of ``samples`` ((seconds, bytes), ascending) at most one per ``step`` seconds,
+    and the last one."""
+    out, nxt = [], 0.0
+    for i, (sec, b) in enumerate(samples):
+        if sec >= nxt or i == len(samples) - 1:
+            out.append((round(sec, 1), round(b / 2**20, 1)))
+            nxt = sec + step
+    return out
+
+
 async def _metric_rss(c: httpx.AsyncClient) -> int | None:
     """The server's resident memory from its ``/metrics`` (``process_resident_memory_bytes``)."""
     try:
@@ -319,6 +330,8 @@ async def run(args) -> dict:
         "latency_s": {q: pct(lat, q) for q in (50, 90, 99)},
         "rss_growth_pct": 100 * (half[-1] / half[0] - 1) if len(half) >= 2 else None,
         "rss_max_mb": max((b for _, b in t.rss), default=0) / 2**20,
+        # the server's RSS every ~30 s (seconds, MB): whether a growth plateaus or keeps on
+        "rss_mb_series": _every(t.rss, 30.0),
         "server_ended": served, "client_expected": expected, "metrics_consistent": int(served == expected),
         "mean_latency_s": statistics.mean(lat) if lat else None,
     }

@@ -11,7 +11,7 @@ other kind at least once; ``soak.kind_sequence`` draws them)."""
 from doublesparse.bench import soak
 from server_utils import KEY, Server, backend_args
 
-CLIENTS, REQUESTS, SEED = 6, 4, 16  # requests per client; `benchmarks/run.py soak` runs 30 minutes
+CLIENTS, REQUESTS, SEED = 6, 4, 16  # requests per client; `benchmarks/run.py soak` runs 8 minutes
 
 
 def test_soak_loses_nothing(tmp_path):
@@ -31,6 +31,14 @@ def test_soak_loses_nothing(tmp_path):
         assert res["metrics_consistent"] == 1, (res["server_ended"], res["client_expected"])
         assert sum(res["sent"].values()) == CLIENTS * REQUESTS
         assert all(res["sent"].get(k, 0) > 0 for k in soak.KINDS), res["sent"]
+        assert res["rss_mb_series"] and all(mb > 0 for _, mb in res["rss_mb_series"])
         assert rc == 0 and s.health()["status"] == "ok"
     finally:
         assert s.stop() == 0  # drained cleanly
+
+
+def test_rss_series_thinned():
+    samples = [(0.5 * i, (100 + i) * 2**20) for i in range(200)]  # 2 Hz for 100 s
+    series = soak._every(samples, 30.0)
+    assert [t for t, _ in series] == [0.0, 30.0, 60.0, 90.0, 99.5] and series[-1][1] == 299.0
+    assert soak._every([], 30.0) == []
