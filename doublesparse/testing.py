@@ -197,7 +197,7 @@ def random_channel_stats(config, seed: int = 0) -> dict:
 def random_channel_config(config, modes=(), seed: int = 0) -> dict:
     """A channel config (the calibration file's dict) from :func:`random_channel_stats`, with
     ``modes[i]`` recorded as layer i's selection mode."""
-    from .calibrate import channels as ch
+    from . import channels as ch
 
     cfg = ch.stats_to_config(random_channel_stats(config, seed), {"model": config.name})
     for i, m in enumerate(modes):

@@ -10,7 +10,7 @@ import torch
 import doublesparse.engine
 from doublesparse import cli
 from doublesparse.cli_common import UsageError
-from doublesparse.engine.channel_config import META_KEY
+from doublesparse.channels import META_KEY
 
 
 @pytest.fixture(autouse=True)

@@ -31,7 +31,7 @@ from doublesparse.cli_common import (
     run_main,
 )
 
-from .channels import META_KEY, MODES, read_config, save_config
+from ..channels import META_KEY, MODES, read_config, save_config
 from .frontier import DECODE_LEN, KL_TARGET, NUM_WINDOWS, SEQ_LEN_CPU, SEQ_LEN_GPU, OpSettings
 from .pipeline import OP_KEY, RECALL_SAMPLES, build_config, point_for_config
 from .recall import CANDIDATES

@@ -14,15 +14,14 @@ import torch
 
 from ..attention import DSParams, create_backend, prefill
 from ..attention.budget import DecodeCost, DecodePolicy
+from ..channels import default_channels, load_channels, packaged_config_path, read_config, recorded_modes
 from ..config import OFFLOAD_SELECTION_MODE, EngineConfig
 from ..kernels.workspace import DecodeWorkspace
 from .memory import KVMemory, MemoryPlan, plan_memory
 from .model_runner import ModelRunner
 from . import operating_point
-from .channel_config import load_channels, packaged_config_path, read_config, recorded_modes
 from .operating_point import OperatingPoint
 from .scheduler import Scheduler
-from .weight_channels import default_channels
 
 log = logging.getLogger("doublesparse.engine")
 _UNSET = object()

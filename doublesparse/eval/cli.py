@@ -32,7 +32,8 @@ from doublesparse.cli_common import (
     run_main,
     unit_fraction,
 )
-from doublesparse.engine.channel_config import (
+from doublesparse.channels import (
+    default_channels,
     load_channels,
     packaged_config_path,
     read_config,
@@ -40,7 +41,6 @@ from doublesparse.engine.channel_config import (
 )
 from doublesparse.engine import operating_point
 from doublesparse.engine.operating_point import OperatingPoint
-from doublesparse.engine.weight_channels import default_channels
 
 from . import measure, report, retrieval
 from .settings import (

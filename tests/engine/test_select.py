@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from doublesparse.calibrate import channels as ch
+from doublesparse import channels as ch
 from doublesparse.calibrate import on_demand
 from doublesparse.engine import Engine
 from doublesparse.kernels import ops
