@@ -4,7 +4,7 @@
 ``import doublesparse`` stays cheap (no torch/transformers import) for the CLI's ``--help``.
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["Engine", "SamplingParams", "__version__"]
 
