@@ -11,7 +11,7 @@ __all__ = ["Engine", "SamplingParams", "__version__"]
 
 def __getattr__(name):
     if name == "Engine":
-        from .engine.engine import Engine
+        from .api import Engine
         return Engine
     if name == "SamplingParams":
         from .engine.sampling_params import SamplingParams

@@ -22,6 +22,7 @@ def no_model_load(monkeypatch):
 
     monkeypatch.setattr(doublesparse.engine, "Engine", refuse)
     monkeypatch.setattr("doublesparse.engine.engine.Engine", refuse)
+    monkeypatch.setattr("doublesparse.api.Engine", refuse)
     monkeypatch.setattr("doublesparse.models.load_model", refuse)
 
 
