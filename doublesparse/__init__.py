@@ -4,14 +4,14 @@
 ``import doublesparse`` stays cheap (no torch/transformers import) for the CLI's ``--help``.
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["Engine", "SamplingParams", "__version__"]
 
 
 def __getattr__(name):
     if name == "Engine":
-        from .engine.engine import Engine
+        from .api import Engine
         return Engine
     if name == "SamplingParams":
         from .engine.sampling_params import SamplingParams

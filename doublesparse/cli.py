@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from . import __version__
+        from .version import __version__
         print(__version__)
         return 0
     name, rest = argv[0], argv[1:]

@@ -102,7 +102,7 @@ def _main(argv: list[str]) -> int:
         import torch
         torch.set_num_threads(cfg.cpu_threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from .engine import Engine
+    from .api import Engine
     t0 = time.perf_counter()
     engine = Engine(cfg, progress=not args.quiet)
     load_s = time.perf_counter() - t0

@@ -118,21 +118,6 @@ class ChatByteTokenizer(ByteTokenizer):
         return self.encode(text) if tokenize else text
 
 
-def tiny_engine(seed: int = 0, max_position_embeddings: int = 1024, **engine_kw):
-    """The real :class:`~doublesparse.engine.Engine` on :func:`tiny_llama` with
-    :class:`ChatByteTokenizer`, on the CPU: a server backend that answers in milliseconds
-    (``--engine-factory doublesparse.testing:tiny_engine``). ``engine_kw``: EngineConfig fields."""
-    from .engine.engine import Engine
-
-    engine_kw = {k: v for k, v in engine_kw.items() if v is not None}
-    engine_kw["device"] = "cpu"
-    engine_kw.setdefault("context_length", max_position_embeddings)
-    model = tiny_llama(seed=seed, max_position_embeddings=max_position_embeddings)
-    engine = Engine(model=model, tokenizer=ChatByteTokenizer(), progress=False, **engine_kw)
-    engine.model_name = "tiny-llama"  # the id the server serves it under
-    return engine
-
-
 def tiny_family_hf_config(arch: str, vocab_size: int = ByteTokenizer.vocab_size,
                           max_position_embeddings: int = 4096) -> dict:
     """A Hugging Face ``config.json`` dict of a toy member of an MoE / MLA family ("mixtral",
@@ -197,7 +182,7 @@ def random_channel_stats(config, seed: int = 0) -> dict:
 def random_channel_config(config, modes=(), seed: int = 0) -> dict:
     """A channel config (the calibration file's dict) from :func:`random_channel_stats`, with
     ``modes[i]`` recorded as layer i's selection mode."""
-    from .calibrate import channels as ch
+    from . import channels as ch
 
     cfg = ch.stats_to_config(random_channel_stats(config, seed), {"model": config.name})
     for i, m in enumerate(modes):

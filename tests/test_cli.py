@@ -10,7 +10,7 @@ import torch
 import doublesparse.engine
 from doublesparse import cli
 from doublesparse.cli_common import UsageError
-from doublesparse.engine.channel_config import META_KEY
+from doublesparse.channels import META_KEY
 
 
 @pytest.fixture(autouse=True)
@@ -22,6 +22,7 @@ def no_model_load(monkeypatch):
 
     monkeypatch.setattr(doublesparse.engine, "Engine", refuse)
     monkeypatch.setattr("doublesparse.engine.engine.Engine", refuse)
+    monkeypatch.setattr("doublesparse.api.Engine", refuse)
     monkeypatch.setattr("doublesparse.models.load_model", refuse)
 
 

@@ -69,3 +69,22 @@ def test_no_import_cycles():
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+# what stands below what: the engine and the layers under it import none of the tools and
+# commands that build and run it (those hand it what it needs: see doublesparse/api.py)
+BELOW = ("doublesparse.engine", "doublesparse.channels", "doublesparse.models", "doublesparse.attention",
+         "doublesparse.kernels", "doublesparse.testing")
+ABOVE = ("doublesparse.calibrate", "doublesparse.distributed", "doublesparse.eval", "doublesparse.bench",
+         "doublesparse.server", "doublesparse.api")
+
+
+def _within(mod: str, roots) -> bool:
+    return any(mod == r or mod.startswith(r + ".") for r in roots)
+
+
+def test_the_engine_imports_nothing_above_it():
+    mods = _modules()
+    up = sorted(f"{m} -> {w}" for m, p in mods.items() if _within(m, BELOW)
+                for w in _imports(m, p, mods) if _within(w, ABOVE))
+    assert not up, f"imports that run up: {up}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from doublesparse.engine import Engine
+from doublesparse.api import Engine
 from doublesparse.testing import ByteTokenizer
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

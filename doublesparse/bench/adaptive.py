@@ -30,11 +30,11 @@ import time
 
 import torch
 
-import doublesparse
 from ..texts import EVAL_PLAYS, encode, read_texts
 from ..config import EngineConfig
 from ..engine.setup import build_parts
 from ..eval.measure import split_windows
+from ..version import __version__
 
 PREFILL_CHUNK = 4096
 
@@ -107,7 +107,7 @@ def run(args) -> dict:
     budgets = {"dense": dict(),
                "ratio": ds,
                "adaptive": dict(ds, ds_budget_mode="adaptive", ds_target_recall=args.target_recall)}
-    out: dict = {"tool": f"doublesparse {doublesparse.__version__} bench.adaptive", "argv": sys.argv[1:],
+    out: dict = {"tool": f"doublesparse {__version__} bench.adaptive", "argv": sys.argv[1:],
                  "window_len": args.window_len, "decode_len": args.decode_len, "num_windows": args.num_windows,
                  "warmup_windows": args.warmup_windows, "target_recall": args.target_recall, "budgets": {}}
     windows = None

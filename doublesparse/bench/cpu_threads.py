@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ..config_flags import from_cli_args
-    from ..engine import Engine
+    from ..api import Engine
 
     cfg = from_cli_args(args, device="cpu", disable_radix_cache=True, max_total_tokens=8192,
                         context_length=2048)

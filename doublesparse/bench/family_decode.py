@@ -26,6 +26,7 @@ import sys
 import torch
 
 from . import one_batch as bob
+from ..api import calibrate_on_demand
 from ..config_flags import from_cli_args
 
 
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..engine.setup import build_parts
     dev = torch.device(cfg.resolved_device)
     bw = bob.copy_bandwidth(dev, args.copy_bytes)
-    parts = build_parts(cfg, progress=True)
+    parts = build_parts(cfg, progress=True, calibrate=calibrate_on_demand)
     print(parts.plan.describe())
     wbytes, static = bob.weight_bytes(parts.model), static_weight_bytes(parts.model)
     overlap = dev.type == "cuda" and not cfg.disable_overlap_schedule

@@ -184,7 +184,7 @@ def _prompt(tokenizer, n: int) -> list[int]:
 
 
 def _run(cfg, ids: list[int], out_len: int) -> dict:
-    from ..engine.engine import Engine
+    from ..api import Engine
     e = Engine(cfg, progress=False)
     stats0 = e.parts.backend.fetch_stats() if cfg.enable_ds_offload else None
     rid = e.add_request(ids, {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True})

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from ..api import calibrate_on_demand, start_ranks
 from ..cli_common import Parser, UsageError, run_main
 from ..config import SchedulerConfig
 from ..config_flags import add_cli_args
@@ -309,8 +310,7 @@ def _main(argv: list[str]) -> int:
     print(f"copy bandwidth: {bw / 1e9:.1f} GB/s ({dev})")
     tp = None
     if cfg.tp_size > 1:  # ranks 1.. in their own processes; pools, bytes and floor below are rank 0's
-        from ..distributed.group import start
-        tp = start(cfg)
+        tp = start_ranks(cfg)
         print(f"tensor parallel: {cfg.tp_size} ranks; weights, pools and step bytes below are per rank")
     try:
         return _bench(args, argv, cfg, dev, bw, tp)
@@ -325,7 +325,7 @@ def _main(argv: list[str]) -> int:
 
 def _bench(args, argv, cfg, dev, bw, tp) -> int:
     from ..engine.setup import build_parts
-    parts = build_parts(cfg, progress=True, tp=tp)
+    parts = build_parts(cfg, progress=True, tp=tp, calibrate=calibrate_on_demand)
     print(parts.plan.describe())
     if parts.ds is not None:
         print(f"Double Sparsity: k={parts.ds.heavy_token_num}, r={parts.plan.heavy_channel_num}, "

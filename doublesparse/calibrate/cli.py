@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import doublesparse
 from doublesparse import preflight
 from doublesparse.cli_common import (
     Parser,
@@ -31,11 +30,12 @@ from doublesparse.cli_common import (
     run_main,
 )
 
-from .channels import META_KEY, MODES, read_config, save_config
+from ..channels import META_KEY, MODES, read_config, save_config
 from .frontier import DECODE_LEN, KL_TARGET, NUM_WINDOWS, SEQ_LEN_CPU, SEQ_LEN_GPU, OpSettings
 from .pipeline import OP_KEY, RECALL_SAMPLES, build_config, point_for_config
 from .recall import CANDIDATES
 from ..texts import CALIBRATION_PLAYS, read_texts
+from ..version import __version__
 
 
 def positive_float(text: str) -> float:
@@ -117,7 +117,7 @@ def run(args, model=None, tokenizer=None, argv_for_meta=None) -> dict:
     texts = read_texts(args.text)
     meta = {
         "texts": [str(t) for t in args.text] if args.text else list(CALIBRATION_PLAYS),
-        "tool": f"doublesparse {doublesparse.__version__}",
+        "tool": f"doublesparse {__version__}",
         "command": "doublesparse calibrate " + " ".join(shlex.quote(a) for a in (argv_for_meta or [])),
         "device": str(args.device),
     }

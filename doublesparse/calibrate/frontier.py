@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm.auto import tqdm
 
-from ..engine.channel_config import parse_channels
+from ..channels import parse_channels
 from ..engine.operating_point import OP_VERSION
 from ..eval.settings import DENSE, Setting
 from .threads import num_threads

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..assets import cache_dir
-from ..engine.channel_config import FORMAT_VERSION, save_config
+from ..channels import FORMAT_VERSION, save_config
 from .frontier import DECODE_LEN, RULE, OpSettings
 from .pipeline import RECALL, RECALL_SAMPLES, STATISTIC, build_config
 from .recall import CANDIDATES

@@ -9,9 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..engine.channel_config import META_KEY, MODES, mode_key
+from ..channels import META_KEY, MODES, mode_key, stats_to_config
 from ..engine.operating_point import OP_KEY
-from .channels import stats_to_config
 from .recall import (
     CANDIDATES,
     POSITIONS_PER_WINDOW,

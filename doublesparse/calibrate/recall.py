@@ -21,7 +21,7 @@ import math
 import torch
 
 from ..config import EngineConfig
-from ..engine.channel_config import MODES, parse_channels
+from ..channels import MODES, parse_channels
 from .threads import num_threads
 
 REFERENCE_RATIO = 1 / 16

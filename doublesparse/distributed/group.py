@@ -1,7 +1,7 @@
 """The processes of a tensor-parallel group: rank 0 in this process, ranks 1..N-1 spawned.
 
     group = TPGroup(2, "cpu")             # spawns rank 1, joins the process group as rank 0
-    engine = Engine(..., tp_size=2, tp_group=group)   # or Engine(tp_size=2): it starts its own
+    engine = doublesparse.Engine(..., tp_size=2, tp_group=group)   # or without tp_group: its own
     ...
     engine.close(); group.stop()
 

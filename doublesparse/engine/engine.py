@@ -22,6 +22,8 @@ import collections
 import threading
 import time
 import uuid
+from typing import Protocol
+
 import torch
 
 from ..attention.budget import DENSE
@@ -34,28 +36,48 @@ from .request import Launched, Request, StepOutput, request_meta, sample_isolate
 from .request_sampling import LOGPROB_COLS, RequestSampling, needs_state, unpack_logprobs
 from .sampler import make_generator
 from .sampling_params import SamplingParams
-from .setup import EngineParts, build_parts
+from .setup import EngineParts, OnDemandCalibration, build_parts
 from .text import Detokenizer
 from ..kernels.transfer import to_device, to_host_async
 
 
+class StartRanks(Protocol):
+    """``tp_size`` > 1: start the engine's tensor-parallel ranks (on the first ranks of ``group``
+    when given, else on processes started for it) and return rank 0's context, which
+    :func:`~doublesparse.engine.setup.build_parts` asks for its shard, memory and runner."""
+
+    def __call__(self, cfg: EngineConfig, model=None, group=None): ...
+
+
+NO_RANKS = ("tp_size {} runs ranks in other processes, which this engine was built without a "
+            "starter for: build it as doublesparse.Engine (or pass start_ranks=)")
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *, model=None, tokenizer=None,
-                 progress: bool = True, tp_group=None, **kwargs):
+                 progress: bool = True, tp_group=None, start_ranks: StartRanks | None = None,
+                 calibrate: OnDemandCalibration | None = None, **kwargs):
         """``Engine(**EngineConfig fields)``, or ``Engine(config)``. ``model``/``tokenizer``
         inject prebuilt objects (tests, stand-ins) instead of loading ``model_path`` (with
         ``tp_size`` > 1 each rank takes its shard of ``model``). ``tp_group``: a started
         :class:`~doublesparse.distributed.group.TPGroup` of ``tp_size`` ranks to run on (several
-        engines in turn may share one); default: the engine starts its own."""
+        engines in turn may share one); default: ``start_ranks`` starts its own.
+
+        The engine stands below tensor parallelism and calibration, so whoever builds it hands
+        them in (``doublesparse.Engine`` does, for the commands and the Python API):
+        ``start_ranks`` (:class:`StartRanks`), needed with ``tp_size`` > 1; ``calibrate``
+        (:class:`~doublesparse.engine.setup.OnDemandCalibration`), needed with
+        ``ds_channel_config_path="auto"``."""
         cfg = config.replace(**kwargs) if config is not None else EngineConfig(**kwargs)
         self.config = cfg
         self._tp = None
         if cfg.tp_size > 1:
-            from ..distributed.group import start
-            self._tp = start(cfg, model, tp_group)
+            if start_ranks is None:
+                raise ValueError(NO_RANKS.format(cfg.tp_size))
+            self._tp = start_ranks(cfg, model, tp_group)
         try:
             self.parts: EngineParts = build_parts(cfg, model=model, tokenizer=tokenizer, progress=progress,
-                                                  tp=self._tp)
+                                                  tp=self._tp, calibrate=calibrate)
         except BaseException as e:
             if self._tp is not None:
                 self._tp.abort(e)

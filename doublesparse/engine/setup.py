@@ -1,7 +1,9 @@
 """Building an engine's parts from an EngineConfig: model, channels, pools, backend, runner.
 
 Shared by :class:`~doublesparse.engine.engine.Engine` and ``bench_one_batch`` so both run the
-exact same stack.
+exact same stack. Channels come from :mod:`doublesparse.channels`; an on-demand calibration
+(``--ds-channel-config-path auto``) is handed in by whoever builds the engine
+(:class:`OnDemandCalibration`), since calibration stands above the engine and runs it.
 """
 
 from __future__ import annotations
@@ -9,20 +11,21 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from ..attention import DSParams, create_backend, prefill
 from ..attention.budget import DecodeCost, DecodePolicy
+from ..channels import default_channels, load_channels, packaged_config_path, read_config, recorded_modes
 from ..config import OFFLOAD_SELECTION_MODE, EngineConfig
 from ..kernels.workspace import DecodeWorkspace
 from .memory import KVMemory, MemoryPlan, plan_memory
 from .model_runner import ModelRunner
 from . import operating_point
-from .channel_config import load_channels, packaged_config_path, read_config, recorded_modes
 from .operating_point import OperatingPoint
 from .scheduler import Scheduler
-from .weight_channels import default_channels
 
 log = logging.getLogger("doublesparse.engine")
 _UNSET = object()
@@ -94,19 +97,31 @@ class ChannelChoice:
 UNCALIBRATED = ("no calibrated channel config: using weight-based heavy channels, which lose "
                 "accuracy on some models; pass --ds-channel-config-path auto to calibrate once "
                 "(cached) or a config written by `doublesparse calibrate`")
+NO_CALIBRATION = ("--ds-channel-config-path auto calibrates on demand, which this engine was built "
+                  "without: build it as doublesparse.Engine (or pass calibrate=), or pass a config "
+                  "written by `doublesparse calibrate`")
+
+
+class OnDemandCalibration(Protocol):
+    """``--ds-channel-config-path auto``: the path of a calibrated channel config for ``model``
+    (measured on its device the first time, then read from a cache). ``model_file``: the
+    checkpoint it was loaded from (keys the cache), None for a model built by the caller."""
+
+    def __call__(self, model, tokenizer, model_file: str | None, progress: bool = True) -> Path: ...
 
 
 def channel_config_path(cfg: EngineConfig, model, mc, tokenizer=None, model_file: str | None = None,
-                        progress: bool = True, shard=None):
-    """``--ds-channel-config-path`` (``auto``: calibrated on demand, cached), else the packaged
+                        progress: bool = True, shard=None, calibrate: OnDemandCalibration | None = None):
+    """``--ds-channel-config-path`` (``auto``: ``calibrate``'s, on demand), else the packaged
     config for the model, else None."""
     path = cfg.ds_channel_config_path
     if path == "auto" and shard is not None:
         raise ValueError("--ds-channel-config-path auto calibrates on one device: run `doublesparse "
                          "calibrate` (or this command with --tp-size 1) once and pass the config it writes")
     if path == "auto":
-        from ..calibrate.on_demand import ensure_config
-        path = ensure_config(model, tokenizer, model_file, progress=progress)
+        if calibrate is None:
+            raise ValueError(NO_CALIBRATION)
+        path = calibrate(model, tokenizer, model_file, progress=progress)
     if path is None and cfg.load_format != "dummy":
         path = packaged_config_path(getattr(mc, "name", None))
     return path
@@ -124,7 +139,8 @@ def resolve_point(mc, path) -> OperatingPoint:
 
 def resolve_channels(cfg: EngineConfig, model, mc, r: int, tokenizer=None,
                      model_file: str | None = None, progress: bool = True, shard=None,
-                     path=_UNSET, point: OperatingPoint | None = None) -> ChannelChoice:
+                     path=_UNSET, point: OperatingPoint | None = None,
+                     calibrate: OnDemandCalibration | None = None) -> ChannelChoice:
     """Channels of the config at ``path`` (default: :func:`channel_config_path`), else the
     documented weight-based default. Modes: an explicit ``--ds-selection-mode`` for every layer,
     else ("auto") the operating point's (``point``, default :func:`resolve_point`): the config's
@@ -132,7 +148,7 @@ def resolve_channels(cfg: EngineConfig, model, mc, r: int, tokenizer=None,
     config's channels are read for the full model, then its KV heads taken; weight-based ones
     come from its own weights)."""
     if path is _UNSET:
-        path = channel_config_path(cfg, model, mc, tokenizer, model_file, progress, shard)
+        path = channel_config_path(cfg, model, mc, tokenizer, model_file, progress, shard, calibrate)
     point = point or resolve_point(mc, path)
     L = int(mc.num_layers)
     explicit = cfg.ds_selection_mode != "auto"
@@ -207,9 +223,10 @@ def _model_device(model) -> torch.device:
 
 
 def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool = True,
-                tp=None) -> EngineParts:
+                tp=None, calibrate: OnDemandCalibration | None = None) -> EngineParts:
     """``tp``: this tensor-parallel rank (:class:`~doublesparse.distributed.rank.RankContext`);
-    None with ``--tp-size 1``."""
+    None with ``--tp-size 1``. ``calibrate``: the on-demand calibration that
+    ``--ds-channel-config-path auto`` runs (None: that setting is refused)."""
     device = torch.device(cfg.resolved_device)
     if model is not None and not cfg.device:
         # A model built by the caller runs where it lives (a CPU model on a GPU machine too).
@@ -240,7 +257,7 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         # the operating point fills the fields the user left unset; it sets r, which sizes the
         # label pool, so it is read before the memory plan (an on-demand calibration runs here too)
         shard = None if tp is None else tp.shard(model.full_config)
-        path = channel_config_path(cfg, model, mc, tokenizer, model_file, progress, shard)
+        path = channel_config_path(cfg, model, mc, tokenizer, model_file, progress, shard, calibrate)
         point = resolve_point(mc, path)
         cfg = point.fill(cfg)
     r = cfg.heavy_channel_num(mc.head_dim) if cfg.use_double_sparsity else 0

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-import doublesparse
 from doublesparse import preflight
 from doublesparse.texts import EVAL_PLAYS, encode, read_texts
 from doublesparse.config import LABEL_DTYPES
@@ -32,7 +31,8 @@ from doublesparse.cli_common import (
     run_main,
     unit_fraction,
 )
-from doublesparse.engine.channel_config import (
+from doublesparse.channels import (
+    default_channels,
     load_channels,
     packaged_config_path,
     read_config,
@@ -40,7 +40,7 @@ from doublesparse.engine.channel_config import (
 )
 from doublesparse.engine import operating_point
 from doublesparse.engine.operating_point import OperatingPoint
-from doublesparse.engine.weight_channels import default_channels
+from doublesparse.version import __version__
 
 from . import measure, report, retrieval
 from .settings import (
@@ -237,7 +237,7 @@ def run(args, model=None, tokenizer=None) -> dict:
                       getattr(args, "retrieval_seed", 0))
     notes.append(f"default: the engine's {point.describe()}")
     title = f"Double Sparsity eval: {name}"
-    result = {"tool": f"doublesparse {doublesparse.__version__}", "model": name, "channels": source,
+    result = {"tool": f"doublesparse {__version__}", "model": name, "channels": source,
               "operating_point": point.as_dict(),
               "window_len": window_len, "decode_len": decode_len, "num_windows": num_windows,
               "retrieval_lens": lens, "retrieval_depths": L["depths"], "retrieval_trials": L["trials"],

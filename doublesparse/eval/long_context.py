@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-import doublesparse
+from doublesparse.version import __version__
 
 from . import driver, long_report, measure, ruler
 from .cli import load_model_for_eval, channel_source, eval_windows, model_point, recorded_layer_modes
@@ -195,7 +195,7 @@ def run(args) -> dict:
                     bool(getattr(model.config, "attention_bias", False)), point)
     lengths = sorted({min(n, ctx) for n in args.lengths})
     res = {
-        "tool": f"doublesparse {doublesparse.__version__} eval.long_context",
+        "tool": f"doublesparse {__version__} eval.long_context",
         "model": c.name,
         "channels": source,
         "device": args.device

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-import doublesparse
 from doublesparse.config import LABEL_DTYPES
+from doublesparse.version import __version__
 
 from . import measure, report, retrieval
 from .cli import load_model_for_eval, channel_source, eval_windows, model_point, recorded_layer_modes, run_notes
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args, budget: Budget) -> dict:
     args.quiet = True  # no tqdm bars in the console log; we print one line per unit instead
-    log(budget, f"doublesparse {doublesparse.__version__}, torch {torch.__version__}, device {args.device}"
+    log(budget, f"doublesparse {__version__}, torch {torch.__version__}, device {args.device}"
         + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
     no_text = texts_available(args)
     if no_text:
@@ -207,7 +207,7 @@ def run(args, budget: Budget) -> dict:
         rows = report.rows(done, lambda s: s.bytes_per_step(ctx_b, *dims), text_res, ret_res)
         notes = run_notes(c.name, source, args.device, L, ctx_b, bool(text_res), bool(ret_res), args.retrieval_seed)
         notes.append("parts: " + "; ".join(f"{k}: {v}" for k, v in state["parts"].items()))
-        result = {"tool": f"doublesparse {doublesparse.__version__} eval.protocol", "model": c.name,
+        result = {"tool": f"doublesparse {__version__} eval.protocol", "model": c.name,
                   "channels": source, "device": args.device, "argv": sys.argv[1:], **L,
                   "default_setting": P["a"][1].name, "baseline_setting": BASELINE.name,
                   "parts": state["parts"], "errors": state.get("errors", []),

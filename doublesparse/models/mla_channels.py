@@ -2,7 +2,7 @@
 
 The engine scores a token by ``q[ch] . latent[ch]`` over r channels of the 576-wide latent row
 (``[c_kv | k_rope]``, models/mla.py), one choice shared by all heads. As for GQA models
-(engine/weight_channels.py), a channel's worth is estimated from the weights alone, for roughly
+(channels/weights.py), a channel's worth is estimated from the weights alone, for roughly
 isotropic unit-variance inputs to each projection (what the RMS norms before them make of the
 activations):
 

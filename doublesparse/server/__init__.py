@@ -7,7 +7,8 @@ Layout:
   metrics.py    Prometheus collectors
   app.py        FastAPI routes (/v1/completions, /v1/chat/completions, /generate, ...)
   cli.py        ``doublesparse serve`` / ``python -m doublesparse.launch_server``
-  fake_engine.py  a tiny deterministic engine implementing the Engine contract (tests, dry runs)
+  fake_engine.py  a tiny deterministic engine implementing the Engine contract, and the real engine
+                on a tiny random model (tests, dry runs)
 
 Run:
   doublesparse serve --port 30000 [--api-key KEY] [--enable-double-sparsity --ds-heavy-token-num 256]

@@ -86,10 +86,7 @@ def build_engine(ns: argparse.Namespace) -> Any:
         mod, _, attr = ns.engine_factory.partition(":")
         factory = getattr(importlib.import_module(mod), attr)
     else:
-        try:
-            from doublesparse.engine.engine import Engine as factory
-        except ImportError:
-            from doublesparse.engine import Engine as factory  # type: ignore
+        from doublesparse.api import Engine as factory
     return factory(**kwargs)
 
 

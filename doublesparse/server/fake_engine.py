@@ -1,10 +1,11 @@
-"""A small deterministic stand-in for ``doublesparse.engine.Engine``.
+"""Small engines for the server's tests and dry runs.
 
-It implements the same contract the server relies on (add_request / step / abort /
-has_unfinished / stats / tokenizer / max_context_len) with a character-level tokenizer and a
-hash-based "model", so server behaviour (batching, KV admission, aborts, streaming, metrics) can
-be tested in milliseconds without torch. Select it with
-``--engine-factory doublesparse.server.fake_engine:FakeEngine``.
+:class:`FakeEngine` is a deterministic stand-in for ``doublesparse.engine.Engine``: it implements
+the same contract the server relies on (add_request / step / abort / has_unfinished / stats /
+tokenizer / max_context_len) with a character-level tokenizer and a hash-based "model", so server
+behaviour (batching, KV admission, aborts, streaming, metrics) can be tested in milliseconds
+without torch. Select it with ``--engine-factory doublesparse.server.fake_engine:FakeEngine``.
+:func:`tiny_engine` is the real engine on a tiny random model.
 """
 
 from __future__ import annotations
@@ -235,3 +236,20 @@ class FakeEngine:
         else:
             c = r.rng.choice(_ALPHABET)
         return ord(c) + _OFFSET
+
+
+def tiny_engine(seed: int = 0, max_position_embeddings: int = 1024, **engine_kw):
+    """The real engine (``doublesparse.Engine``) on :func:`~doublesparse.testing.tiny_llama` with
+    :class:`~doublesparse.testing.ChatByteTokenizer`, on the CPU: a server backend that answers in
+    milliseconds (``--engine-factory doublesparse.server.fake_engine:tiny_engine``). ``engine_kw``:
+    EngineConfig fields."""
+    from ..api import Engine
+    from ..testing import ChatByteTokenizer, tiny_llama
+
+    engine_kw = {k: v for k, v in engine_kw.items() if v is not None}
+    engine_kw["device"] = "cpu"
+    engine_kw.setdefault("context_length", max_position_embeddings)
+    model = tiny_llama(seed=seed, max_position_embeddings=max_position_embeddings)
+    engine = Engine(model=model, tokenizer=ChatByteTokenizer(), progress=False, **engine_kw)
+    engine.model_name = "tiny-llama"  # the id the server serves it under
+    return engine

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from doublesparse.calibrate import channels as ch
+from doublesparse import channels as ch
 from doublesparse import texts
 from doublesparse.calibrate import cli
 from doublesparse.calibrate.threads import ThreadChooser, candidates_for, num_threads

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from doublesparse.calibrate import channels as ch
+from doublesparse import channels as ch
 from doublesparse.calibrate import cli
 from doublesparse.calibrate import frontier as fr
 from doublesparse.engine import operating_point as op

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from doublesparse.calibrate import channels as ch
+from doublesparse import channels as ch
 from doublesparse.calibrate.pipeline import build_config
 from doublesparse.calibrate.recall import (
     captured_mass,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from doublesparse.distributed.group import TPGroup
-from doublesparse.engine import Engine
+from doublesparse.api import Engine
 from doublesparse.testing import ByteTokenizer, tiny_llama
 from tp_utils import GREEDY, prompts
 

@@ -19,7 +19,7 @@ from server_utils import AUTH, Server
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="finds the rank's process through /proc")
 
-ARGS = ["--engine-factory", "doublesparse.testing:tiny_engine", "--tp-size", "2",
+ARGS = ["--engine-factory", "doublesparse.server.fake_engine:tiny_engine", "--tp-size", "2",
         "--max-total-tokens", "2048", "--context-length", "512", "--no-enable-double-sparsity"]
 BODY = {"model": "tiny-llama", "prompt": "abc", "max_tokens": 3, "temperature": 0}
 RANK_MESSAGE = r"tensor-parallel rank 1 \(pid {pid}\) exited with code -9"

@@ -83,7 +83,7 @@ def test_mla_channel_scores_match_sampled_energies():
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_calibrate_writes_loadable_config(arch, tmp_path):
     from doublesparse.calibrate import cli
-    from doublesparse.engine.channel_config import load_channels
+    from doublesparse.channels import load_channels
 
     txt = tmp_path / "t.txt"
     txt.write_text("To be, or not to be, that is the question. " * 12)

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from doublesparse.calibrate import channels as ch
+from doublesparse import channels as ch
 from doublesparse.config import EngineConfig
 from doublesparse.config_flags import add_cli_args, from_cli_args
 from doublesparse.engine import Engine

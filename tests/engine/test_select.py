@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from doublesparse.calibrate import channels as ch
+from doublesparse import channels as ch
 from doublesparse.calibrate import on_demand
-from doublesparse.engine import Engine
+from doublesparse.api import Engine
 from doublesparse.kernels import ops
 from doublesparse.testing import ByteTokenizer, random_channel_config, tiny_llama
 

@@ -8,7 +8,7 @@ import torch
 
 from doublesparse.calibrate.stats import make_batch
 from doublesparse.models.simple_attention import plain_backend
-from doublesparse.engine.weight_channels import default_channels
+from doublesparse.channels import default_channels
 from doublesparse.eval import cli, driver, retrieval
 from doublesparse.eval.settings import DENSE, Setting, preset
 from doublesparse.testing import ByteTokenizer, tiny_llama

@@ -6,7 +6,7 @@ import argparse
 import pytest
 import torch
 
-from doublesparse.calibrate import channels as ch
+from doublesparse import channels as ch
 from doublesparse.eval import cli, driver
 from doublesparse.eval.settings import Setting, default_setting
 from doublesparse.kernels import ops

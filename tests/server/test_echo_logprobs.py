@@ -19,7 +19,7 @@ from server_utils import AUTH, KEY, InProcessServer, fake_in_process
 def srv():
     from doublesparse.server.app import create_app
     from doublesparse.server.config import ServerConfig
-    from doublesparse.testing import tiny_engine
+    from doublesparse.server.fake_engine import tiny_engine
 
     engine = tiny_engine(max_total_tokens=16384, chunked_prefill_size=16)
     s = InProcessServer(create_app(engine, ServerConfig(api_key=KEY)))

@@ -1,5 +1,5 @@
 """The OpenAI API surface through the official ``openai`` client, against a real server process
-running the real engine on the tiny random Llama (``doublesparse.testing:tiny_engine``): n,
+running the real engine on the tiny random Llama (``doublesparse.server.fake_engine:tiny_engine``): n,
 best_of, lists of prompts, echo, logprobs, penalties, response_format and tools.
 
 The tiny model's tokens are single bytes, so its text is gibberish; what is checked is the
@@ -28,7 +28,7 @@ WEATHER = [{"type": "function", "function": {
 def srv():
     from doublesparse.server.app import create_app
     from doublesparse.server.config import ServerConfig
-    from doublesparse.testing import tiny_engine
+    from doublesparse.server.fake_engine import tiny_engine
 
     s = InProcessServer(create_app(tiny_engine(max_total_tokens=16384), ServerConfig(api_key=KEY)))
     yield s

@@ -12,7 +12,7 @@ from server_utils import AUTH, KEY, InProcessServer
 from doublesparse.bench import serving as B
 from doublesparse.server.app import create_app
 from doublesparse.server.config import ServerConfig
-from doublesparse.testing import tiny_engine
+from doublesparse.server.fake_engine import tiny_engine
 
 
 @pytest.fixture(scope="module")

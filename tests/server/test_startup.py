@@ -101,7 +101,7 @@ def test_sigterm_while_loading_stops_at_once():
 def test_startup_line_reports_double_sparsity_as_health_does():
     """The line is written once the engine thread has started, from the same stats as /health
     (it used to read them before, and said "dense (Double Sparsity off)" for every engine)."""
-    proc, url = _launch(["--engine-factory", "doublesparse.testing:tiny_engine",
+    proc, url = _launch(["--engine-factory", "doublesparse.server.fake_engine:tiny_engine",
                          "--enable-double-sparsity", "--max-total-tokens", "4096"])
     try:
         _first_answer(proc, url, timeout=120)

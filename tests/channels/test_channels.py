@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from doublesparse.calibrate import channels as ch
-from doublesparse.engine.weight_channels import default_channels, rope_pairs
+from doublesparse import channels as ch
+from doublesparse.channels import default_channels, rope_pairs
 from doublesparse.testing import random_channel_stats, tiny_llama
 
 

@@ -1,4 +1,5 @@
-"""Channel configs: which head channels go into the label cache (the file format and its reader).
+"""Channel config files: which head channels go into the label cache (the format, its reader and
+writer, and the shipped configs under ``doublesparse/configs/channels/``).
 
 File format (JSON, readable by SGLang and the DoubleSparse repo, which only look up the keys they know):
 
@@ -14,8 +15,9 @@ File format (JSON, readable by SGLang and the DoubleSparse repo, which only look
 
 The label cache holds one channel set per KV head (``[L, Hkv, r]``), while q/qk rankings are per
 query head. :func:`load_channels` maps them onto KV heads (see :func:`group_ranking`), which is
-where SGLang crashed on GQA models. Calibration (``doublesparse.calibrate``) writes these files;
-the engine reads them here, so the engine never imports the offline calibration code.
+where SGLang crashed on GQA models. Calibration (``doublesparse.calibrate``) measures the
+statistics that :func:`stats_to_config` turns into a file; the engine, calibration and evaluation
+all read and write files here, below each of them.
 """
 
 from __future__ import annotations
@@ -141,6 +143,25 @@ def group_ranking(per_q_head: torch.Tensor, num_kv_heads: int, head_dim: int, mo
 
 
 # ------------------------------------------------------------------------------------------ saving
+def stats_to_config(stats: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    """Build the JSON dict from calibration statistics.
+
+    stats: "q" [L, Hq, D], "k" [L, Hkv, D], "qk" [L, Hq, D] (mean |.| per channel), and optionally
+    "qk_kv", "q_kv" [L, Hkv, D] (sum over the group) and "qk_kvmax", "q_kvmax" [L, Hkv, D] (max).
+    """
+    cfg: dict[str, Any] = {}
+    L = stats["k"].shape[0]
+    for i in range(L):
+        for t in CHANNEL_TYPES:
+            cfg[layer_key(i, t)] = rank(stats[t][i]).tolist()
+        for t in ("q", "qk"):
+            for suffix in ("_kv", "_kvmax"):
+                if t + suffix in stats:
+                    cfg[layer_key(i, t, suffix)] = rank(stats[t + suffix][i]).tolist()
+    cfg[META_KEY] = dict(meta, format_version=FORMAT_VERSION)
+    return cfg
+
+
 def save_config(cfg: dict[str, Any], path: str | Path) -> Path:
     """Write one key per line: diffable, and still plain JSON for the other readers."""
     path = Path(path)
@@ -275,5 +296,5 @@ def load_channels(path: str | Path, model_config, channel_type: str = "qk", heav
 
 __all__ = ["CHANNEL_TYPES", "MODES", "META_KEY", "FORMAT_VERSION", "layer_key", "mode_key",
            "recorded_modes", "name_words", "packaged_config_path",
-           "rank", "rank_weights", "group_ranking", "save_config", "read_config", "parse_channels",
-           "load_channels"]
+           "rank", "rank_weights", "group_ranking", "stats_to_config", "save_config", "read_config",
+           "parse_channels", "load_channels"]

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 
 from doublesparse.config import EngineConfig
-from doublesparse.engine import channel_config as ch
+from doublesparse import channels as ch
 from doublesparse.engine.setup import resolve_channels
 
 
