@@ -69,11 +69,12 @@ def test_moe_experts_bench_needs_cuda():
 
 
 def test_moe_experts_case_on_cpu():
-    """One row of the bench at a tiny shape (the interpreter, float32: its bf16 tl.dot is not the
-    GPU's; a stand-in timer): both paths agree, bytes are the touched experts' weights."""
+    """One row of the bench at a tiny shape (float32, on the GPU or the interpreter, whose bf16
+    tl.dot is not the GPU's; a stand-in timer): both paths agree, bytes are the touched experts' weights."""
     from doublesparse.bench import moe_experts
     from doublesparse.kernels.tuning import KernelTuning
-    r = moe_experts.case("tiny", 3, KernelTuning(fused_moe=True), bw=1e9, iters=1, device="cpu",
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors reach Triton only interpreted
+    r = moe_experts.case("tiny", 3, KernelTuning(fused_moe=True), bw=1e9, iters=1, device=dev,
                          shape=(40, 24, 7, 2), timer=lambda fn, iters: fn() is not None and 1e-3, dtype=torch.float32)
     assert 1 <= r["touched_experts"] <= 6 and r["touched_bytes"] == r["touched_experts"] * 3 * 40 * 24 * 4
     assert r["max_rel_diff"] < 1e-4 and r["decode_gbs"] == r["touched_bytes"] / 1e-3 / 1e9

@@ -413,6 +413,11 @@ for fp8 in ("*fp8e4nv", "*fp8e5"):  # over an fp8 K/V pool
          BLOCK_N=64, BLOCK_D=128, DOT_F32=False, ROW_KS=False, KV_FP8=True),
          dict(i32, part_o_ptr="*fp32", part_lse_ptr="*fp32", row_ks_ptr="*i32", k_cache_ptr=fp8, v_cache_ptr=fp8,
               k_scale_ptr="*fp32", v_scale_ptr="*fp32"), dict(sm_scale="fp32"), num_warps=4)
+# float32 caches (the tests' references on a GPU): the IEEE-product branches
+comp(decode_attn.decode_attn_kernel, dict(G=4, D=64, PER_HEAD=False, HAS_SEL=True, NUM_SPLITS=8, BLOCK_H=16,
+     BLOCK_N=64, BLOCK_D=64, DOT_F32=False, ROW_KS=False),
+     dict(i32, part_o_ptr="*fp32", part_lse_ptr="*fp32", row_ks_ptr="*i32", q_ptr="*fp32", k_cache_ptr="*fp32",
+          v_cache_ptr="*fp32"), dict(sm_scale="fp32"), num_warps=4)
 from doublesparse.kernels.triton import ds_topp
 comp(ds_topp.topp_mass_kernel, dict(NUM_PROGS=8, BLOCK_N=1024), dict(i32, part_ptr="*fp32"), num_warps=4)
 comp(ds_topp.topp_keep_kernel, dict(NUM_PROGS=8, P_P=8, K_P=512), dict(i32, part_ptr="*fp32", out_slot_ptr="*i32",
@@ -437,6 +442,9 @@ moe_ptrs = dict(rows_ptr="*i64", bexp_ptr="*i32", wt_ptr="*fp32", o_ptr="*fp32")
 for topk in (2, 8):  # Mixtral, Qwen3-MoE / DeepSeek-V2
     no_spill(comp(moe._gate_up_kernel, dict(K=topk, BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), moe_ptrs, num_warps=4, aligned=True))
 no_spill(comp(moe._down_kernel, dict(BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), moe_ptrs, num_warps=4, aligned=True))
+f32 = dict(moe_ptrs, x_ptr="*fp32", w_ptr="*fp32", h_ptr="*fp32")  # float32 weights: the IEEE-product branch
+comp(moe._gate_up_kernel, dict(K=2, BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), f32, num_warps=4)
+comp(moe._down_kernel, dict(BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), f32, num_warps=4)
 # the decode expert path at its defaults: Qwen3-30B-A3B (top-8) and DeepSeek-V2-Lite (top-6, shared
 # experts' sum) from 1 to 64 tokens (the routed-id tile TKP: 8 .. 512); hidden and intermediate
 # sizes are multiples of 16 there, so the K loops pipeline (cp.async into shared memory)
@@ -459,6 +467,13 @@ for has_sel, bh in ((False, 16), (True, 16), (True, 64)):  # V2-Lite's 16 heads;
               BLOCK_N=32, DOT_F32=False), dict(req_to_token_ptr="*i32", req_idx_ptr="*i32", seq_lens_ptr="*i32",
               sel_ptr="*i32", part_o_ptr="*fp32", part_lse_ptr="*fp32", heavy_ks_ptr="*i32"),
               dict(sm_scale="fp32"), num_warps=8, num_stages=2, aligned=True))
+from doublesparse.kernels.triton import skinny
+comp(skinny.skinny_gemm_kernel, dict(HAS_BIAS=False, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, STAGES=2, DOT_F32=False),
+     dict(x_ptr="*fp32", w_ptr="*fp32", b_ptr="*fp32", y_ptr="*fp32", part_ptr="*fp32", cnt_ptr="*i32"), num_warps=4)
+comp(latent_attn.latent_attn_kernel, dict(DN=512, DR=64, HAS_SEL=False, NUM_SPLITS=8, BLOCK_H=16, BLOCK_N=16,
+     DOT_F32=False), dict(req_to_token_ptr="*i32", req_idx_ptr="*i32", seq_lens_ptr="*i32", sel_ptr="*i32",
+     part_o_ptr="*fp32", part_lse_ptr="*fp32", heavy_ks_ptr="*i32", q_ptr="*fp32", kv_ptr="*fp32"),
+     dict(sm_scale="fp32"), num_warps=8, num_stages=1)
 for d in (64, 128, 576):  # DS-Offload's gather between page-locked host memory and the device
     bd = triton.next_power_of_2(d)
     be = min(host_gather.MAX_ENTRIES, max(2, host_gather.ELEMS_PER_PROGRAM // bd))

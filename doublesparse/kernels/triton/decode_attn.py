@@ -145,6 +145,9 @@ def attn_split(
         if DOT_F32:
             # Triton 3.6's interpreter computes bf16 dots wrongly; upcast there only.
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        elif q.dtype == tl.float32:
+            # float32 caches (the tests' references): IEEE products, not TF32's 10-bit mantissas
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale                                         # [BLOCK_H, BLOCK_N], log2 units
@@ -155,6 +158,8 @@ def attn_split(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DOT_F32:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        elif v.dtype == tl.float32:
+            pv = tl.dot(p, v, input_precision="ieee")
         else:
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv

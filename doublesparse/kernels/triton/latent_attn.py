@@ -74,6 +74,9 @@ def latent_attn_kernel(
         if DOT_F32:  # the interpreter computes bf16 dots wrongly
             s = tl.dot(qn.to(tl.float32), tl.trans(kn.to(tl.float32)))
             s += tl.dot(qr.to(tl.float32), tl.trans(kr.to(tl.float32)))
+        elif qn.dtype == tl.float32:  # float32 caches (tests): IEEE products, not TF32
+            s = tl.dot(qn, tl.trans(kn), input_precision="ieee")
+            s = tl.dot(qr, tl.trans(kr), s, input_precision="ieee")
         else:
             s = tl.dot(qn, tl.trans(kn))
             s = tl.dot(qr, tl.trans(kr), s)
@@ -84,6 +87,8 @@ def latent_attn_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DOT_F32:
             pv = tl.dot(p.to(kn.dtype).to(tl.float32), kn.to(tl.float32))
+        elif kn.dtype == tl.float32:
+            pv = tl.dot(p, kn, input_precision="ieee")
         else:
             pv = tl.dot(p.to(kn.dtype), kn)
         acc = acc * alpha[:, None] + pv

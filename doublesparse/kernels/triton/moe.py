@@ -72,8 +72,12 @@ def _gate_up_kernel(x_ptr, w_ptr, rows_ptr, bexp_ptr, h_ptr, TK, H, I,
         wmask = kmask[:, None] & nmask[None, :]
         wg = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=wmask, other=0.0)
         wu = tl.load(w_base + (n[None, :] + I) * stride_wn + k[:, None], mask=wmask, other=0.0)
-        acc_g = tl.dot(a, wg, acc_g)
-        acc_u = tl.dot(a, wu, acc_u)
+        if a.dtype == tl.float32:  # float32 weights (the tests' references): IEEE products, not TF32
+            acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, wg, acc_g)
+            acc_u = tl.dot(a, wu, acc_u)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + rows[:, None] * stride_ht + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])
@@ -100,7 +104,10 @@ def _down_kernel(h_ptr, w_ptr, rows_ptr, bexp_ptr, wt_ptr, o_ptr, TK, H, I,
         kmask = k < I
         a = tl.load(h_ptr + safe[:, None] * stride_ht + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc)
+        if a.dtype == tl.float32:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
     wt = tl.load(wt_ptr + safe, mask=rmask, other=0.0).to(tl.float32)
     tl.store(o_ptr + rows[:, None] * stride_ot + n[None, :], acc * wt[:, None], mask=rmask[:, None] & nmask[None, :])
 
