@@ -864,10 +864,19 @@ def _default_tuning() -> dict:
     return dataclasses.asdict(KernelTuning())
 
 
+def _other_commits(doc: dict) -> str:
+    """" (rows ... at commit X)" for the rows of a merged result that an earlier commit gave."""
+    other: dict = {}
+    for row, c in doc.get("row_commits", {}).items():
+        if c != doc["commit"]:
+            other.setdefault(c, []).append(row)
+    return "".join(f" (rows {', '.join(rows)} at `{c}`)" for c, rows in other.items())
+
+
 def markdown(doc: dict) -> str:
     area, rows = doc["area"], doc["rows"]
     L = [f"# {doc['suite']} on {doc['machine']}", "",
-         f"Date: {doc['date']}. Commit: `{doc['commit']}`. Machine: {doc['machine']}. "
+         f"Date: {doc['date']}. Commit: `{doc['commit']}`{_other_commits(doc)}. Machine: {doc['machine']}. "
          f"Rerun: `python benchmarks/run.py {doc['suite']}`.", ""]
     for note in doc.get("notes", []):
         L += [note, ""]
@@ -1005,13 +1014,19 @@ def main(argv: list[str] | None = None) -> int:
             commands.append(r["server"])
         commands.append(r["cmd"])
     old = a.out / f"{stem}.json"
+    row_commits = {name: commit for name in results}
     if a.merge and old.is_file():
         prev = json.loads(old.read_text())
-        results = {**{k: v for k, v in prev["rows"].items() if k not in results}, **results}
+        kept = {k: v for k, v in prev["rows"].items() if k not in results}
+        # each kept row keeps the commit that gave it
+        row_commits = {**{k: prev.get("row_commits", {}).get(k, prev["commit"]) for k in kept}, **row_commits}
+        results = {**kept, **results}
         commands = [c for c in prev["commands"] if c not in commands] + commands
     doc = {"suite": a.suite, "area": suite["area"], "commands": commands, "commit": commit, "machine": machine,
            "date": date, "kernel_tuning": _default_tuning(), "summary": summarize(suite["area"], results),
            "rows": results}
+    if len(set(row_commits.values())) > 1:
+        doc["row_commits"] = row_commits
     if suite["area"] == "gpu-check":
         doc["summary"] = gpu_check.summary(results, machine, time.time() - started)
     if suite["area"] in ("models", "prefix-cache", "accuracy-long", "offload"):  # the summary names its provenance itself

@@ -176,6 +176,12 @@ def test_prefix_cache_suite_in_two_parts_merges(tmp_path, monkeypatch):
     assert s["speedup_vs_disabled"] == pytest.approx(6.0) and s["hit_rate"] == 0.93
     assert s["eviction_run_failed"] == 0 and s["commit"] == "abc" and s["device"] and s["date"]
     assert len(s["commands"]) == 3 and "| radix-cache | 15.0 |" in (tmp_path / "prefix-cache-t.md").read_text()
+    assert "row_commits" not in doc  # one commit gave every row
+    # a row redone at a later commit: the file names the commit of each row
+    assert bench_run.main([*base[:-1], "def", "--only", "eviction", "--merge"]) == 0
+    doc = json.loads((tmp_path / "prefix-cache-t.json").read_text())
+    assert doc["commit"] == "def" and doc["row_commits"] == {"disabled": "abc", "radix-cache": "abc", "eviction": "def"}
+    assert "Commit: `def` (rows disabled, radix-cache at `abc`)" in (tmp_path / "prefix-cache-t.md").read_text()
 
 
 def test_decode_cost_figures_recover_a_known_machine():
