@@ -103,9 +103,10 @@ class KernelTuning:
     # Routed experts of an MoE layer (kernels/triton/moe_decode.py): steps of at most this many
     # tokens (decode) take the expert-major decode path, each touched expert's weights streamed
     # once by programs of one expert x one narrow N tile; larger ones the grouped GEMM (moe.py).
-    # 64: the decode batches the engine captures at MoE sizes give 1-16 tokens an expert, one
-    # 16-row pass; 0 = never. Its tiles: gate + up rows, down rows per program, the K step.
-    moe_decode_max_tokens: int = 64
+    # 0 = never: on an H100 (bench.moe_experts, Qwen3-30B-A3B and DeepSeek-V2-Lite shapes) the
+    # grouped GEMM read the touched experts at 0.62-0.78 of the copy bandwidth at 4-64 tokens,
+    # the decode path at 0.50-0.65. Its tiles: gate + up rows, down rows per program, the K step.
+    moe_decode_max_tokens: int = 0
     moe_gate_up_block_n: int = 16
     moe_down_block_n: int = 32
     moe_decode_block_k: int = 128

@@ -8,7 +8,7 @@ Two expert paths behind one call (:func:`run_experts`):
   * PyTorch (CPU, and CUDA prefill chunks): tokens sorted by expert, one GEMM pair per expert
     that received tokens. It reads the per-expert counts on the host.
   * Triton, through ``ops.moe_experts`` (CUDA; ``KernelTuning.fused_moe``): steps of at most
-    ``moe_decode_max_tokens`` tokens take the decode path (kernels/triton/moe_decode.py: one
+    ``moe_decode_max_tokens`` tokens (default 0: the grouped GEMM measured faster) take the decode path (kernels/triton/moe_decode.py: one
     program per expert x N tile, each touched expert's weights streamed once, the weighted sum in
     the down launch, the shared experts as one more expert of both launches), larger ones up to
     GROUPED_MAX_ASSIGNMENTS the grouped GEMM (kernels/triton/moe.py). No host syncs either way, so

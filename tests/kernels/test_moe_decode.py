@@ -64,7 +64,7 @@ def test_moe_decode_more_tokens_than_a_pass(dtype):
     """18 tokens all on expert 3 (two 16-row passes), default tiles (one K step, one partial N tile)."""
     T, E, K, H, inter = 18, 7, 2, 40, 24
     x, w13, w2, w, ids, _ = _case(T, E, K, H, inter, dtype, seed=5, one_expert=True)
-    y = ops.moe_experts(x, w13, w2, w, ids, impl="triton", tuning=KernelTuning())
+    y = ops.moe_experts(x, w13, w2, w, ids, impl="triton", tuning=KernelTuning(moe_decode_max_tokens=64))
     want = ref.moe_experts_ref(x, w13, w2, w, ids)
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(y.float(), want, rtol=tol, atol=tol * want.abs().max().item())
@@ -75,9 +75,10 @@ def test_dispatch_and_torch_path():
     path is the reference; all three agree."""
     x, w13, w2, w, ids, s, sw13, sw2 = _case(3, 7, 2, 40, 24, torch.float32, seed=9, shared=True, mlp_inter=20)
     want = ops.moe_experts(x, w13, w2, w, ids, s, sw13, sw2, impl="torch")
-    assert md.decode_fits(x, 2) and not md.decode_fits(x, 2, KernelTuning(moe_decode_max_tokens=2))
-    assert not md.decode_fits(x, md.MAX_TOKENS)
-    for t in (KernelTuning(), KernelTuning(moe_decode_max_tokens=0)):
+    on = KernelTuning(moe_decode_max_tokens=64)
+    assert md.decode_fits(x, 2, on) and not md.decode_fits(x, 2, KernelTuning(moe_decode_max_tokens=2))
+    assert not md.decode_fits(x, md.MAX_TOKENS, on) and not md.decode_fits(x, 2)  # the default: grouped
+    for t in (on, KernelTuning()):
         got = ops.moe_experts(x, w13, w2, w, ids, s, sw13, sw2, impl="triton", tuning=t)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 

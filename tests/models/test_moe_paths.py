@@ -32,9 +32,10 @@ def _run(m, tuning, graphs: bool = False):
 def test_triton_expert_paths_match_pytorch(arch):
     m = tiny_family(arch, max_position_embeddings=512).to(DEVICE)
     want_tokens, want = _run(m, KernelTuning(fused_moe=False))
-    for tuning in (KernelTuning(fused_moe=True),                              # the decode path throughout
-                   KernelTuning(fused_moe=True, moe_fuse_shared=False),      # DeepSeek's shared MLP apart
-                   KernelTuning(fused_moe=True, moe_decode_max_tokens=0)):   # the grouped GEMM
+    dec = KernelTuning(fused_moe=True, moe_decode_max_tokens=64)
+    for tuning in (dec,                                                     # the decode path throughout
+                   dec.replace(moe_fuse_shared=False),                      # DeepSeek's shared MLP apart
+                   KernelTuning(fused_moe=True)):                           # the grouped GEMM (the default)
         tokens, got = _run(m, tuning)
         assert tokens == want_tokens
         assert len(got) == len(want) > 3
@@ -47,6 +48,7 @@ def test_triton_expert_paths_match_pytorch(arch):
 def test_decode_path_in_cuda_graphs(arch):
     """Decode replayed from graphs (the decode path's counters made by the warm-up) == eager."""
     m = tiny_family(arch, max_position_embeddings=512).to(DEVICE).to(torch.bfloat16)
-    eager, _ = _run(m, KernelTuning())
-    replayed, _ = _run(m, KernelTuning(), graphs=True)
-    assert replayed == eager
+    for t in (KernelTuning(), KernelTuning(moe_decode_max_tokens=64)):  # grouped GEMM, decode path
+        eager, _ = _run(m, t)
+        replayed, _ = _run(m, t, graphs=True)
+        assert replayed == eager
