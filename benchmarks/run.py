@@ -131,8 +131,10 @@ def _serving_row(name: str, server: str, cmd: str, timeout: int = 600) -> dict:
 # MoE / MLA families (dummy weights, pools filled with random values): each family's dense decode
 # against its byte floor (the experts the batch touches, the other weights, KV or latent bytes) and
 # Double Sparsity (default flags) against dense. Mixtral's context is 32768 positions in all.
+# --profile: each row also holds one step's kernel table (benchmarks/step_breakdown.py reads the
+# suite's result file: where the step's time goes by kernel class)
 _FAMILY = ("python -m doublesparse.bench.family_decode --load-format dummy --fill random --warmup-input-len 1024 "
-           "--output-len 64 --floor-steps 8")
+           "--output-len 64 --floor-steps 8 --profile")
 _FAMILY_CASES = {  # row stem -> model, batch, prompt, KV pool tokens, card memory it needs (GB), and
     # the memory of the cards the row is for at most (GB; a bigger card runs the row above it instead)
     "dsv2-lite-128k-bs4": ("deepseek-v2-lite", 4, 131072, 525000, 0, None),
