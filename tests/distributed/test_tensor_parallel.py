@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU (gloo): at tp_size 2 and 3, logits and greedy outputs of Llama
 models and two MoE models equal tp_size 1's, dense and with Double Sparsity (a channel config's
-per-layer modes too); a rank that dies ends the engine with an error naming it. One 3-rank group
+per-layer modes too), with an fp8 KV cache too; a rank that dies ends the engine with an error naming it. One 3-rank group
 serves every engine of the module (a 2-rank engine runs on its first two ranks)."""
 
 import json
@@ -91,3 +91,14 @@ def test_dead_rank_is_an_error_not_a_hang(group, llama):
         e.fail_running(RuntimeError("step failed"))
     e.close()
 
+
+
+@pytest.mark.parametrize("ds", [False, True], ids=["dense", "ds"])
+def test_fp8_kv_cache(group, llama, ds, tmp_path):
+    """--kv-cache-dtype fp8 on every rank: each rank's pools hold its KV heads in fp8 with the
+    per-layer scales (from a file here, every rank reading it), and TP 2's logits and greedy tokens
+    (prefix-cache hits, chunked prefill over fp8 prefixes, sparse decode) equal TP 1's with fp8."""
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps({"k_scale": 0.05, "v_scale": [0.02 * (i + 1) for i in range(llama.config.num_layers)]}))
+    check_same(llama, group, 2, overlap=ds, kv_cache_dtype="fp8_e4m3", kv_cache_scales_path=str(path),
+               **(DS if ds else {}))
