@@ -120,6 +120,8 @@ _SERVER_SOAK = (f"python -m doublesparse.launch_server --model-path llama-3.1-8b
 
 
 _LONG = "python -m doublesparse.eval.long_context --device cuda --budget-s 540"
+# the accuracy suite's fp8 K/V row (its summary keys: _fp8_kv_keys)
+_FP8_ACCURACY_ROW = "fp8-kv-text-8192"
 _EVAL_DEFAULT = ("doublesparse eval --device cuda --default-only "
                  "--no-fidelity")
 
@@ -286,11 +288,17 @@ SUITES: dict[str, dict] = {
         "rows": prefix_cache.rows(_serving_row),
     },
     # Accuracy of DS settings against dense on the embedded SmolLM2-135M: the full protocol in one
-    # time-budgeted run (8 x 8K text windows, retrieval at 2K/4K/8K, attention fidelity; GPU).
+    # time-budgeted run (8 x 8K text windows, retrieval at 2K/4K/8K, attention fidelity; GPU); and
+    # the fp8 KV cache's text rows at 8K (dense and the default over fp8 K/V beside the model's
+    # cache, each prefilled through its own cache).
     "accuracy": {
         "area": "accuracy",
         "rows": [{"name": "protocol", "cmd": "python -m doublesparse.eval.protocol --output-dir {out} --budget-s 480",
-                  "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600}],
+                  "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600},
+                 {"name": _FP8_ACCURACY_ROW, "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600,
+                  "cmd": "doublesparse eval --device cuda --no-retrieval --no-fidelity --default-only "
+                         "--window-len 8192 --decode-len 256 --num-windows 8 --kv-cache-dtypes auto fp8_e4m3 "
+                         "-o {out}"}],
     },
     # The top-p budget (--ds-budget-mode top_p): decode latency beside the ratio budget it cuts down
     # (Llama-3.1-8B dummy weights with random pools: flat attention, so the upper bound is kept and
@@ -373,9 +381,14 @@ SUITES: dict[str, dict] = {
         "rows": [
             *[{"name": f"qwen15b-{n // 1024}k", "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600,
                "cmd": f"{_LONG} --model-path qwen2.5-coder-1.5b --lengths {n} -o {{out}}"} for n in (16384, 32768)],
+            # the fp8 KV cache (--kv-cache-dtype fp8_e4m3) alone and under the default, text only
+            *[{"name": f"qwen15b-{n // 1024}k-fp8-kv", "result": "{out}/results.json", "md": "{out}/table.md",
+               "timeout": 600, "cmd": f"{_LONG} --model-path qwen2.5-coder-1.5b --lengths {n} --parts text "
+                                      "--settings dense default --kv-cache-dtypes auto fp8_e4m3 -o {out}"}
+              for n in (16384, 32768)],
             {"name": "smollm2-8k", "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600,
              "cmd": f"{_LONG} --lengths 8192 --parts text --settings dense "
-                    "default --num-windows 8 -o {out}"},
+                    "default --num-windows 8 --kv-cache-dtypes auto fp8_e4m3 -o {out}"},
         ],
     },
     # The GPU build in one device command: the test suite on the GPU, then one small row of each
@@ -765,17 +778,34 @@ def summarize(area: str, rows: dict) -> dict:
             from doublesparse.eval.long_report import suite_summary
             return suite_summary(rows)
         if area == "accuracy":
-            res = next(iter(rows.values()))
+            f8 = _fp8_kv_keys(rows.get(_FP8_ACCURACY_ROW, {}).get("rows", []), 8192)
+            res = next((r for n, r in rows.items() if n != _FP8_ACCURACY_ROW), None)
+            if res is None:
+                return f8
             if "summary" in res:  # the protocol writes its own
-                return res["summary"]
+                return {**res["summary"], **f8}
             dense, default = res["rows"][0], res["rows"][1]  # `doublesparse eval`: dense, the engine's default, ...
             return {"default_setting": default["setting"], "dense_ppl": dense["ppl"], "default_ppl": default["ppl"],
                     "default_ppl_increase_pct": 100 * (default["ppl"] / dense["ppl"] - 1),
                     "kl_default": default["kl"], "top1_default": default["top1"],
-                    "retrieval_dense": dense.get("retrieval_acc"), "retrieval_default": default.get("retrieval_acc")}
+                    "retrieval_dense": dense.get("retrieval_acc"), "retrieval_default": default.get("retrieval_acc"),
+                    **f8}
     except (KeyError, TypeError, IndexError, ZeroDivisionError) as e:
         return {"error": f"no summary: {e!r}"}
     return {}
+
+
+def _fp8_kv_keys(eval_rows: list, n: int) -> dict:
+    """From a `doublesparse eval --default-only --kv-cache-dtypes auto fp8_e4m3` run's rows (dense,
+    the default, then both over fp8 K/V): fp8 K/V alone over dense (%), and the default over fp8
+    K/V's increase over dense minus the default's (percentage points)."""
+    by = {r["setting"]: r for r in eval_rows if r.get("ppl")}
+    if "dense" not in by or "dense/kv:fp8_e4m3" not in by or len(eval_rows) < 2:
+        return {}
+    dense, default = by["dense"]["ppl"], eval_rows[1]
+    f8 = by.get(default["setting"] + "/kv:fp8_e4m3")
+    return {f"fp8_kv_ppl_increase_pct_{n}": 100 * (by["dense/kv:fp8_e4m3"]["ppl"] / dense - 1),
+            f"fp8_kv_ds_ppl_points_{n}": 100 * (f8["ppl"] - default["ppl"]) / dense if f8 else None}
 
 
 def _table_one_batch(rows: dict) -> list[str]:

@@ -242,9 +242,6 @@ class EngineConfig:
         if self.enable_ds_offload and self.tp_size > 1:
             raise ValueError("--enable-ds-offload runs on a single GPU; it cannot be combined with "
                              f"--tp-size {self.tp_size}")
-        if self.enable_ds_offload and self.kv_cache_fp8:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: DS-Offload keeps K/V in the "
-                             "model's dtype; use --kv-cache-dtype auto with --enable-ds-offload")
         if self.enable_ds_offload and self.attention_backend == "dense":
             raise ValueError("--enable-ds-offload decodes with Double Sparsity; it contradicts "
                              f"--attention-backend {self.attention_backend}")

@@ -18,6 +18,12 @@ one row of Hkv * D values (2 KB for 8 heads of 128 in bf16), the piece page-lock
 serves at PCIe speed; with a group mode, one row per (token, KV head) (256 B there), each KV head
 selecting its own tokens. Stores and prefix gathers always move whole tokens.
 
+fp8 K/V (``--kv-cache-dtype fp8_*``): the host store, its device tier and the hot set hold fp8
+(half the bytes of every row, so half the PCIe bytes per miss), with the memory's per-layer
+``k_scale`` / ``v_scale``: stores quantize on the way to the host (the in-GPU store's arithmetic),
+fetches and prefix gathers move fp8 bytes, and the attention kernels (or the PyTorch twin) and
+the prefill dequantize where they read, as they read the in-GPU fp8 pools.
+
 ``fetch``: "reuse" (the hot set), "no-reuse" (every selected row fetched every step) or
 "full-kv" (no selection: dense attention reading each request's whole K/V from the host store
 each step, as offloaded caches do).
@@ -113,7 +119,7 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         zero = torch.zeros(N, dtype=torch.long, device=k.device)
         copy_to_tiers(kt, vt, torch.arange(N, device=k.device), token_rows(self.tiers(layer_id)),
                       slots.long(), zero, torch.ones(N, dtype=torch.bool, device=k.device),
-                      impl="triton" if self._triton else "torch")
+                      impl="triton" if self._triton else "torch", **self.kv_scales(layer_id))
 
     def tiers(self, layer_id):
         """Where layer ``layer_id``'s K/V live: the memory's ``tiers`` (engine/offload_memory.py's
@@ -136,14 +142,15 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         if self.fetch == "full-kv":
             if not self._triton:
                 return ops.dense_decode(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx,
-                                        batch.seq_lens, self.sm_scale, impl="torch")
+                                        batch.seq_lens, self.sm_scale, impl="torch", **self.kv_scales(layer_id))
             # the dense kernel reads every token's K/V straight from pinned host memory (the
             # launcher's device checks would refuse the host pools, so it is called below them)
             from ..kernels.triton.launch import split_attention, dense_splits
             B, Hkv = q.shape[0], m.plan.num_kv_heads
             S = dense_splits(B, Hkv, self.workspace, q.device, self.tuning)
             return split_attention(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx, batch.seq_lens,
-                              self.sm_scale, self.workspace, None, None, Hkv, None, 0, False, S, self.tuning)
+                                   self.sm_scale, self.workspace, None, None, Hkv, None, 0, False, S, self.tuning,
+                                   **self.kv_scales(layer_id))
         ks = batch.ds_k
         if ks is None:
             ks = row_budgets(self.ds, batch.seq_lens, self._dense)
@@ -242,8 +249,8 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         D = self.head_dim
         hk, hv = self.hot.k[layer_id].view(-1, Hkv, D), self.hot.v[layer_id].view(-1, Hkv, D)
         return split_attention(q, hk, hv, m.req_to_token, batch.req_idx, n32 + 1, self.sm_scale, ws, None,
-                          rows.expand(B, Hkv, K), Hkv, n32, K, False, S, self.tuning,
-                          self.tuning.sparse_attn_stages)
+                               rows.expand(B, Hkv, K), Hkv, n32, K, False, S, self.tuning,
+                               self.tuning.sparse_attn_stages, **self.kv_scales(layer_id))
 
     def _select_torch(self, layer_id, q, batch, ks):
         """The PyTorch twin of the selection: torch_ops.ds_decode's scores and top-k call ->
@@ -282,6 +289,7 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         # [B, Hkv, K]; a token row's head h is row * Hkv + h of the [-1, D] view either way
         rows = self._hot_rows(layer_id, batch.req_idx, slots, valid).long().expand(B, Hkv, -1)
         hk, hv = self.hot.k[layer_id].view(-1, D), self.hot.v[layer_id].view(-1, D)
+        sc = torch_ops.kv_scales(hk, **self.kv_scales(layer_id))   # fp8 hot rows: their scales
         out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
         heads = torch.arange(Hkv, device=q.device)
         for b, (n, k) in enumerate(zip(seq_lens, kl)):
@@ -295,7 +303,7 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
                 flat = (rows[b, :, :k] * Hkv + heads[:, None]).reshape(-1)
                 kk = hk.index_select(0, flat).view(Hkv, k, D)
                 vv = hv.index_select(0, flat).view(Hkv, k, D)
-            out[b] = torch_ops._attend(qb, kk, vv, self.sm_scale).view(Hq, D)
+            out[b] = torch_ops._attend(qb, kk, vv, self.sm_scale, scales=sc).view(Hq, D)
         return out.to(q.dtype)
 
     # ----------------------------------------------------------------------------- facts

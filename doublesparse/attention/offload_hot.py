@@ -3,7 +3,8 @@ KV head, ``capacity`` device rows of K and V holding host-store tokens, replaced
 used.
 
 Layout (per layer):
-    k[layer], v[layer] : [regions * capacity, Hkv, D]   model dtype (device)
+    k[layer], v[layer] : [regions * capacity, Hkv, D]   the K/V pools' dtype (device; fp8 rows
+                                                         hold what the host store holds)
         region q (= request row q of req_to_token) owns rows q*capacity .. (q+1)*capacity - 1;
         head h of row q*capacity + c holds the token ``tags[layer][q, h, c]`` (a KV slot), so the
         heads of one row are independent (each KV head selects its own tokens)

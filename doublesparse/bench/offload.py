@@ -201,7 +201,9 @@ def _run(cfg, ids: list[int], out_len: int) -> dict:
         last = now
     res = dict(tokens=tokens, median_step_s=statistics.median(times[2:]) if len(times) > 3 else None,
                # --ds-label-dtype auto resolved on this device (fp8 on GPUs of compute capability 8.9+)
-               label_dtype=str(e.parts.plan.label_dtype).removeprefix("torch."))
+               label_dtype=str(e.parts.plan.label_dtype).removeprefix("torch."),
+               # --kv-cache-dtype: fp8 rows halve the host -> device bytes per miss
+               kv_dtype=str(e.parts.plan.kv_dtype).removeprefix("torch."))
     if cfg.enable_ds_offload:
         lens = [[len(ids) + i + 1] for i in range(len(tokens) - 1)]
         res["offload"] = offload_step_stats(e.parts.backend, stats0, e.parts.backend.fetch_stats(), lens)
@@ -260,7 +262,7 @@ def _main(argv: list[str]) -> int:
                    hit_rate=runs["offload_reuse"]["offload"]["hit_rate"],
                    next_layer_bytes_per_step=runs["offload_reuse_next_layer"]["offload"]["host_bytes_per_step"],
                    step_s={n: r["median_step_s"] for n, r in runs.items()},
-                   label_dtype=runs["offload_reuse"]["label_dtype"])
+                   label_dtype=runs["offload_reuse"]["label_dtype"], kv_dtype=runs["offload_reuse"]["kv_dtype"])
     print(f"outputs identical to in-GPU DS: {same}; bytes per step with reuse / without: "
           f"{summary['reuse_bytes_fraction']}")
     if args.result_json:

@@ -1,7 +1,8 @@
 """The host tier of DS-Offload: K and V of every token slot in host memory.
 
-Layout (per layer): ``k[layer], v[layer]`` : ``[num_slots, Hkv, D]`` in the model dtype, on the
-host, page-locked when the engine runs on CUDA (device kernels read and write it through unified
+Layout (per layer): ``k[layer], v[layer]`` : ``[num_slots, Hkv, D]`` in the K/V pools' dtype
+(``--kv-cache-dtype``: the model's, or fp8 holding ``x / scale`` with the memory's per-layer
+scales, half the bytes), on the host, page-locked when the engine runs on CUDA (device kernels read and write it through unified
 addressing: kernels/triton/host_gather.py); on CPU a plain second buffer. Slot numbers are the
 engine's (offload_memory.OffloadKVMemory), so the device label pool and this store are indexed alike.
 

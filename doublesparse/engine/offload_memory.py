@@ -4,8 +4,10 @@ Built by engine/offload_setup.py's ``build_offload`` in place of :class:`~.memor
 tensor parallelism builds its own memory (distributed/rank.py), so the in-GPU path stays free
 of offload cases. What changes against the in-GPU memory:
 
-    k[layer], v[layer] : the host store's ``[num_slots - device_tokens, Hkv, D]`` tensors, model
-                         dtype, on the host (page-locked on CUDA); no K/V pool on the device
+    k[layer], v[layer] : the host store's ``[num_slots - device_tokens, Hkv, D]`` tensors, in
+                         ``plan.kv_dtype`` (--kv-cache-dtype; fp8 with ``k_scale`` / ``v_scale``
+                         on the device, as in-GPU), on the host (page-locked on CUDA); no K/V
+                         pool on the device
     label, label_scale, req_to_token : on the device, as in-GPU (memory.py's layout)
     device tier        : slots ``1 .. device_tokens`` keep K/V in the store's device pools
                          (``device_k/v[layer]`` : ``[device_tokens + 1, Hkv, D]``)

@@ -11,7 +11,7 @@ import torch
 from ..attention.offload import OffloadDSBackend, hot_units
 from ..attention.offload_hot import HotSet
 from .host_kv import GIB, HostKVStore, host_tokens
-from .memory import KVMemory, MemoryPlan, plan_memory
+from .memory import KVMemory, MemoryPlan, dtype_name, kv_cache_dtype, plan_memory
 from .offload_memory import OffloadKVMemory
 
 log = logging.getLogger("doublesparse.engine")
@@ -23,11 +23,12 @@ _LOWER = ("lower --max-total-tokens, --max-running-requests, --ds-offload-hot-to
 
 def plan_offload_memory(cfg, model_config, kv_dtype, device: torch.device, max_ctx: int, r: int) -> MemoryPlan:
     """The pools' plan when K/V live in the host store: as many slots as the host bound holds
-    (or ``--max-total-tokens``); the device keeps labels and req_to_token only."""
+    (or ``--max-total-tokens``) at the bytes of ``--kv-cache-dtype`` (an fp8 store holds twice
+    bf16's tokens); the device keeps labels and req_to_token only. kv_dtype: the model's."""
     mc = model_config
     if getattr(mc, "mla", None) is not None:
         raise ValueError("--enable-ds-offload supports models with K and V heads (not MLA latent pools)")
-    per_token = mc.kv_bytes_per_token(torch.empty((), dtype=kv_dtype).element_size())
+    per_token = mc.kv_bytes_per_token(kv_cache_dtype(cfg, kv_dtype).itemsize)
     tokens = host_tokens(cfg.max_total_tokens, cfg.ds_offload_host_memory_gb, device.type, per_token)
     # the device tier's slots come first (1 .. device tokens), the host store's after them
     return plan_memory(cfg.replace(max_total_tokens=tokens + cfg.ds_offload_device_tokens), mc, kv_dtype,
@@ -46,8 +47,10 @@ def hot_tokens(cfg, heavy_token_num: int) -> int:
 def build_offload(cfg, plan: MemoryPlan, device: torch.device, ds, mc, channels, workspace):
     """(memory, backend) of an offloading engine: an :class:`OffloadKVMemory` with K/V in a host
     store (pinned on CUDA) and labels in the device pool, and the offload backend with a hot set
-    of ``hot_tokens`` rows per request row (padding row included). build_parts injects both in
-    place of the in-GPU memory and backend."""
+    of ``hot_tokens`` rows per request row (padding row included); store, device tier and hot set
+    in ``plan.kv_dtype`` (``--kv-cache-dtype``: fp8 rows with the memory's per-layer scales, which
+    build_parts fills after this). build_parts injects both in place of the in-GPU memory and
+    backend."""
     n_dev = cfg.ds_offload_device_tokens
     if n_dev and device.type == "cuda":
         need = (n_dev + 1) * plan.kv_bytes_per_token
@@ -75,9 +78,9 @@ def build_offload(cfg, plan: MemoryPlan, device: torch.device, ds, mc, channels,
     backend = OffloadDSBackend(memory, mc.num_q_heads, mc.head_dim, impl=impl, workspace=workspace,
                                channels=channels, ds=ds, tuning=cfg.kernel_tuning, hot=hot,
                                fetch=cfg.ds_offload_fetch, prefetch=cfg.ds_offload_prefetch)
-    log.info("DS-Offload: K/V of %d tokens in host memory (%.1f GiB)%s, hot set %d %s per "
+    log.info("DS-Offload: K/V of %d tokens in host memory (%.1f GiB, %s)%s, hot set %d %s per "
              "request and layer, fetch %s; prefix cache %s",
-             memory.slots.admission_size, store.nbytes / 2**30,
+             memory.slots.admission_size, store.nbytes / 2**30, dtype_name(plan.kv_dtype),
              f", a device tier of {n_dev} tokens" if n_dev else "", hot.capacity,
              "tokens (all KV heads)" if units == 1 else "tokens per KV head", backend.fetch,
              "off" if cfg.disable_radix_cache else "on (cached prefixes in the host store)")

@@ -22,7 +22,7 @@ import torch
 
 from doublesparse import preflight
 from doublesparse.texts import EVAL_PLAYS, encode, read_texts
-from doublesparse.config import LABEL_DTYPES
+from doublesparse.config import KV_CACHE_DTYPES, LABEL_DTYPES
 from doublesparse.cli_common import (
     Parser,
     UsageError,
@@ -52,6 +52,7 @@ from .settings import (
     improvements,
     preset,
     unique,
+    with_kv,
 )
 
 # (window_len, decode_len, num_windows, retrieval lens, depths, trials per cell); None = model ctx
@@ -103,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-dtypes", nargs="+", default=None, choices=LABEL_DTYPES,
                    help="the engine's default setting once with each of these label dtypes, the first "
                         "in the default's place (default: the dtype the engine picks on --device)")
+    p.add_argument("--kv-cache-dtypes", nargs="+", default=None, choices=KV_CACHE_DTYPES,
+                   help="dense and the engine's default once per K/V cache dtype (the engine's "
+                        "--kv-cache-dtype; each prefilled through its own cache), in this order; dense with "
+                        "the model's cache (auto) runs too, the reference of KL and top-1 (default: auto)")
     p.add_argument("--no-text", action="store_true")
     p.add_argument("--no-retrieval", action="store_true")
     p.add_argument("--no-fidelity", action="store_true", help="skip per-layer attention fidelity")
@@ -162,8 +167,9 @@ def model_point(args, model) -> OperatingPoint:
 def settings_for(args, head_dim: int = 64, max_context: int | None = None,
                  layer_modes: tuple[str, ...] = (), k_bias: bool = False, point=None) -> list[Setting]:
     """Dense, the engine's default (with the label dtype the engine picks on ``args.device`` for
-    a model with or without a K bias, ``k_bias``), then the preset or the ``--types/--modes/--rs/--k-fracs`` grid with the improvement variants
-    of group_sum; each setting once."""
+    a model with or without a K bias, ``k_bias``; both once per ``--kv-cache-dtypes`` entry), then
+    the preset or the ``--types/--modes/--rs/--k-fracs`` grid with the improvement variants of
+    group_sum (with the model's cache); each setting once."""
     if any(x is not None for x in (args.types, args.modes, args.rs, args.k_fracs)):
         g = grid(args.types or ("q", "k", "qk"), args.modes or ("per_head", "group_sum", "group_max"),
                  args.rs or (8, 16, 32), args.k_fracs or (1 / 32, 1 / 16, 1 / 8))
@@ -173,6 +179,7 @@ def settings_for(args, head_dim: int = 64, max_context: int | None = None,
     default = default_setting(head_dim, max_context, layer_modes, getattr(args, "device", "cpu"), k_bias, point)
     labels = getattr(args, "label_dtypes", None) or [default.label]
     first = [DENSE] + [replace(default, label=x) for x in dict.fromkeys(labels)]
+    first = with_kv(first, dict.fromkeys(getattr(args, "kv_cache_dtypes", None) or ["auto"]))
     if getattr(args, "default_only", False):
         return first
     names = getattr(args, "settings", None)
@@ -234,7 +241,7 @@ def run(args, model=None, tokenizer=None) -> dict:
     rows = report.rows(settings, lambda s: s.bytes_per_step(bytes_ctx, *dims, k=measured.get(s)), text_res, ret_res)
     name = getattr(c, "name", "model")
     notes = run_notes(name, source, args.device, L, bytes_ctx, text_res is not None, ret_res is not None,
-                      getattr(args, "retrieval_seed", 0))
+                      getattr(args, "retrieval_seed", 0), any(s.kv != "auto" for s in settings))
     notes.append(f"default: the engine's {point.describe()}")
     title = f"Double Sparsity eval: {name}"
     result = {"tool": f"doublesparse {__version__}", "model": name, "channels": source,
@@ -250,7 +257,9 @@ def run(args, model=None, tokenizer=None) -> dict:
     return result
 
 
-def run_notes(name, source, device, L: dict, bytes_ctx: int, text: bool, ret: bool, seed: int = 0) -> list[str]:
+def run_notes(name, source, device, L: dict, bytes_ctx: int, text: bool, ret: bool, seed: int = 0,
+              kv: bool = False) -> list[str]:
+    """The notes of a run's table; ``kv``: some settings have their own K/V cache dtype."""
     notes = [f"model: {name}; channels: {source}; device: {device}"]
     if text:
         notes.append(f"text: {L['num_windows']} window(s) of {L['window_len']} tokens from the eval plays; "
@@ -260,8 +269,12 @@ def run_notes(name, source, device, L: dict, bytes_ctx: int, text: bool, ret: bo
         notes.append(f"retrieval: context lengths {L['lens']}, depths {L['depths']}, {L['trials']} trial(s) "
                      f"per cell, pass-key seed {seed}; k = k_frac x context")
     notes.append(f"bytes per step at context {bytes_ctx}, K/V and labels as bf16 (labels of '/fp8' settings "
-                 f"as fp8, 1 byte); sink/recent capped at "
+                 f"and K/V of '/kv:fp8_*' settings as fp8, 1 byte); sink/recent capped at "
                  f"k/8 and k/4 (as the engine's default)")
+    if kv:
+        notes.append("'/kv:...' settings: K/V stored in that dtype (fp8: scale 1.0, the engine's default "
+                     "without checkpoint scales), prefilled and decoded through it; KL and top-1 against "
+                     "dense with the model's cache")
     return notes
 
 

@@ -9,11 +9,13 @@ depends only on tokens <= i), the result equals decoding the M tokens one at a t
 kernels see a batch of M (the GPU grid relies on this). Several windows are batched the same way,
 one ``req_to_token`` row each.
 
-Prefill is dense and shared by every setting: the K/V of a prefix is computed once and each
-setting only rewrites the labels of the prefix (``ops.store_kv`` over the stored K; skipped when
-they already hold its channels) before its decode tokens overwrite the slots after the prefix.
-No K/V state needs restoring between settings: a decode forward writes every slot it reads past
-the prefix before reading it.
+Prefill is dense and shared by every setting of one K/V cache dtype: the K/V of a prefix is
+computed once per cache dtype (:class:`PoolSet`: a prefill with an fp8 cache attends to its chunk's
+K/V as the cache holds them, as the engine's does, so its later layers' K/V differ) and each setting
+only rewrites the labels of the prefix (``ops.store_kv`` over the stored K; skipped when they
+already hold its channels) before its decode tokens overwrite the slots after the prefix. No K/V
+state needs restoring between settings: a decode forward writes every slot it reads past the prefix
+before reading it.
 """
 
 from __future__ import annotations
@@ -22,84 +24,19 @@ import math
 
 import torch
 
-from doublesparse.engine.memory import LABEL_TORCH_DTYPES
 from doublesparse.kernels import ops
+from doublesparse.kernels.reference import dequant_kv
 from doublesparse.kernels.top_p import keep_mask
-from doublesparse.kernels.workspace import DecodeWorkspace
 
+from .pools import Pools
 from .settings import Setting
+
+__all__ = ["Pools", "PoolSet", "prefill", "decode_tokens", "greedy", "selection_recall"]
 
 
 def _causal():
     from doublesparse.models.simple_attention import plain_backend
     return plain_backend()
-
-
-class Pools:
-    """KV and label pools in the kernels' layout for ``num_reqs`` requests of up to ``max_ctx``.
-
-    k[l], v[l]: ``[S, Hkv, D]``; labels[(r, label)][l]: ``[S, Hkv, r]`` bf16 or fp8 e4m3 (one pool
-    per r and label dtype in use; fp8 with scale 1, as the engine stores them);
-    req_to_token: ``[num_reqs + 1, max_ctx]`` int32. Slot 0 and row 0 are padding; request i owns
-    row i + 1 and slots ``1 + i * max_ctx + position``.
-    """
-
-    def __init__(self, config, num_reqs: int, max_ctx: int, device="cpu", dtype=torch.float32,
-                 impl: str = "auto"):
-        c = config
-        self.impl = impl  # passed to every ops call: "auto" = Triton on CUDA, reference on CPU
-        self.L, self.hq, self.hkv, self.D = int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim)
-        self.max_ctx, self.device = max_ctx, torch.device(device)
-        S = 1 + num_reqs * max_ctx
-        self.k = [torch.zeros(S, self.hkv, self.D, dtype=dtype, device=device) for _ in range(self.L)]
-        self.v = [torch.zeros_like(self.k[0]) for _ in range(self.L)]
-        self.labels: dict[tuple, list[torch.Tensor]] = {}
-        self.label_scale = torch.ones(1, dtype=torch.float32, device=device)
-        base = 1 + torch.arange(num_reqs, device=device)[:, None] * max_ctx
-        r2t = base + torch.arange(max_ctx, device=device)[None]
-        self.req_to_token = torch.cat([torch.zeros(1, max_ctx, dtype=torch.long, device=device), r2t]).int()
-        self.prefix_len = [0] * num_reqs
-        self._ws: dict = {}
-        self._labelled: dict[tuple, tuple] = {}  # (r, label) -> (channels, prefix_len) the prefix labels hold
-
-    def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.req_to_token[rows.long(), positions.long()]
-
-    def label_pool(self, r: int, label: str = "bf16") -> list[torch.Tensor]:
-        """Per layer, the ``[S, Hkv, r]`` label pool of dtype ``label`` ("bf16" or "fp8")."""
-        key = (r, label)
-        if key not in self.labels:
-            S = self.k[0].shape[0]
-            self.labels[key] = [torch.zeros(S, self.hkv, r, dtype=LABEL_TORCH_DTYPES[label], device=self.device)
-                                for _ in range(self.L)]
-        return self.labels[key]
-
-    def relabel(self, channels: torch.Tensor, label: str = "bf16") -> None:
-        """Labels of every request's prefix from its stored K, through the real store kernel.
-
-        channels: ``[L, Hkv, r]``; label: the pool's dtype ("bf16" or "fp8"). Skipped when that
-        (r, label) pool's prefix already holds labels of the same channels: decoding only ever
-        rewrites slots after the prefix, and each decode forward stores its own tokens' labels
-        before it reads them."""
-        key = (channels.shape[-1], label)
-        pool = self.label_pool(*key)
-        done = self._labelled.get(key)
-        if (done is not None and done[1] == tuple(self.prefix_len) and done[0].shape == channels.shape
-                and torch.equal(done[0], channels.cpu())):
-            return
-        self._labelled[key] = (channels.cpu().clone(), tuple(self.prefix_len))
-        slots = torch.cat([self.req_to_token[i + 1, :n] for i, n in enumerate(self.prefix_len) if n])
-        for l in range(self.L):
-            ops.store_kv(self.k[l], self.v[l], self.k[l][slots.long()], self.v[l][slots.long()], slots,
-                         pool[l], self.label_scale, channels[l].to(self.device, torch.int32), impl=self.impl)
-
-    def workspace(self, batch: int, heavy: int):
-        if self.impl == "torch" or (self.impl == "auto" and self.device.type != "cuda"):
-            return None  # the reference path needs no scratch
-        key = (batch, heavy)
-        if key not in self._ws:
-            self._ws[key] = DecodeWorkspace(batch, self.hq, self.hkv, self.D, self.max_ctx, heavy, self.device)
-        return self._ws[key]
 
 
 class PrefillAttention:
@@ -111,8 +48,10 @@ class PrefillAttention:
     def forward(self, layer_id, q, k, v, batch):
         p = self.pools
         slots = p.slots(torch.full_like(self.positions, self.row), self.positions)
-        ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, impl=p.impl)
-        return self.inner.forward(layer_id, q, k, v, batch)
+        ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, **p.scales, impl=p.impl)
+        if p.k_src is not None:
+            p.k_src[layer_id][slots.long()] = k
+        return self.inner.forward(layer_id, q, *p.as_read(k, v), batch)
 
 
 class DecodeAttention:
@@ -151,18 +90,18 @@ class DecodeAttention:
         if self.channels is not None:
             lab = p.label_pool(self.channels.shape[-1], s.label)[layer_id]
             ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, lab, p.label_scale, self.channels[layer_id],
-                         impl=p.impl)
+                         **p.scales, impl=p.impl)
         else:
-            ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, impl=p.impl)
+            ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, **p.scales, impl=p.impl)
         if s.is_dense_layer(layer_id):
             return ops.dense_decode(q, p.k[layer_id], p.v[layer_id], p.req_to_token, self.req_idx,
-                                    self.seq_lens, self.sm_scale, ws=self.ws, impl=p.impl)
+                                    self.seq_lens, self.sm_scale, ws=self.ws, impl=p.impl, **p.scales)
         mode = s.mode_of(layer_id)
         counts = self.counts[p.hq if mode == "per_head" else p.hkv]
         out = ops.ds_decode(q, p.k[layer_id], p.v[layer_id], lab, p.label_scale, self.channels[layer_id],
                             p.req_to_token, self.req_idx, self.seq_lens, self.sm_scale, self.heavy_ks,
                             self.heavy, mode=mode, num_sink=self.num_sink, num_recent=self.num_recent, ws=self.ws,
-                            impl=p.impl, top_p=s.top_p, top_p_min_k=self.top_p_min, row_counts=counts)
+                            impl=p.impl, top_p=s.top_p, top_p_min_k=self.top_p_min, row_counts=counts, **p.scales)
         sparse = (self.seq_lens > self.heavy_ks)[:, None]
         self.k_sum += (counts * sparse).sum()
         self.k_rows += sparse.sum() * counts.shape[1]
@@ -188,6 +127,25 @@ def prefill(model, pools: Pools, prefixes: list[list[int]]) -> torch.Tensor:
         last.append(model(torch.tensor(ids, device=dev), pos, b)[0])
         pools.prefix_len[i] = len(ids)
     return torch.stack(last)
+
+
+class PoolSet:
+    """The pools of one set of requests (``prefixes``: each one's prompt ids before its scored or
+    generated tokens) for each K/V cache dtype a setting asks for, each prefilled (densely, through
+    its own cache) the first time it is asked for. ``Pools`` arguments as there."""
+
+    def __init__(self, model, prefixes: list[list[int]], max_ctx: int, device="cpu", impl: str = "auto"):
+        self.model, self.prefixes, self.max_ctx, self.device, self.impl = model, prefixes, max_ctx, device, impl
+        self._by_kv: dict[str, Pools] = {}
+
+    def get(self, kv: str = "auto") -> Pools:
+        if kv not in self._by_kv:
+            m = self.model
+            pools = Pools(m.config, len(self.prefixes), self.max_ctx, device=self.device,
+                          dtype=getattr(m, "dtype", torch.float32), impl=self.impl, kv_cache_dtype=kv)
+            prefill(m, pools, self.prefixes)
+            self._by_kv[kv] = pools
+        return self._by_kv[kv]
 
 
 @torch.inference_mode()
@@ -263,7 +221,7 @@ def selection_recall(q, view: DecodeAttention, layer_id: int, chunk: int = 64,
             continue
         slots = p.req_to_token[view.req_idx[idx].long(), :nmax].long()       # [b, n]
         valid = torch.arange(nmax, device=q.device)[None] < n[:, None]       # [b, n]
-        k = p.k[layer_id][slots].float()                                     # [b, n, Hkv, D]
+        k = dequant_kv(p.k[layer_id][slots], p.k_scale)                      # [b, n, Hkv, D] float32
         qb = q[idx].float()                                                  # [b, Hq, D]
         prob = torch.einsum("bgjd,bngd->bgjn", qb.view(-1, p.hkv, G, D), k).reshape(-1, Hq, nmax)
         del k

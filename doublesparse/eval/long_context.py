@@ -2,6 +2,7 @@
 
     python -m doublesparse.eval.long_context -o OUT --model-path qwen2.5-coder-1.5b --device cuda \\
         [--lengths 16384 32768] [--parts text ruler] [--samples-per-task 4] [--settings ...]
+        [--kv-cache-dtypes auto fp8_e4m3]
 
 Per context length: (1) text: ``--num-windows`` windows of the eval plays (concatenated), the
 last ``--decode-len - 1`` tokens decoded and scored (perplexity, KL(dense || DS), top-1 agreement,
@@ -9,7 +10,9 @@ last ``--decode-len - 1`` tokens decoded and scored (perplexity, KL(dense || DS)
 greedily, scored 0-100. Prefill is dense and shared by every setting; only the decode goes through
 each setting's kernels (:mod:`.driver`). Settings, in the order they run: dense, the engine's
 default, group_sum with 4 sink + 32 recent tokens, the default under the top-p budget (p 0.9 and
-0.98). Each (part, length, setting) unit runs only while its estimated time fits ``--budget-s``;
+0.98); with ``--kv-cache-dtypes`` each of them once per K/V cache dtype (the engine's
+``--kv-cache-dtype``: fp8 K/V alone is ``dense/kv:fp8_e4m3``, Double Sparsity with it the default's
+name with ``/kv:fp8_e4m3``), each cache prefilled through itself. Each (part, length, setting) unit runs only while its estimated time fits ``--budget-s``;
 ``results.json`` and ``table.md`` are rewritten after every unit, ``plot.png`` after each part.
 """
 
@@ -28,7 +31,9 @@ from doublesparse.version import __version__
 from . import driver, long_report, measure, ruler
 from .cli import load_model_for_eval, channel_source, eval_windows, model_point, recorded_layer_modes
 from .retrieval import decode_text
-from .settings import BASELINE, DENSE, Setting, default_setting, top_p_variants
+from doublesparse.config import KV_CACHE_DTYPES
+
+from .settings import BASELINE, DENSE, Setting, default_setting, top_p_variants, with_kv
 
 SETTING_KEYS = ("dense", "default", "group_sum", "top_p")
 
@@ -64,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--parts", nargs="+", default=["text", "ruler"], choices=["text", "ruler"])
     a("--settings", nargs="+", default=list(SETTING_KEYS), choices=SETTING_KEYS)
     a(
+        "--kv-cache-dtypes",
+        nargs="+",
+        default=["auto"],
+        choices=KV_CACHE_DTYPES,
+        help="the settings once per K/V cache dtype, in this order (dense with the model's cache, "
+        "the reference, runs first in any case)",
+    )
+    a(
         "--text",
         nargs="+",
         default=None,
@@ -97,9 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def plan(keys, head_dim: int, max_context: int, layer_modes=(), device: str = "cpu",
-         k_bias: bool = False, point=None) -> list[Setting]:
+         k_bias: bool = False, point=None, kvs=("auto",)) -> list[Setting]:
     """The settings named by ``keys`` (see ``--settings``), dense first; the default with the
-    label dtype the engine picks on ``device`` (``k_bias``: the model's K projection has a bias)."""
+    label dtype the engine picks on ``device`` (``k_bias``: the model's K projection has a bias);
+    each once per K/V cache dtype of ``kvs`` (:func:`.settings.with_kv`)."""
     default = default_setting(head_dim, max_context, layer_modes, device, k_bias, point)
     out = {
         "dense": [DENSE],
@@ -107,12 +121,13 @@ def plan(keys, head_dim: int, max_context: int, layer_modes=(), device: str = "c
         "group_sum": [replace(BASELINE, num_sink=4, num_recent=32)],
         "top_p": top_p_variants(default),
     }
-    return [s for k in SETTING_KEYS if k in keys for s in out[k]]
+    return with_kv([s for k in SETTING_KEYS if k in keys for s in out[k]], dict.fromkeys(kvs))
 
 
 class RulerRunner:
-    """Samples of one length prefilled once (dense); :meth:`run` answers all greedily with one
-    setting and returns ``{task: points 0-100}`` (answers kept in ``self.answers``)."""
+    """Samples of one length prefilled once per K/V cache dtype (dense: driver.PoolSet); :meth:`run`
+    answers all greedily with one setting and returns ``{task: points 0-100}`` (answers kept in
+    ``self.answers``)."""
 
     def __init__(
         self,
@@ -127,15 +142,8 @@ class RulerRunner:
         self.cap = max_new_tokens or 1 << 30
         self.steps = min(self.cap, max(s.gen_tokens for s in samples))
         max_ctx = max(len(s.ids) for s in samples) + self.steps
-        self.pools = driver.Pools(
-            model.config,
-            len(samples),
-            max_ctx,
-            device=device,
-            dtype=getattr(model, "dtype", torch.float32),
-            impl=impl,
-        )
-        driver.prefill(model, self.pools, [list(s.ids[:-1]) for s in samples])
+        self.pools = driver.PoolSet(model, [list(s.ids[:-1]) for s in samples], max_ctx, device=device, impl=impl)
+        self.pools.get("auto")
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop = set(getattr(model.config, "eos_token_ids", ()) or ()) | (
             {eos} if isinstance(eos, int) else set()
@@ -144,11 +152,12 @@ class RulerRunner:
 
     def run(self, s: Setting, channels_for, heavy_ctx: int) -> dict:
         ch = channels_for(s) if s.kind == "ds" else None
+        pools = self.pools.get(s.kv)
         if ch is not None:
-            self.pools.relabel(ch, s.label)
+            pools.relabel(ch, s.label)
         new = driver.greedy(
             self.model,
-            self.pools,
+            pools,
             s,
             ch,
             [x.ids[-1] for x in self.samples],
@@ -192,7 +201,7 @@ def run(args) -> dict:
     channels_for, source = channel_source(args, model)
     point = model_point(args, model)
     settings = plan(args.settings, dims[3], ctx, recorded_layer_modes(args, model), args.device,
-                    bool(getattr(model.config, "attention_bias", False)), point)
+                    bool(getattr(model.config, "attention_bias", False)), point, args.kv_cache_dtypes)
     lengths = sorted({min(n, ctx) for n in args.lengths})
     res = {
         "tool": f"doublesparse {__version__} eval.long_context",
@@ -212,6 +221,7 @@ def run(args) -> dict:
         "samples_per_task": args.samples_per_task,
         "seed": args.seed,
         "settings": [s.name for s in settings],
+        "kv_cache_dtypes": list(dict.fromkeys(args.kv_cache_dtypes)),
         "default_setting": next((s.name for s in settings if s.kind == "ds"), None),
         "operating_point": point.as_dict(),
         "text": {},

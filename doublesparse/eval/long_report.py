@@ -14,10 +14,16 @@ def _pct(a, b):
     return 100 * (a / b - 1) if a is not None and b else None
 
 
+FP8_KV = "fp8_e4m3"   # the fp8 K/V cache the fp8_kv_* keys are of
+
+
 def summary(res: dict) -> dict:
     """Per length: the default's perplexity increase over dense (%) and its bytes per decode step
     as a fraction of dense's; the largest RULER drop of the default below dense over tasks and
-    lengths (points); the same for every setting under ``per_setting``."""
+    lengths (points); the same for every setting under ``per_setting``. With an fp8 K/V cache's
+    rows (``--kv-cache-dtypes``): per length ``fp8_kv_ppl_increase_pct_{n}`` (dense over fp8 K/V
+    against dense over the model's cache, %) and ``fp8_kv_ds_ppl_points_{n}`` (the default over
+    fp8 K/V's increase over dense minus the default's, percentage points)."""
     d = res.get("default_setting")
     out: dict = {"default_setting": d}
     per: dict = {}
@@ -50,6 +56,15 @@ def summary(res: dict) -> dict:
             if k.startswith("ruler_max_drop_pts_") and v is not None
         ]
         out["ruler_max_drop_pts"] = max(drops) if drops else None
+    suffix = f"/kv:{FP8_KV}"
+    for n, rows in res.get("text", {}).items():
+        dense = rows.get("dense", {})
+        f8 = rows.get("dense" + suffix)
+        if dense and f8:
+            out[f"fp8_kv_ppl_increase_pct_{n}"] = _pct(f8["ppl"], dense["ppl"])
+        if dense and d in rows and (d + suffix) in rows:
+            out[f"fp8_kv_ds_ppl_points_{n}"] = (_pct(rows[d + suffix]["ppl"], dense["ppl"])
+                                                 - _pct(rows[d]["ppl"], dense["ppl"]))
     out["per_setting"] = per
     return out
 
@@ -207,6 +222,13 @@ def merged(rows: dict) -> dict | None:
     return res
 
 
+def _largest(rows: dict, prefix: str):
+    """The largest value of the summary keys starting with ``prefix`` over every row (None: none)."""
+    vals = [v for r in rows.values() if isinstance(r, dict)
+            for k, v in (r.get("summary") or {}).items() if k.startswith(prefix) and v is not None]
+    return max(vals) if vals else None
+
+
 def suite_summary(rows: dict) -> dict:
     """The suite's summary keys from its rows' ``results.json`` (None where a row has none)."""
     q = {k: rows.get(n, {}).get("summary", {}) for k, n in QWEN_ROWS.items()}
@@ -225,6 +247,9 @@ def suite_summary(rows: dict) -> dict:
         "ruler_max_drop_pts": max(drops) if drops else None,
         "smollm2_ppl_increase_pct": smol.get("ppl_increase_pct_8192"),
         "default_bytes_fraction_32k": q["32k"].get("bytes_fraction_32768"),
+        # fp8 K/V alone (% over dense with the model's cache) and the default with it (points over
+        # the default's increase), the largest over the rows that ran them
+        **{f"fp8_kv_{k}_max": _largest(rows, f"fp8_kv_{k}_") for k in ("ppl_increase_pct", "ds_ppl_points")},
         # where each model's default came from: calibrated (its KL target and what calibration
         # measured) or its shape
         "operating_points": {"qwen15b": next((rows.get(n, {}).get("operating_point") for n in QWEN_ROWS.values()

@@ -55,7 +55,7 @@ class FidelityObserver:
         if rows.numel() == 0:
             return
         dense = ops.dense_decode(q, p.k[layer_id], p.v[layer_id], p.req_to_token, view.req_idx,
-                                 view.seq_lens, view.sm_scale, ws=view.ws, impl=p.impl).float()[rows]
+                                 view.seq_lens, view.sm_scale, ws=view.ws, impl=p.impl, **p.scales).float()[rows]
         err = (out.float()[rows] - dense).norm(dim=-1) / dense.norm(dim=-1).clamp_min(1e-30)  # [b, Hq]
         rec = driver.selection_recall(q, view, layer_id, chunk=self.chunk, rows=rows)       # [b, Hq]
         self.err_sum[layer_id] += err.mean(-1).double().sum().cpu()
@@ -80,13 +80,15 @@ def split_windows(ids: list[int], window_len: int, num_windows: int) -> list[lis
 
 
 class TextRunner:
-    """Windows prefilled once (dense, shared by every setting); :meth:`run` scores one setting.
+    """Windows prefilled once per K/V cache dtype (dense, shared by every setting of that dtype;
+    the model's own when built, another the first time a setting asks for it: driver.PoolSet);
+    :meth:`run` scores one setting.
 
     windows: ``W`` lists of ``window_len`` ids; the first ``window_len - decode_len`` tokens of each
     are prefilled, the next ``decode_len - 1`` are decoded in one forward per group of
-    ``batch_windows`` windows (0: all), each predicting its successor. Dense runs first (KL and
-    top-1 compare to it); its log-probs ``[rows, V]`` stay on the device. impl: kernels'
-    ``impl`` ("auto": Triton on CUDA, PyTorch on CPU)."""
+    ``batch_windows`` windows (0: all), each predicting its successor. Dense with the model's
+    cache runs first (KL and top-1 compare to it); its log-probs ``[rows, V]`` stay on the device.
+    impl: kernels' ``impl`` ("auto": Triton on CUDA, PyTorch on CPU)."""
 
     def __init__(self, model, windows, decode_len: int, channels_for, device="cpu", batch_windows: int = 0,
                  impl: str = "auto"):
@@ -98,28 +100,28 @@ class TextRunner:
         self.num_layers = int(c.num_layers)
         prefix = wl - decode_len
         step = batch_windows or len(windows)
-        self.groups = []  # (pools, inputs, targets [rows], dense log-probs or None)
+        self.groups = []  # (pool set, inputs, targets [rows], dense log-probs or None)
         with torch.inference_mode():
             for g0 in range(0, len(windows), step):
                 win = windows[g0:g0 + step]
-                pools = driver.Pools(c, len(win), wl, device=device, dtype=getattr(model, "dtype", torch.float32),
-                                     impl=impl)
-                driver.prefill(model, pools, [w[:prefix] for w in win])
+                pools = driver.PoolSet(model, [w[:prefix] for w in win], wl, device=device, impl=impl)
+                pools.get("auto")
                 targets = torch.tensor([t for w in win for t in w[prefix + 1:]], device=device)
                 self.groups.append([pools, [w[prefix:-1] for w in win], targets, None])
         self.results: dict[Setting, TextResult] = {}
 
     @torch.inference_mode()
     def run(self, s: Setting, fidelity: FidelityObserver | None = None) -> TextResult:
-        """Score ``s`` (dense first if it has not run); with ``fidelity``, also per-layer
-        attention fidelity. Results are kept in ``self.results``."""
-        if s.kind == "ds" and self.groups[0][3] is None:
+        """Score ``s`` (dense with the model's cache first if it has not run); with ``fidelity``,
+        also per-layer attention fidelity. Results are kept in ``self.results``."""
+        if s != DENSE and self.groups[0][3] is None:
             self.run(DENSE)
         a = dict(nll=0.0, kl=0.0, top1=0.0, n=0)
         k_stats: list = []
         ch = self.channels_for(s) if s.kind == "ds" else None
         for g in self.groups:
-            pools, inputs, targets, ref = g
+            pool_set, inputs, targets, ref = g
+            pools = pool_set.get(s.kv)
             if ch is not None:
                 pools.relabel(ch, s.label)
             logits = driver.decode_tokens(self.model, pools, s, ch, inputs, s.heavy_tokens(self.wl),
@@ -128,7 +130,7 @@ class TextRunner:
             del logits
             a["nll"] += float(-logp.gather(1, targets[:, None]).sum())
             a["n"] += targets.numel()
-            if s.kind == "dense":
+            if s == DENSE:
                 g[3] = ref = logp
             a["kl"] += float((ref.exp() * (ref - logp)).sum())
             a["top1"] += float((ref.argmax(-1) == logp.argmax(-1)).sum())

@@ -10,7 +10,9 @@ still fits before the deadline, and ``results.json`` + ``table.md`` are rewritte
 
   a. text (ppl, KL(dense||DS), top-1): dense, the engine default, plain group_sum (the baseline)
      (the default with the label dtype the engine picks on ``--device``; with ``--label-dtypes bf16
-     fp8`` also the default with the other label dtype and its k = ctx/8 with both)
+     fp8`` also the default with the other label dtype and its k = ctx/8 with both; with
+     ``--kv-cache-dtypes auto fp8_e4m3`` also dense and the default with an fp8 K/V cache, each
+     cache prefilled through itself)
   b. retrieval, the same three settings, ``--retrieval-trials`` per (length, depth)
   c. text for the rest: improvement variants, the default's line over r and k, the r/k/type/mode
      grid; then retrieval for the improvement variants
@@ -32,12 +34,12 @@ from pathlib import Path
 
 import torch
 
-from doublesparse.config import LABEL_DTYPES
+from doublesparse.config import KV_CACHE_DTYPES, LABEL_DTYPES
 from doublesparse.version import __version__
 
 from . import measure, report, retrieval
 from .cli import load_model_for_eval, channel_source, eval_windows, model_point, recorded_layer_modes, run_notes
-from .settings import BASELINE, DENSE, default_setting, grid, improvements, unique
+from .settings import BASELINE, DENSE, default_setting, grid, improvements, unique, with_kv
 
 PRIORS = {"text": 2.0, "ret": 2.0, "fid": 5.0}  # s per unit before one is measured (compile included)
 
@@ -75,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="with fp8: parts a and b also run the default with the other label dtype (the default's "
            "is the engine's on --device) and its k = ctx/8 with both, right after the first three "
            "settings")
+    a("--kv-cache-dtypes", nargs="+", default=["auto"], choices=KV_CACHE_DTYPES,
+      help="parts a and b also run dense and the default with each of these K/V cache dtypes besides "
+           "auto (the engine's --kv-cache-dtype; each prefilled through its own cache), after the "
+           "label variants")
     a("--fidelity-stride", type=int, default=1, help="fidelity on every n-th decoded token")
     a("--impl", default="auto", choices=["auto", "triton", "torch"],
       help="kernels (auto: Triton on CUDA; triton on CPU needs TRITON_INTERPRET=1)")
@@ -146,6 +152,8 @@ def plan_settings(args, head_dim: int, layer_modes: tuple[str, ...] = (), k_bias
         other = "bf16" if default.label == "fp8" else "fp8"
         wide = replace(default, k_frac=1 / 8)
         first += [replace(default, label=other), wide, replace(wide, label=other)]
+    kvs = [kv for kv in getattr(args, "kv_cache_dtypes", None) or () if kv != "auto"]
+    first = unique(first + with_kv([DENSE, default], kvs))
     variants = improvements(BASELINE) + [replace(BASELINE, mode="per_head")]
     line = [replace(default, r=r, k_frac=f) for r in args.rs for f in args.k_fracs]
     text_rest = unique(variants + line + grid(args.types, args.modes, args.rs, args.k_fracs))
@@ -205,7 +213,8 @@ def run(args, budget: Budget) -> dict:
         done = [s for s in order if s in text_res or s in ret_res]
         ctx_b = L["window_len"] if text_res else max(L["lens"])
         rows = report.rows(done, lambda s: s.bytes_per_step(ctx_b, *dims), text_res, ret_res)
-        notes = run_notes(c.name, source, args.device, L, ctx_b, bool(text_res), bool(ret_res), args.retrieval_seed)
+        notes = run_notes(c.name, source, args.device, L, ctx_b, bool(text_res), bool(ret_res), args.retrieval_seed,
+                          any(s.kv != "auto" for s in done))
         notes.append("parts: " + "; ".join(f"{k}: {v}" for k, v in state["parts"].items()))
         result = {"tool": f"doublesparse {__version__} eval.protocol", "model": c.name,
                   "channels": source, "device": args.device, "argv": sys.argv[1:], **L,

@@ -21,11 +21,13 @@ def _nanmean(xs):
 def rows(settings, bytes_of, text=None, retrieval=None) -> list[dict]:
     """One dict per setting. ``bytes_of(setting) -> int`` (bytes per decode step);
     ``text``: {setting: TextResult}; ``retrieval``: {setting: {"acc": ..}}."""
-    dense_bytes = next((bytes_of(s) for s in settings if s.kind == "dense"), None)
+    # dense over the model's cache where it ran (an fp8 cache's dense reads half of it)
+    dense = sorted((s for s in settings if s.kind == "dense"), key=lambda s: s.kv != "auto")
+    dense_bytes = bytes_of(dense[0]) if dense else None
     out = []
     for s in settings:
         b = bytes_of(s)
-        r = {"setting": s.name, "line": s.line, "kind": s.kind, "channel_type": s.channel_type,
+        r = {"setting": s.name, "line": s.line, "kind": s.kind, "kv_cache_dtype": s.kv, "channel_type": s.channel_type,
              "mode": s.mode_name, "r": s.r, "k_frac": s.k_frac, "num_sink": s.num_sink,
              "num_recent": s.num_recent, "dense_layers": s.dense_layers, "bytes_per_step": b,
              "bytes_vs_dense": b / dense_bytes if dense_bytes else float("nan")}
@@ -105,7 +107,8 @@ def plot(rs: list[dict], path: str | Path, title: str) -> Path | None:
         series[r["line"]].append(r)
     # colour = mode + extras, line style = channel type: 3 x 3 grid lines plus variants stay apart
     styles = {"qk": "-", "k": "--", "q": ":"}
-    kinds = sorted({_series_parts(n)[0] for n in series if n != "dense"})
+    # dense lines: "dense", and "dense+kv:<dtype>" over another K/V cache (horizontal lines)
+    kinds = sorted({_series_parts(n)[0] for n in series if not n.startswith("dense")})
     colour = {k: plt.get_cmap("tab10" if len(kinds) <= 10 else "tab20")(i) for i, k in enumerate(kinds)}
     for ax, (key, label) in zip(axes, panels):
         for name, pts in sorted(series.items()):
@@ -118,8 +121,9 @@ def plot(rs: list[dict], path: str | Path, title: str) -> Path | None:
                 if name == "dense":
                     continue
                 ys = [max(y, 1e-6) for y in ys]
-            if name == "dense":
-                ax.axhline(ys[0], color="k", ls="--", lw=1, label=f"dense ({xs[0]:.0f} KiB)")
+            if name.startswith("dense"):
+                ax.axhline(ys[0], color="k" if name == "dense" else "0.5", ls="--" if name == "dense" else ":",
+                           lw=1, label=f"{name} ({xs[0]:.0f} KiB)")
                 continue
             kind, ctype = _series_parts(name)
             ax.plot(xs, ys, marker="o", ms=3.5, lw=1.2, ls=styles.get(ctype, "-"), color=colour[kind],

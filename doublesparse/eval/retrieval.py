@@ -103,8 +103,8 @@ def answer_ok(text: str, key: str) -> bool:
 
 
 class RetrievalRunner:
-    """Trials prefilled once (dense, shared by every setting); :meth:`run` answers them all
-    greedily with one setting. Trials of one context length form a group (``batch_trials`` at a
+    """Trials prefilled once per K/V cache dtype (dense, shared by every setting of that dtype:
+    driver.PoolSet); :meth:`run` answers them all greedily with one setting. Trials of one context length form a group (``batch_trials`` at a
     time, 0: all) decoded as one batch; k scales with the group's context length."""
 
     def __init__(self, model, tokenizer, trials: list[Trial], device="cpu", batch_trials: int = 0,
@@ -113,17 +113,16 @@ class RetrievalRunner:
         by_len: dict[int, list[Trial]] = {}
         for t in trials:
             by_len.setdefault(t.context_len, []).append(t)
-        c = model.config
-        self.groups = []  # (context_len, trials, pools)
+        self.groups = []  # (context_len, trials, pool set)
         with torch.inference_mode():
             for n, ts in sorted(by_len.items()):
                 step = batch_trials or len(ts)
                 for i in range(0, len(ts), step):
                     part = ts[i:i + step]
                     max_ctx = max(len(t.ids) for t in part) + ANSWER_TOKENS
-                    pools = driver.Pools(c, len(part), max_ctx, device=device,
-                                         dtype=getattr(model, "dtype", torch.float32), impl=impl)
-                    driver.prefill(model, pools, [list(t.ids[:-1]) for t in part])
+                    pools = driver.PoolSet(model, [list(t.ids[:-1]) for t in part], max_ctx, device=device,
+                                           impl=impl)
+                    pools.get("auto")
                     self.groups.append((n, part, pools))
         self.results: dict[Setting, dict] = {}
 
@@ -134,7 +133,8 @@ class RetrievalRunner:
         ok: dict = {}
         answers = []
         ch = channels_for(s) if s.kind == "ds" else None
-        for n, ts, pools in self.groups:
+        for n, ts, pool_set in self.groups:
+            pools = pool_set.get(s.kv)
             if ch is not None:
                 pools.relabel(ch, s.label)
             new = driver.greedy(self.model, pools, s, ch, [t.ids[-1] for t in ts], ANSWER_TOKENS,

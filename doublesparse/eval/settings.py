@@ -1,12 +1,14 @@
 """What one evaluated decode configuration is, the grids we sweep, and what a step reads.
 
 Bytes per decode step (per request, summed over layers; K/V and bf16 labels counted at 2 bytes,
-fp8 labels at 1, as stored on the GPU, whatever dtype a CPU run uses):
+fp8 labels and the K/V of an fp8 KV cache at 1, as stored on the GPU, whatever dtype a CPU run
+uses):
 
     dense layer          : n * Hkv * D * 2 (K and V) * 2
     double-sparse layer  : labels n * Hkv * r * label_bytes
                            + selected K/V  k * R * D * 2 * 2   (R = Hq for per_head, else Hkv:
                              per_head reads a separate token set per query head)
+(the last factor 2 is the K/V value's bytes: 1 with an fp8 KV cache)
 
 n = tokens in the cache, k = heavy tokens (sink and recent tokens are part of the k).
 """
@@ -15,10 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from doublesparse.config import LABEL_DTYPES
+from doublesparse.config import KV_CACHE_DTYPES, LABEL_DTYPES
 from doublesparse.engine.memory import LABEL_TORCH_DTYPES
 
 KV_BYTES = 2
+
+
+def kv_bytes(kv: str) -> int:
+    """Bytes of one K or V value as a GPU stores it under ``--kv-cache-dtype kv``."""
+    return 1 if kv.startswith("fp8") else KV_BYTES
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,9 @@ class Setting:
     tokens whose estimated attention reaches top_p, at least ``top_p_min`` (capped at k; the
     engine's ``--ds-heavy-token-min``). The tokens actually attended to are measured
     (``TextResult.extra["avg_k"]``).
+    kv: the K/V cache's dtype, the engine's ``--kv-cache-dtype`` ("auto": the model's; "fp8_e4m3" /
+    "fp8_e5m2": stored as fp8 with scale 1.0, the engine's default without checkpoint scales, and
+    prefilled through that cache: :mod:`.driver`). Any kind, dense too.
     """
 
     kind: str = "ds"
@@ -58,6 +68,7 @@ class Setting:
     top_p: float = 0.0
     top_p_min: int = 0
     layer_modes: tuple[str, ...] = ()
+    kv: str = "auto"
 
     def mode_of(self, layer: int) -> str:
         return self.layer_modes[layer] if self.layer_modes else self.mode
@@ -75,11 +86,17 @@ class Setting:
             raise ValueError(f"label must be one of {LABEL_DTYPES}, got {self.label!r}")
         if not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.kv not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv must be one of {KV_CACHE_DTYPES}, got {self.kv!r}")
+
+    @property
+    def kv_suffix(self) -> str:
+        return "" if self.kv == "auto" else f"/kv:{self.kv}"
 
     @property
     def name(self) -> str:
         if self.kind == "dense":
-            return "dense"
+            return "dense" + self.kv_suffix
         s = f"{self.channel_type}/{self.mode_name}/r{self.r}/k1:{round(1 / self.k_frac)}"
         if self.num_sink or self.num_recent:
             s += f"/s{self.num_sink}w{self.num_recent}"
@@ -91,13 +108,13 @@ class Setting:
             s += f"/min{self.k_min}" + (f"max{self.k_max}" if self.k_max else "")
         if self.top_p:
             s += f"/p{self.top_p:g}min{self.top_p_min}"
-        return s
+        return s + self.kv_suffix
 
     @property
     def line(self) -> str:
         """Plot series: one line per (mode, type, extras); r and k vary along it."""
         if self.kind == "dense":
-            return "dense"
+            return "dense" + (f"+kv:{self.kv}" if self.kv != "auto" else "")
         s = f"{self.mode_name}/{self.channel_type}"
         if self.num_sink or self.num_recent:
             s += f"+sink{self.num_sink}/recent{self.num_recent}"
@@ -107,6 +124,8 @@ class Setting:
             s += f"+{self.label}"
         if self.top_p:
             s += f"+top_p{self.top_p:g}"
+        if self.kv != "auto":
+            s += f"+kv:{self.kv}"
         return s
 
     def heavy_tokens(self, ctx: int) -> int:
@@ -129,7 +148,8 @@ class Setting:
                        head_dim: int, k: float | None = None) -> int:
         """Bytes one decode step of one request reads at context length ``ctx`` (see module doc);
         ``k``: the tokens a row attends to, where measured (top-p), else the setting's k."""
-        dense = ctx * num_kv_heads * head_dim * 2 * KV_BYTES
+        kvb = kv_bytes(self.kv)
+        dense = ctx * num_kv_heads * head_dim * 2 * kvb
         if self.kind == "dense":
             return dense * num_layers
         k_set = min(self.heavy_tokens(ctx), ctx)
@@ -139,7 +159,7 @@ class Setting:
         for i in range(num_layers):
             rows = num_q_heads if self.mode_of(i) == "per_head" else num_kv_heads
             # ops.ds_decode falls back to dense when the context is short
-            total += dense if i < self.dense_layers or k_set >= ctx else labels + k * rows * head_dim * 2 * KV_BYTES
+            total += dense if i < self.dense_layers or k_set >= ctx else labels + k * rows * head_dim * 2 * kvb
         return round(total)
 
 
@@ -179,6 +199,16 @@ def default_setting(head_dim: int = 64, max_context: int | None = None,
                    label=cfg.label_dtype_for(device, k_bias), k_max=b.k_max if max_context else 0,
                    top_p=b.top_p, top_p_min=b.k_min if b.top_p else 0,
                    layer_modes=modes if len(set(modes)) > 1 else ())
+
+
+def with_kv(settings, kvs) -> list[Setting]:
+    """``settings`` once per KV cache dtype in ``kvs`` (in that order), without repeats; with another
+    cache than the model's, dense with the model's ("auto", every KL and top-1 reference) first
+    when it is not there already."""
+    out = [replace(s, kv=kv) for kv in kvs for s in settings]
+    if DENSE not in out and any(s.kv != "auto" for s in out):
+        out.insert(0, DENSE)
+    return unique(out)
 
 
 def unique(settings) -> list[Setting]:

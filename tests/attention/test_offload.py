@@ -1,81 +1,17 @@
 """DS-Offload (attention/offload.py): decode with K/V in a host store and a device hot set gives
 exactly in-GPU Double Sparsity's selections and outputs, step after step, with evictions."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from doublesparse.attention.batch import ForwardBatch
 
 from kernel_utils import make_case
-from doublesparse.attention import DSParams, create_backend
+from offload_utils import memory as _memory, run as _run
+from doublesparse.attention import DSParams
 from doublesparse.attention.offload import OffloadDSBackend
 from doublesparse.attention.offload_hot import HotSet
 from doublesparse.kernels.host_copy import copy_rows, copy_rows_ref
-from doublesparse.kernels.workspace import DecodeWorkspace
-
-
-def _memory(c, max_new, layers=1):
-    """Pools of a case with room for ``max_new`` more tokens per request (fresh copies); layer l's
-    labels are layer 0's rolled by l slots, so that the layers select differently."""
-    B = c.q.shape[0]
-    S0, H, D = c.k_cache.shape
-    extra = B * max_new
-    grow = lambda t: torch.cat([t, torch.zeros(extra, *t.shape[1:], dtype=t.dtype)])  # noqa: E731
-    ctx = c.req_to_token.shape[1] + max_new
-    rt = torch.zeros(c.req_to_token.shape[0], ctx, dtype=torch.int32)
-    rt[:, :c.req_to_token.shape[1]] = c.req_to_token
-    plan = SimpleNamespace(num_kv_heads=H, head_dim=D, kv_dtype=c.k_cache.dtype, num_layers=layers,
-                           latent=False, kv_bytes_per_token=2 * H * D * c.k_cache.element_size(),
-                           label_bytes_per_token=H * c.label_cache.shape[2] * 2)
-    L = range(layers)
-    return SimpleNamespace(k=[grow(c.k_cache) for _ in L], v=[grow(c.v_cache) for _ in L],
-                           label=[grow(c.label_cache.roll(i, 0)) for i in L],
-                           label_scale=[c.label_scale.clone() for _ in L], req_to_token=rt, plan=plan), S0
-
-
-def _run(seq_lens, k, capacity, impl, fetch="reuse", steps=4, seed=3, sink=1, recent=2, mode="group_max",
-         heads=(9, 3), prefetch="none", layers=1, sparse=True):
-    """Decode ``steps`` tokens for every request through in-GPU DS and through DS-Offload on the same
-    inputs; returns both backends and the per-step outputs."""
-    c = make_case(seq_lens, *heads, 16, r=4, dtype=torch.float32, seed=seed)
-    Hkv = heads[1]
-    ds = DSParams(k, mode, 0, sink, recent)
-    B, Hq, D = c.q.shape
-    outs = ([], [])
-    backends = []
-    for which in range(2):
-        mem, S0 = _memory(c, steps, layers)
-        ws = None
-        if impl == "triton":  # few splits: the interpreter's time goes by program count
-            ws = DecodeWorkspace(B, Hq, Hkv, D, mem.req_to_token.shape[1], k, device="cpu", max_splits=2,
-                                 layer_select=mode == "layer")
-        kw = dict(memory=mem, num_q_heads=Hq, head_dim=D, impl=impl, workspace=ws,
-                  channels=c.channels[None].expand(layers, -1, -1))
-        if which == 0 and fetch == "full-kv":
-            be = create_backend("dense", use_double_sparsity=False, **kw)
-        elif which == 0:
-            be = create_backend("double_sparsity", use_double_sparsity=True, ds=ds, **kw)
-        else:
-            units = 1 if mode == "layer" else Hkv   # whole tokens, or one row per KV head
-            hot = HotSet(layers, mem.req_to_token.shape[0], capacity, units, Hkv * D // units, mem.k[0].shape[0],
-                         torch.float32, "cpu")
-            be = OffloadDSBackend(ds=ds, hot=hot, fetch=fetch, prefetch=prefetch, **kw)
-        backends.append(be)
-        g = torch.Generator().manual_seed(seed + 100)
-        lens = c.seq_lens.clone()
-        for t in range(steps):
-            slots = S0 + torch.arange(B) * steps + t
-            mem.req_to_token[c.req_idx.long(), lens.long()] = slots.int()
-            lens = lens + 1
-            batch = ForwardBatch(mode="decode", req_idx=c.req_idx, seq_lens=lens.clone(), out_slots=slots,
-                                    ds_sparse=sparse)
-            for layer in range(layers):
-                q = torch.randn(B, Hq, D, generator=g)
-                kn, vn = torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
-                outs[which].append(be.forward(layer, q, kn, vn, batch))
-    return backends, outs
 
 
 @pytest.mark.parametrize("mode", ["group_max", "layer"])

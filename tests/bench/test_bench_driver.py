@@ -298,3 +298,22 @@ def test_fp8_kv_summary():
     assert s["fp8_kv_ds_max_throughput_gain_32k"] == pytest.approx(2800 / 1500)
     assert (s["max_batch_32k_bf16"], s["max_batch_32k_fp8"]) == (14, 28)
     assert s["fp8_kv_pool_tokens_ratio"] == 2.0
+
+
+def test_accuracy_summaries_take_the_fp8_kv_rows():
+    """The accuracy suite's fp8 K/V row (doublesparse eval rows: dense, the default, both over fp8)
+    adds its keys beside the protocol's; accuracy-long's fp8 rows give the largest increases."""
+    def row(name, ppl):
+        return {"setting": name, "ppl": ppl, "kl": 0.0, "top1": 1.0}
+
+    d = "qk/group_max/r16/k1:16"
+    f8 = {"rows": [row("dense", 20.0), row(d, 20.4), row("dense/kv:fp8_e4m3", 20.05), row(d + "/kv:fp8_e4m3", 20.5)]}
+    s = bench_run.summarize("accuracy", {"protocol": {"summary": {"default_setting": d}}, "fp8-kv-text-8192": f8})
+    assert s["default_setting"] == d and s["fp8_kv_ppl_increase_pct_8192"] == pytest.approx(0.25)
+    assert s["fp8_kv_ds_ppl_points_8192"] == pytest.approx(0.5)
+    assert "fp8_kv_ppl_increase_pct_8192" not in bench_run.summarize("accuracy", {"protocol": {"summary": {}}})
+    long = {"smollm2-8k": {"summary": {"fp8_kv_ppl_increase_pct_8192": 0.3, "fp8_kv_ds_ppl_points_8192": 0.1}},
+            "qwen15b-16k-fp8-kv": {"summary": {"fp8_kv_ppl_increase_pct_16384": 0.2,
+                                               "fp8_kv_ds_ppl_points_16384": 0.4}}}
+    s = bench_run.summarize("accuracy-long", long)
+    assert s["fp8_kv_ppl_increase_pct_max"] == 0.3 and s["fp8_kv_ds_ppl_points_max"] == 0.4

@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU (gloo): at tp_size 2 and 3, logits and greedy outputs of Llama
 models and two MoE models equal tp_size 1's, dense and with Double Sparsity (a channel config's
-per-layer modes too); a rank that dies ends the engine with an error naming it. One 3-rank group
+per-layer modes too), with an fp8 KV cache too; a rank that dies ends the engine with an error naming it. One 3-rank group
 serves every engine of the module (a 2-rank engine runs on its first two ranks)."""
 
 import json
@@ -79,7 +79,19 @@ def test_prompt_logprobs(group, llama):
         par.close()
 
 
+@pytest.mark.parametrize("ds", [False, True], ids=["dense", "ds"])
+def test_fp8_kv_cache(group, llama, ds, tmp_path):
+    """--kv-cache-dtype fp8 on every rank: each rank's pools hold its KV heads in fp8 with the
+    per-layer scales (from a file here, every rank reading it), and TP 2's logits and greedy tokens
+    (prefix-cache hits, chunked prefill over fp8 prefixes, sparse decode) equal TP 1's with fp8."""
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps({"k_scale": 0.05, "v_scale": [0.02 * (i + 1) for i in range(llama.config.num_layers)]}))
+    check_same(llama, group, 2, overlap=ds, kv_cache_dtype="fp8_e4m3", kv_cache_scales_path=str(path),
+               **(DS if ds else {}))
+
+
 def test_dead_rank_is_an_error_not_a_hang(group, llama):
+    # the module's last test: it kills a rank of the group the tests above share
     e = engine(llama, group, 2)
     e.generate([[5, 6, 7]], {**GREEDY, "max_new_tokens": 2})
     os.kill(group.procs[0].pid, signal.SIGKILL)
@@ -90,4 +102,5 @@ def test_dead_rank_is_an_error_not_a_hang(group, llama):
     with pytest.raises(TPError):  # the server's reset after a failed step: the engine is dead
         e.fail_running(RuntimeError("step failed"))
     e.close()
+
 

@@ -142,23 +142,77 @@ def test_offload_with_fp8_labels(model):
     assert [w["text"] for w in want] == [x["text"] for x in e.generate(prompts, sp)]
 
 
+@pytest.mark.parametrize("kv,mode,prefetch", [("fp8_e4m3", "group_max", "none"), ("fp8_e4m3", "layer", "next-layer"),
+                                               ("fp8_e5m2", "layer", "none")])
+def test_offload_with_fp8_kv(model, kv, mode, prefetch):
+    """--kv-cache-dtype fp8 with DS-Offload: the host store and the hot set hold fp8 rows (half the
+    bytes of the model's dtype each, so half the host -> device bytes per miss) with per-layer
+    scales from a file; prompts prefilled in chunks over the host store give in-GPU DS's tokens
+    over fp8 pools with the same scales."""
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (13, 71, 150)]
+    sp = {"max_new_tokens": 10, "temperature": 0}
+    want = _engine(model, kv_cache_dtype=kv, ds_selection_mode=mode).generate(prompts, sp)
+    e = _engine(model, kv_cache_dtype=kv, ds_selection_mode=mode, enable_ds_offload=True, ds_offload_hot_tokens=21,
+                ds_offload_prefetch=prefetch)
+    dt = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
+    m = e.parts.memory
+    assert m.k[0].dtype == m.v[0].dtype == e.parts.backend.hot.k[0].dtype == dt
+    got = e.generate(prompts, sp)
+    assert [w["token_ids"] for w in want] == [x["token_ids"] for x in got]
+    s = e.parts.backend.fetch_stats()
+    row = 2 * m.plan.head_dim * (m.plan.num_kv_heads if mode == "layer" else 1)   # K + V, 1 byte a value
+    assert s["misses"] > 0 and s["bytes"] == (s["misses"] + s["prefetched"]) * row
+
+
+def test_offload_with_fp8_kv_prefix_cache_and_device_tier(model, tmp_path):
+    """fp8 K/V with non-unit scales, the prefix cache (hits gathered back from the fp8 store) and a
+    device tier (fp8 device pools): in-GPU DS's tokens over fp8 pools. A host-memory bound holds as
+    many more tokens as the rows are smaller (4x this float32 model's)."""
+    scales = tmp_path / "scales.json"
+    scales.write_text(json.dumps({"k_scale": 0.02, "v_scale": [0.01, 0.03]}))
+    kw = dict(kv_cache_dtype="fp8_e4m3", kv_cache_scales_path=str(scales), disable_radix_cache=False,
+              max_total_tokens=700)
+    g = torch.Generator().manual_seed(8)
+    docs = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (90, 120)]
+    sp = {"max_new_tokens": 8, "temperature": 0}
+    ref = _engine(model, **kw)
+    off = _engine(model, enable_ds_offload=True, ds_offload_hot_tokens=24, ds_offload_device_tokens=200, **kw)
+    assert off.parts.memory.kv_store.device_k[0].dtype == torch.float8_e4m3fn
+    assert [float(x) for x in off.parts.memory.v_scale] == pytest.approx([0.01, 0.03])
+    for i in range(3):
+        batch = [docs[0] + [i + 3] * (i + 1), docs[1][: 60 + 20 * i] + [7], docs[i % 2] + [9]]
+        assert [r["token_ids"] for r in ref.generate(batch, sp)] == [r["token_ids"] for r in off.generate(batch, sp)], i
+    # (device-tier requests cache nothing: fewer hits than in-GPU DS, all gathered from the host store)
+    assert off.stats()["prefix_cache_hit_tokens"] > 0
+    from doublesparse.engine.offload_setup import plan_offload_memory
+    mc, cpu = model.config, torch.device("cpu")
+    bound = dict(ds_offload_host_memory_gb=0.001, max_total_tokens=None)
+    f8 = plan_offload_memory(EngineConfig(kv_cache_dtype="fp8_e4m3", **bound), mc, torch.float32, cpu, 512, 4)
+    f32 = plan_offload_memory(EngineConfig(**bound), mc, torch.float32, cpu, 512, 4)
+    assert f8.kv_dtype == torch.float8_e4m3fn and f8.max_total_tokens + 1 == 4 * (f32.max_total_tokens + 1)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fetch,prefetch,tier,mode", [("reuse", "none", 0, "group_max"),
-                                                      ("reuse", "next-layer", 0, "group_max"),
-                                                      ("no-reuse", "none", 0, "group_max"),
-                                                      ("reuse", "none", 400, "group_max"),
-                                                      ("reuse", "none", 0, "layer"),
-                                                      ("reuse", "next-layer", 400, "layer")])
-def test_offload_on_cuda_equals_in_gpu_ds(fetch, prefetch, tier, mode):
+@pytest.mark.parametrize("fetch,prefetch,tier,mode,kv", [("reuse", "none", 0, "group_max", "auto"),
+                                                         ("reuse", "next-layer", 0, "group_max", "auto"),
+                                                         ("no-reuse", "none", 0, "group_max", "auto"),
+                                                         ("reuse", "none", 400, "group_max", "auto"),
+                                                         ("reuse", "none", 0, "layer", "auto"),
+                                                         ("reuse", "next-layer", 400, "layer", "auto"),
+                                                         ("reuse", "none", 400, "layer", "fp8_e4m3"),
+                                                         ("reuse", "next-layer", 0, "group_max", "fp8_e5m2")])
+def test_offload_on_cuda_equals_in_gpu_ds(fetch, prefetch, tier, mode, kv):
     """On the GPU, with CUDA graphs and the overlap schedule: K/V in page-locked host memory, the
     host-gather kernel, the Triton select and attention over the hot set give in-GPU DS's tokens;
-    with a 400-token device tier the 40- and 333-token requests keep their K/V on the GPU."""
+    with a 400-token device tier the 40- and 333-token requests keep their K/V on the GPU. fp8 K/V:
+    stores quantize into the host store, fetches move fp8 rows, in-GPU DS reads fp8 pools."""
     m = tiny_llama(seed=2, num_q_heads=8, num_kv_heads=2, head_dim=64, max_position_embeddings=2048,
                    dtype=torch.bfloat16, device="cuda")
     kw = dict(model=m, tokenizer=ByteTokenizer(), progress=False, device="cuda", max_total_tokens=4096,
               enable_double_sparsity=True, ds_heavy_token_num=64, ds_heavy_channel_num=8,
               ds_sparse_decode_threshold=0, chunked_prefill_size=256, disable_radix_cache=True,
-              ds_selection_mode=mode, max_running_requests=4)
+              ds_selection_mode=mode, max_running_requests=4, kv_cache_dtype=kv)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 333, 901)]
     sp = {"max_new_tokens": 16, "temperature": 0}

@@ -474,11 +474,25 @@ comp(latent_attn.latent_attn_kernel, dict(DN=512, DR=64, HAS_SEL=False, NUM_SPLI
      DOT_F32=False), dict(req_to_token_ptr="*i32", req_idx_ptr="*i32", seq_lens_ptr="*i32", sel_ptr="*i32",
      part_o_ptr="*fp32", part_lse_ptr="*fp32", heavy_ks_ptr="*i32", q_ptr="*fp32", kv_ptr="*fp32"),
      dict(sm_scale="fp32"), num_warps=8, num_stages=1)
+gather_ptrs = dict(src_row_ptr="*i64", dst_row_ptr="*i64", head_ptr="*i64", valid_ptr="*i8", k_scale_ptr="*fp32",
+                  v_scale_ptr="*fp32")
+copy = dict(MODE=host_gather.COPY, FP8_MAX=0.0, FP8_MANT=0, FP8_BIAS=0, INTERPRET=False)
 for d in (64, 128, 576):  # DS-Offload's gather between page-locked host memory and the device
     bd = triton.next_power_of_2(d)
     be = min(host_gather.MAX_ENTRIES, max(2, host_gather.ELEMS_PER_PROGRAM // bd))
-    no_spill(comp(host_gather.copy_rows_kernel, dict(D=d, BLOCK_E=be, BLOCK_D=bd),
-                  dict(src_row_ptr="*i64", dst_row_ptr="*i64", head_ptr="*i64", valid_ptr="*i8"), num_warps=4, aligned=True))
+    no_spill(comp(host_gather.copy_rows_kernel, dict(D=d, BLOCK_E=be, BLOCK_D=bd, **copy), gather_ptrs,
+                  num_warps=4, aligned=True))
+# fp8 K/V (--kv-cache-dtype): whole-token rows of 8 heads of 128 (and per-head rows) moved as fp8,
+# and a store's bf16 rows quantized into an fp8 host store
+for fp8, (fmax, mant, bias) in (("*fp8e4nv", (448.0, 3, 7)), ("*fp8e5", (57344.0, 2, 15))):
+    pools8 = dict(src_k_ptr=fp8, src_v_ptr=fp8, dst_k_ptr=fp8, dst_v_ptr=fp8)
+    for d in (128, 1024):
+        be = min(host_gather.MAX_ENTRIES, max(2, host_gather.ELEMS_PER_PROGRAM // d))
+        no_spill(comp(host_gather.copy_rows_kernel, dict(D=d, BLOCK_E=be, BLOCK_D=d, **copy),
+                      dict(gather_ptrs, **pools8), num_warps=4, aligned=True))
+        no_spill(comp(host_gather.copy_rows_kernel, dict(D=d, BLOCK_E=be, BLOCK_D=d, MODE=host_gather.QUANTIZE,
+                      FP8_MAX=fmax, FP8_MANT=mant, FP8_BIAS=bias, INTERPRET=False),
+                      dict(gather_ptrs, dst_k_ptr=fp8, dst_v_ptr=fp8), num_warps=4, aligned=True))
 '''
 
 

@@ -1,0 +1,157 @@
+"""The accuracy tooling with an fp8 K/V cache per setting (``Setting.kv``, ``--kv-cache-dtypes``):
+names and bytes, a prefill and decode through the fp8 cache equal to a full forward over the
+values the cache holds, labels from the unquantized K, and the three front ends (``doublesparse
+eval``, the protocol, the long-context runner) with their summaries."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from doublesparse.attention.base import as_cached
+from doublesparse.calibrate.stats import make_batch
+from doublesparse.engine.weight_channels import default_channels
+from doublesparse.eval import cli, driver, long_context, long_report, measure
+from doublesparse.eval.settings import DENSE, Setting, default_setting, with_kv
+from doublesparse.kernels.reference import quantize_kv
+from doublesparse.models.simple_attention import plain_backend
+from doublesparse.testing import tiny_llama
+
+E4M3 = torch.float8_e4m3fn
+
+
+def test_kv_setting_names_bytes_and_order():
+    dims = (30, 9, 3, 64)
+    f8 = replace(DENSE, kv="fp8_e4m3")
+    assert f8.name == "dense/kv:fp8_e4m3" and f8.line == "dense+kv:fp8_e4m3"
+    assert 2 * f8.bytes_per_step(4096, *dims) == DENSE.bytes_per_step(4096, *dims)
+    s = Setting("ds", "qk", "group_max", 16, 1 / 16, label="fp8", kv="fp8_e5m2")
+    assert s.name == "qk/group_max/r16/k1:16/fp8/kv:fp8_e5m2" and s.line.endswith("+fp8+kv:fp8_e5m2")
+    assert s.bytes_per_step(4096, *dims) == 30 * (4096 * 3 * 16 * 1 + 256 * 3 * 64 * 2 * 1)
+    assert replace(s, kv="bf16").bytes_per_step(4096, *dims) == 30 * (4096 * 3 * 16 + 256 * 3 * 64 * 2 * 2)
+    with pytest.raises(ValueError, match="kv must be one of"):
+        Setting(kv="fp8")
+    d = default_setting(64)
+    assert with_kv([DENSE, d], ["auto", "fp8_e4m3"]) == [DENSE, d, f8, replace(d, kv="fp8_e4m3")]
+    assert with_kv([d], ["fp8_e4m3"]) == [DENSE, replace(d, kv="fp8_e4m3")]   # the reference comes in
+    assert with_kv([d], ["auto"]) == [d]
+
+
+class _AsCached:
+    """A full causal forward over K/V as an fp8 cache holds them (scale 1), for every position."""
+
+    def __init__(self, dtype):
+        self.inner, self.dtype, self.one = plain_backend(), dtype, torch.ones(1)
+
+    def forward(self, layer_id, q, k, v, batch):
+        return self.inner.forward(layer_id, q, as_cached(k, self.dtype, self.one, k.dtype),
+                                  as_cached(v, self.dtype, self.one, v.dtype), batch)
+
+
+def _setup(n=64, prefix=40, reqs=2):
+    m = tiny_llama()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (reqs, n), generator=g).tolist()
+    with torch.no_grad():
+        full = [m(torch.tensor(x), torch.arange(n), make_batch(_AsCached(E4M3), None)) for x in ids]
+    ps = driver.PoolSet(m, [x[:prefix] for x in ids], n)
+    return m, ids, full, ps
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_fp8_prefill_and_decode_equal_a_forward_over_the_cached_values(sparse):
+    """The fp8 pools' prefill attends to its K/V as stored and decode reads them back: the logits
+    of the decoded tokens are the full forward's over the quantized K/V (dense, and DS keeping
+    every token); layer 0's K is the model cache's quantized (its input does not depend on
+    attention) and the labels come from the unquantized K, as the engine's store takes them."""
+    m, ids, full, ps = _setup()
+    auto, f8 = ps.get("auto"), ps.get("fp8_e4m3")
+    assert ps.get("fp8_e4m3") is f8 and f8.k[0].dtype == E4M3 and f8.k_src[0].dtype == torch.float32
+    assert torch.equal(f8.k[0].view(torch.uint8), quantize_kv(auto.k[0], E4M3, f8.k_scale).view(torch.uint8))
+    assert not torch.equal(f8.k_src[1], auto.k[1])   # later layers: prefilled through the fp8 cache
+    want = torch.cat([f[40:] for f in full])
+    ch = default_channels(m, 8)
+    if sparse:
+        f8.relabel(ch)
+        auto.relabel(ch)
+        before = f8.k[1].clone()
+        assert torch.equal(f8.label_pool(8)[0], auto.label_pool(8)[0])
+        other = ch.roll(1, -1)
+        f8.relabel(other)
+        assert torch.equal(f8.k[1].view(torch.uint8), before.view(torch.uint8))   # K untouched by relabels
+        s = Setting("ds", "qk", "group_max", 8, 1.0, kv="fp8_e4m3")
+        got = driver.decode_tokens(m, f8, s, other, [x[40:] for x in ids], 64)
+    else:
+        got = driver.decode_tokens(m, f8, replace(DENSE, kv="fp8_e4m3"), None, [x[40:] for x in ids], 0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    plain = driver.decode_tokens(m, auto, DENSE, None, [x[40:] for x in ids], 0)
+    assert (plain - want).abs().max() > 1e-3   # fp8 K/V changed the logits
+
+
+def test_text_runner_scores_fp8_settings_with_fidelity():
+    """dense/kv:fp8 against dense (KL > 0), DS over the fp8 cache with per-layer fidelity; the fp8
+    cache is prefilled once, when the first fp8 setting runs."""
+    m = tiny_llama()
+    g = torch.Generator().manual_seed(1)
+    windows = [torch.randint(0, 256, (96,), generator=g).tolist() for _ in range(2)]
+    ch = default_channels(m, 8)
+    runner = measure.TextRunner(m, windows, 12, lambda s: ch)
+    assert list(runner.groups[0][0]._by_kv) == ["auto"]
+    ds = Setting("ds", "qk", "group_max", 8, 1 / 4, kv="fp8_e4m3")
+    f8 = runner.run(replace(DENSE, kv="fp8_e4m3"))
+    obs = measure.FidelityObserver(m.config.num_layers)
+    r = runner.run(ds, obs)
+    assert list(runner.groups[0][0]._by_kv) == ["auto", "fp8_e4m3"]
+    assert runner.results[DENSE].kl == 0 and 0 < f8.kl < 0.1 and f8.top1 > 0.8
+    assert r.kl > 0 and all(0 < x <= 1.0001 for x in r.recall) and all(x >= 0 for x in r.rel_err)
+
+
+def _args(*argv):
+    return cli.build_parser().parse_args(["-o", "x", *argv])
+
+
+def test_cli_and_long_context_plans():
+    d = default_setting(64)
+    got = cli.settings_for(_args("--default-only", "--kv-cache-dtypes", "auto", "fp8_e4m3"))
+    assert got == [DENSE, d, replace(DENSE, kv="fp8_e4m3"), replace(d, kv="fp8_e4m3")]
+    got = cli.settings_for(_args("--default-only", "--kv-cache-dtypes", "fp8_e5m2"))
+    assert got == [DENSE, replace(DENSE, kv="fp8_e5m2"), replace(d, kv="fp8_e5m2")]
+    assert cli.settings_for(_args("--default-only")) == [DENSE, d]
+    plan = long_context.plan(["dense", "default"], 64, 8192, kvs=["auto", "fp8_e4m3"])
+    assert [s.name for s in plan][2:] == ["dense/kv:fp8_e4m3", plan[1].name + "/kv:fp8_e4m3"]
+
+
+def test_protocol_runs_fp8_settings_in_parts_a_and_b(tmp_path):
+    from doublesparse.eval import protocol
+    out = tmp_path / "p"
+    assert protocol.main(["-o", str(out), "--tiny", "--device", "cpu", "--window-len", "128", "--decode-len", "6",
+                          "--num-windows", "1", "--retrieval-lens", "200", "--retrieval-depths", "0",
+                          "--retrieval-trials", "1", "--parts", "ab", "--kv-cache-dtypes", "auto", "fp8_e4m3"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    rows = {r["setting"]: r for r in res["rows"]}
+    f8 = rows["dense/kv:fp8_e4m3"]
+    assert not res["errors"] and f8["kv_cache_dtype"] == "fp8_e4m3" and f8["kl"] > 0 and "retrieval_acc" in f8
+    assert res["default_setting"] + "/kv:fp8_e4m3" in rows and f8["bytes_vs_dense"] == 0.5
+    assert "'/kv:...' settings" in (out / "table.md").read_text()
+
+
+def test_long_context_summary_has_the_fp8_keys(tmp_path):
+    out = tmp_path / "lc"
+    assert long_context.main(["--tiny", "--device", "cpu", "-o", str(out), "--lengths", "300", "--num-windows", "1",
+                              "--decode-len", "6", "--parts", "text", "--settings", "dense", "default", "--quiet",
+                              "--kv-cache-dtypes", "auto", "fp8_e4m3"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    s = res["summary"]
+    assert not res["errors"] and res["kv_cache_dtypes"] == ["auto", "fp8_e4m3"] and len(res["settings"]) == 4
+    text = res["text"]["300"]
+    assert s["fp8_kv_ppl_increase_pct_300"] == pytest.approx(
+        100 * (text["dense/kv:fp8_e4m3"]["ppl"] / text["dense"]["ppl"] - 1))
+    d = res["default_setting"]
+    assert s["fp8_kv_ds_ppl_points_300"] == pytest.approx(
+        100 * (text[d + "/kv:fp8_e4m3"]["ppl"] - text[d]["ppl"]) / text["dense"]["ppl"])
+    rows = {"smollm2-8k": res, "qwen15b-16k-fp8": {"summary": {"fp8_kv_ppl_increase_pct_16384": -1.0,
+                                                                "fp8_kv_ds_ppl_points_16384": 9.0}}}
+    suite = long_report.suite_summary(rows)
+    assert suite["fp8_kv_ppl_increase_pct_max"] == max(s["fp8_kv_ppl_increase_pct_300"], -1.0)
+    assert suite["fp8_kv_ds_ppl_points_max"] == 9.0
