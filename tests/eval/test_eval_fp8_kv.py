@@ -11,7 +11,7 @@ import torch
 
 from doublesparse.attention.base import as_cached
 from doublesparse.calibrate.stats import make_batch
-from doublesparse.engine.weight_channels import default_channels
+from doublesparse.channels.weights import default_channels
 from doublesparse.eval import cli, driver, long_context, long_report, measure
 from doublesparse.eval.settings import DENSE, Setting, default_setting, with_kv
 from doublesparse.kernels.reference import quantize_kv
