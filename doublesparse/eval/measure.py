@@ -22,7 +22,9 @@ from .settings import DENSE, Setting
 class TextResult:
     """Per setting. ppl over all scored tokens; kl = mean KL(dense || setting) in nats;
     top1 = fraction of tokens whose argmax matches dense; recall/rel_err: per layer means
-    (``[L]``, NaN for dense layers), or None when attention fidelity was not measured."""
+    (``[L]``, NaN for dense layers), or None when attention fidelity was not measured; mass: per
+    layer, the selection's share of the whole exact attention (recall is that share over the true
+    top-k's share; mass is what the server's sampled recall measures, docs/serving-metrics.md)."""
 
     setting: Setting
     ppl: float
@@ -32,20 +34,26 @@ class TextResult:
     tokens: int
     recall: list[float] | None = None
     rel_err: list[float] | None = None
+    mass: list[float] | None = None
     extra: dict = field(default_factory=dict)
 
 
 class FidelityObserver:
-    """Accumulates per-layer selection recall and relative output error ``|o_ds - o| / |o|``
-    (o from ``ops.dense_decode`` on the same q and cache) over the tokens past the dense fallback.
+    """Accumulates per-layer selection recall, attention mass (driver.selection_recall) and
+    relative output error ``|o_ds - o| / |o|`` (o from ``ops.dense_decode`` on the same q and
+    cache) over the tokens past the dense fallback.
 
     stride: observe every ``stride``-th decoded token only (the recall recomputes the selection
-    in float32, the costly part); chunk: requests per recall chunk (GPU: bigger)."""
+    in float32, the costly part); chunk: requests per recall chunk (GPU: bigger); per_row: also
+    keep each observed token's values, ``self.per_row[layer]``: a list of ``(rows [b] int64,
+    recall [b], mass [b])`` (means over query heads; rows index the decode batch, request-major)."""
 
-    def __init__(self, num_layers: int, stride: int = 1, chunk: int = 64):
+    def __init__(self, num_layers: int, stride: int = 1, chunk: int = 64, per_row: bool = False):
         self.stride, self.chunk = max(1, int(stride)), int(chunk)
+        self.per_row: dict[int, list] | None = {} if per_row else None
         self.recall_sum = torch.zeros(num_layers, dtype=torch.float64)
         self.err_sum = torch.zeros(num_layers, dtype=torch.float64)
+        self.mass_sum = torch.zeros(num_layers, dtype=torch.float64)
         self.count = torch.zeros(num_layers, dtype=torch.float64)
 
     def __call__(self, layer_id, q, out, view):
@@ -57,17 +65,25 @@ class FidelityObserver:
         dense = ops.dense_decode(q, p.k[layer_id], p.v[layer_id], p.req_to_token, view.req_idx,
                                  view.seq_lens, view.sm_scale, ws=view.ws, impl=p.impl, **p.scales).float()[rows]
         err = (out.float()[rows] - dense).norm(dim=-1) / dense.norm(dim=-1).clamp_min(1e-30)  # [b, Hq]
-        rec = driver.selection_recall(q, view, layer_id, chunk=self.chunk, rows=rows)       # [b, Hq]
+        rec, mass = driver.selection_recall(q, view, layer_id, chunk=self.chunk, rows=rows,
+                                            with_mass=True)                              # [b, Hq] x2
         self.err_sum[layer_id] += err.mean(-1).double().sum().cpu()
         self.recall_sum[layer_id] += rec.mean(-1).double().sum()
+        self.mass_sum[layer_id] += mass.mean(-1).double().sum()
+        if self.per_row is not None:
+            self.per_row.setdefault(layer_id, []).append((rows.cpu(), rec.mean(-1), mass.mean(-1)))
         self.count[layer_id] += rows.numel()
 
     def means(self):
-        c = self.count.clamp_min(1)
-        nan = self.count == 0
-        rec = (self.recall_sum / c).masked_fill(nan, float("nan"))
-        err = (self.err_sum / c).masked_fill(nan, float("nan"))
-        return rec.tolist(), err.tolist()
+        """Per layer ``(recall, rel_err)`` means (NaN where nothing was observed)."""
+        return self._mean(self.recall_sum), self._mean(self.err_sum)
+
+    def mass_means(self) -> list[float]:
+        """Per layer attention mass means (NaN where nothing was observed)."""
+        return self._mean(self.mass_sum)
+
+    def _mean(self, total: torch.Tensor) -> list[float]:
+        return (total / self.count.clamp_min(1)).masked_fill(self.count == 0, float("nan")).tolist()
 
 
 def split_windows(ids: list[int], window_len: int, num_windows: int) -> list[list[int]]:
@@ -144,8 +160,10 @@ class TextRunner:
             res.extra["avg_k"] = sum(float(t) for t, _ in k_stats) / k_rows
         if fidelity is not None and s.kind == "ds":
             res.recall, res.rel_err = fidelity.means()
+            res.mass = fidelity.mass_means()
         elif s in self.results:  # keep fidelity measured by an earlier run of the same setting
-            res.recall, res.rel_err = self.results[s].recall, self.results[s].rel_err
+            old = self.results[s]
+            res.recall, res.rel_err, res.mass = old.recall, old.rel_err, old.mass
         self.results[s] = res
         return res
 

@@ -40,6 +40,8 @@ def rows(settings, bytes_of, text=None, retrieval=None) -> list[dict]:
             r.update(ppl=t.ppl, kl=t.kl, top1=t.top1, tokens=t.tokens,
                      recall=_nanmean(t.recall), rel_err=_nanmean(t.rel_err),
                      recall_per_layer=t.recall, rel_err_per_layer=t.rel_err)
+            if t.mass is not None:
+                r.update(attn_mass=_nanmean(t.mass), attn_mass_per_layer=t.mass)
         if retrieval and s in retrieval:
             r["retrieval_acc"] = retrieval[s]["acc"]
             r["retrieval_cells"] = {f"{n}@{d:g}": v for (n, d), v in retrieval[s]["cells"].items()}

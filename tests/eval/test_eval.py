@@ -120,6 +120,7 @@ def test_eval_small_end_to_end(tmp_path):
     assert all("ppl" in r and "retrieval_acc" in r for r in rows.values())
     ds = rows["qk/group_sum/r16/k1:16"]
     assert len(ds["recall_per_layer"]) == 2 and 0 < ds["recall"] <= 1.0001
+    assert len(ds["attn_mass_per_layer"]) == 2 and 0 < ds["attn_mass"] <= ds["recall"]
     assert ds["bytes_per_step"] < rows["dense"]["bytes_per_step"]
     wide = rows["qk/group_max/r16/k1:8/s4w32"]
     for name in ("qk/group_max/r16/k1:8/s4w32/p0.9min32", "qk/group_max/r16/k1:8/s4w32/p0.98min32"):
@@ -137,7 +138,8 @@ def test_selection_recall_matches_reference():
     seen = {}
 
     def obs(layer_id, q, out, view):
-        got = driver.selection_recall(q, view, layer_id, chunk=5)
+        got, mass = driver.selection_recall(q, view, layer_id, chunk=5, with_mass=True)
+        torch.testing.assert_close(got, driver.selection_recall(q, view, layer_id, chunk=5))
         sc = ref.label_scores_ref(q, p.label_pool(4)[layer_id], p.label_scale, view.channels[layer_id],
                                   p.req_to_token, view.req_idx, view.seq_lens, s.mode, view.sm_scale)
         assert (view.num_sink, view.num_recent) == (1, 2)  # capped at k/8, k/4 (k = 8) like the engine
@@ -147,8 +149,10 @@ def test_selection_recall_matches_reference():
             k = ref.gather_tokens(p.k[layer_id], p.req_to_token, view.req_idx, b, n).repeat_interleave(2, 1)
             prob = (torch.einsum("hd,nhd->hn", q[b].float(), k) * view.sm_scale).softmax(-1)
             sel = sc[b, :, :n].topk(view.heavy, -1).indices.repeat_interleave(2, 0)
-            want = prob.gather(1, sel).sum(-1) / prob.topk(view.heavy, -1).values.sum(-1)
+            share = prob.gather(1, sel).sum(-1)
+            want = share / prob.topk(view.heavy, -1).values.sum(-1)
             torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(mass[b], share, atol=1e-5, rtol=1e-5)
         seen[layer_id] = True
 
     driver.decode_tokens(m, p, s, ch, [x[40:] for x in ids], 8, observer=obs)
