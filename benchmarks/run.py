@@ -319,9 +319,12 @@ SUITES: dict[str, dict] = {
                     "qk/group_max/r16/k1:8/s4w32/p0.9min128 qk/group_max/r16/k1:8/s4w32/p0.98min128 -o {out}"},
         ],
     },
-    # The sampled attention recall's cost (attention/recall.py): decode steps with the probe off,
-    # at its default interval and on every step; the summary compares mean step times (a sampled
-    # step is 1 in 64, so the median would hide it).
+    # The sampled attention recall (attention/recall.py). Its cost: decode steps with the probe
+    # off, at its default interval and on every step; the summary compares mean step times (a
+    # sampled step is 1 in 64, so the median would hide it). Its agreement with the offline eval:
+    # SmolLM2 (its GGUF staged) at 8K of held-out text, teacher-forced through the engine with the
+    # probe on every step, against `doublesparse eval`'s attention mass on the same windows and
+    # settings (doublesparse/bench/recall_agreement.py).
     "recall": {
         "area": "recall",
         "rows": [_one_batch_row(f"llama31-8b-{shape}-ds-recall{n}",
@@ -329,7 +332,10 @@ SUITES: dict[str, dict] = {
                  for shape, args in (("60k-bs3", "--batch-size 3 --input-len 60000 --max-total-tokens 190000"),
                                      ("16k-bs32", "--batch-size 32 --input-len 16000 --max-total-tokens 520000 "
                                                   "--skip-unfit"))
-                 for n in (0, 64, 1)],
+                 for n in (0, 64, 1)]
+        + [{"name": "smollm2-8k-agreement", "result": "{out}.json", "timeout": 600,
+            "cmd": "python -m doublesparse.bench.recall_agreement --device cuda --window-len 8192 "
+                   "--decode-len 256 --num-windows 8 --result-json {out}.json"}],
     },
     # The adaptive budget (--ds-budget-mode adaptive, target recall 0.95) against the ratio default:
     # perplexity and KV/label bytes read per decode step on held-out text, teacher-forced through
@@ -419,7 +425,7 @@ _NEEDS = {
     "prefix-cache": ("wheels",), "accuracy": ("wheels", "smollm2", "texts", "plots"),
     "top-p": ("wheels", "smollm2", "texts"), "accuracy-long": ("wheels", "qwen", "smollm2", "texts", "plots"),
     "gpu-check": ("wheels", "smollm2", "texts"), "fp8-kv": ("wheels",),
-    "adaptive": ("wheels", "smollm2", "qwen", "texts"),
+    "adaptive": ("wheels", "smollm2", "qwen", "texts"), "recall": ("wheels", "smollm2", "texts"),
 }
 for _name, _needs in _NEEDS.items():
     SUITES[_name]["needs"] = _needs
@@ -652,7 +658,9 @@ def _ratio(a, b):
 
 def _summary_recall(rows: dict) -> dict:
     """recall_overhead_pct: the default interval's mean decode step over the probe-off one, less 1,
-    in percent, per shape (the worst is the summary key's value); every_step: with interval 1."""
+    in percent, per shape (the worst is the summary key's value); every_step: with interval 1.
+    recall_agreement_abs: |sampled recall - the offline eval's| (the agreement row's summary)."""
+    agree = rows.get("smollm2-8k-agreement", {}).get("summary") or {}
     mean = {n: statistics.fmean(r["results"][0]["decode_latencies"]) for n, r in rows.items()
             if r.get("results") and r["results"][0].get("decode_latencies")}
     out = {}
@@ -664,7 +672,9 @@ def _summary_recall(rows: dict) -> dict:
                 out.setdefault("by_shape", {}).setdefault(shape, {})[key] = 100 * (got / base - 1)
     shapes = out.get("by_shape", {}).values()
     pct = [v["default"] for v in shapes if "default" in v]
-    return {"recall_overhead_pct": max(pct) if pct else None, **out}
+    return {"recall_overhead_pct": max(pct) if pct else None,
+            "recall_agreement_abs": agree.get("recall_agreement_abs"), **out,
+            **({"agreement": agree} if agree else {})}
 
 
 def _summary_fp8_kv(rows: dict) -> dict:

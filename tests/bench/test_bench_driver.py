@@ -53,7 +53,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
               "doublesparse.bench_serving": "doublesparse.bench.serving"}.get(module, module)
     if module in ("doublesparse.bench.one_batch", "doublesparse.bench.family_decode", "doublesparse.bench.hf_offload",
                   "doublesparse.bench.offload", "doublesparse.bench.lmeval", "doublesparse.bench.adaptive",
-                  "doublesparse.bench.moe_experts"):
+                  "doublesparse.bench.moe_experts", "doublesparse.bench.recall_agreement"):
         return importlib.import_module(module).build_parser().parse_args(args)
     if module in ("doublesparse.bench.serving", "doublesparse.bench.soak"):
         return importlib.import_module(module).parse_args(args)
@@ -274,7 +274,10 @@ def test_recall_overhead_summary():
             "llama31-8b-60k-bs3-ds-recall1": row(1.5), "llama31-8b-16k-bs32-ds-recall0": row(2.0),
             "llama31-8b-16k-bs32-ds-recall64": row(2.04)}
     s = bench_run.summarize("recall", rows)
-    assert s["recall_overhead_pct"] == pytest.approx(2.0)
+    assert s["recall_overhead_pct"] == pytest.approx(2.0) and s["recall_agreement_abs"] is None
+    rows["smollm2-8k-agreement"] = {"summary": {"recall_agreement_abs": 0.004, "matched_abs": 1e-7}}
+    s = bench_run.summarize("recall", rows)
+    assert s["recall_agreement_abs"] == 0.004 and s["agreement"]["matched_abs"] == 1e-7
     assert s["by_shape"]["60k-bs3"] == pytest.approx({"default": 1.0, "every_step": 50.0})
 
 
