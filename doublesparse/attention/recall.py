@@ -10,10 +10,15 @@ How it stays off the decode path:
 
 * :meth:`RecallProbe.attach` wraps the backend's ``decode_attention`` (no branch in the backend)
   and the runner's ``decode`` (a host counter decides whether a step is sampled).
-* After each layer's sparse decode the wrapper keeps the sampled rows' q, output and selection.
-  On the Triton path that is one launch of ``kernels/triton/recall_stash.py``, which is also
-  captured in the CUDA graphs and returns at once unless a device control word names the layer;
-  the host arms it with an async copy on sampled steps only. On the PyTorch path (CPU) the host
+* After each layer's sparse decode of a sampled step the wrapper keeps the sampled rows' q,
+  output and selection; on a step that is not sampled it launches nothing. On the Triton path
+  that is one launch of ``kernels/triton/recall_stash.py``, which does its work only where a
+  device control word names the layer (the host arms it with an async copy on sampled steps).
+  Eagerly it is launched at the armed layer only. The CUDA graphs cannot branch on the host, so
+  the runner captures each sparse bucket twice (engine/model_runner.py): with the stash launched
+  after every layer (the control word picks the one at replay) and without; the host, which
+  knows from its step counter whether a step is sampled before launching it, replays the first
+  on sampled steps only. On the PyTorch path (CPU) the host
   knows the armed layer and copies q and the output; the selection is computed again with
   ``torch_ops.select``, the function that decode itself selects with (same inputs, same tokens).
 * After a sampled step the exact attention runs as ordinary launches whose shapes come from
@@ -25,13 +30,15 @@ How it stays off the decode path:
   (an event query, never a wait), at stats time. No step ever waits for the device.
 
 Work per sampled step: one layer, ``rows`` requests: a read of their K and V (what a dense decode
-of one layer reads for them), so the average cost per step is about ``rows / (interval * B *
-num_layers)`` of a dense decode's.
+of one layer reads for them), plus ``num_layers`` stash launches that return at once but one;
+so the average cost per step is about ``rows / (interval * B * num_layers)`` of a dense decode's
+plus ``num_layers / interval`` tiny launches. A step that is not sampled costs a host counter.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +126,9 @@ class RecallProbe:
         self._next_row = 0
         self.armed: _Armed | None = None
         self._stash: dict = {}
+        # while a CUDA graph of a sampled step is captured: stash after every layer (the step's
+        # layer is picked at replay by the device control word)
+        self._capture_stash = False
         # (host [N, 2], event, armed, rows whose request finished meanwhile)
         self._pending: collections.deque = collections.deque()
         # (layer, ks of the sparse rows) -> that layer's ks, where the budget differs per layer
@@ -148,9 +158,11 @@ class RecallProbe:
 
     # ------------------------------------------------------------------------- wiring
     def attach(self, backend, runner=None) -> None:
-        """Wrap ``backend.decode_attention`` (before any graph capture: the stash must be in the
-        graphs) and, when given, ``runner.decode``."""
+        """Wrap ``backend.decode_attention`` (before any graph capture: the runner reads
+        ``backend.recall_probe`` to capture the sampled steps' graphs) and, when given,
+        ``runner.decode``."""
         inner = backend.decode_attention
+        backend.recall_probe = self
 
         def decode_attention(layer_id, q, batch):
             out = inner(layer_id, q, batch)
@@ -174,6 +186,16 @@ class RecallProbe:
             return logits
 
         runner.decode = decode
+
+    @contextlib.contextmanager
+    def capturing(self, with_stash: bool):
+        """While the runner captures a decode graph: with the stash after every layer (the graph
+        of sampled steps) or without (every other step's)."""
+        old, self._capture_stash = self._capture_stash, bool(with_stash)
+        try:
+            yield
+        finally:
+            self._capture_stash = old
 
     # --------------------------------------------------------------------------- step
     def begin_step(self, rows, positions, plan) -> bool:
@@ -212,7 +234,10 @@ class RecallProbe:
 
     def observe(self, layer_id: int, q, out) -> None:
         """After layer ``layer_id``'s sparse decode: keep the armed rows' q, output (and, on the
-        Triton path, selection)."""
+        Triton path, selection). Launches nothing on a step that is not sampled."""
+        a = self.armed
+        if not self._capture_stash and (a is None or a.layer != layer_id):
+            return
         if self.triton:
             from ..kernels.triton.recall_stash import recall_stash
             self._q_dtype = q.dtype   # the stash keeps float32 copies; the measurement reads q as decode did
@@ -224,10 +249,10 @@ class RecallProbe:
             sel, rowk = (ws.topp_slot, ws.row_k) if ds.top_p > 0 else (ws.sel_slot, None)
             recall_stash(self._ctl, q, out, sel, rowk, self._q, self._o, self._sel, self._rowk, layer_id, R)
             return
-        a = self.armed
-        if a is not None and a.layer == layer_id:
-            idx = torch.tensor(a.batch_rows, device=q.device)
-            self._stash = {"q": q.index_select(0, idx).clone(), "o": out.index_select(0, idx).float()}
+        if a is None:  # a graph capture: the host copies below cannot be replayed
+            return
+        idx = torch.tensor(a.batch_rows, device=q.device)
+        self._stash = {"q": q.index_select(0, idx).clone(), "o": out.index_select(0, idx).float()}
 
     def end_step(self) -> None:
         """After a sampled step: launch the exact attention of the kept rows and start copying the

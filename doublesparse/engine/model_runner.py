@@ -4,7 +4,11 @@ Decode graphs are captured once per batch bucket (1, 2, 4, ... up to ``graph_max
 Double Sparsity, once more per bucket for steps that decode densely (the backend's ``decode_plan``
 says which a step is, from lengths the host knows), with static input buffers; a smaller batch is padded up to its bucket with rows that read and write only the
 padding slot 0 through the padding row 0 of req_to_token (seq_len 1), so they cost almost nothing
-and touch no real request's cache. On CPU (or with graphs disabled) everything runs eagerly.
+and touch no real request's cache. With the sampled attention recall (``backend.recall_probe``,
+attention/recall.py), each sparse bucket has a second graph with the probe's per-layer stash
+launches, replayed on the steps the probe samples (its host counter says which, before the step):
+the other steps replay a graph without them. On CPU (or with graphs disabled) everything runs
+eagerly.
 """
 
 from __future__ import annotations
@@ -60,7 +64,9 @@ class ModelRunner:
         self.backend = backend
         self.device = torch.device(device)
         self.graph_max_bs = min(graph_max_bs, memory.plan.max_reqs)
-        self.graphs: dict[tuple[int, bool], tuple] = {}  # (bucket, sparse) -> graph
+        # (bucket, sparse) -> (graph, static batch, logits, sampled): sampled is (graph, logits)
+        # of the same step with the recall probe's stash (sparse buckets with a probe), else None
+        self.graphs: dict[tuple[int, bool], tuple] = {}
         self._inputs = None  # (device buffer, pinned host buffer, its int64 / int32 numpy views, event)
         self.cpu_threads = CpuThreads(cpu_threads) if self.device.type == "cpu" else None
         if use_cuda_graph and self.device.type == "cuda":
@@ -119,7 +125,9 @@ class ModelRunner:
         row_t = torch.tensor(rows, dtype=torch.int64)
         pos_t = torch.tensor(positions, dtype=torch.int64)
         ks, sparse = plan if plan is not None else self.backend.decode_plan([p + 1 for p in positions])
-        bucket = next((b for b, sp in self.graphs if b >= B and sp == sparse), None)
+        sampled = self._sampled(sparse)
+        bucket = next((b for (b, sp), v in self.graphs.items() if b >= B and sp == sparse
+                       and (v[3] is not None or not sampled)), None)
         # a graph replay writes the device req_to_token itself (see _graph_step)
         slots = self.memory.assign(row_t, pos_t, B, write_device=bucket is None)
         if bucket is not None:
@@ -134,6 +142,12 @@ class ModelRunner:
             self.cpu_threads.record(n, time.perf_counter() - t0)
             return out
         return self._decode_eager(B, host, tokens, ds_k, sparse)
+
+    def _sampled(self, sparse: bool) -> bool:
+        """Whether this step is one the recall probe samples (armed by its host counter before
+        the step): it replays the graph with the probe's stash launches."""
+        probe = getattr(self.backend, "recall_probe", None)
+        return sparse and probe is not None and probe.armed is not None
 
     @staticmethod
     def host_inputs(tokens, pos_t: torch.Tensor, slots: torch.Tensor, row_t: torch.Tensor) -> torch.Tensor:
@@ -186,27 +200,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """Capture one decode graph per bucket (and per dense / sparse step with Double Sparsity),
-        largest first so smaller ones reuse its pool."""
+        """Capture one decode graph per bucket (and per dense / sparse step with Double Sparsity,
+        and per sparse step with and without the recall probe's stash), largest first so smaller
+        ones reuse its pool."""
         pool = torch.cuda.graph_pool_handle()
         self._make_inputs()
         modes = (True, False) if getattr(self.backend, "stores_labels", False) else (False,)
-        for bs, sparse in sorted(((b, sp) for b in graph_buckets(self.graph_max_bs) for sp in modes),
-                                 reverse=True):
+        probe = getattr(self.backend, "recall_probe", None)
+        keys = [(b, sp, False) for b in graph_buckets(self.graph_max_bs) for sp in modes]
+        if probe is not None:
+            keys += [(b, True, True) for b in graph_buckets(self.graph_max_bs) if True in modes]
+        sampled: dict[int, tuple] = {}
+        for bs, sparse, with_stash in sorted(keys, reverse=True):
             batch = self._static_batch(bs, sparse)
             self.backend.plan(batch)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # warm up (Triton autotune / lazy init) outside the capture
-                    self._graph_step(batch)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                logits = self._graph_step(batch)
-            self.graphs[(bs, sparse)] = (g, batch, logits)
-        self.graphs = dict(sorted(self.graphs.items()))
+            with probe.capturing(with_stash) if probe is not None else contextlib.nullcontext():
+                g, logits = self._capture(batch, pool)
+            if with_stash:
+                sampled[bs] = (g, logits)
+            else:
+                self.graphs[(bs, sparse)] = (g, batch, logits)
+        self.graphs = {k: (*v, sampled.get(k[0]) if k[1] else None) for k, v in sorted(self.graphs.items())}
         torch.cuda.synchronize(self.device)
+
+    def _capture(self, batch: ForwardBatch, pool) -> tuple:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm up (Triton autotune / lazy init) outside the capture
+                self._graph_step(batch)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            logits = self._graph_step(batch)
+        return g, logits
 
     def _graph_step(self, batch: ForwardBatch) -> torch.Tensor:
         """The captured decode step. It records each new token's slot in the device req_to_token
@@ -218,10 +245,13 @@ class ModelRunner:
 
     def _replay_packed(self, key: tuple[int, bool], B: int, tokens, positions, slots: np.ndarray,
                        rows, ks) -> torch.Tensor:
-        """One decode step through the graph ``key`` = (bucket >= B, sparse): padding is filled on
-        the host, then one pinned H2D copy of the whole (tiny) input buffer (separate copies per
-        field cost ~0.5 ms of host time per step)."""
-        g, sb, logits = self.graphs[key]
+        """One decode step through the graph ``key`` = (bucket >= B, sparse), the one with the
+        recall probe's stash on a step it samples: padding is filled on the host, then one pinned
+        H2D copy of the whole (tiny) input buffer (separate copies per field cost ~0.5 ms of host
+        time per step)."""
+        g, sb, logits, with_stash = self.graphs[key]
+        if with_stash is not None and self._sampled(key[1]):
+            g, logits = with_stash
         dev, host, h64, h32, copied = self._inputs
         copied.synchronize()  # the previous step's copy has read the host buffer (normally long done)
         on_device = isinstance(tokens, torch.Tensor)

@@ -201,3 +201,60 @@ def test_stats_histogram_and_groups():
     assert g1["cumulative_counts"][RECALL_BUCKETS.index(0.999)] == 1
     assert s["samples"] == 4 and s["recall_min"] == 0.3 and s["layers"][2] is None
     assert st.take_row(5)["samples"] == 4 and math.isclose(st.ema[3], 0.9999)
+
+
+def test_unsampled_steps_launch_nothing(monkeypatch):
+    """Steps the probe does not sample reach neither the stash kernel nor the PyTorch copies; a
+    sampled eager step stashes at its layer only; while the runner captures the sampled steps'
+    graph (``capturing(True)``) every layer launches the stash (the device word picks the layer)."""
+    import doublesparse.kernels.triton.recall_stash as rs
+    c = _case([50, 44])
+    be = _backend(c, 8)
+    probe = RecallProbe(RecallConfig(interval=3), be, num_layers=2)
+    probe.attach(be)
+    assert be.recall_probe is probe
+    probe.triton = True                      # the launch decision only: the kernel is replaced
+    monkeypatch.setattr(be, "workspace", SimpleNamespace(sel_slot=None))
+    launches = []
+    monkeypatch.setattr(rs, "recall_stash", lambda *a: launches.append(a[-2]))
+    monkeypatch.setattr(probe, "measure", lambda a: torch.zeros(len(a.req_rows), 2))
+    probe._ctl = torch.full((3,), -1, dtype=torch.int32)
+    probe._ctl_host = probe._ctl.clone()
+    probe._q = probe._o = probe._sel = probe._rowk = None
+    for _ in range(6):
+        _step(be, probe, c, [8, 8])
+    assert launches == [0, 1]                # steps 3 and 6, their layers in turn
+    launches.clear()
+    with probe.capturing(True):
+        batch = ForwardBatch(mode="decode", req_idx=c.req_idx, seq_lens=c.seq_lens, ds_sparse=True,
+                             ds_k=torch.tensor([8, 8], dtype=torch.int32))
+        be.decode_attention(0, c.q, batch)
+        be.decode_attention(1, c.q, batch)
+    assert launches == [0, 1] and probe._capture_stash is False
+
+
+def test_triton_stash_in_every_layer_measures_the_same():
+    """The sampled steps' CUDA graph launches the stash after every layer and lets the device word
+    pick the layer; the recall it measures equals the eager step's (one launch, at that layer).
+    The layers' queries differ (scaled), so a stash of the wrong layer would show."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    c = _case([40, 33], hq=4, hkv=2, d=16, seed=7)
+    batch = ForwardBatch(mode="decode", req_idx=c.req_idx, seq_lens=c.seq_lens, ds_sparse=True,
+                         ds_k=torch.tensor([8, 8], dtype=torch.int32))
+    got = []
+    for every_layer in (False, True):
+        be = _backend(c, 8, "triton")
+        probe = RecallProbe(RecallConfig(interval=1, rows=2), be, num_layers=2)
+        probe.attach(be)
+        for _ in range(2):
+            probe.begin_step(c.req_idx.tolist(), [n - 1 for n in c.seq_lens.tolist()], ([8, 8], True))
+            with probe.capturing(every_layer):
+                for layer in range(2):
+                    be.decode_attention(layer, c.q * (1 + 2 * layer), batch)
+            probe.end_step()
+        st = probe.summary()
+        assert st["samples"] == 4
+        got.append([*st["layers"], st["recall_min"], st["rel_error_mean"]])
+    assert abs(got[0][0] - got[0][1]) > 1e-3
+    assert got[1] == pytest.approx(got[0], abs=1e-6)

@@ -1,6 +1,8 @@
 """The sampled attention recall in the engine (tiny random Llama on CPU): sampled steps leave the
 tokens unchanged, engine.stats() and a request's meta (return_ds_stats) carry the figures."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from doublesparse.engine import Engine
@@ -67,3 +69,44 @@ def test_recall_flags():
         EngineConfig(ds_recall_sample_interval=-1)
     with pytest.raises(ValueError, match="ds_recall_sample_rows"):
         EngineConfig(ds_recall_sample_rows=0)
+
+
+def test_runner_replays_the_stash_graph_on_sampled_steps_only(model, monkeypatch):
+    """The runner picks each sparse step's graph on the host: the one with the probe's stash on
+    the steps the probe samples, the plain one otherwise (graphs faked: CPU); a bucket without a
+    stash graph runs a sampled step eagerly."""
+    import torch
+
+    class Graph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            calls.append(self.name)
+
+    e = engine(model, ds_recall_sample_interval=3)
+    p = e.parts
+    runner = p.runner
+    assert p.backend.recall_probe is p.recall
+    row = p.memory.rows.alloc()
+    prompt = list(range(1, 30))
+    runner.prefill([row], [0], [prompt], [False])
+    calls, V = [], model.config.vocab_size
+    host = torch.zeros(5, 2, dtype=torch.int64)          # _make_inputs' layout, without pinned memory
+    event = SimpleNamespace(synchronize=lambda: None, record=lambda stream: None)
+    runner._inputs = (host.clone(), host, host.numpy(), host.numpy()[3:].view("int32")[:, :2], event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    logits = torch.zeros(2, V)
+    runner.graph_max_bs = 2
+    runner.graphs = {(2, False): (Graph("dense"), None, logits, None),
+                     (2, True): (Graph("plain"), None, logits, (Graph("stash"), logits))}
+    n = len(prompt)
+    for i in range(6):
+        runner.decode([row], [5], [n + i])
+    assert calls == ["plain", "plain", "stash", "plain", "plain", "stash"]
+    calls.clear()
+    runner.graphs[(2, True)] = (Graph("plain"), None, logits, None)
+    for i in range(6, 9):
+        runner.decode([row], [5], [n + i])
+    assert calls == ["plain", "plain"]   # the sampled third step ran eagerly
+    assert p.recall.sampled_steps == 3
