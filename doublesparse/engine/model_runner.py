@@ -64,8 +64,9 @@ class ModelRunner:
         self.backend = backend
         self.device = torch.device(device)
         self.graph_max_bs = min(graph_max_bs, memory.plan.max_reqs)
-        # (bucket, sparse) -> (graph, static batch, logits, sampled): sampled is (graph, logits)
-        # of the same step with the recall probe's stash (sparse buckets with a probe), else None
+        # (bucket, sparse) -> (graph, static batch, logits, stash): stash is (graph, static batch,
+        # logits) of the same step with the recall probe's stash launches (sparse buckets with a
+        # probe), else None. The static batches stay referenced: their tensors are the graphs' inputs
         self.graphs: dict[tuple[int, bool], tuple] = {}
         self._inputs = None  # (device buffer, pinned host buffer, its int64 / int32 numpy views, event)
         self.cpu_threads = CpuThreads(cpu_threads) if self.device.type == "cpu" else None
@@ -210,17 +211,17 @@ class ModelRunner:
         keys = [(b, sp, False) for b in graph_buckets(self.graph_max_bs) for sp in modes]
         if probe is not None:
             keys += [(b, True, True) for b in graph_buckets(self.graph_max_bs) if True in modes]
-        sampled: dict[int, tuple] = {}
+        stash: dict[int, tuple] = {}
         for bs, sparse, with_stash in sorted(keys, reverse=True):
             batch = self._static_batch(bs, sparse)
             self.backend.plan(batch)
             with probe.capturing(with_stash) if probe is not None else contextlib.nullcontext():
                 g, logits = self._capture(batch, pool)
             if with_stash:
-                sampled[bs] = (g, logits)
+                stash[bs] = (g, batch, logits)
             else:
                 self.graphs[(bs, sparse)] = (g, batch, logits)
-        self.graphs = {k: (*v, sampled.get(k[0]) if k[1] else None) for k, v in sorted(self.graphs.items())}
+        self.graphs = {k: (*v, stash.get(k[0]) if k[1] else None) for k, v in sorted(self.graphs.items())}
         torch.cuda.synchronize(self.device)
 
     def _capture(self, batch: ForwardBatch, pool) -> tuple:
@@ -249,9 +250,9 @@ class ModelRunner:
         recall probe's stash on a step it samples: padding is filled on the host, then one pinned
         H2D copy of the whole (tiny) input buffer (separate copies per field cost ~0.5 ms of host
         time per step)."""
-        g, sb, logits, with_stash = self.graphs[key]
-        if with_stash is not None and self._sampled(key[1]):
-            g, logits = with_stash
+        g, sb, logits, stash = self.graphs[key]
+        if stash is not None and self._sampled(key[1]):
+            g, sb, logits = stash
         dev, host, h64, h32, copied = self._inputs
         copied.synchronize()  # the previous step's copy has read the host buffer (normally long done)
         on_device = isinstance(tokens, torch.Tensor)

@@ -99,7 +99,7 @@ def test_runner_replays_the_stash_graph_on_sampled_steps_only(model, monkeypatch
     logits = torch.zeros(2, V)
     runner.graph_max_bs = 2
     runner.graphs = {(2, False): (Graph("dense"), None, logits, None),
-                     (2, True): (Graph("plain"), None, logits, (Graph("stash"), logits))}
+                     (2, True): (Graph("plain"), None, logits, (Graph("stash"), None, logits))}
     n = len(prompt)
     for i in range(6):
         runner.decode([row], [5], [n + i])

@@ -1,9 +1,11 @@
 """Triton kernel: keep one layer's decode inputs and outputs of a few batch rows for the sampled
 attention recall (attention/recall.py).
 
-It is launched after every layer's sparse decode, also inside CUDA graphs, and does nothing unless
-the device control word names this layer: the host arms it (an async copy) only on sampled steps,
-so a graph replay needs no host decision and no host sync.
+It does nothing unless the device control word names this layer; the host arms that word (an
+async copy) on sampled steps only. Eagerly it is launched on sampled steps at the sampled layer
+only; in the CUDA graph of a sampled step (the runner keeps one per sparse bucket, beside the
+graph without it that every other step replays) after every layer, and the word picks the layer at
+replay, so the graph needs no host decision and no host sync.
 """
 
 from __future__ import annotations
