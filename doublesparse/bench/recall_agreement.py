@@ -21,7 +21,9 @@ Writes JSON: the settings both sides ran, per layer the online mean and sample c
 offline means, and ``summary``: ``recall_agreement_abs`` = |online - offline| of the means over
 layers (offline over every decoded token), ``matched_abs`` (offline on exactly the sampled
 (layer, window, position) triples), ``max_layer_abs`` (the largest per-layer difference over
-layers with at least 8 samples), and the online mean's gap to the eval's top-k-normalised recall.
+layers with at least 8 samples), the online mean's gap to the eval's top-k-normalised recall, and
+``one_k``: whether the engine planned one k over the decoded span (the eval's driver decodes every
+token at one k; where the ratio budget moves, the offline side takes the largest).
 """
 
 from __future__ import annotations
@@ -142,11 +144,17 @@ def run(args) -> dict:
     parts = build_parts(cfg, model=model, tokenizer=tok, progress=False) if model is not None else \
         build_parts(cfg, progress=False)
     model, tok = parts.model, tok or parts.tokenizer
+    if any(parts.ds.mode_of(i) == "layer" for i in range(parts.plan.num_layers)):
+        raise SystemExit("the engine selects in the 'layer' mode, which the offline eval's selection "
+                         "(eval/driver.py) does not model")
     windows = _windows(args, tok)
     samples, ks = online(parts, windows, args.decode_len)
     if not samples:
         raise SystemExit("no sampled step: the windows decode densely (raise --window-len or lower k)")
     k = max(ks)
+    if len(ks) > 1:  # the ratio budget moved within the decoded span; the eval's driver has one k
+        print(f"warning: the engine's k took {sorted(ks)}; the offline side uses {k} for every token "
+              "(--ds-heavy-token-min at or above the largest gives one k)", file=sys.stderr)
     setting = engine_setting(parts, k)
     channels = parts.backend.channels.detach().clone()
     L, device = parts.plan.num_layers, parts.device
@@ -194,7 +202,7 @@ def run(args) -> dict:
                "matched_abs": abs(on - offmt) if offmt is not None else None,
                "max_layer_abs": max(big) if big else None,
                "offline_recall_topk": offr, "online_vs_recall_topk_abs": abs(on - offr),
-               "online_samples": len(samples), "offline_tokens": int(obs.count.max())}
+               "online_samples": len(samples), "offline_tokens": int(obs.count.max()), "one_k": len(ks) == 1}
     return {"tool": f"doublesparse {doublesparse.__version__} bench.recall_agreement", "argv": sys.argv[1:],
             "model": getattr(model.config, "name", None), "device": str(device),
             "window_len": args.window_len, "decode_len": args.decode_len, "num_windows": W,

@@ -18,7 +18,7 @@ def test_bench_recall_agreement_tiny(tmp_path):
                                   "--result-json", str(out)]) == 0
     res = json.loads(out.read_text())
     s = res["summary"]
-    assert res["engine_k"] == [32] and res["k"] == 32            # one k: the eval's driver has one
+    assert res["engine_k"] == [32] and res["k"] == 32 and s["one_k"]   # the eval's driver has one k
     assert s["online_samples"] == 2 * 23 == s["offline_tokens"]   # every step samples both windows
     assert sum(x["samples"] for x in res["layers"]) == s["online_samples"]
     # the same tokens measured both ways: the probe's recall is the eval's attention mass
