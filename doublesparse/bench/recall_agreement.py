@@ -39,7 +39,7 @@ import torch
 
 import doublesparse
 from ..attention.budget import DENSE as DENSE_K
-from ..config import EngineConfig
+from ..config import KV_CACHE_DTYPES, EngineConfig
 from ..engine.memory import LABEL_TORCH_DTYPES
 from ..engine.setup import build_parts
 from ..eval.measure import FidelityObserver, TextRunner, split_windows
@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ds-heavy-token-min", type=int, default=None, help="default: the operating point's")
     p.add_argument("--ds-sparse-decode-threshold", type=int, default=0,
                    help="sparse decode from this length (default 0: whenever longer than k, as the eval)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="both sides' K/V cache")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--result-json", default=None)
     return p
@@ -110,9 +111,10 @@ def online(parts, windows: list[list[int]], decode_len: int) -> tuple[list[tuple
     return got, ks_seen
 
 
-def engine_setting(parts, k: int) -> Setting:
+def engine_setting(parts, k: int, kv: str = "auto") -> Setting:
     """The eval's Setting for what the engine decodes with: its r, per-layer modes, sink and
-    recent tokens, label dtype and top-p budget, at the one k ``k`` (see :func:`run`)."""
+    recent tokens, label dtype, top-p budget and K/V cache dtype ``kv``, at the one k ``k`` (see
+    :func:`run`)."""
     ds, b = parts.ds, parts.ds.policy.budget
     label = next(n for n, d in LABEL_TORCH_DTYPES.items() if d == parts.plan.label_dtype)
     L = parts.plan.num_layers
@@ -120,7 +122,7 @@ def engine_setting(parts, k: int) -> Setting:
     return Setting("ds", "qk", modes[0], int(parts.backend.channels.shape[-1]), b.ratio or 1.0,
                    num_sink=ds.num_sink, num_recent=ds.num_recent, label=label, k_min=k, k_max=k,
                    top_p=b.top_p, top_p_min=ds.top_p_min_k if b.top_p else 0,
-                   layer_modes=modes if len(set(modes)) > 1 else ())
+                   layer_modes=modes if len(set(modes)) > 1 else (), kv=kv)
 
 
 def _mean(xs):
@@ -136,7 +138,7 @@ def run(args) -> dict:
                        disable_cuda_graph=args.disable_cuda_graph, enable_double_sparsity=True,
                        ds_heavy_token_min=args.ds_heavy_token_min,
                        ds_sparse_decode_threshold=args.ds_sparse_decode_threshold,
-                       ds_recall_sample_interval=1, ds_recall_sample_rows=W)
+                       ds_recall_sample_interval=1, ds_recall_sample_rows=W, kv_cache_dtype=args.kv_cache_dtype)
     model, tok = None, None
     if args.tiny:
         from ..testing import ByteTokenizer, tiny_llama
@@ -155,7 +157,7 @@ def run(args) -> dict:
     if len(ks) > 1:  # the ratio budget moved within the decoded span; the eval's driver has one k
         print(f"warning: the engine's k took {sorted(ks)}; the offline side uses {k} for every token "
               "(--ds-heavy-token-min at or above the largest gives one k)", file=sys.stderr)
-    setting = engine_setting(parts, k)
+    setting = engine_setting(parts, k, args.kv_cache_dtype)
     channels = parts.backend.channels.detach().clone()
     L, device = parts.plan.num_layers, parts.device
     t_online = time.time() - t0
@@ -169,7 +171,8 @@ def run(args) -> dict:
     runner = TextRunner(model, windows, args.decode_len, lambda _: channels, device)
     obs = FidelityObserver(L, 1, 256 if device.type == "cuda" else 64, per_row=True)
     with torch.inference_mode():
-        for pools, inputs, _, _ in runner.groups:
+        for pool_set, inputs, _, _ in runner.groups:
+            pools = pool_set.get(setting.kv)
             pools.relabel(channels, setting.label)
             driver.decode_tokens(model, pools, setting, channels, inputs, setting.heavy_tokens(args.window_len),
                                  observer=obs)
