@@ -23,13 +23,13 @@ is no worse than the ratio budget's.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 
 import torch
 
+from . import emit_result
 from ..texts import EVAL_PLAYS, encode, read_texts
 from ..config import EngineConfig
 from ..engine.setup import build_parts
@@ -150,12 +150,7 @@ def summary(b: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    res = run(args)
-    text = json.dumps(res, indent=1)
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            f.write(text)
-    print(json.dumps(res["summary"], indent=1))
+    emit_result(run(args), args.result_json)
     return 0
 
 

@@ -30,14 +30,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import sys
 import time
 
 import torch
 
-import doublesparse
 from ..attention.budget import DENSE as DENSE_K
 from ..config import KV_CACHE_DTYPES, EngineConfig
 from ..engine.memory import LABEL_TORCH_DTYPES
@@ -45,7 +43,9 @@ from ..engine.setup import build_parts
 from ..eval.measure import FidelityObserver, TextRunner, split_windows
 from ..eval import driver
 from ..eval.settings import Setting
+from . import emit_result
 from ..texts import EVAL_PLAYS, encode, read_texts
+from ..version import __version__
 from .adaptive import PREFILL_CHUNK
 
 MIN_LAYER_SAMPLES = 8
@@ -206,7 +206,7 @@ def run(args) -> dict:
                "max_layer_abs": max(big) if big else None,
                "offline_recall_topk": offr, "online_vs_recall_topk_abs": abs(on - offr),
                "online_samples": len(samples), "offline_tokens": int(obs.count.max()), "one_k": len(ks) == 1}
-    return {"tool": f"doublesparse {doublesparse.__version__} bench.recall_agreement", "argv": sys.argv[1:],
+    return {"tool": f"doublesparse {__version__} bench.recall_agreement", "argv": sys.argv[1:],
             "model": getattr(model.config, "name", None), "device": str(device),
             "window_len": args.window_len, "decode_len": args.decode_len, "num_windows": W,
             "setting": setting.name, "engine_k": sorted(ks), "k": k, "layers": layers, "summary": summary,
@@ -215,12 +215,7 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    res = run(args)
-    text = json.dumps(res, indent=1)
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            f.write(text)
-    print(json.dumps(res["summary"], indent=1))
+    emit_result(run(args), args.result_json)
     return 0
 
 
