@@ -50,6 +50,7 @@ class Tally:
     latencies: list = field(default_factory=list)
     duplicates: list = field(default_factory=list)
     rss: list = field(default_factory=list)          # (seconds since start, bytes)
+    runtime: list = field(default_factory=list)      # (seconds since start, {gauge: value})
     fanout_disconnects: int = 0     # fanned-out requests whose client hung up while they ran
     fanout_siblings: int = 0        # their engine requests (each ends once in /metrics)
     rid_collisions: int = 0         # originals whose rid a second request reused
@@ -271,6 +272,23 @@ def _every(samples: list, step: float) -> list:
     return out
 
 
+# gauges that tell where a GPU server's resident memory goes (server/metrics.py _RuntimeCollector)
+RUNTIME_GAUGES = ("host_pinned_reserved_bytes", "cuda_memory_reserved_bytes", "triton_kernels_compiled")
+
+
+async def _runtime_gauges(c: httpx.AsyncClient) -> dict:
+    try:
+        text = (await c.get("/metrics")).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        for g in RUNTIME_GAUGES:
+            if line.startswith("doublesparse_" + g + " "):
+                out[g] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 async def _metric_rss(c: httpx.AsyncClient) -> int | None:
     """The server's resident memory from its ``/metrics`` (``process_resident_memory_bytes``)."""
     try:
@@ -294,6 +312,10 @@ async def run(args) -> dict:
                 b = rss_bytes(args.server_pid) if args.server_pid else await _metric_rss(c)
                 if b is not None:
                     t.rss.append((time.monotonic() - start, b))
+                if not t.runtime or time.monotonic() - start - t.runtime[-1][0] >= 30.0:
+                    g = await _runtime_gauges(c)
+                    if g:
+                        t.runtime.append((time.monotonic() - start, g))
                 try:
                     await asyncio.wait_for(done.wait(), 1.0)
                 except asyncio.TimeoutError:
@@ -332,6 +354,8 @@ async def run(args) -> dict:
         "rss_max_mb": max((b for _, b in t.rss), default=0) / 2**20,
         # the server's RSS every ~30 s (seconds, MB): whether a growth plateaus or keeps on
         "rss_mb_series": _every(t.rss, 30.0),
+        # beside it: page-locked host pool, CUDA reserve, compiled Triton variants (absent on CPU)
+        "runtime_series": [(round(sec, 1), g) for sec, g in t.runtime],
         "server_ended": served, "client_expected": expected, "metrics_consistent": int(served == expected),
         "mean_latency_s": statistics.mean(lat) if lat else None,
     }

@@ -9,6 +9,8 @@ process (tests) without duplicate-metric errors.
 
 from __future__ import annotations
 
+import sys
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client import disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -140,6 +142,50 @@ def recall_metrics(r: dict):
             yield g
 
 
+def _compiled_triton_kernels() -> int | None:
+    """Compiled variants held by the package's Triton kernels (each new specialization adds one)."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return None
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("doublesparse.kernels") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            fn = obj.fn if isinstance(obj, Autotuner) else obj
+            if isinstance(fn, JITFunction):
+                n += sum(len(c[0]) for c in getattr(fn, "device_caches", {}).values())
+    return n
+
+
+class _RuntimeCollector:
+    """What can grow a GPU server's resident memory besides Python objects: torch's page-locked
+    host pool (it keeps every block it ever handed out) and compiled Triton variants. A soak reads
+    them beside the process RSS to tell which one grows."""
+
+    def collect(self):
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            st = torch.cuda.host_memory_stats()
+            for name, key in (("host_pinned_reserved_bytes", "reserved_bytes.current"),
+                              ("host_pinned_allocated_bytes", "allocated_bytes.current")):
+                if key in st:
+                    g = GaugeMetricFamily(P + name, f"torch's page-locked host pool: {key}")
+                    g.add_metric([], float(st[key]))
+                    yield g
+            g = GaugeMetricFamily(P + "cuda_memory_reserved_bytes", "torch's CUDA caching allocator: reserved")
+            g.add_metric([], float(torch.cuda.memory_reserved()))
+            yield g
+        n = _compiled_triton_kernels()
+        if n is not None:
+            g = GaugeMetricFamily(P + "triton_kernels_compiled", "Compiled variants of the package's "
+                                  "Triton kernels in this process")
+            g.add_metric([], float(n))
+            yield g
+
+
 class ServerMetrics:
     def __init__(self, worker) -> None:
         r = self.registry = CollectorRegistry()
@@ -162,6 +208,7 @@ class ServerMetrics:
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LAT, registry=r)
         r.register(_EngineCollector(worker))
+        r.register(_RuntimeCollector())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
