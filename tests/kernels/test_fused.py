@@ -160,6 +160,25 @@ def test_rope_store(t, hq, hkv, d, r, label_dtype):
         assert bool(((got - want).abs() <= want.abs() * 0.5 + 0.02).all())
 
 
+@pytest.mark.parametrize("t", [5, 2048])
+def test_rope_alone_is_rope_store_bit_for_bit(t):
+    """The standalone RoPE (what a backend that stores K itself runs: DS-Offload) gives the fused
+    RoPE + store's q and k bit for bit, and the pool gets that k: both round the fp32 rotation
+    once, without FMA contraction. Else the two paths' tokens part after a few steps."""
+    if t > 5 and DEVICE == "cpu":
+        pytest.skip("interpreter time")
+    inputs, pools, _, _, slots, _ = _rope_case(t, 32, 8, 128, 16, None, 3)
+    pos, q, k, v, cos, sin = inputs
+    qo, ko = ops.rope(pos, q, k, cos, sin, impl="triton")
+    qf, kf = ops.rope_store(*inputs, *pools, slots, None, None, None, return_k=True, impl="triton")
+    qe, ke = ops.rope(pos, q, k, cos, sin, impl="torch")
+    for a, b in ((qo, qf), (ko, kf), (pools[0][slots], ko)):
+        assert torch.equal(a, b), (a.float() - b.float()).abs().max()
+    # the reference too where the conversion to bf16 rounds to nearest (the interpreter's truncates)
+    _close(qo, qe)
+    _close(ko, ke)
+
+
 def test_rope_store_torch_path_is_rope_then_store():
     """ops' reference path == the unfused model path (rope, then store_kv), bit for bit."""
     inputs, pools, lab, scale, slots, ch = _rope_case(5, 9, 3, 64, 16, BF16, 1)
@@ -378,6 +397,11 @@ for fp8, (fmax, mant, bias) in (("*fp8e4nv", (448.0, 3, 7)), ("*fp8e5", (57344.0
     comp(store_mod.store_kv_kernel, dict(D=128, R=16, BLOCK_T=16, BLOCK_D=128, BLOCK_R=16, HAS_LABEL=True,
          LABEL_FP8=True, **q8), dict(kv8, slots_ptr="*i32", channels_ptr="*i32", scale_ptr="*fp32",
          label_ptr="*fp8e4nv"), num_warps=4)
+# bf16 K/V with fp8 labels (the default on sm_89+): the labels' quantize branch alone
+comp(store_mod.store_kv_kernel, dict(D=128, R=16, BLOCK_T=16, BLOCK_D=128, BLOCK_R=16, HAS_LABEL=True, LABEL_FP8=True,
+     KV_FP8=False, FP8_MAX=0.0, FP8_MANT=0, FP8_BIAS=0, INTERPRET=False), dict(slots_ptr="*i32",
+     channels_ptr="*i32", scale_ptr="*fp32", label_ptr="*fp8e4nv", k_scale_ptr="*fp32", v_scale_ptr="*fp32"),
+     num_warps=4)
 for res in (True, False):
     comp(fused.rmsnorm_kernel, dict(HAS_RES=res, BLOCK_N=1024), scalars=dict(eps="fp32"), num_warps=4)
 comp(fused.silu_mul_kernel, dict(BLOCK=1024), num_warps=4)

@@ -205,5 +205,8 @@ def rope(positions, q, k, cos, sin):
         ko.stride(0), ko.stride(1), cos.stride(0),
         HQ=Hq, HKV=Hkv, HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(Hq),
         BLOCK_HKV=triton.next_power_of_2(Hkv), BLOCK_D2=triton.next_power_of_2(D // 2), num_warps=1,
+        # no FMA contraction: the rotation rounds as the fused RoPE + store and the reference do,
+        # so a backend that rotates apart (DS-Offload) sees the in-GPU path's q and k bit for bit
+        enable_fp_fusion=False,
     )
     return qo, ko

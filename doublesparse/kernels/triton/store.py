@@ -51,7 +51,9 @@ def store_kv_kernel(
         # register shuffle that Triton has no primitive for.
         lab = tl.load(k_ptr + t[:, None] * stride_kn + h * stride_kh + ch[None, :], mask=lm).to(tl.float32)
         if LABEL_FP8:
-            lab = lab / tl.load(scale_ptr)
-            lab = tl.minimum(tl.maximum(lab, -448.0), 448.0)
-        tl.store(label_ptr + slot[:, None] * stride_ls + h * stride_lh + r[None, :],
-                 lab.to(label_ptr.dtype.element_ty), mask=lm)
+            # the reference's (k[ch] / scale).clamp(+-448) rounded to e4m3, bit for bit: plain `/`
+            # (2 ulp) moved labels across a rounding boundary, and with them a top-k now and then
+            labq = quantize(lab, tl.load(scale_ptr), label_ptr.dtype.element_ty, 448.0, 3, 7, INTERPRET)
+        else:
+            labq = lab.to(label_ptr.dtype.element_ty)
+        tl.store(label_ptr + slot[:, None] * stride_ls + h * stride_lh + r[None, :], labq, mask=lm)
