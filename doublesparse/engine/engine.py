@@ -529,7 +529,7 @@ class Engine:
                     failed_steps=c["failed_steps"], attention_backend=p.backend.name,
                     double_sparsity=p.ds is not None, channel_source=p.channel_source,
                     channels_calibrated=p.channels_calibrated,
-                    heavy_token_num=p.ds.heavy_token_num if p.ds else None,
+                    heavy_token_num=p.ds.k_max if p.ds else None,
                     decode_policy=p.ds.policy.describe() if p.ds else None,
                     heavy_channel_num=p.memory.plan.heavy_channel_num or None,
                     operating_point=(self.operating_point or {}).get("summary"),
