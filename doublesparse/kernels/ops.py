@@ -106,7 +106,7 @@ def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, 
     if _use_triton(k, impl):
         from .triton.launch import store_kv as _store
         return _store(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale)
-    from .triton.launch import check_store_args
+    from .triton.common import check_store_args
     check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale)
     ref.store_ref(k_cache, v_cache, label_cache, label_scale, k, v, slots, channels, k_scale, v_scale)
 
@@ -269,7 +269,7 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
         from .triton.fused_launch import rope_store as _rope_store
         return _rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache,
                            label_scale, channels, return_k, tuning=tuning, k_scale=k_scale, v_scale=v_scale)
-    from .triton.launch import check_store_args
+    from .triton.common import check_store_args
     check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale)
     qr, kr = ref.rope_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache,
                                 label_scale, channels, k_scale, v_scale)

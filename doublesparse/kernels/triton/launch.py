@@ -16,32 +16,14 @@ import triton
 
 from ..tuning import DEFAULT_TUNING, KernelTuning
 from ..workspace import DecodeWorkspace
-from .common import (FLOAT, INDEX, INTERPRET, KV_FP8, check, check_caches, check_decode, check_labels,
-                     fail, kv_scale_args, num_sms, pdl_kwargs)
+from .common import (FLOAT, INDEX, INTERPRET, KV_FP8, check, check_decode, check_store_args, fail,
+                     kv_scale_args, num_sms, pdl_kwargs)
 from .kv_quant import fp8_constexprs
 from .decode_attn import decode_attn_kernel, merge_kernel
 from ..latent import latent_split
 from .latent_attn import latent_attention
 from .rope import rope_kernel
 from .store import store_kv_kernel
-
-
-def check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale=None,
-                     v_scale=None):
-    dev = k.device
-    check_caches(k_cache, v_cache, dev, k_scale, v_scale)
-    check(k, "k", 3, FLOAT, dev)
-    check(v, "v", 3, FLOAT, dev)
-    N, Hkv, D = k.shape
-    if tuple(v.shape) != (N, Hkv, D):
-        fail(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
-    if tuple(k_cache.shape[1:]) != (Hkv, D):
-        fail(f"k is [N, {Hkv}, {D}] but k_cache is {tuple(k_cache.shape)}")
-    check(slots, "slots", 1, INDEX, dev)
-    if slots.shape[0] != N:
-        fail(f"slots has {slots.shape[0]} entries for {N} tokens")
-    if label_cache is not None:
-        check_labels(label_cache, label_scale, channels, k_cache, dev)
 
 
 def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, channels=None, k_scale=None,
