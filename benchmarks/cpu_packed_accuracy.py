@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                 logits = {}
                 for packed in (False, True):
                     use(packed)
-                    logits[packed] = driver.decode_tokens(model, pools, s, ch, inputs, s.heavy_tokens(runner.wl))
+                    logits[packed] = driver.decode_tokens(model, pools, s, ch, inputs, s.k_for(runner.wl))
                 lf, lp = logits[False].log_softmax(-1), logits[True].log_softmax(-1)
                 acc["nll_float"] += float(-lf.gather(1, targets[:, None]).sum())
                 acc["nll_packed"] += float(-lp.gather(1, targets[:, None]).sum())

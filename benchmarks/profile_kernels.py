@@ -23,6 +23,7 @@ import sys
 import torch
 
 from doublesparse.bench.attention import FP8, HKV, HQ, D, Pools
+from doublesparse.kernels.ops import DSDecodeArgs
 from doublesparse.kernels.triton import (
     decode_attn,
     ds_launch,
@@ -82,10 +83,10 @@ def main(argv=None):
     p = Pools(B, L, 1, args.r, FP8 if args.fp8 else torch.bfloat16, dev)
     ws = DecodeWorkspace(B, HQ, HKV, D, L, k, device=dev)
     sm = 1 / math.sqrt(D)
-    ks = torch.full_like(p.seq_lens, k)  # one budget for the whole batch
+    ds_args = DSDecodeArgs(torch.full_like(p.seq_lens, k), k, args.mode, tuning=tuning)  # one k for the batch
     for _ in range(args.iters):
         ds_launch.ds_decode(p.q, p.k, p.v, p.labels, p.scale, p.channels, p.req_to_token, p.req_idx[0],
-                            p.seq_lens, sm, ks, k, args.mode, ws=ws, out=p.out, tuning=tuning)
+                            p.seq_lens, sm, ds_args, ws=ws, out=p.out)
     for _ in range(args.iters):
         launch.dense_decode(p.q, p.k, p.v, p.req_to_token, p.req_idx[0], p.seq_lens, sm, ws, out=p.out,
                             tuning=tuning)

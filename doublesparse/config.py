@@ -379,16 +379,15 @@ class EngineConfig:
         t = DEFAULT_TARGET_RECALL if self.ds_target_recall is None else float(self.ds_target_recall)
         return AdaptiveConfig(target=t)
 
-    def heavy_token_num(self, max_context_len: int) -> int:
+    def k_max(self, max_context_len: int) -> int:
         """The largest k any request gets (the decode workspace's size)."""
         return self.token_budget(max_context_len).k_max
 
-    def sink_recent(self, heavy_token_num: int, default: tuple[int, int] = (4, 32)) -> tuple[int, int]:
+    def sink_recent(self, k: int, default: tuple[int, int] = (4, 32)) -> tuple[int, int]:
         """Tokens always selected (first, last), inside k: ``ds_num_sink`` / ``ds_num_recent``,
         where unset ``default`` (the operating point's; 4 sink + 32 recent) scaled down for small k
         (at most k/8 and k/4): on SmolLM2 at 8K (H200, 8 windows) 4 + 32 cut KL(dense||DS)
         of group_max 3.7x at equal bytes, perplexity +4.6% -> +1.3% (results/accuracy-h200.md, docs/accuracy.md)."""
-        k = heavy_token_num
         sink = min(default[0], k // 8) if self.ds_num_sink is None else self.ds_num_sink
         recent = min(default[1], k // 4) if self.ds_num_recent is None else self.ds_num_recent
         if sink + recent > k:

@@ -65,16 +65,16 @@ def make_case(seq_lens, hq, hkv, d, r=16, dtype=torch.bfloat16, label_dtype=torc
                 1.0 / math.sqrt(d))
 
 
-def make_ws(case: Case, max_heavy_tokens=0, max_splits=8, poison=True, layer_select=False):
+def make_ws(case: Case, k_max=0, max_splits=8, poison=True, layer_select=False):
     B, hq, d = case.q.shape
     ws = DecodeWorkspace(B, hq, case.k_cache.shape[1], d, case.req_to_token.shape[1],
-                         max_heavy_tokens, device=case.q.device, max_splits=max_splits,
+                         k_max, device=case.q.device, max_splits=max_splits,
                          layer_select=layer_select)
     if poison:
         for w in (ws, ws.layer) if ws.layer is not None else (ws,):
             w.part_o.fill_(float("nan"))
             w.part_lse.fill_(float("nan"))
-            if max_heavy_tokens:
+            if k_max:
                 w.scores.fill_(float("nan"))
                 w.sel.fill_(-7)
     return ws

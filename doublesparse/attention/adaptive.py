@@ -11,12 +11,12 @@ the samples of the recall probe (attention/recall.py) and reach the device as on
 
 How it stays off the decode path:
 
-* :meth:`AdaptiveBudget.attach` wraps the backend's ``decode_attention`` (no branch in the
-  backend): at layer 0 of a sparse step it computes every layer's ks ``[L, B]`` int32 from the
-  step's ks and the device scales (a few elementwise launches per step, captured in the CUDA
-  graphs, so a replay reads the scales in force), and hands each layer its row. The host never
-  reads them: the probe gets the same numbers from the host's copy of the scales
-  (:meth:`host_ks`, the same float32 arithmetic).
+* :meth:`AdaptiveBudget.attach` wraps the backend's ``plan`` and ``decode_attention`` (no branch
+  in the backend). The plan hands layer i the k of row i of a ``[L, max_reqs]`` int32 device
+  buffer; at layer 0 of a sparse step the wrapped ``decode_attention`` fills that buffer from the
+  step's k and the device scales (a few elementwise launches per step, captured in the CUDA
+  graphs, so a replay reads the scales in force). The host never reads them: the probe gets the
+  same numbers from the host's copy of the scales (:meth:`host_ks`, the same float32 arithmetic).
 * The runner's ``decode`` is wrapped to fold the probe's landed samples into the controller after
   a step (an event query, never a wait).
 """
@@ -58,30 +58,42 @@ class AdaptiveBudget:
         self.backend, self.probe = backend, probe
         self.ctl = BudgetController(cfg, max_scales)
         budget = backend.ds.policy.budget
-        self.k_min, self.k_max = budget.k_min, backend.ds.heavy_token_num
+        self.k_min, self.k_max = budget.k_min, backend.ds.k_max
         dev = backend.memory.label[0].device
         self.host = torch.tensor(self.ctl.scales, dtype=torch.float32)    # [L]: the host's copy
         self.scale = self.host.to(dev)                                    # [L] float32, read in the graphs
         self.pushes = 0
-        self._src = self._all = None
         L = self.ctl.num_layers
+        self._src = None
+        self._k = None  # [L, max_reqs] int32: each layer's k of the step (made on the first plan)
         self._seen = [(0, 0.0)] * L                                       # per layer: (samples, sum) folded
         self._sampled = -1
 
     # ------------------------------------------------------------------------- wiring
     def attach(self, backend) -> None:
-        """Wrap ``backend.decode_attention`` (before any graph capture) and its ``decode_bytes``;
-        give the probe the per-layer ks."""
-        inner = backend.decode_attention
+        """Wrap ``backend.plan`` and ``backend.decode_attention`` (before any graph capture) and
+        its ``decode_bytes``; give the probe the per-layer ks."""
+        inner_plan, inner = backend.plan, backend.decode_attention
+
+        def plan(batch):
+            inner_plan(batch)
+            if batch.mode == "decode" and batch.attn_meta is not None and batch.k is not None:
+                if self._k is None:  # made outside any graph capture: plans run before them
+                    self._k = torch.empty(len(batch.attn_meta), backend.memory.plan.max_reqs,
+                                          dtype=torch.int32, device=batch.k.device)
+                B = batch.k.shape[0]
+                batch.attn_meta = tuple(dataclasses.replace(a, k=self._k[i, :B])
+                                        for i, a in enumerate(batch.attn_meta))
 
         def decode_attention(layer_id, q, batch):
-            ks = batch.ds_k
-            if ks is None or not batch.ds_sparse:
-                return inner(layer_id, q, batch)
-            if layer_id == 0 or self._src is not ks:  # the step's first layer
-                self._src, self._all = ks, self.layer_ks(ks)
-            return inner(layer_id, q, dataclasses.replace(batch, ds_k=self._all[layer_id]))
+            k = batch.k
+            # a sparse step the plan above saw: fill the rows its args read, at its first layer
+            if batch.attn_meta is not None and k is not None and (layer_id == 0 or self._src is not k):
+                self._src = k
+                self._k[:, :k.shape[0]] = self.layer_ks(k)
+            return inner(layer_id, q, batch)
 
+        backend.plan = plan
         backend.decode_attention = decode_attention
         backend.decode_bytes = self.decode_bytes
         self.probe.scale_k = self.host_ks

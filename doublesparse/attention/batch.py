@@ -22,11 +22,12 @@ class ForwardBatch:
     logits_indices: [N] int64 into the T tokens: whose logits the model returns (None: every token's).
     attn: the AttentionBackend (the model calls ``batch.attn.forward``).
     Prefill only (host ints): rows_host, extend_prefix_lens, extend_lens.
-    attn_meta: what ``attn.plan(batch)`` computed for this step.
+    attn_meta: what ``attn.plan(batch)`` computed for this step (a Double Sparsity decode: each
+    layer's ``kernels.ops.DSDecodeArgs``).
     tuning: the engine's kernel launch parameters and choices (the model's fused kernels read it).
-    Decode with Double Sparsity: ds_k [B] int32 (device), each request's top-k (attention/budget.py
-    DENSE: all its tokens; None: the backend derives them on the device); ds_sparse (host): whether
-    the step runs the sparse launches at all.
+    Decode with Double Sparsity: k [B] int32 (device), each request's k, the size of its top-k
+    (attention/budget.py DENSE: all its tokens; None: the backend derives them on the device);
+    ds_sparse (host): whether the step runs the sparse launches at all.
     exact_logits_rows (host): rows of the N logits computed from the LM head's own weight instead of
     a CPU model's packed copy (models/layers.py): a prompt-logprobs request's, every logit of which
     is read.
@@ -45,7 +46,7 @@ class ForwardBatch:
     extend_lens: tuple[int, ...] = ()
     attn_meta: Any = field(default=None, repr=False)
     tuning: KernelTuning = field(default=DEFAULT_TUNING, repr=False)
-    ds_k: torch.Tensor | None = None
+    k: torch.Tensor | None = None
     ds_sparse: bool = True
     exact_logits_rows: tuple[int, ...] = ()
 

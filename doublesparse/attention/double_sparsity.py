@@ -3,11 +3,13 @@
 Decode per layer: label scores ``q[heavy] . label`` for every cached token -> top-k on the device
 -> exact attention over the selected tokens only. Each request has its own k (``DSParams.policy``,
 attention/budget.py), planned on the host from lengths it knows and handed to the kernels as a
-device tensor (``ForwardBatch.ds_k``); a request whose k is DENSE decodes densely inside the same
-launches. A step in which no request decodes sparsely (``ForwardBatch.ds_sparse`` False) runs the
-dense decode kernel alone: the score and select launches would only add their fixed time.
-Without a host plan (a ForwardBatch built without ``ds_k``, as in the kernel tests) the budgets
-come from ``DSParams`` on the device (``row_budgets``).
+device tensor (``ForwardBatch.k``); a request whose k is DENSE decodes densely inside the same
+launches. ``plan`` turns it, once per step, into each layer's :class:`~..kernels.ops.DSDecodeArgs`
+(k, its bound ``DSParams.k_max``, the layer's mode, sink/recent, the top-p budget, the tuning),
+which is all the kernels are handed beside the tensors they read. A step in which no request
+decodes sparsely (``ForwardBatch.ds_sparse`` False) runs the dense decode kernel alone: the score
+and select launches would only add their fixed time. Without a host plan (a ForwardBatch built
+without ``k``, as in the kernel tests) the k come from ``DSParams`` on the device (``device_k``).
 
 Batch parts (CUDA): a decode batch can be cut into parts of whole requests, each launched on its
 own stream over its own workspace rows and joined before the output is used, so that the select's
@@ -37,12 +39,13 @@ AUTO_PARTS_MIN_BATCH = 16
 
 @dataclass(frozen=True)
 class DSParams:
-    """heavy_token_num: the largest k of any request (the workspace's size). policy: each
-    request's k and the dense/sparse choice; None: the fixed k = heavy_token_num for requests of
-    at least ``threshold`` tokens (None there too: every request longer than k). layer_modes:
-    each layer's selection mode (calibrated per layer), or empty: ``mode`` for every layer."""
+    """k_max: the largest k of any request (the workspace's size; ``--ds-heavy-token-num`` where
+    the budget is fixed). policy: each request's k and the dense/sparse choice; None: the fixed
+    k = k_max for requests of at least ``threshold`` tokens (None there too: every request longer
+    than k). layer_modes: each layer's selection mode (calibrated per layer), or empty: ``mode``
+    for every layer."""
 
-    heavy_token_num: int
+    k_max: int
     mode: str = "group_max"
     threshold: int | None = 0
     num_sink: int = 0
@@ -56,11 +59,10 @@ class DSParams:
 
     def __post_init__(self):
         if self.policy is None:
-            pol = DecodePolicy(TokenBudget.fixed(self.heavy_token_num), self.threshold or 0)
+            pol = DecodePolicy(TokenBudget.fixed(self.k_max), self.threshold or 0)
             object.__setattr__(self, "policy", pol)
-        if self.policy.budget.k_max > self.heavy_token_num:
-            raise ValueError(f"the policy's largest k {self.policy.budget.k_max} exceeds "
-                             f"heavy_token_num {self.heavy_token_num}")
+        if self.policy.budget.k_max > self.k_max:
+            raise ValueError(f"the policy's largest k {self.policy.budget.k_max} exceeds k_max {self.k_max}")
 
     @property
     def top_p(self) -> float:
@@ -72,12 +74,12 @@ class DSParams:
         return self.policy.budget.k_min
 
 
-def row_budgets(ds: DSParams, seq_lens: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """Each request's budget for ops.ds_decode ([B] int32 on seq_lens' device): the one k where
-    it decodes sparsely (seq_len > k and seq_len >= threshold, i.e. seq_len > max(k,
-    threshold - 1)), else DENSE. dense: a 0-dim int32 DENSE on that device, so that the result
-    is int32 in two device ops (a compare and a select), capturable in a CUDA graph."""
-    k = ds.heavy_token_num
+def device_k(ds: DSParams, seq_lens: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """Each request's k for ops.ds_decode ([B] int32 on seq_lens' device): the one k = k_max where
+    it decodes sparsely (seq_len > k and seq_len >= threshold, i.e. seq_len > max(k, threshold -
+    1)), else DENSE. dense: a 0-dim int32 DENSE on that device, so that the result is int32 in two
+    device ops (a compare and a select), capturable in a CUDA graph."""
+    k = ds.k_max
     return torch.where(seq_lens > max(k, (ds.threshold or 0) - 1), k, dense)
 
 
@@ -99,7 +101,7 @@ class DoubleSparsityBackend(AttentionBackend):
             raise ValueError("DoubleSparsityBackend needs DSParams")
         self.ds = ds
         # DENSE as a 0-dim device tensor, made here (not during a graph capture, where it would be
-        # filled only on replay) for row_budgets.
+        # filled only on replay) for device_k.
         # (on the labels' device: an offloading backend's K pool is in host memory)
         self._dense = torch.full((), DENSE, dtype=torch.int32, device=memory.label[0].device)
         self._streams: list = []   # side streams for batch parts 1.. (created on first use)
@@ -110,6 +112,30 @@ class DoubleSparsityBackend(AttentionBackend):
         and whether the step runs the sparse launches at all."""
         return self.ds.policy.plan(list(seq_lens_host))
 
+    def plan(self, batch) -> None:
+        """A sparse decode step's ``attn_meta``: each layer's DSDecodeArgs (``decode_args``)."""
+        if batch.mode == "decode" and batch.ds_sparse:
+            batch.attn_meta = self.decode_args(batch)
+        else:
+            super().plan(batch)
+
+    def decode_args(self, batch) -> tuple[ops.DSDecodeArgs, ...]:
+        """One DSDecodeArgs per layer (shared by the layers of one mode) with the step's k: the
+        batch's ``k`` (in a CUDA graph, its static buffer), or ``device_k`` where the batch has
+        none (two device ops). No host sync."""
+        d = self.ds
+        k = batch.k if batch.k is not None else device_k(d, batch.seq_lens, self._dense)
+        modes = [d.mode_of(i) for i in range(len(self.memory.k))]
+        args = {m: ops.DSDecodeArgs(k, d.k_max, m, d.num_sink, d.num_recent, d.top_p, d.top_p_min_k, self.tuning)
+                for m in dict.fromkeys(modes)}
+        return tuple(args[m] for m in modes)
+
+    def layer_args(self, layer_id: int, batch) -> ops.DSDecodeArgs:
+        """Layer ``layer_id``'s DSDecodeArgs of this step: the plan's (a sparse step's), else made
+        now (a batch that was not planned; DS-Offload's selection on a dense step)."""
+        meta = batch.attn_meta if batch.attn_meta is not None else self.decode_args(batch)
+        return meta[layer_id]
+
     def decode_attention(self, layer_id, q, batch):
         if not batch.ds_sparse:
             m = self.memory
@@ -117,9 +143,9 @@ class DoubleSparsityBackend(AttentionBackend):
                                     batch.seq_lens, self.sm_scale, ws=self.workspace, impl=self.impl,
                                     tuning=self.tuning, **self.kv_scales(layer_id))
         parts = self._batch_parts(q.shape[0])
-        ks = batch.ds_k
+        args = self.layer_args(layer_id, batch)
         if len(parts) == 1:
-            return self._decode(layer_id, q, batch.req_idx, batch.seq_lens, self.workspace, ks=ks)
+            return self._decode(layer_id, q, batch.req_idx, batch.seq_lens, self.workspace, args)
         out = torch.empty_like(q)
         main = torch.cuda.current_stream(q.device) if q.is_cuda else None
         side = self._side_streams(len(parts) - 1, q.device) if main is not None else []
@@ -127,8 +153,8 @@ class DoubleSparsityBackend(AttentionBackend):
             s.wait_stream(main)
         for j, (a, b, ws) in enumerate(parts):
             with torch.cuda.stream(side[j - 1]) if j and side else contextlib.nullcontext():
-                self._decode(layer_id, q[a:b], batch.req_idx[a:b], batch.seq_lens[a:b], ws, out[a:b],
-                             None if ks is None else ks[a:b])
+                self._decode(layer_id, q[a:b], batch.req_idx[a:b], batch.seq_lens[a:b], ws, args.rows(a, b),
+                             out[a:b])
         for s in side:
             main.wait_stream(s)
         return out
@@ -144,15 +170,11 @@ class DoubleSparsityBackend(AttentionBackend):
                 self._parts[B] = [(a, b, self.workspace.rows(a, b)) for a, b in cut_batch(B, n)]
         return self._parts[B]
 
-    def _decode(self, layer_id, q, req_idx, seq_lens, ws, out=None, ks=None):
-        m, d = self.memory, self.ds
-        if ks is None:
-            ks = row_budgets(d, seq_lens, self._dense)
+    def _decode(self, layer_id, q, req_idx, seq_lens, ws, args, out=None):
+        m = self.memory
         return ops.ds_decode(q, m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id],
-                             self.channels[layer_id], m.req_to_token, req_idx, seq_lens,
-                             self.sm_scale, ks, d.heavy_token_num, d.mode_of(layer_id),
-                             d.num_sink, d.num_recent, ws=ws, out=out, impl=self.impl, tuning=self.tuning,
-                             top_p=d.top_p, top_p_min_k=d.top_p_min_k, **self.kv_scales(layer_id))
+                             self.channels[layer_id], m.req_to_token, req_idx, seq_lens, self.sm_scale, args,
+                             ws=ws, out=out, impl=self.impl, **self.kv_scales(layer_id))
 
     def _side_streams(self, n, device):
         while len(self._streams) < n:

@@ -40,7 +40,7 @@ from ..kernels.host_copy import copy_to_tiers, token_rows
 from ..kernels.reference import store_labels_ref
 from ..kernels import torch_ops
 from .budget import DecodePolicy
-from .double_sparsity import DoubleSparsityBackend, row_budgets
+from .double_sparsity import DoubleSparsityBackend
 from .offload_hot import HotSet
 from .offload_prefill import OffloadPrefill
 
@@ -87,7 +87,7 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
                                  "(--ds-selection-mode group_max overrides a channel config's per_head layers)")
         kw = {} if tuning is None else {"tuning": tuning}
         super().__init__(memory, num_q_heads, head_dim, sm_scale, impl, workspace, channels, ds, **kw)
-        if hot is None or hot.capacity < self.ds.heavy_token_num:
+        if hot is None or hot.capacity < self.ds.k_max:
             raise ValueError("the hot set must hold at least the largest top-k per request")
         Hkv = memory.plan.num_kv_heads
         self.units = hot_units(self.ds, len(memory.k), Hkv)
@@ -151,16 +151,14 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
             return split_attention(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx, batch.seq_lens,
                                    self.sm_scale, self.workspace, None, None, Hkv, None, 0, False, S, self.tuning,
                                    **self.kv_scales(layer_id))
-        ks = batch.ds_k
-        if ks is None:
-            ks = row_budgets(self.ds, batch.seq_lens, self._dense)
+        args = self.layer_args(layer_id, batch)
         self._join(layer_id)
         if self._triton:
-            out = self._decode_triton(layer_id, q, batch, ks)
+            out = self._decode_triton(layer_id, q, batch, args)
         else:
-            out = self._decode_torch(layer_id, q, batch, ks)
+            out = self._decode_torch(layer_id, q, batch, args)
         if self.prefetch == "next-layer" and layer_id + 1 < len(m.k):
-            self._prefetch(layer_id + 1, q, batch, ks)
+            self._prefetch(layer_id + 1, q, batch, self.layer_args(layer_id + 1, batch))
         return out
 
     def _hot_rows(self, layer_id, req_idx, slots, valid):
@@ -170,15 +168,15 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
                        impl="triton" if self._triton else "torch")
         return hot
 
-    def _prefetch(self, layer_id, q, batch, ks) -> None:
+    def _prefetch(self, layer_id, q, batch, args) -> None:
         """The paper's prediction: score layer ``layer_id``'s labels with the previous layer's query,
         and fetch the rows of that guessed selection now; on CUDA on a side stream, so that the copy
         overlaps the rest of the previous layer (the layer's own lookup joins it and fixes up its
         misses). The outputs do not depend on it: only what is resident when the layer runs."""
         if self._triton:
-            slots, valid, _ = self._select_triton(layer_id, q, batch, ks)
+            slots, valid, _ = self._select_triton(layer_id, q, batch, args)
         else:
-            slots, valid = self._select_torch(layer_id, q, batch, ks)[:2]
+            slots, valid = self._select_torch(layer_id, q, batch, args)[:2]
         # never this step's new token: its K/V reach the host store only when the layer runs
         valid = valid & (slots != batch.out_slots.view(-1, 1, 1))
         hot, fetch = self.hot.lookup(layer_id, batch.req_idx, slots.long(), valid, predicted=True)
@@ -198,30 +196,29 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         if self._inflight.pop(layer_id, None) is not None:
             torch.cuda.current_stream(self._device).wait_stream(self._prefetch_stream)
 
-    def _select_triton(self, layer_id, q, batch, ks):
+    def _select_triton(self, layer_id, q, batch, args):
         """Layer ``layer_id``'s selection on the device -> (slots [B, U, K] KV slots, valid
         [B, U, K] bool, n [B] tokens per row; U = ``self.units``): the top-k of a sparse request,
         all positions of a request no longer than its k."""
         from ..kernels.triton.ds_launch import ds_decode as _ds
         from ..kernels.triton.ds_layer import layer_select
         m, d, ws = self.memory, self.ds, self.workspace
-        K, U = d.heavy_token_num, self.units
+        K, U = d.k_max, self.units
         B, Hkv, D = q.shape[0], m.plan.num_kv_heads, self.head_dim
         seq = batch.seq_lens
         sparse = batch.ds_sparse
         lab = m.label[layer_id]
         if sparse and U == 1:
             sel = layer_select(q, lab, m.label_scale[layer_id], self.channels[layer_id], m.req_to_token,
-                               batch.req_idx, seq, self.sm_scale, ks, K, d.num_sink, d.num_recent, ws,
-                               self.tuning)
+                               batch.req_idx, seq, self.sm_scale, args, ws)
         elif sparse:
             # the select stage reads no K/V; its checks want a K pool as long as the label pool
             # (a stride-0 view of q's memory)
             shaped = q.as_strided((lab.shape[0], Hkv, D), (0, 0, 1))
             _ds(q, shaped, shaped, lab, m.label_scale[layer_id], self.channels[layer_id],
-                m.req_to_token, batch.req_idx, seq, self.sm_scale, ks, K, d.mode_of(layer_id),
-                d.num_sink, d.num_recent, ws, stage="select", tuning=self.tuning)
+                m.req_to_token, batch.req_idx, seq, self.sm_scale, args, ws, stage="select")
             sel = ws.sel_slot[:B, :Hkv, :K]
+        ks = args.k
         dense = seq <= ks                                                       # [B]
         ar = torch.arange(K, device=q.device)
         n = torch.where(dense, seq, ks.clamp(max=K))                            # [B]
@@ -231,12 +228,12 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
             slots = torch.where(dense[:, None, None], slots, sel)
         return slots, ar[None, None, :] < n[:, None, None], n
 
-    def _decode_triton(self, layer_id, q, batch, ks):
+    def _decode_triton(self, layer_id, q, batch, args):
         from ..kernels.triton.launch import sparse_splits
         from ..kernels.triton.launch import split_attention, dense_splits
         m, ws = self.memory, self.workspace
-        K, B, Hkv = self.ds.heavy_token_num, q.shape[0], m.plan.num_kv_heads
-        slots, valid, n = self._select_triton(layer_id, q, batch, ks)
+        K, B, Hkv = self.ds.k_max, q.shape[0], m.plan.num_kv_heads
+        slots, valid, n = self._select_triton(layer_id, q, batch, args)
         rows = self._hot_rows(layer_id, batch.req_idx, slots.long(), valid)
         # every row reads its n hot rows through the sparse-list path: a length of n + 1 with a
         # budget of n makes the kernel take the list (the tokens and their order are the in-GPU
@@ -252,12 +249,12 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
                                rows.expand(B, Hkv, K), Hkv, n32, K, False, S, self.tuning,
                                self.tuning.sparse_attn_stages, **self.kv_scales(layer_id))
 
-    def _select_torch(self, layer_id, q, batch, ks):
+    def _select_torch(self, layer_id, q, batch, args):
         """The PyTorch twin of the selection: torch_ops.ds_decode's scores and top-k call ->
         (slots [B, U, K], valid [B, U, K], K = the widest row, host lists of lengths and ks)."""
         m, d = self.memory, self.ds
         B, Hkv, dev = q.shape[0], self.units, q.device
-        req_idx, seq_lens, kl = batch.req_idx.tolist(), batch.seq_lens.tolist(), ks.tolist()
+        req_idx, seq_lens, kl = batch.req_idx.tolist(), batch.seq_lens.tolist(), args.k.tolist()
         ns = [n if n <= k else k for n, k in zip(seq_lens, kl)]
         K = max(ns)
         slots = torch.zeros(B, Hkv, K, dtype=torch.int64, device=dev)
@@ -279,13 +276,13 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
             valid[b, :, :ns[b]] = True
         return slots, valid, seq_lens, kl
 
-    def _decode_torch(self, layer_id, q, batch, ks):
+    def _decode_torch(self, layer_id, q, batch, args):
         """The PyTorch twin: the same selection, the hot set, then torch_ops.ds_decode's attention
         over the same rows (gathered from the hot set)."""
         B, Hq, D = q.shape
         Hkv = self.memory.plan.num_kv_heads
         G = Hq // Hkv
-        slots, valid, seq_lens, kl = self._select_torch(layer_id, q, batch, ks)
+        slots, valid, seq_lens, kl = self._select_torch(layer_id, q, batch, args)
         # [B, Hkv, K]; a token row's head h is row * Hkv + h of the [-1, D] view either way
         rows = self._hot_rows(layer_id, batch.req_idx, slots, valid).long().expand(B, Hkv, -1)
         hk, hv = self.hot.k[layer_id].view(-1, D), self.hot.v[layer_id].view(-1, D)

@@ -111,7 +111,7 @@ class _Armed:
     batch_rows: list[int]   # indices into the step's batch
     req_rows: list[int]     # their rows of req_to_token
     lens: list[int]         # their tokens after the step
-    ks: list[int]           # their budgets
+    ks: list[int]           # their k
 
 
 class RecallProbe:
@@ -142,7 +142,7 @@ class RecallProbe:
     def _make_buffers(self, dev) -> None:
         b, n = self.backend, self.cfg.rows
         Hq, D = b.num_q_heads, b.head_dim
-        K = b.workspace.max_heavy_tokens if b.workspace is not None else b.ds.heavy_token_num
+        K = b.workspace.k_max if b.workspace is not None else b.ds.k_max
         i32 = dict(dtype=torch.int32, device=dev)
         self._ctl_host = torch.full((1 + n,), -1, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._ctl = torch.full((1 + n,), -1, **i32)
@@ -210,8 +210,8 @@ class RecallProbe:
         if not cand:
             return False
         layer, self._next_layer = self._next_layer, (self._next_layer + 1) % self.num_layers
-        kmax = self.backend.ds.heavy_token_num
-        kl = {i: min(int(ks[i]), kmax) for i in cand}
+        k_max = self.backend.ds.k_max
+        kl = {i: min(int(ks[i]), k_max) for i in cand}
         if self.scale_k is not None:
             # rows whose scaled k reaches their length decode densely at this layer: not sampled
             kl = dict(zip(cand, self.scale_k(layer, list(kl.values()))))
@@ -318,7 +318,7 @@ class RecallProbe:
         sc = dict(k_scale=m.k_scale[a.layer], v_scale=m.v_scale[a.layer]) if is_fp8_kv(kc) else {}
         req = to_device(torch.tensor(a.req_rows, dtype=torch.int32), dev)
         lens = to_device(torch.tensor(a.lens, dtype=torch.int32), dev)
-        ks = to_device(torch.tensor(a.ks, dtype=torch.int32), dev)
+        k = to_device(torch.tensor(a.ks, dtype=torch.int32), dev)
         q, o = self._q[:N].to(self._q_dtype), self._o[:N]
         dense, lse_all = ops.attention_lse(q, kc, vc, m.req_to_token, req, lens, b.sm_scale, self._ws,
                                            tuning=b.tuning, **sc)
@@ -327,7 +327,7 @@ class RecallProbe:
         if mode == "layer":                      # the layer's one row serves every KV head
             sel, R = sel.expand(N, Hkv, K), Hkv
         row_ks = self._rowk[:N, :R] if ds.top_p > 0 else None
-        _, lse_sel = ops.attention_lse(q, kc, vc, m.req_to_token, req, lens, b.sm_scale, self._ws, sel=sel, ks=ks,
+        _, lse_sel = ops.attention_lse(q, kc, vc, m.req_to_token, req, lens, b.sm_scale, self._ws, sel=sel, k=k,
                                        row_ks=row_ks, per_head=mode == "per_head", tuning=b.tuning, **sc)
         recall = torch.exp(lse_sel - lse_all).clamp_(max=1.0).mean(-1)                     # [N]
         d = dense.float()

@@ -127,7 +127,7 @@ def run(args) -> dict:
         if parts.recall is not None:
             r["attention_recall"] = {k: v for k, v in parts.recall.summary().items() if k != "groups"}
         if parts.ds is not None:
-            r["heavy_token_num"], r["policy"] = parts.ds.heavy_token_num, parts.ds.policy.describe()
+            r["heavy_token_num"], r["policy"] = parts.ds.k_max, parts.ds.policy.describe()
         out["budgets"][name] = r
         del parts
         if torch.cuda.is_available():

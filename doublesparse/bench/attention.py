@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from ..kernels.ops import DSDecodeArgs
 from ..kernels.triton import ds_launch, launch
 from ..kernels.tuning import KernelTuning
 from ..kernels.workspace import DecodeWorkspace
@@ -153,12 +154,13 @@ def bench_case(B, L, dev, bw, r_list, k_list, modes, fp8, stages, quick, tuning:
                     kv_sel = B * sel_rows * k * D * 2 * 2
                     floor_bytes = lab_b + kv_sel
 
-                    ks = torch.full_like(p.seq_lens, k)  # one budget for the whole batch
+                    # one k for the whole batch
+                    args = DSDecodeArgs(torch.full_like(p.seq_lens, k), k, mode, tuning=tuning)
 
-                    def ds(i=0, stage="all", ks=ks):
+                    def ds(i=0, stage="all", args=args):
                         return ds_launch.ds_decode(p.q, p.k, p.v, labels, p.scale, ch, p.req_to_token,
-                                                   p.req_idx[i], p.seq_lens, sm, ks, k, mode, ws=ws,
-                                                   out=p.out, stage=stage, tuning=tuning)
+                                                   p.req_idx[i], p.seq_lens, sm, args, ws=ws,
+                                                   out=p.out, stage=stage)
                     t = time_fn(ds, copies)
                     row = dict(base, variant=f"ds-{mode}", r=r, k=k, label=str(label_dtype).split(".")[-1],
                                us=t * 1e6, bytes=floor_bytes, label_bytes=lab_b, kv_sel_bytes=kv_sel,

@@ -328,7 +328,7 @@ def _bench(args, argv, cfg, dev, bw, tp) -> int:
     parts = build_parts(cfg, progress=True, tp=tp, calibrate=calibrate_on_demand)
     print(parts.plan.describe())
     if parts.ds is not None:
-        print(f"Double Sparsity: k={parts.ds.heavy_token_num}, r={parts.plan.heavy_channel_num}, "
+        print(f"Double Sparsity: k={parts.ds.k_max}, r={parts.plan.heavy_channel_num}, "
               f"labels {_label_dtype(parts.plan)}, mode={parts.ds.mode}; channels: {parts.channel_source}")
     else:
         print(f"attention: {parts.backend.name} (dense decode)")
@@ -367,7 +367,7 @@ def _bench(args, argv, cfg, dev, bw, tp) -> int:
         out = dict(command=cmd, config=dataclasses.asdict(cfg), device=str(dev), copy_bandwidth=bw,
                    weight_bytes=wbytes, num_layers=parts.model.config.num_layers,
                    channel_source=parts.channel_source,
-                   heavy_token_num=parts.ds.heavy_token_num if parts.ds else None,
+                   heavy_token_num=parts.ds.k_max if parts.ds else None,
                    heavy_channel_num=parts.plan.heavy_channel_num or None, label_dtype=_label_dtype(parts.plan),
                    kv_cache_dtype=str(parts.plan.kv_dtype).removeprefix("torch."),
                    kv_pool_tokens=parts.plan.max_total_tokens,

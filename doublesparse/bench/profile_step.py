@@ -27,11 +27,11 @@ def _step_fn(parts, rows, tokens, positions):
     pos_t = torch.tensor(positions, dtype=torch.int64)
     slots = mem.req_to_token_host[row_t, pos_t].to(torch.int64)  # assigned by the decode above
     host = runner.host_inputs(tokens, pos_t, slots, row_t)
-    ds_k = None if ks is None else torch.tensor(ks, dtype=torch.int32, device=parts.device)
+    k = None if ks is None else torch.tensor(ks, dtype=torch.int32, device=parts.device)
 
     def eager():
         with torch.inference_mode():
-            runner._decode_eager(B, host, None, ds_k, sparse)
+            runner._decode_eager(B, host, None, k, sparse)
     return eager, "eager"
 
 

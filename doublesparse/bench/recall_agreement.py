@@ -174,7 +174,7 @@ def run(args) -> dict:
         for pool_set, inputs, _, _ in runner.groups:
             pools = pool_set.get(setting.kv)
             pools.relabel(channels, setting.label)
-            driver.decode_tokens(model, pools, setting, channels, inputs, setting.heavy_tokens(args.window_len),
+            driver.decode_tokens(model, pools, setting, channels, inputs, setting.k_for(args.window_len),
                                  observer=obs)
     off_recall, off_err = obs.means()
     off_mass = obs.mass_means()

@@ -1,6 +1,6 @@
 """What the sampling step's extras cost on the device: logprobs, penalties, min_p, logit_bias,
 min_tokens' masks and grammar masks, against plain sampling, per batch size. One timed step is
-what ``engine.request.sample_isolated`` runs for a batch (``request_sampling.sample_requests``)
+what ``engine.request.sample_isolated`` runs for a batch (``sampler.sample_requests``)
 plus the copy of its tokens (and logprobs) to the host; the model's forward is not in it.
 
     python -m doublesparse.bench.sampling [--vocab 128256] [--batch-sizes 1 16 64]
@@ -22,8 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..engine.request_sampling import RequestSampling, needs_state, sample_requests
-from ..engine.sampler import make_generator
+from ..engine.sampler import RequestSampling, make_generator, needs_state, sample_requests
 from ..engine.sampling_params import SamplingParams
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}

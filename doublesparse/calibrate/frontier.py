@@ -185,7 +185,7 @@ def search(measure: Callable[[Setting, str], Measured], bytes_fraction: Callable
     chosen, _ = cheapest_under(done.values(), op.kl_target)
     c = chosen.setting
     if not c.top_p:
-        k = c.heavy_tokens(seq_len)
+        k = c.k_for(seq_len)
         for p in TOP_PS:
             m(replace(c, k_frac=min(1.0, 2 * c.k_frac), top_p=p, top_p_min=max(1, k // 2)), "top_p")
     chosen, met = cheapest_under(done.values(), op.kl_target)
@@ -198,7 +198,7 @@ def point_record(chosen: Measured, met: bool, measured: list[Measured], op: OpSe
     ``chosen`` and ``kl_target``; the rest is the record)."""
     s = chosen.setting
     mode = "per_layer" if s.layer_modes else s.mode
-    k = s.heavy_tokens(seq_len)
+    k = s.k_for(seq_len)
     floor = s.top_p_min if s.top_p else k
     return {"version": OP_VERSION, "kl_target": op.kl_target, "target_met": met, "rule": RULE,
             "chosen": {"ds_heavy_channel_num": s.r, "ds_heavy_token_ratio": s.k_frac, "ds_heavy_token_min": floor,

@@ -81,7 +81,7 @@ class Position:
     device. Position p attends to n = p + 1 tokens with budget k_p = ceil(ratio * n) and the
     engine's default sink/recent counts for that k. ``prob``: ``[P, Hkv, G, T]`` float32 softmax;
     ``bias``: ``[P, 1, 1, T]``, +inf on forced tokens, -inf past n, else 0; ``within``:
-    ``[P, 1, 1, kmax]``, which of the kmax best ranks fall inside k_p.
+    ``[P, 1, 1, k_max]``, which of the k_max best ranks fall inside k_p.
     """
 
     def __init__(self, q, k, positions, ratio: float = REFERENCE_RATIO):
@@ -102,12 +102,12 @@ class Position:
         self.bias = bias.to(dev)[:, None, None]
         logits = torch.einsum("pgjd,tgd->pgjt", self.qg, self.k) / math.sqrt(D)
         self.prob = (logits + self.bias.clamp_max(0)).softmax(-1)
-        self.kmax = max(budgets)
-        self.within = (torch.arange(self.kmax)[None] < torch.tensor(budgets)[:, None]).to(dev)[:, None, None]
+        self.k_max = max(budgets)
+        self.within = (torch.arange(self.k_max)[None] < torch.tensor(budgets)[:, None]).to(dev)[:, None, None]
 
     def oracle(self) -> torch.Tensor:
         """Mass of the true top-k_p tokens: ``[P, Hkv, G]``."""
-        return (self.prob.topk(self.kmax, -1, sorted=True).values * self.within).sum(-1)
+        return (self.prob.topk(self.k_max, -1, sorted=True).values * self.within).sum(-1)
 
     def selected(self, channels: torch.Tensor, mode: str) -> torch.Tensor:
         """Mass on the tokens ``mode`` selects from labels of ``channels`` ``[Hkv, r]``: ``[P, Hkv, G]``."""
@@ -123,7 +123,7 @@ class Position:
             sc = sc.sum(2, keepdim=True)
         elif mode == "group_max":
             sc = sc.amax(2, keepdim=True)
-        sel = (sc + self.bias).topk(self.kmax, -1, sorted=True).indices.expand(P, hkv, G, self.kmax)
+        sel = (sc + self.bias).topk(self.k_max, -1, sorted=True).indices.expand(P, hkv, G, self.k_max)
         return (self.prob.gather(-1, sel) * self.within).sum(-1)
 
 

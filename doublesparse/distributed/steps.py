@@ -57,10 +57,10 @@ def pack(batch: ForwardBatch) -> tuple[tuple, torch.Tensor]:
     """(host metadata, one int64 tensor on the batch's device) of a ForwardBatch."""
     parts = [batch.input_ids, batch.positions, batch.out_slots, batch.req_idx, batch.seq_lens,
              batch.logits_indices]
-    if batch.ds_k is not None:
-        parts.append(batch.ds_k)
+    if batch.k is not None:
+        parts.append(batch.k)
     meta = (batch.mode, batch.num_tokens, batch.batch_size, int(batch.logits_indices.numel()),
-            batch.ds_k is not None, batch.rows_host, batch.extend_prefix_lens, batch.extend_lens,
+            batch.k is not None, batch.rows_host, batch.extend_prefix_lens, batch.extend_lens,
             batch.ds_sparse, batch.exact_logits_rows)
     return meta, torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
 
@@ -72,7 +72,7 @@ def unpack(meta: tuple, packed: torch.Tensor, backend, tuning) -> ForwardBatch:
                         req_idx=req.to(torch.int32), seq_lens=seq.to(torch.int32), logits_indices=idx,
                         attn=backend, rows_host=tuple(rows), extend_prefix_lens=tuple(prefix),
                         extend_lens=tuple(lens), tuning=tuning,
-                        ds_k=k[0].to(torch.int32) if has_k else None, ds_sparse=sparse,
+                        k=k[0].to(torch.int32) if has_k else None, ds_sparse=sparse,
                         exact_logits_rows=tuple(exact))
 
 

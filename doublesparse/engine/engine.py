@@ -33,8 +33,7 @@ from . import prompt_logprobs as prompt_lp
 from .grammar import GrammarBackend
 from .memory import dtype_name
 from .request import Launched, Request, StepOutput, request_meta, sample_isolated
-from .request_sampling import LOGPROB_COLS, RequestSampling, needs_state, unpack_logprobs
-from .sampler import make_generator
+from .sampler import LOGPROB_COLS, RequestSampling, make_generator, needs_state, unpack_logprobs
 from .sampling_params import SamplingParams
 from .setup import EngineParts, OnDemandCalibration, build_parts
 from .text import Detokenizer
@@ -386,7 +385,7 @@ class Engine:
         for r in launched.prefill_only:  # max_new_tokens 0: the prompt is done, nothing to sample
             if r.finish_reason is None:
                 out = self._finish(r, "length", [])
-                out.prompt_logprobs = prompt_lp.take(r)
+                out.prompt_logprobs = r.take_prompt_logprobs()
                 outs.append(out)
         c = self.counters
         if decoded:
@@ -423,10 +422,10 @@ class Engine:
         if reason:
             out = self._finish(r, reason, [tok], delta)
             out.logprobs = lps
-            out.prompt_logprobs = prompt_lp.take(r)
+            out.prompt_logprobs = r.take_prompt_logprobs()
             return out
         return StepOutput(r.rid, [tok], delta, False, None, len(r.prompt_ids), len(r.output_ids),
-                          logprobs=lps, prompt_logprobs=prompt_lp.take(r))
+                          logprobs=lps, prompt_logprobs=r.take_prompt_logprobs())
 
     def _finish(self, r: Request, reason: str, new_ids: list[int], delta: str = "",
                 release_all: bool = False) -> StepOutput:
@@ -529,7 +528,7 @@ class Engine:
                     failed_steps=c["failed_steps"], attention_backend=p.backend.name,
                     double_sparsity=p.ds is not None, channel_source=p.channel_source,
                     channels_calibrated=p.channels_calibrated,
-                    heavy_token_num=p.ds.heavy_token_num if p.ds else None,
+                    heavy_token_num=p.ds.k_max if p.ds else None,
                     decode_policy=p.ds.policy.describe() if p.ds else None,
                     heavy_channel_num=p.memory.plan.heavy_channel_num or None,
                     operating_point=(self.operating_point or {}).get("summary"),

@@ -134,15 +134,15 @@ class ModelRunner:
         if bucket is not None:
             return self._replay_packed((bucket, sparse), B, tokens, positions, slots.numpy(), rows, ks)
         host = self.host_inputs(tokens, pos_t, slots, row_t)
-        ds_k = to_device(torch.tensor(ks, dtype=torch.int32), self.device) if ks is not None else None
+        k = to_device(torch.tensor(ks, dtype=torch.int32), self.device) if ks is not None else None
         if self.cpu_threads is not None:
             n = self.cpu_threads.decode(B, torch.get_num_threads())
             t0 = time.perf_counter()
             with _cpu_threads(n):
-                out = self._decode_eager(B, host, tokens, ds_k, sparse)
+                out = self._decode_eager(B, host, tokens, k, sparse)
             self.cpu_threads.record(n, time.perf_counter() - t0)
             return out
-        return self._decode_eager(B, host, tokens, ds_k, sparse)
+        return self._decode_eager(B, host, tokens, k, sparse)
 
     def _sampled(self, sparse: bool) -> bool:
         """Whether this step is one the recall probe samples (armed by its host counter before
@@ -164,13 +164,13 @@ class ModelRunner:
             dev[0] = tokens
         return dev
 
-    def _decode_eager(self, B: int, host: torch.Tensor, tokens=None, ds_k=None,
+    def _decode_eager(self, B: int, host: torch.Tensor, tokens=None, k=None,
                       sparse: bool = False) -> torch.Tensor:
         dev = self._device_inputs(host, tokens)
         batch = ForwardBatch(mode="decode", input_ids=dev[0], positions=dev[1], out_slots=dev[2],
                              req_idx=dev[3].to(torch.int32), seq_lens=dev[4].to(torch.int32),
                              logits_indices=torch.arange(B, device=self.device), attn=self.backend,
-                             tuning=self.tuning, ds_k=ds_k, ds_sparse=sparse)
+                             tuning=self.tuning, k=k, ds_sparse=sparse)
         self.backend.plan(batch)
         return self.model(batch.input_ids, batch.positions, batch)
 
@@ -178,9 +178,9 @@ class ModelRunner:
     def _make_inputs(self) -> None:
         """The graphs' input buffers: rows 0-2 of a [5, n] int64 buffer hold input_ids, positions,
         out_slots; rows 3 and 4 hold req_idx and seq_lens as int32 in their first n int32 lanes
-        (the kernels want int32) and row 3's last n lanes each request's top-k, so one contiguous
+        (the kernels want int32) and row 3's last n lanes each request's k, so one contiguous
         copy moves everything. Padding values: 0 everywhere, seq_len 1 (rows that read and write
-        only slot 0), top-k DENSE."""
+        only slot 0), k DENSE."""
         n = self.graph_max_bs
         host = torch.zeros(5, n, dtype=torch.int64, pin_memory=True)
         h64 = host.numpy()
@@ -196,7 +196,7 @@ class ModelRunner:
         return ForwardBatch(mode="decode", input_ids=dev[0, :bs], positions=dev[1, :bs],
                             out_slots=dev[2, :bs], req_idx=i32(3), seq_lens=i32(4),
                             logits_indices=torch.arange(bs, device=self.device), attn=self.backend,
-                            tuning=self.tuning, ds_k=dev[3].view(torch.int32)[n:n + bs],
+                            tuning=self.tuning, k=dev[3].view(torch.int32)[n:n + bs],
                             ds_sparse=sparse)
 
     @torch.inference_mode()

@@ -35,11 +35,11 @@ def plan_offload_memory(cfg, model_config, kv_dtype, device: torch.device, max_c
                        device, max_ctx, r)
 
 
-def hot_tokens(cfg, heavy_token_num: int) -> int:
-    """Hot-set rows per (request, layer, KV head): ``--ds-offload-hot-tokens``, else 2 x k."""
-    n = cfg.ds_offload_hot_tokens or 2 * heavy_token_num
-    if n < heavy_token_num:
-        raise ValueError(f"--ds-offload-hot-tokens {n} is below the largest top-k {heavy_token_num}: "
+def hot_tokens(cfg, k_max: int) -> int:
+    """Hot-set rows per (request, layer, KV head): ``--ds-offload-hot-tokens``, else 2 x k_max."""
+    n = cfg.ds_offload_hot_tokens or 2 * k_max
+    if n < k_max:
+        raise ValueError(f"--ds-offload-hot-tokens {n} is below the largest top-k {k_max}: "
                          "a step's selection must fit the hot set")
     return n
 
@@ -61,7 +61,7 @@ def build_offload(cfg, plan: MemoryPlan, device: torch.device, ds, mc, channels,
     store = HostKVStore(plan.num_layers, plan.num_slots, plan.num_kv_heads, plan.head_dim,
                         plan.kv_dtype, pin=device.type == "cuda", device_tokens=n_dev, device=device)
     memory = OffloadKVMemory(plan, device, store)
-    C = hot_tokens(cfg, ds.heavy_token_num)
+    C = hot_tokens(cfg, ds.k_max)
     # rows of whole tokens under the layer selection mode, else per (token, KV head)
     units = hot_units(ds, plan.num_layers, plan.num_kv_heads)
     width = plan.num_kv_heads * plan.head_dim // units

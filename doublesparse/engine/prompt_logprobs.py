@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .request_sampling import LOGPROB_COLS, unpack_logprobs
-from .sampler import token_logprobs
+from .sampler import LOGPROB_COLS, token_logprobs, unpack_logprobs
 from .sampling_params import LOGPROBS_MAX
 from ..kernels.transfer import to_device
 
@@ -76,10 +75,3 @@ def attach(rows: list[list[float]], spans: list) -> None:
             k = r.params.prompt_logprobs
             r.prompt_logprobs.extend(unpack_logprobs(rows[j], k) for j in range(i, i + m))
         i += m
-
-
-def take(r) -> list | None:
-    """The request's prompt logprobs, once: they travel with its first output (its first token,
-    or its end when it samples nothing)."""
-    out, r.prompt_logprobs = r.prompt_logprobs, None
-    return out

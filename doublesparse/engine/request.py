@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .request_sampling import LOGPROB_COLS, RequestSampling, sample_requests
+from .sampler import LOGPROB_COLS, RequestSampling, sample_requests
 from .sampling_params import SamplingParams
 from .text import Detokenizer
 
@@ -51,8 +51,14 @@ class Request:
     error: str | None = None       # set when this request's own sampling failed: it ends "error"
     sampling: RequestSampling | None = None  # penalties' history, grammar matcher
     group: str | None = None       # fair-admission group (its client request); None: its own
-    prompt_logprobs: list | None = None  # being filled chunk by chunk, until sent (prompt_logprobs.take)
+    prompt_logprobs: list | None = None  # being filled chunk by chunk, until sent (take_prompt_logprobs)
     ds_stats: dict | None = None   # set when finished, for a request that asked (return_ds_stats)
+
+    def take_prompt_logprobs(self) -> list | None:
+        """The prompt logprobs (engine/prompt_logprobs.py), once: they travel with the request's
+        first output (its first token, or its end when it samples nothing)."""
+        out, self.prompt_logprobs = self.prompt_logprobs, None
+        return out
 
 
 @dataclass

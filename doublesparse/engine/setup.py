@@ -282,7 +282,7 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         ws = DecodeWorkspace(max_batch=max_bs,
                              num_q_heads=mc.num_q_heads, num_kv_heads=mc.num_kv_heads,
                              head_dim=mc.head_dim, max_ctx=max_ctx,
-                             max_heavy_tokens=ds.heavy_token_num if ds else 0, device=device,
+                             k_max=ds.k_max if ds else 0, device=device,
                              layer_select=ds is not None and any(ds.mode_of(i) == "layer"
                                                                  for i in range(plan.num_layers)))
     if cfg.enable_ds_offload:

@@ -64,20 +64,21 @@ class DecodeAttention:
     """
 
     def __init__(self, pools: Pools, setting: Setting, channels: torch.Tensor | None, rows, positions,
-                 heavy_tokens: int, observer=None):
+                 k: int, observer=None):
         self.p, self.s, self.rows, self.positions = pools, setting, rows, positions
-        self.heavy = heavy_tokens
+        self.k_max = k
         self.channels = None if channels is None else channels.to(pools.device, torch.int32)
         self.req_idx = rows.int()
         self.seq_lens = (positions + 1).int()
-        # One budget for every request (those no longer than it decode densely).
-        self.heavy_ks = torch.full_like(self.seq_lens, heavy_tokens)
+        # One k for every request (those no longer than it decode densely).
+        self.k = torch.full_like(self.seq_lens, k)
         self.sm_scale = 1.0 / math.sqrt(pools.D)
         self.observer = observer
         # capped at k/8 and k/4 like the engine's default (also keeps sink + recent <= k)
-        self.num_sink, self.num_recent = setting.sink_recent(heavy_tokens)
-        self.ws = pools.workspace(int(rows.numel()), heavy_tokens if setting.kind == "ds" else 0)
-        self.top_p_min = setting.top_p_floor(heavy_tokens)
+        self.num_sink, self.num_recent = setting.sink_recent(k)
+        self.ws = pools.workspace(int(rows.numel()), k if setting.kind == "ds" else 0)
+        self.top_p_min = setting.top_p_floor(k)
+        self._args: dict = {}   # selection mode -> the ops.DSDecodeArgs of its layers
         # per selection-row count (a per_head layer has Hq rows, the others Hkv)
         self.counts = {R: torch.zeros(int(rows.numel()), R, dtype=torch.int32, device=pools.device)
                        for R in (pools.hq, pools.hkv)}
@@ -98,11 +99,13 @@ class DecodeAttention:
                                     self.seq_lens, self.sm_scale, ws=self.ws, impl=p.impl, **p.scales)
         mode = s.mode_of(layer_id)
         counts = self.counts[p.hq if mode == "per_head" else p.hkv]
+        if mode not in self._args:
+            self._args[mode] = ops.DSDecodeArgs(self.k, self.k_max, mode, self.num_sink, self.num_recent, s.top_p,
+                                                self.top_p_min)
         out = ops.ds_decode(q, p.k[layer_id], p.v[layer_id], lab, p.label_scale, self.channels[layer_id],
-                            p.req_to_token, self.req_idx, self.seq_lens, self.sm_scale, self.heavy_ks,
-                            self.heavy, mode=mode, num_sink=self.num_sink, num_recent=self.num_recent, ws=self.ws,
-                            impl=p.impl, top_p=s.top_p, top_p_min_k=self.top_p_min, row_counts=counts, **p.scales)
-        sparse = (self.seq_lens > self.heavy_ks)[:, None]
+                            p.req_to_token, self.req_idx, self.seq_lens, self.sm_scale, self._args[mode], ws=self.ws,
+                            impl=p.impl, row_counts=counts, **p.scales)
+        sparse = (self.seq_lens > self.k)[:, None]
         self.k_sum += (counts * sparse).sum()
         self.k_rows += sparse.sum() * counts.shape[1]
         if self.observer is not None:
@@ -150,7 +153,7 @@ class PoolSet:
 
 @torch.inference_mode()
 def decode_tokens(model, pools: Pools, setting: Setting, channels, tokens: list[list[int]],
-                  heavy_tokens: int, observer=None, k_stats: list | None = None) -> torch.Tensor:
+                  k: int, observer=None, k_stats: list | None = None) -> torch.Tensor:
     """Decode ``tokens[i]`` after request i's prefix, all in one forward (see module doc).
 
     Returns logits ``[sum_i len(tokens[i]), V]`` float32 in request-major order. k_stats: a list
@@ -164,7 +167,7 @@ def decode_tokens(model, pools: Pools, setting: Setting, channels, tokens: list[
         pos += list(range(n, n + len(toks)))
     rows_t = torch.tensor(rows, device=dev)
     pos_t = torch.tensor(pos, device=dev)
-    attn = DecodeAttention(pools, setting, channels, rows_t, pos_t, heavy_tokens, observer)
+    attn = DecodeAttention(pools, setting, channels, rows_t, pos_t, k, observer)
     logits = model(torch.tensor(ids, device=dev), pos_t, _batch(attn, mode="decode")).float()
     if k_stats is not None:
         k_stats.append((attn.k_sum, attn.k_rows))
@@ -173,7 +176,7 @@ def decode_tokens(model, pools: Pools, setting: Setting, channels, tokens: list[
 
 @torch.inference_mode()
 def greedy(model, pools: Pools, setting: Setting, channels, first: list[int], steps: int,
-           heavy_tokens: int) -> list[list[int]]:
+           k: int) -> list[list[int]]:
     """Greedy generation: request i decodes ``first[i]`` (its prompt's last token) then ``steps - 1``
     of its own predictions, all through the decode path. Returns the ``steps`` new tokens each."""
     base = list(pools.prefix_len)
@@ -181,7 +184,7 @@ def greedy(model, pools: Pools, setting: Setting, channels, first: list[int], st
     out: list[list[int]] = [[] for _ in first]
     try:
         for _ in range(steps):
-            logits = decode_tokens(model, pools, setting, channels, cur, heavy_tokens)
+            logits = decode_tokens(model, pools, setting, channels, cur, k)
             nxt = logits.argmax(-1).tolist()
             for i, t in enumerate(nxt):
                 out[i].append(int(t))
@@ -227,7 +230,7 @@ def selection_recall(q, view: DecodeAttention, layer_id: int, chunk: int = 64,
     B, Hq, D = q.shape
     rows = torch.arange(B, device=q.device) if rows is None else rows.to(q.device).long()
     G = Hq // p.hkv
-    kk = view.heavy
+    kk = view.k_max
     out = torch.ones(rows.numel(), Hq, device=q.device)
     mass = torch.ones(rows.numel(), Hq, device=q.device)
     for b0 in range(0, rows.numel(), chunk):

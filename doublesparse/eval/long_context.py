@@ -162,7 +162,7 @@ class RulerRunner:
             ch,
             [x.ids[-1] for x in self.samples],
             self.steps,
-            s.heavy_tokens(heavy_ctx),
+            s.k_for(heavy_ctx),
         )
         per: dict[str, list[float]] = {}
         answers = []

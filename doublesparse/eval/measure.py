@@ -59,7 +59,7 @@ class FidelityObserver:
     def __call__(self, layer_id, q, out, view):
         p = view.p
         rows = torch.arange(0, q.shape[0], self.stride, device=q.device)
-        rows = rows[view.seq_lens[rows] > view.heavy]             # rows that decoded sparsely
+        rows = rows[view.seq_lens[rows] > view.k_max]             # rows that decoded sparsely
         if rows.numel() == 0:
             return
         dense = ops.dense_decode(q, p.k[layer_id], p.v[layer_id], p.req_to_token, view.req_idx,
@@ -140,7 +140,7 @@ class TextRunner:
             pools = pool_set.get(s.kv)
             if ch is not None:
                 pools.relabel(ch, s.label)
-            logits = driver.decode_tokens(self.model, pools, s, ch, inputs, s.heavy_tokens(self.wl),
+            logits = driver.decode_tokens(self.model, pools, s, ch, inputs, s.k_for(self.wl),
                                           observer=fidelity if s.kind == "ds" else None, k_stats=k_stats)
             logp = logits.log_softmax(-1)
             del logits

@@ -102,10 +102,10 @@ class Pools:
             ops.store_kv(self.k[l], self.v[l], k, v, slots, pool[l], self.label_scale,
                          channels[l].to(self.device, torch.int32), **self.scales, impl=self.impl)
 
-    def workspace(self, batch: int, heavy: int):
+    def workspace(self, batch: int, k_max: int):
         if self.impl == "torch" or (self.impl == "auto" and self.device.type != "cuda"):
             return None  # the reference path needs no scratch
-        key = (batch, heavy)
+        key = (batch, k_max)
         if key not in self._ws:
-            self._ws[key] = DecodeWorkspace(batch, self.hq, self.hkv, self.D, self.max_ctx, heavy, self.device)
+            self._ws[key] = DecodeWorkspace(batch, self.hq, self.hkv, self.D, self.max_ctx, k_max, self.device)
         return self._ws[key]

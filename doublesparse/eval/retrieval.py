@@ -138,7 +138,7 @@ class RetrievalRunner:
             if ch is not None:
                 pools.relabel(ch, s.label)
             new = driver.greedy(self.model, pools, s, ch, [t.ids[-1] for t in ts], ANSWER_TOKENS,
-                                s.heavy_tokens(n))
+                                s.k_for(n))
             for t, toks in zip(ts, new):
                 text = decode_text(self.tokenizer, toks)
                 good = answer_ok(text, t.key)

@@ -128,21 +128,22 @@ class Setting:
             s += f"+kv:{self.kv}"
         return s
 
-    def heavy_tokens(self, ctx: int) -> int:
+    def k_for(self, ctx: int) -> int:
+        """Each request's k at context length ``ctx``."""
         k = max(1, self.k_min, round(self.k_frac * ctx))
         return min(k, self.k_max) if self.k_max else k
 
-    def sink_recent(self, heavy_tokens: int) -> tuple[int, int]:
-        """(sink, recent) actually forced at top-k ``heavy_tokens``: at most k/8 and k/4, the
-        engine's scaling (``EngineConfig.sink_recent``), so the default setting is the engine's."""
-        return min(self.num_sink, heavy_tokens // 8), min(self.num_recent, heavy_tokens // 4)
+    def sink_recent(self, k: int) -> tuple[int, int]:
+        """(sink, recent) actually forced at top-k ``k``: at most k/8 and k/4, the engine's
+        scaling (``EngineConfig.sink_recent``), so the default setting is the engine's."""
+        return min(self.num_sink, k // 8), min(self.num_recent, k // 4)
 
     def is_dense_layer(self, layer: int) -> bool:
         return self.kind == "dense" or layer < self.dense_layers
 
-    def top_p_floor(self, heavy_tokens: int) -> int:
-        """The top-p budget's lower bound at top-k ``heavy_tokens``."""
-        return min(self.top_p_min, heavy_tokens)
+    def top_p_floor(self, k: int) -> int:
+        """The top-p budget's lower bound at top-k ``k``."""
+        return min(self.top_p_min, k)
 
     def bytes_per_step(self, ctx: int, num_layers: int, num_q_heads: int, num_kv_heads: int,
                        head_dim: int, k: float | None = None) -> int:
@@ -152,7 +153,7 @@ class Setting:
         dense = ctx * num_kv_heads * head_dim * 2 * kvb
         if self.kind == "dense":
             return dense * num_layers
-        k_set = min(self.heavy_tokens(ctx), ctx)
+        k_set = min(self.k_for(ctx), ctx)
         k = k_set if k is None else k
         labels = ctx * num_kv_heads * self.r * LABEL_TORCH_DTYPES[self.label].itemsize
         total = 0

@@ -16,6 +16,8 @@ readers use ``value * scale``. Labels keep their own dtype and ``label_scale``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from . import reference as ref
@@ -23,10 +25,63 @@ from . import torch_ops
 from .tuning import DEFAULT_TUNING, KernelTuning
 from .workspace import DecodeWorkspace
 
-__all__ = ["DecodeWorkspace", "store_kv", "dense_decode", "attention_lse", "ds_decode", "rope", "MODES", "rms_norm",
-           "add_rms_norm", "silu_mul", "rope_store", "linear", "moe_experts"]
+__all__ = ["DecodeWorkspace", "DSDecodeArgs", "store_kv", "dense_decode", "attention_lse", "ds_decode", "rope",
+           "MODES", "rms_norm", "add_rms_norm", "silu_mul", "rope_store", "linear", "moe_experts"]
 
 MODES = ref.MODES
+
+
+@dataclass(frozen=True)
+class DSDecodeArgs:
+    """What a Double Sparsity decode call selects with, beside the tensors it reads. The engine's
+    backend builds one per step (and selection mode) in its ``plan``; inside a CUDA graph ``k`` is
+    the step's static device tensor and the rest are host values that only size and pick launches.
+
+    k: ``[B]`` int32 on q's device, request b's k: it decodes sparsely iff ``seq_lens[b] > k[b]``,
+    attending to exactly its k[b] selected tokens, else densely in the same launches (a dense
+    request carries any k >= its length, e.g. ``attention.budget.DENSE``). Read on the device only.
+    k_max: a host int >= 1, an upper bound of every sparse request's k and at most the workspace's
+    ``k_max``; it only sizes the kernels' grids and split-K (the PyTorch path ignores it). Only
+    this bound is checked (k lives on the device): the caller must ensure ``1 <= k[b] <= k_max``
+    for every sparse request (the kernels cut a larger k[b] to k_max, so that no write leaves the
+    workspace; the result is then not the reference's) and ``num_sink + num_recent <= k[b]`` (else
+    which forced positions are kept is unspecified).
+    mode: the selection mode (:data:`MODES`). num_sink, num_recent: the first and last tokens every
+    sparse row selects, inside its k.
+    top_p in (0, 1] (0: off): the top-p budget: each selection row (per KV head, or per query head
+    in ``per_head`` mode) of a sparse request attends only to the smallest part of its k[b]
+    selected tokens whose estimated attention weight (softmax of the label scores over the
+    request's tokens other than the forced ones) reaches top_p of the total, with at least
+    ``top_p_min_k`` tokens (forced ones included) and every forced token; ties at the threshold
+    are kept (``reference.topp_keep_ref``). Decided on the device.
+    tuning: the kernels' launch parameters and choices.
+    """
+
+    k: torch.Tensor
+    k_max: int
+    mode: str = "group_max"
+    num_sink: int = 0
+    num_recent: int = 0
+    top_p: float = 0.0
+    top_p_min_k: int = 0
+    tuning: KernelTuning = DEFAULT_TUNING
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if int(self.k_max) <= 0:
+            raise ValueError(f"k_max must be positive, got {self.k_max}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.mode == "layer" and self.top_p > 0:
+            raise ValueError("the layer selection mode takes no top-p budget")
+        if self.num_sink < 0 or self.num_recent < 0 or self.num_sink + self.num_recent > self.k_max:
+            raise ValueError(f"need 0 <= num_sink + num_recent <= k_max, got {self.num_sink} + "
+                             f"{self.num_recent} (k_max={self.k_max})")
+
+    def rows(self, a: int, b: int) -> "DSDecodeArgs":
+        """The same call for batch rows ``a:b`` (k a view of its rows)."""
+        return replace(self, k=self.k[a:b])
 
 
 def _use_triton(t: torch.Tensor, impl: str) -> bool:
@@ -51,7 +106,7 @@ def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, 
     if _use_triton(k, impl):
         from .triton.launch import store_kv as _store
         return _store(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale)
-    from .triton.launch import check_store_args
+    from .triton.common import check_store_args
     check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale)
     ref.store_ref(k_cache, v_cache, label_cache, label_scale, k, v, slots, channels, k_scale, v_scale)
 
@@ -77,7 +132,7 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale:
 
 
 def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale: float, ws=None, sel=None,
-                  ks=None, row_ks=None, per_head: bool = False, impl: str = "auto",
+                  k=None, row_ks=None, per_head: bool = False, impl: str = "auto",
                   tuning: KernelTuning = DEFAULT_TUNING, k_scale=None, v_scale=None):
     """Exact decode attention that also gives each query head's log-sum-exp, for measurements
     (the sampled recall: the share of a head's attention on a set of tokens is
@@ -85,87 +140,65 @@ def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale
 
     q: [B, Hq, D]; pools, req_to_token, req_idx, seq_lens as in :func:`dense_decode`. ``sel`` None:
     over each request's whole cache. Else ``sel`` [B, R, K] int32 KV slots (R = Hkv, or Hq with
-    ``per_head``; a row shared by every head may come as a stride-0 expansion) and ``ks`` [B] int32:
-    each row attends to its first ``ks[b]`` slots (``row_ks`` [B, R] int32: per row). Returns
+    ``per_head``; a row shared by every head may come as a stride-0 expansion) and ``k`` [B] int32:
+    each row attends to its first ``k[b]`` slots (``row_ks`` [B, R] int32: per row). Returns
     ``(out [B, Hq, D], lse [B, Hq] float32, natural log of the sum of exp(sm_scale * q . k))``; out
     in q's dtype on the Triton path, float32 on the PyTorch path. ``ws``: a workspace of at least B
     rows (no Double Sparsity buffers needed)."""
     if _use_triton(q, impl):
         from .triton.launch import attention_lse as _lse
-        return _lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, sel, ks, row_ks, per_head,
+        return _lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, sel, k, row_ks, per_head,
                     tuning, k_scale, v_scale)
-    return torch_ops.attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, sel, ks,
+    return torch_ops.attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, sel, k,
                                    row_ks, per_head, k_scale, v_scale)
 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-              seq_lens, sm_scale: float, heavy_token_nums, max_heavy_tokens: int,
-              mode: str = "group_max", num_sink: int = 0, num_recent: int = 0,
-              ws: DecodeWorkspace | None = None, out=None, impl: str = "auto",
-              tuning: KernelTuning = DEFAULT_TUNING, top_p: float = 0.0, top_p_min_k: int = 0,
-              row_counts=None, k_scale=None, v_scale=None):
+              seq_lens, sm_scale: float, args: DSDecodeArgs, ws: DecodeWorkspace | None = None, out=None,
+              impl: str = "auto", row_counts=None, k_scale=None, v_scale=None):
     """Double Sparsity decode: label scores -> each request's top-k on device -> exact attention
-    on those tokens, with a budget per request in one batch (and one CUDA graph).
+    on those tokens, with a k per request in one batch (and one CUDA graph); ``args``
+    (:class:`DSDecodeArgs`) says how each request selects.
 
-    top_p in (0, 1] (0: off) adds the top-p budget: each selection row (per KV head, or per query
-    head in ``per_head`` mode) of a sparse request attends only to the smallest part of its k_b
-    selected tokens whose estimated attention weight (softmax of the label scores over the
-    request's tokens other than the forced sink/recent ones) reaches top_p of the total, with at
-    least ``top_p_min_k`` tokens (forced ones included) and every forced token; ties at the
-    threshold are kept (``reference.topp_keep_ref``). Decided on the device, no host sync.
+    q: [B, Hq, D]; pools (and an fp8 pool's k_scale, v_scale), req_to_token, req_idx, seq_lens as
+    in :func:`dense_decode` and :mod:`.reference`; label_cache [S, Hkv, r], label_scale [1]
+    float32 (fp8 labels), channels [Hkv, r] int32. ``ws``: a workspace with Double Sparsity
+    buffers of at least ``args.k_max`` (``layer_select`` for the layer mode).
     row_counts: an optional ``[B, R]`` int32 (R = Hq for ``per_head``, else Hkv) filled with the
     tokens each row attended to (its length where the request decodes densely); for evaluation
     and benchmarks only (on the Triton path it adds device ops after the call).
-
-    q: [B, Hq, D]; pools (and an fp8 pool's k_scale, v_scale), req_to_token, req_idx, seq_lens as
-    in :func:`dense_decode` and :mod:`.reference`. heavy_token_nums: [B] int32 on q's device, request b's budget k_b: it
-    decodes sparsely iff ``seq_lens[b] > k_b``, attending to exactly its k_b selected tokens,
-    else densely in the same launches (a dense request carries any k_b >= its length, e.g.
-    ``attention.budget.DENSE``). Decided on the device, no host sync.
-    max_heavy_tokens: a host int, an upper bound of every sparse request's k_b and at most
-    ``ws.max_heavy_tokens``; it only sizes the kernels' grids and split-K (the PyTorch path
-    ignores it). Only this bound is checked: the budgets live on the device, so the caller must
-    ensure ``1 <= k_b <= max_heavy_tokens`` for every sparse request (the kernels cut a larger
-    k_b to max_heavy_tokens, so that no write leaves the workspace; the result is then not the
-    reference's) and ``num_sink + num_recent <= k_b`` (the forced sink and recent positions must
-    fit the budget, else which of them are kept is unspecified).
     Returns (or fills ``out``) [B, Hq, D] in q's dtype.
     """
-    if mode == "layer" and top_p > 0:
-        raise ValueError("the layer selection mode takes no top-p budget")
-    if _use_triton(q, impl) and mode == "layer":
+    if _use_triton(q, impl) and args.mode == "layer":
         from .triton.ds_layer import ds_decode_layer
         o = ds_decode_layer(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-                            seq_lens, sm_scale, heavy_token_nums, max_heavy_tokens, num_sink, num_recent,
-                            ws, out, tuning=tuning, k_scale=k_scale, v_scale=v_scale)
+                            seq_lens, sm_scale, args, ws, out, k_scale=k_scale, v_scale=v_scale)
         if row_counts is not None:
-            _fill_row_counts(row_counts, ws, seq_lens, heavy_token_nums, max_heavy_tokens, 0.0)
+            _fill_row_counts(row_counts, ws, seq_lens, args)
         return o
     if _use_triton(q, impl):
         from .triton.ds_launch import ds_decode as _ds
         o = _ds(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-                seq_lens, sm_scale, heavy_token_nums, max_heavy_tokens, mode, num_sink, num_recent,
-                ws, out, tuning=tuning, top_p=top_p, top_p_min_k=top_p_min_k, k_scale=k_scale, v_scale=v_scale)
+                seq_lens, sm_scale, args, ws, out, k_scale=k_scale, v_scale=v_scale)
         if row_counts is not None:
-            _fill_row_counts(row_counts, ws, seq_lens, heavy_token_nums, max_heavy_tokens, top_p)
+            _fill_row_counts(row_counts, ws, seq_lens, args)
         return o
     o = torch_ops.ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token,
-                            req_idx, seq_lens, sm_scale, heavy_token_nums, mode,
-                            num_sink, num_recent, top_p, top_p_min_k, row_counts, k_scale, v_scale).to(q.dtype)
+                            req_idx, seq_lens, sm_scale, args, row_counts, k_scale, v_scale).to(q.dtype)
     if out is not None:
         out.copy_(o)
         return out
     return o
 
 
-def _fill_row_counts(row_counts, ws, seq_lens, heavy_token_nums, max_heavy_tokens, top_p):
+def _fill_row_counts(row_counts, ws, seq_lens, args: DSDecodeArgs):
     """row_counts [B, R] after a Triton-path ds_decode: the kernels' per-row counts (top-p) or
-    each request's budget (capped as the kernels cap it), its length where it decodes densely."""
-    if top_p > 0:
+    each request's k (capped as the kernels cap it), its length where it decodes densely."""
+    if args.top_p > 0:
         row_counts.copy_(ws.row_k[: row_counts.shape[0], : row_counts.shape[1]])
         return
-    lens, ks = seq_lens.long(), heavy_token_nums.long()
-    n = torch.where(lens > ks, ks.clamp(max=int(max_heavy_tokens)), lens)
+    lens, k = seq_lens.long(), args.k.long()
+    n = torch.where(lens > k, k.clamp(max=int(args.k_max)), lens)
     row_counts.copy_(n[:, None].expand_as(row_counts))
 
 
@@ -236,7 +269,7 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
         from .triton.fused_launch import rope_store as _rope_store
         return _rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache,
                            label_scale, channels, return_k, tuning=tuning, k_scale=k_scale, v_scale=v_scale)
-    from .triton.launch import check_store_args
+    from .triton.common import check_store_args
     check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale)
     qr, kr = ref.rope_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache,
                                 label_scale, channels, k_scale, v_scale)

@@ -186,13 +186,13 @@ def sparse_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, positions, sm_
     return out
 
 
-def is_sparse(seq_lens, heavy_token_nums):
-    """Per request: decode sparsely iff its length exceeds its own budget, seq_len > k.
+def is_sparse(seq_lens, k):
+    """Per request: decode sparsely iff its length exceeds its own k, seq_len > k.
 
-    seq_lens, heavy_token_nums: ``[B]`` int (a dense request may carry any k >= seq_len, e.g.
+    seq_lens, k: ``[B]`` int (a dense request may carry any k >= seq_len, e.g.
     attention.budget.DENSE). Returns ``[B]`` bool on seq_lens' device.
     """
-    return seq_lens.long() > heavy_token_nums.to(seq_lens.device).long()
+    return seq_lens.long() > k.to(seq_lens.device).long()
 
 
 def topp_keep_ref(scores, positions, seq_len: int, top_p: float, k_min: int, num_sink: int = 0,
@@ -228,16 +228,16 @@ def topp_keep_ref(scores, positions, seq_len: int, top_p: float, k_min: int, num
 
 
 def ds_decode_ref(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-                  seq_lens, sm_scale, heavy_token_nums, mode: str = "group_max",
+                  seq_lens, sm_scale, k, mode: str = "group_max",
                   num_sink: int = 0, num_recent: int = 0, top_p: float = 0.0, top_p_min_k: int = 0,
                   k_scale=None, v_scale=None):
     """The whole Double Sparsity decode: score, select each request's own top-k, attend; requests
-    with ``seq_len <= heavy_token_nums[b]`` decode densely. heavy_token_nums: ``[B]`` int.
+    with ``seq_len <= k[b]`` decode densely. k: ``[B]`` int, each request's k.
     top_p > 0: each selection row then attends only to what :func:`topp_keep_ref` keeps of its
     selection (at least ``top_p_min_k`` tokens). k_scale, v_scale: an fp8 pool's scales."""
     k_cache, v_cache = dequant_kv(k_cache, k_scale), dequant_kv(v_cache, v_scale)
     dense = dense_decode_ref(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale)
-    sparse_rows = is_sparse(seq_lens, heavy_token_nums)
+    sparse_rows = is_sparse(seq_lens, k)
     if not bool(sparse_rows.any()):
         return dense
     scores = label_scores_ref(q, label_cache, label_scale, channels, req_to_token, req_idx,
@@ -245,7 +245,7 @@ def ds_decode_ref(q, k_cache, v_cache, label_cache, label_scale, channels, req_t
     scores = force_keep(scores, seq_lens, num_sink, num_recent)
     out = dense.clone()
     for b in sparse_rows.nonzero().flatten().tolist():
-        pos = topk_ref(scores[b: b + 1], int(heavy_token_nums[b]))
+        pos = topk_ref(scores[b: b + 1], int(k[b]))
         keep = None
         if top_p > 0:
             n = int(seq_lens[b])

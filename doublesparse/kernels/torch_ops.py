@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import MODES, group_size, is_fp8_kv
+from .reference import group_size, is_fp8_kv
 from .top_p import keep_mask
 
 
@@ -66,7 +66,7 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
     return out
 
 
-def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, sel=None, ks=None,
+def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, sel=None, k=None,
                   row_ks=None, per_head=False, k_scale=None, v_scale=None):
     """See ops.attention_lse: (out [B, Hq, D] float32, lse [B, Hq] float32, natural log)."""
     ksc, vsc = kv_scales(k_cache, k_scale, v_scale)
@@ -82,7 +82,7 @@ def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale
                 slots = req_to_token[int(req_idx[b]), :int(seq_lens[b])].long()
             else:
                 r = h if per_head else kvh
-                n = int(row_ks[b, r]) if row_ks is not None else int(ks[b])
+                n = int(row_ks[b, r]) if row_ks is not None else int(k[b])
                 slots = sel[b, r, :n].long()
             kk = k_cache[slots, kvh].float() * ksc
             vv = v_cache[slots, kvh].float() * vsc
@@ -136,14 +136,13 @@ def select(q, label_cache, label_scale, channels, start, slots, n: int, k: int, 
 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-              seq_lens, sm_scale, heavy_token_nums, mode="group_max", num_sink=0, num_recent=0,
-              top_p=0.0, top_p_min_k=0, row_counts=None, k_scale=None, v_scale=None):
-    """heavy_token_nums: [B] int, each request's budget (sparse iff seq_len > it). [B, Hq, D] float32.
-    k_scale, v_scale: [1] float32, an fp8 pool's scales.
-    top_p > 0: the top-p budget (kernels/top_p.py); row_counts: an optional [B, R] int32 to fill
-    with the tokens each selection row attended to."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+              seq_lens, sm_scale, args, row_counts=None, k_scale=None, v_scale=None):
+    """args: an ops.DSDecodeArgs (``args.k`` [B] int: each request's k, sparse iff seq_len > it;
+    ``k_max`` and ``tuning`` are not read; the top-p budget: kernels/top_p.py). [B, Hq, D]
+    float32. k_scale, v_scale: [1] float32, an fp8 pool's scales. row_counts: an optional [B, R]
+    int32 to fill with the tokens each selection row attended to."""
+    mode, num_sink, num_recent, top_p, top_p_min_k = (args.mode, args.num_sink, args.num_recent, args.top_p,
+                                                      args.top_p_min_k)
     sc = kv_scales(k_cache, k_scale, v_scale)
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -151,7 +150,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
     if row_counts is not None:
         row_counts.copy_(seq_lens.long()[:, None].expand_as(row_counts).to(row_counts.dtype))
-    for b, (row, n, k) in enumerate(zip(req_idx.tolist(), seq_lens.tolist(), heavy_token_nums.tolist())):
+    for b, (row, n, k) in enumerate(zip(req_idx.tolist(), seq_lens.tolist(), args.k.tolist())):
         start, slots = _token_rows(req_to_token, row, n)
         if n <= k:
             kk = _rows(k_cache, start, slots, n).transpose(0, 1)
@@ -163,10 +162,10 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         R = sel.shape[0]
         heads = torch.arange(R, device=q.device) // (G if R == Hq else 1)
         flat = (sel * Hkv + heads[:, None]).view(-1)                           # rows of [S * Hkv, D]
-        ks = k_cache.view(-1, D).index_select(0, flat).view(R, k, D)
-        vs = v_cache.view(-1, D).index_select(0, flat).view(R, k, D)
+        kk = k_cache.view(-1, D).index_select(0, flat).view(R, k, D)
+        vv = v_cache.view(-1, D).index_select(0, flat).view(R, k, D)
         qg = q[b].float().view(R, Hq // R, D)
-        out[b] = _attend(qg, ks, vs, sm_scale, valid, sc).view(Hq, D)
+        out[b] = _attend(qg, kk, vv, sm_scale, valid, sc).view(Hq, D)
         if row_counts is not None:
             row_counts[b] = k if valid is None else valid.sum(-1).to(row_counts.dtype)
     return out

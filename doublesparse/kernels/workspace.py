@@ -22,7 +22,7 @@ class DecodeWorkspace:
 
     max_batch, num_q_heads, num_kv_heads, head_dim: the largest decode batch and the model's heads.
     max_ctx: the longest sequence (positions) the scores buffer must hold.
-    max_heavy_tokens: the largest top-k; 0 disables the Double Sparsity buffers.
+    k_max: the largest k of any request (its top-k); 0 disables the Double Sparsity buffers.
     max_splits: the most split-K partitions one (request, head) row is cut into.
     layer_select: also the buffers of the "layer" selection mode (``layer``: a workspace of the
     mode's one virtual KV head, kernels/triton/ds_layer.py), else ``layer`` is None.
@@ -33,7 +33,7 @@ class DecodeWorkspace:
     num_kv_heads: int
     head_dim: int
     max_ctx: int
-    max_heavy_tokens: int = 0
+    k_max: int = 0
     device: torch.device | str = "cuda"
     max_splits: int = 64
     layer_select: bool = False
@@ -45,20 +45,20 @@ class DecodeWorkspace:
                 raise ValueError(f"DecodeWorkspace.{name} must be positive, got {getattr(self, name)}")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_q_heads={self.num_q_heads} not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.max_heavy_tokens < 0:
-            raise ValueError("max_heavy_tokens must be >= 0")
+        if self.k_max < 0:
+            raise ValueError("k_max must be >= 0")
         dev = torch.device(self.device)
         B, Hq, D, S = self.max_batch, self.num_q_heads, self.head_dim, self.max_splits
         Hkv = self.num_kv_heads
-        self.layer = (DecodeWorkspace(B, Hq // Hkv, 1, Hkv * D, self.max_ctx, self.max_heavy_tokens, dev, 1)
-                      if self.layer_select and self.max_heavy_tokens else None)
+        self.layer = (DecodeWorkspace(B, Hq // Hkv, 1, Hkv * D, self.max_ctx, self.k_max, dev, 1)
+                      if self.layer_select and self.k_max else None)
         if self.layer is not None:
             # KV head h's channels sit at h * D of the virtual head's row: made once, not per step
             self.layer.channel_offsets = torch.arange(Hkv, dtype=torch.int32, device=dev)[:, None] * D
         f32 = dict(dtype=torch.float32, device=dev)
         self.buffers["part_o"] = torch.empty(B, Hq, S, D, **f32)
         self.buffers["part_lse"] = torch.empty(B, Hq, S, **f32)
-        if self.max_heavy_tokens:
+        if self.k_max:
             i32 = dict(dtype=torch.int32, device=dev)
             # Rows: one per query head (per_head mode) or per KV head (group modes); size for the larger.
             # Padded by SCORE_PAD so the select kernels can read whole blocks past a row's end;
@@ -74,15 +74,15 @@ class DecodeWorkspace:
             self.buffers["rowinfo"] = torch.zeros(B, Hq, 2, **i32)
             # Per row and select program: keys of its slice whose high byte is above the chosen one.
             self.buffers["counts"] = torch.zeros(B, Hq, SELECT_MAX_PROGS, **i32)
-            self.buffers["sel"] = torch.empty(B, Hq, self.max_heavy_tokens, **i32)
+            self.buffers["sel"] = torch.empty(B, Hq, self.k_max, **i32)
             # The cache slots of sel's positions; zero (the padding slot) until written, so a
             # stale entry can never address outside the pool.
-            self.buffers["sel_slot"] = torch.zeros(B, Hq, self.max_heavy_tokens, **i32)
+            self.buffers["sel_slot"] = torch.zeros(B, Hq, self.k_max, **i32)
             # Top-p budget (ds_topp.py): per row and program the score maximum and the sum of
             # exponentials; the kept slots at the front of each row (zero-initialised like
             # sel_slot) and their number (a dense request's row: its length).
             self.buffers["topp_part"] = torch.zeros(B, Hq, TOPP_MAX_PROGS, 2, **f32)
-            self.buffers["topp_slot"] = torch.zeros(B, Hq, self.max_heavy_tokens, **i32)
+            self.buffers["topp_slot"] = torch.zeros(B, Hq, self.k_max, **i32)
             self.buffers["row_k"] = torch.zeros(B, Hq, **i32)
 
     def __getattr__(self, name):

@@ -16,9 +16,8 @@ from torch import nn
 from ..attention.base import AttentionBackend
 from ..kernels.tuning import KernelTuning
 from .config import ModelConfig
-from .layers import GatedMLP, Linear, RMSNorm, fused_impl
+from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, fused_impl
 from .packed import HEAD_EXACT_TOP
-from .rope import RotaryEmbedding
 
 
 def batch_tuning(batch) -> KernelTuning:

@@ -25,11 +25,10 @@ from torch import nn
 
 from ..kernels.latent import latent_value_dim
 from .config import ModelConfig
-from .layers import Linear, RMSNorm
+from .layers import Linear, RMSNorm, RotaryEmbedding
 from .llama import LlamaDecoderLayer, LlamaModel, batch_tuning, init_decoder, is_decode
 from .moe_config import MLAConfig, yarn_mscale
 from .moe_model import moe_or_dense_mlp
-from .rope import RotaryEmbedding
 
 
 def yarn_inv_freq(mla: MLAConfig, theta: float) -> tuple[torch.Tensor, float]:

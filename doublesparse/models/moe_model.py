@@ -11,10 +11,9 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers import GatedMLP, RMSNorm
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 from .llama import LlamaAttention, LlamaDecoderLayer, LlamaModel, init_decoder
 from .moe import SparseMoE
-from .rope import RotaryEmbedding
 
 
 def moe_or_dense_mlp(config: ModelConfig, layer_id: int, device=None, dtype=None) -> nn.Module:

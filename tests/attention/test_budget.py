@@ -77,7 +77,7 @@ def test_engine_plans_per_request_k(monkeypatch):
 
     def spy(layer_id, q, batch):
         if layer_id == 0:
-            seen.append((batch.ds_sparse, None if batch.ds_k is None else batch.ds_k.tolist(),
+            seen.append((batch.ds_sparse, None if batch.k is None else batch.k.tolist(),
                          batch.seq_lens.tolist()))
         return real(layer_id, q, batch)
 
@@ -130,7 +130,8 @@ def test_engine_hands_top_p_to_the_kernels(monkeypatch):
     real = double_sparsity.ops.ds_decode
 
     def spy(*args, **kw):
-        seen.append((kw["top_p"], kw["top_p_min_k"]))
+        a = args[10]  # its DSDecodeArgs
+        seen.append((a.top_p, a.top_p_min_k))
         return real(*args, **kw)
 
     monkeypatch.setattr(double_sparsity.ops, "ds_decode", spy)

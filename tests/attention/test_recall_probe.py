@@ -75,7 +75,7 @@ def _backend(c, k, impl="torch", mode="group_max", top_p=0.0):
                           label_scale=[c.label_scale] * 2, req_to_token=c.req_to_token)
     from doublesparse.attention.budget import DecodePolicy, TokenBudget
     pol = DecodePolicy(TokenBudget(min(4, k), k, 0.0, top_p), 0)
-    ws = make_ws(c, max_heavy_tokens=k, layer_select=mode == "layer") if impl == "triton" else None
+    ws = make_ws(c, k_max=k, layer_select=mode == "layer") if impl == "triton" else None
     return create_backend("double_sparsity", use_double_sparsity=True, ds=DSParams(k, mode, 0, policy=pol),
                           memory=mem, num_q_heads=c.q.shape[1], head_dim=c.q.shape[2], impl=impl,
                           workspace=ws, channels=torch.stack([c.channels] * 2))
@@ -84,7 +84,7 @@ def _backend(c, k, impl="torch", mode="group_max", top_p=0.0):
 def _step(be, probe, c, ks, layers=2):
     B = c.q.shape[0]
     batch = ForwardBatch(mode="decode", req_idx=c.req_idx, seq_lens=c.seq_lens, ds_sparse=True,
-                            ds_k=torch.tensor(ks, dtype=torch.int32))
+                            k=torch.tensor(ks, dtype=torch.int32))
     rows, lens = c.req_idx.tolist(), c.seq_lens.tolist()
     probe.begin_step(rows, [n - 1 for n in lens], (ks, True))
     outs = [be.decode_attention(layer, c.q, batch) for layer in range(layers)]
@@ -227,7 +227,7 @@ def test_unsampled_steps_launch_nothing(monkeypatch):
     launches.clear()
     with probe.capturing(True):
         batch = ForwardBatch(mode="decode", req_idx=c.req_idx, seq_lens=c.seq_lens, ds_sparse=True,
-                             ds_k=torch.tensor([8, 8], dtype=torch.int32))
+                             k=torch.tensor([8, 8], dtype=torch.int32))
         be.decode_attention(0, c.q, batch)
         be.decode_attention(1, c.q, batch)
     assert launches == [0, 1] and probe._capture_stash is False
@@ -241,7 +241,7 @@ def test_triton_stash_in_every_layer_measures_the_same():
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
     c = _case([40, 33], hq=4, hkv=2, d=16, seed=7)
     batch = ForwardBatch(mode="decode", req_idx=c.req_idx, seq_lens=c.seq_lens, ds_sparse=True,
-                         ds_k=torch.tensor([8, 8], dtype=torch.int32))
+                         k=torch.tensor([8, 8], dtype=torch.int32))
     got = []
     for every_layer in (False, True):
         be = _backend(c, 8, "triton")

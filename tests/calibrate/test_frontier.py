@@ -48,7 +48,7 @@ def _fake(dims=64):
         kl *= 0.9 if s.num_recent == 64 else 1.0
         avg_k = None
         if s.top_p:
-            avg_k = (0.4 if s.top_p == 0.9 else 0.6) * s.heavy_tokens(4096)
+            avg_k = (0.4 if s.top_p == 0.9 else 0.6) * s.k_for(4096)
             kl = 0.009
         return fr.Measured(s, stage, frac(s, avg_k), kl, 0.9, 100 * kl, avg_k)
 
@@ -74,7 +74,7 @@ def test_search_stages_on_a_fake_measurement():
     fixed, _ = fr.cheapest_under([x for x in measured if not x.setting.top_p], 0.01)
     tops = [s for s, st in seen if st == "top_p"]
     assert [s.top_p for s in tops] == list(fr.TOP_PS)
-    assert all(s.k_frac == 2 * fixed.setting.k_frac and s.top_p_min == fixed.setting.heavy_tokens(4096) // 2
+    assert all(s.k_frac == 2 * fixed.setting.k_frac and s.top_p_min == fixed.setting.k_for(4096) // 2
                for s in tops)
     full_measure, full_frac, full_seen = _fake()
     fr.search(full_measure, full_frac, 64, 4096, None, replace(opts, full_grid=True))

@@ -101,10 +101,10 @@ def test_step_messages_round_trip():
     i64 = lambda *v: torch.tensor(v)  # noqa: E731
     b = ForwardBatch("prefill", i64(5, 6, 7), i64(0, 1, 0), i64(1, 2, 3), i64(1, 2).int(), i64(2, 1).int(),
                      i64(1, 2), None, rows_host=(1, 2), extend_prefix_lens=(0, 0), extend_lens=(2, 1),
-                     ds_k=i64(8, 9).int(), ds_sparse=False)
+                     k=i64(8, 9).int(), ds_sparse=False)
     meta, packed = pack(b)
     u = unpack(meta, packed, "backend", b.tuning)
-    for f in ("input_ids", "positions", "out_slots", "req_idx", "seq_lens", "logits_indices", "ds_k"):
+    for f in ("input_ids", "positions", "out_slots", "req_idx", "seq_lens", "logits_indices", "k"):
         assert torch.equal(getattr(u, f), getattr(b, f)) and getattr(u, f).dtype == getattr(b, f).dtype, f
     assert (u.attn, u.rows_host, u.extend_lens, u.ds_sparse) == ("backend", (1, 2), (2, 1), False)
     assert isinstance(meta[5], tuple) and np.asarray(meta[7]).tolist() == [2, 1]

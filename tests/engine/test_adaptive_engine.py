@@ -45,7 +45,7 @@ def test_scale_one_generates_the_ratio_tokens(model):
     got = e.generate(prompts(), SP)
     assert [r["token_ids"] for r in got] == [r["token_ids"] for r in ref]
     # the workspace's k holds the largest scale; the plan's k is the ratio budget's
-    assert e.parts.ds.heavy_token_num == 2 * engine(model).parts.ds.heavy_token_num
+    assert e.parts.ds.k_max == 2 * engine(model).parts.ds.k_max
 
 
 def test_each_layer_attends_to_its_scaled_k(model):
@@ -55,9 +55,9 @@ def test_each_layer_attends_to_its_scaled_k(model):
     seen = []
     inner = b._decode
 
-    def spy(layer_id, q, req_idx, seq_lens, ws, out=None, ks=None):
-        seen.append((layer_id, ks.tolist(), seq_lens.tolist()))
-        return inner(layer_id, q, req_idx, seq_lens, ws, out, ks)
+    def spy(layer_id, q, req_idx, seq_lens, ws, args, out=None):
+        seen.append((layer_id, args.k.tolist(), seq_lens.tolist()))
+        return inner(layer_id, q, req_idx, seq_lens, ws, args, out)
 
     b._decode = spy
     e.generate(prompts(), dict(SP, max_new_tokens=4))
@@ -72,7 +72,7 @@ def test_each_layer_attends_to_its_scaled_k(model):
 def test_layer_ks_matches_the_host_and_keeps_dense_rows():
     class B:  # the few backend fields AdaptiveBudget reads
         class ds:
-            heavy_token_num = 100
+            k_max = 100
 
             class policy:
                 class budget:
@@ -105,7 +105,7 @@ def test_loop_moves_scales_within_bounds_and_reports(model):
     # random weights attend diffusely: recall falls short, the scales rise, within their bounds
     assert st["target_recall"] == 0.9 and st["changes"] >= 1
     assert all(1.0 < s <= m for s, m in zip(st["scales"], st["max_scales"]))
-    assert st["groups"] and st["k_min"] == 4 and st["k_max"] == e.parts.ds.heavy_token_num
+    assert st["groups"] and st["k_min"] == 4 and st["k_max"] == e.parts.ds.k_max
     assert a.scale.tolist() == pytest.approx(st["scales"])   # the device holds what the host decided
     assert a.pushes >= 1
     # the bytes the step reads follow the scales (more than the ratio budget's at scale > 1)

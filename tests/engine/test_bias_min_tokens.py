@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from doublesparse.engine.engine import Engine
-from doublesparse.engine.request_sampling import _scatter_rows
+from doublesparse.engine.sampler import _scatter_rows
 from doublesparse.engine.sampling_params import SamplingParams
 from doublesparse.testing import ByteTokenizer, tiny_llama
 

@@ -301,7 +301,7 @@ def test_config_cli_roundtrip_and_derivations():
     assert not from_cli_args(p.parse_args(["--no-enable-double-sparsity"]), enable_double_sparsity=True).enable_double_sparsity
     d = EngineConfig()
     assert d.resolved_attention_backend == "dense" and d.heavy_channel_num(64) == 16
-    assert d.heavy_token_num(8192) == 512 and d.ds_selection_mode == "auto"
+    assert d.k_max(8192) == 512 and d.ds_selection_mode == "auto"
     assert d.selection_mode_fallback == "group_max" and EngineConfig(ds_selection_mode="per_head").selection_mode_fallback == "per_head"
     assert EngineConfig(attention_backend="double_sparsity").use_double_sparsity
     with pytest.raises(ValueError, match="contradicts"):

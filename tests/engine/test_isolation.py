@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from doublesparse.engine import Engine, SamplingParams
-from doublesparse.engine import request_sampling as sampling_mod
+from doublesparse.engine import sampler as sampling_mod
 from doublesparse.engine.sampler import filter_probs, make_generator, sample
 from doublesparse.engine.sampling_params import TOP_K_MAX, TOP_P_MIN
 from doublesparse.testing import ByteTokenizer, tiny_llama

@@ -40,7 +40,7 @@ def _spy(monkeypatch):
     real = ops.ds_decode
 
     def spy(*a, **kw):
-        seen.append(a[12] if len(a) > 12 else kw["mode"])
+        seen.append((a[10] if len(a) > 10 else kw["args"]).mode)  # its DSDecodeArgs' mode
         return real(*a, **kw)
     monkeypatch.setattr(ops, "ds_decode", spy)
     return seen

@@ -148,9 +148,9 @@ def test_selection_recall_matches_reference():
             n = int(view.seq_lens[b])
             k = ref.gather_tokens(p.k[layer_id], p.req_to_token, view.req_idx, b, n).repeat_interleave(2, 1)
             prob = (torch.einsum("hd,nhd->hn", q[b].float(), k) * view.sm_scale).softmax(-1)
-            sel = sc[b, :, :n].topk(view.heavy, -1).indices.repeat_interleave(2, 0)
+            sel = sc[b, :, :n].topk(view.k_max, -1).indices.repeat_interleave(2, 0)
             share = prob.gather(1, sel).sum(-1)
-            want = share / prob.topk(view.heavy, -1).values.sum(-1)
+            want = share / prob.topk(view.k_max, -1).values.sum(-1)
             torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(mass[b], share, atol=1e-5, rtol=1e-5)
         seen[layer_id] = True

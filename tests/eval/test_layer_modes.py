@@ -46,7 +46,7 @@ def test_layer_modes_reach_channels_and_decode(tmp_path, monkeypatch):
     assert torch.equal(channels_for(s), ch.load_channels(path, c, "qk", 4, modes))
     seen = []
     real = ops.ds_decode
-    monkeypatch.setattr(ops, "ds_decode", lambda *a, **kw: seen.append(kw["mode"]) or real(*a, **kw))
+    monkeypatch.setattr(ops, "ds_decode", lambda *a, **kw: seen.append(a[10].mode) or real(*a, **kw))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (1, 60), generator=g).tolist()
     p = driver.Pools(c, 1, 60)

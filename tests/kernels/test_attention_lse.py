@@ -43,7 +43,7 @@ def test_attention_lse(impl, how):
             row_ks = torch.randint(1, K + 1, (B, R), generator=g).int().to(DEVICE)
     ws = make_ws(c) if impl == "triton" else None
     out, lse = ops.attention_lse(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens, c.sm_scale,
-                                 ws, sel=sel, ks=ks, row_ks=row_ks, per_head=per_head, impl=impl)
+                                 ws, sel=sel, k=ks, row_ks=row_ks, per_head=per_head, impl=impl)
     assert lse.shape == (B, Hq) and lse.dtype == torch.float32
     G = Hq // Hkv
     for b in range(B):

@@ -17,6 +17,7 @@ import torch
 from conftest import DEVICE
 from kernel_utils import TOL, budgets, expected_output, make_case, make_ws, ref, rel_err
 from doublesparse.kernels import ops
+from doublesparse.kernels.ops import DSDecodeArgs
 from doublesparse.kernels.triton import ds_launch, launch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -123,15 +124,16 @@ def test_ds_decode_dequantizes(dtype, mode):
     c = make_case(seq_lens, 9, 3, 64, r=8, device=DEVICE, seed=13)
     ks, vs = _scales()
     c8 = fp8_case(c, dtype, ks, vs)
-    ws = make_ws(c8, max_heavy_tokens=k + 3)
+    ws = make_ws(c8, k_max=k + 3)
     out = torch.full_like(c8.q, float("nan"))
-    _, sel = ds_launch.ds_decode(*c8.args(), c8.sm_scale, budgets(c8, k), k, mode, ws=ws, out=out, num_splits=3,
-                                 num_progs=2, return_sel=True, k_scale=ks, v_scale=vs)
+    _, sel = ds_launch.ds_decode(*c8.args(), c8.sm_scale, DSDecodeArgs(budgets(c8, k), k, mode), ws=ws, out=out,
+                                 num_splits=3, num_progs=2, return_sel=True, k_scale=ks, v_scale=vs)
     assert not out.isnan().any()
     exp = expected_output(dequant_case(c8, ks, vs), sel, k, mode)
     assert rel_err(out, exp) < TOL[torch.bfloat16]
     # the PyTorch path against the whole reference (its own selection: the same labels)
-    got = ops.ds_decode(*c8.args(), c8.sm_scale, budgets(c8, k), k, mode, impl="torch", k_scale=ks, v_scale=vs)
+    got = ops.ds_decode(*c8.args(), c8.sm_scale, DSDecodeArgs(budgets(c8, k), k, mode), impl="torch", k_scale=ks,
+                        v_scale=vs)
     want = ref.ds_decode_ref(*c8.args(), c8.sm_scale, budgets(c8, k), mode, k_scale=ks, v_scale=vs)
     assert rel_err(got, want) < TOL[torch.bfloat16]
 
@@ -141,8 +143,8 @@ def test_layer_mode_dequantizes():
     c = make_case(seq_lens, 9, 3, 64, r=8, device=DEVICE, seed=17)
     ks, vs = _scales()
     c8 = fp8_case(c, E4M3, ks, vs)
-    ws = make_ws(c8, max_heavy_tokens=k, layer_select=True)
-    got = ops.ds_decode(*c8.args(), c8.sm_scale, budgets(c8, k), k, "layer", ws=ws, impl="triton",
+    ws = make_ws(c8, k_max=k, layer_select=True)
+    got = ops.ds_decode(*c8.args(), c8.sm_scale, DSDecodeArgs(budgets(c8, k), k, "layer"), ws=ws, impl="triton",
                         k_scale=ks, v_scale=vs)
     want = ref.ds_decode_ref(*c8.args(), c8.sm_scale, budgets(c8, k), "layer", k_scale=ks, v_scale=vs)
     assert rel_err(got, want) < TOL[torch.bfloat16]

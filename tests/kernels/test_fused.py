@@ -417,7 +417,7 @@ for bias in (False, True):
 from doublesparse.kernels.triton import ds_score, ds_score_rows
 i32 = dict(channels_ptr="*i32", req_to_token_ptr="*i32", req_idx_ptr="*i32", seq_lens_ptr="*i32",
            hist_ptr="*i32", rowinfo_ptr="*i32", counts_ptr="*i32", sel_ptr="*i32", sel_slot_ptr="*i32",
-           scores_ptr="*fp16", scale_ptr="*fp32", heavy_ks_ptr="*i32")
+           scores_ptr="*fp16", scale_ptr="*fp32", k_ptr="*i32")
 for mode, label in ((2, "*bf16"), (0, "*fp8e4nv"), (1, "*bf16")):
     comp(ds_score.score_mma_kernel, dict(HKV=8, G=4, R=16, MODE=mode, LABEL_FP8=label != "*bf16", LABEL_KIND=0,
          NUM_PROGS=8, BLOCK_N=64, BLOCK_C=128, HKV_P=8, G_P=4, DOT_F32=False),
@@ -489,14 +489,14 @@ for topk, tkp in ((8, 8), (8, 512), (6, 8), (6, 512)):  # DeepSeek-V2-Lite: its 
 for has_sel, bh in ((False, 16), (True, 16), (True, 64)):  # V2-Lite's 16 heads; the most per program
     no_spill(comp(latent_attn.latent_attn_kernel, dict(DN=512, DR=64, HAS_SEL=has_sel, NUM_SPLITS=8, BLOCK_H=bh,
               BLOCK_N=32, DOT_F32=False), dict(req_to_token_ptr="*i32", req_idx_ptr="*i32", seq_lens_ptr="*i32",
-              sel_ptr="*i32", part_o_ptr="*fp32", part_lse_ptr="*fp32", heavy_ks_ptr="*i32"),
+              sel_ptr="*i32", part_o_ptr="*fp32", part_lse_ptr="*fp32", k_ptr="*i32"),
               dict(sm_scale="fp32"), num_warps=8, num_stages=2, aligned=True))
 from doublesparse.kernels.triton import skinny
 comp(skinny.skinny_gemm_kernel, dict(HAS_BIAS=False, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, STAGES=2, DOT_F32=False),
      dict(x_ptr="*fp32", w_ptr="*fp32", b_ptr="*fp32", y_ptr="*fp32", part_ptr="*fp32", cnt_ptr="*i32"), num_warps=4)
 comp(latent_attn.latent_attn_kernel, dict(DN=512, DR=64, HAS_SEL=False, NUM_SPLITS=8, BLOCK_H=16, BLOCK_N=16,
      DOT_F32=False), dict(req_to_token_ptr="*i32", req_idx_ptr="*i32", seq_lens_ptr="*i32", sel_ptr="*i32",
-     part_o_ptr="*fp32", part_lse_ptr="*fp32", heavy_ks_ptr="*i32", q_ptr="*fp32", kv_ptr="*fp32"),
+     part_o_ptr="*fp32", part_lse_ptr="*fp32", k_ptr="*i32", q_ptr="*fp32", kv_ptr="*fp32"),
      dict(sm_scale="fp32"), num_warps=8, num_stages=1)
 gather_ptrs = dict(src_row_ptr="*i64", dst_row_ptr="*i64", head_ptr="*i64", valid_ptr="*i8", k_scale_ptr="*fp32",
                   v_scale_ptr="*fp32")

@@ -12,6 +12,7 @@ from kernel_utils import (GRAPH_REPLAY_LENS, TOL, budgets, capture_graph, check_
                           expected_output as _expected_output, make_case, make_ws, ref, rel_err, rows_of)
 from doublesparse.attention.budget import DENSE
 from doublesparse.kernels import ops
+from doublesparse.kernels.ops import DSDecodeArgs
 from doublesparse.kernels.triton import ds_launch, launch
 from doublesparse.kernels.tuning import KernelTuning
 
@@ -131,10 +132,10 @@ def test_ds_decode(case, mode, label_dtype):
                     "group_max and per_head cover them; batch 17 runs with group_max)")
     c = make_case(seq_lens, hq, hkv, d, r=r, label_dtype=label_dtype, device=DEVICE,
                   seed=_seed(tuple(seq_lens), mode, str(label_dtype)))
-    ws = make_ws(c, max_heavy_tokens=k + 3)
+    ws = make_ws(c, k_max=k + 3)
     out = torch.full_like(c.q, float("nan"))
-    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, mode, ws=ws, out=out, num_splits=3,
-                              num_progs=2, return_sel=True)
+    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(budgets(c, k), k, mode), ws=ws, out=out,
+                                 num_splits=3, num_progs=2, return_sel=True)
     assert not out.isnan().any()
     _check_selection(c, ws, sel, k, mode)
     assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
@@ -167,13 +168,14 @@ def test_ds_decode_per_request_budgets(mode, label_dtype, overrides, splits):
     c = make_case(BUDGET_LENS, 9, 3, 64, r=16, label_dtype=label_dtype, device=DEVICE,
                   seed=_seed("budgets", mode, str(label_dtype)))
     tuning = KernelTuning.from_dict(overrides)
-    ws = make_ws(c, max_heavy_tokens=150)
+    ws = make_ws(c, k_max=150)
     runs = [(BUDGET_KS, 89), ([13, 36, 149, DENSE, 60], 149)]
-    for ks, max_k in runs[:1] if mode == "per_head" else runs:
+    for ks, k_max in runs[:1] if mode == "per_head" else runs:
         ks = torch.tensor(ks, dtype=torch.int32, device=DEVICE)
         out = torch.full_like(c.q, float("nan"))
-        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, ks, max_k, mode, num_sink=2, num_recent=3, ws=ws,
-                                     out=out, num_splits=splits, num_progs=2, return_sel=True, tuning=tuning)
+        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale,
+                                     DSDecodeArgs(ks, k_max, mode, num_sink=2, num_recent=3, tuning=tuning), ws=ws,
+                                     out=out, num_splits=splits, num_progs=2, return_sel=True)
         assert not out.isnan().any()
         _check_selection(c, ws, sel, ks, mode, num_sink=2, num_recent=3)
         for b, k in enumerate(ks.tolist()):
@@ -192,15 +194,15 @@ def test_ds_decode_budgets_match_one_request_at_a_time():
     with its own k (one budget per call, the old single-k behaviour)."""
     c = make_case([130, 77, 201], 9, 3, 64, device=DEVICE, seed=17)
     ks = torch.tensor([33, 76, 7], dtype=torch.int32, device=DEVICE)
-    ws = make_ws(c, max_heavy_tokens=80)
-    out, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, ks, 76, "group_max", ws=ws, num_splits=4,
+    ws = make_ws(c, k_max=80)
+    out, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(ks, 76, "group_max"), ws=ws, num_splits=4,
                                    return_sel=True)
     out, sel = out.clone(), sel.clone()
     for b in range(3):
         args = list(c.args())
         args[0], args[7], args[8] = c.q[b: b + 1], c.req_idx[b: b + 1], c.seq_lens[b: b + 1]
         k = int(ks[b])
-        o1, s1 = ds_launch.ds_decode(*args, c.sm_scale, ks[b: b + 1], k, "group_max", ws=ws.rows(0, 1),
+        o1, s1 = ds_launch.ds_decode(*args, c.sm_scale, DSDecodeArgs(ks[b: b + 1], k, "group_max"), ws=ws.rows(0, 1),
                                      num_splits=4, return_sel=True)
         assert torch.equal(s1[0, :3, :k], sel[b, :3, :k])
         assert rel_err(o1[0], out[b]) < 1e-2
@@ -253,10 +255,10 @@ def _check_pipeline(overrides, mode, hq, hkv):
     ws = None
     for i, (seq_lens, k) in enumerate([([300, 41, 517], 40), ([129, 260], 64)]):
         c = make_case(seq_lens, hq, hkv, 64, r=16, device=DEVICE, seed=_seed(i, mode, str(overrides)), max_ctx=520)
-        ws = ws or make_ws(c, max_heavy_tokens=64)
+        ws = ws or make_ws(c, k_max=64)
         out = torch.full_like(c.q, float("nan"))
-        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, mode, ws=ws, out=out, num_progs=2,
-                                     return_sel=True, tuning=tuning)
+        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(budgets(c, k), k, mode, tuning=tuning), ws=ws,
+                                     out=out, num_progs=2, return_sel=True)
         _check_selection(c, ws, sel, k, mode)
         assert rel_err(out, _expected_output(c, sel, k, mode)) < TOL[torch.bfloat16]
     assert int(ws.hist[0].abs().sum()) == 0  # phase 3 clears it; phase 2 overwrites hist[1:]
@@ -267,8 +269,8 @@ def test_ds_select_all_ties():
     c = make_case([400, 150], 9, 3, 64, device=DEVICE, seed=3)
     c.q.zero_()
     k = 24
-    ws = make_ws(c, max_heavy_tokens=k)
-    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, "group_max", ws=ws, num_progs=2,
+    ws = make_ws(c, k_max=k)
+    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(budgets(c, k), k, "group_max"), ws=ws, num_progs=2,
                                  return_sel=True)
     _check_selection(c, ws, sel, k, "group_max")
 
@@ -279,9 +281,9 @@ def test_ds_select_more_programs_than_phase_cap():
     from doublesparse.kernels.workspace import SELECT_MAX_PROGS
     tuning = KernelTuning(select_block_n=16, hist_block_n=16)
     c = make_case([700, 333], 9, 3, 64, device=DEVICE, seed=41)
-    ws = make_ws(c, max_heavy_tokens=50)
-    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, 50), 50, "group_max", ws=ws,
-                              num_progs=SELECT_MAX_PROGS + 5, return_sel=True, tuning=tuning)
+    ws = make_ws(c, k_max=50)
+    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(budgets(c, 50), 50, "group_max", tuning=tuning),
+                                 ws=ws, num_progs=SELECT_MAX_PROGS + 5, return_sel=True)
     _check_selection(c, ws, sel, 50, "group_max")
 
 
@@ -290,9 +292,9 @@ def test_ds_repeated_calls_keep_workspace_clean():
     ws = None
     for i, seq_lens in enumerate([[200, 90], [150, 300], [61, 62]]):
         c = make_case(seq_lens, 9, 3, 64, device=DEVICE, seed=100 + i, max_ctx=300)
-        ws = ws or make_ws(c, max_heavy_tokens=60)
-        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, 60), 60, "group_max", ws=ws, num_progs=3,
-                                  return_sel=True)
+        ws = ws or make_ws(c, k_max=60)
+        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(budgets(c, 60), 60, "group_max"), ws=ws,
+                                     num_progs=3, return_sel=True)
         _check_selection(c, ws, sel, 60, "group_max")
     assert int(ws.hist[0].abs().sum()) == 0
 
@@ -302,15 +304,16 @@ def test_ds_decode_on_workspace_rows_matches_whole_batch():
     and, up to split-K rounding, its output: the parts share no scratch."""
     c = make_case([300, 90, 257], 9, 3, 64, device=DEVICE, seed=21)
     k = 40
-    ws = make_ws(c, max_heavy_tokens=k)
-    whole, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, "group_max", ws=ws, return_sel=True)
+    ws = make_ws(c, k_max=k)
+    whole, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(budgets(c, k), k, "group_max"), ws=ws,
+                                     return_sel=True)
     sel = sel.clone()
     out = torch.full_like(c.q, float("nan"))
     for a, b in ((0, 1), (1, 3)):
         args = list(c.args())
         args[0], args[7], args[8] = c.q[a:b], c.req_idx[a:b], c.seq_lens[a:b]
-        _, part_sel = ds_launch.ds_decode(*args, c.sm_scale, budgets(c, k)[a:b], k, "group_max", ws=ws.rows(a, b),
-                                       out=out[a:b], return_sel=True)
+        _, part_sel = ds_launch.ds_decode(*args, c.sm_scale, DSDecodeArgs(budgets(c, k)[a:b], k, "group_max"),
+                                          ws=ws.rows(a, b), out=out[a:b], return_sel=True)
         for i in range(b - a):
             for h in range(3):
                 n = min(k, int(c.seq_lens[a + i]))
@@ -326,29 +329,30 @@ def test_ds_decode_score_then_rest_matches_all():
     call: same selection, same output; an unknown stage is refused."""
     c = make_case([300, 33, 257], 9, 3, 64, device=DEVICE, seed=23)
     k = 40
-    ws = make_ws(c, max_heavy_tokens=k)
-    whole, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, "group_max", ws=ws, return_sel=True)
+    ws = make_ws(c, k_max=k)
+    whole, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(budgets(c, k), k, "group_max"), ws=ws,
+                                     return_sel=True)
     whole, sel = whole.clone(), sel.clone()
     out = torch.full_like(c.q, float("nan"))
-    assert ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, "group_max", ws=ws, stage="score") is None
-    _, sel2 = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, "group_max", ws=ws, out=out, stage="rest",
-                               return_sel=True)
+    assert ds_launch.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(budgets(c, k), k, "group_max"), ws=ws, stage="score") is None
+    _, sel2 = ds_launch.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(budgets(c, k), k, "group_max"), ws=ws, out=out,
+                                  stage="rest", return_sel=True)
     for b in range(3):
         n = min(k, int(c.seq_lens[b]))
         for h in range(3):
             assert set(sel2[b, h, :n].tolist()) == set(sel[b, h, :n].tolist())
     assert rel_err(out, whole) < TOL[torch.bfloat16]
     with pytest.raises(ValueError):
-        ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, "group_max", ws=ws, stage="scores")
+        ds_launch.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(budgets(c, k), k, "group_max"), ws=ws, stage="scores")
 
 
 def test_ds_dense_budget_and_sink_recent():
     c = make_case([100, 400, 250], 9, 3, 64, device=DEVICE, seed=11)
     k = 48
     ks = budgets(c, k, dense_below=260)  # the 250-token request carries DENSE
-    ws = make_ws(c, max_heavy_tokens=k)
-    out, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, ks, k, "group_sum", num_sink=4,
-                                   num_recent=8, ws=ws, return_sel=True)
+    ws = make_ws(c, k_max=k)
+    out, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(ks, k, "group_sum", num_sink=4, num_recent=8),
+                                   ws=ws, return_sel=True)
     exp = _expected_output(c, sel, ks, "group_sum")
     assert rel_err(out, exp) < TOL[torch.bfloat16]
     dense = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx,
@@ -360,8 +364,8 @@ def test_ds_dense_budget_and_sink_recent():
 
 def test_ds_matches_full_reference_when_k_covers_everything():
     c = make_case([70, 64], 9, 3, 64, device=DEVICE, seed=5)
-    ws = make_ws(c, max_heavy_tokens=80)
-    out = ops.ds_decode(*c.args(), c.sm_scale, budgets(c, 69), 69, "group_max", ws=ws, impl="triton")
+    ws = make_ws(c, k_max=80)
+    out = ops.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(budgets(c, 69), 69, "group_max"), ws=ws, impl="triton")
     exp = ref.ds_decode_ref(*c.args(), c.sm_scale, budgets(c, 69), "group_max")
     assert rel_err(out, exp) < TOL[torch.bfloat16]
 
@@ -372,7 +376,7 @@ def test_ops_torch_path_matches_reference(mode, label_dtype):
     c = make_case([70, 20, 301], 9, 3, 64, seed=9, label_dtype=label_dtype)
     for ks, sink, recent in ((budgets(c, 16), 0, 0), (budgets(c, 16, dense_below=100), 2, 3),
                              (torch.tensor([69, 5, 40], dtype=torch.int32), 2, 3)):  # budgets differ per row
-        out = ops.ds_decode(*c.args(), c.sm_scale, ks, 69, mode, sink, recent, impl="torch")
+        out = ops.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(ks, 69, mode, sink, recent), impl="torch")
         exp = ref.ds_decode_ref(*c.args(), c.sm_scale, ks, mode, sink, recent)
         assert torch.allclose(out.float(), exp.to(out.dtype).float(), atol=1e-2, rtol=1e-2)
     out = ops.dense_decode(*c.args()[:3], *c.args()[6:], c.sm_scale, impl="torch")
@@ -400,22 +404,22 @@ def test_rope_kernel_matches_torch(t, hq, hkv, d):
 # ---------------------------------------------------------------- bad arguments
 def test_bad_arguments_raise_value_error():
     c = make_case([40], 9, 3, 64, device=DEVICE, seed=1)
-    ws = make_ws(c, max_heavy_tokens=16)
+    ws = make_ws(c, k_max=16)
     a = list(c.args())
-    with pytest.raises(ValueError, match="max_heavy_tokens must be positive"):
-        ds_launch.ds_decode(*a, c.sm_scale, budgets(c, 0), 0, ws=ws)
-    with pytest.raises(ValueError, match="heavy_token_nums"):
-        ds_launch.ds_decode(*a, c.sm_scale, budgets(c, 8).long(), 8, ws=ws)
-    with pytest.raises(ValueError, match="heavy_token_nums"):
-        ds_launch.ds_decode(*a, c.sm_scale, torch.cat([budgets(c, 8)] * 2), 8, ws=ws)
+    with pytest.raises(ValueError, match="k_max must be positive"):
+        ds_launch.ds_decode(*a, c.sm_scale, DSDecodeArgs(budgets(c, 0), 0), ws=ws)
+    with pytest.raises(ValueError, match="args.k"):
+        ds_launch.ds_decode(*a, c.sm_scale, DSDecodeArgs(budgets(c, 8).long(), 8), ws=ws)
+    with pytest.raises(ValueError, match="args.k"):
+        ds_launch.ds_decode(*a, c.sm_scale, DSDecodeArgs(torch.cat([budgets(c, 8)] * 2), 8), ws=ws)
     with pytest.raises(ValueError, match="exceeds workspace"):
-        ds_launch.ds_decode(*a, c.sm_scale, budgets(c, 17), 17, ws=ws)
+        ds_launch.ds_decode(*a, c.sm_scale, DSDecodeArgs(budgets(c, 17), 17), ws=ws)
     with pytest.raises(ValueError, match="mode"):
-        ds_launch.ds_decode(*a, c.sm_scale, budgets(c, 8), 8, "bogus", ws=ws)
+        ds_launch.ds_decode(*a, c.sm_scale, DSDecodeArgs(budgets(c, 8), 8, "bogus"), ws=ws)
     with pytest.raises(ValueError, match="seq_lens"):
-        ds_launch.ds_decode(*a[:8], c.seq_lens.long(), c.sm_scale, budgets(c, 8), 8, ws=ws)
+        ds_launch.ds_decode(*a[:8], c.seq_lens.long(), c.sm_scale, DSDecodeArgs(budgets(c, 8), 8), ws=ws)
     with pytest.raises(ValueError, match="channels"):
-        ds_launch.ds_decode(*a[:5], c.channels[:, :4], *a[6:], c.sm_scale, budgets(c, 8), 8, ws=ws)
+        ds_launch.ds_decode(*a[:5], c.channels[:, :4], *a[6:], c.sm_scale, DSDecodeArgs(budgets(c, 8), 8), ws=ws)
     with pytest.raises(ValueError, match="q"):
         launch.dense_decode(c.q.int(), *a[1:3], *a[6:], c.sm_scale, ws)
     with pytest.raises(ValueError, match="dims"):
@@ -424,10 +428,10 @@ def test_bad_arguments_raise_value_error():
     with pytest.raises(ValueError, match="r=65"):
         ds_launch.ds_decode(c.q, c.k_cache, c.v_cache, wide, c.label_scale,
                             torch.zeros(3, 65, dtype=torch.int32, device=DEVICE), *a[6:], c.sm_scale,
-                            budgets(c, 8), 8, ws=ws)
+                            DSDecodeArgs(budgets(c, 8), 8), ws=ws)
     with pytest.raises(ValueError, match="label_scale"):
-        ds_launch.ds_decode(c.q, c.k_cache, c.v_cache, c.label_cache.to(torch.float8_e4m3fn), None,
-                         c.channels, *a[6:], c.sm_scale, budgets(c, 8), 8, ws=ws)
+        ds_launch.ds_decode(c.q, c.k_cache, c.v_cache, c.label_cache.to(torch.float8_e4m3fn), None, c.channels, *a[6:],
+                            c.sm_scale, DSDecodeArgs(budgets(c, 8), 8), ws=ws)
     if DEVICE == "cuda":
         with pytest.raises(ValueError, match="on cpu"):
             launch.dense_decode(c.q, c.k_cache.cpu(), c.v_cache, *a[6:], c.sm_scale, ws)
@@ -441,7 +445,7 @@ def test_bad_arguments_raise_value_error():
 def test_cuda_graph_capture_and_replay(mode):
     """Capture store + dense + DS decode once; replay with new lengths and contents == eager."""
     c = make_case([600, 600, 600], 9, 3, 64, device=DEVICE, seed=21)
-    ws = make_ws(c, max_heavy_tokens=64, poison=False)
+    ws = make_ws(c, k_max=64, poison=False)
     k_new = torch.randn(3, 3, 64, device=DEVICE).bfloat16()
     slots = c.req_to_token[c.req_idx.long(), 0].clone()
     out_ds, out_dense = torch.empty_like(c.q), torch.empty_like(c.q)
@@ -449,7 +453,7 @@ def test_cuda_graph_capture_and_replay(mode):
 
     def step():
         ops.store_kv(c.k_cache, c.v_cache, k_new, k_new, slots, c.label_cache, c.label_scale, c.channels)
-        ops.ds_decode(*c.args(), c.sm_scale, ks, 64, mode, ws=ws, out=out_ds)
+        ops.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(ks, 64, mode), ws=ws, out=out_ds)
         ops.dense_decode(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens,
                          c.sm_scale, ws, out=out_dense)
 
@@ -530,9 +534,10 @@ def test_cuda_select_equals_triton(case, mode):
     c = make_case(seq_lens, hq, hkv, d, r=r, device=DEVICE, seed=_seed(tuple(seq_lens), mode, "cuda"))
     got = {}
     for impl in ("triton", "cuda"):
-        ws = make_ws(c, max_heavy_tokens=k + 3)
-        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, mode, ws=ws, num_progs=3, return_sel=True,
-                                     tuning=KernelTuning(select_impl=impl))
+        ws = make_ws(c, k_max=k + 3)
+        _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale,
+                                     DSDecodeArgs(budgets(c, k), k, mode, tuning=KernelTuning(select_impl=impl)), ws=ws,
+                                     num_progs=3, return_sel=True)
         if impl == "cuda":
             _check_selection(c, ws, sel, k, mode)
         got[impl] = (sel.clone(), ws.sel_slot.clone())
@@ -555,7 +560,7 @@ def test_cuda_select_launch_protocol(monkeypatch):
     for skip, stage, want in ((False, "all", ["hist_high", "hist_low", "compact"]), (False, "hist", ["hist_high"]),
                               (True, "all", ["hist_low", "compact"])):
         calls.clear()
-        ds_launch._select(ws, sl, rt, sl, sl, 64, 17, 3, skip, None, stage, KernelTuning())
+        ds_launch._select(ws, sl, rt, sl, DSDecodeArgs(sl, 64, tuning=KernelTuning()), 17, 3, skip, None, stage)
         assert [c[0] for c in calls] == want
         grids = {n: g for n, g in calls}
         assert all(g[:2] == (17, 3) for g in grids.values())
@@ -590,9 +595,10 @@ def test_cuda_score_equals_triton(case, mode, label_dtype, tc, depth, max_hpw):
     rows = rows_of(mode, hq, hkv)
     got = {}
     for impl in ("mma", "cuda"):
-        ws = make_ws(c, max_heavy_tokens=k + 3)
-        ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, k), k, mode, ws=ws, num_progs=3, stage="score",
-                            tuning=base.replace(score_impl=impl))
+        ws = make_ws(c, k_max=k + 3)
+        ds_launch.ds_decode(*c.args(), c.sm_scale,
+                            DSDecodeArgs(budgets(c, k), k, mode, tuning=base.replace(score_impl=impl)), ws=ws,
+                            num_progs=3, stage="score")
         got[impl] = (ws.scores[:, :rows].clone(), ws.hist[0, :, :rows].clone())
     sparse = ref.is_sparse(c.seq_lens.cpu(), budgets(c, k))
     for b in range(c.q.shape[0]):
@@ -619,7 +625,7 @@ def test_cuda_score_launch_protocol(monkeypatch):
     not otherwise."""
     calls = []
     monkeypatch.setattr(ds_launch.cuda_score, "score", lambda *a: calls.append(("score", a[-7:])))
-    monkeypatch.setattr(ds_launch, "_select", lambda ws, sl, rt, ri, ks, max_k, B, rows, skip, np, stage, tuning:
+    monkeypatch.setattr(ds_launch, "_select", lambda ws, sl, rt, ri, args, B, rows, skip, np, stage:
                         calls.append(("select", skip)))
     monkeypatch.setattr(ds_launch, "_take_cuda", lambda knob, impl, why_not: knob == "score_impl")
     monkeypatch.setattr(ds_launch, "num_sms", lambda dev: 132)
@@ -627,9 +633,9 @@ def test_cuda_score_launch_protocol(monkeypatch):
     for hist in (True, False):
         tuning = KernelTuning(score_cuda_hist=hist)
         calls.clear()
-        ws = make_ws(c, max_heavy_tokens=16)
-        ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, 16), 16, "group_max", ws=ws, stage="select",
-                            tuning=tuning)
+        ws = make_ws(c, k_max=16)
+        ds_launch.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(budgets(c, 16), 16, "group_max", tuning=tuning), ws=ws,
+                            stage="select")
         assert [n for n, _ in calls] == ["score", "select"]
         P, do_hist, per, minb, tc, _depth, _max_hpw = calls[0][1]
         assert do_hist == hist and calls[1][1] == hist and P >= 1
@@ -642,7 +648,7 @@ def test_score_impl_choice(monkeypatch):
     once and scores with Triton (the interpreter stands in for a GPU here)."""
     import warnings
     c = make_case([70, 20, 301], 9, 3, 64, seed=6, device=DEVICE)
-    ws = make_ws(c, max_heavy_tokens=16)
+    ws = make_ws(c, k_max=16)
     with pytest.raises(ValueError, match="score_impl"):
         KernelTuning(score_impl="fast")
     tuning = KernelTuning(score_impl="cuda")
@@ -654,7 +660,7 @@ def test_score_impl_choice(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            ds_launch.ds_decode(*c.args(), c.sm_scale, budgets(c, 16), 16, "group_max", ws=ws, stage="score",
-                                tuning=tuning)
+            ds_launch.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(budgets(c, 16), 16, "group_max", tuning=tuning),
+                                ws=ws, stage="score")
     msgs = [str(w.message) for w in caught if "score_impl" in str(w.message)]
     assert len(msgs) == 1 and "a test reason" in msgs[0] and used == ["mma", "mma"]

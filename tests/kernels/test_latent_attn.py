@@ -8,6 +8,7 @@ from conftest import DEVICE
 from kernel_utils import budgets, make_case, make_ws, rel_err
 
 from doublesparse.kernels import ops
+from doublesparse.kernels.ops import DSDecodeArgs
 from doublesparse.kernels.latent import latent_split
 from doublesparse.kernels.tuning import KernelTuning
 
@@ -22,12 +23,12 @@ def test_latent_pool_decode_matches_torch(ds, heads):
     dn, _ = latent_split(d)
     c = make_case([37, 90, 13], hq, 1, d, r=8, dtype=dtype, device=DEVICE, seed=3)
     kv = c.k_cache  # one pool for K and V, as MemoryPlan.latent makes it
-    ws = make_ws(c, max_heavy_tokens=16 if ds else 0)
+    ws = make_ws(c, k_max=16 if ds else 0)
     if ds:
         ks = budgets(c, 16)
         args = (c.q, kv, kv, c.label_cache, c.label_scale, c.channels, c.req_to_token, c.req_idx, c.seq_lens,
-                c.sm_scale, ks, 16)
-        got = ops.ds_decode(*args, ws=ws, impl="triton", tuning=tuning)
+                c.sm_scale, DSDecodeArgs(ks, 16, tuning=tuning))
+        got = ops.ds_decode(*args, ws=ws, impl="triton")
         want = ops.ds_decode(*args, impl="torch")
     else:
         args = (c.q, kv, kv, c.req_to_token, c.req_idx, c.seq_lens, c.sm_scale)
@@ -43,11 +44,11 @@ def test_latent_pool_top_p_reads_only_the_kept_slots():
     dn, _ = latent_split(d)
     c = make_case([37, 90, 13], hq, 1, d, r=8, dtype=torch.float32, device=DEVICE, seed=3)
     kv = c.k_cache
-    ws = make_ws(c, max_heavy_tokens=16)
+    ws = make_ws(c, k_max=16)
     args = (c.q, kv, kv, c.label_cache, c.label_scale, c.channels, c.req_to_token, c.req_idx, c.seq_lens,
-            c.sm_scale, budgets(c, 16), 16)
+            c.sm_scale, DSDecodeArgs(budgets(c, 16), 16, top_p=0.5, top_p_min_k=2))
     ws.topp_slot.fill_(1)
-    got = ops.ds_decode(*args, ws=ws, impl="triton", top_p=0.5, top_p_min_k=2)
-    want = ops.ds_decode(*args, impl="torch", top_p=0.5, top_p_min_k=2)
+    got = ops.ds_decode(*args, ws=ws, impl="triton")
+    want = ops.ds_decode(*args, impl="torch")
     # float32 (stale slots cost ~2e-2 here); on the GPU its dots run as tf32
     assert rel_err(got[..., :dn], want[..., :dn]) < (3e-3 if DEVICE == "cuda" else 1e-4)

@@ -9,6 +9,7 @@ import torch
 from conftest import DEVICE
 from kernel_utils import TOL, budgets, check_selection, make_case, make_ws, rel_err
 from doublesparse.kernels import ops
+from doublesparse.kernels.ops import DSDecodeArgs
 from doublesparse.kernels import reference as ref
 
 FP8 = torch.float8_e4m3fn
@@ -31,10 +32,10 @@ def test_layer_decode_matches_reference(case, label_dtype):
     if DEVICE == "cpu" and label_dtype == FP8 and d >= 128:
         pytest.skip("interpreter time")
     c = make_case(seq_lens, hq, hkv, d, r=r, label_dtype=label_dtype, device=DEVICE, seed=len(seq_lens) + r)
-    ws = make_ws(c, max_heavy_tokens=k + 3, layer_select=True)
+    ws = make_ws(c, k_max=k + 3, layer_select=True)
     ks = budgets(c, k)
     out = torch.full_like(c.q, float("nan"))
-    ops.ds_decode(*c.args(), c.sm_scale, ks, k, "layer", 1, 2, ws=ws, out=out, impl="triton")
+    ops.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(ks, k, "layer", 1, 2), ws=ws, out=out, impl="triton")
     assert not out.isnan().any()
     # the shared row: the layer's scores and their top-k (sink and recent forced)
     check_selection(c, ws.layer, ws.layer.sel, k, "layer", 1, 2)
@@ -51,7 +52,7 @@ def test_layer_torch_path_matches_reference(case):
     seq_lens, hq, hkv, d, r, k = case
     c = make_case(seq_lens, hq, hkv, d, r=r, dtype=torch.float32, seed=5)
     ks = budgets(c, k)
-    out = ops.ds_decode(*c.args(), c.sm_scale, ks, k, "layer", 1, 2, impl="torch")
+    out = ops.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(ks, k, "layer", 1, 2), impl="torch")
     assert torch.allclose(out.float(), _reference(c, ks, 1, 2), atol=1e-4, rtol=1e-4)
 
 
@@ -71,7 +72,7 @@ def test_layer_mode_refusals():
     c = make_case([100], 4, 2, 32, r=4, device=DEVICE)
     ks = budgets(c, 16)
     with pytest.raises(ValueError, match="layer_select"):
-        ops.ds_decode(*c.args(), c.sm_scale, ks, 16, "layer", ws=make_ws(c, 16), impl="triton")
+        ops.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(ks, 16, "layer"), ws=make_ws(c, 16), impl="triton")
     with pytest.raises(ValueError, match="top-p"):
-        ops.ds_decode(*c.args(), c.sm_scale, ks, 16, "layer", ws=make_ws(c, 16, layer_select=True),
-                      impl="triton", top_p=0.9)
+        ops.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(ks, 16, "layer", top_p=0.9),
+                      ws=make_ws(c, 16, layer_select=True), impl="triton")

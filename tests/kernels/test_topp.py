@@ -8,6 +8,7 @@ from kernel_utils import TOL, make_case, make_ws, ref, rel_err, rows_of
 
 from doublesparse.attention.budget import DENSE
 from doublesparse.kernels import ops
+from doublesparse.kernels.ops import DSDecodeArgs
 from doublesparse.kernels.triton import ds_launch
 
 
@@ -26,14 +27,14 @@ def test_torch_path_matches_reference(mode, p, k_min):
     ks = torch.tensor([40, 40, DENSE], dtype=torch.int32)
     R = rows_of(mode, 9, 3)
     counts = torch.full((3, R), -1, dtype=torch.int32)
-    out = ops.ds_decode(*c.args(), c.sm_scale, ks, 40, mode, 2, 3, impl="torch", top_p=p,
-                        top_p_min_k=k_min, row_counts=counts)
+    out = ops.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(ks, 40, mode, 2, 3, top_p=p, top_p_min_k=k_min),
+                        impl="torch", row_counts=counts)
     exp = ref.ds_decode_ref(*c.args(), c.sm_scale, ks, mode, 2, 3, top_p=p, top_p_min_k=k_min)
     assert rel_err(out, exp) < 1e-5
     assert bool((counts[0] >= max(k_min, 5)).all()) and bool((counts[0] <= 40).all())
     assert counts[1:].tolist() == [[6] * R, [97] * R]   # dense requests: their lengths
-    full = ops.ds_decode(*c.args(), c.sm_scale, ks, 40, mode, 2, 3, impl="torch", top_p=1.0)
-    fixed = ops.ds_decode(*c.args(), c.sm_scale, ks, 40, mode, 2, 3, impl="torch")
+    full = ops.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(ks, 40, mode, 2, 3, top_p=1.0), impl="torch")
+    fixed = ops.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(ks, 40, mode, 2, 3), impl="torch")
     assert rel_err(full, fixed) < 1e-6
 
 
@@ -58,18 +59,19 @@ def test_triton_matches_reference(mode):
     ks_list = [45, 40, 60] if mode == "group_max" else [37]
     c = make_case(lens, 9, 3, 64, r=16, device=DEVICE, seed=7)
     c.q.mul_(3)  # peakier attention than unit-variance noise, so the mass concentrates
-    ws = make_ws(c, max_heavy_tokens=60)
+    ws = make_ws(c, k_max=60)
     ws.topp_part.fill_(float("nan"))
     ws.row_k.fill_(-5)
     ks = torch.tensor(ks_list, dtype=torch.int32, device=DEVICE)
     R = rows_of(mode, 9, 3)
     p, k_min, sink, recent = 0.9, 12, 2, 3
     out = torch.full_like(c.q, float("nan"))
-    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, ks, 60, mode, sink, recent, ws=ws, out=out,
-                                 num_splits=3, num_progs=2 if mode == "group_max" else 1, return_sel=True, top_p=p, top_p_min_k=k_min)
+    args = DSDecodeArgs(ks, 60, mode, sink, recent, top_p=p, top_p_min_k=k_min)
+    _, sel = ds_launch.ds_decode(*c.args(), c.sm_scale, args, ws=ws, out=out, num_splits=3,
+                                 num_progs=2 if mode == "group_max" else 1, return_sel=True)
     assert not out.isnan().any()
     counts = torch.zeros(len(lens), R, dtype=torch.int32, device=DEVICE)
-    ops._fill_row_counts(counts, ws, c.seq_lens, ks, 60, p)
+    ops._fill_row_counts(counts, ws, c.seq_lens, args)
     exp = ref.dense_decode_ref(c.q, c.k_cache, c.v_cache, c.req_to_token, c.req_idx, c.seq_lens, c.sm_scale)
     for b, (n, k) in enumerate(zip(lens, ks_list)):
         if n <= k:
@@ -94,13 +96,14 @@ def test_cuda_graph_capture_and_replay(mode):
     once, replayed with new lengths, budgets and contents == eager == the reference on the
     kernel's selection; G = 7 as in Qwen2.5."""
     c = make_case([600, 600, 600], 28, 4, 64, device=DEVICE, seed=22)
-    ws = make_ws(c, max_heavy_tokens=96, poison=False)
+    ws = make_ws(c, k_max=96, poison=False)
     out = torch.empty_like(c.q)
     ks = torch.full_like(c.seq_lens, 96)
     R = rows_of(mode, 28, 4)
 
     def step():
-        ops.ds_decode(*c.args(), c.sm_scale, ks, 96, mode, 2, 3, ws=ws, out=out, top_p=0.9, top_p_min_k=16)
+        ops.ds_decode(*c.args(), c.sm_scale, DSDecodeArgs(ks, 96, mode, 2, 3, top_p=0.9, top_p_min_k=16), ws=ws,
+                      out=out)
 
     c.seq_lens.copy_(torch.tensor([500, 30, 96], dtype=torch.int32, device=DEVICE))
     step()

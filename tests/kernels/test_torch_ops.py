@@ -7,6 +7,7 @@ from kernel_utils import make_case, ref
 
 from doublesparse.attention.budget import DENSE
 from doublesparse.kernels import torch_ops
+from doublesparse.kernels.ops import DSDecodeArgs
 
 FP8 = torch.float8_e4m3fn
 
@@ -39,7 +40,7 @@ def test_ds_and_dense_decode_match_reference(mode, label_dtype, layout):
     assert args[0].shape[0] == 3
     for ks, sink, recent in (([24, 24, 24], 0, 0), ([37, DENSE, 100], 2, 3), ([5, 6, 131], 1, 1)):
         ks = torch.tensor(ks, dtype=torch.int32)
-        out = torch_ops.ds_decode(*args, c.sm_scale, ks, mode, sink, recent)
+        out = torch_ops.ds_decode(*args, c.sm_scale, DSDecodeArgs(ks, 131, mode, sink, recent))
         exp = ref.ds_decode_ref(*args, c.sm_scale, ks, mode, sink, recent)
         torch.testing.assert_close(out, exp, rtol=1e-4, atol=1e-4)
     out = torch_ops.dense_decode(*args[:3], *args[6:], c.sm_scale)

@@ -24,7 +24,7 @@ from doublesparse.models import (  # noqa: E402
     load_model, load_tokenizer, model_class, read_chat_template, shipped_configs,
 )
 from doublesparse.models.loader import CONFIGS_DIR  # noqa: E402
-from doublesparse.models.rope import rope_inv_freq  # noqa: E402
+from doublesparse.models.layers import rope_inv_freq  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 

@@ -119,8 +119,7 @@ def test_sampling_params_either_refused_or_sampleable(kw):
 
     import torch
 
-    from doublesparse.engine.request_sampling import RequestSampling, sample_requests
-    from doublesparse.engine.sampler import apply_penalties, make_generator
+    from doublesparse.engine.sampler import RequestSampling, apply_penalties, make_generator, sample_requests
     from doublesparse.engine.sampling_params import SamplingParams
 
     try:

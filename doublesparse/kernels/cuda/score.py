@@ -124,12 +124,12 @@ def why_not(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc=
 
 
 def score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist, sm_scale,
-          heavy_ks, num_sink, num_recent, mode, P, do_hist, per_thread, min_blocks, tc=False, depth=2, max_hpw=8):
+          k, num_sink, num_recent, mode, P, do_hist, per_thread, min_blocks, tc=False, depth=2, max_hpw=8):
     """Stage 1 (and, with ``do_hist``, the select's phase 1). Grid (B, P); score_tc.cu with ``tc``.
 
     q: [B, Hq, D]; label_cache: [slots, Hkv, r] bf16/fp16/fp8 (label_scale: [1] fp32 for fp8);
     channels: [Hkv, r] int32/int64; scores: [B, rows, L] fp16; hist: [1 + progs, B, rows, 256] int32;
-    heavy_ks: [B] int32, each request's budget (scores are written for requests with seq_len > it).
+    k: [B] int32, each request's budget (scores are written for requests with seq_len > it).
     """
     B = q.shape[0]
     defines = _defines(q, label_cache, channels, mode, do_hist, per_thread, min_blocks, tc, depth, max_hpw)
@@ -137,7 +137,7 @@ def score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens
     kern = nvrtc.kernel(q.device, name, kernels, kernels[0], defines)
     kern(grid=(B, P, 1), block=(THREADS, 1, 1),
          args=[q, label_cache, channels, label_scale if label_scale is not None else q, req_to_token, req_idx,
-               int(req_idx.dtype == torch.int64), seq_lens, scores, hist, float(sm_scale), heavy_ks,
+               int(req_idx.dtype == torch.int64), seq_lens, scores, hist, float(sm_scale), k,
                *nvrtc.ints("CUDA score", num_sink, num_recent, q.stride(0), q.stride(1),
                            label_cache.stride(0), label_cache.stride(1), channels.stride(0),
                            req_to_token.stride(0), scores.stride(0), scores.stride(1), hist.stride(1),

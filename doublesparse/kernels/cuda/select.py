@@ -37,34 +37,34 @@ def _kernel(name, device):
     return nvrtc.kernel(device, NAME, KERNELS, name)
 
 
-# heavy_ks: [B] int32 on the device, each request's budget: it decodes sparsely iff
-# seq_lens[b] > heavy_ks[b] (else its rows select nothing), and its rows select
-# min(heavy_ks[b], max_k) positions (max_k: the host's bound, at most sel's row length).
+# k: [B] int32 on the device, each request's budget: it decodes sparsely iff
+# seq_lens[b] > k[b] (else its rows select nothing), and its rows select
+# min(k[b], k_max) positions (k_max: the host's bound, at most sel's row length).
 
-def hist_high(scores, hist, seq_lens, heavy_ks, B, rows, P):
+def hist_high(scores, hist, seq_lens, k, B, rows, P):
     """Phase 1: hist[0] += the high-byte histogram of each row's keys. Grid (B, rows, P)."""
     _kernel("ds_select_hist_high", scores.device)(
         grid=(B, rows, P), block=(THREADS, 1, 1),
-        args=[scores, hist, seq_lens, heavy_ks, *_ints(scores.stride(0), scores.stride(1),
+        args=[scores, hist, seq_lens, k, *_ints(scores.stride(0), scores.stride(1),
                                                         hist.stride(1), hist.stride(2), P)])
 
 
-def hist_low(scores, hist, info, counts, seq_lens, heavy_ks, max_k, B, rows, P):
+def hist_low(scores, hist, info, counts, seq_lens, k, k_max, B, rows, P):
     """Phase 2: rowinfo, hist[1 + p] and counts[p] of each row. Grid (B, rows, P)."""
     _kernel("ds_select_hist_low", scores.device)(
         grid=(B, rows, P), block=(THREADS, 1, 1),
-        args=[scores, hist, info, counts, seq_lens, heavy_ks,
-              *_ints(max_k, scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1),
+        args=[scores, hist, info, counts, seq_lens, k,
+              *_ints(k_max, scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1),
                      hist.stride(2), info.stride(0), info.stride(1), counts.stride(0), counts.stride(1), P)])
 
 
-def compact(scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx, heavy_ks, max_k,
+def compact(scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx, k, k_max,
             B, rows, P):
     """Phase 3: sel / sel_slot of each row, hist[0] cleared. Grid (B, rows, P), P as phase 2's."""
     _kernel("ds_select_compact", scores.device)(
         grid=(B, rows, P), block=(THREADS, 1, 1),
-        args=[scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx, heavy_ks,
-              *_ints(req_idx.dtype == torch.int64, max_k, scores.stride(0), scores.stride(1),
+        args=[scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx, k,
+              *_ints(req_idx.dtype == torch.int64, k_max, scores.stride(0), scores.stride(1),
                      hist.stride(0), hist.stride(1), hist.stride(2), info.stride(0), info.stride(1),
                      counts.stride(0), counts.stride(1), sel.stride(0), sel.stride(1),
                      req_to_token.stride(0), P)])

@@ -1,5 +1,5 @@
-"""Shared by the Triton launchers (launch.py, ds_launch.py, fused_launch.py): argument checks and
-device facts.
+"""Shared by the Triton launchers (launch.py, ds_launch.py, fused_launch.py): argument checks (the
+store's also run on the PyTorch path, so both paths refuse the same arguments) and device facts.
 
 Every check reads only shapes, dtypes, strides and devices (never tensor values), so the launchers
 stay capturable in CUDA graphs.
@@ -77,6 +77,25 @@ def check_labels(label_cache, label_scale, channels, k_cache, dev):
             fail("fp8 labels need label_scale ([1] float32)")
         check(label_scale, "label_scale", 1, (torch.float32,), dev)
     return r
+
+
+def check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale=None,
+                     v_scale=None):
+    """The store's arguments (ops.store_kv, ops.rope_store), on either path."""
+    dev = k.device
+    check_caches(k_cache, v_cache, dev, k_scale, v_scale)
+    check(k, "k", 3, FLOAT, dev)
+    check(v, "v", 3, FLOAT, dev)
+    N, Hkv, D = k.shape
+    if tuple(v.shape) != (N, Hkv, D):
+        fail(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
+    if tuple(k_cache.shape[1:]) != (Hkv, D):
+        fail(f"k is [N, {Hkv}, {D}] but k_cache is {tuple(k_cache.shape)}")
+    check(slots, "slots", 1, INDEX, dev)
+    if slots.shape[0] != N:
+        fail(f"slots has {slots.shape[0]} entries for {N} tokens")
+    if label_cache is not None:
+        check_labels(label_cache, label_scale, channels, k_cache, dev)
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,7 +4,7 @@ One program handles (batch entry b, row r, split s). A row is a KV head whose wh
 packed into the program (so each K/V byte is read once), or, in per-query-head selection, a single
 query head. The token list of a row is either positions 0..seq_len-1 (dense) or the row's top-k
 selected tokens (sparse: their cache slots, from the select step), k being the request's own
-budget (heavy_ks[b]); which one is decided per request on the device from seq_lens and heavy_ks.
+budget (k[b]); which one is decided per request on the device from seq_lens and k.
 
 An fp8 pool (KV_FP8) is read as fp8 rows converted to q's dtype (exact) for the tensor-core dots;
 its per-layer scales are applied outside the loop: k_scale into the score scale, v_scale to the
@@ -48,7 +48,7 @@ def decode_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr,
     part_o_ptr, part_lse_ptr, out_ptr,
-    sm_scale, heavy_ks_ptr, max_k,
+    sm_scale, k_ptr, k_max,
     stride_qb, stride_qh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt, stride_selb, stride_selr,
@@ -62,7 +62,7 @@ def decode_attn_kernel(
     attn_split(
         tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_cache_ptr, v_cache_ptr,
         req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr, part_o_ptr, part_lse_ptr, out_ptr,
-        sm_scale, heavy_ks_ptr, max_k, stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
+        sm_scale, k_ptr, k_max, stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch,
         stride_rt, stride_selb, stride_selr,
         stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
         G, D, PER_HEAD, HAS_SEL, NUM_SPLITS, BLOCK_H, BLOCK_N, BLOCK_D, DOT_F32,
@@ -74,7 +74,7 @@ def attn_split(
     b, row, split, q_ptr, k_cache_ptr, v_cache_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr,
     part_o_ptr, part_lse_ptr, out_ptr,
-    sm_scale, heavy_ks_ptr, max_k,
+    sm_scale, k_ptr, k_max,
     stride_qb, stride_qh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_rt, stride_selb, stride_selr,
@@ -91,14 +91,14 @@ def attn_split(
     req = tl.load(req_idx_ptr + b).to(tl.int64)
     if HAS_SEL:
         # The request's own budget: sparse iff its length exceeds it; then its first k entries
-        # of sel (k capped at max_k, sel's row length, as the select caps it). NUM_SPLITS is
+        # of sel (k capped at k_max, sel's row length, as the select caps it). NUM_SPLITS is
         # sized for the batch's largest k; a row with a smaller one gets shorter splits, and
         # splits past its k are empty (lse -inf), which the merge weighs zero.
-        heavy_k = tl.load(heavy_ks_ptr + b)
-        sparse = seq_len > heavy_k
+        k_b = tl.load(k_ptr + b)
+        sparse = seq_len > k_b
         if ROW_KS:
-            heavy_k = tl.load(row_ks_ptr + b * stride_rkb + row)
-        n = tl.where(sparse, tl.minimum(heavy_k, max_k), seq_len)
+            k_b = tl.load(row_ks_ptr + b * stride_rkb + row)
+        n = tl.where(sparse, tl.minimum(k_b, k_max), seq_len)
     else:
         sparse = seq_len < 0  # always False, keeps one code path
         n = seq_len

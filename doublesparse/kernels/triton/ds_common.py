@@ -25,10 +25,10 @@ def load_block(row_ptr, offs, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def sparse_len(seq_len, heavy_k):
+def sparse_len(seq_len, k):
     # Positions this request contributes to selection: all of them if it decodes sparsely (the
-    # rule of reference.is_sparse: its length exceeds its own budget heavy_k), else none.
-    return tl.where(seq_len > heavy_k, seq_len, 0)
+    # rule of reference.is_sparse: its length exceeds its own budget k), else none.
+    return tl.where(seq_len > k, seq_len, 0)
 
 
 @triton.jit

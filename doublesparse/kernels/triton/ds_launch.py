@@ -15,7 +15,7 @@ import triton
 from ..cuda import score as cuda_score
 from ..cuda import select as cuda_select
 from ..reference import MODES
-from ..tuning import DEFAULT_TUNING, KernelTuning
+from ..tuning import KernelTuning
 from ..workspace import SCORE_PAD, SELECT_MAX_PROGS, TOPP_MAX_PROGS
 from .common import INTERPRET, check, check_decode, check_labels, fail, num_sms
 from .ds_score import score_mma_kernel
@@ -29,50 +29,43 @@ STAGES = ("score", "hist", "select", "attend", "rest", "all")
 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-              seq_lens, sm_scale, heavy_token_nums, max_heavy_tokens, mode="group_max", num_sink=0,
-              num_recent=0, ws=None, out=None, num_splits=None, num_progs=None, return_sel=False,
-              stage="all", tuning: KernelTuning = DEFAULT_TUNING, top_p=0.0, top_p_min_k=0,
-              k_scale=None, v_scale=None):
-    """See ops.ds_decode. ``stage`` ("score", "hist", "select", "attend", "all") runs a prefix or
-    the last part only, for the stage-by-stage benchmark; "rest" runs everything after the score
-    (select and attend), so that callers can order batch parts' stages across streams;
-    ``return_sel`` also returns the selection ([B, rows, K] int32, row b's first
-    ``heavy_token_nums[b]`` entries meaningful where it decodes sparsely). top_p > 0: the top-p
-    budget's launches (ds_topp.py) run after the select (stage "select" included); the attention
-    then reads ``ws.topp_slot`` and ``ws.row_k``. k_scale, v_scale: an fp8 pool's scales."""
+              seq_lens, sm_scale, args, ws=None, out=None, num_splits=None, num_progs=None, return_sel=False,
+              stage="all", k_scale=None, v_scale=None):
+    """See ops.ds_decode (``args``: an ops.DSDecodeArgs). ``stage`` ("score", "hist", "select",
+    "attend", "all") runs a prefix or the last part only, for the stage-by-stage benchmark; "rest"
+    runs everything after the score (select and attend), so that callers can order batch parts'
+    stages across streams; ``return_sel`` also returns the selection ([B, rows, K] int32, row b's
+    first ``args.k[b]`` entries meaningful where it decodes sparsely). With the top-p budget its
+    launches (ds_topp.py) run after the select (stage "select" included); the attention then
+    reads ``ws.topp_slot`` and ``ws.row_k``. k_scale, v_scale: an fp8 pool's scales."""
     B, Hq, Hkv, D = check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale, v_scale)
     dev = q.device
     r = check_labels(label_cache, label_scale, channels, k_cache, dev)
-    if mode not in MODES or mode == "layer":
+    mode, tuning, top_p = args.mode, args.tuning, args.top_p
+    if mode == "layer":
         fail(f"mode must be one of {MODES[:3]} (the layer mode: ds_layer.py), got {mode!r}")
-    check(heavy_token_nums, "heavy_token_nums", 1, (torch.int32,), dev)
-    if heavy_token_nums.shape[0] != B:
-        fail(f"heavy_token_nums {tuple(heavy_token_nums.shape)} must be [{B}]")
-    # Only the host bound is checked: the per-row budgets live on the device (no sync).
-    k = int(max_heavy_tokens)
-    if k <= 0:
-        fail(f"max_heavy_tokens must be positive, got {k}")
-    if not ws.max_heavy_tokens:
-        fail("workspace has no Double Sparsity buffers (max_heavy_tokens=0)")
-    if k > ws.max_heavy_tokens:
-        fail(f"max_heavy_tokens={k} exceeds workspace max_heavy_tokens={ws.max_heavy_tokens}")
+    k = args.k
+    check(k, "args.k", 1, (torch.int32,), dev)
+    if k.shape[0] != B:
+        fail(f"args.k {tuple(k.shape)} must be [{B}]")
+    # Only the host bound is checked: the per-request k live on the device (no sync).
+    k_max = int(args.k_max)
+    if not ws.k_max:
+        fail("workspace has no Double Sparsity buffers (k_max=0)")
+    if k_max > ws.k_max:
+        fail(f"k_max={k_max} exceeds workspace k_max={ws.k_max}")
     if req_to_token.shape[1] > ws.max_ctx:
         fail(f"req_to_token has {req_to_token.shape[1]} positions > workspace max_ctx {ws.max_ctx}")
-    if not 0.0 <= top_p <= 1.0:
-        fail(f"top_p must be in [0, 1], got {top_p}")
-    if num_sink < 0 or num_recent < 0 or num_sink + num_recent > k:
-        fail(f"need 0 <= num_sink + num_recent <= max_heavy_tokens, got {num_sink} + {num_recent} "
-              f"(max_heavy_tokens={k})")
-    ks = heavy_token_nums
     G = Hq // Hkv
     per_head = mode == "per_head"
     rows = Hq if per_head else Hkv
-    scores, hist, sel, sel_slot = ws.scores, ws.hist, ws.sel, ws.sel_slot
+    scores, sel_slot = ws.scores, ws.sel_slot
     if tuning.max_score_block > SCORE_PAD:
         fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage not in STAGES:
         fail(f"stage must be one of {STAGES}, got {stage!r}")
     impl, hist_in_score, geometry = _score_impl(q, label_cache, channels, mode, tuning)
+    num_sink, num_recent = int(args.num_sink), int(args.num_recent)
     if stage not in ("attend", "rest"):
         nsm = num_sms(dev)
         if impl == "cuda":
@@ -80,18 +73,18 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             step = cuda_score.step_tokens(q, label_cache, per_thread, tc, depth, max_hpw)
             P = num_progs or max(1, min(triton.cdiv(tuning.score_cuda_programs_per_sm * nsm, B),
                                         triton.cdiv(ws.max_ctx, step)))
-            cuda_score.score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores, hist,
-                             sm_scale, ks, num_sink, num_recent, mode, P, hist_in_score, *geometry)
+            cuda_score.score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores,
+                             ws.hist, sm_scale, k, num_sink, num_recent, mode, P, hist_in_score, *geometry)
         elif impl == "mma":
             _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
-                       float(sm_scale), ks, int(num_sink), int(num_recent), mode, tuning, num_progs)
+                       float(sm_scale), args, num_progs)
         else:
             P_score = num_progs or max(1, min(triton.cdiv(tuning.score_programs_per_sm * nsm, B * Hkv),
                                               triton.cdiv(ws.max_ctx, tuning.score_block_n)))
             is_fp8 = label_cache.dtype == torch.float8_e4m3fn
             score_kernel[(B, Hkv, P_score)](
                 q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
-                scores, float(sm_scale), ks, int(num_sink), int(num_recent),
+                scores, float(sm_scale), k, num_sink, num_recent,
                 q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
                 req_to_token.stride(0), scores.stride(0), scores.stride(1),
                 G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P_score,
@@ -102,22 +95,20 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         if stage == "score":
             return None
     if stage != "attend":
-        _select(ws, seq_lens, req_to_token, req_idx, ks, k, B, rows, hist_in_score,
-                num_progs, stage, tuning)
+        _select(ws, seq_lens, req_to_token, req_idx, args, B, rows, hist_in_score, num_progs, stage)
         if stage == "hist":
             return None
         if top_p > 0:
-            topp_keep(ws, seq_lens, ks, k, B, rows, float(top_p), int(top_p_min_k), int(num_sink),
-                      int(num_recent), num_progs, tuning)
+            topp_keep(ws, seq_lens, args, B, rows, num_progs)
         if stage == "select":
-            return sel
+            return ws.sel
     if num_splits is None:
-        num_splits = sparse_splits(B, rows, Hkv, k, ws, dev, tuning)
+        num_splits = sparse_splits(B, rows, Hkv, k_max, ws, dev, tuning)
     o = split_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                   ws.topp_slot if top_p > 0 else sel_slot, rows, ks, k, per_head, num_splits, tuning,
-                   tuning.sparse_attn_stages, row_ks=ws.row_k if top_p > 0 else None,
-                   k_scale=k_scale, v_scale=v_scale)
-    return (o, sel) if return_sel else o
+                        ws.topp_slot if top_p > 0 else sel_slot, rows, k, k_max, per_head, num_splits, tuning,
+                        tuning.sparse_attn_stages, row_ks=ws.row_k if top_p > 0 else None,
+                        k_scale=k_scale, v_scale=v_scale)
+    return (o, ws.sel) if return_sel else o
 
 
 def _mma_geometry(q, label_cache, tuning: KernelTuning) -> dict:
@@ -158,12 +149,12 @@ def _score_impl(q, label_cache, channels, mode, tuning: KernelTuning):
     return impl, False, None
 
 
-def _select(ws, seq_lens, req_to_token, req_idx, heavy_ks, max_k, B, rows, skip_phase1, num_progs, stage,
-            tuning: KernelTuning):
+def _select(ws, seq_lens, req_to_token, req_idx, args, B, rows, skip_phase1, num_progs, stage):
     """Stage 2: the top-k select's three phases, one launch each (phase 1 skipped when the
     score launch made the histogram; stage "hist" runs phase 1 only, for the stage benchmark), by
     ds_select.py's Triton kernel or select.cu's CUDA kernels (``_use_cuda_select``). Row b's rank
-    is heavy_ks[b] ([B] int32 on the device), capped at max_k (<= the sel rows' length)."""
+    is ``args.k[b]`` ([B] int32 on the device), capped at ``args.k_max`` (<= the sel rows' length)."""
+    k, k_max, tuning = args.k, int(args.k_max), args.tuning
     scores, hist, info, counts, sel, sel_slot = (ws.scores, ws.hist, ws.rowinfo, ws.counts, ws.sel,
                                                  ws.sel_slot)
     nsm = num_sms(scores.device)
@@ -177,22 +168,22 @@ def _select(ws, seq_lens, req_to_token, req_idx, heavy_ks, max_k, B, rows, skip_
 
     if cuda:
         if not skip_phase1:
-            cuda_select.hist_high(scores, hist, seq_lens, heavy_ks, B, rows,
+            cuda_select.hist_high(scores, hist, seq_lens, k, B, rows,
                                   progs(tuning.hist_programs_per_sm, cuda_select.CHUNK))
         if stage != "hist":
             P = progs(tuning.select_programs_per_sm, cuda_select.CHUNK, SELECT_MAX_PROGS)
-            cuda_select.hist_low(scores, hist, info, counts, seq_lens, heavy_ks, max_k, B, rows, P)
+            cuda_select.hist_low(scores, hist, info, counts, seq_lens, k, k_max, B, rows, P)
             cuda_select.compact(scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx,
-                                heavy_ks, max_k, B, rows, P)
+                                k, k_max, B, rows, P)
         return
-    args = (scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx, heavy_ks, int(max_k),
-            scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
-            info.stride(0), info.stride(1), counts.stride(0), counts.stride(1),
-            sel.stride(0), sel.stride(1), req_to_token.stride(0))
+    kargs = (scores, hist, info, counts, seq_lens, sel, sel_slot, req_to_token, req_idx, k, k_max,
+             scores.stride(0), scores.stride(1), hist.stride(0), hist.stride(1), hist.stride(2),
+             info.stride(0), info.stride(1), counts.stride(0), counts.stride(1),
+             sel.stride(0), sel.stride(1), req_to_token.stride(0))
 
     def launch(phase, block, per_sm, loop_stages, max_progs=None):
         P = progs(per_sm, block, max_progs)
-        select_kernel[(B, rows, P)](*args, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
+        select_kernel[(B, rows, P)](*kargs, PHASE=phase, NUM_PROGS=P, BLOCK_N=block,
                                     LOOP_STAGES=loop_stages, MAX_PROGS=SELECT_MAX_PROGS,
                                     num_warps=tuning.select_warps, num_stages=tuning.select_stages)
 
@@ -204,25 +195,27 @@ def _select(ws, seq_lens, req_to_token, req_idx, heavy_ks, max_k, B, rows, skip_
                    SELECT_MAX_PROGS)
 
 
-def topp_keep(ws, seq_lens, heavy_ks, max_k, B, rows, top_p, k_min, num_sink, num_recent, num_progs,
-              tuning: KernelTuning):
+def topp_keep(ws, seq_lens, args, B, rows, num_progs):
     """The top-p budget's two launches (ds_topp.py): each row's softmax denominator over its
-    scores, then which of its selected tokens it keeps -> ws.topp_slot, ws.row_k."""
+    scores, then which of its selected tokens it keeps -> ws.topp_slot, ws.row_k. args: the
+    call's ops.DSDecodeArgs."""
+    tuning, k, k_max = args.tuning, args.k, int(args.k_max)
+    num_sink, num_recent = int(args.num_sink), int(args.num_recent)
     scores, part = ws.scores, ws.topp_part
     block = tuning.topp_block_n
     P = num_progs or max(1, min(triton.cdiv(tuning.topp_programs_per_sm * num_sms(scores.device), B * rows),
                                 triton.cdiv(ws.max_ctx, block)))
     P = min(P, TOPP_MAX_PROGS)
     topp_mass_kernel[(B, rows, P)](
-        scores, seq_lens, heavy_ks, part, num_sink, num_recent,
+        scores, seq_lens, k, part, num_sink, num_recent,
         scores.stride(0), scores.stride(1), part.stride(0), part.stride(1),
         NUM_PROGS=P, BLOCK_N=block, num_warps=tuning.topp_warps,
     )
     sel = ws.sel
-    k_p = triton.next_power_of_2(int(max_k))
+    k_p = triton.next_power_of_2(k_max)
     topp_keep_kernel[(B, rows)](
-        scores, seq_lens, heavy_ks, part, sel, ws.sel_slot, ws.topp_slot, ws.row_k,
-        int(max_k), top_p, k_min, num_sink, num_recent,
+        scores, seq_lens, k, part, sel, ws.sel_slot, ws.topp_slot, ws.row_k,
+        k_max, float(args.top_p), int(args.top_p_min_k), num_sink, num_recent,
         scores.stride(0), scores.stride(1), part.stride(0), part.stride(1), sel.stride(0), sel.stride(1),
         ws.row_k.stride(0),
         NUM_PROGS=P, P_P=triton.next_power_of_2(P), K_P=k_p,
@@ -264,19 +257,19 @@ def _use_cuda_select(scores, tuning: KernelTuning) -> bool:
     return _take_cuda("select_impl", tuning.select_impl, why_not)
 
 
-def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale,
-               heavy_ks, num_sink, num_recent, mode, tuning: KernelTuning, num_progs=None):
+def _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws, sm_scale, args,
+               num_progs=None):
     """Stage 1 with ds_score.score_mma_kernel: grid (B, P), every KV head per program."""
-    B = q.shape[0]
+    B, tuning = q.shape[0], args.tuning
     geo = _mma_geometry(q, label_cache, tuning)
     P = num_progs or max(1, min(triton.cdiv(tuning.mma_programs_per_sm * num_sms(q.device), B),
                                 triton.cdiv(ws.max_ctx, geo["BLOCK_N"])))
     scores = ws.scores
     score_mma_kernel[(B, P)](
         q, label_cache, channels, label_scale if geo["LABEL_FP8"] else q, req_to_token, req_idx, seq_lens,
-        scores, sm_scale, heavy_ks, num_sink, num_recent,
+        scores, sm_scale, args.k, int(args.num_sink), int(args.num_recent),
         q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
         req_to_token.stride(0), scores.stride(0), scores.stride(1),
-        MODE=MODES.index(mode), NUM_PROGS=P, DOT_F32=INTERPRET, num_warps=tuning.mma_warps, **geo,
+        MODE=MODES.index(args.mode), NUM_PROGS=P, DOT_F32=INTERPRET, num_warps=tuning.mma_warps, **geo,
         num_stages=1,  # the loop is pipelined by hand; Triton's pipeliner would only serialize it
     )

@@ -15,12 +15,11 @@ serves at PCIe speed where per-head rows (256 B) do not.
 
 from __future__ import annotations
 
+from dataclasses import replace
 
-from ..tuning import DEFAULT_TUNING, KernelTuning
 from .common import check_decode, check_labels, fail
-from .launch import sparse_splits
 from .ds_launch import ds_decode as _ds
-from .launch import split_attention
+from .launch import sparse_splits, split_attention
 
 
 def layer_views(q, label_cache, channels, offsets):
@@ -35,12 +34,11 @@ def layer_views(q, label_cache, channels, offsets):
     return qv, lab, (channels + offsets).view(1, Hkv * r)
 
 
-def layer_select(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, sm_scale,
-                 heavy_token_nums, max_heavy_tokens, num_sink, num_recent, ws,
-                 tuning: KernelTuning = DEFAULT_TUNING):
+def layer_select(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, sm_scale, args, ws):
     """Each sparse request's layer selection: ``[B, 1, K]`` int32 KV slots (a view of
-    ``ws.layer.sel_slot``; row b's first ``heavy_token_nums[b]`` entries meaningful where it
-    decodes sparsely). Arguments as ops.ds_decode's; ``ws`` built with ``layer_select=True``."""
+    ``ws.layer.sel_slot``; row b's first ``args.k[b]`` entries meaningful where it decodes
+    sparsely). Arguments as ops.ds_decode's (``args.mode`` is not read: this is the layer mode);
+    ``ws`` built with ``layer_select=True``."""
     if getattr(ws, "layer", None) is None:
         fail("the layer selection mode needs a workspace built with layer_select=True")
     B, Hq, D = q.shape
@@ -51,24 +49,22 @@ def layer_select(q, label_cache, label_scale, channels, req_to_token, req_idx, s
     # the select stage reads no K/V; its checks want a K pool as long as the label pool (a
     # stride-0 view of the virtual q's first row: no memory)
     kv = qv.as_strided((S, 1, Hkv * D), (0, Hkv * D, 1))
-    _ds(qv, kv, kv, lab, label_scale, ch, req_to_token, req_idx, seq_lens, sm_scale, heavy_token_nums,
-        max_heavy_tokens, "group_sum", num_sink, num_recent, ws.layer, stage="select", tuning=tuning)
-    return ws.layer.sel_slot[:B, :1, :int(max_heavy_tokens)]
+    _ds(qv, kv, kv, lab, label_scale, ch, req_to_token, req_idx, seq_lens, sm_scale,
+        replace(args, mode="group_sum"), ws.layer, stage="select")
+    return ws.layer.sel_slot[:B, :1, :int(args.k_max)]
 
 
 def ds_decode_layer(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-                    seq_lens, sm_scale, heavy_token_nums, max_heavy_tokens, num_sink=0, num_recent=0,
-                    ws=None, out=None, tuning: KernelTuning = DEFAULT_TUNING, k_scale=None, v_scale=None):
+                    seq_lens, sm_scale, args, ws=None, out=None, k_scale=None, v_scale=None):
     """ops.ds_decode in the layer mode (no top-p budget): the shared selection, then the exact
     attention of every KV head over it (dense requests over their whole cache)."""
     B, Hq, Hkv, D = check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale, v_scale)
     check_labels(label_cache, label_scale, channels, k_cache, q.device)
-    K = int(max_heavy_tokens)
-    if not 0 < K <= ws.max_heavy_tokens:
-        fail(f"max_heavy_tokens={K} must be in [1, workspace max_heavy_tokens={ws.max_heavy_tokens}]")
-    sel = layer_select(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, sm_scale,
-                       heavy_token_nums, K, num_sink, num_recent, ws, tuning)
+    K, tuning = int(args.k_max), args.tuning
+    if K > ws.k_max:
+        fail(f"k_max={K} exceeds workspace k_max={ws.k_max}")
+    sel = layer_select(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, sm_scale, args, ws)
     S = sparse_splits(B, Hkv, Hkv, K, ws, q.device, tuning)
     return split_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                      sel.expand(B, Hkv, K), Hkv, heavy_token_nums, K, False, S, tuning,
-                      tuning.sparse_attn_stages, k_scale=k_scale, v_scale=v_scale)
+                           sel.expand(B, Hkv, K), Hkv, args.k, K, False, S, tuning,
+                           tuning.sparse_attn_stages, k_scale=k_scale, v_scale=v_scale)

@@ -42,7 +42,7 @@ def score_mma_kernel(
     q_ptr, label_ptr, channels_ptr, scale_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
     scores_ptr,
-    sm_scale, heavy_ks_ptr, num_sink, num_recent,
+    sm_scale, k_ptr, num_sink, num_recent,
     stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt,
     stride_sb, stride_sr,
     HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr,
@@ -56,7 +56,7 @@ def score_mma_kernel(
     score_mma_slice(
         tl.program_id(0), tl.program_id(1), q_ptr, label_ptr, channels_ptr, scale_ptr,
         req_to_token_ptr, req_idx_ptr, seq_lens_ptr, scores_ptr,
-        sm_scale, heavy_ks_ptr, num_sink, num_recent,
+        sm_scale, k_ptr, num_sink, num_recent,
         stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt, stride_sb, stride_sr,
         HKV, G, R, MODE, LABEL_FP8, LABEL_KIND, NUM_PROGS, BLOCK_N, BLOCK_C, HKV_P, G_P, DOT_F32)
 
@@ -65,7 +65,7 @@ def score_mma_kernel(
 def score_mma_slice(
     b, p, q_ptr, label_ptr, channels_ptr, scale_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr, scores_ptr,
-    sm_scale, heavy_ks_ptr, num_sink, num_recent,
+    sm_scale, k_ptr, num_sink, num_recent,
     stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt, stride_sb, stride_sr,
     HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr,
     LABEL_FP8: tl.constexpr, LABEL_KIND: tl.constexpr, NUM_PROGS: tl.constexpr,
@@ -74,7 +74,7 @@ def score_mma_slice(
 ):
     # Slice p of NUM_PROGS of batch entry b's positions, every KV head (score_mma_kernel's body).
     seq_len = tl.load(seq_lens_ptr + b)
-    n = sparse_len(seq_len, tl.load(heavy_ks_ptr + b))  # 0 for a dense request
+    n = sparse_len(seq_len, tl.load(k_ptr + b))  # 0 for a dense request
 
     # Q: [BLOCK_C, HKV_P * G_P], block-diagonal over KV heads.
     c = tl.arange(0, BLOCK_C)

@@ -57,7 +57,7 @@ def score_kernel(
     q_ptr, label_ptr, channels_ptr, scale_ptr,
     req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
     scores_ptr,
-    sm_scale, heavy_ks_ptr, num_sink, num_recent,
+    sm_scale, k_ptr, num_sink, num_recent,
     stride_qb, stride_qh, stride_ls, stride_lh, stride_ch, stride_rt,
     stride_sb, stride_sr,
     G: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, LABEL_FP8: tl.constexpr,
@@ -72,7 +72,7 @@ def score_kernel(
     kvh = tl.program_id(1)
     p = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    n = sparse_len(seq_len, tl.load(heavy_ks_ptr + b))  # 0 for a dense request
+    n = sparse_len(seq_len, tl.load(k_ptr + b))  # 0 for a dense request
 
     r = tl.arange(0, BLOCK_R)
     rmask = r < R

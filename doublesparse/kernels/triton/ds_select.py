@@ -8,7 +8,7 @@ them apart:
 
   1. hist_high_kernel: histogram of the keys' high byte -> hist[0] (atomics, one per non-empty bin)
   2. hist_low_kernel: the high byte d0 holding the k-th largest key (k: the request's own budget,
-     heavy_ks[b]; requests with seq_len <= k are dense and select nothing); per program, the histogram of
+     k[b]; requests with seq_len <= k are dense and select nothing); per program, the histogram of
      the low byte of its slice's keys whose high byte is d0 -> hist[1 + p], and the count of its
      keys whose high byte is above d0 -> counts[b, row, p]
   3. compact_kernel: the exact 16-bit threshold (d0, d1) from the sum of the programs' low-byte
@@ -81,7 +81,7 @@ def _phase_name(specialization) -> str:
 @triton.jit(repr=_phase_name)
 def select_kernel(
     scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
-    req_to_token_ptr, req_idx_ptr, heavy_ks_ptr, max_k,
+    req_to_token_ptr, req_idx_ptr, k_ptr, k_max,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
     PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -90,7 +90,7 @@ def select_kernel(
     select_phase(
         tl.program_id(0), tl.program_id(1), tl.program_id(2),
         scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
-        req_to_token_ptr, req_idx_ptr, heavy_ks_ptr, max_k,
+        req_to_token_ptr, req_idx_ptr, k_ptr, k_max,
         stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
         stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
         PHASE, NUM_PROGS, BLOCK_N, LOOP_STAGES, MAX_PROGS)
@@ -99,7 +99,7 @@ def select_kernel(
 @triton.jit
 def select_phase(
     b, row, p, scores_ptr, hist_ptr, rowinfo_ptr, counts_ptr, seq_lens_ptr, sel_ptr, sel_slot_ptr,
-    req_to_token_ptr, req_idx_ptr, heavy_ks_ptr, max_k,
+    req_to_token_ptr, req_idx_ptr, k_ptr, k_max,
     stride_sb, stride_sr, stride_hp, stride_hb, stride_hr, stride_rib, stride_rir,
     stride_cb, stride_cr, stride_selb, stride_selr, stride_rt,
     PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -107,12 +107,12 @@ def select_phase(
 ):
     # Phase PHASE for slice p of score row (b, row) (select_kernel's body). The row's rank to
     # select is its request's own budget; the sparse/dense choice uses that budget as given (as
-    # the score and attention kernels do), the rank is capped at max_k (the sel row's length),
+    # the score and attention kernels do), the rank is capped at k_max (the sel row's length),
     # which binds only for a budget the host promised never to pass, and keeps the writes inside
     # the row.
-    heavy_k = tl.load(heavy_ks_ptr + b)
-    n = sparse_len(tl.load(seq_lens_ptr + b), heavy_k)
-    heavy_k = tl.minimum(heavy_k, max_k)
+    k = tl.load(k_ptr + b)
+    n = sparse_len(tl.load(seq_lens_ptr + b), k)
+    k = tl.minimum(k, k_max)
     start, end = split_range(n, p, NUM_PROGS, BLOCK_N)
     srow = scores_ptr + b * stride_sb + row * stride_sr
     bins = tl.arange(0, 256)
@@ -132,10 +132,10 @@ def select_phase(
         # The loop's keys are loaded one block ahead, the first before the threshold's loads and
         # reductions, so that each load's latency overlaps other work.
         ahead = _keys_ahead(srow, start, end, BLOCK_N)
-        digit0, above0 = threshold_digit(tl.load(h0 + bins), heavy_k)
+        digit0, above0 = threshold_digit(tl.load(h0 + bins), k)
         if p == 0:
             tl.store(info, digit0)
-            tl.store(info + 1, heavy_k - above0)
+            tl.store(info + 1, k - above0)
         h1 = hp + p * stride_hp
         n_hi = tl.zeros([BLOCK_N], tl.int32)
         # Only the keys of one high-byte bucket count (a few percent): scattered atomics are
@@ -168,8 +168,8 @@ def select_phase(
         h = tl.load(hp + pp[:, None] * stride_hp + bins[None, :], mask=used[:, None], other=0)
         digit1, above1 = threshold_digit(tl.sum(h, 0), need0)
         thr = digit0 * 256 + digit1
-        n_gt = heavy_k - need0 + above1
-        ties = heavy_k - n_gt
+        n_gt = k - need0 + above1
+        ties = k - n_gt
         c_gt = tl.load(cnt + pp, mask=used, other=0) + tl.sum(tl.where(bins[None, :] > digit1, h, 0), 1)
         c_eq = tl.sum(tl.where(bins[None, :] == digit1, h, 0), 1)
         base = tl.sum(tl.where(pp < p, c_gt, 0), 0)

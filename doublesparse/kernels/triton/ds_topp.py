@@ -30,7 +30,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def topp_mass_kernel(
-    scores_ptr, seq_lens_ptr, heavy_ks_ptr, part_ptr, num_sink, num_recent,
+    scores_ptr, seq_lens_ptr, k_ptr, part_ptr, num_sink, num_recent,
     stride_sb, stride_sr, stride_pb, stride_pr,
     NUM_PROGS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -38,7 +38,7 @@ def topp_mass_kernel(
     row = tl.program_id(1)
     p = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    n = sparse_len(seq_len, tl.load(heavy_ks_ptr + b))
+    n = sparse_len(seq_len, tl.load(k_ptr + b))
     start, end = split_range(n, p, NUM_PROGS, BLOCK_N)
     srow = scores_ptr + b * stride_sb + row * stride_sr
     lo = num_sink
@@ -65,17 +65,17 @@ def topp_mass_kernel(
 
 @triton.jit
 def topp_keep_kernel(
-    scores_ptr, seq_lens_ptr, heavy_ks_ptr, part_ptr, sel_ptr, sel_slot_ptr, out_slot_ptr, row_k_ptr,
-    max_k, top_p, k_min, num_sink, num_recent,
+    scores_ptr, seq_lens_ptr, k_ptr, part_ptr, sel_ptr, sel_slot_ptr, out_slot_ptr, row_k_ptr,
+    k_max, top_p, k_min, num_sink, num_recent,
     stride_sb, stride_sr, stride_pb, stride_pr, stride_selb, stride_selr, stride_rkb,
     NUM_PROGS: tl.constexpr, P_P: tl.constexpr, K_P: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    heavy_k = tl.load(heavy_ks_ptr + b)
-    sparse = seq_len > heavy_k
-    k = tl.minimum(heavy_k, max_k)
+    k = tl.load(k_ptr + b)
+    sparse = seq_len > k
+    k = tl.minimum(k, k_max)
 
     pp = tl.arange(0, P_P)
     part = part_ptr + b * stride_pb + row * stride_pr + pp * 2

@@ -28,7 +28,7 @@ from .decode_attn import tile_slots, merge_kernel
 @triton.jit
 def latent_attn_kernel(
     q_ptr, kv_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr, sel_ptr, part_o_ptr, part_lse_ptr,
-    sm_scale, heavy_ks_ptr, max_k,
+    sm_scale, k_ptr, k_max,
     stride_qb, stride_qh, stride_s, stride_rt, stride_selb,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
     G, DN: tl.constexpr, DR: tl.constexpr, HAS_SEL: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -40,9 +40,9 @@ def latent_attn_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     req = tl.load(req_idx_ptr + b).to(tl.int64)
     if HAS_SEL:
-        heavy_k = tl.load(heavy_ks_ptr + b)
-        sparse = seq_len > heavy_k
-        n = tl.where(sparse, tl.minimum(heavy_k, max_k), seq_len)
+        k_b = tl.load(k_ptr + b)
+        sparse = seq_len > k_b
+        n = tl.where(sparse, tl.minimum(k_b, k_max), seq_len)
     else:
         sparse = seq_len < 0
         n = seq_len
@@ -101,11 +101,11 @@ def latent_attn_kernel(
     tl.store(part_lse_ptr + b * stride_plb + heads * stride_plh + split, lse, mask=hmask)
 
 
-def latent_attention(q, kv_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out, sel, heavy_ks, max_k,
+def latent_attention(q, kv_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out, sel, k, k_max,
                      num_splits: int, block_n: int = 32, num_warps: int = 8, num_stages: int = 2,
                      max_heads: int = 64):
-    """q: [B, Hq, D]; kv_cache: [S, 1, D] (the latent pool); sel: [B, 1, K] int32 selected slots or
-    None (heavy_ks: [B] int32 then). Fills ``out`` [B, Hq, D] (columns < DN) and returns it.
+    """q: [B, Hq, D]; kv_cache: [S, 1, D] (the latent pool); sel: [B, 1, K] int32 selected slots
+    (with k: [B] int32, each request's k) or None. Fills ``out`` [B, Hq, D] (columns < DN) and returns it.
     ``max_heads``: query heads per program (a power of two, at least 16); more run as several
     programs. DeepSeek-V2's 128 heads in one program would need 256 KB of shared memory, over the
     227 KB an sm_90 block may use (`python benchmarks/kernel_resources.py --families`)."""
@@ -119,7 +119,7 @@ def latent_attention(q, kv_cache, req_to_token, req_idx, seq_lens, sm_scale, ws,
     BH = min(max(16, triton.next_power_of_2(Hq)), max(16, triton.next_power_of_2(max_heads)))
     latent_attn_kernel[(B, S, triton.cdiv(Hq, BH))](
         q, kv_cache, req_to_token, req_idx, seq_lens, sel if has_sel else seq_lens, po, pl,
-        float(sm_scale), heavy_ks if has_sel else seq_lens, int(max_k),
+        float(sm_scale), k if has_sel else seq_lens, int(k_max),
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0), sel.stride(0) if has_sel else 0,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         Hq, DN=DN, DR=DR, HAS_SEL=has_sel, NUM_SPLITS=S, BLOCK_H=BH,

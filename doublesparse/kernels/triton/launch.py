@@ -16,32 +16,14 @@ import triton
 
 from ..tuning import DEFAULT_TUNING, KernelTuning
 from ..workspace import DecodeWorkspace
-from .common import (FLOAT, INDEX, INTERPRET, KV_FP8, check, check_caches, check_decode, check_labels,
-                     fail, kv_scale_args, num_sms, pdl_kwargs)
+from .common import (FLOAT, INDEX, INTERPRET, KV_FP8, check, check_decode, check_store_args, fail,
+                     kv_scale_args, num_sms, pdl_kwargs)
 from .kv_quant import fp8_constexprs
 from .decode_attn import decode_attn_kernel, merge_kernel
 from ..latent import latent_split
 from .latent_attn import latent_attention
 from .rope import rope_kernel
 from .store import store_kv_kernel
-
-
-def check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale=None,
-                     v_scale=None):
-    dev = k.device
-    check_caches(k_cache, v_cache, dev, k_scale, v_scale)
-    check(k, "k", 3, FLOAT, dev)
-    check(v, "v", 3, FLOAT, dev)
-    N, Hkv, D = k.shape
-    if tuple(v.shape) != (N, Hkv, D):
-        fail(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
-    if tuple(k_cache.shape[1:]) != (Hkv, D):
-        fail(f"k is [N, {Hkv}, {D}] but k_cache is {tuple(k_cache.shape)}")
-    check(slots, "slots", 1, INDEX, dev)
-    if slots.shape[0] != N:
-        fail(f"slots has {slots.shape[0]} entries for {N} tokens")
-    if label_cache is not None:
-        check_labels(label_cache, label_scale, channels, k_cache, dev)
 
 
 def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, channels=None, k_scale=None,
@@ -56,9 +38,9 @@ def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, 
     r = label_cache.shape[2] if has_label else 1
     scale = label_scale if (has_label and label_scale is not None) else k_cache
     BLOCK_T = 16
-    ks, vs, _ = kv_scale_args(k_cache, k_scale, v_scale)
+    ksc, vsc, _ = kv_scale_args(k_cache, k_scale, v_scale)
     store_kv_kernel[(triton.cdiv(N, BLOCK_T), Hkv)](
-        k, v, slots, k_cache, v_cache, lab, ch, scale, ks, vs, N,
+        k, v, slots, k_cache, v_cache, lab, ch, scale, ksc, vsc, N,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         lab.stride(0), lab.stride(1), ch.stride(0),
@@ -78,11 +60,11 @@ def _attn_block_n(programs_rows: int, device, tuning: KernelTuning) -> int:
 
 
 def split_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-               sel, rows, heavy_ks, max_k, per_head, num_splits, tuning: KernelTuning, stages=None,
-               row_ks=None, k_scale=None, v_scale=None):
+                    sel, rows, k, k_max, per_head, num_splits, tuning: KernelTuning, stages=None,
+                    row_ks=None, k_scale=None, v_scale=None):
     """Split-K attention (+ merge) over each row's whole cache (``sel`` None) or, for requests
-    with ``seq_len > heavy_ks[b]``, over their ``heavy_ks[b]`` selected slots (sel: [B, rows, K]
-    int32, heavy_ks: [B] int32, at most max_k entries read per row); ``row_ks`` ([B, >= rows]
+    with ``seq_len > k[b]``, over their ``k[b]`` selected slots (sel: [B, rows, K] int32, k: [B]
+    int32 each request's k, at most k_max entries read per row); ``row_ks`` ([B, >= rows]
     int32, the top-p budget): over the first ``row_ks[b, row]`` slots of each row instead.
     k_scale, v_scale: [1] float32, an fp8 pool's scales (the kernel multiplies the scores by k's and
     the output by v's)."""
@@ -94,9 +76,9 @@ def split_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_sca
         # selection row per request, so the top-p budget's per-row count is that request's count
         # (the keep kernel fills only the first row_ks[b, 0] entries of sel).
         if row_ks is not None:
-            heavy_ks = row_ks[:, 0].contiguous()
+            k = row_ks[:, 0].contiguous()
         return latent_attention(q, k_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out, sel,
-                                heavy_ks, max_k, num_splits, max_heads=tuning.latent_max_heads)
+                                k, k_max, num_splits, max_heads=tuning.latent_max_heads)
     block_n = _attn_block_n(B * rows, q.device, tuning)
     G = Hq // k_cache.shape[1]
     S = num_splits
@@ -108,10 +90,10 @@ def split_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_sca
     if out is None:
         out = torch.empty_like(q)
     block_s = triton.next_power_of_2(S)
-    ks, vs, kv_fp8 = kv_scale_args(k_cache, k_scale, v_scale)
+    ksc, vsc, kv_fp8 = kv_scale_args(k_cache, k_scale, v_scale)
     decode_attn_kernel[(B, rows, S)](
         q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sel_t, po, pl, out,
-        float(sm_scale), heavy_ks if has_sel else seq_lens, int(max_k),
+        float(sm_scale), k if has_sel else seq_lens, int(k_max),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), sel.stride(0) if has_sel else 0, sel.stride(1) if has_sel else 0,
@@ -121,7 +103,7 @@ def split_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_sca
         BLOCK_H=max(16, triton.next_power_of_2(1 if per_head else G)), BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(D), DOT_F32=INTERPRET,
         row_ks_ptr=seq_lens if row_ks is None else row_ks, stride_rkb=0 if row_ks is None else row_ks.stride(0),
-        ROW_KS=row_ks is not None, k_scale_ptr=ks, v_scale_ptr=vs, KV_FP8=kv_fp8,
+        ROW_KS=row_ks is not None, k_scale_ptr=ksc, v_scale_ptr=vsc, KV_FP8=kv_fp8,
         num_warps=tuning.attn_warps, num_stages=stages or tuning.attn_stages,
     )
     merge_kernel[(B, Hq)](
@@ -138,12 +120,12 @@ def dense_splits(B: int, Hkv: int, ws: DecodeWorkspace, device, tuning: KernelTu
     return max(1, min(ws.max_splits, want, triton.cdiv(ws.max_ctx, _attn_block_n(B * Hkv, device, tuning))))
 
 
-def sparse_splits(B, rows, Hkv, k, ws, dev, tuning: KernelTuning) -> int:
-    """Split-K partitions of a row of the attention over the selection, for the batch's largest
-    budget k (a row with a smaller one, or a request that decodes densely and reads its whole
-    cache, is cut into as many splits of its own length)."""
+def sparse_splits(B, rows, Hkv, k_max, ws, dev, tuning: KernelTuning) -> int:
+    """Split-K partitions of a row of the attention over the selection, for the bound k_max of
+    the batch's k (a row with a smaller one, or a request that decodes densely and reads its
+    whole cache, is cut into as many splits of its own length)."""
     want = triton.cdiv(tuning.sparse_attn_programs_per_sm * num_sms(dev), B * rows)
-    cap = max(triton.cdiv(k, _attn_block_n(B * rows, dev, tuning)), dense_splits(B, Hkv, ws, dev, tuning))
+    cap = max(triton.cdiv(k_max, _attn_block_n(B * rows, dev, tuning)), dense_splits(B, Hkv, ws, dev, tuning))
     return max(1, min(ws.max_splits, want, cap))
 
 
@@ -154,30 +136,30 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
     B, Hq, Hkv, D = check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale, v_scale)
     S = num_splits or dense_splits(B, Hkv, ws, q.device, tuning)
     return split_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
-                      None, Hkv, None, 0, False, S, tuning, k_scale=k_scale, v_scale=v_scale)
+                           None, Hkv, None, 0, False, S, tuning, k_scale=k_scale, v_scale=v_scale)
 
 
-def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, sel=None, ks=None,
+def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, sel=None, k=None,
                   row_ks=None, per_head=False, tuning: KernelTuning = DEFAULT_TUNING, k_scale=None, v_scale=None):
     """Decode attention and each query head's natural-log log-sum-exp of its scaled scores: ->
     (out [B, Hq, D] in q's dtype, lse [B, Hq] float32). ``sel`` None: over each request's whole
-    cache (``seq_lens``); else over the first ``ks[b]`` slots of each selection row (``sel`` [B, R,
+    cache (``seq_lens``); else over the first ``k[b]`` slots of each selection row (``sel`` [B, R,
     K] int32, R = Hkv, or Hq with ``per_head``; ``row_ks`` [B, R] int32: per row instead).
     The kernels keep base-2 partials per split; the merge of their log-sum-exps is a torch op."""
     B, Hq, Hkv, D = check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, None, k_scale, v_scale)
     if sel is None:
         S = dense_splits(B, Hkv, ws, q.device, tuning)
         out = split_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, None,
-                         None, Hkv, None, 0, False, S, tuning, k_scale=k_scale, v_scale=v_scale)
+                              None, Hkv, None, 0, False, S, tuning, k_scale=k_scale, v_scale=v_scale)
     else:
         R, K = sel.shape[1], sel.shape[2]
-        if sel.shape[0] != B or R != (Hq if per_head else Hkv) or ks is None or ks.shape != (B,):
-            fail(f"attention_lse: sel must be [{B}, {Hq if per_head else Hkv}, K] with ks [{B}], got "
-                  f"{tuple(sel.shape)} and {None if ks is None else tuple(ks.shape)}")
+        if sel.shape[0] != B or R != (Hq if per_head else Hkv) or k is None or k.shape != (B,):
+            fail(f"attention_lse: sel must be [{B}, {Hq if per_head else Hkv}, K] with k [{B}], got "
+                 f"{tuple(sel.shape)} and {None if k is None else tuple(k.shape)}")
         S = sparse_splits(B, R, Hkv, K, ws, q.device, tuning)
         # a length of k + 1 with a budget of k: every request reads its selection
-        out = split_attention(q, k_cache, v_cache, req_to_token, req_idx, ks + 1, sm_scale, ws, None, sel, R, ks, K,
-                         per_head, S, tuning, row_ks=row_ks, k_scale=k_scale, v_scale=v_scale)
+        out = split_attention(q, k_cache, v_cache, req_to_token, req_idx, k + 1, sm_scale, ws, None, sel, R, k, K,
+                              per_head, S, tuning, row_ks=row_ks, k_scale=k_scale, v_scale=v_scale)
     lse = torch.logsumexp(ws.part_lse[:B, :Hq, :S].float() * math.log(2.0), dim=-1)
     return out, lse
 
