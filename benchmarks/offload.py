@@ -102,7 +102,7 @@ def table(rows: dict) -> list[str]:
     L = ["| row | batch x prompt | step ms | host MB/step | hit rate |", "|---|---|---|---|---|"]
     for name, r in rows.items():
         res = (r.get("results") or [None])[0]
-        if not res:
+        if not res or "batch_size" not in res:  # the transformers row has its own line below
             continue
         off = res.get("offload") or {}
         mb = f"{off['host_bytes_per_step'] / 1e6:.1f}" if "host_bytes_per_step" in off else ""

@@ -273,7 +273,8 @@ def _every(samples: list, step: float) -> list:
 
 
 # gauges that tell where a GPU server's resident memory goes (server/metrics.py _RuntimeCollector)
-RUNTIME_GAUGES = ("host_pinned_reserved_bytes", "cuda_memory_reserved_bytes", "triton_kernels_compiled",
+RUNTIME_GAUGES = ("host_pinned_bytes", "cuda_memory_reserved_bytes", "triton_kernels_compiled",
+                  "malloc_in_use_bytes", "malloc_free_bytes", "malloc_mmapped_bytes",
                   "kv_pool_cached_tokens", "kv_pool_used_tokens")  # the prefix cache's host-side tree grows with these
 
 

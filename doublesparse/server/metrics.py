@@ -9,6 +9,7 @@ process (tests) without duplicate-metric errors.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
@@ -160,21 +161,38 @@ def _compiled_triton_kernels() -> int | None:
     return n
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _malloc_info() -> dict | None:
+    """glibc's heap: bytes in use, free inside the heap (fragmentation) and mmapped; None elsewhere."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return None
+    fn.restype = _Mallinfo2
+    m = fn()
+    return {"in_use": m.uordblks, "free": m.fordblks, "mmapped": m.hblkhd}
+
+
 class _RuntimeCollector:
     """What can grow a GPU server's resident memory besides Python objects: torch's page-locked
-    host pool (it keeps every block it ever handed out) and compiled Triton variants. A soak reads
-    them beside the process RSS to tell which one grows."""
+    host pool (it keeps every block it ever handed out), compiled Triton variants, and glibc's
+    heap (in use against free-but-kept: fragmentation). A soak reads them beside the process RSS
+    to tell which one grows."""
 
     def collect(self):
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             st = torch.cuda.host_memory_stats()
-            for name, key in (("host_pinned_reserved_bytes", "reserved_bytes.current"),
-                              ("host_pinned_allocated_bytes", "allocated_bytes.current")):
-                if key in st:
-                    g = GaugeMetricFamily(P + name, f"torch's page-locked host pool: {key}")
-                    g.add_metric([], float(st[key]))
-                    yield g
+            # the key names moved between torch releases: bytes the pool owns (cached included)
+            owned = next((st[k] for k in ("allocated_bytes.current", "reserved_bytes.current") if k in st), None)
+            if owned is not None:
+                g = GaugeMetricFamily(P + "host_pinned_bytes", "Page-locked host memory torch's pool owns")
+                g.add_metric([], float(owned))
+                yield g
             g = GaugeMetricFamily(P + "cuda_memory_reserved_bytes", "torch's CUDA caching allocator: reserved")
             g.add_metric([], float(torch.cuda.memory_reserved()))
             yield g
@@ -184,6 +202,12 @@ class _RuntimeCollector:
                                   "Triton kernels in this process")
             g.add_metric([], float(n))
             yield g
+        heap = _malloc_info()
+        if heap is not None:
+            for key, v in heap.items():
+                g = GaugeMetricFamily(P + f"malloc_{key}_bytes", f"glibc heap: {key} (mallinfo2)")
+                g.add_metric([], float(v))
+                yield g
 
 
 class ServerMetrics:
