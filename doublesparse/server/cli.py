@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     from doublesparse.preflight import bind_server_socket, check_engine_config
 
+    from doublesparse.server.host_heap import fix_mmap_threshold
+
     ns = build_parser().parse_args(argv)
     try:
         cfg = ServerConfig.from_cli_args(ns)
@@ -196,6 +198,7 @@ def _main(argv: list[str]) -> int:
     # the port is taken before the model loads: a busy one is reported at once, and the server
     # cannot fail to bind after it has announced its address
     sock = bind_server_socket(cfg.host, cfg.port)
+    fix_mmap_threshold()  # the C heap stays flat under a long mixed load (server/host_heap.py)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -9,12 +9,13 @@ process (tests) without duplicate-metric errors.
 
 from __future__ import annotations
 
-import ctypes
 import sys
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client import disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from .host_heap import malloc_info
 
 disable_created_metrics()  # the *_created series only add noise to every scrape
 P = "doublesparse_"
@@ -161,22 +162,6 @@ def _compiled_triton_kernels() -> int | None:
     return n
 
 
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _malloc_info() -> dict | None:
-    """glibc's heap: bytes in use, free inside the heap (fragmentation) and mmapped; None elsewhere."""
-    try:
-        fn = ctypes.CDLL(None).mallinfo2
-    except (AttributeError, OSError):
-        return None
-    fn.restype = _Mallinfo2
-    m = fn()
-    return {"in_use": m.uordblks, "free": m.fordblks, "mmapped": m.hblkhd}
-
-
 class _RuntimeCollector:
     """What can grow a GPU server's resident memory besides Python objects: torch's page-locked
     host pool (it keeps every block it ever handed out), compiled Triton variants, and glibc's
@@ -202,7 +187,7 @@ class _RuntimeCollector:
                                   "Triton kernels in this process")
             g.add_metric([], float(n))
             yield g
-        heap = _malloc_info()
+        heap = malloc_info()
         if heap is not None:
             for key, v in heap.items():
                 g = GaugeMetricFamily(P + f"malloc_{key}_bytes", f"glibc heap: {key} (mallinfo2)")
