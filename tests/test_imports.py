@@ -88,3 +88,40 @@ def test_the_engine_imports_nothing_above_it():
     up = sorted(f"{m} -> {w}" for m, p in mods.items() if _within(m, BELOW)
                 for w in _imports(m, p, mods) if _within(w, ABOVE))
     assert not up, f"imports that run up: {up}"
+
+
+KERNEL_DOORS = ("doublesparse.kernels.triton", "doublesparse.kernels.cuda")
+
+
+def test_kernels_are_reached_through_their_doors():
+    """Outside kernels/, the launchers are reached through kernels.ops (whole calls) and
+    kernels.parts (the pieces composed backends assemble), never kernels/triton or kernels/cuda."""
+    mods = _modules()
+    inside = sorted(f"{m} -> {w}" for m, p in mods.items() if not _within(m, ("doublesparse.kernels",))
+                    for w in _imports(m, p, mods) if _within(w, KERNEL_DOORS))
+    assert not inside, f"reaching past the kernel doors: {inside}"
+
+
+def test_no_private_names_across_files():
+    """No module imports another module's underscore-private name (``from x import _y`` or
+    ``module._y`` of an imported package module)."""
+    mods = _modules()
+    found = []
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        found.append(f"{name}: from {node.module} import {a.name}")
+                    aliases[a.asname or a.name] = a.name
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    aliases[a.asname or a.name.split(".")[0]] = a.name
+        pkg_mods = {k for k, v in aliases.items() if any(m.endswith("." + v) or m == v for m in mods)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in pkg_mods
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{name}: {node.value.id}.{node.attr}")
+    assert not found, found

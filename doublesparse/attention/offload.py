@@ -35,7 +35,7 @@ import dataclasses
 
 import torch
 
-from ..kernels import ops
+from ..kernels import ops, parts
 from ..kernels.host_copy import copy_to_tiers, token_rows
 from ..kernels.reference import store_labels_ref
 from ..kernels import torch_ops
@@ -145,10 +145,9 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
                                         batch.seq_lens, self.sm_scale, impl="torch", **self.kv_scales(layer_id))
             # the dense kernel reads every token's K/V straight from pinned host memory (the
             # launcher's device checks would refuse the host pools, so it is called below them)
-            from ..kernels.triton.launch import split_attention, dense_splits
             B, Hkv = q.shape[0], m.plan.num_kv_heads
-            S = dense_splits(B, Hkv, self.workspace, q.device, self.tuning)
-            return split_attention(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx, batch.seq_lens,
+            S = parts.dense_splits(B, Hkv, self.workspace, q.device, self.tuning)
+            return parts.split_attention(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx, batch.seq_lens,
                                    self.sm_scale, self.workspace, None, None, Hkv, None, 0, False, S, self.tuning,
                                    **self.kv_scales(layer_id))
         args = self.layer_args(layer_id, batch)
@@ -200,24 +199,16 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         """Layer ``layer_id``'s selection on the device -> (slots [B, U, K] KV slots, valid
         [B, U, K] bool, n [B] tokens per row; U = ``self.units``): the top-k of a sparse request,
         all positions of a request no longer than its k."""
-        from ..kernels.triton.ds_launch import ds_decode as _ds
-        from ..kernels.triton.ds_layer import layer_select
         m, d, ws = self.memory, self.ds, self.workspace
         K, U = d.k_max, self.units
-        B, Hkv, D = q.shape[0], m.plan.num_kv_heads, self.head_dim
+        B = q.shape[0]
         seq = batch.seq_lens
         sparse = batch.ds_sparse
         lab = m.label[layer_id]
-        if sparse and U == 1:
-            sel = layer_select(q, lab, m.label_scale[layer_id], self.channels[layer_id], m.req_to_token,
-                               batch.req_idx, seq, self.sm_scale, args, ws)
-        elif sparse:
-            # the select stage reads no K/V; its checks want a K pool as long as the label pool
-            # (a stride-0 view of q's memory)
-            shaped = q.as_strided((lab.shape[0], Hkv, D), (0, 0, 1))
-            _ds(q, shaped, shaped, lab, m.label_scale[layer_id], self.channels[layer_id],
-                m.req_to_token, batch.req_idx, seq, self.sm_scale, args, ws, stage="select")
-            sel = ws.sel_slot[:B, :Hkv, :K]
+        if sparse:
+            select = parts.layer_select if U == 1 else parts.group_select
+            sel = select(q, lab, m.label_scale[layer_id], self.channels[layer_id], m.req_to_token, batch.req_idx,
+                         seq, self.sm_scale, args, ws)
         ks = args.k
         dense = seq <= ks                                                       # [B]
         ar = torch.arange(K, device=q.device)
@@ -229,8 +220,6 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         return slots, ar[None, None, :] < n[:, None, None], n
 
     def _decode_triton(self, layer_id, q, batch, args):
-        from ..kernels.triton.launch import sparse_splits
-        from ..kernels.triton.launch import split_attention, dense_splits
         m, ws = self.memory, self.workspace
         K, B, Hkv = self.ds.k_max, q.shape[0], m.plan.num_kv_heads
         slots, valid, n = self._select_triton(layer_id, q, batch, args)
@@ -240,12 +229,12 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         # path's, dense rows included, so are the tile boundaries)
         n32 = n.to(torch.int32)
         if batch.ds_sparse:
-            S = sparse_splits(B, Hkv, Hkv, K, ws, q.device, self.tuning)
+            S = parts.sparse_splits(B, Hkv, Hkv, K, ws, q.device, self.tuning)
         else:
-            S = dense_splits(B, Hkv, ws, q.device, self.tuning)
+            S = parts.dense_splits(B, Hkv, ws, q.device, self.tuning)
         D = self.head_dim
         hk, hv = self.hot.k[layer_id].view(-1, Hkv, D), self.hot.v[layer_id].view(-1, Hkv, D)
-        return split_attention(q, hk, hv, m.req_to_token, batch.req_idx, n32 + 1, self.sm_scale, ws, None,
+        return parts.split_attention(q, hk, hv, m.req_to_token, batch.req_idx, n32 + 1, self.sm_scale, ws, None,
                                rows.expand(B, Hkv, K), Hkv, n32, K, False, S, self.tuning,
                                self.tuning.sparse_attn_stages, **self.kv_scales(layer_id))
 
@@ -260,7 +249,7 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         slots = torch.zeros(B, Hkv, K, dtype=torch.int64, device=dev)
         valid = torch.zeros(B, Hkv, K, dtype=torch.bool, device=dev)
         for b, (row, n, k) in enumerate(zip(req_idx, seq_lens, kl)):
-            start, sl = torch_ops._token_rows(m.req_to_token, row, n)
+            start, sl = torch_ops.token_rows(m.req_to_token, row, n)
             if n <= k:
                 slots[b, :, :n] = (torch.arange(start, start + n, device=dev) if sl is None else sl)[None]
             else:
@@ -300,7 +289,7 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
                 flat = (rows[b, :, :k] * Hkv + heads[:, None]).reshape(-1)
                 kk = hk.index_select(0, flat).view(Hkv, k, D)
                 vv = hv.index_select(0, flat).view(Hkv, k, D)
-            out[b] = torch_ops._attend(qb, kk, vv, self.sm_scale, scales=sc).view(Hq, D)
+            out[b] = torch_ops.attend(qb, kk, vv, self.sm_scale, scales=sc).view(Hq, D)
         return out.to(q.dtype)
 
     # ----------------------------------------------------------------------------- facts

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import torch_ops
+from ..kernels import parts, torch_ops
 from ..kernels.reference import is_fp8_kv
 from ..kernels.transfer import to_host_async
 from .budget import DENSE
@@ -239,7 +239,6 @@ class RecallProbe:
         if not self._capture_stash and (a is None or a.layer != layer_id):
             return
         if self.triton:
-            from ..kernels.triton.recall_stash import recall_stash
             self._q_dtype = q.dtype   # the stash keeps float32 copies; the measurement reads q as decode did
             b, ds = self.backend, self.backend.ds
             ws, mode = b.workspace, ds.mode_of(layer_id)
@@ -247,7 +246,7 @@ class RecallProbe:
             if mode == "layer":  # its one selection row lives in the virtual head's workspace
                 ws = ws.layer
             sel, rowk = (ws.topp_slot, ws.row_k) if ds.top_p > 0 else (ws.sel_slot, None)
-            recall_stash(self._ctl, q, out, sel, rowk, self._q, self._o, self._sel, self._rowk, layer_id, R)
+            parts.recall_stash(self._ctl, q, out, sel, rowk, self._q, self._o, self._sel, self._rowk, layer_id, R)
             return
         if a is None:  # a graph capture: the host copies below cannot be replayed
             return
@@ -294,7 +293,7 @@ class RecallProbe:
             else:
                 q, o = self._stash["q"][i], self._stash["o"][i]
                 # the slots as decode reads them (a view when consecutive), for the same scores
-                start, sl = torch_ops._token_rows(m.req_to_token, row, n)
+                start, sl = torch_ops.token_rows(m.req_to_token, row, n)
                 sel, valid = torch_ops.select(q, m.label[a.layer], m.label_scale[a.layer],
                                               b.channels[a.layer], start, sl, n, k, b.sm_scale, mode,
                                               ds.num_sink, ds.num_recent, ds.top_p, ds.top_p_min_k)

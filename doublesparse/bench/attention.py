@@ -21,7 +21,7 @@ import time
 import torch
 
 from ..kernels.ops import DSDecodeArgs
-from ..kernels.triton import ds_launch, launch
+from ..kernels import ops, parts
 from ..kernels.tuning import KernelTuning
 from ..kernels.workspace import DecodeWorkspace
 
@@ -129,8 +129,8 @@ def bench_case(B, L, dev, bw, r_list, k_list, modes, fp8, stages, quick, tuning:
     ws = DecodeWorkspace(B, HQ, HKV, D, L, max(max(k_list(L)), 1), device=dev)
     sm = 1 / math.sqrt(D)
     t_sdpa, backend = (sdpa_fn(p) if with_sdpa else None) or (float("nan"), "none")
-    t_dense = time_fn(lambda i=0: launch.dense_decode(p.q, p.k, p.v, p.req_to_token, p.req_idx[i],
-                                                      p.seq_lens, sm, ws, out=p.out, tuning=tuning), copies)
+    t_dense = time_fn(lambda i=0: ops.dense_decode(p.q, p.k, p.v, p.req_to_token, p.req_idx[i], p.seq_lens,
+                                                   sm, ws, out=p.out, impl="triton", tuning=tuning), copies)
     base = dict(batch=B, ctx=L, kv_bytes=kv_bytes)
     rows.append(dict(base, variant=f"sdpa[{backend}]", us=t_sdpa * 1e6, bytes=kv_bytes))
     rows.append(dict(base, variant="ours-dense", us=t_dense * 1e6, bytes=kv_bytes))
@@ -158,9 +158,9 @@ def bench_case(B, L, dev, bw, r_list, k_list, modes, fp8, stages, quick, tuning:
                     args = DSDecodeArgs(torch.full_like(p.seq_lens, k), k, mode, tuning=tuning)
 
                     def ds(i=0, stage="all", args=args):
-                        return ds_launch.ds_decode(p.q, p.k, p.v, labels, p.scale, ch, p.req_to_token,
-                                                   p.req_idx[i], p.seq_lens, sm, args, ws=ws,
-                                                   out=p.out, stage=stage)
+                        return parts.ds_decode_stage(p.q, p.k, p.v, labels, p.scale, ch, p.req_to_token,
+                                                     p.req_idx[i], p.seq_lens, sm, args, ws, out=p.out,
+                                                     stage=stage)
                     t = time_fn(ds, copies)
                     row = dict(base, variant=f"ds-{mode}", r=r, k=k, label=str(label_dtype).split(".")[-1],
                                us=t * 1e6, bytes=floor_bytes, label_bytes=lab_b, kv_sel_bytes=kv_sel,

@@ -126,7 +126,7 @@ async def rid_collisions(c: httpx.AsyncClient, args) -> dict:
     for i in range(args.rid_trials):
         body = {"text": f"Trial {i}: count to ten.", "sampling_params": {
             "max_new_tokens": 64, "ignore_eos": True, "temperature": 0}}
-        await soak._rid_collision(c, t, body, f"trial-{i}")
+        await soak.check_rid_collision(c, t, body, f"trial-{i}")
     return {"trials": args.rid_trials, "intact": t.rid_intact,
             "intact_pct": 100.0 * t.rid_intact / max(1, args.rid_trials),
             "duplicate_refusals_wrong": t.wrong_4xx[:5], "lost": t.valid_lost[:5]}

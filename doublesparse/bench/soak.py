@@ -149,7 +149,7 @@ async def _fanout_disconnect(c: httpx.AsyncClient, t: Tally, body: dict, hold: f
     t.fanout_siblings += k  # finished before the client left: each sibling ended normally
 
 
-async def _rid_collision(c: httpx.AsyncClient, t: Tally, body: dict, rid: str) -> None:
+async def check_rid_collision(c: httpx.AsyncClient, t: Tally, body: dict, rid: str) -> None:
     """A streamed /generate with ``rid``; meanwhile a second one reuses the rid (a 400 is owed)
     and hangs up. The original must still get all its tokens."""
     want = body["sampling_params"]["max_new_tokens"]
@@ -248,7 +248,7 @@ async def worker(c: httpx.AsyncClient, t: Tally, rng: random.Random, deadline: f
             key = "input_ids" if args.token_ids else "text"
             body = {key: prompt(rng.randrange(5, args.prompt_words)), "sampling_params": {
                 "max_new_tokens": args.max_tokens + 8, "ignore_eos": True, "temperature": 0}}
-            await _rid_collision(c, t, body, f"soak-{client}-{sent}")
+            await check_rid_collision(c, t, body, f"soak-{client}-{sent}")
 
 
 async def _metric(c: httpx.AsyncClient, name: str) -> dict:

@@ -258,7 +258,7 @@ def run(args, budget: Budget) -> dict:
     def fid_unit(s):
         obs = measure.FidelityObserver(dims[0], args.fidelity_stride, 256 if args.device.startswith("cuda") else 64)
         r = text.run(s, obs)
-        return f"recall {report._nanmean(r.recall):.3f} rel err {report._nanmean(r.rel_err):.3f}"
+        return f"recall {report.nanmean(r.recall):.3f} rel err {report.nanmean(r.rel_err):.3f}"
 
     text = ret = None
     prefill_rate = None  # s per prefilled token, from the text prefill

@@ -13,7 +13,7 @@ def _f(x, fmt="{:.3f}"):
     return fmt.format(x)
 
 
-def _nanmean(xs):
+def nanmean(xs):
     xs = [x for x in (xs or []) if not math.isnan(x)]
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -38,10 +38,10 @@ def rows(settings, bytes_of, text=None, retrieval=None) -> list[dict]:
             if "avg_k" in t.extra:
                 r["avg_k"] = t.extra["avg_k"]
             r.update(ppl=t.ppl, kl=t.kl, top1=t.top1, tokens=t.tokens,
-                     recall=_nanmean(t.recall), rel_err=_nanmean(t.rel_err),
+                     recall=nanmean(t.recall), rel_err=nanmean(t.rel_err),
                      recall_per_layer=t.recall, rel_err_per_layer=t.rel_err)
             if t.mass is not None:
-                r.update(attn_mass=_nanmean(t.mass), attn_mass_per_layer=t.mass)
+                r.update(attn_mass=nanmean(t.mass), attn_mass_per_layer=t.mass)
         if retrieval and s in retrieval:
             r["retrieval_acc"] = retrieval[s]["acc"]
             r["retrieval_cells"] = {f"{n}@{d:g}": v for (n, d), v in retrieval[s]["cells"].items()}

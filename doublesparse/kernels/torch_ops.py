@@ -17,7 +17,7 @@ from .reference import group_size, is_fp8_kv
 from .top_p import keep_mask
 
 
-def _token_rows(req_to_token, row: int, n: int):
+def token_rows(req_to_token, row: int, n: int):
     """``(start, None)`` when positions 0..n-1 of request row ``row`` sit in the consecutive slots
     start..start+n-1, else ``(None, slots [n] int64)``."""
     slots = req_to_token[row, :n]
@@ -32,7 +32,7 @@ def _rows(cache, start, slots, n: int) -> torch.Tensor:
     return cache[start:start + n] if slots is None else cache.index_select(0, slots)
 
 
-def _attend(q, k, v, sm_scale, valid=None, scales=(1.0, 1.0)):
+def attend(q, k, v, sm_scale, valid=None, scales=(1.0, 1.0)):
     """q [H, G, D]; k, v [H, N, D] (any strides; fp8 rows times ``scales`` = (k's, v's) host
     floats); valid: None or [H, N] bool (the entries attended to) -> [H, G, D] float32."""
     s = torch.matmul(q, k.float().transpose(1, 2)).mul_(sm_scale * scales[0])
@@ -59,10 +59,10 @@ def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale,
     G = group_size(Hq, Hkv)
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
     for b, (row, n) in enumerate(zip(req_idx.tolist(), seq_lens.tolist())):
-        start, slots = _token_rows(req_to_token, row, n)
+        start, slots = token_rows(req_to_token, row, n)
         k = _rows(k_cache, start, slots, n).transpose(0, 1)                    # [Hkv, n, D]
         v = _rows(v_cache, start, slots, n).transpose(0, 1)
-        out[b] = _attend(q[b].float().view(Hkv, G, D), k, v, sm_scale, scales=sc).view(Hq, D)
+        out[b] = attend(q[b].float().view(Hkv, G, D), k, v, sm_scale, scales=sc).view(Hq, D)
     return out
 
 
@@ -94,7 +94,7 @@ def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale
 
 def label_scores(q, label_cache, label_scale, channels, start, slots, n: int, sm_scale, mode):
     """One request's approximate scores of its n cached tokens: [R, n] float32 (R = Hq per head,
-    1 for the layer mode, else Hkv). q: [Hq, D]; (start, slots) as from :func:`_token_rows`."""
+    1 for the layer mode, else Hkv). q: [Hq, D]; (start, slots) as from :func:`token_rows`."""
     Hq = q.shape[0]
     Hkv = label_cache.shape[1]
     G = group_size(Hq, Hkv)
@@ -115,7 +115,7 @@ def select(q, label_cache, label_scale, channels, start, slots, n: int, k: int, 
            num_sink=0, num_recent=0, top_p=0.0, top_p_min_k=0):
     """One sparse request's selection: ``(sel [R, k] int64 cache slots, valid [R, k] bool or None)``
     (R = Hq per head, else Hkv: the layer mode's one row repeated for each; valid: the entries the
-    top-p budget keeps, None without it). q: [Hq, D]; (start, slots) as from :func:`_token_rows`;
+    top-p budget keeps, None without it). q: [Hq, D]; (start, slots) as from :func:`token_rows`;
     n > k tokens."""
     s = label_scores(q, label_cache, label_scale, channels, start, slots, n, sm_scale, mode)
     raw = s.clone() if top_p > 0 else None
@@ -151,11 +151,11 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     if row_counts is not None:
         row_counts.copy_(seq_lens.long()[:, None].expand_as(row_counts).to(row_counts.dtype))
     for b, (row, n, k) in enumerate(zip(req_idx.tolist(), seq_lens.tolist(), args.k.tolist())):
-        start, slots = _token_rows(req_to_token, row, n)
+        start, slots = token_rows(req_to_token, row, n)
         if n <= k:
             kk = _rows(k_cache, start, slots, n).transpose(0, 1)
             vv = _rows(v_cache, start, slots, n).transpose(0, 1)
-            out[b] = _attend(q[b].float().view(Hkv, G, D), kk, vv, sm_scale, scales=sc).view(Hq, D)
+            out[b] = attend(q[b].float().view(Hkv, G, D), kk, vv, sm_scale, scales=sc).view(Hq, D)
             continue
         sel, valid = select(q[b], label_cache, label_scale, channels, start, slots, n, k, sm_scale, mode,
                             num_sink, num_recent, top_p, top_p_min_k)
@@ -165,7 +165,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         kk = k_cache.view(-1, D).index_select(0, flat).view(R, k, D)
         vv = v_cache.view(-1, D).index_select(0, flat).view(R, k, D)
         qg = q[b].float().view(R, Hq // R, D)
-        out[b] = _attend(qg, kk, vv, sm_scale, valid, sc).view(Hq, D)
+        out[b] = attend(qg, kk, vv, sm_scale, valid, sc).view(Hq, D)
         if row_counts is not None:
             row_counts[b] = k if valid is None else valid.sum(-1).to(row_counts.dtype)
     return out

@@ -52,7 +52,7 @@ def test_token_rows_detects_runs():
     r2t = torch.zeros(3, 10, dtype=torch.int32)
     r2t[1, :6] = torch.arange(4, 10)
     r2t[2, :6] = torch.tensor([4, 5, 7, 6, 8, 9])          # same ends, not a run
-    assert torch_ops._token_rows(r2t, 1, 6) == (4, None)
-    start, slots = torch_ops._token_rows(r2t, 2, 6)
+    assert torch_ops.token_rows(r2t, 1, 6) == (4, None)
+    start, slots = torch_ops.token_rows(r2t, 2, 6)
     assert start is None and slots.tolist() == [4, 5, 7, 6, 8, 9]
-    assert torch_ops._token_rows(r2t, 1, 1) == (4, None)
+    assert torch_ops.token_rows(r2t, 1, 1) == (4, None)
