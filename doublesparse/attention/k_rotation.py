@@ -89,9 +89,10 @@ def rotate(q: torch.Tensor, k: torch.Tensor | None, rot: torch.Tensor):
     dtype."""
     T, Hq, D = q.shape
     Hkv = rot.shape[0]
-    qr = (q.reshape(T, Hkv, Hq // Hkv, D) @ rot.to(q.dtype)[None]).view(T, Hq, D)
-    kr = None if k is None else (k[:, :, None] @ rot.to(k.dtype)[None]).view(k.shape)
-    return qr, kr
+    # one GEMM per KV head (einsum batches over h; a broadcast matmul would copy R per token)
+    qr = torch.einsum("thgd,hde->thge", q.reshape(T, Hkv, Hq // Hkv, D), rot.to(q.dtype)).reshape(T, Hq, D)
+    kr = None if k is None else torch.einsum("thd,hde->the", k, rot.to(k.dtype)).contiguous()
+    return qr.contiguous(), kr
 
 
 def resolve(choice: str, kv_fp8: bool, latent: bool, default_scales: bool = True) -> bool:
