@@ -151,9 +151,9 @@ def distributions(model, window) -> list[dict]:
 
 
 def table(doc: dict) -> list[str]:
-    out = [f"fp8 K/V variants: {doc['num_windows']} windows of {doc['window_len']} tokens of the eval text, "
-           f"the last {doc['decode_len'] - 1} scored ({doc['tokens']} tokens); float32 cache ppl "
-           f"{doc['ppl_float32']:.3f}.", "",
+    out = [(f"fp8 K/V variants: {doc['num_windows']} windows of {doc['window_len']} tokens of the eval text, "
+            f"the last {doc['decode_len'] - 1} scored ({doc['tokens']} tokens); float32 cache ppl "
+            f"{doc['ppl_float32']:.3f}."), "",
            "| variant | ppl | vs float32 | KL | top-1 |", "|---|---|---|---|---|"]
     for name, r in doc["variants"].items():
         out.append(f"| {name} | {r['ppl']:.3f} | {100 * r['ppl_rel']:+.2f} % | {r['kl']:.4f} | {r['top1']:.3f} |")
