@@ -108,8 +108,10 @@ _MAP_60K = ("python -m doublesparse.bench_one_batch --load-format dummy --model-
 # The fp8 KV cache (--kv-cache-dtype fp8_e4m3) against bf16 in one run: 3 x 60K dense and DS, the
 # speedup map's dense bf16 / dense fp8 / DS fp8 cells, and the decode throughput at 32K prompts of
 # DS with each cache at the largest batch its pool holds (pools sized from the card's memory, so
-# the batches that do not fit are skipped).
+# the batches that do not fit are skipped). fp8 rotates q and K by default (--kv-cache-k-rotation);
+# the -norot rows at 3 x 60K time the same without it (the fused RoPE store), the rotation's cost.
 _FP8 = "--kv-cache-dtype fp8_e4m3"
+_NOROT = "--kv-cache-k-rotation none"
 _TPUT_32K = ("python -m doublesparse.bench_one_batch --load-format dummy --model-path llama-3.1-8b "
              "--batch-size 8 12 14 16 20 24 28 32 --input-len 32768 --output-len 24 --fill random --skip-unfit "
              "--warmup-input-len 1024 --max-running-requests 32 --cuda-graph-max-bs 32 --enable-double-sparsity")
@@ -237,6 +239,8 @@ SUITES: dict[str, dict] = {
             _one_batch_row("llama31-8b-60k-bs3-dense-fp8", f"{_LLAMA} {_FP8}"),
             _one_batch_row("llama31-8b-60k-bs3-ds", f"{_LLAMA} --enable-double-sparsity"),
             _one_batch_row("llama31-8b-60k-bs3-ds-fp8", f"{_LLAMA} --enable-double-sparsity {_FP8}"),
+            _one_batch_row("llama31-8b-60k-bs3-dense-fp8-norot", f"{_LLAMA} {_FP8} {_NOROT}"),
+            _one_batch_row("llama31-8b-60k-bs3-ds-fp8-norot", f"{_LLAMA} --enable-double-sparsity {_FP8} {_NOROT}"),
             _one_batch_row("map-dense", _MAP),
             _one_batch_row("map-dense-fp8", f"{_MAP} {_FP8}"),
             _one_batch_row("map-ds-fp8", f"{_MAP} --enable-double-sparsity {_FP8}"),
@@ -680,14 +684,19 @@ def _summary_recall(rows: dict) -> dict:
 def _summary_fp8_kv(rows: dict) -> dict:
     """The fp8 KV cache against bf16 (the fp8-kv suite): decode speedups at 3 x 60K, dense fp8
     over its byte floor, the speedup-map cells against dense bf16, and at 32K prompts the DS
-    decode throughput of each cache at the largest batch its pool held, and the pool tokens."""
+    decode throughput of each cache at the largest batch its pool held, and the pool tokens; the
+    q/K rotation's cost (decode step with it over without, dense and DS at 3 x 60K)."""
     med = {n: r["results"][0]["median_decode_latency"] for n, r in rows.items()
            if n.startswith("llama31-") and r.get("results")}
     base = med.get("llama31-8b-60k-bs3-dense")
     s = {"fp8_kv_dense_speedup_60k_bs3": _ratio(base, med.get("llama31-8b-60k-bs3-dense-fp8")),
          "fp8_kv_ds_speedup_60k_bs3": _ratio(base, med.get("llama31-8b-60k-bs3-ds-fp8")),
          "fp8_kv_ds_over_ds_bf16_60k_bs3": _ratio(med.get("llama31-8b-60k-bs3-ds"),
-                                                  med.get("llama31-8b-60k-bs3-ds-fp8"))}
+                                                  med.get("llama31-8b-60k-bs3-ds-fp8")),
+         "fp8_kv_rotation_step_ratio_dense_60k_bs3": _ratio(med.get("llama31-8b-60k-bs3-dense-fp8"),
+                                                            med.get("llama31-8b-60k-bs3-dense-fp8-norot")),
+         "fp8_kv_rotation_step_ratio_ds_60k_bs3": _ratio(med.get("llama31-8b-60k-bs3-ds-fp8"),
+                                                         med.get("llama31-8b-60k-bs3-ds-fp8-norot"))}
     d = rows.get("llama31-8b-60k-bs3-dense-fp8", {})
     if d.get("results"):
         r = d["results"][0]

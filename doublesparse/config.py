@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from .attention.adaptive_control import DEFAULT_TARGET_RECALL, AdaptiveConfig
 from .attention.budget import BUDGET_MODES, TokenBudget
+from .attention.k_rotation import ROTATION_CHOICES as KV_K_ROTATIONS
 from .kernels.tuning import KernelTuning
 
 ATTENTION_BACKENDS = ("dense", "double_sparsity", "torch")
@@ -123,6 +124,9 @@ class EngineConfig:
     ``x / scale`` in fp8 with one scale per layer for K and one for V (half the bytes of bf16, so
     twice the tokens in the same memory): from ``kv_cache_scales_path`` (JSON), else the
     checkpoint's ``k_scale`` / ``v_scale`` tensors, else 1.0 (engine/kv_scales.py).
+    ``kv_cache_k_rotation``: "auto" rotates q and K per KV head by Hadamard blocks before an fp8
+    cache at the default scale 1.0 stores K (scores unchanged; most of fp8's error on K removed;
+    attention/k_rotation.py), "hadamard" always, "none" stores K as it is (vLLM's and SGLang's).
     ``ds_recall_sample_interval``: every that many sparse decode steps, the exact attention of
     ``ds_recall_sample_rows`` requests at one layer (rotating) measures the share of it the step's
     selection captured (attention/recall.py, docs/serving-metrics.md); 0: off.
@@ -159,6 +163,7 @@ class EngineConfig:
     ds_recall_sample_rows: int = 4
     kv_cache_dtype: str = "auto"
     kv_cache_scales_path: str | None = None
+    kv_cache_k_rotation: str = "auto"
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85
     chunked_prefill_size: int = 4096
@@ -191,6 +196,7 @@ class EngineConfig:
         _check_choice("ds_label_dtype", self.ds_label_dtype, LABEL_DTYPE_CHOICES)
         _check_choice("prefill_schedule", self.prefill_schedule, PREFILL_SCHEDULES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("kv_cache_k_rotation", self.kv_cache_k_rotation, KV_K_ROTATIONS)
         if self.kv_cache_scales_path is not None and not self.kv_cache_fp8:
             raise ValueError("kv_cache_scales_path is only read with an fp8 kv_cache_dtype "
                              f"(fp8_e4m3 or fp8_e5m2), got kv_cache_dtype={self.kv_cache_dtype!r}")

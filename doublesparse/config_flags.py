@@ -9,8 +9,8 @@ from dataclasses import fields
 
 from .attention.budget import BUDGET_MODES
 from .config import (ATTENTION_BACKENDS, CHANNEL_TYPES, CPU_DEFAULT_TOTAL_TOKENS, DTYPES, KV_CACHE_DTYPES,
-                     LABEL_DTYPE_CHOICES, LOAD_FORMATS, OFFLOAD_FETCH, OFFLOAD_PREFETCH, PREFILL_SCHEDULES,
-                     SELECTION_MODE_CHOICES, EngineConfig)
+                     KV_K_ROTATIONS, LABEL_DTYPE_CHOICES, LOAD_FORMATS, OFFLOAD_FETCH, OFFLOAD_PREFETCH,
+                     PREFILL_SCHEDULES, SELECTION_MODE_CHOICES, EngineConfig)
 from .kernels.tuning import KernelTuning
 
 
@@ -91,6 +91,11 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
     g.add_argument("--kv-cache-scales-path", metavar="FILE.json",
                    help="fp8 K/V scales: JSON {\"k_scale\": x or [per layer], \"v_scale\": ...} "
                         "(default: the checkpoint's k_scale/v_scale tensors, else 1.0)")
+    g.add_argument("--kv-cache-k-rotation", choices=KV_K_ROTATIONS,
+                   help="auto (default): with an fp8 K/V cache at the default scale 1.0, rotate q and K "
+                        "per KV head by Hadamard blocks before K is stored (scores unchanged, most of "
+                        "fp8's error on K removed; Double Sparsity's label channels keep their own "
+                        "block); hadamard: always; none: store K as it is")
     g.add_argument("--max-total-tokens", type=int,
                    help=f"KV pool size in tokens (default: from --mem-fraction-static on CUDA, "
                         f"{CPU_DEFAULT_TOTAL_TOKENS} on CPU)")

@@ -24,6 +24,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from ..kernels import ops
 from ..kernels.reference import dequant_kv, is_fp8_kv, quantize_kv
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
+from .k_rotation import rotate
 from .prefill import prefill_sdpa
 
 
@@ -67,6 +68,9 @@ class AttentionBackend:
     impl: ``ops`` implementation ("auto" | "torch"); workspace: DecodeWorkspace or None (CPU);
     channels: ``[num_layers, Hkv, r]`` int32 device tensor, or None (no label cache);
     tuning: the kernels' launch parameters and choices, passed to every launch.
+    k_rotation: None, or R ``[num_layers, Hkv, D, D]`` in the model's dtype on the device
+    (attention/k_rotation.py, set by the engine's setup): ``forward`` rotates q and k by layer
+    l's R before anything stores or reads them, so the pools and labels hold the rotated K.
     """
 
     name = "base"
@@ -83,6 +87,7 @@ class AttentionBackend:
         self.workspace = workspace
         self.channels = channels
         self.tuning = tuning
+        self.k_rotation: torch.Tensor | None = None
         if self.stores_labels and (channels is None or memory.label[0] is None):
             raise ValueError(f"{self.name} backend needs a label pool and heavy channels")
 
@@ -111,6 +116,7 @@ class AttentionBackend:
     # ---------------------------------------------------------------------------- forward
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] post-RoPE -> [T, Hq, D] in q's dtype."""
+        q, k = self.rotate(layer_id, q, k)
         self.store(layer_id, k, v, batch.out_slots)
         return self.attention(layer_id, q, k, v, batch)
 
@@ -124,9 +130,15 @@ class AttentionBackend:
 
     @property
     def accepts_stored_kv(self) -> bool:
-        """True when ``forward`` is exactly ``store`` + ``attention`` (not overridden), so a caller
-        may do the store itself and call ``attention``."""
-        return type(self).forward is AttentionBackend.forward
+        """True when ``forward`` is exactly ``store`` + ``attention`` (not overridden, no rotation
+        of q and K), so a caller may do the store itself and call ``attention``."""
+        return type(self).forward is AttentionBackend.forward and self.k_rotation is None
+
+    def rotate(self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None):
+        """(q, k) rotated by layer ``layer_id``'s R (``k_rotation``), or unchanged without it."""
+        if self.k_rotation is None:
+            return q, k
+        return rotate(q, k, self.k_rotation[layer_id])
 
     def store_targets(self, layer_id: int):
         """Where ``store`` writes layer ``layer_id``: ``(k_cache, v_cache, label_cache, label_scale,

@@ -105,7 +105,9 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
 
     # ------------------------------------------------------------------- stores and prefill
     def forward(self, layer_id, q, k, v, batch):
-        """Stores K/V to the host store and labels to the device pool, then attends."""
+        """Stores K/V to the host store and labels to the device pool, then attends (q and k
+        rotated first where ``k_rotation`` is set)."""
+        q, k = self.rotate(layer_id, q, k)
         self._join(layer_id)
         self.store(layer_id, k, v, batch.out_slots)
         return self.attention(layer_id, q, k, v, batch)

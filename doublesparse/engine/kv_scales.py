@@ -10,6 +10,13 @@ that the kernels read on the device). Where they come from, first found wins:
    value); the loaders skip them otherwise. GGUF files have no such tensors;
 3. 1.0 (vLLM's and SGLang's default): exact for the format's range, e4m3 holds |x| <= 448 at 3
    mantissa bits, e5m2 |x| <= 57344 at 2; larger values are clamped, not turned into inf.
+
+No calibrated default: a scale only moves the range. Relative precision is the format's anywhere
+in its normal range (down to 2^-6 x scale for e4m3), and on SmolLM2-135M per-layer or per-head
+scales from calibration text did not lower the error at all (docs/accuracy.md, fp8 KV cache):
+almost all of it is K's 3-bit rounding, which the q/K rotation (attention/k_rotation.py) reduces.
+That rotation is on by default only with source 3, since sources 1 and 2 were measured on
+unrotated K.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import math
 from pathlib import Path
 
 DEFAULT_SCALE = 1.0
+DEFAULT_SOURCE = f"default {DEFAULT_SCALE}"   # resolve_scales' source for the default
 
 
 def _per_layer(value, name: str, num_layers: int, source: str) -> list[float]:
@@ -77,7 +85,7 @@ def resolve_scales(cfg, model_file: str | None, num_layers: int) -> tuple[list[f
     if found is not None:
         return (*found, f"checkpoint {model_file}")
     ones = [DEFAULT_SCALE] * num_layers
-    return ones, list(ones), f"default {DEFAULT_SCALE}"
+    return ones, list(ones), DEFAULT_SOURCE
 
 
 def apply_scales(memory, k: list[float], v: list[float]) -> None:

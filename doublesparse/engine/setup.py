@@ -295,10 +295,13 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
                                  memory=memory, num_q_heads=mc.num_q_heads, head_dim=mc.head_dim,
                                  impl=cfg.kernel_impl, workspace=ws, channels=channels, tuning=cfg.kernel_tuning)
     if cfg.kv_cache_fp8:
-        from .kv_scales import apply_scales, resolve_scales
+        from .kv_scales import DEFAULT_SOURCE, apply_scales, resolve_scales
         k_sc, v_sc, src = resolve_scales(cfg, model_file, plan.num_layers)
         apply_scales(memory, k_sc, v_sc)
-        log.info("fp8 KV cache (%s): per-layer scales from %s", cfg.kv_cache_dtype, src)
+        rotation = _k_rotation(cfg, backend, plan, mc, channels, _model_dtype(model), device, src == DEFAULT_SOURCE)
+        log.info("fp8 KV cache (%s): per-layer scales from %s; %s", cfg.kv_cache_dtype, src, rotation)
+    elif cfg.kv_cache_k_rotation == "hadamard":
+        log.info("KV cache: %s", _k_rotation(cfg, backend, plan, mc, channels, _model_dtype(model), device))
     log.info("%s", plan.describe())
     if cfg.gpu_memory_budget_gb is not None:
         from .offload_setup import check_gpu_budget, device_use
@@ -326,6 +329,19 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
                        ds, choice.source if choice else None, ws,
                        choice.calibrated if choice else None,
                        point.as_dict(user_cfg) if point is not None else None, recall, adaptive)
+
+
+def _k_rotation(cfg: EngineConfig, backend, plan: MemoryPlan, mc, channels, dtype, device,
+                default_scales: bool = True) -> str:
+    """Set the backend's q/K rotation (``--kv-cache-k-rotation``; attention/k_rotation.py) from
+    this rank's heads and label channels, before any CUDA graph is captured; returns its words
+    for the startup line. default_scales: the fp8 scales are the default 1.0."""
+    from ..attention import k_rotation
+    if not k_rotation.resolve(cfg.kv_cache_k_rotation, cfg.kv_cache_fp8, plan.latent, default_scales):
+        return k_rotation.describe(None, None)
+    rot = k_rotation.rotation_matrices(plan.num_layers, mc.num_kv_heads, mc.head_dim, channels)
+    backend.k_rotation = rot.to(device=device, dtype=dtype)
+    return k_rotation.describe(rot, channels)
 
 
 def _recall_probe(cfg: EngineConfig, backend, plan: MemoryPlan, ds, tp):

@@ -38,6 +38,7 @@ from doublesparse.channels import (
     read_config,
     recorded_modes,
 )
+from doublesparse.attention.k_rotation import ROTATION_CHOICES
 from doublesparse.engine import operating_point
 from doublesparse.engine.operating_point import OperatingPoint
 from doublesparse.version import __version__
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dense and the engine's default once per K/V cache dtype (the engine's "
                         "--kv-cache-dtype; each prefilled through its own cache), in this order; dense with "
                         "the model's cache (auto) runs too, the reference of KL and top-1 (default: auto)")
+    p.add_argument("--kv-cache-k-rotation", choices=ROTATION_CHOICES, default="auto",
+                   help="the engine's flag: auto rotates q and K per KV head before an fp8 cache stores "
+                        "K (Hadamard blocks; docs/accuracy.md), none stores K as it is")
     p.add_argument("--no-text", action="store_true")
     p.add_argument("--no-retrieval", action="store_true")
     p.add_argument("--no-fidelity", action="store_true", help="skip per-layer attention fidelity")
@@ -227,13 +231,15 @@ def run(args, model=None, tokenizer=None) -> dict:
         windows = eval_windows(args, tokenizer, window_len, num_windows)
         res = measure.evaluate_text(model, windows, decode_len, settings, channels_for, device=args.device,
                                     fidelity=not args.no_fidelity, batch_windows=args.batch_windows,
-                                    progress=progress, fidelity_stride=args.fidelity_stride)
+                                    progress=progress, fidelity_stride=args.fidelity_stride,
+                                    k_rotation=getattr(args, "kv_cache_k_rotation", "auto"))
         text_res = {r.setting: r for r in res}
     if not args.no_retrieval:
         trials = retrieval.make_trials(tokenizer, lens, L["depths"], L["trials"],
                                        seed=getattr(args, "retrieval_seed", 0))
         ret_res = retrieval.evaluate_retrieval(model, tokenizer, trials, settings, channels_for,
-                                               device=args.device, progress=progress)
+                                               device=args.device, progress=progress,
+                                               k_rotation=getattr(args, "kv_cache_k_rotation", "auto"))
     # bytes are quoted at the text window, or at the longest retrieval context without text
     bytes_ctx = window_len if text_res is not None else max(lens)
     # top-p settings: bytes at the tokens measured per row (text only), else at their upper bound
@@ -241,7 +247,8 @@ def run(args, model=None, tokenizer=None) -> dict:
     rows = report.rows(settings, lambda s: s.bytes_per_step(bytes_ctx, *dims, k=measured.get(s)), text_res, ret_res)
     name = getattr(c, "name", "model")
     notes = run_notes(name, source, args.device, L, bytes_ctx, text_res is not None, ret_res is not None,
-                      getattr(args, "retrieval_seed", 0), any(s.kv != "auto" for s in settings))
+                      getattr(args, "retrieval_seed", 0), any(s.kv != "auto" for s in settings),
+                      getattr(args, "kv_cache_k_rotation", "auto"))
     notes.append(f"default: the engine's {point.describe()}")
     title = f"Double Sparsity eval: {name}"
     result = {"tool": f"doublesparse {__version__}", "model": name, "channels": source,
@@ -249,6 +256,7 @@ def run(args, model=None, tokenizer=None) -> dict:
               "window_len": window_len, "decode_len": decode_len, "num_windows": num_windows,
               "retrieval_lens": lens, "retrieval_depths": L["depths"], "retrieval_trials": L["trials"],
               "retrieval_seed": getattr(args, "retrieval_seed", 0),
+              "kv_cache_k_rotation": getattr(args, "kv_cache_k_rotation", "auto"),
               "retrieval_answers": {s.name: v["answers"] for s, v in (ret_res or {}).items()},
               "seconds": round(time.perf_counter() - t0, 1)}
     result = report.write_outputs(args.output_dir, rows, title, notes, result)
@@ -258,7 +266,7 @@ def run(args, model=None, tokenizer=None) -> dict:
 
 
 def run_notes(name, source, device, L: dict, bytes_ctx: int, text: bool, ret: bool, seed: int = 0,
-              kv: bool = False) -> list[str]:
+              kv: bool = False, k_rotation: str = "auto") -> list[str]:
     """The notes of a run's table; ``kv``: some settings have their own K/V cache dtype."""
     notes = [f"model: {name}; channels: {source}; device: {device}"]
     if text:
@@ -272,9 +280,11 @@ def run_notes(name, source, device, L: dict, bytes_ctx: int, text: bool, ret: bo
                  f"and K/V of '/kv:fp8_*' settings as fp8, 1 byte); sink/recent capped at "
                  f"k/8 and k/4 (as the engine's default)")
     if kv:
+        rot = ("q and K rotated per KV head (Hadamard blocks; a Double Sparsity setting's label channels "
+               "in their own block)" if k_rotation != "none" else "K not rotated")
         notes.append("'/kv:...' settings: K/V stored in that dtype (fp8: scale 1.0, the engine's default "
-                     "without checkpoint scales), prefilled and decoded through it; KL and top-1 against "
-                     "dense with the model's cache")
+                     f"without checkpoint scales; {rot}, --kv-cache-k-rotation {k_rotation}), prefilled and "
+                     "decoded through it; KL and top-1 against dense with the model's cache")
     return notes
 
 

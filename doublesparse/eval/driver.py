@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from doublesparse.attention import k_rotation
 from doublesparse.kernels import ops
 from doublesparse.kernels.reference import dequant_kv
 from doublesparse.kernels.top_p import keep_mask
@@ -47,6 +48,7 @@ class PrefillAttention:
 
     def forward(self, layer_id, q, k, v, batch):
         p = self.pools
+        q, k = p.rotate(layer_id, q, k)
         slots = p.slots(torch.full_like(self.positions, self.row), self.positions)
         ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, **p.scales, impl=p.impl)
         if p.k_src is not None:
@@ -87,6 +89,7 @@ class DecodeAttention:
 
     def forward(self, layer_id, q, k, v, batch):
         p, s = self.p, self.s
+        q, k = p.rotate(layer_id, q, k)
         slots = p.slots(self.rows, self.positions)
         if self.channels is not None:
             lab = p.label_pool(self.channels.shape[-1], s.label)[layer_id]
@@ -135,20 +138,34 @@ def prefill(model, pools: Pools, prefixes: list[list[int]]) -> torch.Tensor:
 class PoolSet:
     """The pools of one set of requests (``prefixes``: each one's prompt ids before its scored or
     generated tokens) for each K/V cache dtype a setting asks for, each prefilled (densely, through
-    its own cache) the first time it is asked for. ``Pools`` arguments as there."""
+    its own cache) the first time it is asked for. ``Pools`` arguments as there; k_rotation: the
+    engine's ``--kv-cache-k-rotation`` ("auto": rotate q and K with an fp8 cache), whose R depends
+    on a Double Sparsity setting's label channels, so a rotated cache is prefilled once per
+    channel set (dense settings: the rotation without channels)."""
 
-    def __init__(self, model, prefixes: list[list[int]], max_ctx: int, device="cpu", impl: str = "auto"):
+    def __init__(self, model, prefixes: list[list[int]], max_ctx: int, device="cpu", impl: str = "auto",
+                 k_rotation: str = "auto"):
         self.model, self.prefixes, self.max_ctx, self.device, self.impl = model, prefixes, max_ctx, device, impl
-        self._by_kv: dict[str, Pools] = {}
+        self.k_rotation = k_rotation
+        self._by_kv: dict[tuple, Pools] = {}
 
-    def get(self, kv: str = "auto") -> Pools:
-        if kv not in self._by_kv:
-            m = self.model
-            pools = Pools(m.config, len(self.prefixes), self.max_ctx, device=self.device,
-                          dtype=getattr(m, "dtype", torch.float32), impl=self.impl, kv_cache_dtype=kv)
+    def get(self, kv: str = "auto", channels: torch.Tensor | None = None) -> Pools:
+        """The pools of cache dtype ``kv`` for a setting with label channels ``channels``
+        ([L, Hkv, r], Double Sparsity) or None (dense)."""
+        m = self.model
+        c = m.config
+        rotated = k_rotation.resolve(self.k_rotation, kv.startswith("fp8"), False)
+        ch = None if channels is None or not rotated else channels.detach().cpu().to(torch.int32)
+        key = (kv, rotated, None if ch is None else (tuple(ch.shape), ch.numpy().tobytes()))
+        if key not in self._by_kv:
+            rot = (k_rotation.rotation_matrices(int(c.num_layers), int(c.num_kv_heads), int(c.head_dim), ch)
+                   if rotated else None)
+            pools = Pools(c, len(self.prefixes), self.max_ctx, device=self.device,
+                          dtype=getattr(m, "dtype", torch.float32), impl=self.impl, kv_cache_dtype=kv,
+                          k_rotation=rot)
             prefill(m, pools, self.prefixes)
-            self._by_kv[kv] = pools
-        return self._by_kv[kv]
+            self._by_kv[key] = pools
+        return self._by_kv[key]
 
 
 @torch.inference_mode()

@@ -104,10 +104,11 @@ class TextRunner:
     are prefilled, the next ``decode_len - 1`` are decoded in one forward per group of
     ``batch_windows`` windows (0: all), each predicting its successor. Dense with the model's
     cache runs first (KL and top-1 compare to it); its log-probs ``[rows, V]`` stay on the device.
-    impl: kernels' ``impl`` ("auto": Triton on CUDA, PyTorch on CPU)."""
+    impl: kernels' ``impl`` ("auto": Triton on CUDA, PyTorch on CPU); k_rotation: the engine's
+    ``--kv-cache-k-rotation`` (driver.PoolSet)."""
 
     def __init__(self, model, windows, decode_len: int, channels_for, device="cpu", batch_windows: int = 0,
-                 impl: str = "auto"):
+                 impl: str = "auto", k_rotation: str = "auto"):
         wl = len(windows[0])
         if decode_len < 2 or decode_len >= wl:
             raise ValueError(f"decode_len must be in [2, window_len), got {decode_len} for windows of {wl}")
@@ -120,7 +121,8 @@ class TextRunner:
         with torch.inference_mode():
             for g0 in range(0, len(windows), step):
                 win = windows[g0:g0 + step]
-                pools = driver.PoolSet(model, [w[:prefix] for w in win], wl, device=device, impl=impl)
+                pools = driver.PoolSet(model, [w[:prefix] for w in win], wl, device=device, impl=impl,
+                                       k_rotation=k_rotation)
                 pools.get("auto")
                 targets = torch.tensor([t for w in win for t in w[prefix + 1:]], device=device)
                 self.groups.append([pools, [w[prefix:-1] for w in win], targets, None])
@@ -137,7 +139,7 @@ class TextRunner:
         ch = self.channels_for(s) if s.kind == "ds" else None
         for g in self.groups:
             pool_set, inputs, targets, ref = g
-            pools = pool_set.get(s.kv)
+            pools = pool_set.get(s.kv, ch)
             if ch is not None:
                 pools.relabel(ch, s.label)
             logits = driver.decode_tokens(self.model, pools, s, ch, inputs, s.k_for(self.wl),
@@ -171,10 +173,10 @@ class TextRunner:
 @torch.inference_mode()
 def evaluate_text(model, windows: list[list[int]], decode_len: int, settings: list[Setting],
                   channels_for, device="cpu", fidelity: bool = False, batch_windows: int = 0,
-                  progress: bool = True, fidelity_stride: int = 1) -> list[TextResult]:
+                  progress: bool = True, fidelity_stride: int = 1, k_rotation: str = "auto") -> list[TextResult]:
     """Score ``settings`` on ``windows`` (see :class:`TextRunner`). ``channels_for(setting) ->
     [L, Hkv, r]``. Each group of ``batch_windows`` windows is prefilled once for all settings."""
-    runner = TextRunner(model, windows, decode_len, channels_for, device, batch_windows)
+    runner = TextRunner(model, windows, decode_len, channels_for, device, batch_windows, k_rotation=k_rotation)
     chunk = 256 if torch.device(device).type == "cuda" else 64
     for s in tqdm(settings, desc="eval text", unit="setting", disable=not progress):
         obs = FidelityObserver(runner.num_layers, fidelity_stride, chunk) if fidelity and s.kind == "ds" else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from doublesparse.attention.base import as_cached
+from doublesparse.attention.k_rotation import rotate
 from doublesparse.engine.memory import KV_CACHE_TORCH_DTYPES, LABEL_TORCH_DTYPES
 from doublesparse.kernels import ops
 from doublesparse.kernels.reference import dequant_kv, is_fp8_kv
@@ -20,18 +21,22 @@ class Pools:
     ([1] float32: the engine's default for a checkpoint without scales) and keep the prefix's
     unquantized K in ``k_src[l]`` (``dtype``), the source of its labels, as the engine takes a
     label from the unquantized k; labels[(r, label)][l]: ``[S, Hkv, r]`` bf16 or fp8 e4m3 (one pool
-    per r and label dtype in use; fp8 with scale 1, as the engine stores them);
+    per r and label dtype in use; fp8 with scale 1, as the engine stores them); k_rotation: None,
+    or R ``[L, Hkv, D, D]`` (attention/k_rotation.py, the engine's ``--kv-cache-k-rotation``): the
+    backends rotate q and k by it before anything stores or reads them, so the pools, ``k_src`` and
+    the labels hold the rotated K;
     req_to_token: ``[num_reqs + 1, max_ctx]`` int32. Slot 0 and row 0 are padding; request i owns
     row i + 1 and slots ``1 + i * max_ctx + position``.
     """
 
     def __init__(self, config, num_reqs: int, max_ctx: int, device="cpu", dtype=torch.float32,
-                 impl: str = "auto", kv_cache_dtype: str = "auto"):
+                 impl: str = "auto", kv_cache_dtype: str = "auto", k_rotation: torch.Tensor | None = None):
         c = config
         self.impl = impl  # passed to every ops call: "auto" = Triton on CUDA, reference on CPU
         self.L, self.hq, self.hkv, self.D = int(c.num_layers), int(c.num_q_heads), int(c.num_kv_heads), int(c.head_dim)
         self.max_ctx, self.device = max_ctx, torch.device(device)
         self.kv_cache_dtype = kv_cache_dtype
+        self.k_rotation = None if k_rotation is None else k_rotation.to(device, dtype)
         kv_dtype = KV_CACHE_TORCH_DTYPES.get(kv_cache_dtype, dtype)
         S = 1 + num_reqs * max_ctx
         self.k = [torch.zeros(S, self.hkv, self.D, dtype=kv_dtype, device=device) for _ in range(self.L)]
@@ -53,6 +58,12 @@ class Pools:
     def scales(self) -> dict:
         """The ``k_scale`` / ``v_scale`` keyword arguments of the ops (read for fp8 pools only)."""
         return dict(k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def rotate(self, layer_id: int, q, k):
+        """(q, k) as the backends use them: rotated by layer ``layer_id``'s R, or unchanged."""
+        if self.k_rotation is None:
+            return q, k
+        return rotate(q, k, self.k_rotation[layer_id])
 
     def as_read(self, k, v):
         """This chunk's k, v ``[T, Hkv, D]`` as the pools hold them, in their own dtype: what the

@@ -108,7 +108,7 @@ class RetrievalRunner:
     time, 0: all) decoded as one batch; k scales with the group's context length."""
 
     def __init__(self, model, tokenizer, trials: list[Trial], device="cpu", batch_trials: int = 0,
-                 impl: str = "auto"):
+                 impl: str = "auto", k_rotation: str = "auto"):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         by_len: dict[int, list[Trial]] = {}
         for t in trials:
@@ -121,7 +121,7 @@ class RetrievalRunner:
                     part = ts[i:i + step]
                     max_ctx = max(len(t.ids) for t in part) + ANSWER_TOKENS
                     pools = driver.PoolSet(model, [list(t.ids[:-1]) for t in part], max_ctx, device=device,
-                                           impl=impl)
+                                           impl=impl, k_rotation=k_rotation)
                     pools.get("auto")
                     self.groups.append((n, part, pools))
         self.results: dict[Setting, dict] = {}
@@ -134,7 +134,7 @@ class RetrievalRunner:
         answers = []
         ch = channels_for(s) if s.kind == "ds" else None
         for n, ts, pool_set in self.groups:
-            pools = pool_set.get(s.kv)
+            pools = pool_set.get(s.kv, ch)
             if ch is not None:
                 pools.relabel(ch, s.label)
             new = driver.greedy(self.model, pools, s, ch, [t.ids[-1] for t in ts], ANSWER_TOKENS,
@@ -153,9 +153,10 @@ class RetrievalRunner:
 
 
 def evaluate_retrieval(model, tokenizer, trials: list[Trial], settings: list[Setting], channels_for,
-                       device="cpu", batch_trials: int = 0, progress: bool = True) -> dict:
+                       device="cpu", batch_trials: int = 0, progress: bool = True,
+                       k_rotation: str = "auto") -> dict:
     """Accuracy of every setting: ``{setting: RetrievalRunner.run(setting)}``."""
-    runner = RetrievalRunner(model, tokenizer, trials, device, batch_trials)
+    runner = RetrievalRunner(model, tokenizer, trials, device, batch_trials, k_rotation=k_rotation)
     for s in tqdm(settings, desc="eval retrieval", unit="setting", disable=not progress):
         runner.run(s, channels_for)
     return {s: runner.results[s] for s in settings}

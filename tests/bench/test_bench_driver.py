@@ -293,6 +293,7 @@ def test_fp8_kv_summary():
 
     rows = {"llama31-8b-60k-bs3-dense": one(0.02), "llama31-8b-60k-bs3-dense-fp8": one(0.0125),
             "llama31-8b-60k-bs3-ds": one(0.008), "llama31-8b-60k-bs3-ds-fp8": one(0.007),
+            "llama31-8b-60k-bs3-dense-fp8-norot": one(0.0120), "llama31-8b-60k-bs3-ds-fp8-norot": one(0.0068),
             "tput-32k-ds": tput(480000, (8, 900.0), (14, 1500.0)),
             "tput-32k-ds-fp8": tput(960000, (14, 1550.0), (28, 2800.0))}
     s = bench_run.summarize("fp8-kv", rows)
@@ -301,6 +302,8 @@ def test_fp8_kv_summary():
     assert s["fp8_kv_ds_max_throughput_gain_32k"] == pytest.approx(2800 / 1500)
     assert (s["max_batch_32k_bf16"], s["max_batch_32k_fp8"]) == (14, 28)
     assert s["fp8_kv_pool_tokens_ratio"] == 2.0
+    assert s["fp8_kv_rotation_step_ratio_dense_60k_bs3"] == pytest.approx(0.0125 / 0.0120)
+    assert s["fp8_kv_rotation_step_ratio_ds_60k_bs3"] == pytest.approx(0.007 / 0.0068)
 
 
 def test_accuracy_summaries_take_the_fp8_kv_rows():

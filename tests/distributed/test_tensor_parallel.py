@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU (gloo): at tp_size 2 and 3, logits and greedy outputs of Llama
 models and two MoE models equal tp_size 1's, dense and with Double Sparsity (a channel config's
-per-layer modes too), with an fp8 KV cache too; a rank that dies ends the engine with an error naming it. One 3-rank group
+per-layer modes too), with an fp8 KV cache too (q/K rotated or not); a rank that dies ends the engine with an error naming it. One 3-rank group
 serves every engine of the module (a 2-rank engine runs on its first two ranks)."""
 
 import json
@@ -88,6 +88,13 @@ def test_fp8_kv_cache(group, llama, ds, tmp_path):
     path.write_text(json.dumps({"k_scale": 0.05, "v_scale": [0.02 * (i + 1) for i in range(llama.config.num_layers)]}))
     check_same(llama, group, 2, overlap=ds, kv_cache_dtype="fp8_e4m3", kv_cache_scales_path=str(path),
                **(DS if ds else {}))
+
+
+@pytest.mark.parametrize("ds", [False, True], ids=["dense", "ds"])
+def test_fp8_kv_cache_rotated(group, llama, ds):
+    """The default q/K rotation of an fp8 cache at scale 1.0: every rank rotates its own KV heads
+    (with Double Sparsity by its own heads' label channels), as TP 1 rotates them."""
+    check_same(llama, group, 2, overlap=ds, kv_cache_dtype="fp8_e4m3", **(DS if ds else {}))
 
 
 def test_dead_rank_is_an_error_not_a_hang(group, llama):

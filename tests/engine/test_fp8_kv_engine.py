@@ -115,6 +115,9 @@ def test_engine_applies_scales(model, tmp_path):
     m = e.parts.memory
     assert [float(x) for x in m.k_scale] == pytest.approx([0.02, 0.03])
     assert [float(x) for x in m.v_scale] == pytest.approx([0.01, 0.01])
+    assert e.parts.backend.k_rotation is None   # auto: scales from a file describe unrotated K
+    forced = engine(model, kv_cache_dtype="fp8_e4m3", kv_cache_scales_path=str(f), kv_cache_k_rotation="hadamard")
+    assert forced.parts.backend.k_rotation is not None
     r = e.generate(prompts(1, seed=4), {**GREEDY, "max_new_tokens": 4})[0]
     assert r["meta"]["completion_tokens"] == 4
 
@@ -158,3 +161,48 @@ def test_fp8_prefix_hit_and_chunks_match_a_cold_prefill(model):
     chunked = engine(model, kv_cache_dtype="fp8_e4m3", chunked_prefill_size=16,
                      disable_radix_cache=True).generate([p], sp)[0]
     assert hit["token_ids"] == cold["token_ids"] == chunked["token_ids"]
+
+
+# ---------------------------------------------------------------- q/K rotation
+def test_rotation_flag_parses_and_validates():
+    import argparse
+    p = add_cli_args(argparse.ArgumentParser())
+    assert from_cli_args(p.parse_args([])).kv_cache_k_rotation == "auto"
+    assert from_cli_args(p.parse_args(["--kv-cache-k-rotation", "none"])).kv_cache_k_rotation == "none"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--kv-cache-k-rotation", "on"])
+    with pytest.raises(ValueError, match="kv_cache_k_rotation must be one of"):
+        EngineConfig(kv_cache_k_rotation="on")
+
+
+@pytest.mark.parametrize("ds", [False, True])
+def test_fp8_rotates_q_and_k_by_default(model, ds, caplog):
+    """auto: an fp8 cache gets Hadamard blocks per layer and KV head (DS: the label channels in
+    their own block), the model then stores K through ``forward`` (no fused RoPE store), and the
+    startup line says so; none and a bf16 cache keep K as it is."""
+    import logging
+    from doublesparse.attention import k_rotation
+    kw = dict(enable_double_sparsity=True, ds_heavy_token_num=16, ds_sparse_decode_threshold=0) if ds else {}
+    with caplog.at_level(logging.INFO, logger="doublesparse"):
+        e = engine(model, kv_cache_dtype="fp8_e4m3", **kw)
+    b, c = e.parts.backend, model.config
+    ch = b.channels.cpu() if ds else None
+    assert torch.equal(b.k_rotation, k_rotation.rotation_matrices(c.num_layers, c.num_kv_heads, c.head_dim, ch))
+    assert not b.accepts_stored_kv
+    assert any("q/K rotated" in r.getMessage() and "scales from default 1.0" in r.getMessage()
+               for r in caplog.records)
+    assert engine(model, kv_cache_dtype="fp8_e4m3", kv_cache_k_rotation="none", **kw).parts.backend.k_rotation is None
+    assert engine(model, kv_cache_dtype="bf16", **kw).parts.backend.k_rotation is None
+
+
+@pytest.mark.parametrize("ds", [False, True])
+def test_rotation_over_a_float32_cache_keeps_the_tokens(model, ds):
+    """The rotation leaves every score unchanged: over the model's float32 cache it gives the
+    unrotated engine's greedy tokens (dense and Double Sparsity: the same selection)."""
+    kw = dict(enable_double_sparsity=True, ds_heavy_token_num=16, ds_sparse_decode_threshold=0) if ds else {}
+    ps = prompts(3, seed=5)
+    sp = {**GREEDY, "max_new_tokens": 8}
+    base = engine(model, **kw).generate(ps, sp)
+    e = engine(model, kv_cache_k_rotation="hadamard", **kw)
+    assert e.parts.backend.k_rotation is not None
+    assert [r["token_ids"] for r in e.generate(ps, sp)] == [r["token_ids"] for r in base]

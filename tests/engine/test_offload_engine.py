@@ -158,6 +158,7 @@ def test_offload_with_fp8_kv(model, kv, mode, prefetch):
     dt = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
     m = e.parts.memory
     assert m.k[0].dtype == m.v[0].dtype == e.parts.backend.hot.k[0].dtype == dt
+    assert e.parts.backend.k_rotation is not None   # q/K rotated on both sides (the default with fp8)
     got = e.generate(prompts, sp)
     assert [w["token_ids"] for w in want] == [x["token_ids"] for x in got]
     s = e.parts.backend.fetch_stats()

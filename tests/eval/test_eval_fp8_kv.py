@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from doublesparse.attention import k_rotation
 from doublesparse.attention.base import as_cached
 from doublesparse.calibrate.stats import make_batch
 from doublesparse.channels.weights import default_channels
@@ -39,23 +40,26 @@ def test_kv_setting_names_bytes_and_order():
 
 
 class _AsCached:
-    """A full causal forward over K/V as an fp8 cache holds them (scale 1), for every position."""
+    """A full causal forward over K/V as an fp8 cache holds them (scale 1), for every position;
+    with ``rot`` ([L, Hkv, D, D]) over q and K rotated by it first."""
 
-    def __init__(self, dtype):
-        self.inner, self.dtype, self.one = plain_backend(), dtype, torch.ones(1)
+    def __init__(self, dtype, rot=None):
+        self.inner, self.dtype, self.one, self.rot = plain_backend(), dtype, torch.ones(1), rot
 
     def forward(self, layer_id, q, k, v, batch):
+        if self.rot is not None:
+            q, k = k_rotation.rotate(q, k, self.rot[layer_id])
         return self.inner.forward(layer_id, q, as_cached(k, self.dtype, self.one, k.dtype),
                                   as_cached(v, self.dtype, self.one, v.dtype), batch)
 
 
-def _setup(n=64, prefix=40, reqs=2):
+def _setup(n=64, prefix=40, reqs=2, k_rotation="none", rot=None):
     m = tiny_llama()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (reqs, n), generator=g).tolist()
     with torch.no_grad():
-        full = [m(torch.tensor(x), torch.arange(n), make_batch(_AsCached(E4M3), None)) for x in ids]
-    ps = driver.PoolSet(m, [x[:prefix] for x in ids], n)
+        full = [m(torch.tensor(x), torch.arange(n), make_batch(_AsCached(E4M3, rot), None)) for x in ids]
+    ps = driver.PoolSet(m, [x[:prefix] for x in ids], n, k_rotation=k_rotation)
     return m, ids, full, ps
 
 
@@ -64,7 +68,8 @@ def test_fp8_prefill_and_decode_equal_a_forward_over_the_cached_values(sparse):
     """The fp8 pools' prefill attends to its K/V as stored and decode reads them back: the logits
     of the decoded tokens are the full forward's over the quantized K/V (dense, and DS keeping
     every token); layer 0's K is the model cache's quantized (its input does not depend on
-    attention) and the labels come from the unquantized K, as the engine's store takes them."""
+    attention) and the labels come from the unquantized K, as the engine's store takes them
+    (K not rotated: ``--kv-cache-k-rotation none``)."""
     m, ids, full, ps = _setup()
     auto, f8 = ps.get("auto"), ps.get("fp8_e4m3")
     assert ps.get("fp8_e4m3") is f8 and f8.k[0].dtype == E4M3 and f8.k_src[0].dtype == torch.float32
@@ -89,20 +94,58 @@ def test_fp8_prefill_and_decode_equal_a_forward_over_the_cached_values(sparse):
     assert (plain - want).abs().max() > 1e-3   # fp8 K/V changed the logits
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_rotated_fp8_pools_equal_a_forward_over_the_rotated_cached_values(sparse):
+    """The default rotation: dense settings get Hadamard blocks over all D, DS settings the
+    block form on their label channels, each its own prefilled pools; the decoded logits are the
+    full forward's over q and K rotated, then quantized; the labels are the rotated K's label
+    channels, whose scores equal the unrotated ones."""
+    m0 = tiny_llama()
+    c = m0.config
+    ch = default_channels(m0, 8)
+    rot = k_rotation.rotation_matrices(c.num_layers, c.num_kv_heads, c.head_dim, ch if sparse else None)
+    m, ids, full, ps = _setup(k_rotation="auto", rot=rot)
+    auto = ps.get("auto", ch if sparse else None)
+    f8 = ps.get("fp8_e4m3", ch if sparse else None)
+    assert auto.k_rotation is None and torch.equal(f8.k_rotation, rot)
+    assert (ps.get("fp8_e4m3") is f8) is not sparse and ps.get("fp8_e4m3", ch if sparse else None) is f8
+    krot = k_rotation.rotate(torch.zeros(1, c.num_q_heads, c.head_dim), auto.k[0], rot[0])[1]
+    assert torch.equal(f8.k[0].view(torch.uint8), quantize_kv(krot, E4M3, f8.k_scale).view(torch.uint8))
+    want = torch.cat([f[40:] for f in full])
+    if sparse:
+        f8.relabel(ch)
+        auto.relabel(ch)
+        n = len(ps.prefixes[0])
+        slots = f8.req_to_token[1, :n].long()
+        lab, raw = f8.label_pool(8)[0][slots].float(), auto.label_pool(8)[0][slots].float()   # [n, Hkv, r]
+        q = torch.randn(c.num_kv_heads, c.head_dim)
+        qr = (q[:, None] @ rot[0]).squeeze(1)
+        chl = ch[0].long()
+        torch.testing.assert_close(torch.einsum("thr,hr->th", lab, qr.gather(1, chl)),
+                                   torch.einsum("thr,hr->th", raw, q.gather(1, chl)), atol=0.05, rtol=0.02)
+        s = Setting("ds", "qk", "group_max", 8, 1.0, kv="fp8_e4m3")
+        got = driver.decode_tokens(m, f8, s, ch, [x[40:] for x in ids], 64)
+    else:
+        got = driver.decode_tokens(m, f8, replace(DENSE, kv="fp8_e4m3"), None, [x[40:] for x in ids], 0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_text_runner_scores_fp8_settings_with_fidelity():
-    """dense/kv:fp8 against dense (KL > 0), DS over the fp8 cache with per-layer fidelity; the fp8
-    cache is prefilled once, when the first fp8 setting runs."""
+    """dense/kv:fp8 against dense (KL > 0), DS over the fp8 cache with per-layer fidelity; each fp8
+    cache is prefilled when the first setting that reads it runs (rotated K: one per channel set)."""
     m = tiny_llama()
     g = torch.Generator().manual_seed(1)
     windows = [torch.randint(0, 256, (96,), generator=g).tolist() for _ in range(2)]
     ch = default_channels(m, 8)
     runner = measure.TextRunner(m, windows, 12, lambda s: ch)
-    assert list(runner.groups[0][0]._by_kv) == ["auto"]
+    assert [k[0] for k in runner.groups[0][0]._by_kv] == ["auto"]
     ds = Setting("ds", "qk", "group_max", 8, 1 / 4, kv="fp8_e4m3")
     f8 = runner.run(replace(DENSE, kv="fp8_e4m3"))
     obs = measure.FidelityObserver(m.config.num_layers)
     r = runner.run(ds, obs)
-    assert list(runner.groups[0][0]._by_kv) == ["auto", "fp8_e4m3"]
+    keys = list(runner.groups[0][0]._by_kv)
+    assert [k[:2] for k in keys] == [("auto", False), ("fp8_e4m3", True), ("fp8_e4m3", True)]
+    assert keys[1][2] is None and keys[2][2] is not None   # dense: no channels; DS: its own
     assert runner.results[DENSE].kl == 0 and 0 < f8.kl < 0.1 and f8.top1 > 0.8
     assert r.kl > 0 and all(0 < x <= 1.0001 for x in r.recall) and all(x >= 0 for x in r.rel_err)
 

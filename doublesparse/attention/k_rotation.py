@@ -1,0 +1,119 @@
+"""An orthogonal rotation of q and K per KV head before an fp8 K/V cache stores K
+(``--kv-cache-k-rotation``, on by default with ``--kv-cache-dtype fp8_*``).
+
+Why: an fp8 value keeps 3 (e4m3) or 2 (e5m2) mantissa bits, a relative error of up to 2^-4 / 2^-3
+per element whatever the scale. A score ``q . k`` sums ``q_i k_i (1 + e_i)``, so its error is
+carried by the few channels where both q and K are large (the outlier channels Double Sparsity
+selects by), not averaged over all D. Rotating both by the same orthogonal R (QuaRot's online
+rotation after RoPE) leaves every score unchanged, ``(q R) . (k R) = q . k``, and spreads each
+outlier over many channels of the stored K, which then round independently. On SmolLM2-135M K
+carries almost all of the fp8 error and the rotation removes most of it, while the per-layer
+scale (kv_scales.py) changes nothing there: it only moves the range (docs/accuracy.md).
+
+R is Hadamard blocks: a normalised Sylvester Hadamard on each power-of-two part of the binary
+decomposition of the width. Without Double Sparsity one block diagonal of width D per head. With
+Double Sparsity the label channels ``ch`` [Hkv, r] of each layer and head form their own block and
+the other D - r channels another: R maps the span of ``ch`` onto itself, so the label score of
+every query head, ``(q R)[ch] . (k R)[ch] = q[ch] . k[ch]``, is exact and the stored labels, the
+selection kernels and the label-channel config need no change (the labels are the rotated K's
+``ch`` entries). Mixed only within r channels, an outlier spreads less than over all D, so this
+removes less of the error than the full rotation.
+
+The pools, the labels and every reader see only the rotated q and K (prefill, decode, the recall
+probe), V and the output are untouched. R [L, Hkv, D, D] stays a device tensor in the model's
+dtype; applying it is two batched matmuls per layer, no host sync (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ROTATION_CHOICES = ("auto", "hadamard", "none")
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The ``[n, n]`` float32 Sylvester Hadamard matrix over sqrt(n) (orthogonal, symmetric);
+    n a power of two."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"hadamard needs a power of two, got {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def hadamard_blocks(n: int) -> torch.Tensor:
+    """``[n, n]`` float32 orthogonal: block diagonal of :func:`hadamard` on the binary
+    decomposition of n, largest first (n = 48: 32 + 16)."""
+    out = torch.zeros(n, n)
+    o = 0
+    while o < n:
+        b = 1 << ((n - o).bit_length() - 1)
+        out[o:o + b, o:o + b] = hadamard(b)
+        o += b
+    return out
+
+
+def rotation_matrices(num_layers: int, num_kv_heads: int, head_dim: int,
+                      channels: torch.Tensor | None = None) -> torch.Tensor:
+    """R ``[num_layers, num_kv_heads, D, D]`` float32 on the CPU (module docstring). channels:
+    ``[num_layers, num_kv_heads, r]`` int label channels (Double Sparsity), or None."""
+    D = head_dim
+    if channels is None:
+        return hadamard_blocks(D).expand(num_layers, num_kv_heads, D, D).clone()
+    ch = channels.detach().to("cpu", torch.long)
+    if tuple(ch.shape[:2]) != (num_layers, num_kv_heads):
+        raise ValueError(f"channels {tuple(ch.shape)} do not match {num_layers} layers x {num_kv_heads} KV heads")
+    r = ch.shape[-1]
+    hr, hc = hadamard_blocks(r), hadamard_blocks(D - r) if r < D else None
+    out = torch.zeros(num_layers, num_kv_heads, D, D)
+    for layer in range(num_layers):
+        for h in range(num_kv_heads):
+            sel = ch[layer, h]
+            rest = torch.ones(D, dtype=torch.bool)
+            rest[sel] = False
+            if int(rest.sum()) != D - r:
+                raise ValueError(f"layer {layer} head {h}: label channels {sel.tolist()} repeat a channel")
+            out[layer, h][sel[:, None], sel[None, :]] = hr
+            if hc is not None:
+                idx = rest.nonzero().flatten()
+                out[layer, h][idx[:, None], idx[None, :]] = hc
+    return out
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor | None, rot: torch.Tensor):
+    """``(q R, k R)`` per KV head: q [T, Hq, D] (query head j uses KV head j // (Hq / Hkv)), k
+    [T, Hkv, D] or None, rot [Hkv, D, D] (one layer's R) -> same shapes, contiguous, in q's / k's
+    dtype."""
+    T, Hq, D = q.shape
+    Hkv = rot.shape[0]
+    # one GEMM per KV head (einsum batches over h; a broadcast matmul would copy R per token)
+    qr = torch.einsum("thgd,hde->thge", q.reshape(T, Hkv, Hq // Hkv, D), rot.to(q.dtype)).reshape(T, Hq, D)
+    kr = None if k is None else torch.einsum("thd,hde->the", k, rot.to(k.dtype)).contiguous()
+    return qr.contiguous(), kr
+
+
+def resolve(choice: str, kv_fp8: bool, latent: bool, default_scales: bool = True) -> bool:
+    """Whether K is rotated: ``auto`` with an fp8 K/V cache at the default scale of 1.0 (not where
+    the scales come from a file or the checkpoint: those were measured on unrotated K, and a
+    rotated row can have a larger entry than the scale's range was cut to; never for an MLA latent
+    pool, whose K is also its V), ``hadamard`` always (refused for a latent pool), ``none`` never."""
+    if choice not in ROTATION_CHOICES:
+        raise ValueError(f"kv_cache_k_rotation must be one of {ROTATION_CHOICES}, got {choice!r}")
+    if choice == "hadamard" and latent:
+        raise ValueError("kv_cache_k_rotation=hadamard: an MLA latent pool stores K and V as one "
+                         "latent; use auto or none")
+    return choice == "hadamard" or (choice == "auto" and kv_fp8 and default_scales and not latent)
+
+
+def describe(rot: torch.Tensor | None, channels: torch.Tensor | None) -> str:
+    """The startup line's words for the rotation in use."""
+    if rot is None:
+        return "K not rotated"
+    D = rot.shape[-1]
+    if channels is None:
+        return f"q/K rotated (Hadamard blocks of {D})"
+    r = channels.shape[-1]
+    return f"q/K rotated (Hadamard blocks on the {r} label channels and on the other {D - r})"
