@@ -87,7 +87,8 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                    help="K/V cache dtype; auto: the model's; fp8_e4m3 / fp8_e5m2: fp8 values with a "
                         "scale per layer for K and for V, twice the tokens of bf16 in the same memory "
-                        "(labels keep --ds-label-dtype; not with --enable-ds-offload or MLA models)")
+                        "(labels keep --ds-label-dtype; with --enable-ds-offload fp8 rows halve the PCIe bytes; not "
+                        "for MLA models)")
     g.add_argument("--kv-cache-scales-path", metavar="FILE.json",
                    help="fp8 K/V scales: JSON {\"k_scale\": x or [per layer], \"v_scale\": ...} "
                         "(default: the checkpoint's k_scale/v_scale tensors, else 1.0)")
