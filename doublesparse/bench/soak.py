@@ -251,14 +251,19 @@ async def worker(c: httpx.AsyncClient, t: Tally, rng: random.Random, deadline: f
             await check_rid_collision(c, t, body, f"soak-{client}-{sent}")
 
 
-async def _metric(c: httpx.AsyncClient, name: str) -> dict:
-    """``{labels: value}`` of one counter family in ``/metrics``."""
+def _family(text: str, name: str) -> dict:
+    """``{labels: value}`` of one metric family in a ``/metrics`` page."""
     out = {}
-    for line in (await c.get("/metrics")).text.splitlines():
+    for line in text.splitlines():
         if line.startswith(name):
             key, val = line.rsplit(" ", 1)
             out[key[len(name):]] = float(val)
     return out
+
+
+async def _metric(c: httpx.AsyncClient, name: str) -> dict:
+    """``{labels: value}`` of one counter family in ``/metrics``."""
+    return _family((await c.get("/metrics")).text, name)
 
 
 def _every(samples: list, step: float) -> list:
@@ -272,23 +277,21 @@ def _every(samples: list, step: float) -> list:
     return out
 
 
-# gauges that tell where a GPU server's resident memory goes (server/metrics.py _RuntimeCollector)
+# where a server's resident memory can go (server/metrics.py _RuntimeCollector), and the prefix
+# cache's fill, whose host-side tree grows with it
 RUNTIME_GAUGES = ("host_pinned_bytes", "cuda_memory_reserved_bytes", "triton_kernels_compiled",
                   "malloc_in_use_bytes", "malloc_free_bytes", "malloc_mmapped_bytes",
-                  "kv_pool_cached_tokens", "kv_pool_used_tokens")  # the prefix cache's host-side tree grows with these
+                  "kv_pool_cached_tokens", "kv_pool_used_tokens")
 
 
 async def _runtime_gauges(c: httpx.AsyncClient) -> dict:
+    """The :data:`RUNTIME_GAUGES` the server reports, from one scrape."""
     try:
         text = (await c.get("/metrics")).text
     except httpx.HTTPError:
         return {}
-    out = {}
-    for line in text.splitlines():
-        for g in RUNTIME_GAUGES:
-            if line.startswith("doublesparse_" + g + " "):
-                out[g] = float(line.rsplit(" ", 1)[1])
-    return out
+    found = {g: _family(text, f"doublesparse_{g} ").get("") for g in RUNTIME_GAUGES}
+    return {g: v for g, v in found.items() if v is not None}
 
 
 async def _metric_rss(c: httpx.AsyncClient) -> int | None:
