@@ -238,18 +238,20 @@ class FakeEngine:
         return ord(c) + _OFFSET
 
 
-def tiny_engine(seed: int = 0, max_position_embeddings: int = 1024, **engine_kw):
+def tiny_engine(seed: int = 0, max_position_embeddings: int = 1024, vocab_size: int | None = None, **engine_kw):
     """The real engine (``doublesparse.Engine``) on :func:`~doublesparse.testing.tiny_llama` with
     :class:`~doublesparse.testing.ChatByteTokenizer`, on the CPU: a server backend that answers in
     milliseconds (``--engine-factory doublesparse.server.fake_engine:tiny_engine``). ``engine_kw``:
-    EngineConfig fields."""
+    EngineConfig fields; ``vocab_size`` (default: the byte tokenizer's) gives a real model's
+    logits rows and token-id range (``--engine-kwargs '{"vocab_size": 128256}'``)."""
     from ..api import Engine
     from ..testing import ChatByteTokenizer, tiny_llama
 
     engine_kw = {k: v for k, v in engine_kw.items() if v is not None}
     engine_kw["device"] = "cpu"
     engine_kw.setdefault("context_length", max_position_embeddings)
-    model = tiny_llama(seed=seed, max_position_embeddings=max_position_embeddings)
+    extra = {} if vocab_size is None else {"vocab_size": vocab_size}
+    model = tiny_llama(seed=seed, max_position_embeddings=max_position_embeddings, **extra)
     engine = Engine(model=model, tokenizer=ChatByteTokenizer(), progress=False, **engine_kw)
     engine.model_name = "tiny-llama"  # the id the server serves it under
     return engine

@@ -4,9 +4,9 @@ glibc serves an allocation of 128 KiB or more with its own mmap, returned to the
 until such a block is freed: then it raises that threshold (up to 32 MiB) and serves the next
 ones from the heap, where freed memory stays with the process. A server allocates host buffers of
 every size from a few KB to hundreds of MB (prompts of 20K ids, prefill chunks, detokenization,
-JSON bodies), and under a mixed load the heap's free-but-kept part grows for minutes: on a CPU soak
-(tiny model, 128K vocabulary, prompts to 20K ids) free heap memory rose from 5 to 180 MB in four
-minutes, and stayed within 1-4 MB with the threshold fixed. The server fixes it at startup.
+JSON bodies), and under a mixed load the heap's free-but-kept part can grow for minutes. The server
+fixes the threshold at startup (tests/server/test_host_heap.py: 64 freed 1 MiB blocks between live
+ones stay in the heap by default, and go back to the system with the threshold fixed).
 """
 
 from __future__ import annotations
