@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: ppl {math.exp(nll):.3f} ({100 * (math.exp(nll - nll0) - 1):+.2f} %) KL {kl:.4f} "
               f"top-1 {top1:.3f}", file=sys.stderr, flush=True)
     doc["seconds"] = round(time.time() - t0, 1)
+    from run import git_commit, machine_name  # benchmarks/run.py, beside this script
+    doc.update(command="python benchmarks/fp8_kv_error.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               commit=git_commit(), machine=machine_name(), date=time.strftime("%Y-%m-%d"))
     with open(a.output, "w") as f:
         json.dump(doc, f, indent=1)
     print("\n".join(table(doc)))
