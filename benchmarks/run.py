@@ -184,6 +184,18 @@ def _tp_rows() -> list[dict]:
     return rows
 
 
+_HEAP = ("python -m doublesparse.bench.heap --model-path llama-3.1-8b --load-format dummy --context-length 33792 "
+         "--max-running-requests 64 --max-total-tokens 160000 --requests 48 --prompt-len 2000 --max-tokens 64")
+_HEAP_ROWS = {"ds": "", "ds-eager": "--disable-cuda-graph", "ds-no-overlap": "--disable-overlap-schedule",
+              "dense": "--no-enable-double-sparsity", "ds-no-prefix-cache": "--disable-radix-cache",
+              "ds-traced": "--tracemalloc --rounds 4"}
+
+
+def _heap_rows() -> list[dict]:
+    return [{"name": n, "cmd": f"{_HEAP} {extra} --result-json {{out}}.json".replace("  ", " "),
+             "result": "{out}.json", "timeout": 240} for n, extra in _HEAP_ROWS.items()]
+
+
 def _family_rows() -> list[dict]:
     rows = []
     for stem, (model, bs, n, pool, gb, below_gb) in _FAMILY_CASES.items():
@@ -273,6 +285,11 @@ SUITES: dict[str, dict] = {
                               "--burst-words 20000 --burst-size 8 --oversize-words 60000 --token-ids "
                               "--result-json {out}.json", 570)],
     },
+    # Host memory per request, the engine driven in-process (bench/heap.py): the soak's mix
+    # (shared prefixes, aborts, logprobs) in rounds, the prefix cache at steady state, glibc's heap
+    # in use fitted per request; one row per part that runs only on a GPU or can be switched off
+    # (CUDA graphs, the overlap schedule, Double Sparsity, the prefix cache), and one traced row.
+    "heap": {"area": "heap", "rows": _heap_rows()},
     # The OpenAI-compatible server under load, dense and DS, then the malformed-request mix.
     "serving": {
         "area": "serving",
@@ -426,7 +443,7 @@ _NEEDS = {
     "attention": ("wheels",), "one-batch": ("wheels", "smollm2"), "sampling": ("wheels",),
     "speedup-map": ("wheels", "smollm2", "texts", "plots"), "models": ("wheels",), "tp": ("wheels",),
     "offload": ("wheels", "smollm2", "texts"), "soak": ("wheels",), "serving": ("wheels",),
-    "prefix-cache": ("wheels",), "accuracy": ("wheels", "smollm2", "texts", "plots"),
+    "prefix-cache": ("wheels",), "heap": ("wheels",), "accuracy": ("wheels", "smollm2", "texts", "plots"),
     "top-p": ("wheels", "smollm2", "texts"), "accuracy-long": ("wheels", "qwen", "smollm2", "texts", "plots"),
     "gpu-check": ("wheels", "smollm2", "texts"), "fp8-kv": ("wheels",),
     "adaptive": ("wheels", "smollm2", "qwen", "texts"), "recall": ("wheels", "smollm2", "texts"),
@@ -774,6 +791,12 @@ def summarize(area: str, rows: dict) -> dict:
             return {k: r.get(k) for k in ("lost_valid", "http_5xx", "fanout_disconnects", "rid_collisions",
                                           "rid_collisions_intact", "duplicates_identical", "rss_growth_pct",
                                           "metrics_consistent", "minutes")}
+        if area == "heap":
+            return {f"{n}_heap_bytes_per_request": r["summary"]["heap_in_use_bytes_per_request"]
+                    for n, r in rows.items() if r.get("summary")} | {
+                "containers_grown": {n: r["summary"]["containers_grown"] for n, r in rows.items()
+                                     if r.get("summary", {}).get("containers_grown")},
+                "traced_growth_top": rows.get("ds-traced", {}).get("summary", {}).get("traced_growth_top")}
         if area == "recall":
             return _summary_recall(rows)
         if area == "adaptive":
