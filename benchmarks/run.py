@@ -185,10 +185,11 @@ def _tp_rows() -> list[dict]:
 
 
 _HEAP = ("python -m doublesparse.bench.heap --model-path llama-3.1-8b --load-format dummy --context-length 33792 "
-         "--max-running-requests 64 --max-total-tokens 160000 --requests 48 --prompt-len 2000 --max-tokens 64")
+         "--max-running-requests 64 --max-total-tokens 160000 --requests 48 --prompt-len 2000 --max-tokens 64 --rounds 10")
 _HEAP_ROWS = {"ds": "", "ds-eager": "--disable-cuda-graph", "ds-no-overlap": "--disable-overlap-schedule",
               "dense": "--no-enable-double-sparsity", "ds-no-prefix-cache": "--disable-radix-cache",
-              "ds-traced": "--tracemalloc --rounds 4"}
+              "ds-fixed-len": "--fixed-len",
+              "ds-traced": "--tracemalloc --rounds 6"}
 
 
 def _heap_rows() -> list[dict]:
@@ -289,7 +290,7 @@ SUITES: dict[str, dict] = {
     # (shared prefixes, aborts, logprobs) in rounds, the prefix cache at steady state, glibc's heap
     # in use fitted per request; one row per part that runs only on a GPU or can be switched off
     # (CUDA graphs, the overlap schedule, Double Sparsity, the prefix cache), and one traced row.
-    "heap": {"area": "heap", "rows": _heap_rows()},
+    "heap": {"area": "heap", "budget_s": 540, "rows": _heap_rows()},
     # The OpenAI-compatible server under load, dense and DS, then the malformed-request mix.
     "serving": {
         "area": "serving",

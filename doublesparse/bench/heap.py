@@ -38,7 +38,10 @@ def build_parser() -> Parser:
     p = Parser(prog="python -m doublesparse.bench.heap", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=6, help="rounds after the baseline round")
     p.add_argument("--requests", type=int, default=48, help="requests a round")
-    p.add_argument("--prompt-len", type=int, default=2000, help="prompt tokens (random ids)")
+    p.add_argument("--prompt-len", type=int, default=2000, help="longest prompt, in tokens (random ids)")
+    p.add_argument("--fixed-len", action="store_true",
+                   help="every prompt --prompt-len tokens (default: uniform between the shared prefix "
+                        "and --prompt-len, so prefill shapes vary as a server's do)")
     p.add_argument("--shared-prefix", type=int, default=1024,
                    help="of those, tokens every prompt of a round shares (prefix-cache hits)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -94,7 +97,9 @@ def one_round(engine, n: int, args, rng: random.Random, vocab: int) -> int:
     prefix = [rng.randrange(3, vocab) for _ in range(args.shared_prefix)]
     rids, doomed = [], set()
     for i in range(n):
-        ids = prefix + [rng.randrange(3, vocab) for _ in range(args.prompt_len - args.shared_prefix)]
+        # lengths vary as a server's do: a per-shape cache anywhere grows with them
+        n = args.prompt_len if args.fixed_len else rng.randrange(args.shared_prefix + 1, args.prompt_len + 1)
+        ids = prefix + [rng.randrange(3, vocab) for _ in range(n - args.shared_prefix)]
         lp = args.logprobs_every and i % args.logprobs_every == 1
         sp = SamplingParams(max_new_tokens=args.max_tokens, temperature=0.7, seed=i, ignore_eos=True,
                             logprobs=5 if lp else None, prompt_logprobs=2 if lp else None)
