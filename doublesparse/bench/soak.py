@@ -9,8 +9,9 @@ queue and complete), fanned-out completions (prompts x n) whose client hangs up 
 (every sibling must leave the engine), and ``/generate`` requests whose ``rid`` a second request
 reuses and then drops (the duplicate must get a 400 and the original all its tokens). Reports
 lost valid requests, 5xx answers, whether the duplicates agree, latency percentiles of valid
-requests, the server's RSS growth over the run's second half, and whether ``/metrics`` counted
-what the client saw (each sibling of a fan-out is one request there).
+requests, the server's RSS growth over the run's second half (its floor: the lowest sample of the
+half's last quarter against its first's), and whether ``/metrics`` counted what the client saw
+(each sibling of a fan-out is one request there).
 """
 
 from __future__ import annotations
@@ -303,6 +304,19 @@ async def _metric_rss(c: httpx.AsyncClient) -> int | None:
     return int(v) if v is not None else None
 
 
+def rss_growth_pct(samples: list[tuple[float, int]], seconds: float) -> float | None:
+    """RSS growth over the run's second half, in percent: the lowest sample of the half's last
+    quarter against the lowest of its first. Lowest, because a burst's buffers raise the RSS for
+    seconds and then go back (a leak raises the floor); None with too few samples."""
+    half = [(s, b) for s, b in samples if s >= seconds / 2]
+    if len(half) < 2:
+        return None
+    span = (half[-1][0] - half[0][0]) / 4
+    first = min(b for s, b in half if s <= half[0][0] + span)
+    last = min(b for s, b in half if s >= half[-1][0] - span)
+    return 100 * (last / first - 1)
+
+
 async def run(args) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     t = Tally()
@@ -345,7 +359,6 @@ async def run(args) -> dict:
     served = sum(v - before.get(k, 0.0) for k, v in after.items() if any(e in k for e in ended))
     # a collided original is in valid_ok; a fan-out is one request per sibling there
     expected = t.valid_ok + t.sent.get("disconnect", 0) + t.fanout_siblings
-    half = [b for s, b in t.rss if s >= seconds / 2]
     lat = t.latencies
     return {
         "minutes": seconds / 60, "concurrency": args.concurrency, "sent": t.sent,
@@ -355,7 +368,7 @@ async def run(args) -> dict:
         "rid_collisions_intact": t.rid_intact,
         "duplicates": len(t.duplicates), "duplicates_identical": int(len(set(t.duplicates)) <= 1),
         "latency_s": {q: pct(lat, q) for q in (50, 90, 99)},
-        "rss_growth_pct": 100 * (half[-1] / half[0] - 1) if len(half) >= 2 else None,
+        "rss_growth_pct": rss_growth_pct(t.rss, seconds),
         "rss_max_mb": max((b for _, b in t.rss), default=0) / 2**20,
         # the server's RSS every ~30 s (seconds, MB): whether a growth plateaus or keeps on
         "rss_mb_series": _every(t.rss, 30.0),

@@ -44,3 +44,14 @@ def test_rss_series_thinned():
     series = soak._every(samples, 30.0)
     assert [t for t, _ in series] == [0.0, 30.0, 60.0, 90.0, 99.5] and series[-1][1] == 299.0
     assert soak._every([], 30.0) == []
+
+
+def test_rss_growth_ignores_bursts_and_sees_a_rising_floor():
+    from doublesparse.bench.soak import rss_growth_pct
+    flat = [(s, 1000 + (400 if s % 37 == 0 else 0)) for s in range(0, 481)]  # bursts come and go
+    assert rss_growth_pct(flat, 480) == 0
+    # a burst at the very end does not count as growth; a floor rising 10 % does
+    assert rss_growth_pct(flat[:-1] + [(480, 1800)], 480) == 0
+    leak = [(s, 1000 + s // 2) for s in range(0, 481)]
+    assert abs(rss_growth_pct(leak, 480) - 100 * (1210 / 1120 - 1)) < 1e-9  # floors at 240 s and 420 s
+    assert rss_growth_pct([(300, 5)], 480) is None
