@@ -186,9 +186,9 @@ def _tp_rows() -> list[dict]:
 
 _HEAP = ("python -m doublesparse.bench.heap --model-path llama-3.1-8b --load-format dummy --context-length 33792 "
          "--max-running-requests 64 --max-total-tokens 160000 --requests 48 --prompt-len 2000 --max-tokens 64 --rounds 10")
-_HEAP_ROWS = {"ds": "", "ds-eager": "--disable-cuda-graph", "ds-no-overlap": "--disable-overlap-schedule",
-              "dense": "--no-enable-double-sparsity", "ds-no-prefix-cache": "--disable-radix-cache",
-              "ds-fixed-len": "--fixed-len",
+_HEAP_ROWS = {"ds": "", "ds-greedy": "--greedy", "ds-eager": "--disable-cuda-graph",
+              "ds-no-overlap": "--disable-overlap-schedule", "dense": "--no-enable-double-sparsity",
+              "ds-no-prefix-cache": "--disable-radix-cache", "ds-fixed-len": "--fixed-len",
               "ds-traced": "--tracemalloc --rounds 6"}
 
 
@@ -289,7 +289,8 @@ SUITES: dict[str, dict] = {
     # Host memory per request, the engine driven in-process (bench/heap.py): the soak's mix
     # (shared prefixes, aborts, logprobs) in rounds, the prefix cache at steady state, glibc's heap
     # in use fitted per request; one row per part that runs only on a GPU or can be switched off
-    # (CUDA graphs, the overlap schedule, Double Sparsity, the prefix cache), and one traced row.
+    # (CUDA graphs, the overlap schedule, Double Sparsity, the prefix cache), greedy requests (no
+    # generator each), one prompt length, and one traced row.
     "heap": {"area": "heap", "budget_s": 540, "rows": _heap_rows()},
     # The OpenAI-compatible server under load, dense and DS, then the malformed-request mix.
     "serving": {

@@ -47,6 +47,9 @@ def build_parser() -> Parser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--abort-every", type=int, default=4, help="every N-th request is aborted after 2 tokens")
     p.add_argument("--logprobs-every", type=int, default=4, help="every N-th asks for logprobs (5)")
+    p.add_argument("--greedy", action="store_true",
+                   help="greedy requests only (default: temperature 0.7 with a seed each, so every "
+                        "request has a random generator of its own)")
     p.add_argument("--tracemalloc", action="store_true",
                    help="trace Python's allocations too (slower) and name the lines that grew")
     p.add_argument("--result-json", default=None)
@@ -101,7 +104,8 @@ def one_round(engine, n: int, args, rng: random.Random, vocab: int) -> int:
         n = args.prompt_len if args.fixed_len else rng.randrange(args.shared_prefix + 1, args.prompt_len + 1)
         ids = prefix + [rng.randrange(3, vocab) for _ in range(n - args.shared_prefix)]
         lp = args.logprobs_every and i % args.logprobs_every == 1
-        sp = SamplingParams(max_new_tokens=args.max_tokens, temperature=0.7, seed=i, ignore_eos=True,
+        sp = SamplingParams(max_new_tokens=args.max_tokens, temperature=0.0 if args.greedy else 0.7,
+                            seed=None if args.greedy else rng.randrange(1 << 30), ignore_eos=True,
                             logprobs=5 if lp else None, prompt_logprobs=2 if lp else None)
         rid = engine.add_request(ids, sp)
         rids.append(rid)
