@@ -83,6 +83,27 @@ class OneProcess:
         return ModelRunner(*args, **kwargs)
 
 
+class InGPUTier:
+    """K/V in the device pools (:mod:`.memory`), read by the backend ``--attention-backend`` names.
+    DS-Offload's counterpart, with the same methods, is :class:`.offload_setup.OffloadTier`."""
+
+    def __init__(self, cfg: EngineConfig, proc):
+        self.cfg, self.proc = cfg, proc
+
+    def plan(self, model_config, kv_dtype: torch.dtype, device: torch.device, max_ctx: int, r: int) -> MemoryPlan:
+        return plan_memory(self.cfg, model_config, kv_dtype, device, max_ctx, r)
+
+    def build(self, plan: MemoryPlan, device: torch.device, ds: DSParams | None, mc, channels, workspace):
+        """(memory, backend, the backend's DSParams) over ``plan``'s pools."""
+        cfg = self.cfg
+        memory = self.proc.memory(plan, device)
+        backend = create_backend(cfg.resolved_attention_backend, use_double_sparsity=ds is not None, ds=ds,
+                                 memory=memory, num_q_heads=mc.num_q_heads, head_dim=mc.head_dim,
+                                 impl=cfg.kernel_impl, workspace=workspace, channels=channels,
+                                 tuning=cfg.kernel_tuning)
+        return memory, backend, ds
+
+
 def load(cfg: EngineConfig, device: torch.device, progress: bool, tp=None):
     """The model and tokenizer through :mod:`doublesparse.models` (``tp``: this tensor-parallel
     rank's part of the model; only rank 0 has a tokenizer)."""
@@ -163,11 +184,11 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         cfg = point.fill(cfg)
     r = cfg.heavy_channel_num(mc.head_dim) if cfg.use_double_sparsity else 0
     if cfg.enable_ds_offload:
-        from .offload_setup import plan_offload_memory
-        plan = plan_offload_memory(cfg, mc, dtype, device, max_ctx, r)
+        from .offload_setup import OffloadTier
+        tier = OffloadTier(cfg)
     else:
-        plan = plan_memory(cfg, mc, dtype, device, max_ctx, r)
-    plan = proc.agree(plan, device)
+        tier = InGPUTier(cfg, proc)
+    plan = proc.agree(tier.plan(mc, dtype, device, max_ctx, r), device)
     if cfg.use_double_sparsity:
         choice = resolve_channels(cfg, model, mc, r, tokenizer, model_file, progress, shard, path, point)
         ds = ds_params(cfg, plan, mc.num_q_heads, device, choice.modes, point.sink_recent)
@@ -177,15 +198,7 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         if not choice.calibrated:
             log.warning("Double Sparsity: %s", UNCALIBRATED)
     ws = _workspace(cfg, plan, ds, mc, device, max_ctx)
-    if cfg.enable_ds_offload:
-        from .offload_setup import build_offload
-        memory, backend = build_offload(cfg, plan, device, ds, mc, channels, ws)
-        ds = backend.ds  # its policy: sparse whenever a request is longer than its k
-    else:
-        memory = proc.memory(plan, device)
-        backend = create_backend(cfg.resolved_attention_backend, use_double_sparsity=ds is not None, ds=ds,
-                                 memory=memory, num_q_heads=mc.num_q_heads, head_dim=mc.head_dim,
-                                 impl=cfg.kernel_impl, workspace=ws, channels=channels, tuning=cfg.kernel_tuning)
+    memory, backend, ds = tier.build(plan, device, ds, mc, channels, ws)
     _kv_cache(cfg, memory, backend, plan, mc, channels, dtype, device, model_file)
     log.info("%s", plan.describe())
     if cfg.gpu_memory_budget_gb is not None:
