@@ -87,6 +87,23 @@ def build_offload(cfg, plan: MemoryPlan, device: torch.device, ds, mc, channels,
     return memory, backend
 
 
+class OffloadTier:
+    """K/V in a host store, labels and a hot set on the device (``--enable-ds-offload``): the plan of
+    :func:`plan_offload_memory`, the memory and backend of :func:`build_offload`. The in-GPU
+    counterpart, with the same methods, is :class:`.setup.InGPUTier`."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def plan(self, model_config, kv_dtype: torch.dtype, device: torch.device, max_ctx: int, r: int) -> MemoryPlan:
+        return plan_offload_memory(self.cfg, model_config, kv_dtype, device, max_ctx, r)
+
+    def build(self, plan: MemoryPlan, device: torch.device, ds, mc, channels, workspace):
+        """(memory, backend, the backend's DSParams: sparse whenever a request is longer than its k)."""
+        memory, backend = build_offload(self.cfg, plan, device, ds, mc, channels, workspace)
+        return memory, backend, backend.ds
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceUse:
     """Bytes an engine holds on its device, by part."""

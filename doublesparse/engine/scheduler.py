@@ -2,7 +2,7 @@
 
 Policy
   * Admission is fair across groups (the siblings of one fanned-out client request share a group;
-    :mod:`doublesparse.engine.fair_queue`): round robin over groups, FCFS within one, so one
+    :class:`FairQueue`): round robin over groups, FCFS within one, so one
     request's thousands of siblings cannot starve a request that arrives behind them. With one
     request per group it is FCFS. While any request runs, the last free running slot goes only to
     a group with nothing running, so a newcomer is admitted at once rather than after a sibling
@@ -43,85 +43,91 @@ Prefix cache (on unless ``disable_radix_cache``; :mod:`doublesparse.engine.radix
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from collections import Counter, OrderedDict, deque
+from typing import Callable, Generic, Iterator, TypeVar
 
 from ..config import SchedulerConfig
-from .fair_queue import FairQueue
 from .radix_cache import RadixCache
+from .step_plan import PrefillChunk, PrefixHit, PrefixRemap, RequestRefused, SchedRequest, StepPlan
+
+T = TypeVar("T")
 
 
-class RequestRefused(ValueError):
-    """The request can never be served by this engine (too long for the pool or the context)."""
+class FairQueue(Generic[T]):
+    """Waiting requests in fair admission order. Plain Python.
 
+    Requests carry a *group*: the client request they belong to (the ``n`` x ``best_of`` x prompts
+    siblings of one OpenAI request share one; a plain request is a group of its own). Admission takes
+    groups in round robin, and FCFS within a group: after one of a group's requests is admitted the
+    group goes to the back of the line, so a request that arrives behind 16,384 siblings of another
+    is next but one, not 16,385th. With one request per group this is plain FCFS.
 
-@dataclass
-class SchedRequest:
-    rid: str
-    prompt_len: int
-    max_new_tokens: int
-    prompt_ids: list | None = None  # token ids: needed for the prefix cache (None: not cached)
-    num_prefilled: int = 0      # prompt tokens handed to prefill so far (or matched in the cache)
-    state: str = "waiting"      # waiting -> prefill -> decode
-    cached: int = 0             # leading tokens held for it in the prefix cache (locked)
-    node: object = None         # the cache node ending its locked prefix
-    group: str = ""             # fair-admission group (its client request); "" -> its own rid
+    Every operation is O(1) (``remove`` by id too), so aborting a large fan-out, request by request,
+    stays linear in its size.
+    """
+
+    def __init__(self) -> None:
+        self._groups: OrderedDict[str, OrderedDict[str, T]] = OrderedDict()  # group -> rid -> item
+        self._group_of: dict[str, str] = {}                                # rid -> group
+
+    def add(self, rid: str, group: str, item: T) -> None:
+        if rid in self._group_of:
+            raise ValueError(f"request id {rid!r} is already waiting")
+        self._group_of[rid] = group
+        self._groups.setdefault(group, OrderedDict())[rid] = item  # a new group joins at the back
+
+    def head(self, skip: Callable[[str], bool] | None = None) -> T | None:
+        """The next request to admit: the first group's oldest (None when empty). ``skip(group)``
+        True passes over that group for this pick (e.g. one that holds the last free slot's
+        claim already)."""
+        for g, items in self._groups.items():
+            if skip is None or not skip(g):
+                return next(iter(items.values()))
+        return None
+
+    def take(self, rid: str) -> T:
+        """Remove ``rid`` for admission: its group goes to the back of the line."""
+        g = self._group_of[rid]
+        item = self.remove(rid)
+        if g in self._groups:
+            self._groups.move_to_end(g)
+        return item
+
+    def remove(self, rid: str) -> T:
+        """Remove ``rid`` (aborted while waiting); the order of the others is unchanged."""
+        g = self._group_of.pop(rid)
+        items = self._groups[g]
+        item = items.pop(rid)
+        if not items:
+            del self._groups[g]
+        return item
+
+    def get(self, rid: str) -> T | None:
+        g = self._group_of.get(rid)
+        return None if g is None else self._groups[g][rid]
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._group_of
+
+    def __len__(self) -> int:
+        return len(self._group_of)
+
+    def __bool__(self) -> bool:
+        return bool(self._group_of)
+
+    def __iter__(self) -> Iterator[T]:
+        """Every waiting request in the order admission would take them (no skips)."""
+        lanes = deque(iter(items.values()) for items in self._groups.values())
+        while lanes:
+            lane = lanes.popleft()
+            for item in lane:
+                yield item
+                lanes.append(lane)
+                break
 
     @property
-    def reserve(self) -> int:
-        return self.prompt_len + self.max_new_tokens
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """Compute prompt tokens ``[start, end)`` of ``rid``; ``last``: the prompt ends here, so the
-    engine samples the first output token from this chunk's last position."""
-
-    rid: str
-    start: int
-    end: int
-    last: bool
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    """Admitted request ``rid`` starts from ``num_tokens`` cached tokens, whose slots are the
-    concatenation of ``values`` (cache node values, in order)."""
-
-    rid: str
-    num_tokens: int
-    values: tuple
-
-
-@dataclass(frozen=True)
-class PrefixRemap:
-    """Row positions ``[start, stop)`` of a request hold duplicates of cached slots; the cached
-    ones are ``concat(values)[start:stop]`` (``values``: node values from position 0)."""
-
-    start: int
-    stop: int
-    values: tuple
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    prefill: tuple[PrefillChunk, ...] = ()
-    decode: tuple[str, ...] = ()
-    admitted: tuple[str, ...] = ()   # rids that got KV reserved this step (engine gives them a row)
-    prefix_hits: tuple[PrefixHit, ...] = ()
-    evicted: tuple = ()              # values of cache nodes evicted this step: the engine frees them
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefill and not self.decode
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.prefill)
+    def num_groups(self) -> int:
+        return len(self._groups)
 
 
 class Scheduler:

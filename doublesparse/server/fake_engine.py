@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from ..engine.fair_queue import FairQueue
+from ..engine.scheduler import FairQueue
 from ..engine.request import StepOutput
 
 EOS_ID = 2

@@ -6,7 +6,7 @@ import pytest
 
 from doublesparse.config import EngineConfig
 from doublesparse import channels as ch
-from doublesparse.engine.setup import resolve_channels
+from doublesparse.engine.ds_setup import resolve_channels
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def test_qwen_coder_15b_config_fits_the_model():
 ])
 def test_packaged_configs_carry_a_measured_point(name, shape):
     from doublesparse.engine import operating_point as op
-    from doublesparse.engine.setup import resolve_point
+    from doublesparse.engine.ds_setup import resolve_point
     cfg = ch.read_config(ch.packaged_config_path(name))
     rec = cfg[op.OP_KEY]
     assert rec["target_met"] and rec["chosen"]["kl"] <= rec["kl_target"] and rec["frontier"]

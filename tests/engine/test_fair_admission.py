@@ -3,7 +3,7 @@ scheduler alone: round robin over groups, FCFS within a group, the last running 
 group with nothing running, and O(1) removal of waiting requests."""
 
 from doublesparse.config import SchedulerConfig
-from doublesparse.engine.fair_queue import FairQueue
+from doublesparse.engine.scheduler import FairQueue
 from doublesparse.engine.scheduler import Scheduler
 
 

@@ -11,7 +11,7 @@ from doublesparse.attention.decode_choice import sparse_from
 from doublesparse.config import EngineConfig
 from doublesparse.config_flags import add_cli_args, from_cli_args
 from doublesparse.engine.memory import plan_memory
-from doublesparse.engine.setup import ds_params
+from doublesparse.engine.ds_setup import ds_params
 
 # Llama-3.1-8B's attention shapes
 LLAMA = SimpleNamespace(num_layers=32, num_kv_heads=8, head_dim=128)
