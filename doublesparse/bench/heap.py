@@ -63,8 +63,8 @@ def build_parser() -> Parser:
 
 def heap() -> dict:
     from ..server.host_heap import malloc_info
-    m = malloc_info() or {}
-    return {"heap_in_use": m.get("in_use"), "heap_free": m.get("free"), "heap_mmapped": m.get("mmapped"),
+    m = malloc_info() or {}  # not glibc: zeros (the RSS still counts)
+    return {"heap_in_use": m.get("in_use", 0), "heap_free": m.get("free", 0), "heap_mmapped": m.get("mmapped", 0),
             "rss": rss()}
 
 
