@@ -53,7 +53,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
               "doublesparse.bench_serving": "doublesparse.bench.serving"}.get(module, module)
     if module in ("doublesparse.bench.one_batch", "doublesparse.bench.family_decode", "doublesparse.bench.hf_offload",
                   "doublesparse.bench.offload", "doublesparse.bench.lmeval", "doublesparse.bench.adaptive",
-                  "doublesparse.bench.moe_experts", "doublesparse.bench.recall_agreement"):
+                  "doublesparse.bench.moe_experts", "doublesparse.bench.recall_agreement", "doublesparse.bench.heap"):
         return importlib.import_module(module).build_parser().parse_args(args)
     if module in ("doublesparse.bench.serving", "doublesparse.bench.soak"):
         return importlib.import_module(module).parse_args(args)
