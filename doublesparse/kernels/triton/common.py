@@ -80,7 +80,7 @@ def check_labels(label_cache, label_scale, channels, k_cache, dev):
 
 
 def check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale=None,
-                     v_scale=None):
+                     v_scale=None, k_label=None):
     """The store's arguments (ops.store_kv, ops.rope_store), on either path."""
     dev = k.device
     check_caches(k_cache, v_cache, dev, k_scale, v_scale)
@@ -96,6 +96,10 @@ def check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, ch
         fail(f"slots has {slots.shape[0]} entries for {N} tokens")
     if label_cache is not None:
         check_labels(label_cache, label_scale, channels, k_cache, dev)
+    if k_label is not None:
+        check(k_label, "k_label", 3, FLOAT, dev)
+        if tuple(k_label.shape) != (N, Hkv, D):
+            fail(f"k_label shape {tuple(k_label.shape)} != k shape {tuple(k.shape)}")
 
 
 @functools.lru_cache(maxsize=None)
