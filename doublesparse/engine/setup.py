@@ -334,12 +334,12 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
 def _k_rotation(cfg: EngineConfig, backend, plan: MemoryPlan, mc, channels, dtype, device,
                 default_scales: bool = True) -> str:
     """Set the backend's q/K rotation (``--kv-cache-k-rotation``; attention/k_rotation.py) from
-    this rank's heads and label channels, before any CUDA graph is captured; returns its words
-    for the startup line. default_scales: the fp8 scales are the default 1.0."""
+    this rank's heads, before any CUDA graph is captured (label channels stay unrotated); returns
+    its words for the startup line. default_scales: the fp8 scales are the default 1.0."""
     from ..attention import k_rotation
     if not k_rotation.resolve(cfg.kv_cache_k_rotation, cfg.kv_cache_fp8, plan.latent, default_scales):
         return k_rotation.describe(None, None)
-    rot = k_rotation.rotation_matrices(plan.num_layers, mc.num_kv_heads, mc.head_dim, channels)
+    rot = k_rotation.rotation_matrices(plan.num_layers, mc.num_kv_heads, mc.head_dim)
     backend.k_rotation = rot.to(device=device, dtype=dtype)
     return k_rotation.describe(rot, channels)
 

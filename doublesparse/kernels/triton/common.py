@@ -109,6 +109,15 @@ def num_sms(device: torch.device) -> int:
     return 4  # the interpreter: few programs keep CPU tests fast
 
 
+def check_q_label(q_label, q):
+    """The query a Double Sparsity score reads beside the attention's q (ops.ds_decode):
+    q's shape, dtype and device, last dim contiguous. Returns it."""
+    check(q_label, "q_label", 3, (q.dtype,), q.device)
+    if q_label.shape != q.shape:
+        fail(f"q_label shape {tuple(q_label.shape)} != q shape {tuple(q.shape)}")
+    return q_label
+
+
 def check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale=None, v_scale=None):
     dev = q.device
     check(q, "q", 3, FLOAT, dev)
