@@ -62,8 +62,9 @@ class DecodeAttention:
 
     ``observer`` (optional) gets ``(layer_id, q, out, self)`` after every double-sparse layer.
     ``q_label``: the unrotated q of the layer the observer is called for (``q`` where nothing
-    is rotated), what its label scores read. ``k_sum`` / ``k_rows`` (device tensors): the tokens the selection rows of requests that
-    decoded sparsely attended to, summed over rows and layers, and the number of such rows.
+    is rotated), what its label scores read. ``k_sum`` / ``k_rows`` (device tensors): the tokens
+    the selection rows of requests that decoded sparsely attended to, summed over rows and
+    layers, and the number of such rows.
     """
 
     def __init__(self, pools: Pools, setting: Setting, channels: torch.Tensor | None, rows, positions,
@@ -152,9 +153,8 @@ class PoolSet:
         self.k_rotation = k_rotation
         self._by_kv: dict[tuple, Pools] = {}
 
-    def get(self, kv: str = "auto", channels: torch.Tensor | None = None) -> Pools:
-        """The pools of cache dtype ``kv`` for a setting with label channels ``channels``
-        ([L, Hkv, r], Double Sparsity) or None (dense)."""
+    def get(self, kv: str = "auto") -> Pools:
+        """The pools of cache dtype ``kv`` (one for dense and Double Sparsity settings alike)."""
         m = self.model
         c = m.config
         rotated = k_rotation.resolve(self.k_rotation, kv.startswith("fp8"), False)

@@ -139,7 +139,7 @@ class TextRunner:
         ch = self.channels_for(s) if s.kind == "ds" else None
         for g in self.groups:
             pool_set, inputs, targets, ref = g
-            pools = pool_set.get(s.kv, ch)
+            pools = pool_set.get(s.kv)
             if ch is not None:
                 pools.relabel(ch, s.label)
             logits = driver.decode_tokens(self.model, pools, s, ch, inputs, s.k_for(self.wl),

@@ -105,10 +105,8 @@ def test_rotated_fp8_pools_equal_a_forward_over_the_rotated_cached_values(sparse
     ch = default_channels(m0, 8)
     rot = k_rotation.rotation_matrices(c.num_layers, c.num_kv_heads, c.head_dim)
     m, ids, full, ps = _setup(k_rotation="auto", rot=rot)
-    auto = ps.get("auto", ch if sparse else None)
-    f8 = ps.get("fp8_e4m3", ch if sparse else None)
-    assert auto.k_rotation is None and torch.equal(f8.k_rotation, rot)
-    assert ps.get("fp8_e4m3") is f8 and ps.get("fp8_e4m3", ch) is f8
+    auto, f8 = ps.get("auto"), ps.get("fp8_e4m3")
+    assert auto.k_rotation is None and torch.equal(f8.k_rotation, rot) and ps.get("fp8_e4m3") is f8
     krot = k_rotation.rotate(torch.zeros(1, c.num_q_heads, c.head_dim), auto.k[0], rot[0])[1]
     assert torch.equal(f8.k[0].view(torch.uint8), quantize_kv(krot, E4M3, f8.k_scale).view(torch.uint8))
     n = len(ps.prefixes[0])
@@ -143,7 +141,7 @@ def test_rotation_keeps_the_sparse_selection(mode):
     res = {}
     for rot in ("none", "hadamard"):
         ps = driver.PoolSet(m, [x[:40] for x in ids], 64, k_rotation=rot)
-        pools = ps.get("auto", ch)
+        pools = ps.get("auto")
         assert (pools.k_rotation is None) == (rot == "none")
         pools.relabel(ch)
         obs = measure.FidelityObserver(m.config.num_layers)
