@@ -14,8 +14,9 @@ clamped, rounded to nearest even, read back times the scale); dense attention in
 it measures the cache's rounding alone. Scales: 1.0 (the engine's default without checkpoint
 scales), ``-cal`` per layer amax / max of the format on 2048 tokens of the calibration text,
 ``-head`` the same per KV head. ``-rot``: q and K rotated by Hadamard blocks of D before K is
-stored (attention/k_rotation.py, the engine's default with fp8), ``-rotds``: the Double Sparsity
-form (the packaged config's r = 16 label channels in their own block). Writes the figures as JSON
+stored (attention/k_rotation.py, the engine's default with fp8, with or without Double Sparsity,
+whose labels stay unrotated), ``-rotds``: the earlier Double Sparsity form (the packaged config's
+r = 16 label channels in their own block). Writes the figures as JSON
 and prints a markdown table.
 """
 

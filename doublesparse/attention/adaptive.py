@@ -85,13 +85,13 @@ class AdaptiveBudget:
                 batch.attn_meta = tuple(dataclasses.replace(a, k=self._k[i, :B])
                                         for i, a in enumerate(batch.attn_meta))
 
-        def decode_attention(layer_id, q, batch):
+        def decode_attention(layer_id, q, batch, q_label=None):
             k = batch.k
             # a sparse step the plan above saw: fill the rows its args read, at its first layer
             if batch.attn_meta is not None and k is not None and (layer_id == 0 or self._src is not k):
                 self._src = k
                 self._k[:, :k.shape[0]] = self.layer_ks(k)
-            return inner(layer_id, q, batch)
+            return inner(layer_id, q, batch, q_label=q_label)
 
         backend.plan = plan
         backend.decode_attention = decode_attention

@@ -70,7 +70,8 @@ class AttentionBackend:
     tuning: the kernels' launch parameters and choices, passed to every launch.
     k_rotation: None, or R ``[num_layers, Hkv, D, D]`` in the model's dtype on the device
     (attention/k_rotation.py, set by the engine's setup): ``forward`` rotates q and k by layer
-    l's R before anything stores or reads them, so the pools and labels hold the rotated K.
+    l's R before the K/V pools store them and attention reads them, while the labels are taken
+    from the unrotated k and the label scores read the unrotated q (``k_label`` / ``q_label``).
     """
 
     name = "base"
@@ -116,17 +117,18 @@ class AttentionBackend:
     # ---------------------------------------------------------------------------- forward
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] post-RoPE -> [T, Hq, D] in q's dtype."""
-        q, k = self.rotate(layer_id, q, k)
-        self.store(layer_id, k, v, batch.out_slots)
-        return self.attention(layer_id, q, k, v, batch)
+        qr, kr = self.rotate(layer_id, q, k)
+        self.store(layer_id, kr, v, batch.out_slots, k_label=k)
+        return self.attention(layer_id, qr, kr, v, batch, q_label=q)
 
-    def attention(self, layer_id: int, q: torch.Tensor, k, v, batch) -> torch.Tensor:
+    def attention(self, layer_id: int, q: torch.Tensor, k, v, batch, q_label=None) -> torch.Tensor:
         """Attention with this step's K/V already in the pools (``store`` or a fused store into
         ``store_targets``). q [T, Hq, D] post-RoPE; k, v [T, Hkv, D] this step's rows (post-RoPE
-        k; last dim contiguous), read by prefill only: decode may pass None. -> [T, Hq, D]."""
+        k; last dim contiguous), read by prefill only: decode may pass None; q_label: the
+        unrotated q where q is rotated (what a label score reads; default q). -> [T, Hq, D]."""
         if batch.mode == "prefill":
             return self.prefill_attention(layer_id, q, k, v, batch)
-        return self.decode_attention(layer_id, q, batch)
+        return self.decode_attention(layer_id, q, batch, q_label=q_label)
 
     @property
     def accepts_stored_kv(self) -> bool:
@@ -152,10 +154,12 @@ class AttentionBackend:
                     ks, vs)
         return m.k[layer_id], m.v[layer_id], None, None, None, ks, vs
 
-    def store(self, layer_id: int, k, v, slots) -> None:
-        """k, v [N, Hkv, D] post-RoPE; slots [N] int -> pools (and K labels), one launch on CUDA."""
+    def store(self, layer_id: int, k, v, slots, k_label=None) -> None:
+        """k, v [N, Hkv, D] post-RoPE; slots [N] int -> pools (and K labels, from ``k_label``, the
+        unrotated k where k is rotated; default k), one launch on CUDA."""
         kc, vc, lab, scale, ch, ks, vs = self.store_targets(layer_id)
-        ops.store_kv(kc, vc, k, v, slots, lab, scale, ch, ks, vs, impl=self.impl)
+        ops.store_kv(kc, vc, k, v, slots, lab, scale, ch, ks, vs, impl=self.impl,
+                     k_label=k_label if lab is not None else None)
 
     def _scales(self, layer_id: int):
         """(k_scale, v_scale) of layer ``layer_id`` ([1] float32 each), or (None, None) for a
@@ -189,7 +193,8 @@ class AttentionBackend:
             out[s.q_start: s.q_start + s.q_len] = o.transpose(0, 1)
         return out
 
-    def decode_attention(self, layer_id, q, batch) -> torch.Tensor:
+    def decode_attention(self, layer_id, q, batch, q_label=None) -> torch.Tensor:
+        """q [B, Hq, D] -> [B, Hq, D]; q_label: the unrotated q a label score reads (default q)."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------------------- facts

@@ -136,7 +136,10 @@ class DoubleSparsityBackend(AttentionBackend):
         meta = batch.attn_meta if batch.attn_meta is not None else self.decode_args(batch)
         return meta[layer_id]
 
-    def decode_attention(self, layer_id, q, batch):
+    def decode_attention(self, layer_id, q, batch, q_label=None):
+        """The selection scores ``q_label`` (the unrotated q under a q/K rotation; default q)
+        against the labels, the attention reads q."""
+        ql = None if q_label is q else q_label   # unrotated: the same tensor
         if not batch.ds_sparse:
             m = self.memory
             return ops.dense_decode(q, m.k[layer_id], m.v[layer_id], m.req_to_token, batch.req_idx,
@@ -145,7 +148,7 @@ class DoubleSparsityBackend(AttentionBackend):
         parts = self._batch_parts(q.shape[0])
         args = self.layer_args(layer_id, batch)
         if len(parts) == 1:
-            return self._decode(layer_id, q, batch.req_idx, batch.seq_lens, self.workspace, args)
+            return self._decode(layer_id, q, ql, batch.req_idx, batch.seq_lens, self.workspace, args)
         out = torch.empty_like(q)
         main = torch.cuda.current_stream(q.device) if q.is_cuda else None
         side = self._side_streams(len(parts) - 1, q.device) if main is not None else []
@@ -153,8 +156,8 @@ class DoubleSparsityBackend(AttentionBackend):
             s.wait_stream(main)
         for j, (a, b, ws) in enumerate(parts):
             with torch.cuda.stream(side[j - 1]) if j and side else contextlib.nullcontext():
-                self._decode(layer_id, q[a:b], batch.req_idx[a:b], batch.seq_lens[a:b], ws, args.rows(a, b),
-                             out[a:b])
+                self._decode(layer_id, q[a:b], None if ql is None else ql[a:b], batch.req_idx[a:b],
+                             batch.seq_lens[a:b], ws, args.rows(a, b), out[a:b])
         for s in side:
             main.wait_stream(s)
         return out
@@ -170,11 +173,11 @@ class DoubleSparsityBackend(AttentionBackend):
                 self._parts[B] = [(a, b, self.workspace.rows(a, b)) for a, b in cut_batch(B, n)]
         return self._parts[B]
 
-    def _decode(self, layer_id, q, req_idx, seq_lens, ws, args, out=None):
+    def _decode(self, layer_id, q, q_label, req_idx, seq_lens, ws, args, out=None):
         m = self.memory
         return ops.ds_decode(q, m.k[layer_id], m.v[layer_id], m.label[layer_id], m.label_scale[layer_id],
                              self.channels[layer_id], m.req_to_token, req_idx, seq_lens, self.sm_scale, args,
-                             ws=ws, out=out, impl=self.impl, **self.kv_scales(layer_id))
+                             ws=ws, out=out, impl=self.impl, **self.kv_scales(layer_id), q_label=q_label)
 
     def _side_streams(self, n, device):
         while len(self._streams) < n:

@@ -11,17 +11,25 @@ carries almost all of the fp8 error and the rotation removes most of it, while t
 scale (kv_scales.py) changes nothing there: it only moves the range (docs/accuracy.md).
 
 R is Hadamard blocks: a normalised Sylvester Hadamard on each power-of-two part of the binary
-decomposition of the width. Without Double Sparsity one block diagonal of width D per head. With
-Double Sparsity the label channels ``ch`` [Hkv, r] of each layer and head form their own block and
-the other D - r channels another: R maps the span of ``ch`` onto itself, so the label score of
-every query head, ``(q R)[ch] . (k R)[ch] = q[ch] . k[ch]``, is exact and the stored labels, the
-selection kernels and the label-channel config need no change (the labels are the rotated K's
-``ch`` entries). Mixed only within r channels, an outlier spreads less than over all D, so this
-removes less of the error than the full rotation.
+decomposition of the width, one block diagonal of width D per head, with or without Double Sparsity.
+Double Sparsity's label path stays in the unrotated space: the labels are written from the unrotated
+K's label channels ``ch`` [Hkv, r] and the label score reads the unrotated q's, so the selection is
+the one over an unrotated cache (labels in their own dtype, from the unquantized K), while the
+attention over the selected tokens reads the rotated q and the rotated, quantized K with the full
+rotation's accuracy. The backends keep both: ``forward`` rotates q and k and passes the unrotated
+ones on as ``q_label`` / ``k_label`` (the store's label source, ``ops.store_kv``, whose kernel reads
+the label from it instead of k; the score stage's query, ``ops.ds_decode``, whose score and
+attention are separate launches, so no kernel does more work). An earlier form gave the label
+channels their own Hadamard block (:func:`rotation_matrices` with ``channels``), which keeps the
+label score exact in the rotated space but mixes an outlier only over r channels: on SmolLM2-135M it
+left Double Sparsity over fp8 1.03 perplexity points above it over the model's cache at 8K
+(docs/accuracy.md); ``benchmarks/fp8_kv_error.py``'s ``-rotds`` variant still measures it.
 
-The pools, the labels and every reader see only the rotated q and K (prefill, decode, the recall
-probe), V and the output are untouched. R [L, Hkv, D, D] stays a device tensor in the model's
-dtype; applying it is two batched matmuls per layer, no host sync (CUDA-graph safe).
+The pools and every reader of K see only the rotated K (prefill, decode, the recall probe's exact
+attention), the labels and every label score the unrotated K and q (decode's selection,
+DS-Offload's selection and prefetch, the recall probe's PyTorch re-selection); V and the output
+are untouched. R [L, Hkv, D, D] stays a device tensor in the model's dtype; applying it is two
+batched matmuls per layer, no host sync (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -58,8 +66,10 @@ def hadamard_blocks(n: int) -> torch.Tensor:
 
 def rotation_matrices(num_layers: int, num_kv_heads: int, head_dim: int,
                       channels: torch.Tensor | None = None) -> torch.Tensor:
-    """R ``[num_layers, num_kv_heads, D, D]`` float32 on the CPU (module docstring). channels:
-    ``[num_layers, num_kv_heads, r]`` int label channels (Double Sparsity), or None."""
+    """R ``[num_layers, num_kv_heads, D, D]`` float32 on the CPU (module docstring): Hadamard
+    blocks over all D (the engine's, with or without Double Sparsity). channels:
+    ``[num_layers, num_kv_heads, r]`` int label channels for the earlier form with the label
+    channels in their own block (measurements only), or None."""
     D = head_dim
     if channels is None:
         return hadamard_blocks(D).expand(num_layers, num_kv_heads, D, D).clone()
@@ -115,5 +125,4 @@ def describe(rot: torch.Tensor | None, channels: torch.Tensor | None) -> str:
     D = rot.shape[-1]
     if channels is None:
         return f"q/K rotated (Hadamard blocks of {D})"
-    r = channels.shape[-1]
-    return f"q/K rotated (Hadamard blocks on the {r} label channels and on the other {D - r})"
+    return f"q/K rotated (Hadamard blocks of {D}; labels and label scores unrotated)"

@@ -106,15 +106,17 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
     # ------------------------------------------------------------------- stores and prefill
     def forward(self, layer_id, q, k, v, batch):
         """Stores K/V to the host store and labels to the device pool, then attends (q and k
-        rotated first where ``k_rotation`` is set)."""
-        q, k = self.rotate(layer_id, q, k)
+        rotated first where ``k_rotation`` is set; the labels and the selection keep the
+        unrotated k and q)."""
+        qr, kr = self.rotate(layer_id, q, k)
         self._join(layer_id)
-        self.store(layer_id, k, v, batch.out_slots)
-        return self.attention(layer_id, q, k, v, batch)
+        self.store(layer_id, kr, v, batch.out_slots, k_label=k)
+        return self.attention(layer_id, qr, kr, v, batch, q_label=q)
 
-    def store(self, layer_id, k, v, slots) -> None:
+    def store(self, layer_id, k, v, slots, k_label=None) -> None:
         m = self.memory
-        store_labels_ref(m.label[layer_id], m.label_scale[layer_id], k, slots, self.channels[layer_id])
+        store_labels_ref(m.label[layer_id], m.label_scale[layer_id], k if k_label is None else k_label, slots,
+                         self.channels[layer_id])
         # whole tokens: one row of Hkv * D values each
         N = k.shape[0]
         kt, vt = k.reshape(N, 1, -1), v.reshape(N, 1, -1)
@@ -137,7 +139,10 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         return token_rows(tiers) if self.units == 1 else tiers
 
     # ------------------------------------------------------------------------------ decode
-    def decode_attention(self, layer_id, q, batch):
+    def decode_attention(self, layer_id, q, batch, q_label=None):
+        """The selection (and the next layer's prefetch) scores ``q_label`` (the unrotated q
+        under a q/K rotation; default q), the attention reads q."""
+        ql = q if q_label is None else q_label
         if layer_id == 0:
             self.hot.tick()
         m = self.memory
@@ -155,11 +160,11 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
         args = self.layer_args(layer_id, batch)
         self._join(layer_id)
         if self._triton:
-            out = self._decode_triton(layer_id, q, batch, args)
+            out = self._decode_triton(layer_id, q, ql, batch, args)
         else:
-            out = self._decode_torch(layer_id, q, batch, args)
+            out = self._decode_torch(layer_id, q, ql, batch, args)
         if self.prefetch == "next-layer" and layer_id + 1 < len(m.k):
-            self._prefetch(layer_id + 1, q, batch, self.layer_args(layer_id + 1, batch))
+            self._prefetch(layer_id + 1, ql, batch, self.layer_args(layer_id + 1, batch))
         return out
 
     def _hot_rows(self, layer_id, req_idx, slots, valid):
@@ -221,10 +226,10 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
             slots = torch.where(dense[:, None, None], slots, sel)
         return slots, ar[None, None, :] < n[:, None, None], n
 
-    def _decode_triton(self, layer_id, q, batch, args):
+    def _decode_triton(self, layer_id, q, q_label, batch, args):
         m, ws = self.memory, self.workspace
         K, B, Hkv = self.ds.k_max, q.shape[0], m.plan.num_kv_heads
-        slots, valid, n = self._select_triton(layer_id, q, batch, args)
+        slots, valid, n = self._select_triton(layer_id, q_label, batch, args)
         rows = self._hot_rows(layer_id, batch.req_idx, slots.long(), valid)
         # every row reads its n hot rows through the sparse-list path: a length of n + 1 with a
         # budget of n makes the kernel take the list (the tokens and their order are the in-GPU
@@ -267,13 +272,13 @@ class OffloadDSBackend(OffloadPrefill, DoubleSparsityBackend):
             valid[b, :, :ns[b]] = True
         return slots, valid, seq_lens, kl
 
-    def _decode_torch(self, layer_id, q, batch, args):
+    def _decode_torch(self, layer_id, q, q_label, batch, args):
         """The PyTorch twin: the same selection, the hot set, then torch_ops.ds_decode's attention
         over the same rows (gathered from the hot set)."""
         B, Hq, D = q.shape
         Hkv = self.memory.plan.num_kv_heads
         G = Hq // Hkv
-        slots, valid, seq_lens, kl = self._select_torch(layer_id, q, batch, args)
+        slots, valid, seq_lens, kl = self._select_torch(layer_id, q_label, batch, args)
         # [B, Hkv, K]; a token row's head h is row * Hkv + h of the [-1, D] view either way
         rows = self._hot_rows(layer_id, batch.req_idx, slots, valid).long().expand(B, Hkv, -1)
         hk, hv = self.hot.k[layer_id].view(-1, D), self.hot.v[layer_id].view(-1, D)

@@ -164,10 +164,10 @@ class RecallProbe:
         inner = backend.decode_attention
         backend.recall_probe = self
 
-        def decode_attention(layer_id, q, batch):
-            out = inner(layer_id, q, batch)
+        def decode_attention(layer_id, q, batch, q_label=None):
+            out = inner(layer_id, q, batch, q_label=q_label)
             if batch.ds_sparse:
-                self.observe(layer_id, q, out)
+                self.observe(layer_id, q, out, q_label)
             return out
 
         backend.decode_attention = decode_attention
@@ -232,9 +232,10 @@ class RecallProbe:
             self._ctl.copy_(h, non_blocking=True)
         return True
 
-    def observe(self, layer_id: int, q, out) -> None:
+    def observe(self, layer_id: int, q, out, q_label=None) -> None:
         """After layer ``layer_id``'s sparse decode: keep the armed rows' q, output (and, on the
-        Triton path, selection). Launches nothing on a step that is not sampled."""
+        Triton path, selection; on the PyTorch path, ``q_label``, the unrotated q the selection
+        read, default q). Launches nothing on a step that is not sampled."""
         a = self.armed
         if not self._capture_stash and (a is None or a.layer != layer_id):
             return
@@ -251,7 +252,9 @@ class RecallProbe:
         if a is None:  # a graph capture: the host copies below cannot be replayed
             return
         idx = torch.tensor(a.batch_rows, device=q.device)
-        self._stash = {"q": q.index_select(0, idx).clone(), "o": out.index_select(0, idx).float()}
+        ql = q if q_label is None else q_label
+        self._stash = {"q": q.index_select(0, idx).clone(), "o": out.index_select(0, idx).float(),
+                       "ql": ql.index_select(0, idx)}
 
     def end_step(self) -> None:
         """After a sampled step: launch the exact attention of the kept rows and start copying the
@@ -294,7 +297,7 @@ class RecallProbe:
                 q, o = self._stash["q"][i], self._stash["o"][i]
                 # the slots as decode reads them (a view when consecutive), for the same scores
                 start, sl = torch_ops.token_rows(m.req_to_token, row, n)
-                sel, valid = torch_ops.select(q, m.label[a.layer], m.label_scale[a.layer],
+                sel, valid = torch_ops.select(self._stash["ql"][i], m.label[a.layer], m.label_scale[a.layer],
                                               b.channels[a.layer], start, sl, n, k, b.sm_scale, mode,
                                               ds.num_sink, ds.num_recent, ds.top_p, ds.top_p_min_k)
             sc = (m.k_scale[a.layer], m.v_scale[a.layer]) if is_fp8_kv(kc) else (None, None)

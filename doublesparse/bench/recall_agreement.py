@@ -172,7 +172,7 @@ def run(args) -> dict:
     obs = FidelityObserver(L, 1, 256 if device.type == "cuda" else 64, per_row=True)
     with torch.inference_mode():
         for pool_set, inputs, _, _ in runner.groups:
-            pools = pool_set.get(setting.kv, channels)
+            pools = pool_set.get(setting.kv)
             pools.relabel(channels, setting.label)
             driver.decode_tokens(model, pools, setting, channels, inputs, setting.k_for(args.window_len),
                                  observer=obs)

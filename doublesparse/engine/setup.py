@@ -254,8 +254,8 @@ def _workspace(cfg: EngineConfig, plan: MemoryPlan, ds: DSParams | None, mc, dev
 def _kv_cache(cfg: EngineConfig, memory, backend, plan: MemoryPlan, mc, channels, dtype: torch.dtype,
               device: torch.device, model_file: str | None) -> None:
     """An fp8 cache's per-layer scales (engine/kv_scales.py), and the backend's q/K rotation
-    (``--kv-cache-k-rotation``; attention/k_rotation.py) from this rank's heads and label channels,
-    both set before any CUDA graph is captured and named on the startup line."""
+    (``--kv-cache-k-rotation``; attention/k_rotation.py) from this rank's heads (label channels
+    stay unrotated), both set before any CUDA graph is captured and named on the startup line."""
     if not cfg.kv_cache_fp8 and cfg.kv_cache_k_rotation != "hadamard":
         return
     from ..attention import k_rotation
@@ -267,7 +267,7 @@ def _kv_cache(cfg: EngineConfig, memory, backend, plan: MemoryPlan, mc, channels
         default_scales = src == DEFAULT_SOURCE
     rot = None
     if k_rotation.resolve(cfg.kv_cache_k_rotation, cfg.kv_cache_fp8, plan.latent, default_scales):
-        rot = k_rotation.rotation_matrices(plan.num_layers, mc.num_kv_heads, mc.head_dim, channels)
+        rot = k_rotation.rotation_matrices(plan.num_layers, mc.num_kv_heads, mc.head_dim)
         backend.k_rotation = rot.to(device=device, dtype=dtype)
     rotation = k_rotation.describe(rot, None if rot is None else channels)
     if cfg.kv_cache_fp8:

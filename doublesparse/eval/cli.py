@@ -280,8 +280,8 @@ def run_notes(name, source, device, L: dict, bytes_ctx: int, text: bool, ret: bo
                  f"and K/V of '/kv:fp8_*' settings as fp8, 1 byte); sink/recent capped at "
                  f"k/8 and k/4 (as the engine's default)")
     if kv:
-        rot = ("q and K rotated per KV head (Hadamard blocks; a Double Sparsity setting's label channels "
-               "in their own block)" if k_rotation != "none" else "K not rotated")
+        rot = ("q and K rotated per KV head (Hadamard blocks over all D; Double Sparsity's labels and label "
+               "scores unrotated)" if k_rotation != "none" else "K not rotated")
         notes.append("'/kv:...' settings: K/V stored in that dtype (fp8: scale 1.0, the engine's default "
                      f"without checkpoint scales; {rot}, --kv-cache-k-rotation {k_rotation}), prefilled and "
                      "decoded through it; KL and top-1 against dense with the model's cache")

@@ -48,11 +48,11 @@ class PrefillAttention:
 
     def forward(self, layer_id, q, k, v, batch):
         p = self.pools
-        q, k = p.rotate(layer_id, q, k)
         slots = p.slots(torch.full_like(self.positions, self.row), self.positions)
-        ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, **p.scales, impl=p.impl)
         if p.k_src is not None:
             p.k_src[layer_id][slots.long()] = k
+        q, k = p.rotate(layer_id, q, k)
+        ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, **p.scales, impl=p.impl)
         return self.inner.forward(layer_id, q, *p.as_read(k, v), batch)
 
 
@@ -61,8 +61,10 @@ class DecodeAttention:
     ``positions[t]``, seq_len ``positions[t] + 1``); stores K/V/labels, then decodes.
 
     ``observer`` (optional) gets ``(layer_id, q, out, self)`` after every double-sparse layer.
-    ``k_sum`` / ``k_rows`` (device tensors): the tokens the selection rows of requests that
-    decoded sparsely attended to, summed over rows and layers, and the number of such rows.
+    ``q_label``: the unrotated q of the layer the observer is called for (``q`` where nothing
+    is rotated), what its label scores read. ``k_sum`` / ``k_rows`` (device tensors): the tokens
+    the selection rows of requests that decoded sparsely attended to, summed over rows and
+    layers, and the number of such rows.
     """
 
     def __init__(self, pools: Pools, setting: Setting, channels: torch.Tensor | None, rows, positions,
@@ -76,6 +78,7 @@ class DecodeAttention:
         self.k = torch.full_like(self.seq_lens, k)
         self.sm_scale = 1.0 / math.sqrt(pools.D)
         self.observer = observer
+        self.q_label = None
         # capped at k/8 and k/4 like the engine's default (also keeps sink + recent <= k)
         self.num_sink, self.num_recent = setting.sink_recent(k)
         self.ws = pools.workspace(int(rows.numel()), k if setting.kind == "ds" else 0)
@@ -89,12 +92,13 @@ class DecodeAttention:
 
     def forward(self, layer_id, q, k, v, batch):
         p, s = self.p, self.s
+        q0, k0 = q, k   # the labels and the label scores read the unrotated q and K
         q, k = p.rotate(layer_id, q, k)
         slots = p.slots(self.rows, self.positions)
         if self.channels is not None:
             lab = p.label_pool(self.channels.shape[-1], s.label)[layer_id]
             ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, lab, p.label_scale, self.channels[layer_id],
-                         **p.scales, impl=p.impl)
+                         **p.scales, impl=p.impl, k_label=k0)
         else:
             ops.store_kv(p.k[layer_id], p.v[layer_id], k, v, slots, **p.scales, impl=p.impl)
         if s.is_dense_layer(layer_id):
@@ -107,11 +111,12 @@ class DecodeAttention:
                                                 self.top_p_min)
         out = ops.ds_decode(q, p.k[layer_id], p.v[layer_id], lab, p.label_scale, self.channels[layer_id],
                             p.req_to_token, self.req_idx, self.seq_lens, self.sm_scale, self._args[mode], ws=self.ws,
-                            impl=p.impl, row_counts=counts, **p.scales)
+                            impl=p.impl, row_counts=counts, **p.scales, q_label=q0)
         sparse = (self.seq_lens > self.k)[:, None]
         self.k_sum += (counts * sparse).sum()
         self.k_rows += sparse.sum() * counts.shape[1]
         if self.observer is not None:
+            self.q_label = q0
             self.observer(layer_id, q, out, self)
         return out
 
@@ -139,9 +144,8 @@ class PoolSet:
     """The pools of one set of requests (``prefixes``: each one's prompt ids before its scored or
     generated tokens) for each K/V cache dtype a setting asks for, each prefilled (densely, through
     its own cache) the first time it is asked for. ``Pools`` arguments as there; k_rotation: the
-    engine's ``--kv-cache-k-rotation`` ("auto": rotate q and K with an fp8 cache), whose R depends
-    on a Double Sparsity setting's label channels, so a rotated cache is prefilled once per
-    channel set (dense settings: the rotation without channels)."""
+    engine's ``--kv-cache-k-rotation`` ("auto": rotate q and K with an fp8 cache; the labels and
+    label scores stay unrotated, so dense and Double Sparsity settings share one rotated cache)."""
 
     def __init__(self, model, prefixes: list[list[int]], max_ctx: int, device="cpu", impl: str = "auto",
                  k_rotation: str = "auto"):
@@ -149,16 +153,14 @@ class PoolSet:
         self.k_rotation = k_rotation
         self._by_kv: dict[tuple, Pools] = {}
 
-    def get(self, kv: str = "auto", channels: torch.Tensor | None = None) -> Pools:
-        """The pools of cache dtype ``kv`` for a setting with label channels ``channels``
-        ([L, Hkv, r], Double Sparsity) or None (dense)."""
+    def get(self, kv: str = "auto") -> Pools:
+        """The pools of cache dtype ``kv`` (one for dense and Double Sparsity settings alike)."""
         m = self.model
         c = m.config
         rotated = k_rotation.resolve(self.k_rotation, kv.startswith("fp8"), False)
-        ch = None if channels is None or not rotated else channels.detach().cpu().to(torch.int32)
-        key = (kv, rotated, None if ch is None else (tuple(ch.shape), ch.numpy().tobytes()))
+        key = (kv, rotated)
         if key not in self._by_kv:
-            rot = (k_rotation.rotation_matrices(int(c.num_layers), int(c.num_kv_heads), int(c.head_dim), ch)
+            rot = (k_rotation.rotation_matrices(int(c.num_layers), int(c.num_kv_heads), int(c.head_dim))
                    if rotated else None)
             pools = Pools(c, len(self.prefixes), self.max_ctx, device=self.device,
                           dtype=getattr(m, "dtype", torch.float32), impl=self.impl, kv_cache_dtype=kv,
@@ -227,14 +229,15 @@ def _scores(q: torch.Tensor, k: torch.Tensor, inv: torch.Tensor) -> torch.Tensor
 
 
 def selection_recall(q, view: DecodeAttention, layer_id: int, chunk: int = 64,
-                     rows: torch.Tensor | None = None, with_mass: bool = False):
+                     rows: torch.Tensor | None = None, with_mass: bool = False, q_label=None):
     """Per (token, query head): attention mass on the tokens the DS selection picks, divided by
     the mass of the true top-k tokens, ``[len(rows), Hq]`` on the CPU (1 for rows that decode
     densely); with the top-p budget, on the part of the selection it keeps (k: the upper bound).
     q: ``[B, Hq, D]``; rows: indices into the batch (default: all B). with_mass: return
     ``(recall, mass)``, mass ``[len(rows), Hq]`` being the selection's share of the whole exact
     attention, not divided by the top-k's (what the server's sampled recall reports,
-    attention/recall.py; 1 for dense rows).
+    attention/recall.py; 1 for dense rows). q_label: ``[B, Hq, D]`` the query the label scores
+    read (default q; the unrotated q where q and K are rotated, attention/k_rotation.py).
 
     The selection is recomputed here in float32 with the reference's maths (label scores, mode
     reduction, sink/recent forcing, top-k) on the same label pool, because ``ops.ds_decode`` does
@@ -266,7 +269,8 @@ def selection_recall(q, view: DecodeAttention, layer_id: int, chunk: int = 64,
         prob = _scores(qb.view(-1, p.hkv, G, D), k, inv).reshape(-1, Hq, nmax)
         del k
         prob = (prob * view.sm_scale).masked_fill(~valid[:, None], float("-inf")).softmax(-1)
-        qh = torch.gather(qb, 2, ch.repeat_interleave(G, 0)[None].expand(idx.numel(), -1, -1))  # [b, Hq, r]
+        ql = qb if q_label is None else q_label[idx].float()
+        qh = torch.gather(ql, 2, ch.repeat_interleave(G, 0)[None].expand(idx.numel(), -1, -1))  # [b, Hq, r]
         lab = lab_pool[slots].float()                                        # [u, n, Hkv, r]
         sc = _scores(qh.view(-1, p.hkv, G, ch.shape[-1]), lab, inv)
         sc = sc.reshape(-1, Hq, nmax) * view.sm_scale

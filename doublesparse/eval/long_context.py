@@ -152,7 +152,7 @@ class RulerRunner:
 
     def run(self, s: Setting, channels_for, heavy_ctx: int) -> dict:
         ch = channels_for(s) if s.kind == "ds" else None
-        pools = self.pools.get(s.kv, ch)
+        pools = self.pools.get(s.kv)
         if ch is not None:
             pools.relabel(ch, s.label)
         new = driver.greedy(

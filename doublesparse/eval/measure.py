@@ -66,7 +66,7 @@ class FidelityObserver:
                                  view.seq_lens, view.sm_scale, ws=view.ws, impl=p.impl, **p.scales).float()[rows]
         err = (out.float()[rows] - dense).norm(dim=-1) / dense.norm(dim=-1).clamp_min(1e-30)  # [b, Hq]
         rec, mass = driver.selection_recall(q, view, layer_id, chunk=self.chunk, rows=rows,
-                                            with_mass=True)                              # [b, Hq] x2
+                                            with_mass=True, q_label=view.q_label)                              # [b, Hq] x2
         self.err_sum[layer_id] += err.mean(-1).double().sum().cpu()
         self.recall_sum[layer_id] += rec.mean(-1).double().sum()
         self.mass_sum[layer_id] += mass.mean(-1).double().sum()
@@ -139,7 +139,7 @@ class TextRunner:
         ch = self.channels_for(s) if s.kind == "ds" else None
         for g in self.groups:
             pool_set, inputs, targets, ref = g
-            pools = pool_set.get(s.kv, ch)
+            pools = pool_set.get(s.kv)
             if ch is not None:
                 pools.relabel(ch, s.label)
             logits = driver.decode_tokens(self.model, pools, s, ch, inputs, s.k_for(self.wl),

@@ -18,13 +18,14 @@ class Pools:
 
     k[l], v[l]: ``[S, Hkv, D]`` in ``dtype``, or as ``kv_cache_dtype`` says ("bf16", "fp8_e4m3",
     "fp8_e5m2"; "auto": ``dtype``); fp8 pools store ``x / scale`` with ``k_scale = v_scale = 1.0``
-    ([1] float32: the engine's default for a checkpoint without scales) and keep the prefix's
-    unquantized K in ``k_src[l]`` (``dtype``), the source of its labels, as the engine takes a
-    label from the unquantized k; labels[(r, label)][l]: ``[S, Hkv, r]`` bf16 or fp8 e4m3 (one pool
-    per r and label dtype in use; fp8 with scale 1, as the engine stores them); k_rotation: None,
-    or R ``[L, Hkv, D, D]`` (attention/k_rotation.py, the engine's ``--kv-cache-k-rotation``): the
-    backends rotate q and k by it before anything stores or reads them, so the pools, ``k_src`` and
-    the labels hold the rotated K;
+    ([1] float32: the engine's default for a checkpoint without scales); fp8 or rotated pools keep
+    the prefix's unquantized, unrotated K in ``k_src[l]`` (``dtype``), the source of its labels, as
+    the engine takes a label from the unquantized, unrotated k; labels[(r, label)][l]:
+    ``[S, Hkv, r]`` bf16 or fp8 e4m3 (one pool per r and label dtype in use; fp8 with scale 1, as
+    the engine stores them); k_rotation: None, or R ``[L, Hkv, D, D]`` (attention/k_rotation.py,
+    the engine's ``--kv-cache-k-rotation``): the backends rotate q and k by it before the K/V
+    pools store or attention reads them, while the labels and the label scores keep the
+    unrotated K and q;
     req_to_token: ``[num_reqs + 1, max_ctx]`` int32. Slot 0 and row 0 are padding; request i owns
     row i + 1 and slots ``1 + i * max_ctx + position``.
     """
@@ -42,7 +43,7 @@ class Pools:
         self.k = [torch.zeros(S, self.hkv, self.D, dtype=kv_dtype, device=device) for _ in range(self.L)]
         self.v = [torch.zeros_like(self.k[0]) for _ in range(self.L)]
         self.k_src = ([torch.zeros(S, self.hkv, self.D, dtype=dtype, device=device) for _ in range(self.L)]
-                      if is_fp8_kv(kv_dtype) else None)
+                      if is_fp8_kv(kv_dtype) or k_rotation is not None else None)
         self.k_scale = torch.ones(1, dtype=torch.float32, device=device)
         self.v_scale = torch.ones(1, dtype=torch.float32, device=device)
         self.labels: dict[tuple, list[torch.Tensor]] = {}
@@ -105,13 +106,13 @@ class Pools:
         slots = torch.cat([self.req_to_token[i + 1, :n] for i, n in enumerate(self.prefix_len) if n])
         idx = slots.long()
         for l in range(self.L):
-            if self.k_src is None:
-                k, v = self.k[l][idx], self.v[l][idx]
-            else:
-                k = self.k_src[l][idx]
-                v = dequant_kv(self.v[l][idx], self.v_scale).to(k.dtype)
+            k, v = self.k[l][idx], self.v[l][idx]
+            k_label = None if self.k_src is None else self.k_src[l][idx]
+            if k_label is not None:
+                k = dequant_kv(k, self.k_scale).to(k_label.dtype)
+                v = dequant_kv(v, self.v_scale).to(k_label.dtype)
             ops.store_kv(self.k[l], self.v[l], k, v, slots, pool[l], self.label_scale,
-                         channels[l].to(self.device, torch.int32), **self.scales, impl=self.impl)
+                         channels[l].to(self.device, torch.int32), **self.scales, impl=self.impl, k_label=k_label)
 
     def workspace(self, batch: int, k_max: int):
         if self.impl == "torch" or (self.impl == "auto" and self.device.type != "cuda"):

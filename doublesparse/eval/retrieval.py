@@ -134,7 +134,7 @@ class RetrievalRunner:
         answers = []
         ch = channels_for(s) if s.kind == "ds" else None
         for n, ts, pool_set in self.groups:
-            pools = pool_set.get(s.kv, ch)
+            pools = pool_set.get(s.kv)
             if ch is not None:
                 pools.relabel(ch, s.label)
             new = driver.greedy(self.model, pools, s, ch, [t.ids[-1] for t in ts], ANSWER_TOKENS,

@@ -95,20 +95,22 @@ def _use_triton(t: torch.Tensor, impl: str) -> bool:
 
 
 def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, channels=None,
-             k_scale=None, v_scale=None, impl: str = "auto"):
+             k_scale=None, v_scale=None, impl: str = "auto", k_label=None):
     """Write new tokens into the pools, and their K label if ``label_cache`` is given.
 
     k_cache, v_cache: [S, Hkv, D] (bf16/fp16/fp32, or fp8 with k_scale, v_scale [1] float32);
     k, v: [N, Hkv, D]; slots: [N] int32/int64;
     label_cache: [S, Hkv, r] bf16 | float8_e4m3fn; label_scale: [1] float32 (fp8);
-    channels: [Hkv, r] int32. The label is taken from the unquantized k.
+    channels: [Hkv, r] int32. The label is taken from the unquantized ``k_label`` [N, Hkv, D]
+    (default k; the unrotated K where k is rotated, attention/k_rotation.py).
     """
     if _use_triton(k, impl):
         from .triton.launch import store_kv as _store
-        return _store(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale)
+        return _store(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale,
+                      k_label)
     from .triton.common import check_store_args
-    check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale)
-    ref.store_ref(k_cache, v_cache, label_cache, label_scale, k, v, slots, channels, k_scale, v_scale)
+    check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale, k_label)
+    ref.store_ref(k_cache, v_cache, label_cache, label_scale, k, v, slots, channels, k_scale, v_scale, k_label)
 
 
 def dense_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale: float,
@@ -155,7 +157,7 @@ def attention_lse(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
               seq_lens, sm_scale: float, args: DSDecodeArgs, ws: DecodeWorkspace | None = None, out=None,
-              impl: str = "auto", row_counts=None, k_scale=None, v_scale=None):
+              impl: str = "auto", row_counts=None, k_scale=None, v_scale=None, q_label=None):
     """Double Sparsity decode: label scores -> each request's top-k on device -> exact attention
     on those tokens, with a k per request in one batch (and one CUDA graph); ``args``
     (:class:`DSDecodeArgs`) says how each request selects.
@@ -164,6 +166,9 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     in :func:`dense_decode` and :mod:`.reference`; label_cache [S, Hkv, r], label_scale [1]
     float32 (fp8 labels), channels [Hkv, r] int32. ``ws``: a workspace with Double Sparsity
     buffers of at least ``args.k_max`` (``layer_select`` for the layer mode).
+    q_label: the query whose ``channels`` entries the label scores read, [B, Hq, D] (default q;
+    the unrotated q where q and the K pool are rotated and the labels are not,
+    attention/k_rotation.py); the attention reads q.
     row_counts: an optional ``[B, R]`` int32 (R = Hq for ``per_head``, else Hkv) filled with the
     tokens each row attended to (its length where the request decodes densely); for evaluation
     and benchmarks only (on the Triton path it adds device ops after the call).
@@ -172,19 +177,19 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
     if _use_triton(q, impl) and args.mode == "layer":
         from .triton.ds_layer import ds_decode_layer
         o = ds_decode_layer(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-                            seq_lens, sm_scale, args, ws, out, k_scale=k_scale, v_scale=v_scale)
+                            seq_lens, sm_scale, args, ws, out, k_scale=k_scale, v_scale=v_scale, q_label=q_label)
         if row_counts is not None:
             _fill_row_counts(row_counts, ws, seq_lens, args)
         return o
     if _use_triton(q, impl):
         from .triton.ds_launch import ds_decode as _ds
         o = _ds(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-                seq_lens, sm_scale, args, ws, out, k_scale=k_scale, v_scale=v_scale)
+                seq_lens, sm_scale, args, ws, out, k_scale=k_scale, v_scale=v_scale, q_label=q_label)
         if row_counts is not None:
             _fill_row_counts(row_counts, ws, seq_lens, args)
         return o
     o = torch_ops.ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token,
-                            req_idx, seq_lens, sm_scale, args, row_counts, k_scale, v_scale).to(q.dtype)
+                            req_idx, seq_lens, sm_scale, args, row_counts, k_scale, v_scale, q_label).to(q.dtype)
     if out is not None:
         out.copy_(o)
         return out

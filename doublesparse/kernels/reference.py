@@ -63,14 +63,17 @@ def dequant_kv(rows, scale):
     return rows.float()
 
 
-def store_ref(k_cache, v_cache, label_cache, label_scale, k, v, slots, channels, k_scale=None, v_scale=None):
+def store_ref(k_cache, v_cache, label_cache, label_scale, k, v, slots, channels, k_scale=None, v_scale=None,
+              k_label=None):
     """Write k, v ``[N, Hkv, D]`` into the pools at ``slots [N]`` and the K label (in place). The
-    label is taken from the unquantized k (its own dtype and scale, whatever the K pool's)."""
+    label is taken from the unquantized ``k_label`` ``[N, Hkv, D]`` (default k; the unrotated K
+    where the pool holds a rotated one, attention/k_rotation.py), in its own dtype and scale,
+    whatever the K pool's."""
     slots = slots.long()
     k_cache[slots] = quantize_kv(k, k_cache.dtype, k_scale)
     v_cache[slots] = quantize_kv(v, v_cache.dtype, v_scale)
     if label_cache is not None:
-        store_labels_ref(label_cache, label_scale, k, slots, channels)
+        store_labels_ref(label_cache, label_scale, k if k_label is None else k_label, slots, channels)
 
 
 def store_labels_ref(label_cache, label_scale, k, slots, channels) -> None:

@@ -136,11 +136,12 @@ def select(q, label_cache, label_scale, channels, start, slots, n: int, k: int, 
 
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-              seq_lens, sm_scale, args, row_counts=None, k_scale=None, v_scale=None):
+              seq_lens, sm_scale, args, row_counts=None, k_scale=None, v_scale=None, q_label=None):
     """args: an ops.DSDecodeArgs (``args.k`` [B] int: each request's k, sparse iff seq_len > it;
     ``k_max`` and ``tuning`` are not read; the top-p budget: kernels/top_p.py). [B, Hq, D]
     float32. k_scale, v_scale: [1] float32, an fp8 pool's scales. row_counts: an optional [B, R]
-    int32 to fill with the tokens each selection row attended to."""
+    int32 to fill with the tokens each selection row attended to. q_label: [B, Hq, D], the
+    query the selection reads (default q; ops.ds_decode)."""
     mode, num_sink, num_recent, top_p, top_p_min_k = (args.mode, args.num_sink, args.num_recent, args.top_p,
                                                       args.top_p_min_k)
     sc = kv_scales(k_cache, k_scale, v_scale)
@@ -157,7 +158,7 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
             vv = _rows(v_cache, start, slots, n).transpose(0, 1)
             out[b] = attend(q[b].float().view(Hkv, G, D), kk, vv, sm_scale, scales=sc).view(Hq, D)
             continue
-        sel, valid = select(q[b], label_cache, label_scale, channels, start, slots, n, k, sm_scale, mode,
+        sel, valid = select((q if q_label is None else q_label)[b], label_cache, label_scale, channels, start, slots, n, k, sm_scale, mode,
                             num_sink, num_recent, top_p, top_p_min_k)
         R = sel.shape[0]
         heads = torch.arange(R, device=q.device) // (G if R == Hq else 1)

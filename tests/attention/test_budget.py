@@ -75,11 +75,11 @@ def test_engine_plans_per_request_k(monkeypatch):
     seen = []
     real = e.parts.backend.decode_attention
 
-    def spy(layer_id, q, batch):
+    def spy(layer_id, q, batch, q_label=None):
         if layer_id == 0:
             seen.append((batch.ds_sparse, None if batch.k is None else batch.k.tolist(),
                          batch.seq_lens.tolist()))
-        return real(layer_id, q, batch)
+        return real(layer_id, q, batch, q_label=q_label)
 
     monkeypatch.setattr(e.parts.backend, "decode_attention", spy)
     sp = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 12}

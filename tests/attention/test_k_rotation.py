@@ -34,8 +34,8 @@ def test_rotation_keeps_scores_and_spreads_an_outlier():
 
 
 def test_label_channels_keep_their_own_block():
-    """With label channels the label score of every query head is the unrotated one: R maps the
-    span of the label channels onto itself."""
+    """The earlier form (measurements only): with label channels the label score of every query
+    head is the unrotated one, R mapping the span of the label channels onto itself."""
     torch.manual_seed(1)
     L, Hkv, G, D, r = 2, 2, 4, 64, 16
     ch = torch.stack([torch.stack([torch.randperm(D)[:r] for _ in range(Hkv)]) for _ in range(L)]).int()
@@ -75,4 +75,4 @@ def test_resolve_and_describe():
     assert kr.describe(None, None) == "K not rotated"
     rot = kr.rotation_matrices(1, 1, 64)
     assert "blocks of 64" in kr.describe(rot, None)
-    assert "16 label channels and on the other 48" in kr.describe(rot, torch.zeros(1, 1, 16))
+    assert "blocks of 64; labels and label scores unrotated" in kr.describe(rot, torch.zeros(1, 1, 16))

@@ -93,7 +93,7 @@ def test_fp8_kv_cache(group, llama, ds, tmp_path):
 @pytest.mark.parametrize("ds", [False, True], ids=["dense", "ds"])
 def test_fp8_kv_cache_rotated(group, llama, ds):
     """The default q/K rotation of an fp8 cache at scale 1.0: every rank rotates its own KV heads
-    (with Double Sparsity by its own heads' label channels), as TP 1 rotates them."""
+    (with Double Sparsity, its labels and label scores unrotated), as TP 1 rotates them."""
     check_same(llama, group, 2, overlap=ds, kv_cache_dtype="fp8_e4m3", **(DS if ds else {}))
 
 

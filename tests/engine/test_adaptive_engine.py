@@ -55,9 +55,9 @@ def test_each_layer_attends_to_its_scaled_k(model):
     seen = []
     inner = b._decode
 
-    def spy(layer_id, q, req_idx, seq_lens, ws, args, out=None):
+    def spy(layer_id, q, q_label, req_idx, seq_lens, ws, args, out=None):
         seen.append((layer_id, args.k.tolist(), seq_lens.tolist()))
-        return inner(layer_id, q, req_idx, seq_lens, ws, args, out)
+        return inner(layer_id, q, q_label, req_idx, seq_lens, ws, args, out)
 
     b._decode = spy
     e.generate(prompts(), dict(SP, max_new_tokens=4))

@@ -80,7 +80,7 @@ def check_labels(label_cache, label_scale, channels, k_cache, dev):
 
 
 def check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale=None,
-                     v_scale=None):
+                     v_scale=None, k_label=None):
     """The store's arguments (ops.store_kv, ops.rope_store), on either path."""
     dev = k.device
     check_caches(k_cache, v_cache, dev, k_scale, v_scale)
@@ -96,6 +96,10 @@ def check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, ch
         fail(f"slots has {slots.shape[0]} entries for {N} tokens")
     if label_cache is not None:
         check_labels(label_cache, label_scale, channels, k_cache, dev)
+    if k_label is not None:
+        check(k_label, "k_label", 3, FLOAT, dev)
+        if tuple(k_label.shape) != (N, Hkv, D):
+            fail(f"k_label shape {tuple(k_label.shape)} != k shape {tuple(k.shape)}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,6 +107,15 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter: few programs keep CPU tests fast
+
+
+def check_q_label(q_label, q):
+    """The query a Double Sparsity score reads beside the attention's q (ops.ds_decode):
+    q's shape, dtype and device, last dim contiguous. Returns it."""
+    check(q_label, "q_label", 3, (q.dtype,), q.device)
+    if q_label.shape != q.shape:
+        fail(f"q_label shape {tuple(q_label.shape)} != q shape {tuple(q.shape)}")
+    return q_label
 
 
 def check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale=None, v_scale=None):

@@ -17,7 +17,7 @@ from ..cuda import select as cuda_select
 from ..reference import MODES
 from ..tuning import KernelTuning
 from ..workspace import SCORE_PAD, SELECT_MAX_PROGS, TOPP_MAX_PROGS
-from .common import INTERPRET, check, check_decode, check_labels, fail, num_sms
+from .common import INTERPRET, check, check_decode, check_labels, check_q_label, fail, num_sms
 from .ds_score import score_mma_kernel
 from .ds_score_rows import score_kernel
 from .ds_select import select_kernel
@@ -30,16 +30,18 @@ STAGES = ("score", "hist", "select", "attend", "rest", "all")
 
 def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
               seq_lens, sm_scale, args, ws=None, out=None, num_splits=None, num_progs=None, return_sel=False,
-              stage="all", k_scale=None, v_scale=None):
+              stage="all", k_scale=None, v_scale=None, q_label=None):
     """See ops.ds_decode (``args``: an ops.DSDecodeArgs). ``stage`` ("score", "hist", "select",
     "attend", "all") runs a prefix or the last part only, for the stage-by-stage benchmark; "rest"
     runs everything after the score (select and attend), so that callers can order batch parts'
     stages across streams; ``return_sel`` also returns the selection ([B, rows, K] int32, row b's
     first ``args.k[b]`` entries meaningful where it decodes sparsely). With the top-p budget its
     launches (ds_topp.py) run after the select (stage "select" included); the attention then
-    reads ``ws.topp_slot`` and ``ws.row_k``. k_scale, v_scale: an fp8 pool's scales."""
+    reads ``ws.topp_slot`` and ``ws.row_k``. k_scale, v_scale: an fp8 pool's scales. q_label: the
+    query the score stage reads (ops.ds_decode; default q), the attention stage reads q."""
     B, Hq, Hkv, D = check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale, v_scale)
     dev = q.device
+    qs = q if q_label is None else check_q_label(q_label, q)
     r = check_labels(label_cache, label_scale, channels, k_cache, dev)
     mode, tuning, top_p = args.mode, args.tuning, args.top_p
     if mode == "layer":
@@ -64,28 +66,28 @@ def ds_decode(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_to
         fail(f"select/score block must be <= the workspace's score padding {SCORE_PAD}")
     if stage not in STAGES:
         fail(f"stage must be one of {STAGES}, got {stage!r}")
-    impl, hist_in_score, geometry = _score_impl(q, label_cache, channels, mode, tuning)
+    impl, hist_in_score, geometry = _score_impl(qs, label_cache, channels, mode, tuning)
     num_sink, num_recent = int(args.num_sink), int(args.num_recent)
     if stage not in ("attend", "rest"):
         nsm = num_sms(dev)
         if impl == "cuda":
             per_thread, _, tc, depth, max_hpw = geometry
-            step = cuda_score.step_tokens(q, label_cache, per_thread, tc, depth, max_hpw)
+            step = cuda_score.step_tokens(qs, label_cache, per_thread, tc, depth, max_hpw)
             P = num_progs or max(1, min(triton.cdiv(tuning.score_cuda_programs_per_sm * nsm, B),
                                         triton.cdiv(ws.max_ctx, step)))
-            cuda_score.score(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores,
+            cuda_score.score(qs, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, scores,
                              ws.hist, sm_scale, k, num_sink, num_recent, mode, P, hist_in_score, *geometry)
         elif impl == "mma":
-            _score_mma(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
+            _score_mma(qs, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, ws,
                        float(sm_scale), args, num_progs)
         else:
             P_score = num_progs or max(1, min(triton.cdiv(tuning.score_programs_per_sm * nsm, B * Hkv),
                                               triton.cdiv(ws.max_ctx, tuning.score_block_n)))
             is_fp8 = label_cache.dtype == torch.float8_e4m3fn
             score_kernel[(B, Hkv, P_score)](
-                q, label_cache, channels, label_scale if is_fp8 else q, req_to_token, req_idx, seq_lens,
+                qs, label_cache, channels, label_scale if is_fp8 else qs, req_to_token, req_idx, seq_lens,
                 scores, float(sm_scale), k, num_sink, num_recent,
-                q.stride(0), q.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
+                qs.stride(0), qs.stride(1), label_cache.stride(0), label_cache.stride(1), channels.stride(0),
                 req_to_token.stride(0), scores.stride(0), scores.stride(1),
                 G=G, R=r, MODE=MODES.index(mode), LABEL_FP8=is_fp8, NUM_PROGS=P_score,
                 BLOCK_N=tuning.score_block_n, BLOCK_R=triton.next_power_of_2(r),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .common import check_decode, check_labels, fail
+from .common import check_decode, check_labels, check_q_label, fail
 from .ds_launch import ds_decode as _ds
 from .launch import sparse_splits, split_attention
 
@@ -55,15 +55,17 @@ def layer_select(q, label_cache, label_scale, channels, req_to_token, req_idx, s
 
 
 def ds_decode_layer(q, k_cache, v_cache, label_cache, label_scale, channels, req_to_token, req_idx,
-                    seq_lens, sm_scale, args, ws=None, out=None, k_scale=None, v_scale=None):
-    """ops.ds_decode in the layer mode (no top-p budget): the shared selection, then the exact
-    attention of every KV head over it (dense requests over their whole cache)."""
+                    seq_lens, sm_scale, args, ws=None, out=None, k_scale=None, v_scale=None, q_label=None):
+    """ops.ds_decode in the layer mode (no top-p budget): the shared selection (scored with
+    ``q_label``, default q), then the exact attention of every KV head over it (dense requests
+    over their whole cache)."""
     B, Hq, Hkv, D = check_decode(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, ws, out, k_scale, v_scale)
     check_labels(label_cache, label_scale, channels, k_cache, q.device)
+    qs = q if q_label is None else check_q_label(q_label, q)
     K, tuning = int(args.k_max), args.tuning
     if K > ws.k_max:
         fail(f"k_max={K} exceeds workspace k_max={ws.k_max}")
-    sel = layer_select(q, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, sm_scale, args, ws)
+    sel = layer_select(qs, label_cache, label_scale, channels, req_to_token, req_idx, seq_lens, sm_scale, args, ws)
     S = sparse_splits(B, Hkv, Hkv, K, ws, q.device, tuning)
     return split_attention(q, k_cache, v_cache, req_to_token, req_idx, seq_lens, sm_scale, ws, out,
                            sel.expand(B, Hkv, K), Hkv, args.k, K, False, S, tuning,

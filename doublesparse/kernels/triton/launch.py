@@ -27,8 +27,8 @@ from .store import store_kv_kernel
 
 
 def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, channels=None, k_scale=None,
-             v_scale=None):
-    check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale)
+             v_scale=None, k_label=None):
+    check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale, k_label)
     N, Hkv, D = k.shape
     if N == 0:
         return
@@ -39,9 +39,10 @@ def store_kv(k_cache, v_cache, k, v, slots, label_cache=None, label_scale=None, 
     scale = label_scale if (has_label and label_scale is not None) else k_cache
     BLOCK_T = 16
     ksc, vsc, _ = kv_scale_args(k_cache, k_scale, v_scale)
+    klab = k if k_label is None else k_label
     store_kv_kernel[(triton.cdiv(N, BLOCK_T), Hkv)](
-        k, v, slots, k_cache, v_cache, lab, ch, scale, ksc, vsc, N,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, slots, klab, k_cache, v_cache, lab, ch, scale, ksc, vsc, N,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), klab.stride(0), klab.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         lab.stride(0), lab.stride(1), ch.stride(0),
         D=D, R=r, BLOCK_T=BLOCK_T, BLOCK_D=triton.next_power_of_2(D),

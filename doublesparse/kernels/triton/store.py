@@ -9,11 +9,12 @@ from .kv_quant import quantize
 @triton.jit
 def store_kv_kernel(
     k_ptr, v_ptr, slots_ptr,                      # k, v: [N, Hkv, D]; slots: [N]
+    klab_ptr,                                     # the labels' source: [N, Hkv, D] (k, or the unrotated k)
     k_cache_ptr, v_cache_ptr, label_ptr,          # caches: [S, Hkv, D]; label: [S, Hkv, R]
     channels_ptr, scale_ptr,                      # channels: [Hkv, R] int32; scale: [1] f32
     k_scale_ptr, v_scale_ptr,                     # [1] f32 each (fp8 K/V pools)
     N,
-    stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_kn, stride_kh, stride_vn, stride_vh, stride_lkn, stride_lkh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     stride_ls, stride_lh, stride_ch,
     D: tl.constexpr, R: tl.constexpr,
@@ -49,7 +50,7 @@ def store_kv_kernel(
         lm = tmask[:, None] & rmask[None, :]
         # Gathering from global memory (the row was just read, so it is in L1/L2) avoids a
         # register shuffle that Triton has no primitive for.
-        lab = tl.load(k_ptr + t[:, None] * stride_kn + h * stride_kh + ch[None, :], mask=lm).to(tl.float32)
+        lab = tl.load(klab_ptr + t[:, None] * stride_lkn + h * stride_lkh + ch[None, :], mask=lm).to(tl.float32)
         if LABEL_FP8:
             # the reference's (k[ch] / scale).clamp(+-448) rounded to e4m3, bit for bit: plain `/`
             # (2 ulp) moved labels across a rounding boundary, and with them a top-k now and then
