@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import gc
-import importlib
 import json
 import os
 import random
@@ -55,7 +54,7 @@ def build_parser() -> Parser:
     p.add_argument("--result-json", default=None)
     p.add_argument("--engine-factory", default=None,
                    help="module:callable building the engine from the engine flags (e.g. the CPU "
-                        "tiny engine), instead of doublesparse.Engine")
+                        "tiny engine), instead of doublesparse.Engine (as the server's)")
     p.add_argument("--engine-kwargs", default=None, help="JSON merged into the engine flags")
     add_cli_args(p, enable_double_sparsity=True)
     return p
@@ -129,18 +128,9 @@ def slope(xs: list[float], ys: list[float]) -> float:
 
 
 def _main(argv: list[str]) -> int:
-    from ..preflight import engine_config_from_cli
+    from ..server.cli import build_engine  # the server's engine, from the same flags
     args = build_parser().parse_args(argv)
-    cfg = engine_config_from_cli(args, enable_double_sparsity=True)
-    kwargs = {k: v for k, v in vars(cfg).items()}
-    if args.engine_kwargs:
-        kwargs.update(json.loads(args.engine_kwargs))
-    if args.engine_factory:
-        mod, _, attr = args.engine_factory.partition(":")
-        factory = getattr(importlib.import_module(mod), attr)
-    else:
-        from ..api import Engine as factory
-    engine = factory(**kwargs)
+    engine = build_engine(args)
     vocab = engine.model_config.vocab_size
     if args.shared_prefix >= args.prompt_len:
         args.shared_prefix = args.prompt_len // 2
