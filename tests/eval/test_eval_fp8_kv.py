@@ -63,6 +63,23 @@ def _setup(n=64, prefix=40, reqs=2, k_rotation="none", rot=None):
     return m, ids, full, ps
 
 
+def _relabel_and_decode(m, ids, auto, f8, ch, sparse):
+    """The fp8 pools' decoded logits after the prompts: dense, or DS keeping every token (k 64) after
+    relabelling with ``ch`` (the labels equal the model cache's) and then other channels (the stored
+    K stays as it was)."""
+    if not sparse:
+        return driver.decode_tokens(m, f8, replace(DENSE, kv="fp8_e4m3"), None, [x[40:] for x in ids], 0)
+    f8.relabel(ch)
+    auto.relabel(ch)
+    assert torch.equal(f8.label_pool(8)[0], auto.label_pool(8)[0])
+    before = f8.k[1].clone()
+    other = ch.roll(1, -1)
+    f8.relabel(other)
+    assert torch.equal(f8.k[1].view(torch.uint8), before.view(torch.uint8))   # K untouched by relabels
+    s = Setting("ds", "qk", "group_max", 8, 1.0, kv="fp8_e4m3")
+    return driver.decode_tokens(m, f8, s, other, [x[40:] for x in ids], 64)
+
+
 @pytest.mark.parametrize("sparse", [False, True])
 def test_fp8_prefill_and_decode_equal_a_forward_over_the_cached_values(sparse):
     """The fp8 pools' prefill attends to its K/V as stored and decode reads them back: the logits
@@ -77,19 +94,7 @@ def test_fp8_prefill_and_decode_equal_a_forward_over_the_cached_values(sparse):
     assert not torch.equal(f8.k_src[1], auto.k[1])   # later layers: prefilled through the fp8 cache
     want = torch.cat([f[40:] for f in full])
     ch = default_channels(m, 8)
-    if sparse:
-        f8.relabel(ch)
-        auto.relabel(ch)
-        before = f8.k[1].clone()
-        assert torch.equal(f8.label_pool(8)[0], auto.label_pool(8)[0])
-        other = ch.roll(1, -1)
-        f8.relabel(other)
-        assert torch.equal(f8.k[1].view(torch.uint8), before.view(torch.uint8))   # K untouched by relabels
-        s = Setting("ds", "qk", "group_max", 8, 1.0, kv="fp8_e4m3")
-        got = driver.decode_tokens(m, f8, s, other, [x[40:] for x in ids], 64)
-    else:
-        got = driver.decode_tokens(m, f8, replace(DENSE, kv="fp8_e4m3"), None, [x[40:] for x in ids], 0)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_relabel_and_decode(m, ids, auto, f8, ch, sparse), want, atol=1e-4, rtol=1e-4)
     plain = driver.decode_tokens(m, auto, DENSE, None, [x[40:] for x in ids], 0)
     assert (plain - want).abs().max() > 1e-3   # fp8 K/V changed the logits
 
@@ -113,18 +118,7 @@ def test_rotated_fp8_pools_equal_a_forward_over_the_rotated_cached_values(sparse
     slots = f8.req_to_token[1, :n].long()
     assert torch.equal(f8.k_src[0][slots], auto.k[0][slots])   # the labels' source: the unrotated K
     want = torch.cat([f[40:] for f in full])
-    if sparse:
-        f8.relabel(ch)
-        auto.relabel(ch)
-        assert torch.equal(f8.label_pool(8)[0], auto.label_pool(8)[0])
-        before = f8.k[1].clone()
-        f8.relabel(ch.roll(1, -1))
-        assert torch.equal(f8.k[1].view(torch.uint8), before.view(torch.uint8))   # K untouched by relabels
-        s = Setting("ds", "qk", "group_max", 8, 1.0, kv="fp8_e4m3")
-        got = driver.decode_tokens(m, f8, s, ch, [x[40:] for x in ids], 64)
-    else:
-        got = driver.decode_tokens(m, f8, replace(DENSE, kv="fp8_e4m3"), None, [x[40:] for x in ids], 0)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_relabel_and_decode(m, ids, auto, f8, ch, sparse), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["group_max", "per_head"])
