@@ -25,7 +25,7 @@ from ..kernels import ops
 from ..kernels.reference import dequant_kv, is_fp8_kv, quantize_kv
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 from .k_rotation import rotate
-from .prefill import prefill_sdpa
+from .prefill import CudnnShapes, prefill_sdpa
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ class AttentionBackend:
         self.workspace = workspace
         self.channels = channels
         self.tuning = tuning
+        self.cudnn_shapes = CudnnShapes(tuning.cudnn_graphs)   # what prefill lets cuDNN build
         self.k_rotation: torch.Tensor | None = None
         if self.stores_labels and (channels is None or memory.label[0] is None):
             raise ValueError(f"{self.name} backend needs a label pool and heavy channels")
@@ -185,11 +186,11 @@ class AttentionBackend:
                 # the values the cache holds (what decode will read), in q's dtype
                 ks = as_cached(k[s.q_start: s.q_start + s.q_len], kp.dtype, ksc, q.dtype).transpose(0, 1)
                 vs = as_cached(v[s.q_start: s.q_start + s.q_len], vp.dtype, vsc, q.dtype).transpose(0, 1)
-                o = prefill_sdpa(qs, ks, vs, 0, self.sm_scale, tuning=self.tuning)
+                o = prefill_sdpa(qs, ks, vs, 0, self.sm_scale, tuning=self.tuning, shapes=self.cudnn_shapes)
             else:
                 ks = cached_rows(kp, s.kv_slots, ksc, q.dtype).transpose(0, 1)  # [Hkv, L, D]
                 vs = cached_rows(vp, s.kv_slots, vsc, q.dtype).transpose(0, 1)
-                o = prefill_sdpa(qs, ks, vs, s.prefix_len, self.sm_scale, s.mask, self.tuning)
+                o = prefill_sdpa(qs, ks, vs, s.prefix_len, self.sm_scale, s.mask, self.tuning, self.cudnn_shapes)
             out[s.q_start: s.q_start + s.q_len] = o.transpose(0, 1)
         return out
 

@@ -27,7 +27,7 @@ def _merge(acc, lse, o, lo):
 
 class OffloadPrefill:
     """Prefill attention over K/V in the host store (``self.memory.k/v``); mixed into the
-    backend, whose ``_triton``, ``sm_scale``, ``tuning`` and ``_scales`` it reads."""
+    backend, whose ``_triton``, ``sm_scale``, ``tuning``, ``cudnn_shapes`` and ``_scales`` it reads."""
 
     # a cached prefix longer than this is attended to in blocks of this many tokens (peak device
     # memory of a chunk's prefill: one block's K/V, not the whole context's)
@@ -43,14 +43,14 @@ class OffloadPrefill:
             if s.kv_slots is None:
                 ks = as_cached(k[s.q_start: s.q_start + s.q_len], kp.dtype, scales[0], q.dtype).transpose(0, 1)
                 vs = as_cached(v[s.q_start: s.q_start + s.q_len], vp.dtype, scales[1], q.dtype).transpose(0, 1)
-                o = prefill_sdpa(qs, ks, vs, 0, self.sm_scale, tuning=self.tuning)
+                o = prefill_sdpa(qs, ks, vs, 0, self.sm_scale, tuning=self.tuning, shapes=self.cudnn_shapes)
             elif s.prefix_len > self.prefix_block and (not q.is_cuda or use_split(qs, True)):
                 o = self._blocked_prefix(qs, k[s.q_start: s.q_start + s.q_len], v[s.q_start: s.q_start + s.q_len],
                                          tiers, s.kv_slots[:s.prefix_len], scales)
             else:
                 # the cached prefix and this chunk, gathered from the host store (one layer at a time)
                 ks, vs = self._gather(tiers, s.kv_slots, q, scales)
-                o = prefill_sdpa(qs, ks, vs, s.prefix_len, self.sm_scale, s.mask, self.tuning)
+                o = prefill_sdpa(qs, ks, vs, s.prefix_len, self.sm_scale, s.mask, self.tuning, self.cudnn_shapes)
             out[s.q_start: s.q_start + s.q_len] = o.transpose(0, 1)
         return out
 
@@ -69,13 +69,14 @@ class OffloadPrefill:
         acc = lse = None
         for a in range(0, prefix_slots.numel(), self.prefix_block):
             kb, vb = self._gather(tiers, prefix_slots[a:a + self.prefix_block], qs, scales)
-            ob, lb = sdpa_with_lse(qs.view(Hkv, G * n, D), kb, vb, False, self.sm_scale)
+            rows = self.cudnn_shapes.rows(qs, kb.shape[1], False, Hkv, G)
+            ob, lb = sdpa_with_lse(qs.view(Hkv, G * n, D), kb, vb, False, self.sm_scale, rows)
             acc, lse = _merge(acc, lse, ob.reshape(Hq, n, D).float(), lb.reshape(Hq, n, 1))
         ks = as_cached(k, kp.dtype, scales[0], qs.dtype).transpose(0, 1)
         vs = as_cached(v, vp.dtype, scales[1], qs.dtype).transpose(0, 1)
         if G > 1:
             ks, vs = repeat_kv(qs, ks, vs)
-        o2, l2 = sdpa_with_lse(qs, ks, vs, True, self.sm_scale)
+        o2, l2 = sdpa_with_lse(qs, ks, vs, True, self.sm_scale, self.cudnn_shapes.rows(qs, n, True, Hq))
         acc, _ = _merge(acc, lse, o2.float(), l2)
         return acc.to(qs.dtype)
 

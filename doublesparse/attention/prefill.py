@@ -6,14 +6,19 @@ own tokens). Causal: query i sees keys ``0 .. prefix_len + i``.
 
 Backends on CUDA, measured on an H200 (Llama-3.1-8B
 heads, bf16). Whole prompts (no prefix, top-left causal) run 1.7x faster on cuDNN than on flash
-(595 vs 344 TFLOPS at 32K; 586 vs 310 at 8K). cuDNN builds an execution graph for every new shape
-(its cost not yet measured here; ``git show 2fcf640^:benchmarks/prefill_attn_sweep.py`` recorded
-first-call times), so
-cuDNN goes first only from ``CUDNN_MIN_TOKENS`` query tokens, where one call saves the most;
-shorter prompts, whose lengths vary, keep torch's own order (flash first). A chunk after a prefix
-is one lower-right ``CausalBias`` call, which torch dispatches to flash (343 TFLOPS), else the
-memory-efficient kernel, whatever the backend order. Backends switched off globally
-(``torch.backends.cuda.enable_*_sdp(False)``) stay off.
+(595 vs 344 TFLOPS at 32K; 586 vs 310 at 8K). But torch keeps one built cuDNN execution graph per
+problem shape, in a per-thread map it never shrinks (aten's cudnn/MHA.cpp), and recent torch puts
+cuDNN first on Hopper by itself: an engine whose prompt lengths varied kept ~400 KB of host heap
+per request on an H100, and none with one prompt length (``python -m doublesparse.bench.heap``,
+``--fixed-len``), as such a cache would. So no
+call reaches cuDNN by torch's own order: every call names its backends, and cuDNN sees only rows
+rounded up to :func:`bucket` (16 lengths an octave, at most 1/16 padding), from
+``CudnnShapes.min_rows`` rows, and only ``KernelTuning.cudnn_graphs`` distinct shapes a backend
+(:class:`CudnnShapes`); any other call runs on flash. Padding is exact: a causal call's padded
+queries and keys come after every real one (no real query sees them) and its padded output rows
+are dropped; an unmasked call pads only its queries. A chunk after a prefix is one lower-right
+``CausalBias`` call, which torch dispatches to flash (343 TFLOPS), else the memory-efficient
+kernel. Backends switched off globally (``torch.backends.cuda.enable_*_sdp(False)``) stay off.
 
 ``KernelTuning.prefill_split_prefix``: a chunk after a prefix as two calls that return their log-sum-exp, the chunk
 against the prefix (no mask) and the chunk against itself (top-left causal), merged exactly, so that
@@ -24,7 +29,8 @@ with 16384. cuDNN builds a graph per new shape (40-80 ms; about 1 s for the firs
 process, which ``warmup`` takes at start-up), so by default (``None``) the split runs on CUDA for
 chunks of at least ``SPLIT_MIN_TOKENS`` tokens: full chunks, whose (chunk, prefix) shapes recur.
 True: wherever the inputs allow (CPU included: tests); False: never. On CUDA only for bf16/fp16
-inputs with cuDNN enabled.
+inputs with cuDNN enabled, and only where the backend's :class:`CudnnShapes` takes both calls'
+shapes (else one masked call on flash).
 """
 
 from __future__ import annotations
@@ -39,23 +45,63 @@ from torch.nn.attention.bias import causal_lower_right
 from ..kernels import parts
 from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 
-CUDNN_MIN_TOKENS = 16384
-_ORDER = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-          SDPBackend.MATH)
+CUDNN_MIN_TOKENS = 1024
 SPLIT_MIN_TOKENS = 4096
+_CUDNN_FIRST = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                SDPBackend.MATH)
+_NO_CUDNN = _CUDNN_FIRST[1:]
+
+
+def bucket(n: int) -> int:
+    """``n`` rounded up to one of 16 lengths an octave (powers of two stay): at most n / 16 more."""
+    if n <= 16:
+        return n
+    step = 1 << (n.bit_length() - 5)
+    return -(-n // step) * step
+
+
+class CudnnShapes:
+    """Which problem shapes this backend lets cuDNN build a graph for: at most ``cap`` of them,
+    each with at least ``min_rows`` query rows (fewer rows: flash, whose cost there is small and
+    whose lengths vary most). ``any_device``: take CPU calls too (tests of the padding)."""
+
+    def __init__(self, cap: int, min_rows: int = CUDNN_MIN_TOKENS, any_device: bool = False):
+        self.cap, self.min_rows, self.any_device = cap, min_rows, any_device
+        self._taken: set[tuple] = set()
+
+    def __len__(self) -> int:
+        return len(self._taken)
+
+    def rows(self, q, kv_len: int, causal: bool, kv_heads: int, fold: int = 1) -> int | None:
+        """The rows a call of q [H, n, D] (``fold``: as [H / fold, n * fold, D], the query group
+        folded into the rows) is padded to for cuDNN, or None: this call runs on flash."""
+        heads, n = q.shape[0] // fold, q.shape[1] * fold
+        if not (q.is_cuda or self.any_device) or not _fused_gqa(q) or n < self.min_rows:
+            return None
+        if q.is_cuda and not torch.backends.cuda.cudnn_sdp_enabled():
+            return None
+        nb = bucket(n)
+        key = (causal, heads, kv_heads, nb, nb if causal else kv_len, q.shape[2], q.dtype)
+        if key not in self._taken:
+            if len(self._taken) >= self.cap:
+                return None
+            self._taken.add(key)
+        return nb
 
 
 def prefill_sdpa(q, k, v, prefix_len: int, scale: float, mask=None,
-                 tuning: KernelTuning = DEFAULT_TUNING) -> torch.Tensor:
+                 tuning: KernelTuning = DEFAULT_TUNING, shapes: CudnnShapes | None = None) -> torch.Tensor:
     """q: [Hq, n, D]; k, v: [Hkv, prefix_len + n, D]; mask: the segment's lower-right CausalBias when
-    it has a prefix (built here if None). Returns [Hq, n, D] in q's dtype."""
+    it has a prefix (built here if None); shapes: what cuDNN may take (None: nothing).
+    Returns [Hq, n, D] in q's dtype."""
     if prefix_len:
-        if use_split(q, tuning.prefill_split_prefix):
-            return _split_prefix(q, k, v, prefix_len, scale)
+        rows = _split_rows(q, k.shape[0], prefix_len, shapes) if use_split(q, tuning.prefill_split_prefix) else None
+        if rows is not None:
+            return _split_prefix(q, k, v, prefix_len, scale, *rows)
         if mask is None:
             mask = causal_lower_right(q.shape[1], k.shape[1])
         return _sdpa(q, k, v, mask, scale)
-    return _sdpa(q, k, v, None, scale)
+    return _sdpa(q, k, v, None, scale, shapes)
 
 
 def _fused_gqa(q) -> bool:
@@ -69,7 +115,12 @@ def repeat_kv(q, k, v):
     return k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
 
 
-def _sdpa(q, k, v, mask, scale):
+def _pad_rows(x, rows: int):
+    """x [H, n, D] -> [H, rows, D], contiguous, zeros after row n."""
+    return F.pad(x, (0, 0, 0, rows - x.shape[1])) if rows > x.shape[1] else x.contiguous()
+
+
+def _sdpa(q, k, v, mask, scale, shapes: CudnnShapes | None = None):
     """One causal SDPA call. mask: None (top-left causal, n == L) or a lower-right CausalBias.
 
     With unequal head counts on CUDA, calls that flash / cuDNN cannot take (e.g. fp32) would fall
@@ -81,12 +132,20 @@ def _sdpa(q, k, v, mask, scale):
         k, v = repeat_kv(q, k, v)
         gqa = False
     if mask is not None:
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
-                                              enable_gqa=gqa)[0]
-    cudnn_first = q.is_cuda and q.shape[1] >= CUDNN_MIN_TOKENS
-    with _backend_order(_ORDER) if cudnn_first else contextlib.nullcontext():
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
-                                              enable_gqa=gqa)[0]
+        with _backend_order(_NO_CUDNN, q):
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                                  enable_gqa=gqa)[0]
+    n = q.shape[1]
+    rows = shapes.rows(q, n, True, k.shape[0]) if shapes is not None else None
+    if rows is None:
+        with _backend_order(_NO_CUDNN, q):
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+                                                  enable_gqa=gqa)[0]
+    q, k, v = _pad_rows(q, rows), _pad_rows(k, rows), _pad_rows(v, rows)
+    with _backend_order(_CUDNN_FIRST, q):
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+                                           enable_gqa=gqa)[0]
+    return o[:, :n]
 
 
 def _enabled(b) -> bool:
@@ -96,12 +155,15 @@ def _enabled(b) -> bool:
             SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled}[b]()
 
 
-def _backend_order(order):
+def _backend_order(order, q):
+    """Only ``order``'s backends, in its order, for a CUDA call (CPU calls: torch's choice)."""
+    if not q.is_cuda:
+        return contextlib.nullcontext()
     order = [b for b in order if _enabled(b)]  # never re-enable what the user switched off
     try:
         return sdpa_kernel(order, set_priority=True)
-    except TypeError:  # a torch without set_priority: its own order, all backends allowed
-        return contextlib.nullcontext()
+    except TypeError:  # a torch without set_priority: the named backends, torch's order
+        return sdpa_kernel(order)
 
 
 def use_split(q, split_prefix: bool | None) -> bool:
@@ -115,32 +177,46 @@ def use_split(q, split_prefix: bool | None) -> bool:
     return _fused_gqa(q) and torch.backends.cuda.cudnn_sdp_enabled()
 
 
+def _split_rows(q, kv_heads: int, prefix_len: int, shapes: CudnnShapes | None):
+    """(rows of the chunk-against-prefix call, rows of the chunk-against-itself call) for the
+    split, or None: no split. On CUDA both calls must be cuDNN's (on flash one masked call is
+    faster than two); on CPU (tests) the split runs, padded where ``shapes`` takes CPU calls."""
+    fold = q.shape[0] // kv_heads
+    if shapes is None:
+        return None if q.is_cuda else (None, None)
+    r1 = shapes.rows(q, prefix_len, False, kv_heads, fold)
+    r2 = shapes.rows(q, q.shape[1], True, q.shape[0])
+    if q.is_cuda and (r1 is None or r2 is None):
+        return None
+    return r1, r2
+
+
 def warmup(device, dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
-           tuning: KernelTuning = DEFAULT_TUNING) -> None:
+           tuning: KernelTuning = DEFAULT_TUNING, shapes: CudnnShapes | None = None) -> None:
     """Take the split path's one-time start-up cost (about 1 s on the H200) now, not in the first
     long request's time to first token. No-op where the split would not run."""
     q = torch.randn(num_q_heads, SPLIT_MIN_TOKENS, head_dim, device=device, dtype=dtype)
-    if not use_split(q, tuning.prefill_split_prefix):
+    if shapes is None or not use_split(q, tuning.prefill_split_prefix):
         return
     k = torch.randn(num_kv_heads, 2 * SPLIT_MIN_TOKENS, head_dim, device=device, dtype=dtype)
-    prefill_sdpa(q, k, k, SPLIT_MIN_TOKENS, head_dim ** -0.5, tuning=tuning)
+    prefill_sdpa(q, k, k, SPLIT_MIN_TOKENS, head_dim ** -0.5, tuning=tuning, shapes=shapes)
 
 
-def _split_prefix(q, k, v, prefix_len, scale):
+def _split_prefix(q, k, v, prefix_len, scale, rows1: int | None, rows2: int | None):
     Hq, n, D = q.shape
     Hkv = k.shape[0]
     G = Hq // Hkv
     q = q.contiguous()  # once, for both calls
     # The chunk against the prefix has no mask, so the G query heads of one KV head fold into its
     # query rows (query head h uses KV head h // G): one call over Hkv heads, no K/V repeated.
-    o1, lse1 = sdpa_with_lse(q.view(Hkv, G * n, D), k[:, :prefix_len], v[:, :prefix_len], False, scale)
+    o1, lse1 = sdpa_with_lse(q.view(Hkv, G * n, D), k[:, :prefix_len], v[:, :prefix_len], False, scale, rows1)
     o1, lse1 = o1.reshape(Hq, n, D), lse1.reshape(Hq, n, 1)
     # The chunk against itself is causal by query position, which folding would break: repeat the
     # chunk's own K/V (n tokens, not the prefix) over the group.
     k2, v2 = k[:, prefix_len:], v[:, prefix_len:]
     if G > 1:
         k2, v2 = repeat_kv(q, k2, v2)
-    o2, lse2 = sdpa_with_lse(q, k2, v2, True, scale)
+    o2, lse2 = sdpa_with_lse(q, k2, v2, True, scale, rows2)
     if q.is_cuda:
         # One Triton pass instead of ~8 PyTorch elementwise ops: ~15 ms less kernel time per 32K
         # prompt in 16384-token chunks, measured on an H200.
@@ -151,18 +227,30 @@ def _split_prefix(q, k, v, prefix_len, scale):
     return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
 
 
-def sdpa_with_lse(q, k, v, causal: bool, scale):
+def sdpa_with_lse(q, k, v, causal: bool, scale, rows: int | None = None):
     """(out [H, n, D], natural-log log-sum-exp [H, n, 1] float32) of softmax(q k^T * scale) v,
-    equal head counts. CUDA: cuDNN's kernel; CPU: the flash CPU kernel (tests)."""
+    equal head counts. rows: pad the queries to this many rows (and a causal call's keys, n == L)
+    for cuDNN (see :class:`CudnnShapes`); None: flash. CPU: the flash CPU kernel (tests), padded
+    as asked."""
     H, n, _ = q.shape
-    if q.is_cuda:
-        # contiguous BHSD: the engine's q is a transposed [n, H, D] view, and the private op is
+    if rows is not None:
+        assert rows >= n and (not causal or k.shape[1] == n), (rows, q.shape, k.shape, causal)
+        q = _pad_rows(q, rows)
+        k, v = (_pad_rows(k, rows), _pad_rows(v, rows)) if causal else (k.contiguous(), v.contiguous())
+    else:
+        # contiguous BHSD: the engine's q is a transposed [n, H, D] view, and the private ops are
         # not known to take every stride pattern the public dispatcher accepts
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if not q.is_cuda:
+        res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], 0.0, causal, scale=scale)
+    elif rows is not None:
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q[None], k[None], v[None], None, True, 0.0, causal, False, scale=scale)
     else:
-        res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[None], k[None], v[None], 0.0, causal, scale=scale)
-    out, lse = res[0], res[1]
-    return out[0], lse.float().reshape(H, n, 1)
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q[None], k[None], v[None], 0.0, causal, False, scale=scale)
+    out, lse = res[0][0], res[1].reshape(H, -1)
+    if out.shape[1] != n:
+        out, lse = out[:, :n].contiguous(), lse[:, :n]
+    return out, lse.float().reshape(H, n, 1)

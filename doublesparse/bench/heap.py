@@ -93,6 +93,12 @@ def container_sizes(root, depth: int = 2) -> dict[str, int]:
     return out
 
 
+def cudnn_graphs(engine) -> int:
+    """Problem shapes the engine's attention backend has let cuDNN build a graph for (torch keeps
+    each for good: attention/prefill.py)."""
+    return len(getattr(getattr(getattr(engine, "parts", None), "backend", None), "cudnn_shapes", ()))
+
+
 def one_round(engine, n: int, args, rng: random.Random, vocab: int) -> int:
     """Run ``n`` requests to the end; returns the tokens generated."""
     from ..engine.sampling_params import SamplingParams
@@ -144,20 +150,21 @@ def _main(argv: list[str]) -> int:
         gc.collect()
         done += args.requests
         row = {"round": r, "requests": done, "tokens": tokens, "s": round(time.perf_counter() - t0, 2), **heap(),
-               "containers": container_sizes(engine)}
+               "containers": container_sizes(engine), "cudnn_graphs": cudnn_graphs(engine)}
         if args.tracemalloc:
             row["traced"] = tracemalloc.get_traced_memory()[0]
             snaps.append(tracemalloc.take_snapshot())
         rows.append(row)
         print(f"[heap] round {r}: {done} requests, heap in use {row['heap_in_use'] / 2**20:.1f} MiB, "
               f"free {row['heap_free'] / 2**20:.1f}, mmapped {row['heap_mmapped'] / 2**20:.1f}, "
-              f"RSS {row['rss'] / 2**20:.0f} MiB" + (f", traced {row['traced'] / 2**20:.1f} MiB"
-                                                            if args.tracemalloc else ""), flush=True)
+              f"RSS {row['rss'] / 2**20:.0f} MiB, cuDNN graphs {row['cudnn_graphs']}"
+              + (f", traced {row['traced'] / 2**20:.1f} MiB" if args.tracemalloc else ""), flush=True)
     fit = rows[1:]
     xs = [row["requests"] for row in fit]
     summary = {"requests": done, "rounds": args.rounds,
                "heap_in_use_bytes_per_request": slope(xs, [row["heap_in_use"] for row in fit]),
-               "rss_bytes_per_request": slope(xs, [row["rss"] for row in fit])}
+               "rss_bytes_per_request": slope(xs, [row["rss"] for row in fit]),
+               "cudnn_graphs": rows[-1]["cudnn_graphs"]}
     if args.tracemalloc:
         summary["traced_bytes_per_request"] = slope(xs, [row["traced"] for row in fit])
         stats = snaps[-1].compare_to(snaps[1], "lineno")[:12]

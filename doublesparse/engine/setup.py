@@ -206,7 +206,8 @@ def build_parts(cfg: EngineConfig, model=None, tokenizer=_UNSET, progress: bool 
         check_gpu_budget(cfg, device_use(model, memory, backend, ws))
     if device.type == "cuda" and max_ctx > prefill.SPLIT_MIN_TOKENS:
         with torch.inference_mode():
-            prefill.warmup(device, dtype, mc.num_q_heads, mc.num_kv_heads, mc.head_dim, cfg.kernel_tuning)
+            prefill.warmup(device, dtype, mc.num_q_heads, mc.num_kv_heads, mc.head_dim, cfg.kernel_tuning,
+                           backend.cudnn_shapes)
     recall = _recall_probe(cfg, backend, plan, ds, tp)
     adaptive = None
     if ds is not None and cfg.budget_mode == "adaptive":

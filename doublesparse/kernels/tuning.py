@@ -128,6 +128,10 @@ class KernelTuning:
     # (attention/prefill.py): None = on CUDA for chunks of at least prefill.SPLIT_MIN_TOKENS,
     # True = wherever the inputs allow (CPU included: tests), False = never.
     prefill_split_prefix: bool | None = None
+    # Distinct problem shapes a backend lets cuDNN's attention build an execution graph for
+    # (attention/prefill.py: CudnnShapes); torch never frees one (~1.2 MB of host memory each,
+    # measured on an H100), so past this many new shapes run on flash.
+    cudnn_graphs: int = 256
 
     # The automatic dense/sparse choice of a decode step (attention/budget.py): the bandwidth the
     # decode kernels reach, and the fixed time the sparse path's extra launches (score, select)
