@@ -69,14 +69,14 @@ class OffloadPrefill:
         acc = lse = None
         for a in range(0, prefix_slots.numel(), self.prefix_block):
             kb, vb = self._gather(tiers, prefix_slots[a:a + self.prefix_block], qs, scales)
-            rows = self.cudnn_shapes.rows(qs, kb.shape[1], False, Hkv, G)
+            rows = self.cudnn_shapes.rows(qs, G * n, kb.shape[1], False, Hkv, Hkv)
             ob, lb = sdpa_with_lse(qs.view(Hkv, G * n, D), kb, vb, False, self.sm_scale, rows)
             acc, lse = _merge(acc, lse, ob.reshape(Hq, n, D).float(), lb.reshape(Hq, n, 1))
         ks = as_cached(k, kp.dtype, scales[0], qs.dtype).transpose(0, 1)
         vs = as_cached(v, vp.dtype, scales[1], qs.dtype).transpose(0, 1)
         if G > 1:
             ks, vs = repeat_kv(qs, ks, vs)
-        o2, l2 = sdpa_with_lse(qs, ks, vs, True, self.sm_scale, self.cudnn_shapes.rows(qs, n, True, Hq))
+        o2, l2 = sdpa_with_lse(qs, ks, vs, True, self.sm_scale, self.cudnn_shapes.rows(qs, n, n, True, Hq, Hq))
         acc, _ = _merge(acc, lse, o2.float(), l2)
         return acc.to(qs.dtype)
 

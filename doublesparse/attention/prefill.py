@@ -30,7 +30,9 @@ process, which ``warmup`` takes at start-up), so by default (``None``) the split
 chunks of at least ``SPLIT_MIN_TOKENS`` tokens: full chunks, whose (chunk, prefix) shapes recur.
 True: wherever the inputs allow (CPU included: tests); False: never. On CUDA only for bf16/fp16
 inputs with cuDNN enabled, and only where the backend's :class:`CudnnShapes` takes both calls'
-shapes (else one masked call on flash).
+shapes (else one masked call on flash). So that the prefix call's key lengths recur whatever a
+cached prefix's length, it stops at ``CudnnShapes.split_point`` (a multiple of ``SPLIT_ALIGN`` or
+of 1/32-1/64 of the prefix) and the causal call takes the rest of the prefix as leading rows.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ..kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 CUDNN_MIN_TOKENS = 1024
 SPLIT_MIN_TOKENS = 4096
+SPLIT_ALIGN = 1024
 _CUDNN_FIRST = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                 SDPBackend.MATH)
 _NO_CUDNN = _CUDNN_FIRST[1:]
@@ -63,30 +66,39 @@ def bucket(n: int) -> int:
 class CudnnShapes:
     """Which problem shapes this backend lets cuDNN build a graph for: at most ``cap`` of them,
     each with at least ``min_rows`` query rows (fewer rows: flash, whose cost there is small and
-    whose lengths vary most). ``any_device``: take CPU calls too (tests of the padding)."""
+    whose lengths vary most). ``align``: the split path's prefix call covers the prefix up to a
+    multiple of this (or of 1/32 of the prefix, if more), so its key lengths recur too.
+    ``any_device``: take CPU calls too (tests of the padding)."""
 
-    def __init__(self, cap: int, min_rows: int = CUDNN_MIN_TOKENS, any_device: bool = False):
-        self.cap, self.min_rows, self.any_device = cap, min_rows, any_device
+    def __init__(self, cap: int, min_rows: int = CUDNN_MIN_TOKENS, align: int = SPLIT_ALIGN,
+                 any_device: bool = False):
+        self.cap, self.min_rows, self.align, self.any_device = cap, min_rows, align, any_device
         self._taken: set[tuple] = set()
 
     def __len__(self) -> int:
         return len(self._taken)
 
-    def rows(self, q, kv_len: int, causal: bool, kv_heads: int, fold: int = 1) -> int | None:
-        """The rows a call of q [H, n, D] (``fold``: as [H / fold, n * fold, D], the query group
-        folded into the rows) is padded to for cuDNN, or None: this call runs on flash."""
-        heads, n = q.shape[0] // fold, q.shape[1] * fold
+    def rows(self, q, n: int, kv_len: int, causal: bool, heads: int, kv_heads: int) -> int | None:
+        """The rows a call of ``heads`` x ``n`` query rows (q's dtype, head dim and device) against
+        ``kv_len`` keys of ``kv_heads`` heads is padded to for cuDNN, or None: it runs on flash."""
         if not (q.is_cuda or self.any_device) or not _fused_gqa(q) or n < self.min_rows:
             return None
         if q.is_cuda and not torch.backends.cuda.cudnn_sdp_enabled():
             return None
         nb = bucket(n)
-        key = (causal, heads, kv_heads, nb, nb if causal else kv_len, q.shape[2], q.dtype)
+        key = (causal, heads, kv_heads, nb, nb if causal else kv_len, q.shape[-1], q.dtype)
         if key not in self._taken:
             if len(self._taken) >= self.cap:
                 return None
             self._taken.add(key)
         return nb
+
+    def split_point(self, prefix_len: int) -> int:
+        """Where the split path's unmasked prefix call stops: ``prefix_len`` rounded down to a
+        multiple of ``align`` (or of 1/32-1/64 of it, if more). At most 64 values below 64 x align,
+        32 an octave above; the rest of the prefix joins the causal call."""
+        step = max(self.align, 1 << max(0, prefix_len.bit_length() - 6))
+        return prefix_len - prefix_len % step
 
 
 def prefill_sdpa(q, k, v, prefix_len: int, scale: float, mask=None,
@@ -95,9 +107,9 @@ def prefill_sdpa(q, k, v, prefix_len: int, scale: float, mask=None,
     it has a prefix (built here if None); shapes: what cuDNN may take (None: nothing).
     Returns [Hq, n, D] in q's dtype."""
     if prefix_len:
-        rows = _split_rows(q, k.shape[0], prefix_len, shapes) if use_split(q, tuning.prefill_split_prefix) else None
-        if rows is not None:
-            return _split_prefix(q, k, v, prefix_len, scale, *rows)
+        plan = _split_plan(q, k.shape[0], prefix_len, shapes) if use_split(q, tuning.prefill_split_prefix) else None
+        if plan is not None:
+            return _split_prefix(q, k, v, scale, *plan)
         if mask is None:
             mask = causal_lower_right(q.shape[1], k.shape[1])
         return _sdpa(q, k, v, mask, scale)
@@ -136,7 +148,7 @@ def _sdpa(q, k, v, mask, scale, shapes: CudnnShapes | None = None):
             return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
                                                   enable_gqa=gqa)[0]
     n = q.shape[1]
-    rows = shapes.rows(q, n, True, k.shape[0]) if shapes is not None else None
+    rows = shapes.rows(q, n, n, True, q.shape[0], k.shape[0]) if shapes is not None else None
     if rows is None:
         with _backend_order(_NO_CUDNN, q):
             return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
@@ -177,18 +189,20 @@ def use_split(q, split_prefix: bool | None) -> bool:
     return _fused_gqa(q) and torch.backends.cuda.cudnn_sdp_enabled()
 
 
-def _split_rows(q, kv_heads: int, prefix_len: int, shapes: CudnnShapes | None):
-    """(rows of the chunk-against-prefix call, rows of the chunk-against-itself call) for the
-    split, or None: no split. On CUDA both calls must be cuDNN's (on flash one masked call is
-    faster than two); on CPU (tests) the split runs, padded where ``shapes`` takes CPU calls."""
-    fold = q.shape[0] // kv_heads
+def _split_plan(q, kv_heads: int, prefix_len: int, shapes: CudnnShapes | None):
+    """(keys of the unmasked prefix call, its rows, rows of the causal call) for the split, or
+    None: no split. The causal call takes the chunk and the prefix past the first call's keys.
+    On CUDA both calls must be cuDNN's (on flash one masked call is faster than two); on the CPU
+    (tests) the split runs, padded where ``shapes`` takes CPU calls."""
+    Hq, n = q.shape[0], q.shape[1]
     if shapes is None:
-        return None if q.is_cuda else (None, None)
-    r1 = shapes.rows(q, prefix_len, False, kv_heads, fold)
-    r2 = shapes.rows(q, q.shape[1], True, q.shape[0])
-    if q.is_cuda and (r1 is None or r2 is None):
+        return None if q.is_cuda else (prefix_len, None, None)
+    p1 = shapes.split_point(prefix_len)
+    r1 = shapes.rows(q, Hq // kv_heads * n, p1, False, kv_heads, kv_heads) if p1 else None
+    r2 = shapes.rows(q, prefix_len - p1 + n, prefix_len - p1 + n, True, Hq, Hq)
+    if q.is_cuda and ((p1 and r1 is None) or r2 is None):
         return None
-    return r1, r2
+    return p1, r1, r2
 
 
 def warmup(device, dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -202,21 +216,26 @@ def warmup(device, dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
     prefill_sdpa(q, k, k, SPLIT_MIN_TOKENS, head_dim ** -0.5, tuning=tuning, shapes=shapes)
 
 
-def _split_prefix(q, k, v, prefix_len, scale, rows1: int | None, rows2: int | None):
+def _split_prefix(q, k, v, scale, p1: int, rows1: int | None, rows2: int | None):
+    """q [Hq, n, D] after k, v [Hkv, L, D]'s first L - n: the chunk against keys [0, p1) with no
+    mask, then against keys [p1, L) causally (the keys before the chunk as leading rows whose
+    output is dropped), merged by log-sum-exp."""
     Hq, n, D = q.shape
     Hkv = k.shape[0]
     G = Hq // Hkv
     q = q.contiguous()  # once, for both calls
-    # The chunk against the prefix has no mask, so the G query heads of one KV head fold into its
-    # query rows (query head h uses KV head h // G): one call over Hkv heads, no K/V repeated.
-    o1, lse1 = sdpa_with_lse(q.view(Hkv, G * n, D), k[:, :prefix_len], v[:, :prefix_len], False, scale, rows1)
-    o1, lse1 = o1.reshape(Hq, n, D), lse1.reshape(Hq, n, 1)
-    # The chunk against itself is causal by query position, which folding would break: repeat the
-    # chunk's own K/V (n tokens, not the prefix) over the group.
-    k2, v2 = k[:, prefix_len:], v[:, prefix_len:]
+    # The chunk against itself is causal by query position, which folding would break: repeat its
+    # keys (the chunk's own n and the prefix's last L - n - p1, not the whole prefix) over the group.
+    k2, v2 = k[:, p1:], v[:, p1:]
     if G > 1:
         k2, v2 = repeat_kv(q, k2, v2)
-    o2, lse2 = sdpa_with_lse(q, k2, v2, True, scale, rows2)
+    o2, lse2 = sdpa_with_lse(q, k2, v2, True, scale, rows2, lead=k2.shape[1] - n)
+    if not p1:
+        return o2
+    # The chunk against the prefix has no mask, so the G query heads of one KV head fold into its
+    # query rows (query head h uses KV head h // G): one call over Hkv heads, no K/V repeated.
+    o1, lse1 = sdpa_with_lse(q.view(Hkv, G * n, D), k[:, :p1], v[:, :p1], False, scale, rows1)
+    o1, lse1 = o1.reshape(Hq, n, D), lse1.reshape(Hq, n, 1)
     if q.is_cuda:
         # One Triton pass instead of ~8 PyTorch elementwise ops: ~15 ms less kernel time per 32K
         # prompt in 16384-token chunks, measured on an H200.
@@ -227,14 +246,20 @@ def _split_prefix(q, k, v, prefix_len, scale, rows1: int | None, rows2: int | No
     return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
 
 
-def sdpa_with_lse(q, k, v, causal: bool, scale, rows: int | None = None):
+def sdpa_with_lse(q, k, v, causal: bool, scale, rows: int | None = None, lead: int = 0):
     """(out [H, n, D], natural-log log-sum-exp [H, n, 1] float32) of softmax(q k^T * scale) v,
-    equal head counts. rows: pad the queries to this many rows (and a causal call's keys, n == L)
-    for cuDNN (see :class:`CudnnShapes`); None: flash. CPU: the flash CPU kernel (tests), padded
-    as asked."""
+    equal head counts. lead (causal only): q's rows sit at keys lead.., the call's first ``lead``
+    rows are zeros whose output is dropped. rows: pad the call's rows (and a causal call's keys,
+    lead + n == L) to this many for cuDNN (see :class:`CudnnShapes`); None: flash. CPU: the flash
+    CPU kernel (tests), padded as asked."""
     H, n, _ = q.shape
+    assert not lead or causal, "lead rows only for a causal call"
+    assert not causal or k.shape[1] == lead + n, (q.shape, k.shape, lead)
+    total = lead + n
+    if lead:
+        q = F.pad(q, (0, 0, lead, 0))
     if rows is not None:
-        assert rows >= n and (not causal or k.shape[1] == n), (rows, q.shape, k.shape, causal)
+        assert rows >= total, (rows, total)
         q = _pad_rows(q, rows)
         k, v = (_pad_rows(k, rows), _pad_rows(v, rows)) if causal else (k.contiguous(), v.contiguous())
     else:
@@ -252,5 +277,5 @@ def sdpa_with_lse(q, k, v, causal: bool, scale, rows: int | None = None):
             q[None], k[None], v[None], 0.0, causal, False, scale=scale)
     out, lse = res[0][0], res[1].reshape(H, -1)
     if out.shape[1] != n:
-        out, lse = out[:, :n].contiguous(), lse[:, :n]
+        out, lse = out[:, lead:total].contiguous(), lse[:, lead:total]
     return out, lse.float().reshape(H, n, 1)

@@ -24,11 +24,12 @@ def _reference(q, k, v, prefix, scale):
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
-@pytest.mark.parametrize("n,prefix,split", [(37, 0, False), (53, 91, False), (53, 91, True), (53, 91, None), (1, 40, True)])
+@pytest.mark.parametrize("n,prefix,split", [(37, 0, False), (53, 91, False), (53, 91, True), (53, 91, None), (1, 40, True),
+                                             (53, 20, True)])
 def test_sdpa_matches_reference(dtype, hq, hkv, d, n, prefix, split, padded):
     tuning = KernelTuning(prefill_split_prefix=split)
     # padded: the calls cuDNN may take (on a GPU: does) padded to their bucket, from 16 rows on
-    shapes = prefill.CudnnShapes(64, min_rows=16, any_device=True) if padded else None
+    shapes = prefill.CudnnShapes(64, min_rows=16, align=32, any_device=True) if padded else None
     g = torch.Generator(device="cpu").manual_seed(hq * 1000 + n + prefix)
     L = n + prefix
     q = torch.randn(hq, n, d, generator=g).to(DEVICE, dtype)
@@ -57,30 +58,40 @@ def test_bucket_bounds_the_lengths():
 
 
 def test_cudnn_shapes_takes_at_most_cap():
-    q = lambda n, dtype=torch.bfloat16: torch.empty(8, n, 64, dtype=dtype)  # noqa: E731
+    q = lambda dtype=torch.bfloat16: torch.empty(8, 1, 64, dtype=dtype)  # noqa: E731
     s = prefill.CudnnShapes(2, min_rows=16, any_device=True)
-    assert s.rows(q(15), 15, True, 8) is None                   # too few rows
-    assert s.rows(q(40, torch.float32), 40, True, 8) is None    # not a type cuDNN takes
-    assert s.rows(q(37), 37, True, 8) == 38
-    assert s.rows(q(38), 38, True, 8) == 38 and len(s) == 1     # the same bucket, the same graph
-    assert s.rows(q(37), 500, False, 2, fold=4) == 152          # folded: 2 heads x 148 rows -> 152
-    assert s.rows(q(100), 100, True, 8) is None and len(s) == 2  # full: new shapes go to flash
-    assert s.rows(q(37), 37, True, 8) == 38                      # a taken one still runs
-    assert prefill.CudnnShapes(8).rows(q(4096), 4096, True, 8) is None  # CPU: never cuDNN
+    assert s.rows(q(), 15, 15, True, 8, 2) is None                    # too few rows
+    assert s.rows(q(torch.float32), 40, 40, True, 8, 2) is None       # not a type cuDNN takes
+    assert s.rows(q(), 37, 37, True, 8, 2) == 38
+    assert s.rows(q(), 38, 38, True, 8, 2) == 38 and len(s) == 1      # the same bucket, the same graph
+    assert s.rows(q(), 148, 500, False, 2, 2) == 152                  # folded: 2 heads x 148 rows
+    assert s.rows(q(), 100, 100, True, 8, 2) is None and len(s) == 2  # full: new shapes go to flash
+    assert s.rows(q(), 37, 37, True, 8, 2) == 38                      # a taken one still runs
+    assert prefill.CudnnShapes(8).rows(q(), 4096, 4096, True, 8, 2) is None  # CPU: never cuDNN
 
 
-@pytest.mark.parametrize("causal,rows", [(True, None), (True, 64), (False, None), (False, 80)])
-def test_sdpa_with_lse_padded(causal, rows):
+def test_split_point_recurs():
+    s = prefill.CudnnShapes(8)
+    assert [s.split_point(p) for p in (0, 1000, 1024, 5000, 65535, 65536, 70000, 500_000)] == \
+        [0, 0, 1024, 4096, 64512, 65536, 69632, 499712]
+    points = {s.split_point(p) for p in range(0, 1 << 20, 97)}
+    assert len(points) <= 64 + 32 * 4   # below 64K: multiples of 1024; then 32 an octave
+    assert all(p - s.split_point(p) < max(1024, p / 32) for p in range(0, 1 << 20, 97))
+
+
+@pytest.mark.parametrize("causal,rows,lead", [(True, None, 0), (True, 64, 0), (False, None, 0), (False, 80, 0),
+                                              (True, None, 13), (True, 80, 13)])
+def test_sdpa_with_lse_padded(causal, rows, lead):
     """On a GPU rows=None is the flash op, rows the padded cuDNN op; on the CPU both the flash CPU
     kernel, padded as asked: out and log-sum-exp as the unpadded float32 answer."""
     g = torch.Generator(device="cpu").manual_seed(7 + int(causal))
     H, n, D = 5, 51, 64
-    L = n if causal else 77
+    L = lead + n if causal else 77
     q, k, v = (torch.randn(H, m, D, generator=g).to(DEVICE, torch.bfloat16) for m in (n, L, L))
-    out, lse = prefill.sdpa_with_lse(q, k, v, causal, D ** -0.5, rows)
+    out, lse = prefill.sdpa_with_lse(q, k, v, causal, D ** -0.5, rows, lead=lead)
     s = q.float() @ k.float().transpose(1, 2) * D ** -0.5
-    if causal:
-        s = s.masked_fill(torch.ones(n, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if causal:  # query i sits at key lead + i
+        s = s.masked_fill(torch.ones(n, L, dtype=torch.bool, device=q.device).triu(1 + lead), float("-inf"))
     assert out.shape == (H, n, D) and lse.shape == (H, n, 1) and lse.dtype == torch.float32
     assert (out.float() - torch.softmax(s, -1) @ v.float()).abs().max().item() < 2e-2
     assert (lse - torch.logsumexp(s, -1, keepdim=True)).abs().max().item() < 2e-2
