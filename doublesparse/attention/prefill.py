@@ -172,6 +172,8 @@ def _backend_order(order, q):
     if not q.is_cuda:
         return contextlib.nullcontext()
     order = [b for b in order if _enabled(b)]  # never re-enable what the user switched off
+    if not order:  # the user left only backends outside ``order``: theirs
+        return contextlib.nullcontext()
     try:
         return sdpa_kernel(order, set_priority=True)
     except TypeError:  # a torch without set_priority: the named backends, torch's order
