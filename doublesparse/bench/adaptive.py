@@ -18,6 +18,12 @@ Writes JSON: per budget ``ppl``, ``nll``, ``tokens``, ``decode_bytes``; the adap
 ``summary``: ``adaptive_bytes_saving_pct`` (100 x (1 - adaptive bytes / ratio bytes)),
 ``ppl_increase_pct`` of each DS budget over dense, and whether the adaptive budget's perplexity
 is no worse than the ratio budget's.
+
+Where the adaptive budget reads more or fewer bytes than the ratio budget, their perplexities are
+not comparable, so a fourth run (``ratio_matched``; ``--no-match-bytes`` skips it) is the ratio
+budget with its ratio and floor scaled until it reads the adaptive run's bytes (from the ratio
+run's label and selected-token bytes); ``summary.adaptive_ppl_increase_cut_pct`` is then 100 x
+(1 - the adaptive budget's perplexity increase / the matched ratio budget's).
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ds-sparse-decode-threshold", type=int, default=None,
                    help="sparse decode from this length (default: the cost model decides)")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--no-match-bytes", dest="match_bytes", action="store_false",
+                   help="skip the ratio budget run at the adaptive budget's bytes")
     p.add_argument("--result-json", default=None)
     return p
 
@@ -75,7 +83,7 @@ def score(parts, windows: list[list[int]], decode_len: int) -> dict:
         for a in range(0, prefix, PREFILL_CHUNK):
             chunk = w[a:min(prefix, a + PREFILL_CHUNK)]
             runner.prefill([row], [a], [chunk], [False])
-    nll, n, nbytes = 0.0, 0, 0
+    nll, n, nbytes, label_bytes = 0.0, 0, 0, 0
     for t in range(prefix, len(windows[0]) - 1):
         toks = [w[t] for w in windows]
         positions = [t] * len(windows)
@@ -86,9 +94,12 @@ def score(parts, windows: list[list[int]], decode_len: int) -> dict:
         lens = [t + 1] * len(windows)
         nbytes += (parts.backend.decode_bytes(lens) if parts.ds is not None
                    else sum(lens) * m.plan.kv_bytes_per_token)
+        if parts.ds is not None:  # every row's labels (the rows decode sparsely at these lengths)
+            label_bytes += sum(lens) * m.plan.label_bytes_per_token
     for row in rows:
         m.release(row, len(windows[0]) - 1)  # the last token is only a target
-    return {"nll": nll / max(n, 1), "ppl": math.exp(nll / max(n, 1)), "tokens": n, "decode_bytes": nbytes}
+    return {"nll": nll / max(n, 1), "ppl": math.exp(nll / max(n, 1)), "tokens": n, "decode_bytes": nbytes,
+            "label_bytes": label_bytes}
 
 
 def run(args) -> dict:
@@ -111,7 +122,16 @@ def run(args) -> dict:
                  "window_len": args.window_len, "decode_len": args.decode_len, "num_windows": args.num_windows,
                  "warmup_windows": args.warmup_windows, "target_recall": args.target_recall, "budgets": {}}
     windows = None
-    for name, kw in budgets.items():
+    for name in ("dense", "ratio", "adaptive", "ratio_matched"):
+        if name == "ratio_matched":
+            if not args.match_bytes:
+                break
+            r, a = out["budgets"]["ratio"], out["budgets"]["adaptive"]
+            # scale the selected-token bytes (all but the labels) to the adaptive run's total
+            f = (a["decode_bytes"] - r["label_bytes"]) / max(1, r["decode_bytes"] - r["label_bytes"])
+            budgets[name] = dict(ds, ds_heavy_token_ratio=r["budget"]["ratio"] * f,
+                                 ds_heavy_token_min=max(1, round(r["budget"]["k_min"] * f)))
+        kw = budgets[name]
         cfg = EngineConfig(model_path=args.model_path, **{**base, **kw})
         parts = build_parts(cfg, model=model, tokenizer=tok if model is not None else None, progress=False)
         model, tok = parts.model, tok or parts.tokenizer
@@ -128,6 +148,8 @@ def run(args) -> dict:
             r["attention_recall"] = {k: v for k, v in parts.recall.summary().items() if k != "groups"}
         if parts.ds is not None:
             r["heavy_token_num"], r["policy"] = parts.ds.k_max, parts.ds.policy.describe()
+            budget = parts.ds.policy.budget
+            r["budget"] = {"ratio": budget.ratio, "k_min": budget.k_min, "k_max": budget.k_max}
         out["budgets"][name] = r
         del parts
         if torch.cuda.is_available():
@@ -140,12 +162,17 @@ def run(args) -> dict:
 
 def summary(b: dict) -> dict:
     d, r, a = b["dense"], b["ratio"], b["adaptive"]
-    return {"adaptive_bytes_saving_pct": 100 * (1 - a["decode_bytes"] / r["decode_bytes"]),
-            "ppl_dense": d["ppl"], "ppl_ratio": r["ppl"], "ppl_adaptive": a["ppl"],
-            "ppl_increase_pct": {k: 100 * (b[k]["ppl"] / d["ppl"] - 1) for k in ("ratio", "adaptive")},
-            "adaptive_ppl_no_worse": a["ppl"] <= r["ppl"],
-            "bytes_vs_dense": {k: b[k]["decode_bytes"] / d["decode_bytes"] for k in ("ratio", "adaptive")},
-            "adaptive_scales": a.get("budget_scale", {}).get("scales")}
+    ds = [k for k in ("ratio", "adaptive", "ratio_matched") if k in b]
+    inc = {k: 100 * (b[k]["ppl"] / d["ppl"] - 1) for k in ds}
+    out = {"adaptive_bytes_saving_pct": 100 * (1 - a["decode_bytes"] / r["decode_bytes"]),
+           "ppl_dense": d["ppl"], "ppl_ratio": r["ppl"], "ppl_adaptive": a["ppl"],
+           "ppl_increase_pct": inc,
+           "adaptive_ppl_no_worse": a["ppl"] <= r["ppl"],
+           "bytes_vs_dense": {k: b[k]["decode_bytes"] / d["decode_bytes"] for k in ds},
+           "adaptive_scales": a.get("budget_scale", {}).get("scales")}
+    if "ratio_matched" in b and inc["ratio_matched"] > 0:
+        out["adaptive_ppl_increase_cut_pct"] = 100 * (1 - inc["adaptive"] / inc["ratio_matched"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
