@@ -67,7 +67,7 @@ class CudnnShapes:
     """Which problem shapes this backend lets cuDNN build a graph for: at most ``cap`` of them,
     each with at least ``min_rows`` query rows (fewer rows: flash, whose cost there is small and
     whose lengths vary most). ``align``: the split path's prefix call covers the prefix up to a
-    multiple of this (or of 1/32 of the prefix, if more), so its key lengths recur too.
+    multiple of this (or of 1/32-1/64 of the prefix, if more), so its key lengths recur too.
     ``any_device``: take CPU calls too (tests of the padding)."""
 
     def __init__(self, cap: int, min_rows: int = CUDNN_MIN_TOKENS, align: int = SPLIT_ALIGN,
@@ -255,23 +255,20 @@ def sdpa_with_lse(q, k, v, causal: bool, scale, rows: int | None = None, lead: i
     lead + n == L) to this many for cuDNN (see :class:`CudnnShapes`); None: flash. CPU: the flash
     CPU kernel (tests), padded as asked."""
     H, n, _ = q.shape
+    cudnn = rows is not None
     assert not lead or causal, "lead rows only for a causal call"
     assert not causal or k.shape[1] == lead + n, (q.shape, k.shape, lead)
     total = lead + n
-    if lead:
-        q = F.pad(q, (0, 0, lead, 0))
-    if rows is not None:
-        assert rows >= total, (rows, total)
-        q = _pad_rows(q, rows)
-        k, v = (_pad_rows(k, rows), _pad_rows(v, rows)) if causal else (k.contiguous(), v.contiguous())
-    else:
-        # contiguous BHSD: the engine's q is a transposed [n, H, D] view, and the private ops are
-        # not known to take every stride pattern the public dispatcher accepts
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    rows = total if rows is None else rows
+    assert rows >= total, (rows, total)
+    # contiguous BHSD (the engine's q is a transposed [n, H, D] view, and the private ops are not
+    # known to take every stride pattern the public dispatcher accepts): one copy that also pads
+    q = F.pad(q, (0, 0, lead, rows - total)) if rows > n else q.contiguous()
+    k, v = (_pad_rows(k, rows), _pad_rows(v, rows)) if causal else (k.contiguous(), v.contiguous())
     if not q.is_cuda:
         res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q[None], k[None], v[None], 0.0, causal, scale=scale)
-    elif rows is not None:
+    elif cudnn:
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q[None], k[None], v[None], None, True, 0.0, causal, False, scale=scale)
     else:
