@@ -102,6 +102,14 @@ def score(parts, windows: list[list[int]], decode_len: int) -> dict:
             "label_bytes": label_bytes}
 
 
+def _matched(ds: dict, r: dict, a: dict) -> dict:
+    """The ratio budget (run ``r``) with its ratio and floor scaled so that its selected-token
+    bytes (all but the labels) bring its total to the adaptive run's (``a``)."""
+    f = (a["decode_bytes"] - r["label_bytes"]) / max(1, r["decode_bytes"] - r["label_bytes"])
+    return dict(ds, ds_heavy_token_ratio=r["budget"]["ratio"] * f,
+                ds_heavy_token_min=max(1, round(r["budget"]["k_min"] * f)))
+
+
 def run(args) -> dict:
     t0 = time.time()
     base = dict(context_length=args.window_len, max_running_requests=max(args.num_windows, args.warmup_windows),
@@ -122,16 +130,8 @@ def run(args) -> dict:
                  "window_len": args.window_len, "decode_len": args.decode_len, "num_windows": args.num_windows,
                  "warmup_windows": args.warmup_windows, "target_recall": args.target_recall, "budgets": {}}
     windows = None
-    for name in ("dense", "ratio", "adaptive", "ratio_matched"):
-        if name == "ratio_matched":
-            if not args.match_bytes:
-                break
-            r, a = out["budgets"]["ratio"], out["budgets"]["adaptive"]
-            # scale the selected-token bytes (all but the labels) to the adaptive run's total
-            f = (a["decode_bytes"] - r["label_bytes"]) / max(1, r["decode_bytes"] - r["label_bytes"])
-            budgets[name] = dict(ds, ds_heavy_token_ratio=r["budget"]["ratio"] * f,
-                                 ds_heavy_token_min=max(1, round(r["budget"]["k_min"] * f)))
-        kw = budgets[name]
+    for name in ("dense", "ratio", "adaptive") + (("ratio_matched",) if args.match_bytes else ()):
+        kw = budgets[name] if name in budgets else _matched(ds, out["budgets"]["ratio"], out["budgets"]["adaptive"])
         cfg = EngineConfig(model_path=args.model_path, **{**base, **kw})
         parts = build_parts(cfg, model=model, tokenizer=tok if model is not None else None, progress=False)
         model, tok = parts.model, tok or parts.tokenizer
