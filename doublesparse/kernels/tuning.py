@@ -129,8 +129,9 @@ class KernelTuning:
     # True = wherever the inputs allow (CPU included: tests), False = never.
     prefill_split_prefix: bool | None = None
     # Distinct problem shapes a backend lets cuDNN's attention build an execution graph for
-    # (attention/prefill.py: CudnnShapes); torch never frees one (~1.2 MB of host memory each,
-    # measured on an H100), so past this many new shapes run on flash.
+    # (attention/prefill.py: CudnnShapes); torch never frees one (~1.2 MB of host memory per new
+    # prompt length in `python benchmarks/run.py heap` on an H100), so past this many new shapes
+    # run on flash.
     cudnn_graphs: int = 256
 
     # The automatic dense/sparse choice of a decode step (attention/budget.py): the bandwidth the
