@@ -2,10 +2,12 @@
 follow the sampled attention recall.
 
 The host plans each request's k as the ratio budget does (attention/budget.py). Each layer then
-attends to ``clamp(round(k x scale[layer]), k_min, k_max)`` tokens (rows the plan decodes densely
+attends to ``clamp(round(k x scale[layer]), k_lo, k_max)`` tokens (rows the plan decodes densely
 stay dense; a row whose scaled k reaches its length decodes densely at that layer, inside the same
 launches), where ``k_max`` is the workspace's largest k, sized for the largest scale
-(``EngineConfig.token_budget``). The scales move on the host (attention/adaptive_control.py) from
+(``EngineConfig.token_budget``), and ``k_lo`` is the ratio budget's floor times the smallest
+scale (at least the forced sink + recent tokens): below the floor the measured recall, not the
+floor's guess, says what a layer needs. The scales move on the host (attention/adaptive_control.py) from
 the samples of the recall probe (attention/recall.py) and reach the device as one async copy of
 ``[num_layers]`` float32 between steps, only when one changed.
 
@@ -24,12 +26,23 @@ How it stays off the decode path:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from ..kernels.transfer import to_device
 from .adaptive_control import AdaptiveConfig, BudgetController
 from .budget import DENSE
+
+
+def selected_bytes(plan, modes: tuple[str, ...], num_q_heads: int) -> list[int]:
+    """Per layer: the K/V bytes one selected token costs that layer's decode of one row (its
+    mode decides how many rows of K/V a selection reads)."""
+    out = []
+    for mode in modes:
+        rows = num_q_heads if mode == "per_head" else (1 if mode == "layer" else plan.num_kv_heads)
+        out.append((1 if plan.latent else 2) * rows * plan.head_dim * plan.kv_dtype.itemsize)
+    return out
 
 
 def cost_caps(plan, modes: tuple[str, ...], num_q_heads: int, ratio: float) -> list[float]:
@@ -39,12 +52,8 @@ def cost_caps(plan, modes: tuple[str, ...], num_q_heads: int, ratio: float) -> l
     L = plan.num_layers
     kv = plan.kv_bytes_per_token / L
     label = plan.label_bytes_per_token / L
-    out = []
-    for mode in modes:
-        rows = num_q_heads if mode == "per_head" else (1 if mode == "layer" else plan.num_kv_heads)
-        sel = (1 if plan.latent else 2) * rows * plan.head_dim * plan.kv_dtype.itemsize
-        out.append((kv - label) / (sel * ratio) if ratio > 0 else float("inf"))
-    return out
+    return [(kv - label) / (sel * ratio) if ratio > 0 else float("inf")
+            for sel in selected_bytes(plan, modes, num_q_heads)]
 
 
 class AdaptiveBudget:
@@ -52,13 +61,17 @@ class AdaptiveBudget:
 
     cfg: the controller's settings; backend: a DoubleSparsityBackend whose policy is a ratio
     budget; probe: its :class:`~.recall.RecallProbe`; max_scales: each layer's upper bound (the
-    cost caps; ``cfg.max_scale`` applies on top)."""
+    cost caps; ``cfg.max_scale`` applies on top); weights: each layer's bytes per selected token
+    (what ``cfg.conserve`` holds the mean scale over; None: equal)."""
 
-    def __init__(self, cfg: AdaptiveConfig, backend, probe, max_scales: list[float]):
+    def __init__(self, cfg: AdaptiveConfig, backend, probe, max_scales: list[float],
+                 weights: list[float] | None = None):
         self.backend, self.probe = backend, probe
-        self.ctl = BudgetController(cfg, max_scales)
-        budget = backend.ds.policy.budget
-        self.k_min, self.k_max = budget.k_min, backend.ds.k_max
+        self.ctl = BudgetController(cfg, max_scales, weights)
+        budget, ds = backend.ds.policy.budget, backend.ds
+        self.k_min, self.k_max = budget.k_min, ds.k_max
+        forced = getattr(ds, "num_sink", 0) + getattr(ds, "num_recent", 0)
+        self.k_lo = min(self.k_max, max(1, forced, math.ceil(budget.k_min * cfg.min_scale)))
         dev = backend.memory.label[0].device
         self.host = torch.tensor(self.ctl.scales, dtype=torch.float32)    # [L]: the host's copy
         self.scale = self.host.to(dev)                                    # [L] float32, read in the graphs
@@ -111,14 +124,14 @@ class AdaptiveBudget:
     # --------------------------------------------------------------------------- device
     def layer_ks(self, ks: torch.Tensor) -> torch.Tensor:
         """ks ``[B]`` int32 (DENSE: a dense row) -> every layer's ``[L, B]`` int32 on ks' device."""
-        k = (ks.float()[None, :] * self.scale[:, None]).round_().clamp_(self.k_min, self.k_max)
+        k = (ks.float()[None, :] * self.scale[:, None]).round_().clamp_(self.k_lo, self.k_max)
         return torch.where(ks[None, :] == DENSE, ks[None, :], k.to(torch.int32))
 
     def host_ks(self, layer: int, ks: list[int]) -> list[int]:
         """What :meth:`layer_ks` gives layer ``layer`` for the sparse rows' ``ks``, from the host's
         copy of the scales (the same float32 arithmetic)."""
         t = torch.tensor(ks, dtype=torch.int32).float() * self.host[layer]
-        return t.round_().clamp_(self.k_min, self.k_max).to(torch.int32).tolist()
+        return t.round_().clamp_(self.k_lo, self.k_max).to(torch.int32).tolist()
 
     def _push(self) -> None:
         self.host = torch.tensor(self.ctl.scales, dtype=torch.float32)
@@ -156,10 +169,8 @@ class AdaptiveBudget:
         ks = b.decode_plan(lens)[0]
         sparse = [i for i, k in enumerate(ks) if k != DENSE]
         total = sum(n * kv * L for n, k in zip(lens, ks) if k == DENSE)
-        for layer in range(L):
-            mode = b.ds.mode_of(layer)
-            rows = b.num_q_heads if mode == "per_head" else (1 if mode == "layer" else p.num_kv_heads)
-            sel = (1 if p.latent else 2) * rows * p.head_dim * p.kv_dtype.itemsize
+        sels = selected_bytes(p, tuple(b.ds.mode_of(i) for i in range(L)), b.num_q_heads)
+        for layer, sel in enumerate(sels):
             kl = self.host_ks(layer, [ks[i] for i in sparse]) if sparse else []
             for i, k in zip(sparse, kl):
                 n = lens[i]
@@ -172,7 +183,7 @@ class AdaptiveBudget:
         st = self.probe.stats
         s["groups"] = [{"layers": st.group_name(g), "scale": sum(s["scales"][a:b + 1]) / (b - a + 1)}
                        for g, (a, b) in enumerate(st.groups)]
-        s["k_min"], s["k_max"] = self.k_min, self.k_max
+        s["k_min"], s["k_lo"], s["k_max"] = self.k_min, self.k_lo, self.k_max
         s["window"] = self.ctl.cfg.window
         return s
 
@@ -183,6 +194,6 @@ def build(cfg: AdaptiveConfig, backend, probe, plan, num_q_heads: int) -> Adapti
     ds = backend.ds
     modes = tuple(ds.mode_of(i) for i in range(plan.num_layers))
     caps = cost_caps(plan, modes, num_q_heads, ds.policy.budget.ratio)
-    a = AdaptiveBudget(cfg, backend, probe, caps)
+    a = AdaptiveBudget(cfg, backend, probe, caps, selected_bytes(plan, modes, num_q_heads))
     a.attach(backend)
     return a

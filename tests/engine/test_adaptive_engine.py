@@ -65,7 +65,7 @@ def test_each_layer_attends_to_its_scaled_k(model):
     for layer, ks, lens in seen:
         for k, n in zip(ks, lens):
             planned = max(4, -(-n // 4))  # ceil(n / 4), at least k_min
-            want = min(a.k_max, max(a.k_min, round(planned * (0.5, 2.0)[layer])))
+            want = min(a.k_max, max(a.k_lo, round(planned * (0.5, 2.0)[layer])))
             assert k == want, (layer, n, k, want)
 
 
@@ -92,7 +92,9 @@ def test_layer_ks_matches_the_host_and_keeps_dense_rows():
     got = a.layer_ks(ks)
     assert got.shape == (3, 7) and got.dtype == torch.int32
     assert (got[:, 0] == DENSE).all()
-    assert int(got[1, 4]) == 33 and int(got[2, 6]) == 100 and int(got[0, 1]) == 8  # clamps
+    # clamps: k_max above; below, the floor (8) times the smallest scale (0.25), not the floor
+    assert a.k_lo == 2 and int(got[1, 4]) == 33 and int(got[2, 6]) == 100 and int(got[0, 1]) == 2
+    assert int(got[0, 3]) == 3  # round(9 x 0.37): under the ratio budget's floor
     for layer in range(3):
         assert got[layer, 1:].tolist() == a.host_ks(layer, ks[1:].tolist())
 
