@@ -83,10 +83,12 @@ def _one_batch_row(name: str, cmd: str) -> dict:
 # server whose KV pool holds exactly 16 full windows (71 GB: a card of 120 GB or more; a smaller one
 # sizes the pool to its memory, see expand); DS with r = 16, k = prompt / 16.
 _PORT = 30000
-_SERVER = (f"python -m doublesparse.launch_server --model-path llama-3.1-8b --load-format dummy "
-           f"--context-length 33792 {{pool:540672:120}} --max-running-requests 16 --port {_PORT} "
-           "--log-level info --graceful-shutdown-timeout 10 --chunked-prefill-size 32768 --prefill-schedule cohort")
-_SERVER_DS = f"{_SERVER} {_DS} 16 --ds-heavy-token-num 2048"
+_SERVER_BASE = (f"python -m doublesparse.launch_server --model-path llama-3.1-8b --load-format dummy "
+                f"--context-length 33792 {{pool:540672:120}} --max-running-requests 16 --port {_PORT} "
+                "--log-level info --graceful-shutdown-timeout 10 --chunked-prefill-size 32768 --prefill-schedule cohort")
+# the server decodes with Double Sparsity unless told not to: the dense peer says so
+_SERVER = f"{_SERVER_BASE} --no-enable-double-sparsity"
+_SERVER_DS = f"{_SERVER_BASE} {_DS} 16 --ds-heavy-token-num 2048"
 _CLIENT = (f"python -m doublesparse.bench_serving --base-url http://127.0.0.1:{_PORT} --endpoint generate "
            "--dataset random --request-rate inf --max-concurrency 16 --disable-tqdm --progress-interval 20")
 _LOAD = (f"{_CLIENT} --num-prompts 100 --input-len 32768 --output-len 1024 --warmup-requests 2 "
@@ -759,6 +761,9 @@ def summarize(area: str, rows: dict) -> dict:
             d, x = rows["dense"]["metrics"], rows["ds"]["metrics"]
             mixes = [rows[k]["metrics"] for k in ("malformed-generate", "malformed-completions") if k in rows]
             return {"ds_over_dense_output_tok_s": _ratio(x["output_throughput"], d["output_throughput"]),
+                    # the server's own count: 0 for the dense row, every step for the DS row
+                    "sparse_decode_steps": {n: (m.get("server_counters") or {}).get("sparse_decode_steps")
+                                            for n, m in (("dense", d), ("ds", x))},
                     "ds_over_dense_tpot_p50": _ratio(x["tpot_ms_p50"], d["tpot_ms_p50"]),
                     "ds_over_dense_itl_p50": _ratio(x["itl_ms_p50"], d["itl_ms_p50"]),
                     "failed_requests": d["errors"] + x["errors"],

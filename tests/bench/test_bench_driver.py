@@ -323,3 +323,18 @@ def test_accuracy_summaries_take_the_fp8_kv_rows():
                                                "fp8_kv_ds_ppl_points_16384": 0.4}}}
     s = bench_run.summarize("accuracy-long", long)
     assert s["fp8_kv_ppl_increase_pct_max"] == 0.3 and s["fp8_kv_ds_ppl_points_max"] == 0.4
+
+
+@pytest.mark.parametrize("suite", sorted(bench_run.SUITES))
+def test_server_rows_say_dense_or_ds(suite):
+    """The server decodes with Double Sparsity by default: a row named dense must turn it off,
+    and a row named ds must run it."""
+    for r in bench_run.suite_commands(suite):
+        if not r["server_argv"]:
+            continue
+        ns = parse(r["server_argv"])
+        words = set(r["name"].split("-"))
+        if "dense" in words:
+            assert ns.enable_double_sparsity is False, (suite, r["name"])
+        if "ds" in words:
+            assert ns.enable_double_sparsity is not False, (suite, r["name"])
