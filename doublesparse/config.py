@@ -133,9 +133,7 @@ class EngineConfig:
     ``ds_budget_mode`` "adaptive": the ratio budget with a scale per layer that follows that
     sampled recall towards ``ds_target_recall`` (None: :data:`DEFAULT_TARGET_RECALL`), within
     [min, max] of :class:`~doublesparse.attention.adaptive_control.AdaptiveConfig` (the workspace
-    holds the largest scale's k) and the cost model (attention/adaptive.py); ``ds_adaptive_bytes``
-    "recall" (None) lets the bytes follow the target, "ratio" holds them at the ratio budget's and
-    moves them between layers towards equal recall.
+    holds the largest scale's k) and the cost model (attention/adaptive.py).
     """
 
     model_path: str | None = None
@@ -155,7 +153,6 @@ class EngineConfig:
     ds_budget_mode: str | None = None
     ds_budget_top_p: float | None = None
     ds_target_recall: float | None = None
-    ds_adaptive_bytes: str | None = None
     ds_sparse_decode_threshold: int | None = None
     ds_selection_mode: str = "auto"
     ds_label_dtype: str = "auto"
@@ -349,10 +346,6 @@ class EngineConfig:
             raise ValueError(f"ds_target_recall must be in (0, 1), got {t!r}")
         if t is not None and self.ds_budget_mode != "adaptive":
             raise ValueError("ds_target_recall needs ds_budget_mode 'adaptive'")
-        if self.ds_adaptive_bytes not in (None, "recall", "ratio"):
-            raise ValueError(f"ds_adaptive_bytes must be 'recall' or 'ratio', got {self.ds_adaptive_bytes!r}")
-        if self.ds_adaptive_bytes is not None and self.ds_budget_mode != "adaptive":
-            raise ValueError("ds_adaptive_bytes needs ds_budget_mode 'adaptive'")
         if self.ds_budget_mode == "adaptive":
             if self.ds_heavy_token_num:
                 raise ValueError("ds_budget_mode 'adaptive' scales the ratio budget; it conflicts with "
@@ -390,7 +383,7 @@ class EngineConfig:
     def adaptive_config(self) -> AdaptiveConfig:
         """The adaptive budget's controller settings (``ds_budget_mode`` "adaptive")."""
         t = DEFAULT_TARGET_RECALL if self.ds_target_recall is None else float(self.ds_target_recall)
-        return AdaptiveConfig(target=t, conserve=self.ds_adaptive_bytes == "ratio")
+        return AdaptiveConfig(target=t)
 
     def k_max(self, max_context_len: int) -> int:
         """The largest k any request gets (the decode workspace's size)."""

@@ -56,10 +56,6 @@ def add_cli_args(parser: argparse.ArgumentParser, **command_defaults) -> argpars
     g.add_argument("--ds-target-recall", type=float, metavar="R",
                    help="the sampled attention recall each layer's budget aims at with --ds-budget-mode "
                         "adaptive, in (0, 1) (default 0.95)")
-    g.add_argument("--ds-adaptive-bytes", choices=("recall", "ratio"),
-                   help="with --ds-budget-mode adaptive: recall (default) spends what each layer's target "
-                        "recall asks; ratio holds the bytes a step reads at the ratio budget's and moves "
-                        "them between layers towards equal recall")
     g.add_argument("--ds-heavy-channel-type", choices=CHANNEL_TYPES)
     g.add_argument("--ds-sparse-decode-threshold", type=_threshold, metavar="{auto,N}",
                    help="auto (default): decode a step sparsely when a cost model of the bytes and "

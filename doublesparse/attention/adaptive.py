@@ -61,13 +61,11 @@ class AdaptiveBudget:
 
     cfg: the controller's settings; backend: a DoubleSparsityBackend whose policy is a ratio
     budget; probe: its :class:`~.recall.RecallProbe`; max_scales: each layer's upper bound (the
-    cost caps; ``cfg.max_scale`` applies on top); weights: each layer's bytes per selected token
-    (what ``cfg.conserve`` holds the mean scale over; None: equal)."""
+    cost caps; ``cfg.max_scale`` applies on top)."""
 
-    def __init__(self, cfg: AdaptiveConfig, backend, probe, max_scales: list[float],
-                 weights: list[float] | None = None):
+    def __init__(self, cfg: AdaptiveConfig, backend, probe, max_scales: list[float]):
         self.backend, self.probe = backend, probe
-        self.ctl = BudgetController(cfg, max_scales, weights)
+        self.ctl = BudgetController(cfg, max_scales)
         budget, ds = backend.ds.policy.budget, backend.ds
         self.k_min, self.k_max = budget.k_min, ds.k_max
         forced = getattr(ds, "num_sink", 0) + getattr(ds, "num_recent", 0)
@@ -194,6 +192,6 @@ def build(cfg: AdaptiveConfig, backend, probe, plan, num_q_heads: int) -> Adapti
     ds = backend.ds
     modes = tuple(ds.mode_of(i) for i in range(plan.num_layers))
     caps = cost_caps(plan, modes, num_q_heads, ds.policy.budget.ratio)
-    a = AdaptiveBudget(cfg, backend, probe, caps, selected_bytes(plan, modes, num_q_heads))
+    a = AdaptiveBudget(cfg, backend, probe, caps)
     a.attach(backend)
     return a

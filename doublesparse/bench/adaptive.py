@@ -17,9 +17,7 @@ server would. Bytes: what each step's decode reads from the KV and label pools (
 Writes JSON: per budget ``ppl``, ``nll``, ``tokens``, ``decode_bytes``; the adaptive run's scales;
 ``summary``: ``adaptive_bytes_saving_pct`` (100 x (1 - adaptive bytes / ratio bytes)),
 ``ppl_increase_pct`` of each DS budget over dense, and whether the adaptive budget's perplexity
-is no worse than the ratio budget's; with ``--adaptive-bytes ... ratio`` the same keys of the
-``adaptive_ratio_bytes`` run (the ratio budget's bytes moved between layers), compared with the
-ratio run itself.
+is no worse than the ratio budget's.
 
 Where the adaptive budget reads more or fewer bytes than the ratio budget, their perplexities are
 not comparable, so a fourth run (``ratio_matched``; ``--no-match-bytes`` skips it) is the ratio
@@ -45,8 +43,6 @@ from ..eval.measure import split_windows
 from ..version import __version__
 
 PREFILL_CHUNK = 4096
-# --adaptive-bytes value -> the run's name
-ADAPTIVE_RUNS = {"recall": "adaptive", "ratio": "adaptive_ratio_bytes"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,9 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-windows", type=int, default=8)
     p.add_argument("--warmup-windows", type=int, default=8)
     p.add_argument("--target-recall", type=float, default=0.95)
-    p.add_argument("--adaptive-bytes", nargs="+", choices=("recall", "ratio"), default=["recall"],
-                   help="the adaptive runs: recall (bytes follow the target; run 'adaptive'), ratio "
-                        "(the ratio budget's bytes moved between layers; run 'adaptive_ratio_bytes')")
     p.add_argument("--recall-sample-interval", type=int, default=1)
     p.add_argument("--ds-heavy-token-min", type=int, default=None,
                    help="both DS budgets' floor (default: the operating point's)")
@@ -130,15 +123,14 @@ def run(args) -> dict:
         model, tok = tiny_llama(max_position_embeddings=args.window_len, device=args.device or "cpu"), ByteTokenizer()
     else:
         model, tok = None, None
-    adaptive = dict(ds, ds_budget_mode="adaptive", ds_target_recall=args.target_recall)
-    budgets = {"dense": dict(), "ratio": ds,
-               **{ADAPTIVE_RUNS[b]: dict(adaptive, ds_adaptive_bytes=b) for b in args.adaptive_bytes}}
+    budgets = {"dense": dict(),
+               "ratio": ds,
+               "adaptive": dict(ds, ds_budget_mode="adaptive", ds_target_recall=args.target_recall)}
     out: dict = {"tool": f"doublesparse {__version__} bench.adaptive", "argv": sys.argv[1:],
                  "window_len": args.window_len, "decode_len": args.decode_len, "num_windows": args.num_windows,
                  "warmup_windows": args.warmup_windows, "target_recall": args.target_recall, "budgets": {}}
     windows = None
-    match = args.match_bytes and "adaptive" in budgets
-    for name in (*budgets, *(("ratio_matched",) if match else ())):
+    for name in ("dense", "ratio", "adaptive") + (("ratio_matched",) if args.match_bytes else ()):
         kw = budgets[name] if name in budgets else _matched(ds, out["budgets"]["ratio"], out["budgets"]["adaptive"])
         cfg = EngineConfig(model_path=args.model_path, **{**base, **kw})
         parts = build_parts(cfg, model=model, tokenizer=tok if model is not None else None, progress=False)
@@ -147,7 +139,7 @@ def run(args) -> dict:
         windows = windows or _windows(args, tok)
         measured, warm = windows[:args.num_windows], windows[args.num_windows:]
         r: dict = {}
-        if name.startswith("adaptive") and warm:
+        if name == "adaptive" and warm:
             r["warmup"] = score(parts, warm, args.decode_len)
         r.update(score(parts, measured, args.decode_len))
         if parts.adaptive is not None:
@@ -169,25 +161,17 @@ def run(args) -> dict:
 
 
 def summary(b: dict) -> dict:
-    """Per adaptive run (``adaptive``, ``adaptive_ratio_bytes``): its bytes saving over the ratio
-    budget, whether its perplexity is no worse, and the cut of the perplexity increase against the
-    ratio budget at its bytes (``ratio_matched`` for ``adaptive``; the ratio run itself for
-    ``adaptive_ratio_bytes``, whose bytes are the ratio budget's)."""
-    d, r = b["dense"], b["ratio"]
-    ds = [k for k in ("ratio", *ADAPTIVE_RUNS.values(), "ratio_matched") if k in b]
+    d, r, a = b["dense"], b["ratio"], b["adaptive"]
+    ds = [k for k in ("ratio", "adaptive", "ratio_matched") if k in b]
     inc = {k: 100 * (b[k]["ppl"] / d["ppl"] - 1) for k in ds}
-    out = {"ppl_dense": d["ppl"], "ppl_ratio": r["ppl"], "ppl_increase_pct": inc,
-           "bytes_vs_dense": {k: b[k]["decode_bytes"] / d["decode_bytes"] for k in ds}}
-    for name, peer in (("adaptive", "ratio_matched"), ("adaptive_ratio_bytes", "ratio")):
-        if name not in b:
-            continue
-        a = b[name]
-        out[f"{name}_bytes_saving_pct"] = 100 * (1 - a["decode_bytes"] / r["decode_bytes"])
-        out[f"ppl_{name}"] = a["ppl"]
-        out[f"{name}_ppl_no_worse"] = a["ppl"] <= r["ppl"]
-        out[f"{name}_scales"] = a.get("budget_scale", {}).get("scales")
-        if peer in b and inc[peer] > 0:
-            out[f"{name}_ppl_increase_cut_pct"] = 100 * (1 - inc[name] / inc[peer])
+    out = {"adaptive_bytes_saving_pct": 100 * (1 - a["decode_bytes"] / r["decode_bytes"]),
+           "ppl_dense": d["ppl"], "ppl_ratio": r["ppl"], "ppl_adaptive": a["ppl"],
+           "ppl_increase_pct": inc,
+           "adaptive_ppl_no_worse": a["ppl"] <= r["ppl"],
+           "bytes_vs_dense": {k: b[k]["decode_bytes"] / d["decode_bytes"] for k in ds},
+           "adaptive_scales": a.get("budget_scale", {}).get("scales")}
+    if "ratio_matched" in b and inc["ratio_matched"] > 0:
+        out["adaptive_ppl_increase_cut_pct"] = 100 * (1 - inc["adaptive"] / inc["ratio_matched"])
     return out
 
 

@@ -101,8 +101,7 @@ def create_app(engine: Any, cfg: ServerConfig = ServerConfig()) -> FastAPI:
             b = s.get("budget_scale")
             if b:
                 body["decode"]["budget_scale"] = {
-                    "target_recall": b["target_recall"], "conserve": b["conserve"],
-                    "mean_scale": b["mean_scale"], "changes": b["changes"],
+                    "target_recall": b["target_recall"], "changes": b["changes"],
                     "k_min": b["k_min"], "k_lo": b["k_lo"], "k_max": b["k_max"], "scales": b["scales"],
                     "layer_groups": {g["layers"]: g["scale"] for g in b["groups"]}}
         if not st.worker.alive:

@@ -106,31 +106,3 @@ def test_follows_a_lasting_change_of_traffic():
     run(ctl, lambda layer, i: 60.0 if (i // 8) % 2 else 140.0, 800)
     run(ctl, lambda layer, i: 200.0, 3000, seed=1)
     assert recall(200.0, ctl.scales[0]) >= cfg.target - 0.01
-
-
-def test_conserve_moves_bytes_towards_equal_recall():
-    """conserve: the weighted mean scale stays 1 while the easy layers give tokens to the hard
-    ones, and the missed mass summed over layers ends lower than at scale 1 for the same bytes."""
-    cfg = AdaptiveConfig(target=0.95, conserve=True)
-    tau = [40.0, 100.0, 180.0, 60.0]
-    w = [1.0, 1.0, 2.0, 1.0]  # layer 2 reads twice the bytes per selected token
-    ctl = BudgetController(cfg, [2.0] * 4, w)
-    run(ctl, lambda layer, i: tau[layer], 600)
-    s = ctl.scales
-    assert ctl.mean_scale() == pytest.approx(1.0, abs=1e-6)
-    assert s[0] < 1.0 and s[3] < 1.0 and s[1] > 1.0 and s[2] > 1.0
-    at_one = [recall(t, 1.0) for t in tau]
-    now = [recall(t, v) for t, v in zip(tau, s)]
-    assert sum(1 - r for r in now) < 0.9 * sum(1 - r for r in at_one)  # the optimum: 0.84 x
-    assert ctl.summary()["conserve"] and ctl.summary()["mean_scale"] == pytest.approx(1.0, abs=1e-6)
-
-
-def test_conserve_within_bounds():
-    """When the bounds cannot bring the mean to 1, the scales stop at them."""
-    cfg = AdaptiveConfig(target=0.95, conserve=True, min_scale=0.5, max_scale=1.5)
-    ctl = BudgetController(cfg, [1.5, 1.2])
-    run(ctl, lambda layer, i: (1.0, 1000.0)[layer], 400)  # layer 0 trivial, layer 1 hopeless
-    assert ctl.scales[1] == 1.2 and ctl.scales[0] >= 0.5
-    assert ctl.mean_scale() == pytest.approx(1.0, abs=1e-6)
-    with pytest.raises(ValueError, match="weights"):
-        BudgetController(cfg, [1.0, 1.0], [1.0])

@@ -29,21 +29,3 @@ def test_bench_adaptive_tiny(tmp_path):
     assert m["ratio"] / r["ratio"] == pytest.approx(m["k_min"] / r["k_min"], rel=0.1)
     assert b["ratio_matched"]["decode_bytes"] == pytest.approx(b["adaptive"]["decode_bytes"], rel=0.1)
     assert set(s["ppl_increase_pct"]) == {"ratio", "adaptive", "ratio_matched"}
-
-
-def test_bench_adaptive_ratio_bytes_tiny(tmp_path):
-    """--adaptive-bytes ratio: the adaptive run that holds the ratio budget's bytes, compared with
-    the ratio run itself (no matched peer needed)."""
-    out = tmp_path / "r.json"
-    assert adaptive.main(["--tiny", "--device", "cpu", "--window-len", "512", "--decode-len", "24",
-                          "--num-windows", "2", "--warmup-windows", "1", "--ds-heavy-token-min", "16",
-                          "--ds-sparse-decode-threshold", "0", "--adaptive-bytes", "ratio",
-                          "--result-json", str(out)]) == 0
-    res = json.loads(out.read_text())
-    b, s = res["budgets"], res["summary"]
-    assert set(b) == {"dense", "ratio", "adaptive_ratio_bytes"}
-    sc = b["adaptive_ratio_bytes"]["budget_scale"]
-    assert sc["conserve"] and sc["mean_scale"] == pytest.approx(1.0, abs=0.02)
-    # the same bytes as the ratio budget, up to the rounding of each layer's k
-    assert b["adaptive_ratio_bytes"]["decode_bytes"] == pytest.approx(b["ratio"]["decode_bytes"], rel=0.05)
-    assert "adaptive_ratio_bytes_bytes_saving_pct" in s and len(s["adaptive_ratio_bytes_scales"]) == 2

@@ -37,8 +37,7 @@ def test_budget_scale_in_metrics_and_health(srv):
     assert srv.metric("doublesparse_ds_target_recall") == pytest.approx(0.9)
     health = srv.health()["decode"]["budget_scale"]
     assert health["target_recall"] == 0.9 and len(health["scales"]) == 2
-    assert health["conserve"] is False and health["k_lo"] <= health["k_min"] <= health["k_max"]
-    assert health["mean_scale"] > 0
+    assert health["k_lo"] <= health["k_min"] <= health["k_max"]
     for group, scale in health["layer_groups"].items():
         assert srv.metric("doublesparse_ds_budget_scale", f'layer_group="{group}"') == pytest.approx(scale)
         assert 0.25 <= scale <= 2.0
