@@ -406,13 +406,18 @@ SUITES: dict[str, dict] = {
     },
     # Long-context accuracy (eval/long_context.py): Qwen2.5-Coder-1.5B (`doublesparse fetch
     # qwen2.5-coder-1.5b` before, or its staged cache) at 16K and 32K, text + RULER-style tasks, dense vs
-    # the default and the alternatives; the embedded SmolLM2 at 8K (text, the default only). One row
+    # the default and the alternatives, and at 4K and 8K (text, the default); the embedded SmolLM2 at 8K
+    # (text, the default only). One row
     # per length, each budgeted to 540 s (the runner skips what would not fit, and records it).
     "accuracy-long": {
         "area": "accuracy-long",
         "rows": [
             *[{"name": f"qwen15b-{n // 1024}k", "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600,
                "cmd": f"{_LONG} --model-path qwen2.5-coder-1.5b --lengths {n} -o {{out}}"} for n in (16384, 32768)],
+            # the 1.5B at 4K and 8K (text; dense and the default), where decode turns sparse from batch 8
+            {"name": "qwen15b-4k-8k", "result": "{out}/results.json", "md": "{out}/table.md", "timeout": 600,
+             "cmd": f"{_LONG} --model-path qwen2.5-coder-1.5b --lengths 4096 8192 --parts text "
+                    "--settings dense default -o {out}"},
             # the fp8 KV cache (--kv-cache-dtype fp8_e4m3) alone and under the default, text only
             *[{"name": f"qwen15b-{n // 1024}k-fp8-kv", "result": "{out}/results.json", "md": "{out}/table.md",
                "timeout": 600, "cmd": f"{_LONG} --model-path qwen2.5-coder-1.5b --lengths {n} --parts text "

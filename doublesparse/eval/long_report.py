@@ -204,6 +204,8 @@ def write(out_dir: str | Path, res: dict, with_plot: bool = False) -> dict:
 
 QWEN_ROWS = {"16k": "qwen15b-16k", "32k": "qwen15b-32k"}
 SMOL_ROW = "smollm2-8k"
+# the 1.5B at the shorter contexts where the cost model decodes sparsely from batch 8 (text only)
+QWEN_SHORT_ROW = "qwen15b-4k-8k"
 
 
 def merged(rows: dict) -> dict | None:
@@ -233,6 +235,7 @@ def suite_summary(rows: dict) -> dict:
     """The suite's summary keys from its rows' ``results.json`` (None where a row has none)."""
     q = {k: rows.get(n, {}).get("summary", {}) for k, n in QWEN_ROWS.items()}
     smol = rows.get(SMOL_ROW, {}).get("summary", {})
+    short = rows.get(QWEN_SHORT_ROW, {}).get("summary", {})
     drops = [
         s.get("ruler_max_drop_pts")
         for s in q.values()
@@ -244,6 +247,8 @@ def suite_summary(rows: dict) -> dict:
         or q["16k"].get("default_setting"),
         "qwen15b_ppl_increase_pct_16k": q["16k"].get("ppl_increase_pct_16384"),
         "qwen15b_ppl_increase_pct_32k": q["32k"].get("ppl_increase_pct_32768"),
+        **{f"qwen15b_ppl_increase_pct_{n // 1024}k": short.get(f"ppl_increase_pct_{n}") for n in (4096, 8192)},
+        **{f"default_bytes_fraction_{n // 1024}k": short.get(f"bytes_fraction_{n}") for n in (4096, 8192)},
         "ruler_max_drop_pts": max(drops) if drops else None,
         "smollm2_ppl_increase_pct": smol.get("ppl_increase_pct_8192"),
         "default_bytes_fraction_32k": q["32k"].get("bytes_fraction_32768"),

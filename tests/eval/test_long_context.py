@@ -113,7 +113,9 @@ def test_suite_summary_takes_each_row():
                             "ruler_max_drop_pts": drop}}  # fmt: skip
 
     rows = {"qwen15b-16k": row(16384, 2.0, 4.0, 0.2), "qwen15b-32k": row(32768, 1.5, 6.0, 0.1),
-            "smollm2-8k": row(8192, 1.3, None, 0.1)}  # fmt: skip
+            "smollm2-8k": row(8192, 1.3, None, 0.1),
+            "qwen15b-4k-8k": {"summary": {"ppl_increase_pct_4096": 3.0, "ppl_increase_pct_8192": 4.0,
+                                          "bytes_fraction_4096": 0.5, "bytes_fraction_8192": 0.375}}}  # fmt: skip
     s = long_report.suite_summary(rows)
     assert (s["qwen15b_ppl_increase_pct_16k"], s["qwen15b_ppl_increase_pct_32k"]) == (
         2.0,
@@ -121,3 +123,5 @@ def test_suite_summary_takes_each_row():
     )
     assert s["ruler_max_drop_pts"] == 6.0 and s["smollm2_ppl_increase_pct"] == 1.3
     assert s["default_bytes_fraction_32k"] == 0.1 and s["default_setting"] == "d"
+    assert (s["qwen15b_ppl_increase_pct_4k"], s["qwen15b_ppl_increase_pct_8k"]) == (3.0, 4.0)
+    assert s["default_bytes_fraction_8k"] == 0.375
