@@ -141,8 +141,19 @@ def _main(argv: list[str]) -> int:
     if args.shared_prefix >= args.prompt_len:
         args.shared_prefix = args.prompt_len // 2
     rng = random.Random(0)
-    if args.tracemalloc:
+    traced = args.tracemalloc and not tracemalloc.is_tracing()
+    if traced:
         tracemalloc.start(8)
+    try:
+        return _rounds(args, engine, vocab, rng, argv)
+    finally:
+        # tracing slows every later allocation of this process many times over (the tests run
+        # main() in-process): stop what this run started
+        if traced:
+            tracemalloc.stop()
+
+
+def _rounds(args, engine, vocab: int, rng: random.Random, argv: list[str]) -> int:
     rows, snaps, done = [], [], 0
     for r in range(args.rounds + 1):
         t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """bench/heap.py: the in-process host-memory probe on the CPU tiny engine."""
 
 import json
+import tracemalloc
 
 from doublesparse.bench import heap
 
@@ -12,6 +13,9 @@ def test_heap_probe_reports_growth_per_request(tmp_path):
                     "--prompt-len", "40", "--shared-prefix", "16", "--max-tokens", "6", "--tracemalloc",
                     "--result-json", str(out)])
     assert rc == 0
+    # the run stops the tracing it started: a test worker that traced every later allocation ran
+    # pure-Python code (transformers' GGUF name maps) many times slower
+    assert not tracemalloc.is_tracing()
     doc = json.loads(out.read_text())
     s = doc["summary"]
     assert s["requests"] == 18 and s["rounds"] == 2
