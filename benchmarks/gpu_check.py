@@ -106,10 +106,22 @@ def parse_pytest(text: str) -> dict[str, str]:
     return out
 
 
+_REASON = re.compile(r"^(?:FAILED|ERROR) (tests/[^\[\s]+(?:\[[^\]]*\])?)(?: - (.*))?$")
+
+
+def failure_reasons(text: str) -> dict[str, str]:
+    """``{test id: first line of its error}`` from pytest's short summary (``-rfE``)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        if (m := _REASON.match(line)) is not None:
+            out.setdefault(re.sub(r"@tests/[^\[\]]*$", "", m[1]), (m[2] or "").strip()[:300])
+    return out
+
+
 def _pytest(args: list[str], log: Path, timeout: float) -> tuple[dict[str, str], str]:
     """Run pytest from the repository root -> (outcomes, how it ended)."""
-    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "console_output_style=classic",
-           *args]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-o",
+           "console_output_style=classic", *args]
     with open(log, "w") as f:
         try:
             rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
@@ -133,10 +145,12 @@ def run_tests(result: Path, workers: int, timeout: float) -> dict:
         alone, how_alone = _pytest(["-n", "1", *restart, *bad], log.with_suffix(".alone.log"), left)
         how += f"; failures again one at a time: {how_alone}"
     failed = [t for t in bad if alone.get(t, outcome[t]) in ("FAILED", "ERROR")]
+    why = failure_reasons(log.read_text(errors="replace"))
     count = lambda *k: sum(o in k for o in outcome.values())  # noqa: E731
     doc = {"passed": count("PASSED", "XFAIL") + len(bad) - len(failed), "failed": len(failed),
            "skipped": count("SKIPPED"), "failures": failed,
            "failed_only_sharing_the_card": [t for t in bad if t not in failed],
+           "reasons": {t: why.get(t, "") for t in bad},  # from the run beside the others
            "workers": workers, "ended": how, "wall_s": round(time.time() - t0, 1)}
     result.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"[gpu-check] tests: {doc['passed']} passed, {doc['failed']} failed, {doc['skipped']} skipped "
@@ -178,8 +192,10 @@ def table(rows: dict) -> list[str]:
     t = rows.get("tests", {})
     L = [f"Tests: {t.get('passed')} passed, {t.get('failed')} failed, {t.get('skipped')} skipped "
          f"({t.get('ended')}, {t.get('wall_s')} s, {t.get('workers')} workers).", ""]
-    L += [f"- failed: `{f}`" for f in t.get("failures", [])]
-    L += [f"- failed only beside other tests (passed alone): `{f}`" for f in t.get("failed_only_sharing_the_card", [])]
+    why = t.get("reasons", {})
+    L += [f"- failed: `{f}`" + (f": {why[f]}" if why.get(f) else "") for f in t.get("failures", [])]
+    L += [f"- failed only beside other tests (passed alone): `{f}`" + (f": {why[f]}" if why.get(f) else "")
+          for f in t.get("failed_only_sharing_the_card", [])]
     L += ["", "| row | status | wall s |", "|---|---|---|"]
     L += [f"| {n} | {row_status(e)} | {e.get('wall_s', '')} |" for n, e in rows.items() if n != "tests"]
     return L

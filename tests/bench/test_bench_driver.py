@@ -265,6 +265,12 @@ def test_gpu_check_reads_pytest_output():
     assert gpu_check.parse_pytest(text) == {"tests/a.py::test_x": "ERROR", "tests/a.py::test_y[1-2]": "FAILED",
                                             "tests/b.py::test_z": "SKIPPED", "tests/a.py::test_w": "PASSED",
                                             "tests/c.py::test_v[a b - c]": "PASSED"}
+    summary = ("FAILED tests/a.py::test_y[1-2] - AssertionError: assert 3 == 2\n"
+               "FAILED tests/c.py::test_v[a b - c] - RuntimeError: CUDA out of memory\n"
+               "ERROR tests/a.py::test_x\n")
+    assert gpu_check.failure_reasons(summary) == {"tests/a.py::test_y[1-2]": "AssertionError: assert 3 == 2",
+                                                  "tests/c.py::test_v[a b - c]": "RuntimeError: CUDA out of memory",
+                                                  "tests/a.py::test_x": ""}
 
 
 def test_recall_overhead_summary():
