@@ -68,8 +68,7 @@ class AdaptiveBudget:
         self.ctl = BudgetController(cfg, max_scales)
         budget, ds = backend.ds.policy.budget, backend.ds
         self.k_min, self.k_max = budget.k_min, ds.k_max
-        forced = getattr(ds, "num_sink", 0) + getattr(ds, "num_recent", 0)
-        self.k_lo = min(self.k_max, max(1, forced, math.ceil(budget.k_min * cfg.min_scale)))
+        self.k_lo = min(self.k_max, max(1, ds.num_sink + ds.num_recent, math.ceil(budget.k_min * cfg.min_scale)))
         dev = backend.memory.label[0].device
         self.host = torch.tensor(self.ctl.scales, dtype=torch.float32)    # [L]: the host's copy
         self.scale = self.host.to(dev)                                    # [L] float32, read in the graphs

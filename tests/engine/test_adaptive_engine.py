@@ -72,7 +72,7 @@ def test_each_layer_attends_to_its_scaled_k(model):
 def test_layer_ks_matches_the_host_and_keeps_dense_rows():
     class B:  # the few backend fields AdaptiveBudget reads
         class ds:
-            k_max = 100
+            k_max, num_sink, num_recent = 100, 0, 0
 
             class policy:
                 class budget:
