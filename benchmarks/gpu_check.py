@@ -88,6 +88,11 @@ _XDIST = re.compile(rf"^\[gw\d+\] (?:\[\s*\d+%\] )?({_OUTCOMES}) (tests/.+?)\s*$
 _PLAIN = re.compile(rf"^(tests/\S.*?) ({_OUTCOMES})(?: |$)")
 
 
+def _test_id(s: str) -> str:
+    """A test id as pytest takes it back: xdist's ``@group`` suffix dropped."""
+    return re.sub(r"@tests/[^\[\]]*$", "", s)
+
+
 def parse_pytest(text: str) -> dict[str, str]:
     """``{test id: outcome}`` from pytest's ``-v`` output (xdist's ``[gwN] [ n%] OUTCOME id`` lines,
     ids as pytest takes them back: xdist's ``@group`` suffix dropped; and plain ``id OUTCOME``
@@ -96,7 +101,7 @@ def parse_pytest(text: str) -> dict[str, str]:
     for line in text.splitlines():
         m = _XDIST.match(line)
         if m:
-            test, outcome = re.sub(r"@tests/[^\[\]]*$", "", m[2]), m[1]
+            test, outcome = _test_id(m[2]), m[1]
         elif (m := _PLAIN.match(line)) is not None:
             test, outcome = m[1], m[2]
         else:
@@ -114,7 +119,7 @@ def failure_reasons(text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for line in text.splitlines():
         if (m := _REASON.match(line)) is not None:
-            out.setdefault(re.sub(r"@tests/[^\[\]]*$", "", m[1]), (m[2] or "").strip()[:300])
+            out.setdefault(_test_id(m[1]), (m[2] or "").strip()[:300])
     return out
 
 
