@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -127,9 +128,12 @@ def _pytest(args: list[str], log: Path, timeout: float) -> tuple[dict[str, str],
     """Run pytest from the repository root -> (outcomes, how it ended)."""
     cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-o",
            "console_output_style=classic", *args]
+    # -rfE cuts each reason to the terminal's width (80 columns in a pipe: "Run..."); widen it
+    env = {**os.environ, "COLUMNS": "400"}
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                                env=env).returncode
             how = f"exit {rc}"
         except subprocess.TimeoutExpired:
             how = f"timed out after {timeout:.0f} s"

@@ -45,6 +45,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is loaded
@@ -613,27 +614,37 @@ class Server:
         self.log.close()
 
 
-def run_rows(rows: list[dict], raw: Path, deadline: float | None = None) -> dict:
+def run_rows(rows: list[dict], raw: Path, deadline: float | None = None,
+             on_row: Callable[[dict], None] | None = None) -> dict:
     """Run the rows in order (a row with ``lane`` set runs with the other rows of its lane, in a
     thread beside the main lane: e.g. server rows beside the tests) -> {name: the row's JSON}.
     ``deadline`` (time.time()): a row is not started when fewer than its ``min_s`` (30) seconds
-    are left, and its timeout is cut to what is left."""
+    are left, and its timeout is cut to what is left. ``on_row``: called with the rows ended so
+    far (in suite order) after each row, so a run killed from outside keeps what it finished."""
     lanes: dict = {}
     for r in rows:
         lanes.setdefault(r.get("lane"), []).append(r)
     results: dict = {}
-    threads = [threading.Thread(target=lambda rs=rs: results.update(_run_lane(rs, raw, deadline)))
+    lock = threading.Lock()
+
+    def ended(name: str, entry: dict) -> None:
+        with lock:
+            results[name] = entry
+            if on_row is not None:
+                on_row({r["name"]: results[r["name"]] for r in rows if r["name"] in results})
+
+    threads = [threading.Thread(target=lambda rs=rs: _run_lane(rs, raw, deadline, ended))
                for lane, rs in lanes.items() if lane is not None]
     for t in threads:
         t.start()
-    results.update(_run_lane(lanes.get(None, []), raw, deadline))
+    _run_lane(lanes.get(None, []), raw, deadline, ended)
     for t in threads:
         t.join()
     return {r["name"]: results[r["name"]] for r in rows}
 
 
-def _run_lane(rows: list[dict], raw: Path, deadline: float | None) -> dict:
-    results: dict = {}
+def _run_lane(rows: list[dict], raw: Path, deadline: float | None,
+              ended: Callable[[str, dict], None]) -> None:
     server = None
     try:
         for r in rows:
@@ -642,7 +653,7 @@ def _run_lane(rows: list[dict], raw: Path, deadline: float | None) -> dict:
                                     if left is not None and left < r.get("min_s", 30) else None)
             if why:
                 print(f"[run] {r['name']}: skipped ({why})", flush=True)
-                results[r["name"]] = {"skipped": why}
+                ended(r["name"], {"skipped": why})
                 continue
             if server and server.argv != r["server_argv"]:
                 server.stop()
@@ -652,7 +663,7 @@ def _run_lane(rows: list[dict], raw: Path, deadline: float | None) -> dict:
                     server = Server(r["server_argv"], raw / f"server-{r['name']}.log", env=r.get("env"))
             except RuntimeError as e:
                 print(f"[run] {r['name']}: {e}", flush=True)
-                results[r["name"]] = {"error": str(e)}
+                ended(r["name"], {"error": str(e)})
                 continue
             timeout = r.get("timeout")
             if left is not None:
@@ -674,11 +685,10 @@ def _run_lane(rows: list[dict], raw: Path, deadline: float | None) -> dict:
                 entry["table_md"] = Path(r["md"]).read_text()
             entry.setdefault("wall_s", round(time.time() - t0, 1))
             print(f"[run] {r['name']}: exit {rc} after {time.time() - t0:.0f} s", flush=True)
-            results[r["name"]] = entry
+            ended(r["name"], entry)
     finally:
         if server:
             server.stop()
-    return results
 
 
 # --- summaries and markdown ------------------------------------------------------------------
@@ -1046,6 +1056,45 @@ def suite_commands(name: str, raw: Path | None = None) -> list[dict]:
     return expand(SUITES[name], raw or Path("RAW"))
 
 
+def write_result(results: dict, prev: dict | None, meta: dict, plots: bool) -> Path:
+    """Write ``{out}/{stem}.json`` and ``.md`` from the rows run (merged over ``prev``, the file a
+    ``--merge`` run found) -> the JSON's path. ``plots``: draw the area's figure too (the last write)."""
+    commands, commit, date, machine = meta["commands"], meta["commit"], meta["date"], meta["machine"]
+    row_commits = {name: commit for name in results}
+    if prev is not None:
+        kept = {k: v for k, v in prev["rows"].items() if k not in results}
+        # each kept row keeps the commit that gave it
+        row_commits = {**{k: prev.get("row_commits", {}).get(k, prev["commit"]) for k in kept}, **row_commits}
+        results = {**kept, **results}
+        commands = [c for c in prev["commands"] if c not in commands] + commands
+    area, out, stem = meta["area"], meta["out"], meta["stem"]
+    doc = {"suite": meta["suite"], "area": area, "commands": commands, "commit": commit, "machine": machine,
+           "date": date, "kernel_tuning": _default_tuning(), "summary": summarize(area, results),
+           "rows": results}
+    if len(set(row_commits.values())) > 1:
+        doc["row_commits"] = row_commits
+    if area == "gpu-check":
+        doc["summary"] = gpu_check.summary(results, machine, time.time() - meta["started"])
+    if area in ("models", "prefix-cache", "accuracy-long", "offload"):  # the summary names its provenance itself
+        doc["summary"].update(commands=commands, date=date, device=machine, commit=commit)
+    if area == "cpu-embedded":  # its summary names where it came from too
+        doc["summary"].update(commands=commands, date=date, machine=machine, commit=commit)
+    out.mkdir(parents=True, exist_ok=True)
+    if plots and area == "speedup-map" and doc["summary"].get("cells"):
+        png = speedup_map.heatmap(doc["summary"]["cells"], out / f"{stem}.png",
+                                  f"Double Sparsity vs dense decode, Llama-3.1-8B, {machine}")
+        doc["png"] = png.name
+    if plots and area == "accuracy-long":
+        from doublesparse.eval.long_report import suite_plot
+        png = suite_plot(results, out / f"{stem}.png")
+        doc["png"] = png.name if png else None
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(doc))
+    if plots:
+        print(f"[run] wrote {out / stem}.json and .md")
+    return out / f"{stem}.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["stage"]:  # staging for a machine without network: benchmarks/stage.py
@@ -1094,44 +1143,26 @@ def main(argv: list[str] | None = None) -> int:
     commit = a.commit or git_commit()
     started = time.time()
     budget = a.budget_s if a.budget_s is not None else suite.get("budget_s")
-    results = run_rows(rows, raw, deadline=None if budget is None else time.time() + budget)
     commands = []
     for r in rows:
         if r["server"] and r["server"] not in commands:
             commands.append(r["server"])
         commands.append(r["cmd"])
-    old = a.out / f"{stem}.json"
-    row_commits = {name: commit for name in results}
-    if a.merge and old.is_file():
-        prev = json.loads(old.read_text())
-        kept = {k: v for k, v in prev["rows"].items() if k not in results}
-        # each kept row keeps the commit that gave it
-        row_commits = {**{k: prev.get("row_commits", {}).get(k, prev["commit"]) for k in kept}, **row_commits}
-        results = {**kept, **results}
-        commands = [c for c in prev["commands"] if c not in commands] + commands
-    doc = {"suite": a.suite, "area": suite["area"], "commands": commands, "commit": commit, "machine": machine,
-           "date": date, "kernel_tuning": _default_tuning(), "summary": summarize(suite["area"], results),
-           "rows": results}
-    if len(set(row_commits.values())) > 1:
-        doc["row_commits"] = row_commits
-    if suite["area"] == "gpu-check":
-        doc["summary"] = gpu_check.summary(results, machine, time.time() - started)
-    if suite["area"] in ("models", "prefix-cache", "accuracy-long", "offload"):  # the summary names its provenance itself
-        doc["summary"].update(commands=commands, date=date, device=machine, commit=commit)
-    if suite["area"] == "cpu-embedded":  # its summary names where it came from too
-        doc["summary"].update(commands=commands, date=date, machine=machine, commit=commit)
-    a.out.mkdir(parents=True, exist_ok=True)
-    if suite["area"] == "speedup-map" and doc["summary"].get("cells"):
-        png = speedup_map.heatmap(doc["summary"]["cells"], a.out / f"{stem}.png",
-                                  f"Double Sparsity vs dense decode, Llama-3.1-8B, {machine}")
-        doc["png"] = png.name
-    if suite["area"] == "accuracy-long":
-        from doublesparse.eval.long_report import suite_plot
-        png = suite_plot(results, a.out / f"{stem}.png")
-        doc["png"] = png.name if png else None
-    (a.out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (a.out / f"{stem}.md").write_text(markdown(doc))
-    print(f"[run] wrote {a.out / stem}.json and .md")
+    prev = json.loads((a.out / f"{stem}.json").read_text()) if a.merge and (a.out / f"{stem}.json").is_file() else None
+    meta = dict(suite=a.suite, area=suite["area"], commands=commands, commit=commit, machine=machine, date=date,
+                started=started, out=a.out, stem=stem)
+    # after each row, the file so far (the rows not ended yet say so), then once more with the plots
+    pending = {r["name"]: {"skipped": "not ended: the suite's run stopped before it"}
+               for r in rows if r["name"] not in (prev or {}).get("rows", {})}
+
+    def on_row(done: dict) -> None:
+        try:
+            write_result({**pending, **done}, prev, meta, plots=False)
+        except Exception as e:  # a summary that needs the rows still running: the last write tells
+            print(f"[run] the file so far not written ({type(e).__name__}: {e})", flush=True)
+
+    results = run_rows(rows, raw, deadline=None if budget is None else time.time() + budget, on_row=on_row)
+    write_result(results, prev, meta, plots=True)
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

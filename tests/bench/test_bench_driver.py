@@ -184,6 +184,30 @@ def test_prefix_cache_suite_in_two_parts_merges(tmp_path, monkeypatch):
     assert "Commit: `def` (rows disabled, radix-cache at `abc`)" in (tmp_path / "prefix-cache-t.md").read_text()
 
 
+def test_result_file_written_after_each_row(tmp_path, monkeypatch):
+    """The result file is rewritten as each row ends, so a run killed from outside (a device
+    command's time limit) keeps the rows it finished; the rows not ended yet say so, and with
+    --merge they keep the earlier file's rows until they end."""
+    def row(name, code):
+        return {"name": name, "cmd": f"python -c {shlex.quote(code)} {{out}}.json", "result": "{out}.json"}
+
+    seen = tmp_path / "prefix-cache-t.json"
+    look = (f"import json, sys; d = json.load(open({str(seen)!r})); "
+            "json.dump({'metrics': {}, 'saw': {k: sorted(v) for k, v in d['rows'].items()}}, open(sys.argv[1], 'w'))")
+    suite = {"area": "prefix-cache", "rows": [row("first", "import json, sys; json.dump({'metrics': {'x': 1}}, open(sys.argv[1], 'w'))"),
+                                              row("second", look), row("third", look)]}
+    monkeypatch.setitem(bench_run.SUITES, "prefix-cache", suite)
+    base = ["prefix-cache", "--out", str(tmp_path), "--machine", "t", "--commit", "abc"]
+    assert bench_run.main(base) == 0
+    rows = json.loads(seen.read_text())["rows"]
+    assert rows["second"]["saw"] == {"first": ["metrics", "wall_s"], "second": ["skipped"], "third": ["skipped"]}
+    assert rows["third"]["saw"]["second"] == ["metrics", "saw", "wall_s"]
+    # --merge: a row not ended yet is the earlier file's until it ends
+    assert bench_run.main([*base, "--only", "third", "--merge"]) == 0
+    rows = json.loads(seen.read_text())["rows"]
+    assert rows["third"]["saw"]["third"] == ["metrics", "saw", "wall_s"]
+
+
 def test_decode_cost_figures_recover_a_known_machine():
     """The decode-cost suite's fit returns the bandwidth and per-layer overhead the steps were made with."""
     import decode_cost  # run.py put benchmarks/ on the path
