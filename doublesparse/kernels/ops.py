@@ -26,7 +26,8 @@ from .tuning import DEFAULT_TUNING, KernelTuning
 from .workspace import DecodeWorkspace
 
 __all__ = ["DecodeWorkspace", "DSDecodeArgs", "store_kv", "dense_decode", "attention_lse", "ds_decode", "rope",
-           "MODES", "rms_norm", "add_rms_norm", "silu_mul", "rope_store", "linear", "moe_experts"]
+           "MODES", "rms_norm", "add_rms_norm", "silu_mul", "rope_store", "linear", "moe_experts",
+           "moe_route"]
 
 MODES = ref.MODES
 
@@ -305,3 +306,18 @@ def moe_experts(x, w13, w2, weights, ids, shared=None, shared_w13=None, shared_w
                            tuning=tuning)
         return y if shared is None else y + shared
     return ref.moe_experts_ref(x, w13, w2, weights, ids, shared, shared_w13, shared_w2).to(x.dtype)
+
+
+def moe_route(logits, top_k: int, renorm: bool, scale: float = 1.0, impl: str = "auto"):
+    """An MoE router's greedy top-k: logits [T, E] float -> (weights [T, top_k] float32, ids
+    [T, top_k] int64): softmax over E in float32, the top_k largest (descending), divided by their
+    sum if ``renorm``, times ``scale``. Triton: one launch (kernels/triton/moe_route.py); PyTorch:
+    the device ops models/moe.py's ``route`` runs on the CPU (ties broken as torch.topk breaks them)."""
+    if _use_triton(logits, impl):
+        from .triton.moe_route import route_topk
+        return route_topk(logits, top_k, renorm, scale)
+    w, ids = logits.float().softmax(dim=-1).topk(top_k, dim=-1)
+    if renorm:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return (w * scale if scale != 1.0 else w), ids
+

@@ -323,3 +323,21 @@ def moe_experts_ref(x, w13, w2, weights, ids, shared=None, shared_w13=None, shar
         if shared_w13 is not None:
             y[t] += mlp(shared_w13, shared_w2, xt)
     return y if shared is None else y + shared.float()
+
+
+def moe_route_ref(logits, top_k: int, renorm: bool, scale: float = 1.0):
+    """An MoE router's greedy top-k, one token at a time: logits [T, E] -> (weights [T, top_k]
+    float32: the top_k of softmax(logits) in float32, in descending order, divided by their sum if
+    ``renorm``, times ``scale``; ids [T, top_k] int64, ties to the lowest expert id)."""
+    T = logits.shape[0]
+    w = torch.zeros(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.zeros(T, top_k, dtype=torch.int64, device=logits.device)
+    for t in range(T):
+        p = logits[t].float().softmax(-1)
+        order = sorted(range(p.numel()), key=lambda e: (-float(p[e]), e))[:top_k]
+        w[t] = p[order]
+        ids[t] = torch.tensor(order)
+        if renorm:
+            w[t] = w[t] / w[t].sum()
+    return w * scale, ids
+

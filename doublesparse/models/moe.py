@@ -27,14 +27,18 @@ from .layers import GatedMLP, fused_impl
 from .moe_config import MoEConfig
 
 
-def route(logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, moe: MoEConfig, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits ``[T, E]`` -> (weights ``[T, K]`` float32, expert ids ``[T, K]`` int64).
 
     Softmax over all experts in float32; group-limited routing masks every expert outside the
     ``topk_groups`` groups whose best expert scores highest; then top-k, optionally renormalised,
-    times ``routed_scaling_factor``. Device ops only (no host sync)."""
+    times ``routed_scaling_factor``. Device ops only (no host sync). ``impl`` (``fused_impl``'s):
+    plain greedy top-k through ``ops.moe_route``, one launch on the Triton path."""
+    grouped = moe.topk_method == "group_limited_greedy" and moe.num_groups > 1
+    if impl is not None and not grouped:
+        return ops.moe_route(logits, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor, impl=impl)
     probs = logits.float().softmax(dim=-1)
-    if moe.topk_method == "group_limited_greedy" and moe.num_groups > 1:
+    if grouped:
         T, E, G = probs.shape[0], probs.shape[1], moe.num_groups
         best = probs.view(T, G, E // G).amax(dim=-1)                          # [T, G]
         keep = torch.zeros_like(best, dtype=torch.bool)
@@ -114,16 +118,16 @@ class SparseMoE(nn.Module):
         self.shared = (GatedMLP(hidden, inter * moe.num_shared_experts, device=device, dtype=dtype)
                        if moe.num_shared_experts else None)
 
-    def router(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def router(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (weights [T, K] float32, ids [T, K] int64)."""
         w = self.gate.weight
         logits = F.linear(x.float(), w.float()) if self.moe.router_fp32 else F.linear(x, w)
-        return route(logits, self.moe)
+        return route(logits, self.moe, fused_impl(tuning.fused_moe, x))
 
     def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING, decode: bool = False) -> torch.Tensor:
         """x: [T, H] -> [T, H]; ``decode``: as in :class:`~doublesparse.models.layers.Linear`."""
         E, inter = self.moe.num_experts, self.moe.intermediate_size
-        weights, ids = self.router(x)
+        weights, ids = self.router(x, tuning)
         return run_experts(x, self.w13.view(E, 2 * inter, self.hidden), self.w2.view(E, self.hidden, inter),
                            weights, ids, tuning, self.shared, decode)
 
