@@ -26,10 +26,11 @@ import re
 
 ATTENTION = re.compile(r"score|hist_high|hist_low|compact|select|decode_attn|latent_attn|merge")
 # the routed experts' Triton kernels (decode path, grouped GEMM), checked before the projections
-EXPERTS = re.compile(r"moe_decode|_gate_up_kernel|_down_kernel")
+EXPERTS = re.compile(r"moe_decode|_gate_up_kernel|_down_kernel|_moe_sum_kernel")
 # the router after its gate GEMM (a projection by name): softmax, top-k, and the grouped GEMM's
-# routing layout (sort, counts, scans, searchsorted; a sampler's sort in the step would count here too)
-ROUTER = re.compile(r"softmax|topk|[Ss]ort|scatter_add|searchsorted|[Ss]can|cumsum")
+# routing layout (sort, counts, scans, searchsorted; a sampler's sort in the step would count here too),
+# or their one-launch kernels
+ROUTER = re.compile(r"softmax|topk|[Ss]ort|scatter_add|searchsorted|[Ss]can|cumsum|_moe_route_kernel|_moe_align_kernel")
 PROJECTION = re.compile(r"nvjet|gemm|gemv|splitKreduce|cutlass|sm90_xmma")
 CLASSES = (("attention", ATTENTION), ("experts", EXPERTS), ("router", ROUTER), ("projections", PROJECTION))
 

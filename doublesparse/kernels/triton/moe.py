@@ -59,7 +59,7 @@ _ALIGN_SLOTS = 64  # layout rows per program
 
 
 @triton.jit
-def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, TK, E, NB,
+def _moe_align_kernel(ids_ptr, rows_ptr, bexp_ptr, TK, E, NB,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr, SLOTS: tl.constexpr):
     """align_blocks in one launch. Every program counts the assignments per expert (cheap at decode
     sizes), then places its ROWS assignments (at their expert's first row + how many earlier
@@ -114,7 +114,7 @@ def align_blocks_launch(ids: torch.Tensor, num_experts: int, block_m: int = BLOC
     rows = torch.empty(nb * block_m, dtype=torch.int64, device=ids.device)
     block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
     grid = max(triton.cdiv(tk, _ALIGN_ROWS), triton.cdiv(nb * block_m, _ALIGN_SLOTS))
-    _align_kernel[(grid,)](flat, rows, block_expert, tk, num_experts, nb, BLOCK_M=block_m,
+    _moe_align_kernel[(grid,)](flat, rows, block_expert, tk, num_experts, nb, BLOCK_M=block_m,
                            BLOCK_E=triton.next_power_of_2(num_experts), ROWS=_ALIGN_ROWS, SLOTS=_ALIGN_SLOTS,
                            num_warps=4)
     return rows, block_expert
@@ -185,7 +185,7 @@ def _down_kernel(h_ptr, w_ptr, rows_ptr, bexp_ptr, wt_ptr, o_ptr, TK, H, I,
 
 
 @triton.jit
-def _sum_kernel(o_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _moe_sum_kernel(o_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t] = sum over k of o[t * K + k], in float32, stored in out's dtype (the sum and the cast
     in one launch, in the order of k: deterministic)."""
     t = tl.program_id(0)
@@ -221,5 +221,5 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         h, w2, rows, bexp, wt, o, tk, H, inter, h.stride(0), w2.stride(0), w2.stride(1), o.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
-    _sum_kernel[(T, triton.cdiv(H, 1024))](o, out, H, K=K, BLOCK_H=1024, num_warps=4)
+    _moe_sum_kernel[(T, triton.cdiv(H, 1024))](o, out, H, K=K, BLOCK_H=1024, num_warps=4)
     return out

@@ -16,7 +16,7 @@ ROUTE_MAX_EXPERTS = 1024  # one program holds a token's logits in registers
 
 
 @triton.jit
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, scale,
+def _moe_route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l, scale,
                   K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
@@ -51,7 +51,7 @@ def route_topk(logits: torch.Tensor, top_k: int, renorm: bool, scale: float = 1.
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T:
-        _route_kernel[(T,)](logits, w, ids, E, logits.stride(0), float(scale), K=top_k,
+        _moe_route_kernel[(T,)](logits, w, ids, E, logits.stride(0), float(scale), K=top_k,
                             KP=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
                             RENORM=bool(renorm), num_warps=4)
     return w, ids
