@@ -16,7 +16,8 @@ scales), ``-cal`` per layer amax / max of the format on 2048 tokens of the calib
 ``-head`` the same per KV head. ``-rot``: q and K rotated by Hadamard blocks of D before K is
 stored (attention/k_rotation.py, the engine's default with fp8, with or without Double Sparsity,
 whose labels stay unrotated), ``-rotds``: the earlier Double Sparsity form (the packaged config's
-r = 16 label channels in their own block). Writes the figures as JSON
+r = 16 label channels in their own block). ``-sinkN``: each sequence's first N tokens kept unrounded
+(the attention sinks, whose scores every softmax shares). Writes the figures as JSON
 and prints a markdown table.
 """
 
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "bf16": torch.bfloat16}
 VARIANTS = ("e4m3", "e4m3-k", "e4m3-v", "e4m3-cal", "e4m3-head", "e4m3-rawchunk", "e5m2", "e5m2-cal",
-            "e4m3-rot", "e4m3-rotds", "e5m2-rot", "bf16")
+            "e4m3-rot", "e4m3-rotds", "e5m2-rot", "e4m3-rot-sink4", "e4m3-rot-sink16", "bf16")
 
 
 class Cache:
@@ -45,6 +46,8 @@ class Cache:
         self.k = "v" not in flags
         self.v = "k" not in flags
         self.raw_chunk = "rawchunk" in flags
+        # "-sinkN": a sequence's first N tokens kept unrounded (the attention sinks)
+        self.sink = next((int(f[4:]) for f in flags if f.startswith("sink")), 0)
         self.rot = rot_full if "rot" in flags else rot_ds if "rotds" in flags else None
         top = torch.finfo(self.dtype).max if self.dtype != torch.bfloat16 else None
         per = "head" if "head" in flags else "layer" if "cal" in flags else None
@@ -64,7 +67,8 @@ class Cache:
         def rt(x, s):
             if self.dtype == torch.bfloat16:
                 return x.to(torch.bfloat16).float()
-            return quantize_kv(x / s, self.dtype, torch.ones(1)).float() * s
+            y = quantize_kv(x / s, self.dtype, torch.ones(1)).float() * s
+            return torch.cat([x[:self.sink], y[self.sink:]]) if self.sink else y
         return (rt(k, ks) if self.k else k), (rt(v, vs) if self.v else v)
 
 
