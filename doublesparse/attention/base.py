@@ -68,7 +68,7 @@ class AttentionBackend:
     impl: ``ops`` implementation ("auto" | "torch"); workspace: DecodeWorkspace or None (CPU);
     channels: ``[num_layers, Hkv, r]`` int32 device tensor, or None (no label cache);
     tuning: the kernels' launch parameters and choices, passed to every launch.
-    k_rotation: None, or R ``[num_layers, Hkv, D, D]`` in the model's dtype on the device
+    k_rotation: None, or R ``[num_layers, Hkv or 1, D, D]`` in the model's dtype on the device
     (attention/k_rotation.py, set by the engine's setup): ``forward`` rotates q and k by layer
     l's R before the K/V pools store them and attention reads them, while the labels are taken
     from the unrotated k and the label scores read the unrotated q (``k_label`` / ``q_label``).

@@ -28,8 +28,9 @@ left Double Sparsity over fp8 1.03 perplexity points above it over the model's c
 The pools and every reader of K see only the rotated K (prefill, decode, the recall probe's exact
 attention), the labels and every label score the unrotated K and q (decode's selection,
 DS-Offload's selection and prefetch, the recall probe's PyTorch re-selection); V and the output
-are untouched. R [L, Hkv, D, D] stays a device tensor in the model's dtype; applying it is two
-batched matmuls per layer, no host sync (CUDA-graph safe).
+are untouched. R [L, Hkv, D, D] stays a device tensor in the model's dtype, [L, 1, D, D] where
+the heads share it (:func:`shared`, the engine's case: then applying it is one GEMM for q and one
+for k per layer, over all heads' rows); no host sync (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -93,12 +94,21 @@ def rotation_matrices(num_layers: int, num_kv_heads: int, head_dim: int,
     return out
 
 
+def shared(rot: torch.Tensor) -> torch.Tensor:
+    """R ``[L, Hkv, D, D]`` -> ``[L, 1, D, D]`` where every KV head of a layer has the same R (the
+    engine's Hadamard blocks), else R unchanged. Compares on R's device: call it once, at set-up."""
+    return rot[:, :1].clone() if torch.equal(rot, rot[:, :1].expand_as(rot)) else rot
+
+
 def rotate(q: torch.Tensor, k: torch.Tensor | None, rot: torch.Tensor):
     """``(q R, k R)`` per KV head: q [T, Hq, D] (query head j uses KV head j // (Hq / Hkv)), k
-    [T, Hkv, D] or None, rot [Hkv, D, D] (one layer's R) -> same shapes, contiguous, in q's / k's
-    dtype."""
+    [T, Hkv, D] or None, rot [Hkv, D, D] (one layer's R) or [1, D, D] (one R for every head, as
+    :func:`shared` leaves it) -> same shapes, contiguous, in q's / k's dtype."""
     T, Hq, D = q.shape
     Hkv = rot.shape[0]
+    if Hkv == 1:  # one GEMM each over all heads' rows, no layout copies (a decode step's launches)
+        r = rot[0]
+        return (q @ r.to(q.dtype)).contiguous(), None if k is None else (k @ r.to(k.dtype)).contiguous()
     # one GEMM per KV head (einsum batches over h; a broadcast matmul would copy R per token)
     qr = torch.einsum("thgd,hde->thge", q.reshape(T, Hkv, Hq // Hkv, D), rot.to(q.dtype)).reshape(T, Hq, D)
     kr = None if k is None else torch.einsum("thd,hde->the", k, rot.to(k.dtype)).contiguous()

@@ -269,7 +269,7 @@ def _kv_cache(cfg: EngineConfig, memory, backend, plan: MemoryPlan, mc, channels
     rot = None
     if k_rotation.resolve(cfg.kv_cache_k_rotation, cfg.kv_cache_fp8, plan.latent, default_scales):
         rot = k_rotation.rotation_matrices(plan.num_layers, mc.num_kv_heads, mc.head_dim)
-        backend.k_rotation = rot.to(device=device, dtype=dtype)
+        backend.k_rotation = k_rotation.shared(rot).to(device=device, dtype=dtype)
     rotation = k_rotation.describe(rot, None if rot is None else channels)
     if cfg.kv_cache_fp8:
         log.info("fp8 KV cache (%s): per-layer scales from %s; %s", cfg.kv_cache_dtype, src, rotation)

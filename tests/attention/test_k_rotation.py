@@ -31,6 +31,16 @@ def test_rotation_keeps_scores_and_spreads_an_outlier():
     spike[0, :, 5] = 16.0
     assert kr.rotate(q[:1], spike, rot[0])[1].abs().max() == pytest.approx(2.0)   # 16 / sqrt(64)
     assert kr.rotate(q, None, rot[0])[1] is None
+    # the heads share R: the one-GEMM path gives the per-head result
+    one = kr.shared(rot)
+    assert one.shape == (L, 1, D, D) and torch.equal(one[1, 0], rot[1, 2])
+    q1, k1 = kr.rotate(q, k, one[0])
+    torch.testing.assert_close(q1, qr)
+    torch.testing.assert_close(k1, kk)
+    assert q1.is_contiguous() and k1.is_contiguous() and kr.rotate(q, None, one[0])[1] is None
+    per_head = rot.clone()
+    per_head[0, 1] = -per_head[0, 1]
+    assert kr.shared(per_head) is per_head   # heads that differ keep their own R
 
 
 def test_label_channels_keep_their_own_block():
