@@ -292,7 +292,7 @@ def moe_experts(x, w13, w2, weights, ids, shared=None, shared_w13=None, shared_w
     -> [T, H] in x's dtype. On the Triton path steps of at most ``tuning.moe_decode_max_tokens``
     tokens run the decode path (kernels/triton/moe_decode.py: one launch pair, the sum, ``shared``
     and the shared MLP fused), larger ones the grouped GEMM (moe.py) with the shared MLP through
-    :func:`linear`; both without host syncs. The "torch" path is the float32 reference.
+    :func:`linear` and its output added in the expert sum's launch; both without host syncs. The "torch" path is the float32 reference.
     """
     if _use_triton(x, impl):
         from .triton.moe_decode import decode_fits, moe_decode
@@ -300,11 +300,12 @@ def moe_experts(x, w13, w2, weights, ids, shared=None, shared_w13=None, shared_w
             return moe_decode(x, w13, w2, weights, ids, shared, shared_w13=shared_w13, shared_w2=shared_w2,
                               tuning=tuning)
         from .triton.moe import fused_experts
-        y = fused_experts(x, w13, w2, weights, ids)
+        add = shared
         if shared_w13 is not None:
-            y = y + linear(silu_mul(linear(x, shared_w13, tuning=tuning), impl=impl, tuning=tuning), shared_w2,
+            s_out = linear(silu_mul(linear(x, shared_w13, tuning=tuning), impl=impl, tuning=tuning), shared_w2,
                            tuning=tuning)
-        return y if shared is None else y + shared
+            add = s_out if shared is None else s_out + shared
+        return fused_experts(x, w13, w2, weights, ids, add=add)  # the add inside the expert sum's launch
     return ref.moe_experts_ref(x, w13, w2, weights, ids, shared, shared_w13, shared_w2).to(x.dtype)
 
 

@@ -47,6 +47,13 @@ def test_fused_experts_matches_torch():
     want = experts_torch(x.float(), w13.float(), w2.float(), w, ids)
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-3
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    # the shared experts' output added inside the sum's launch (a strided view: rows of a wider tensor)
+    add = torch.randn(T, 2 * H, generator=g).to(DEVICE, dtype)[:, :H]
+    got = fused_experts(x, w13, w2, w, ids, block_n=16, block_k=16, add=add).float()
+    want = want + add.float()
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    with pytest.raises(ValueError, match="add must be"):
+        fused_experts(x, w13, w2, w, ids, add=add[:1])
 
 
 @pytest.mark.parametrize(("T", "E", "K", "skew"), [(1, 128, 8, 0.0), (4, 128, 8, 0.0), (23, 5, 3, 3.0), (3, 7, 2, 0.0),

@@ -185,23 +185,31 @@ def _down_kernel(h_ptr, w_ptr, rows_ptr, bexp_ptr, wt_ptr, o_ptr, TK, H, I,
 
 
 @triton.jit
-def _moe_sum_kernel(o_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum over k of o[t * K + k], in float32, stored in out's dtype (the sum and the cast
-    in one launch, in the order of k: deterministic)."""
+def _moe_sum_kernel(o_ptr, add_ptr, out_ptr, H, stride_add, K: tl.constexpr, HAS_ADD: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    """out[t] = sum over k of o[t * K + k] (+ add[t]), in float32, stored in out's dtype (the sum,
+    the shared experts' add and the cast in one launch, in a fixed order: deterministic)."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
     acc = tl.zeros([BLOCK_H], tl.float32)
     for k in range(K):
         acc += tl.load(o_ptr + (t * K + k).to(tl.int64) * H + h, mask=hmask, other=0.0)
+    if HAS_ADD:
+        acc += tl.load(add_ptr + t.to(tl.int64) * stride_add + h, mask=hmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * H + h, acc.to(out_ptr.dtype.element_ty), mask=hmask)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, block_n: int = 64, block_k: int = 64, num_warps: int = 4) -> torch.Tensor:
+                  ids: torch.Tensor, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
+                  add: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as models.moe.experts_torch: x [T, H]; w13 [E, 2I, H]; w2 [E, H, I] (rows
-    contiguous); weights [T, K] float; ids [T, K] int64 -> [T, H] in x's dtype."""
+    contiguous); weights [T, K] float; ids [T, K] int64 -> [T, H] in x's dtype; ``add`` [T, H]
+    (the shared experts' output; last dim contiguous) is added to the expert sum in float32
+    before its one rounding."""
     T, H = x.shape
+    if add is not None and (tuple(add.shape) != (T, H) or add.stride(1) != 1):
+        raise ValueError(f"add must be [{T}, {H}] with a contiguous last dim, got {tuple(add.shape)}")
     E, two_i, _ = w13.shape
     inter, K = two_i // 2, ids.shape[1]
     tk = T * K
@@ -221,5 +229,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         h, w2, rows, bexp, wt, o, tk, H, inter, h.stride(0), w2.stride(0), w2.stride(1), o.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
-    _moe_sum_kernel[(T, triton.cdiv(H, 1024))](o, out, H, K=K, BLOCK_H=1024, num_warps=4)
+    _moe_sum_kernel[(T, triton.cdiv(H, 1024))](o, o if add is None else add, out, H, 0 if add is None else add.stride(0),
+                                               K=K, HAS_ADD=add is not None, BLOCK_H=1024, num_warps=4)
     return out
