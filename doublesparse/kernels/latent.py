@@ -19,3 +19,9 @@ def latent_value_dim(D: int) -> int:
     :func:`latent_split`, or all D where the generic kernel runs."""
     split = latent_split(D)
     return D if split is None else split[0]
+
+
+# MLA's one-launch steps around attention (triton/mla_proj.py) take steps of at most this many
+# tokens (decode); the model runs larger ones (prefill chunks) through its batched GEMMs.
+MLA_PROJ_MAX_TOKENS = 256
+

@@ -27,7 +27,7 @@ from .workspace import DecodeWorkspace
 
 __all__ = ["DecodeWorkspace", "DSDecodeArgs", "store_kv", "dense_decode", "attention_lse", "ds_decode", "rope",
            "MODES", "rms_norm", "add_rms_norm", "silu_mul", "rope_store", "linear", "moe_experts",
-           "moe_route"]
+           "moe_route", "mla_absorb", "mla_unabsorb"]
 
 MODES = ref.MODES
 
@@ -321,4 +321,27 @@ def moe_route(logits, top_k: int, renorm: bool, scale: float = 1.0, impl: str = 
     if renorm:
         w = w / w.sum(dim=-1, keepdim=True)
     return (w * scale if scale != 1.0 else w), ids
+
+
+def mla_absorb(q, kv, positions, cos, sin, w_uk, norm_weight, eps: float, q_scale: float, impl: str = "auto"):
+    """MLA's absorbed query and latent row (models/mla.py). q: [T, nh, dn + dr] (q_proj's output as
+    heads); kv: [T, R + dr] (kv_a_proj's output, c_kv | k_rope; RoPE pairs interleaved as in the
+    checkpoint); positions [T] int; cos, sin: [P, dr/2] float32; w_uk: [nh, dn, R] (kv_b_proj's key
+    half); norm_weight: [R] (kv_a_norm) -> (``[q_nope W_UK | rope(q_rope)] * q_scale`` [T, nh, R + dr],
+    ``[rmsnorm(c_kv) | rope(k_rope)]`` [T, 1, R + dr]), RoPE outputs in rotate-half order, float32
+    math rounded once to q's dtype. Triton: one launch (kernels/triton/mla_proj.py), at most
+    ``latent.MLA_PROJ_MAX_TOKENS`` tokens."""
+    if _use_triton(q, impl):
+        from .triton.mla_proj import mla_absorb as _absorb
+        return _absorb(q, kv, positions, cos, sin, w_uk, norm_weight, eps, q_scale)
+    return ref.mla_absorb_ref(q, kv, positions, cos, sin, w_uk, norm_weight, eps, q_scale)
+
+
+def mla_unabsorb(out, w_uv, impl: str = "auto"):
+    """out: [T, nh, >= R] (the latent attention's output); w_uv: [nh, dv, R] (kv_b_proj's value
+    half) -> [T, nh * dv] (o_proj's input), float32 sums rounded once. Triton: one launch."""
+    if _use_triton(out, impl):
+        from .triton.mla_proj import mla_unabsorb as _unabsorb
+        return _unabsorb(out, w_uv)
+    return ref.mla_unabsorb_ref(out, w_uv)
 

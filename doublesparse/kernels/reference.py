@@ -341,3 +341,32 @@ def moe_route_ref(logits, top_k: int, renorm: bool, scale: float = 1.0):
             w[t] = w[t] / w[t].sum()
     return w * scale, ids
 
+
+def mla_absorb_ref(q, kv, positions, cos, sin, w_uk, norm_weight, eps: float, q_scale: float):
+    """MLA's absorbed query and latent row in float32, rounded once: q [T, nh, dn + dr], kv
+    [T, R + dr] (RoPE pairs interleaved), w_uk [nh, dn, R] -> (``[q_nope W_UK | rope(q_rope)] *
+    q_scale`` [T, nh, R + dr], ``[rmsnorm(c_kv) | rope(k_rope)]`` [T, 1, R + dr]), rope over the
+    pairs reordered to rotate-half."""
+    dn, R = w_uk.shape[1], w_uk.shape[2]
+
+    def pairs_rope(x):  # [T, H, dr] interleaved -> rotate-half RoPE in float32
+        x = x.float().unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        c, s = cos[positions.long()].unsqueeze(1), sin[positions.long()].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    q_lat = torch.einsum("thd,hdr->thr", q[..., :dn].float(), w_uk.float())
+    qo = (torch.cat([q_lat, pairs_rope(q[..., dn:])], dim=-1) * q_scale).to(q.dtype)
+    c = kv[:, :R].float()
+    c = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    lat = torch.cat([c[:, None], pairs_rope(kv[:, None, R:])], dim=-1).to(q.dtype)
+    return qo, lat
+
+
+def mla_unabsorb_ref(out, w_uv):
+    """out [T, nh, >= R], w_uv [nh, dv, R] -> ``o[t, h * dv + j] = sum_r out[t, h, r] w_uv[h, j, r]``
+    [T, nh * dv] in float32, rounded once to out's dtype."""
+    R = w_uv.shape[2]
+    o = torch.einsum("thr,hjr->thj", out[..., :R].float(), w_uv.float())
+    return o.reshape(out.shape[0], -1).to(out.dtype)
+

@@ -124,6 +124,10 @@ class KernelTuning:
     # The Triton expert paths of an MoE layer (grouped GEMM, decode path): "auto" = on CUDA, True =
     # also on CPU (the interpreter: tests), False = the PyTorch path.
     fused_moe: bool | str = "auto"
+    # MLA's steps around attention at decode sizes in one launch each (kernels/triton/mla_proj.py:
+    # the absorbed query with the latent row, and the value half out): "auto" = on CUDA, True = also
+    # on CPU (the interpreter: tests), False = the PyTorch ops.
+    fused_mla: bool | str = "auto"
     # Prefill of a chunk after a cached prefix as two cuDNN calls merged by log-sum-exp
     # (attention/prefill.py): None = on CUDA for chunks of at least prefill.SPLIT_MIN_TOKENS,
     # True = wherever the inputs allow (CPU included: tests), False = never.
@@ -161,7 +165,7 @@ class KernelTuning:
             bad("score_impl", f"one of {SCORE_IMPLS}")
         if self.select_impl not in SELECT_IMPLS:
             bad("select_impl", f"one of {SELECT_IMPLS}")
-        for name in ("fused_norm", "fused_silu_mul", "fused_rope_store", "fused_moe"):
+        for name in ("fused_norm", "fused_silu_mul", "fused_rope_store", "fused_moe", "fused_mla"):
             v = getattr(self, name)
             if not (v == "auto" or isinstance(v, bool)):
                 bad(name, '"auto", true or false')

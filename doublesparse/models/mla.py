@@ -23,9 +23,10 @@ import math
 import torch
 from torch import nn
 
-from ..kernels.latent import latent_value_dim
+from ..kernels import ops
+from ..kernels.latent import MLA_PROJ_MAX_TOKENS, latent_value_dim
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, RotaryEmbedding
+from .layers import Linear, RMSNorm, RotaryEmbedding, fused_impl
 from .llama import LlamaDecoderLayer, LlamaModel, batch_tuning, init_decoder, is_decode
 from .moe_config import MLAConfig, yarn_mscale
 from .moe_model import moe_or_dense_mlp
@@ -111,8 +112,14 @@ class MLAAttention(nn.Module):
             q = self.q_proj(x, tuning, decode)
         else:
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x, tuning, decode), tuning=tuning), tuning, decode)
+        kv = self.kv_a_proj(x, tuning, decode)
+        impl = fused_impl(tuning.fused_mla, x)
+        if impl is not None and T <= MLA_PROJ_MAX_TOKENS:  # one launch for all that follows
+            w_uk = self.kv_b_proj.weight.view(nh, -1, m.kv_lora_rank)[:, :m.qk_nope_head_dim]
+            return ops.mla_absorb(q.view(T, nh, m.qk_head_dim), kv, positions, rope.cos, rope.sin, w_uk,
+                                  self.kv_a_norm.weight, self.kv_a_norm.eps, self.q_scale, impl=impl)
         q_nope, q_rope = q.view(T, nh, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        c_kv, k_rope = self.kv_a_proj(x, tuning, decode).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        c_kv, k_rope = kv.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_norm(c_kv.contiguous(), tuning=tuning)
         q_rope, k_rope = rope(positions, _rotate_half_order(q_rope), _rotate_half_order(k_rope)[:, None])
         w_uk = self.kv_b_proj.weight.view(nh, -1, m.kv_lora_rank)[:, :m.qk_nope_head_dim]   # [nh, dn, R]
@@ -128,6 +135,9 @@ class MLAAttention(nn.Module):
         q, latent = self.absorbed_query(x, positions, rope, tuning, decode)
         out = batch.attn.forward(self.layer_id, q, latent, latent, batch)                   # [T, nh, 576]
         w_uv = self.kv_b_proj.weight.view(nh, -1, m.kv_lora_rank)[:, m.qk_nope_head_dim:]  # [nh, dv, R]
+        impl = fused_impl(tuning.fused_mla, x)
+        if impl is not None and T <= MLA_PROJ_MAX_TOKENS:
+            return self.o_proj(ops.mla_unabsorb(out, w_uv, impl=impl), tuning, decode)
         o = torch.bmm(out[..., :m.kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2))      # [nh, T, dv]
         return self.o_proj(o.transpose(0, 1).reshape(T, nh * m.v_head_dim), tuning, decode)
 

@@ -52,3 +52,15 @@ def test_decode_path_in_cuda_graphs(arch):
         eager, _ = _run(m, t)
         replayed, _ = _run(m, t, graphs=True)
         assert replayed == eager
+
+
+def test_mla_one_launch_steps_match_pytorch():
+    """DeepSeek's absorbed query, latent row and value half in one launch each (fused_mla, under the
+    interpreter on CPU) give the separate ops' tokens and logits, prefill chunks and decode."""
+    m = tiny_family("deepseek_v2", max_position_embeddings=512).to(DEVICE)
+    base = KernelTuning(fused_moe=False, fused_mla=False)
+    want_tokens, want = _run(m, base)
+    tokens, got = _run(m, base.replace(fused_mla=True))
+    assert tokens == want_tokens and len(got) == len(want) > 3
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
