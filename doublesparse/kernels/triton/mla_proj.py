@@ -78,10 +78,11 @@ def mla_absorb_kernel(q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, wuk_ptr, nw_ptr,
             nw = tl.load(nw_ptr + r, mask=r < R, other=0.0).to(tl.float32)
             lrow = lat_ptr + t[:, None].to(tl.int64) * s_lt
             tl.store(lrow + r[None, :], (x * inv[:, None] * nw[None, :]).to(lat_ptr.dtype.element_ty), mask=rm)
-            x1 = tl.load(krow + R + 2 * i[None, :], mask=m2, other=0.0).to(tl.float32)
-            x2 = tl.load(krow + R + 2 * i[None, :] + 1, mask=m2, other=0.0).to(tl.float32)
-            tl.store(lrow + R + i[None, :], (x1 * cs - x2 * sn).to(lat_ptr.dtype.element_ty), mask=m2)
-            tl.store(lrow + R + HALF + i[None, :], (x2 * cs + x1 * sn).to(lat_ptr.dtype.element_ty), mask=m2)
+            # (names apart from the query branch's: Triton rejects one name defined in both branches)
+            y1 = tl.load(krow + R + 2 * i[None, :], mask=m2, other=0.0).to(tl.float32)
+            y2 = tl.load(krow + R + 2 * i[None, :] + 1, mask=m2, other=0.0).to(tl.float32)
+            tl.store(lrow + R + i[None, :], (y1 * cs - y2 * sn).to(lat_ptr.dtype.element_ty), mask=m2)
+            tl.store(lrow + R + HALF + i[None, :], (y2 * cs + y1 * sn).to(lat_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
