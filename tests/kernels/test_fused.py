@@ -466,6 +466,26 @@ moe_ptrs = dict(rows_ptr="*i64", bexp_ptr="*i32", wt_ptr="*fp32", o_ptr="*fp32")
 for topk in (2, 8):  # Mixtral, Qwen3-MoE / DeepSeek-V2
     no_spill(comp(moe._gate_up_kernel, dict(K=topk, BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), moe_ptrs, num_warps=4, aligned=True))
 no_spill(comp(moe._down_kernel, dict(BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), moe_ptrs, num_warps=4, aligned=True))
+# the one-launch routing layout, the top-k sum (with and without the shared experts' add), the router
+for e, topk in ((128, 8), (64, 6), (256, 8)):
+    no_spill(comp(moe._moe_align_kernel, dict(BLOCK_M=moe.BLOCK_M, BLOCK_E=e, ROWS=moe._ALIGN_ROWS,
+                  SLOTS=moe._ALIGN_SLOTS), dict(ids_ptr="*i64", rows_ptr="*i64", bexp_ptr="*i32"), num_warps=4))
+    from doublesparse.kernels.triton import moe_route
+    no_spill(comp(moe_route._moe_route_kernel, dict(K=topk, KP=triton.next_power_of_2(topk), BLOCK_E=e, RENORM=True),
+                  dict(logits_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64"), dict(scale="fp32"), num_warps=4))
+for add in (False, True):
+    no_spill(comp(moe._moe_sum_kernel, dict(K=8, HAS_ADD=add, BLOCK_H=1024), dict(o_ptr="*fp32"), num_warps=4))
+# MLA's steps around attention at DeepSeek-V2(-Lite)'s shapes and the launchers' tiles: bf16 without
+# spills; float32 (the tests' models on a GPU) compiled
+from doublesparse.kernels.triton import mla_proj
+mla = dict(pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32")
+for dt, check in (("*bf16", no_spill), ("*fp32", lambda k: k)):
+    ptrs = dict(mla, q_ptr=dt, kv_ptr=dt, wuk_ptr=dt, nw_ptr=dt, qo_ptr=dt, lat_ptr=dt)
+    check(comp(mla_proj.mla_absorb_kernel, dict(DN=128, R=512, HALF=32, NH=16, BLOCK_R=512, BLOCK_HALF=32,
+               BT=mla_proj._BT, BC=mla_proj._BC, BK=mla_proj._BK, LT=4), ptrs, dict(eps="fp32", q_scale="fp32"),
+               num_warps=4))
+    check(comp(mla_proj.mla_unabsorb_kernel, dict(R=512, DV=128, BT=mla_proj._BT, BC=mla_proj._BC, BK=mla_proj._BK),
+               dict(a_ptr=dt, wuv_ptr=dt, o_ptr=dt), num_warps=8))
 f32 = dict(moe_ptrs, x_ptr="*fp32", w_ptr="*fp32", h_ptr="*fp32")  # float32 weights: the IEEE-product branch
 comp(moe._gate_up_kernel, dict(K=2, BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), f32, num_warps=4)
 comp(moe._down_kernel, dict(BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64), f32, num_warps=4)

@@ -22,7 +22,8 @@ import triton.language as tl
 from ..latent import MLA_PROJ_MAX_TOKENS as MAX_TOKENS
 from .common import FLOAT, INDEX, check, fail
 _BT = 16           # token rows per tile
-_BC = 128          # output columns per program
+_BC = 64           # output columns per program: R = 512 -> 8 programs per head (sm_90: 64 registers,
+_BK = 32           # no spills; 128-wide tiles of per-element pointers took 255 and spilled)
 
 
 @triton.jit
@@ -33,56 +34,66 @@ def _dot(a, b, acc):
 
 
 @triton.jit
+def _rope_pairs(src, dst, pos_ptr, cos_ptr, sin_ptr, s_cos, t, tmask, scale,
+                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """dst[:, i] = x1 c - x2 s, dst[:, HALF + i] = x2 c + x1 s (times scale) for the pairs
+    (x1, x2) = src[:, 2i], src[:, 2i + 1]; src, dst: [rows, 1] row pointers."""
+    i = tl.arange(0, BLOCK_HALF)
+    m = tmask[:, None] & (i < HALF)[None, :]
+    pos = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.int64)
+    cs = tl.load(cos_ptr + pos[:, None] * s_cos + i[None, :], mask=m, other=0.0)
+    sn = tl.load(sin_ptr + pos[:, None] * s_cos + i[None, :], mask=m, other=0.0)
+    x1 = tl.load(src + 2 * i[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + 2 * i[None, :] + 1, mask=m, other=0.0).to(tl.float32)
+    tl.store(dst + i[None, :], ((x1 * cs - x2 * sn) * scale).to(dst.dtype.element_ty), mask=m)
+    tl.store(dst + HALF + i[None, :], ((x2 * cs + x1 * sn) * scale).to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def mla_absorb_kernel(q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, wuk_ptr, nw_ptr, qo_ptr, lat_ptr,
                       T, eps, q_scale,
                       s_qt, s_qh, s_kvt, s_cos, s_wh, s_wn, s_qot, s_qoh, s_lt,
                       DN: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr, NH: tl.constexpr,
-                      BLOCK_DN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                      BT: tl.constexpr, BC: tl.constexpr):
-    h = tl.program_id(0)      # a query head, or NH: the latent row
+                      BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                      BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, LT: tl.constexpr):
+    h = tl.program_id(0)      # a query head, or NH: the latent rows
     c0 = tl.program_id(1) * BC
-    i = tl.arange(0, BLOCK_HALF)
-    imask = i < HALF
-    for t0 in range(0, T, BT):
-        t = t0 + tl.arange(0, BT)
-        tmask = t < T
-        pos = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.int64)
-        cs = tl.load(cos_ptr + pos[:, None] * s_cos + i[None, :], mask=tmask[:, None] & imask[None, :], other=0.0)
-        sn = tl.load(sin_ptr + pos[:, None] * s_cos + i[None, :], mask=tmask[:, None] & imask[None, :], other=0.0)
-        m2 = tmask[:, None] & imask[None, :]
-        if h < NH:
-            # q_nope [BT, DN] @ W_UK[h][:, c0:c0+BC] -> the latent query's columns
-            d = tl.arange(0, BLOCK_DN)
-            c = c0 + tl.arange(0, BC)
+    if h < NH:
+        c = c0 + tl.arange(0, BC)
+        kk = tl.arange(0, BK)
+        for t0 in range(0, T, BT):
+            t = t0 + tl.arange(0, BT)
+            tmask = t < T
             qrow = q_ptr + t[:, None].to(tl.int64) * s_qt + h * s_qh
-            a = tl.load(qrow + d[None, :], mask=tmask[:, None] & (d[None, :] < DN), other=0.0)
-            w = tl.load(wuk_ptr + h * s_wh + d[:, None] * s_wn + c[None, :],
-                        mask=(d[:, None] < DN) & (c[None, :] < R), other=0.0)
-            acc = _dot(a, w, tl.zeros([BT, BC], tl.float32))
+            # q_nope [BT, DN] @ W_UK[h][:, c0:c0+BC], BK input channels at a time
+            acc = tl.zeros([BT, BC], tl.float32)
+            for k0 in range(0, DN, BK):
+                k = k0 + kk
+                a = tl.load(qrow + k[None, :], mask=tmask[:, None] & (k[None, :] < DN), other=0.0)
+                w = tl.load(wuk_ptr + h * s_wh + k[:, None] * s_wn + c[None, :],
+                            mask=(k[:, None] < DN) & (c[None, :] < R), other=0.0)
+                acc = _dot(a, w, acc)
             orow = qo_ptr + t[:, None].to(tl.int64) * s_qot + h * s_qoh
             tl.store(orow + c[None, :], (acc * q_scale).to(qo_ptr.dtype.element_ty),
                      mask=tmask[:, None] & (c[None, :] < R))
             if c0 == 0:  # the rope part, pairs (2i, 2i + 1) -> (i, i + HALF)
-                x1 = tl.load(qrow + DN + 2 * i[None, :], mask=m2, other=0.0).to(tl.float32)
-                x2 = tl.load(qrow + DN + 2 * i[None, :] + 1, mask=m2, other=0.0).to(tl.float32)
-                tl.store(orow + R + i[None, :], ((x1 * cs - x2 * sn) * q_scale).to(qo_ptr.dtype.element_ty), mask=m2)
-                tl.store(orow + R + HALF + i[None, :], ((x2 * cs + x1 * sn) * q_scale).to(qo_ptr.dtype.element_ty),
-                         mask=m2)
-        elif c0 == 0:
-            # the latent row: rmsnorm(c_kv) (float32 statistics, weight in float32) | rope(k_rope)
-            r = tl.arange(0, BLOCK_R)
-            rm = tmask[:, None] & (r[None, :] < R)
-            krow = kv_ptr + t[:, None].to(tl.int64) * s_kvt
+                _rope_pairs(qrow + DN, orow + R, pos_ptr, cos_ptr, sin_ptr, s_cos, t, tmask, q_scale,
+                            HALF, BLOCK_HALF)
+    elif c0 == 0:
+        # the latent rows, LT at a time: rmsnorm(c_kv) (float32 statistics, the weight in float32)
+        # | rope(k_rope)
+        r = tl.arange(0, BLOCK_R)
+        nw = tl.load(nw_ptr + r, mask=r < R, other=0.0).to(tl.float32)
+        for u0 in range(0, T, LT):
+            u = u0 + tl.arange(0, LT)
+            umask = u < T
+            rm = umask[:, None] & (r[None, :] < R)
+            krow = kv_ptr + u[:, None].to(tl.int64) * s_kvt
             x = tl.load(krow + r[None, :], mask=rm, other=0.0).to(tl.float32)
             inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / R + eps)
-            nw = tl.load(nw_ptr + r, mask=r < R, other=0.0).to(tl.float32)
-            lrow = lat_ptr + t[:, None].to(tl.int64) * s_lt
+            lrow = lat_ptr + u[:, None].to(tl.int64) * s_lt
             tl.store(lrow + r[None, :], (x * inv[:, None] * nw[None, :]).to(lat_ptr.dtype.element_ty), mask=rm)
-            # (names apart from the query branch's: Triton rejects one name defined in both branches)
-            y1 = tl.load(krow + R + 2 * i[None, :], mask=m2, other=0.0).to(tl.float32)
-            y2 = tl.load(krow + R + 2 * i[None, :] + 1, mask=m2, other=0.0).to(tl.float32)
-            tl.store(lrow + R + i[None, :], (y1 * cs - y2 * sn).to(lat_ptr.dtype.element_ty), mask=m2)
-            tl.store(lrow + R + HALF + i[None, :], (y2 * cs + y1 * sn).to(lat_ptr.dtype.element_ty), mask=m2)
+            _rope_pairs(krow + R, lrow + R, pos_ptr, cos_ptr, sin_ptr, s_cos, u, umask, 1.0, HALF, BLOCK_HALF)
 
 
 @triton.jit
@@ -138,9 +149,8 @@ def mla_absorb(q, kv, positions, cos, sin, w_uk, norm_weight, eps: float, q_scal
             q, kv, positions, cos, sin, w_uk, norm_weight, qo, lat, T, float(eps), float(q_scale),
             q.stride(0), q.stride(1), kv.stride(0), cos.stride(0), w_uk.stride(0), w_uk.stride(1),
             qo.stride(0), qo.stride(1), lat.stride(0),
-            DN=dn, R=R, HALF=dr // 2, NH=nh, BLOCK_DN=max(16, triton.next_power_of_2(dn)),
-            BLOCK_R=triton.next_power_of_2(R), BLOCK_HALF=triton.next_power_of_2(dr // 2), BT=_BT, BC=_BC,
-            num_warps=4)
+            DN=dn, R=R, HALF=dr // 2, NH=nh, BLOCK_R=triton.next_power_of_2(R),
+            BLOCK_HALF=triton.next_power_of_2(dr // 2), BT=_BT, BC=_BC, BK=_BK, LT=4, num_warps=4)
     return qo, lat
 
 
@@ -162,5 +172,5 @@ def mla_unabsorb(out, w_uv):
         bc = min(_BC, max(16, triton.next_power_of_2(dv)))
         mla_unabsorb_kernel[(nh, triton.cdiv(dv, bc))](
             out, w_uv, o, T, out.stride(0), out.stride(1), w_uv.stride(0), w_uv.stride(1), o.stride(0),
-            R=R, DV=dv, BT=_BT, BC=bc, BK=64, num_warps=4)
+            R=R, DV=dv, BT=_BT, BC=bc, BK=_BK, num_warps=8)
     return o
