@@ -263,8 +263,9 @@ def silu_mul(x, impl: str = "auto", tuning: KernelTuning = DEFAULT_TUNING):
 
 def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache=None,
                label_scale=None, channels=None, k_scale=None, v_scale=None, return_k: bool = False,
-               impl: str = "auto", tuning: KernelTuning = DEFAULT_TUNING):
-    """RoPE of q and k fused with :func:`store_kv` of the rotated k (and its label) and v.
+               impl: str = "auto", tuning: KernelTuning = DEFAULT_TUNING, qk_norm=None):
+    """RoPE of q and k fused with :func:`store_kv` of the rotated k (and its label) and v;
+    ``qk_norm = (q_weight [D], k_weight [D], eps)``: each head of q and k RMS-normed first (Qwen3).
 
     positions, slots: [T] int; q: [T, Hq, D]; k, v: [T, Hkv, D] (views of the qkv GEMM output
     are fine, last dim contiguous); cos, sin: [max_pos, D/2] float32; pools as in store_kv.
@@ -274,11 +275,12 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
     if _use_triton(q, impl):
         from .triton.fused_launch import rope_store as _rope_store
         return _rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache,
-                           label_scale, channels, return_k, tuning=tuning, k_scale=k_scale, v_scale=v_scale)
+                           label_scale, channels, return_k, tuning=tuning, k_scale=k_scale, v_scale=v_scale,
+                           qk_norm=qk_norm)
     from .triton.common import check_store_args
     check_store_args(k_cache, v_cache, k, v, slots, label_cache, label_scale, channels, k_scale, v_scale)
     qr, kr = ref.rope_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache,
-                                label_scale, channels, k_scale, v_scale)
+                                label_scale, channels, k_scale, v_scale, qk_norm=qk_norm)
     return qr, (kr if return_k else None)
 
 

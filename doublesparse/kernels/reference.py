@@ -294,9 +294,13 @@ def rope_ref(positions, x, cos, sin):
 
 
 def rope_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache=None,
-                   label_scale=None, channels=None, k_scale=None, v_scale=None):
-    """RoPE of q and k, then :func:`store_ref` of the rotated k (with its label) and v.
-    Returns the rotated ``(q [T, Hq, D], k [T, Hkv, D])`` in q's dtype."""
+                   label_scale=None, channels=None, k_scale=None, v_scale=None, qk_norm=None):
+    """(Per-head RMSNorm of q and k with ``qk_norm = (q_weight [D], k_weight [D], eps)``, each
+    rounded to its dtype,) RoPE of q and k, then :func:`store_ref` of the rotated k (with its
+    label) and v. Returns the rotated ``(q [T, Hq, D], k [T, Hkv, D])`` in q's dtype."""
+    if qk_norm is not None:
+        qn, kn, eps = qk_norm
+        q, k = rmsnorm_ref(q, qn, eps), rmsnorm_ref(k, kn, eps)
     qr, kr = rope_ref(positions, q, cos, sin), rope_ref(positions, k, cos, sin)
     store_ref(k_cache, v_cache, label_cache, label_scale, kr, v, slots, channels, k_scale, v_scale)
     return qr, kr

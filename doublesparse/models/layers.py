@@ -199,14 +199,15 @@ class RotaryEmbedding(nn.Module):
         return ops.rope(positions, q, k, self.cos, self.sin)
 
     def rotate_and_store(self, positions, q, k, v, targets, slots, return_k: bool = False,
-                         impl: str = "auto", tuning: KernelTuning = DEFAULT_TUNING):
+                         impl: str = "auto", tuning: KernelTuning = DEFAULT_TUNING, qk_norm=None):
         """RoPE fused with the KV store (one launch on CUDA): rotated k, v and k's label go into
         the pools at ``slots`` [T] int64. targets: ``(k_cache, v_cache, label_cache, label_scale,
         channels, k_scale, v_scale)`` from ``AttentionBackend.store_targets`` (the label entries
         None: no labels; the scales: an fp8 pool's).
-        q: [T, Hq, D]; k, v: [T, Hkv, D] (views of the qkv output are fine). Returns the rotated
-        ``(q [T, Hq, D], k [T, Hkv, D] or None unless return_k)``, contiguous."""
+        q: [T, Hq, D]; k, v: [T, Hkv, D] (views of the qkv output are fine); qk_norm: None or
+        ``(q_weight, k_weight, eps)``, per-head RMSNorm of q and k first, in the same launch.
+        Returns the rotated ``(q [T, Hq, D], k [T, Hkv, D] or None unless return_k)``, contiguous."""
         k_cache, v_cache, label_cache, label_scale, channels, k_scale, v_scale = targets
         return ops.rope_store(positions, q, k, v, self.cos, self.sin, k_cache, v_cache, slots,
                               label_cache, label_scale, channels, k_scale, v_scale, return_k=return_k,
-                              impl=impl, tuning=tuning)
+                              impl=impl, tuning=tuning, qk_norm=qk_norm)

@@ -91,18 +91,19 @@ class LlamaAttention(nn.Module):
         q = q.view(T, self.num_q_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         attn = batch.attn
         impl = _fused_store(attn, x, tuning)
         if impl is not None:
-            # One launch: rotated q out, rotated k / v / label into the pools; prefill attention
-            # also reads the chunk's own k (decode reads only the cache).
+            # One launch: (q/k per-head norms,) rotated q out, rotated k / v / label into the pools;
+            # prefill attention also reads the chunk's own k (decode reads only the cache).
+            qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             q, k = rope.rotate_and_store(positions, q, k, v, attn.store_targets(self.layer_id),
                                          batch.out_slots, return_k=batch.mode == "prefill", impl=impl,
-                                         tuning=tuning)
+                                         tuning=tuning, qk_norm=qk_norm)
             out = attn.attention(self.layer_id, q, k, v, batch)
         else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             # v is a strided slice of the qkv GEMM output; KV-store kernels want dense rows.
             v = v.contiguous()
             q, k = rope(positions, q, k)

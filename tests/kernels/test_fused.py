@@ -160,6 +160,36 @@ def test_rope_store(t, hq, hkv, d, r, label_dtype):
         assert bool(((got - want).abs() <= want.abs() * 0.5 + 0.02).all())
 
 
+@pytest.mark.parametrize("t", [1, 6])
+@pytest.mark.parametrize("label_dtype", [BF16, FP8])
+def test_rope_store_with_qk_norm(t, label_dtype):
+    """Qwen3's per-head q / k RMSNorm inside the fused launch: q, the pools and the labels as the
+    norms (each rounded to bf16), then RoPE and the store, give them; the label is the cached k's."""
+    inputs, pools, lab, scale, slots, ch = _rope_case(t, 9, 3, 64, 16, label_dtype, 4)
+    g = torch.Generator().manual_seed(11)
+    norm = ((torch.rand(64, generator=g) + 0.5).to(DEVICE, BF16), (torch.rand(64, generator=g) + 0.5).to(DEVICE, BF16),
+            1e-6)
+    exp_pools, exp_lab = [p.clone() for p in pools], lab.clone()
+    qo, ko = ops.rope_store(*inputs, *pools, slots, lab, scale, ch, return_k=True, impl="triton", qk_norm=norm)
+    qe, ke = ref.rope_store_ref(*inputs, *exp_pools, slots, exp_lab, scale, ch, qk_norm=norm)
+    _close(qo, qe)
+    _close(ko, ke)
+    _close(pools[0], exp_pools[0])
+    assert torch.equal(pools[1], exp_pools[1])
+    # the label is the launch's own cached k's heavy channels (bf16: bit for bit; fp8: that over
+    # the scale, within the interpreter's e4m3 rounding); near-zero values of the reference's
+    # slightly different norm can differ in sign, so the comparison is with the launch's own k
+    got = lab[slots].float()
+    own = torch.gather(pools[0][slots].float(), 2, ch.long()[None].expand(t, -1, -1))
+    if label_dtype == BF16:
+        assert torch.equal(got, own)
+    else:
+        want = (own / scale).clamp(-448, 448).to(FP8).float()
+        assert bool(((got - want).abs() <= want.abs() * 0.5 + 0.02).all())
+    with pytest.raises(ValueError, match="norm weights"):
+        fused_launch.rope_store(*inputs, *pools, slots, qk_norm=(norm[0][:8], norm[1], 1e-6))
+
+
 @pytest.mark.parametrize("t", [5, 2048])
 def test_rope_alone_is_rope_store_bit_for_bit(t):
     """The standalone RoPE (what a backend that stores K itself runs: DS-Offload) gives the fused
@@ -384,16 +414,16 @@ rope_ptrs = dict(pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", slots_ptr="*i
 for hq, hkv, d, r, label, kout in ((9, 3, 64, 16, True, True), (32, 8, 128, 1, False, False)):
     comp(fused.rope_store_kernel, dict(HQ=hq, HKV=hkv, HALF=d // 2, R=r, BLOCK_HQ=triton.next_power_of_2(hq),
          BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_D2=d // 2, BLOCK_R=triton.next_power_of_2(r),
-         HAS_K_OUT=kout, HAS_LABEL=label, LABEL_FP8=label, KV_FP8=False, FP8_MAX=0.0, FP8_MANT=0, FP8_BIAS=0,
-         INTERPRET=False), rope_ptrs, num_warps=4, enable_fp_fusion=False)
+         HAS_K_OUT=kout, HAS_LABEL=label, LABEL_FP8=label, QK_NORM=label, KV_FP8=False, FP8_MAX=0.0, FP8_MANT=0,
+         FP8_BIAS=0, INTERPRET=False), rope_ptrs, dict(norm_eps="fp32"), num_warps=4, enable_fp_fusion=False)
 # fp8 K/V pools (--kv-cache-dtype): the fused RoPE store, the store and the attention over them
 from doublesparse.kernels.triton import store as store_mod
 for fp8, (fmax, mant, bias) in (("*fp8e4nv", (448.0, 3, 7)), ("*fp8e5", (57344.0, 2, 15))):
     kv8 = dict(k_cache_ptr=fp8, v_cache_ptr=fp8, k_scale_ptr="*fp32", v_scale_ptr="*fp32")
     q8 = dict(KV_FP8=True, FP8_MAX=fmax, FP8_MANT=mant, FP8_BIAS=bias, INTERPRET=False)
     comp(fused.rope_store_kernel, dict(HQ=9, HKV=3, HALF=32, R=16, BLOCK_HQ=16, BLOCK_HKV=4, BLOCK_D2=32,
-         BLOCK_R=16, HAS_K_OUT=True, HAS_LABEL=True, LABEL_FP8=True, **q8), dict(rope_ptrs, **kv8), num_warps=4,
-         enable_fp_fusion=False)
+         BLOCK_R=16, HAS_K_OUT=True, HAS_LABEL=True, LABEL_FP8=True, QK_NORM=False, **q8), dict(rope_ptrs, **kv8),
+         dict(norm_eps="fp32"), num_warps=4, enable_fp_fusion=False)
     comp(store_mod.store_kv_kernel, dict(D=128, R=16, BLOCK_T=16, BLOCK_D=128, BLOCK_R=16, HAS_LABEL=True,
          LABEL_FP8=True, **q8), dict(kv8, slots_ptr="*i32", channels_ptr="*i32", scale_ptr="*fp32",
          label_ptr="*fp8e4nv"), num_warps=4)

@@ -64,3 +64,16 @@ def test_mla_one_launch_steps_match_pytorch():
     assert tokens == want_tokens and len(got) == len(want) > 3
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_qk_norm_in_the_fused_rope_store_matches_pytorch():
+    """Qwen3's per-head q / k norms inside the fused RoPE + KV store (under the interpreter on CPU)
+    give the separate norms' tokens and logits."""
+    m = tiny_family("qwen3_moe", max_position_embeddings=512).to(DEVICE)
+    assert m.config.qk_norm
+    base = KernelTuning(fused_moe=False, fused_rope_store=False)
+    want_tokens, want = _run(m, base)
+    tokens, got = _run(m, base.replace(fused_rope_store=True))
+    assert tokens == want_tokens and len(got) == len(want) > 3
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

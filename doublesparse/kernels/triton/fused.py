@@ -72,6 +72,21 @@ def _load_halves(src, stride_h, H: tl.constexpr, HALF: tl.constexpr,
 
 
 @triton.jit
+def _head_norm(x1, x2, w_ptr, eps, HALF: tl.constexpr, BLOCK_D2: tl.constexpr, dtype: tl.constexpr):
+    """Per-head RMSNorm of the halves (x1, x2) [BLOCK_H, BLOCK_D2] float32 with weight w [2 HALF]:
+    float32 statistics, rounded once to ``dtype`` (as the unfused norm's output) -> (y1, y2 float32,
+    1/rms [BLOCK_H])."""
+    d = tl.arange(0, BLOCK_D2)
+    m = d < HALF
+    inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+    w1 = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + d, mask=m, other=0.0).to(tl.float32)
+    y1 = (x1 * inv[:, None] * w1[None, :]).to(dtype).to(tl.float32)
+    y2 = (x2 * inv[:, None] * w2[None, :]).to(dtype).to(tl.float32)
+    return y1, y2, inv
+
+
+@triton.jit
 def _store_halves(dst, stride_h, o1, o2, H: tl.constexpr, HALF: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
     h = tl.arange(0, BLOCK_H)
@@ -90,12 +105,13 @@ def rope_store_kernel(
     k_cache_ptr, v_cache_ptr, label_ptr,  # caches: [S, Hkv, D]; label: [S, Hkv, R]
     channels_ptr, scale_ptr,              # channels: [Hkv, R] int; scale: [1] f32 (fp8)
     k_scale_ptr, v_scale_ptr,             # [1] f32 each (fp8 K/V pools)
+    qn_ptr, kn_ptr, norm_eps,             # per-head RMSNorm weights [D] of q and k (if QK_NORM)
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
     stride_qot, stride_qoh, stride_kot, stride_koh,
     stride_kcs, stride_kch, stride_vcs, stride_vch, stride_ls, stride_lh, stride_ch,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, R: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_K_OUT: tl.constexpr, HAS_LABEL: tl.constexpr, LABEL_FP8: tl.constexpr,
+    HAS_K_OUT: tl.constexpr, HAS_LABEL: tl.constexpr, LABEL_FP8: tl.constexpr, QK_NORM: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -112,11 +128,16 @@ def rope_store_kernel(
     # (The branches use distinct names: Triton rejects a name defined in both with two shapes.)
     if part == 0:
         q1, q2 = _load_halves(q_ptr + t * stride_qt, stride_qh, HQ, HALF, BLOCK_HQ, BLOCK_D2)
+        if QK_NORM:  # Qwen3's per-head norm before RoPE
+            q1, q2, _ = _head_norm(q1, q2, qn_ptr, norm_eps, HALF, BLOCK_D2, q_ptr.dtype.element_ty)
         _store_halves(qo_ptr + t * stride_qot, stride_qoh, q1 * c - q2 * s, q2 * c + q1 * s,
                       HQ, HALF, BLOCK_HQ, BLOCK_D2)
     else:
         slot = tl.load(slots_ptr + t).to(tl.int64)
         x1, x2 = _load_halves(k_ptr + t * stride_kt, stride_kh, HKV, HALF, BLOCK_HKV, BLOCK_D2)
+        kinv = tl.zeros([BLOCK_HKV], tl.float32)
+        if QK_NORM:
+            x1, x2, kinv = _head_norm(x1, x2, kn_ptr, norm_eps, HALF, BLOCK_D2, k_ptr.dtype.element_ty)
         # Rounded to the activation dtype first: the unfused path stores RoPE's output, which has
         # k's dtype, and the cache may have another one.
         o1 = (x1 * c - x2 * s).to(k_ptr.dtype.element_ty)
@@ -147,7 +168,13 @@ def rope_store_kernel(
             j = tl.where(hi, ch - HALF, ch)
             row = k_ptr + t * stride_kt + h[:, None] * stride_kh
             a = tl.load(row + ch, mask=lm, other=0.0).to(tl.float32)
-            b = tl.load(row + tl.where(hi, j, ch + HALF), mask=lm, other=0.0).to(tl.float32)
+            bi = tl.where(hi, j, ch + HALF)
+            b = tl.load(row + bi, mask=lm, other=0.0).to(tl.float32)
+            if QK_NORM:  # the normed values, as the halves above got them
+                wa = tl.load(kn_ptr + ch, mask=lm, other=0.0).to(tl.float32)
+                wb = tl.load(kn_ptr + bi, mask=lm, other=0.0).to(tl.float32)
+                a = (a * kinv[:, None] * wa).to(k_ptr.dtype.element_ty).to(tl.float32)
+                b = (b * kinv[:, None] * wb).to(k_ptr.dtype.element_ty).to(tl.float32)
             cj = tl.load(cos_ptr + pos * stride_c + j, mask=lm, other=0.0)
             sj = tl.load(sin_ptr + pos * stride_c + j, mask=lm, other=0.0)
             lab = tl.where(hi, a * cj + b * sj, a * cj - b * sj)

@@ -102,13 +102,15 @@ def lse_merge(o1, o2, lse1, lse2):
 
 def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cache=None,
                label_scale=None, channels=None, return_k: bool = False, tuning: KernelTuning = DEFAULT_TUNING,
-               k_scale=None, v_scale=None):
+               k_scale=None, v_scale=None, qk_norm=None):
     """Rotate q and k (rotate-half RoPE, fp32, rounded once to q's dtype), write rotated k, v and
     the label of rotated k into the pools at ``slots``; one launch.
 
     positions, slots: [T] int32/int64; q: [T, Hq, D]; k, v: [T, Hkv, D] (any token/head strides,
     last dim contiguous: views into the merged qkv GEMM output are fine); cos, sin: [P, D/2]
     float32; caches, labels and an fp8 pool's k_scale / v_scale as in :func:`.launch.store_kv`.
+    ``qk_norm``: None, or ``(q_weight [D], k_weight [D], eps)``: each head of q and k RMS-normed
+    first (Qwen3), rounded to q's dtype as the unfused norm's output is.
     Returns ``(q_rot [T, Hq, D] contiguous, k_rot [T, Hkv, D] contiguous or None)``.
     """
     dev = q.device
@@ -144,8 +146,17 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
     ch = channels if has_label else slots
     scale = label_scale if is_fp8 else cos
     ks, vs, _ = kv_scale_args(k_cache, k_scale, v_scale)
+    if qk_norm is not None:
+        qn, kn, norm_eps = qk_norm
+        check(qn, "q norm weight", 1, FLOAT, dev)
+        check(kn, "k norm weight", 1, FLOAT, dev)
+        if qn.shape[0] != D or kn.shape[0] != D:
+            fail(f"rope_store: q/k norm weights {tuple(qn.shape)} / {tuple(kn.shape)} must be [{D}]")
+    else:
+        qn, kn, norm_eps = cos, cos, 0.0   # placeholders for the constexpr-disabled path
     rope_store_kernel[(T, 2)](
         q, k, v, positions, cos, sin, slots, qo, ko_t, k_cache, v_cache, lab, ch, scale, ks, vs,
+        qn, kn, float(norm_eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         qo.stride(0), qo.stride(1), ko_t.stride(0), ko_t.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -153,7 +164,7 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
         HQ=Hq, HKV=Hkv, HALF=D // 2, R=r,
         BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HKV=triton.next_power_of_2(Hkv),
         BLOCK_D2=triton.next_power_of_2(D // 2), BLOCK_R=triton.next_power_of_2(r),
-        HAS_K_OUT=return_k, HAS_LABEL=has_label, LABEL_FP8=is_fp8,
+        HAS_K_OUT=return_k, HAS_LABEL=has_label, LABEL_FP8=is_fp8, QK_NORM=qk_norm is not None,
         **fp8_constexprs(k_cache.dtype), INTERPRET=INTERPRET,
         num_warps=4, enable_fp_fusion=False, **pdl_kwargs(dev, tuning),
     )
