@@ -317,8 +317,9 @@ def moe_route(logits, top_k: int, renorm: bool, scale: float = 1.0, impl: str = 
     sum if ``renorm``, times ``scale``. Triton: one launch (kernels/triton/moe_route.py); PyTorch:
     the device ops models/moe.py's ``route`` runs on the CPU (ties broken as torch.topk breaks them)."""
     if _use_triton(logits, impl):
-        from .triton.moe_route import route_topk
-        return route_topk(logits, top_k, renorm, scale)
+        from .triton.moe_route import ROUTE_MAX_EXPERTS, route_topk
+        if logits.shape[-1] <= ROUTE_MAX_EXPERTS:  # (more experts than one program holds: the ops)
+            return route_topk(logits, top_k, renorm, scale)
     w, ids = logits.float().softmax(dim=-1).topk(top_k, dim=-1)
     if renorm:
         w = w / w.sum(dim=-1, keepdim=True)
