@@ -307,7 +307,8 @@ def moe_experts(x, w13, w2, weights, ids, shared=None, shared_w13=None, shared_w
             s_out = linear(silu_mul(linear(x, shared_w13, tuning=tuning), impl=impl, tuning=tuning), shared_w2,
                            tuning=tuning)
             add = s_out if shared is None else s_out + shared
-        return fused_experts(x, w13, w2, weights, ids, add=add)  # the add inside the expert sum's launch
+        return fused_experts(x, w13, w2, weights, ids, add=add,  # the add inside the expert sum's launch
+                             one_launch_layout=tuning.fused_moe_routing)
     return ref.moe_experts_ref(x, w13, w2, weights, ids, shared, shared_w13, shared_w2).to(x.dtype)
 
 

@@ -124,6 +124,10 @@ class KernelTuning:
     # The Triton expert paths of an MoE layer (grouped GEMM, decode path): "auto" = on CUDA, True =
     # also on CPU (the interpreter: tests), False = the PyTorch path.
     fused_moe: bool | str = "auto"
+    # Where fused_moe runs the Triton expert paths: the router's softmax / top-k / renormalisation
+    # and the grouped GEMM's block layout as one launch each (kernels/triton/moe_route.py, moe.py)
+    # instead of ~30 small device ops a layer; False keeps the device ops (a measurement's peer).
+    fused_moe_routing: bool = True
     # MLA's steps around attention at decode sizes in one launch each (kernels/triton/mla_proj.py:
     # the absorbed query with the latent row, and the value half out): "auto" = on CUDA, True = also
     # on CPU (the interpreter: tests), False = the PyTorch ops.

@@ -122,7 +122,8 @@ class SparseMoE(nn.Module):
         """x: [T, H] -> (weights [T, K] float32, ids [T, K] int64)."""
         w = self.gate.weight
         logits = F.linear(x.float(), w.float()) if self.moe.router_fp32 else F.linear(x, w)
-        return route(logits, self.moe, fused_impl(tuning.fused_moe, x))
+        impl = fused_impl(tuning.fused_moe, x) if tuning.fused_moe_routing else None
+        return route(logits, self.moe, impl)
 
     def forward(self, x: torch.Tensor, tuning: KernelTuning = DEFAULT_TUNING, decode: bool = False) -> torch.Tensor:
         """x: [T, H] -> [T, H]; ``decode``: as in :class:`~doublesparse.models.layers.Linear`."""

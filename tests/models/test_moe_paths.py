@@ -35,7 +35,8 @@ def test_triton_expert_paths_match_pytorch(arch):
     dec = KernelTuning(fused_moe=True, moe_decode_max_tokens=64)
     for tuning in (dec,                                                     # the decode path throughout
                    dec.replace(moe_fuse_shared=False),                      # DeepSeek's shared MLP apart
-                   KernelTuning(fused_moe=True)):                           # the grouped GEMM (the default)
+                   KernelTuning(fused_moe=True),                            # the grouped GEMM (the default)
+                   KernelTuning(fused_moe=True, fused_moe_routing=False)):  # its routing as device ops
         tokens, got = _run(m, tuning)
         assert tokens == want_tokens
         assert len(got) == len(want) > 3

@@ -202,18 +202,19 @@ def _moe_sum_kernel(o_ptr, add_ptr, out_ptr, H, stride_add, K: tl.constexpr, HAS
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
-                  add: torch.Tensor | None = None) -> torch.Tensor:
+                  add: torch.Tensor | None = None, one_launch_layout: bool = True) -> torch.Tensor:
     """Same contract as models.moe.experts_torch: x [T, H]; w13 [E, 2I, H]; w2 [E, H, I] (rows
     contiguous); weights [T, K] float; ids [T, K] int64 -> [T, H] in x's dtype; ``add`` [T, H]
     (the shared experts' output; last dim contiguous) is added to the expert sum in float32
-    before its one rounding."""
+    before its one rounding; ``one_launch_layout``: the block layout by :func:`align_blocks_launch`
+    where the step fits it (else the device ops of :func:`align_blocks`)."""
     T, H = x.shape
     if add is not None and (tuple(add.shape) != (T, H) or add.stride(1) != 1):
         raise ValueError(f"add must be [{T}, {H}] with a contiguous last dim, got {tuple(add.shape)}")
     E, two_i, _ = w13.shape
     inter, K = two_i // 2, ids.shape[1]
     tk = T * K
-    if T * K <= ALIGN_MAX_ASSIGNMENTS:
+    if one_launch_layout and T * K <= ALIGN_MAX_ASSIGNMENTS:
         rows, bexp = align_blocks_launch(ids, E)
     else:
         rows, bexp = align_blocks(ids, E)
