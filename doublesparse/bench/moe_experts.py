@@ -1,5 +1,7 @@
 """``python -m doublesparse.bench.moe_experts``: the routed experts of one MoE layer alone at decode
-sizes, the decode path (kernels/triton/moe_decode.py) beside the grouped GEMM (moe.py).
+sizes, the decode path (kernels/triton/moe_decode.py) beside the grouped GEMM (moe.py), and the
+grouped GEMM with its block layout built by device ops (``fused_moe_routing`` off: the peer of its
+one-launch layout).
 
 Per model shape and token count: random bf16 expert weights, tokens routed uniformly at random
 (top-k of random router logits, as dummy weights route), both paths replayed from CUDA graphs (as
@@ -50,8 +52,11 @@ def case(name: str, T: int, tuning: KernelTuning, bw: float, iters: int, seed: i
     nbytes = touched * 3 * H * inter * w13.element_size()
     grouped = tuning.replace(moe_decode_max_tokens=0)
     decode = tuning.replace(moe_decode_max_tokens=max(tuning.moe_decode_max_tokens, T))
+    ops_layout = grouped.replace(fused_moe_routing=False)
     paths = {"decode": lambda: ops.moe_experts(x, w13, w2, weights, ids, impl="triton", tuning=decode),
-             "grouped": lambda: ops.moe_experts(x, w13, w2, weights, ids, impl="triton", tuning=grouped)}
+             "grouped": lambda: ops.moe_experts(x, w13, w2, weights, ids, impl="triton", tuning=grouped),
+             # the peer: the grouped GEMM with its block layout by ~25 small device ops
+             "grouped_ops": lambda: ops.moe_experts(x, w13, w2, weights, ids, impl="triton", tuning=ops_layout)}
     want = paths["grouped"]().float()
     got = paths["decode"]().float()
     row = {"model": name, "tokens": T, "top_k": K, "experts": E, "touched_experts": touched,
@@ -75,12 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def table(res: dict) -> list[str]:
     """Markdown rows of a result (the models suite's expert-path table)."""
-    L = ["| model | tokens | touched experts | MB | decode path us | GB/s | of copy | grouped GEMM us | GB/s | of copy |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+    L = ["| model | tokens | touched experts | MB | decode path us | GB/s | of copy | grouped GEMM us | GB/s | of copy "
+         "| grouped, layout by device ops us | of copy |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res.get("rows", []):
+        ops_cols = (f"{r['grouped_ops_us']:.1f} | {r['grouped_ops_bw_frac']:.2f}" if "grouped_ops_us" in r else "- | -")
         L.append(f"| {r['model']} | {r['tokens']} | {r['touched_experts']} | {r['touched_bytes'] / 1e6:.0f} | "
                  f"{r['decode_us']:.1f} | {r['decode_gbs']:.0f} | {r['decode_bw_frac']:.2f} | {r['grouped_us']:.1f} | "
-                 f"{r['grouped_gbs']:.0f} | {r['grouped_bw_frac']:.2f} |")
+                 f"{r['grouped_gbs']:.0f} | {r['grouped_bw_frac']:.2f} | {ops_cols} |")
     return L
 
 
@@ -103,12 +110,13 @@ def main(argv=None) -> int:
             print(f"{name:18} {T:3d} {r['touched_experts']:7d} {r['touched_bytes'] / 1e6:7.1f} | "
                   f"{r['decode_us']:9.1f} {r['decode_gbs']:6.0f} {r['decode_bw_frac']:5.2f} | "
                   f"{r['grouped_us']:10.1f} {r['grouped_gbs']:6.0f} {r['grouped_bw_frac']:5.2f} | "
-                  f"{r['max_rel_diff']:.1e}", flush=True)
+                  f"{r['max_rel_diff']:.1e} | layout by device ops {r['grouped_ops_us']:.1f} us", flush=True)
     # the expert path is the one the tuning takes at each size (kernels/triton/moe_decode.decode_fits)
     default = lambda r: "decode" if tuning.moe_decode_max_tokens >= r["tokens"] else "grouped"  # noqa: E731
     summary = {"expert_path_bw_frac_min": min(r[f"{default(r)}_bw_frac"] for r in rows),
                "decode_path_bw_frac_min": min(r["decode_bw_frac"] for r in rows),
-               "grouped_bw_frac_min": min(r["grouped_bw_frac"] for r in rows)}
+               "grouped_bw_frac_min": min(r["grouped_bw_frac"] for r in rows),
+               "grouped_ops_bw_frac_min": min(r["grouped_ops_bw_frac"] for r in rows)}
     print(json.dumps(summary))
     if a.result_json:
         with open(a.result_json, "w") as f:

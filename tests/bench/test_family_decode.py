@@ -78,6 +78,8 @@ def test_moe_experts_case_on_cpu():
                          shape=(40, 24, 7, 2), timer=lambda fn, iters: fn() is not None and 1e-3, dtype=torch.float32)
     assert 1 <= r["touched_experts"] <= 6 and r["touched_bytes"] == r["touched_experts"] * 3 * 40 * 24 * 4
     assert r["max_rel_diff"] < 1e-4 and r["decode_gbs"] == r["touched_bytes"] / 1e-3 / 1e9
+    assert r["grouped_ops_us"] == r["grouped_us"] == 1e3   # the peer with its layout by device ops, timed too
+    assert moe_experts.table({"rows": [r]})[-1].endswith("| 1000.0 | 0.05 |")
 
 
 def test_step_breakdown_classes(tmp_path, capsys):
