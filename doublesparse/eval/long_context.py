@@ -273,6 +273,7 @@ def run(args) -> dict:
                     "top1": r.top1,
                     "tokens": r.tokens,
                     "avg_k": avg_k,
+                    "ppl_pct_ci95": r.extra.get("ppl_pct_ci95"),
                     "bytes_per_step": s.bytes_per_step(
                         n, *dims, k=avg_k if s.top_p else None
                     ),

@@ -104,6 +104,11 @@ def markdown(res: dict) -> str:
                     f"| {n} | {name} | {_f(frac)} | {_f(r['ppl'])} | {_f(_pct(r['ppl'], dense.get('ppl')), '{:+.2f}')} "
                     f"| {_f(r['kl'], '{:.4f}')} | {_f(r['top1'])} |"
                 )
+        ci = [(n, name, r["ppl_pct_ci95"]) for n, rows in res["text"].items() for name, r in rows.items()
+              if r.get("ppl_pct_ci95")]
+        if ci:
+            L += ["", "ppl +%, 95 % interval from the windows' paired mean NLL differences (Student's t):", ""]
+            L += [f"- {n} {name}: {lo:+.2f} % to {hi:+.2f} %" for n, name, (lo, hi) in ci]
         L.append("")
     if res.get("ruler"):
         tasks = res["tasks"]

@@ -7,6 +7,7 @@ tokens are scored. The dense baseline goes through the same decode path with ``o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -95,6 +96,24 @@ def split_windows(ids: list[int], window_len: int, num_windows: int) -> list[lis
     return [ids[(i * slots // num_windows) * window_len:][:window_len] for i in range(num_windows)]
 
 
+# two-sided 95 % quantiles of Student's t by degrees of freedom (beyond the table: the normal's)
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+        12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}
+
+
+def ppl_interval(win_nll: list[float], dense_nll: list[float]) -> list[float]:
+    """95 % interval of a setting's perplexity against dense's, in percent, from the paired
+    differences of each window's mean NLL (windows of equal length; the windows, not the tokens,
+    are taken as independent: tokens of one text are not) -> [low, high]."""
+    d = [a - b for a, b in zip(win_nll, dense_nll)]
+    n = len(d)
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    t = _T95[max(k for k in _T95 if k <= n - 1)] if n - 1 <= 30 else 1.96
+    half = t * sd / math.sqrt(n)
+    return [100 * (math.exp(mean - half) - 1), 100 * (math.exp(mean + half) - 1)]
+
+
 class TextRunner:
     """Windows prefilled once per K/V cache dtype (dense, shared by every setting of that dtype;
     the model's own when built, another the first time a setting asks for it: driver.PoolSet);
@@ -127,6 +146,7 @@ class TextRunner:
                 targets = torch.tensor([t for w in win for t in w[prefix + 1:]], device=device)
                 self.groups.append([pools, [w[prefix:-1] for w in win], targets, None])
         self.results: dict[Setting, TextResult] = {}
+        self.window_nll: dict[Setting, list[float]] = {}  # per setting, each window's mean NLL
 
     @torch.inference_mode()
     def run(self, s: Setting, fidelity: FidelityObserver | None = None) -> TextResult:
@@ -135,6 +155,7 @@ class TextRunner:
         if s != DENSE and self.groups[0][3] is None:
             self.run(DENSE)
         a = dict(nll=0.0, kl=0.0, top1=0.0, n=0)
+        win_nll: list[float] = []
         k_stats: list = []
         ch = self.channels_for(s) if s.kind == "ds" else None
         for g in self.groups:
@@ -146,7 +167,9 @@ class TextRunner:
                                           observer=fidelity if s.kind == "ds" else None, k_stats=k_stats)
             logp = logits.log_softmax(-1)
             del logits
-            a["nll"] += float(-logp.gather(1, targets[:, None]).sum())
+            tok = -logp.gather(1, targets[:, None]).double()
+            win_nll += tok.view(len(inputs), -1).mean(1).tolist()   # the windows' scored tokens, in order
+            a["nll"] += float(tok.sum())
             a["n"] += targets.numel()
             if s == DENSE:
                 g[3] = ref = logp
@@ -156,6 +179,9 @@ class TextRunner:
         nll = a["nll"] / n
         res = TextResult(s, ppl=float(torch.tensor(nll).exp()), nll=nll, kl=a["kl"] / n,
                          top1=a["top1"] / n, tokens=a["n"])
+        self.window_nll[s] = win_nll
+        if s != DENSE and len(win_nll) > 1:
+            res.extra["ppl_pct_ci95"] = ppl_interval(win_nll, self.window_nll[DENSE])
         k_rows = sum(float(r) for _, r in k_stats)
         if s.kind == "ds" and k_rows:
             # tokens attended per selection row and layer, where the request decoded sparsely

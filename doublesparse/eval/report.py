@@ -37,6 +37,8 @@ def rows(settings, bytes_of, text=None, retrieval=None) -> list[dict]:
             t = text[s]
             if "avg_k" in t.extra:
                 r["avg_k"] = t.extra["avg_k"]
+            if "ppl_pct_ci95" in t.extra:
+                r["ppl_pct_ci95"] = t.extra["ppl_pct_ci95"]
             r.update(ppl=t.ppl, kl=t.kl, top1=t.top1, tokens=t.tokens,
                      recall=nanmean(t.recall), rel_err=nanmean(t.rel_err),
                      recall_per_layer=t.recall, rel_err_per_layer=t.rel_err)
@@ -61,6 +63,11 @@ def markdown(rs: list[dict], title: str, notes: list[str] = ()) -> str:
             _f(r.get("retrieval_acc"), "{:.2f}"),
             _f(r.get("recall") if r["kind"] == "ds" else None, "{:.3f}"),
             _f(r.get("rel_err") if r["kind"] == "ds" else None, "{:.3f}")]) + " |")
+    ci = [r for r in rs if r.get("ppl_pct_ci95")]
+    if ci:
+        lines += ["", ("Perplexity against dense over the model's cache, 95 % interval from the windows' paired "
+                       "mean NLL differences (Student's t; windows, not tokens, independent):"), ""]
+        lines += [f"- {r['setting']}: {r['ppl_pct_ci95'][0]:+.2f} % to {r['ppl_pct_ci95'][1]:+.2f} %" for r in ci]
     measured = [r for r in rs if r.get("avg_k") is not None and "/p" in r["setting"]]
     if measured:
         lines += ["", ("Tokens attended per selection row and layer where a request decoded sparsely "

@@ -1,6 +1,7 @@
 """Eval: the decode driver equals sequential decoding on the real ops; eval --small end to end."""
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -234,6 +235,16 @@ def test_text_runner_matches_evaluate_text_and_fidelity_stride():
     assert len(half.recall) == 2 and all(0 < x <= 1 + 1e-6 for x in half.recall)
     assert all(abs(a - b) < 0.15 for a, b in zip(half.recall, want.recall))  # half the tokens
     assert runner.run(s).recall == half.recall  # a later plain run keeps the fidelity
+    # the perplexity's 95 % interval against dense, from the two windows' paired mean NLLs
+    lo, hi = got.extra["ppl_pct_ci95"]
+    d = [a - b for a, b in zip(runner.window_nll[s], runner.window_nll[DENSE])]
+    assert len(d) == 2 and lo < 100 * (math.exp(sum(d) / 2) - 1) < hi
+    assert abs(100 * (got.ppl / runner.results[DENSE].ppl - 1) - 100 * (math.exp(sum(d) / 2) - 1)) < 1e-3
+    assert measure.ppl_interval([1.1, 1.2, 1.3], [1.0, 1.1, 1.2]) == pytest.approx(
+        [100 * (math.exp(0.1) - 1)] * 2, abs=1e-6)   # equal differences: no width
+    lo, hi = measure.ppl_interval([1.0, 1.2, 1.1], [1.0, 1.1, 1.0])   # d = 0, 0.1, 0.1: t(2) = 4.30
+    half = 4.30 * math.sqrt(((0 - 0.2 / 3) ** 2 + 2 * (0.1 - 0.2 / 3) ** 2) / 2) / math.sqrt(3)
+    assert (lo, hi) == pytest.approx((100 * (math.exp(0.2 / 3 - half) - 1), 100 * (math.exp(0.2 / 3 + half) - 1)))
 
 
 def test_selection_recall_rows_subset():
