@@ -870,6 +870,7 @@ def _fp8_kv_keys(eval_rows: list, n: int) -> dict:
     dense, default = by["dense"]["ppl"], eval_rows[1]
     f8 = by.get(default["setting"] + "/kv:fp8_e4m3")
     return {f"fp8_kv_ppl_increase_pct_{n}": 100 * (by["dense/kv:fp8_e4m3"]["ppl"] / dense - 1),
+            f"fp8_kv_ppl_increase_pct_{n}_ci95": by["dense/kv:fp8_e4m3"].get("ppl_pct_ci95"),
             f"fp8_kv_ds_ppl_points_{n}": 100 * (f8["ppl"] - default["ppl"]) / dense if f8 else None}
 
 

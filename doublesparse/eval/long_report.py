@@ -62,6 +62,7 @@ def summary(res: dict) -> dict:
         f8 = rows.get("dense" + suffix)
         if dense and f8:
             out[f"fp8_kv_ppl_increase_pct_{n}"] = _pct(f8["ppl"], dense["ppl"])
+            out[f"fp8_kv_ppl_increase_pct_{n}_ci95"] = f8.get("ppl_pct_ci95")
         if dense and d in rows and (d + suffix) in rows:
             out[f"fp8_kv_ds_ppl_points_{n}"] = (_pct(rows[d + suffix]["ppl"], dense["ppl"])
                                                  - _pct(rows[d]["ppl"], dense["ppl"]))
@@ -231,8 +232,8 @@ def merged(rows: dict) -> dict | None:
 
 def _largest(rows: dict, prefix: str):
     """The largest value of the summary keys starting with ``prefix`` over every row (None: none)."""
-    vals = [v for r in rows.values() if isinstance(r, dict)
-            for k, v in (r.get("summary") or {}).items() if k.startswith(prefix) and v is not None]
+    vals = [v for r in rows.values() if isinstance(r, dict)   # (numbers: not the _ci95 intervals)
+            for k, v in (r.get("summary") or {}).items() if k.startswith(prefix) and isinstance(v, (int, float))]
     return max(vals) if vals else None
 
 

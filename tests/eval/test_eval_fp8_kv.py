@@ -207,7 +207,9 @@ def test_long_context_summary_has_the_fp8_keys(tmp_path):
     d = res["default_setting"]
     assert s["fp8_kv_ds_ppl_points_300"] == pytest.approx(
         100 * (text[d + "/kv:fp8_e4m3"]["ppl"] - text[d]["ppl"]) / text["dense"]["ppl"])
+    assert s["fp8_kv_ppl_increase_pct_300_ci95"] is None   # one window: no interval
     rows = {"smollm2-8k": res, "qwen15b-16k-fp8": {"summary": {"fp8_kv_ppl_increase_pct_16384": -1.0,
+                                                                "fp8_kv_ppl_increase_pct_16384_ci95": [-3.0, 1.0],
                                                                 "fp8_kv_ds_ppl_points_16384": 9.0}}}
     suite = long_report.suite_summary(rows)
     assert suite["fp8_kv_ppl_increase_pct_max"] == max(s["fp8_kv_ppl_increase_pct_300"], -1.0)
