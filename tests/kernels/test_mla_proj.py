@@ -58,6 +58,14 @@ def test_mla_absorb_is_the_models_composition():
     torch.testing.assert_close(ref.mla_unabsorb_ref(c["out"], c["w_uv"]), o)
 
 
+def test_mla_launchers_take_an_empty_step():
+    from doublesparse.kernels.triton import mla_proj
+    c = _case(2, 2, 16, 8, 32, 16, torch.float32)
+    q, lat = mla_proj.mla_absorb(c["q"][:0], c["kv"][:0], c["pos"][:0], c["cos"], c["sin"], c["w_uk"], c["nw"], 1e-6, 1.0)
+    assert q.shape == (0, 2, 40) and lat.shape == (0, 1, 40)
+    assert mla_proj.mla_unabsorb(c["out"][:0], c["w_uv"]).shape == (0, 32)
+
+
 def test_mla_launchers_refuse_bad_shapes():
     from doublesparse.kernels.triton import mla_proj
     c = _case(2, 2, 16, 8, 32, 16, torch.float32)

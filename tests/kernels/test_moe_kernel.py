@@ -54,10 +54,14 @@ def test_fused_experts_matches_torch():
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
     with pytest.raises(ValueError, match="add must be"):
         fused_experts(x, w13, w2, w, ids, add=add[:1])
+    assert fused_experts(x[:0], w13, w2, w[:0], ids[:0]).shape == (0, H)   # an empty step
+    rows, bexp = align_blocks_launch(ids[:0], E)
+    assert rows.numel() == 0 and bexp.numel() == 0
 
 
 @pytest.mark.parametrize(("T", "E", "K", "skew"), [(1, 128, 8, 0.0), (4, 128, 8, 0.0), (23, 5, 3, 3.0), (3, 7, 2, 0.0),
-                                                   (64, 128, 8, 5.0), (5, 256, 8, 0.0), (40, 3, 2, 9.0)])
+                                                   (64, 128, 8, 5.0), (5, 256, 8, 0.0), (40, 3, 2, 9.0),
+                                                   (128, 8, 8, 0.0), (1, 1, 1, 0.0)])   # 1024 assignments: the bound
 def test_align_blocks_in_one_launch_equals_the_device_ops(T, E, K, skew, monkeypatch):
     """The one-launch layout is align_blocks' bit for bit (rows in the same stable order, the same
     padding, the same block experts), on poisoned outputs, int64 and int32 ids."""
@@ -83,7 +87,7 @@ def test_align_blocks_in_one_launch_refuses_prefill_sizes():
 
 @pytest.mark.parametrize(("T", "E", "K", "renorm", "scale"), [(1, 128, 8, True, 1.0), (5, 64, 6, False, 1.0),
                                                              (37, 5, 3, True, 2.5), (3, 160, 1, False, 16.0),
-                                                             (2, 7, 7, True, 1.0)])
+                                                             (2, 7, 7, True, 1.0), (3, 1, 1, True, 1.0)])
 def test_route_in_one_launch_matches_the_reference(T, E, K, renorm, scale, monkeypatch):
     """The one-launch router (softmax, top-k, renormalise, scale) against the token-by-token
     reference and the PyTorch ops, logits in bf16 and float32, on poisoned outputs."""

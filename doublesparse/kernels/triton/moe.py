@@ -113,6 +113,8 @@ def align_blocks_launch(ids: torch.Tensor, num_experts: int, block_m: int = BLOC
     nb = min(tk, triton.cdiv(tk + num_experts * (block_m - 1), block_m))
     rows = torch.empty(nb * block_m, dtype=torch.int64, device=ids.device)
     block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
+    if tk == 0:
+        return rows, block_expert
     grid = max(triton.cdiv(tk, _ALIGN_ROWS), triton.cdiv(nb * block_m, _ALIGN_SLOTS))
     _moe_align_kernel[(grid,)](flat, rows, block_expert, tk, num_experts, nb, BLOCK_M=block_m,
                            BLOCK_E=triton.next_power_of_2(num_experts), ROWS=_ALIGN_ROWS, SLOTS=_ALIGN_SLOTS,
@@ -211,6 +213,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     T, H = x.shape
     if add is not None and (tuple(add.shape) != (T, H) or add.stride(1) != 1):
         raise ValueError(f"add must be [{T}, {H}] with a contiguous last dim, got {tuple(add.shape)}")
+    if T == 0:
+        return torch.empty(0, H, dtype=x.dtype, device=x.device)
     E, two_i, _ = w13.shape
     inter, K = two_i // 2, ids.shape[1]
     tk = T * K
