@@ -916,7 +916,11 @@ def _summary_models(rows: dict) -> dict:
         s[f"{key}_dense_over_floor"] = d.get("floor", {}).get("over_floor")
         s[f"{key}_ds_over_floor"] = x.get("floor", {}).get("over_floor")
         s[f"{key}_floor_ratio"] = _ratio(d.get("floor", {}).get("floor_s"), x.get("floor", {}).get("floor_s"))
-    s["expert_path_bw_frac_min"] = rows.get(_EXPERT_ROW["name"], {}).get("summary", {}).get("expert_path_bw_frac_min")
+    expert = rows.get(_EXPERT_ROW["name"], {})
+    s["expert_path_bw_frac_min"] = expert.get("summary", {}).get("expert_path_bw_frac_min")
+    if expert.get("rows"):  # time = bytes / stream rate + fixed cost, per path and model
+        from doublesparse.bench.moe_experts import fixed_cost
+        s["expert_path_fit"] = fixed_cost(expert["rows"])
     return s
 
 

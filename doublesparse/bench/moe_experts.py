@@ -67,6 +67,23 @@ def case(name: str, T: int, tuning: KernelTuning, bw: float, iters: int, seed: i
     return row
 
 
+def fixed_cost(rows: list[dict]) -> dict:
+    """Per path timed and model, the line through (touched bytes, time) at the model's two smallest
+    token counts: ``{path: {model: {"stream_gbs", "fixed_us"}}}``, the rate the path streams the
+    experts at and the time a call takes beyond that (launches, routing layout, sum)."""
+    out: dict = {}
+    for path in ("decode", "grouped", "grouped_ops"):
+        for model in dict.fromkeys(r["model"] for r in rows if f"{path}_us" in r):
+            two = sorted((r for r in rows if r["model"] == model and f"{path}_us" in r), key=lambda r: r["tokens"])[:2]
+            if len(two) < 2 or two[1][f"{path}_us"] <= two[0][f"{path}_us"]:
+                continue
+            a, b = two
+            us = b[f"{path}_us"] - a[f"{path}_us"]
+            rate = (b["touched_bytes"] - a["touched_bytes"]) / us  # bytes per us
+            out.setdefault(path, {})[model] = {"stream_gbs": rate / 1e3, "fixed_us": a[f"{path}_us"] - a["touched_bytes"] / rate}
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m doublesparse.bench.moe_experts", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,7 +133,7 @@ def main(argv=None) -> int:
     summary = {"expert_path_bw_frac_min": min(r[f"{default(r)}_bw_frac"] for r in rows),
                "decode_path_bw_frac_min": min(r["decode_bw_frac"] for r in rows),
                "grouped_bw_frac_min": min(r["grouped_bw_frac"] for r in rows),
-               "grouped_ops_bw_frac_min": min(r["grouped_ops_bw_frac"] for r in rows)}
+               "grouped_ops_bw_frac_min": min(r["grouped_ops_bw_frac"] for r in rows), "fit": fixed_cost(rows)}
     print(json.dumps(summary))
     if a.result_json:
         with open(a.result_json, "w") as f:

@@ -49,7 +49,13 @@ def test_floor_and_models_summary(tmp_path, capsys):
               "grouped_bw_frac": 0.45}
     rows["expert-path"] = {"rows": [expert], "summary": {"expert_path_bw_frac_min": 0.85}}
     s = bench_run.summarize("models", rows)
-    assert s["expert_path_bw_frac_min"] == 0.85
+    assert s["expert_path_bw_frac_min"] == 0.85 and s["expert_path_fit"] == {}   # one token count: no line
+    # the line through the two smallest token counts: 10 + bytes / 2 GB/s (bytes per us = GB/s x 1e3)
+    from doublesparse.bench.moe_experts import fixed_cost
+    line = [{"model": "m", "tokens": t, "touched_bytes": b, "grouped_us": 10 + b / 2e3} for t, b in ((16, 8e5), (4, 2e5),
+                                                                                                  (64, 9e5))]
+    fit = fixed_cost(line)["grouped"]["m"]
+    assert fit["stream_gbs"] == pytest.approx(2.0) and fit["fixed_us"] == pytest.approx(10.0)
     for key in ("dsv2_lite_128k_bs4_ds_speedup", "dsv2_lite_dense_over_floor", "qwen3_moe_32k_bs8_ds_speedup",
                 "qwen3_moe_dense_over_floor", "mixtral_32k_bs8_ds_speedup", "mixtral_dense_over_floor"):
         assert s[key] is not None and s[key] > 0, key

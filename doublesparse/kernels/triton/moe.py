@@ -50,9 +50,10 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     return rows, block_expert
 
 
-# One launch builds the block layout (align_blocks' ~25 small device ops cost a decode step ~40 us
-# of launch gaps on an H100, about as long as reading the experts of 4 tokens) when the step has
-# at most this many assignments; beyond it, prefill sizes, the device ops.
+# One launch builds the block layout (with align_blocks' ~25 small device ops the expert path took
+# a fixed ~41 us beyond streaming its experts on an H100, as long as reading the experts of 4
+# tokens: expert_path_fit in results/models-h100.md) when the step has at most this many
+# assignments; beyond it, prefill sizes, the device ops.
 ALIGN_MAX_ASSIGNMENTS = 1024
 _ALIGN_ROWS = 32   # assignments per program
 _ALIGN_SLOTS = 64  # layout rows per program
