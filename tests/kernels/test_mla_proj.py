@@ -73,3 +73,7 @@ def test_mla_launchers_refuse_bad_shapes():
         mla_proj.mla_absorb(c["q"], c["kv"][:, 1:], c["pos"], c["cos"], c["sin"], c["w_uk"], c["nw"], 1e-6, 1.0)
     with pytest.raises(ValueError, match="disagree"):
         mla_proj.mla_unabsorb(c["out"][:, :1], c["w_uv"])
+    with pytest.raises(ValueError, match="positions"):
+        mla_proj.mla_absorb(c["q"], c["kv"], c["pos"][:1], c["cos"], c["sin"], c["w_uk"], c["nw"], 1e-6, 1.0)
+    with pytest.raises(ValueError, match="cos/sin"):
+        mla_proj.mla_absorb(c["q"], c["kv"], c["pos"], c["cos"][:, :2], c["sin"][:, :2], c["w_uk"], c["nw"], 1e-6, 1.0)

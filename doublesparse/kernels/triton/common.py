@@ -41,6 +41,16 @@ def check(t, name, ndim=None, dtypes=None, device=None, last_contig=True):
         fail(f"{name} must be contiguous in its last dim (stride {t.stride()})")
 
 
+def check_rope_tables(who: str, positions, cos, sin, width: int, dev) -> None:
+    """RoPE's inputs beside the rotated tensors: positions [T] int, cos / sin [max_pos, width / 2]
+    float32 for a rotated width ``width`` (even), on ``dev``."""
+    check(positions, "positions", 1, INDEX, dev)
+    check(cos, "cos", 2, (torch.float32,), dev)
+    check(sin, "sin", 2, (torch.float32,), dev)
+    if width % 2 or cos.shape[1] != width // 2 or sin.shape != cos.shape:
+        fail(f"{who}: cos/sin must be [max_pos, {width // 2}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
+
+
 def check_caches(k_cache, v_cache, dev, k_scale=None, v_scale=None):
     check(k_cache, "k_cache", 3, _KV, dev)
     check(v_cache, "v_cache", 3, (k_cache.dtype,), dev)

@@ -14,8 +14,8 @@ from .fused import lse_merge_kernel, rmsnorm_kernel, rope_store_kernel, silu_mul
 from .gemv import gemv_kernel
 from .skinny import skinny_gemm_kernel
 from ..tuning import DEFAULT_TUNING, KernelTuning
-from .common import (FLOAT, INDEX, INTERPRET, check, check_caches, check_labels, fail, kv_scale_args,
-                     num_sms, pdl_enabled, pdl_kwargs)
+from .common import (FLOAT, INDEX, INTERPRET, check, check_caches, check_labels, check_rope_tables, fail,
+                     kv_scale_args, num_sms, pdl_enabled, pdl_kwargs)
 from .kv_quant import fp8_constexprs
 
 SILU_BLOCK = 1024
@@ -117,12 +117,10 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
     check(q, "q", 3, FLOAT, dev)
     check(k, "k", 3, (q.dtype,), dev)
     check(v, "v", 3, FLOAT, dev)
-    check(positions, "positions", 1, INDEX, dev)
     check(slots, "slots", 1, INDEX, dev)
-    check(cos, "cos", 2, (torch.float32,), dev)
-    check(sin, "sin", 2, (torch.float32,), dev)
     check_caches(k_cache, v_cache, dev, k_scale, v_scale)
     T, Hq, D = q.shape
+    check_rope_tables("rope_store", positions, cos, sin, D, dev)
     Hkv = k.shape[1]
     if tuple(k.shape) != (T, Hkv, D) or tuple(v.shape) != (T, Hkv, D):
         fail(f"rope_store: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
@@ -132,8 +130,6 @@ def rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slots, label_cach
         fail(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
     if tuple(k_cache.shape[1:]) != (Hkv, D):
         fail(f"k is [T, {Hkv}, {D}] but k_cache is {tuple(k_cache.shape)}")
-    if D % 2 or cos.shape[1] != D // 2 or sin.shape != cos.shape:
-        fail(f"rope_store: cos/sin must be [max_pos, {D // 2}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
     has_label = label_cache is not None
     r = check_labels(label_cache, label_scale, channels, k_cache, dev) if has_label else 1
     is_fp8 = has_label and label_cache.dtype == torch.float8_e4m3fn

@@ -16,7 +16,7 @@ import triton
 
 from ..tuning import DEFAULT_TUNING, KernelTuning
 from ..workspace import DecodeWorkspace
-from .common import (FLOAT, INDEX, INTERPRET, KV_FP8, check, check_decode, check_store_args, fail,
+from .common import (FLOAT, INTERPRET, KV_FP8, check, check_decode, check_rope_tables, check_store_args, fail,
                      kv_scale_args, num_sms, pdl_kwargs)
 from .kv_quant import fp8_constexprs
 from .decode_attn import decode_attn_kernel, merge_kernel
@@ -169,14 +169,10 @@ def rope(positions, q, k, cos, sin):
     dev = q.device
     check(q, "q", 3, FLOAT, dev)
     check(k, "k", 3, (q.dtype,), dev)
-    check(positions, "positions", 1, INDEX, dev)
-    check(cos, "cos", 2, (torch.float32,), dev)
-    check(sin, "sin", 2, (torch.float32,), dev)
     T, Hq, D = q.shape
+    check_rope_tables("rope", positions, cos, sin, D, dev)
     if k.shape[0] != T or k.shape[2] != D or positions.shape[0] != T:
         fail(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)} disagree")
-    if D % 2 or cos.shape[1] != D // 2 or sin.shape != cos.shape:
-        fail(f"rope: cos/sin must be [max_pos, {D // 2}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
     qo = torch.empty(q.shape, dtype=q.dtype, device=dev)
     ko = torch.empty(k.shape, dtype=k.dtype, device=dev)
     if T == 0:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..latent import MLA_PROJ_MAX_TOKENS as MAX_TOKENS
-from .common import FLOAT, INDEX, check, fail
+from .common import FLOAT, check, check_rope_tables, fail
 _BT = 16           # token rows per tile
 _BC = 64           # output columns per program: R = 512 -> 8 programs per head (sm_90: 64 registers,
 _BK = 32           # no spills; 128-wide tiles of per-element pointers took 255 and spilled)
@@ -127,9 +127,6 @@ def mla_absorb(q, kv, positions, cos, sin, w_uk, norm_weight, eps: float, q_scal
     dev = q.device
     check(q, "q", 3, FLOAT, dev)
     check(kv, "kv", 2, (q.dtype,), dev)
-    check(positions, "positions", 1, INDEX, dev)
-    check(cos, "cos", 2, (torch.float32,), dev)
-    check(sin, "sin", 2, (torch.float32,), dev)
     check(w_uk, "w_uk", 3, (q.dtype,), dev)
     check(norm_weight, "norm_weight", 1, FLOAT, dev)
     T, nh, qd = q.shape
@@ -138,8 +135,9 @@ def mla_absorb(q, kv, positions, cos, sin, w_uk, norm_weight, eps: float, q_scal
     if w_uk.shape[0] != nh or dr <= 0 or dr % 2 or tuple(kv.shape) != (T, R + dr) or norm_weight.shape[0] != R:
         fail(f"mla_absorb: q {tuple(q.shape)}, kv {tuple(kv.shape)}, w_uk {tuple(w_uk.shape)}, "
              f"norm_weight {tuple(norm_weight.shape)} disagree")
-    if positions.shape[0] != T or sin.shape != cos.shape or cos.shape[1] != dr // 2 or cos.stride(1) != 1:
-        fail(f"mla_absorb: positions {tuple(positions.shape)}, cos/sin {tuple(cos.shape)} for dr {dr}")
+    check_rope_tables("mla_absorb", positions, cos, sin, dr, dev)
+    if positions.shape[0] != T:
+        fail(f"mla_absorb: positions {tuple(positions.shape)} must be [{T}]")
     if T > MAX_TOKENS:
         fail(f"mla_absorb: {T} tokens; at most {MAX_TOKENS} (larger batches: the batched GEMMs)")
     qo = torch.empty(T, nh, R + dr, dtype=q.dtype, device=dev)
