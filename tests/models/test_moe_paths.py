@@ -28,20 +28,26 @@ def _run(m, tuning, graphs: bool = False):
     return [r["token_ids"] for r in out], logits
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])  # DeepSeek: a shared expert
-def test_triton_expert_paths_match_pytorch(arch):
-    m = tiny_family(arch, max_position_embeddings=512).to(DEVICE)
-    want_tokens, want = _run(m, KernelTuning(fused_moe=False))
-    dec = KernelTuning(fused_moe=True, moe_decode_max_tokens=64)
-    for tuning in (dec,                                                     # the decode path throughout
-                   dec.replace(moe_fuse_shared=False),                      # DeepSeek's shared MLP apart
-                   KernelTuning(fused_moe=True),                            # the grouped GEMM (the default)
-                   KernelTuning(fused_moe=True, fused_moe_routing=False)):  # its routing as device ops
+def _same_as(m, want_tuning: KernelTuning, *tunings: KernelTuning) -> None:
+    """Each of ``tunings`` gives ``want_tuning``'s tokens and logits (float32: summation order only)."""
+    want_tokens, want = _run(m, want_tuning)
+    for tuning in tunings:
         tokens, got = _run(m, tuning)
         assert tokens == want_tokens
         assert len(got) == len(want) > 3
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])  # DeepSeek: a shared expert
+def test_triton_expert_paths_match_pytorch(arch):
+    m = tiny_family(arch, max_position_embeddings=512).to(DEVICE)
+    dec = KernelTuning(fused_moe=True, moe_decode_max_tokens=64)
+    _same_as(m, KernelTuning(fused_moe=False),
+             dec,                                                    # the decode path throughout
+             dec.replace(moe_fuse_shared=False),                     # DeepSeek's shared MLP apart
+             KernelTuning(fused_moe=True),                           # the grouped GEMM (the default)
+             KernelTuning(fused_moe=True, fused_moe_routing=False))  # its routing as device ops
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
@@ -60,11 +66,7 @@ def test_mla_one_launch_steps_match_pytorch():
     interpreter on CPU) give the separate ops' tokens and logits, prefill chunks and decode."""
     m = tiny_family("deepseek_v2", max_position_embeddings=512).to(DEVICE)
     base = KernelTuning(fused_moe=False, fused_mla=False)
-    want_tokens, want = _run(m, base)
-    tokens, got = _run(m, base.replace(fused_mla=True))
-    assert tokens == want_tokens and len(got) == len(want) > 3
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    _same_as(m, base, base.replace(fused_mla=True))
 
 
 def test_qk_norm_in_the_fused_rope_store_matches_pytorch():
@@ -73,8 +75,4 @@ def test_qk_norm_in_the_fused_rope_store_matches_pytorch():
     m = tiny_family("qwen3_moe", max_position_embeddings=512).to(DEVICE)
     assert m.config.qk_norm
     base = KernelTuning(fused_moe=False, fused_rope_store=False)
-    want_tokens, want = _run(m, base)
-    tokens, got = _run(m, base.replace(fused_rope_store=True))
-    assert tokens == want_tokens and len(got) == len(want) > 3
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    _same_as(m, base, base.replace(fused_rope_store=True))
