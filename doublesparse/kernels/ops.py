@@ -294,7 +294,8 @@ def moe_experts(x, w13, w2, weights, ids, shared=None, shared_w13=None, shared_w
     -> [T, H] in x's dtype. On the Triton path steps of at most ``tuning.moe_decode_max_tokens``
     tokens run the decode path (kernels/triton/moe_decode.py: one launch pair, the sum, ``shared``
     and the shared MLP fused), larger ones the grouped GEMM (moe.py) with the shared MLP through
-    :func:`linear` and its output added in the expert sum's launch; both without host syncs. The "torch" path is the float32 reference.
+    :func:`linear` and its output added in the expert sum's launch; both without host syncs. The
+    "torch" path is the float32 reference.
     """
     if _use_triton(x, impl):
         from .triton.moe_decode import decode_fits, moe_decode
@@ -316,7 +317,7 @@ def moe_route(logits, top_k: int, renorm: bool, scale: float = 1.0, impl: str = 
     """An MoE router's greedy top-k: logits [T, E] float -> (weights [T, top_k] float32, ids
     [T, top_k] int64): softmax over E in float32, the top_k largest (descending), divided by their
     sum if ``renorm``, times ``scale``. Triton: one launch (kernels/triton/moe_route.py); PyTorch:
-    the device ops models/moe.py's ``route`` runs on the CPU (ties broken as torch.topk breaks them)."""
+    the device ops, the CPU path of models/moe.py's ``route`` (ties broken as torch.topk breaks them)."""
     if _use_triton(logits, impl):
         from .triton.moe_route import ROUTE_MAX_EXPERTS, route_topk
         if logits.shape[-1] <= ROUTE_MAX_EXPERTS:  # (more experts than one program holds: the ops)

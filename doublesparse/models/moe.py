@@ -32,18 +32,17 @@ def route(logits: torch.Tensor, moe: MoEConfig, impl: str | None = None) -> tupl
 
     Softmax over all experts in float32; group-limited routing masks every expert outside the
     ``topk_groups`` groups whose best expert scores highest; then top-k, optionally renormalised,
-    times ``routed_scaling_factor``. Device ops only (no host sync). ``impl`` (``fused_impl``'s):
-    plain greedy top-k through ``ops.moe_route``, one launch on the Triton path."""
-    grouped = moe.topk_method == "group_limited_greedy" and moe.num_groups > 1
-    if impl is not None and not grouped:
-        return ops.moe_route(logits, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor, impl=impl)
+    times ``routed_scaling_factor``. Device ops only (no host sync). Plain greedy top-k is
+    ``ops.moe_route`` with ``impl`` (``fused_impl``'s; None: the PyTorch ops), one launch on the
+    Triton path."""
+    if not (moe.topk_method == "group_limited_greedy" and moe.num_groups > 1):
+        return ops.moe_route(logits, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor, impl=impl or "torch")
     probs = logits.float().softmax(dim=-1)
-    if grouped:
-        T, E, G = probs.shape[0], probs.shape[1], moe.num_groups
-        best = probs.view(T, G, E // G).amax(dim=-1)                          # [T, G]
-        keep = torch.zeros_like(best, dtype=torch.bool)
-        keep.scatter_(1, best.topk(moe.topk_groups, dim=-1).indices, True)
-        probs = probs.masked_fill(~keep.repeat_interleave(E // G, dim=1), 0.0)
+    T, E, G = probs.shape[0], probs.shape[1], moe.num_groups
+    best = probs.view(T, G, E // G).amax(dim=-1)                          # [T, G]
+    keep = torch.zeros_like(best, dtype=torch.bool)
+    keep.scatter_(1, best.topk(moe.topk_groups, dim=-1).indices, True)
+    probs = probs.masked_fill(~keep.repeat_interleave(E // G, dim=1), 0.0)
     weights, ids = probs.topk(moe.top_k, dim=-1)
     if moe.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
