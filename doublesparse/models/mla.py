@@ -105,6 +105,12 @@ class MLAAttention(nn.Module):
         # the backends scale scores by latent_dim ** -0.5; MLA wants softmax_scale
         self.q_scale = m.softmax_scale * math.sqrt(m.latent_dim)
 
+    @staticmethod
+    def _one_launch(x: torch.Tensor, tuning) -> str | None:
+        """The ``ops`` impl of the one-launch steps around attention (``tuning.fused_mla``) for a
+        step of x's tokens, or None: the separate ops (prefill chunks beyond MLA_PROJ_MAX_TOKENS)."""
+        return fused_impl(tuning.fused_mla, x) if x.shape[0] <= MLA_PROJ_MAX_TOKENS else None
+
     def absorbed_query(self, x: torch.Tensor, positions: torch.Tensor, rope, tuning, decode: bool = False):
         """x: [T, H] -> (q [T, heads, latent_dim] pre-scaled, latent [T, 1, latent_dim]), model dtype."""
         T, m, nh = x.shape[0], self.mla, self.num_heads
@@ -113,8 +119,8 @@ class MLAAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x, tuning, decode), tuning=tuning), tuning, decode)
         kv = self.kv_a_proj(x, tuning, decode)
-        impl = fused_impl(tuning.fused_mla, x)
-        if impl is not None and T <= MLA_PROJ_MAX_TOKENS:  # one launch for all that follows
+        impl = self._one_launch(x, tuning)
+        if impl is not None:  # one launch for all that follows
             w_uk = self.kv_b_proj.weight.view(nh, -1, m.kv_lora_rank)[:, :m.qk_nope_head_dim]
             return ops.mla_absorb(q.view(T, nh, m.qk_head_dim), kv, positions, rope.cos, rope.sin, w_uk,
                                   self.kv_a_norm.weight, self.kv_a_norm.eps, self.q_scale, impl=impl)
@@ -135,8 +141,8 @@ class MLAAttention(nn.Module):
         q, latent = self.absorbed_query(x, positions, rope, tuning, decode)
         out = batch.attn.forward(self.layer_id, q, latent, latent, batch)                   # [T, nh, 576]
         w_uv = self.kv_b_proj.weight.view(nh, -1, m.kv_lora_rank)[:, m.qk_nope_head_dim:]  # [nh, dv, R]
-        impl = fused_impl(tuning.fused_mla, x)
-        if impl is not None and T <= MLA_PROJ_MAX_TOKENS:
+        impl = self._one_launch(x, tuning)
+        if impl is not None:
             return self.o_proj(ops.mla_unabsorb(out, w_uv, impl=impl), tuning, decode)
         o = torch.bmm(out[..., :m.kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2))      # [nh, T, dv]
         return self.o_proj(o.transpose(0, 1).reshape(T, nh * m.v_head_dim), tuning, decode)
