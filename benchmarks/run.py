@@ -1061,9 +1061,9 @@ def suite_commands(name: str, raw: Path | None = None) -> list[dict]:
     return expand(SUITES[name], raw or Path("RAW"))
 
 
-def write_result(results: dict, prev: dict | None, meta: dict, plots: bool) -> Path:
+def write_result(results: dict, prev: dict | None, meta: dict, plots: bool) -> None:
     """Write ``{out}/{stem}.json`` and ``.md`` from the rows run (merged over ``prev``, the file a
-    ``--merge`` run found) -> the JSON's path. ``plots``: draw the area's figure too (the last write)."""
+    ``--merge`` run found). ``plots``: draw the area's figure too (the last write)."""
     commands, commit, date, machine = meta["commands"], meta["commit"], meta["date"], meta["machine"]
     row_commits = {name: commit for name in results}
     if prev is not None:
@@ -1097,7 +1097,6 @@ def write_result(results: dict, prev: dict | None, meta: dict, plots: bool) -> P
     (out / f"{stem}.md").write_text(markdown(doc))
     if plots:
         print(f"[run] wrote {out / stem}.json and .md")
-    return out / f"{stem}.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1153,7 +1152,8 @@ def main(argv: list[str] | None = None) -> int:
         if r["server"] and r["server"] not in commands:
             commands.append(r["server"])
         commands.append(r["cmd"])
-    prev = json.loads((a.out / f"{stem}.json").read_text()) if a.merge and (a.out / f"{stem}.json").is_file() else None
+    old = a.out / f"{stem}.json"
+    prev = json.loads(old.read_text()) if a.merge and old.is_file() else None
     meta = dict(suite=a.suite, area=suite["area"], commands=commands, commit=commit, machine=machine, date=date,
                 started=started, out=a.out, stem=stem)
     # after each row, the file so far (the rows not ended yet say so), then once more with the plots
