@@ -349,22 +349,18 @@ def moe_route_ref(logits, top_k: int, renorm: bool, scale: float = 1.0):
 def mla_absorb_ref(q, kv, positions, cos, sin, w_uk, norm_weight, eps: float, q_scale: float):
     """MLA's absorbed query and latent row in float32, rounded once: q [T, nh, dn + dr], kv
     [T, R + dr] (RoPE pairs interleaved), w_uk [nh, dn, R] -> (``[q_nope W_UK | rope(q_rope)] *
-    q_scale`` [T, nh, R + dr], ``[rmsnorm(c_kv) | rope(k_rope)]`` [T, 1, R + dr]), rope over the
-    pairs reordered to rotate-half."""
+    q_scale`` [T, nh, R + dr], ``[rmsnorm(c_kv) | rope(k_rope)]`` [T, 1, R + dr]), :func:`rope_ref`
+    over the pairs reordered to rotate-half."""
     dn, R = w_uk.shape[1], w_uk.shape[2]
 
-    def pairs_rope(x):  # [T, H, dr] interleaved -> rotate-half RoPE in float32
-        x = x.float().unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-        c, s = cos[positions.long()].unsqueeze(1), sin[positions.long()].unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    def pairs(x):  # interleaved pairs (2i, 2i + 1) -> rotate-half order (i, i + dr / 2)
+        return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
     q_lat = torch.einsum("thd,hdr->thr", q[..., :dn].float(), w_uk.float())
-    qo = (torch.cat([q_lat, pairs_rope(q[..., dn:])], dim=-1) * q_scale).to(q.dtype)
-    c = kv[:, :R].float()
-    c = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
-    lat = torch.cat([c[:, None], pairs_rope(kv[:, None, R:])], dim=-1).to(q.dtype)
-    return qo, lat
+    q_rope = rope_ref(positions, pairs(q[..., dn:].float()), cos, sin)          # float32 in and out
+    qo = (torch.cat([q_lat, q_rope], dim=-1) * q_scale).to(q.dtype)
+    k_rope = rope_ref(positions, pairs(kv[:, None, R:]), cos, sin)            # rounded to kv's dtype
+    return qo, torch.cat([rmsnorm_ref(kv[:, :R], norm_weight, eps)[:, None], k_rope], dim=-1)
 
 
 def mla_unabsorb_ref(out, w_uv):
