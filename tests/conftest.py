@@ -57,6 +57,20 @@ _PER_TEST_SCOPES = ("function", "class")  # every wider scope is built once and 
 _FIRST = "tests/server/"  # tests that start servers: the longest waits, scheduled before the rest
 
 
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """``torch.empty`` fills what it returns with a sentinel while the test runs (NaN for floating
+    dtypes, -7 for the rest), so a launcher's outputs must be written whole to pass."""
+    full = torch.full
+
+    def empty(*shape, dtype=None, **kw):
+        dtype = dtype or torch.get_default_dtype()
+        size = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        return full(size, float("nan") if dtype.is_floating_point else -7, dtype=dtype, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
 def _module_fixtures(item, module: str) -> list[str]:
     """Names of the module-scoped fixtures defined in ``module`` that ``item`` uses."""
     info = getattr(item, "_fixtureinfo", None)

@@ -62,11 +62,9 @@ def test_fused_experts_matches_torch():
 @pytest.mark.parametrize(("T", "E", "K", "skew"), [(1, 128, 8, 0.0), (4, 128, 8, 0.0), (23, 5, 3, 3.0), (3, 7, 2, 0.0),
                                                    (64, 128, 8, 5.0), (5, 256, 8, 0.0), (40, 3, 2, 9.0),
                                                    (128, 8, 8, 0.0), (1, 1, 1, 0.0)])   # 1024 assignments: the bound
-def test_align_blocks_in_one_launch_equals_the_device_ops(T, E, K, skew, monkeypatch):
+def test_align_blocks_in_one_launch_equals_the_device_ops(T, E, K, skew, poison_empty):
     """The one-launch layout is align_blocks' bit for bit (rows in the same stable order, the same
     padding, the same block experts), on poisoned outputs, int64 and int32 ids."""
-    from doublesparse.kernels.triton import moe
-    monkeypatch.setattr(moe.torch, "empty", lambda *a, **kw: torch.full(a, -7, **kw))  # poison
     g = torch.Generator().manual_seed(T * E)
     logits = torch.randn(T, E, generator=g)
     logits[:, 0] += skew  # skewed: one expert over several blocks
@@ -88,12 +86,10 @@ def test_align_blocks_in_one_launch_refuses_prefill_sizes():
 @pytest.mark.parametrize(("T", "E", "K", "renorm", "scale"), [(1, 128, 8, True, 1.0), (5, 64, 6, False, 1.0),
                                                              (37, 5, 3, True, 2.5), (3, 160, 1, False, 16.0),
                                                              (2, 7, 7, True, 1.0), (3, 1, 1, True, 1.0)])
-def test_route_in_one_launch_matches_the_reference(T, E, K, renorm, scale, monkeypatch):
+def test_route_in_one_launch_matches_the_reference(T, E, K, renorm, scale, poison_empty):
     """The one-launch router (softmax, top-k, renormalise, scale) against the token-by-token
     reference and the PyTorch ops, logits in bf16 and float32, on poisoned outputs."""
     from doublesparse.kernels import ops, reference
-    from doublesparse.kernels.triton import moe_route
-    monkeypatch.setattr(moe_route.torch, "empty", lambda *a, **kw: torch.full(a, -7, **kw))  # poison
     g = torch.Generator().manual_seed(T + E)
     for dtype in (torch.float32, torch.bfloat16):
         logits = (torch.randn(T, E, generator=g) * 3).to(dtype)
